@@ -1,0 +1,35 @@
+"""Algorithm registry, like timm's model registry: `@register` on a class, `create(name)`, `list_algorithms()`.
+
+Every algorithm is a subclass of `base.FedAvg` that overrides only the hooks where it differs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from ..errors import UserError, suggest
+
+_ALGOS: dict[str, type] = {}
+
+
+def register(cls):
+    _ALGOS[cls.name] = cls
+    return cls
+
+
+def _import_all() -> None:
+    for mod in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{mod.name}")
+
+
+def list_algorithms() -> dict[str, type]:
+    _import_all()
+    return dict(sorted(_ALGOS.items()))
+
+
+def create(name: str):
+    _import_all()
+    if name not in _ALGOS:
+        raise UserError(f"unknown algorithm {name!r}{suggest(name, _ALGOS)}: see `featcache algos`")
+    return _ALGOS[name]()

@@ -1,0 +1,103 @@
+"""FedAvg (McMahan et al., 2017) and the hooks every other algorithm overrides.
+
+The model on top of the frozen backbones is the FedPCL baselines' head (fedpcl.md §5.1): a projection layer
+FC(D, proj_dim) + ReLU (+ BN with bn=True) followed by a classifier FC(proj_dim, K).
+
+Hooks, in the order the engine calls them each round:
+    context(state, engine)           per-model tensors the local loss and inference need, leading [H, C]
+    local_loss(params, buffers, x, y, mask, ctx) -> (loss, new_buffers)   ONE client's minibatch loss (vmapped)
+    after_local(state, engine)       e.g. compute prototypes on the client's data
+    upload(state, engine)            what each client sends: name -> [H, C, ...]
+    aggregate(uploads, weights, state, engine) -> server state, name -> [H, ...]
+    download(state, server, part, engine)    what clients take from the server
+    predict(params, buffers, x, ctx) -> scores [N, K]       ONE client's inference (vmapped)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..engine import expand_hc
+from ..heads import linear, mlp, mlp_init
+from . import register
+
+
+def masked_mean(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of v [B] over rows where mask [B] is True (0 when there are none)."""
+    m = mask.float()
+    return (v * m).sum() / m.sum().clamp(min=1)
+
+
+def one_hot(y: torch.Tensor, K: int) -> torch.Tensor:
+    """[N] -> [N, K] bool (vmap-safe, unlike F.one_hot); padding labels (-1) give all-False rows."""
+    return y[..., None] == torch.arange(K, device=y.device)
+
+
+def masked_ce(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return masked_mean(F.cross_entropy(logits, y.clamp(min=0), reduction="none"), mask)
+
+
+def weighted_mean(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Average [H, C, ...] over clients with weights [H, C] -> [H, ...] (FedAvg's n_k / n)."""
+    w = w / w.sum(1, keepdim=True).clamp(min=1e-12)
+    return (v * w.reshape(*w.shape, *[1] * (v.dim() - 2))).sum(1)
+
+
+@register
+class FedAvg:
+    name = "fedavg"
+    paper = "McMahan et al., AISTATS 2017 (fedpcl.md Table 2 baseline)"
+    uploads = "all head parameters"
+    defaults: dict = {"proj_dim": 256, "bn": False}
+    structural: tuple = ()  # float hyperparameters that cannot vary inside one batched run
+
+    # -- model ------------------------------------------------------------------------------------------------
+    def init(self, cfg: dict, d_in: int, num_classes: int, gen: torch.Generator):
+        params, buffers = mlp_init([d_in, cfg["proj_dim"]], gen, prefix="proj", bn=False)
+        if cfg["bn"]:
+            from ..heads import bn_init
+
+            bn_init(params, buffers, "proj0.bn", cfg["proj_dim"])
+        head, _ = mlp_init([cfg["proj_dim"], num_classes], gen, prefix="cls")
+        return params | head, buffers
+
+    def embed(self, params, buffers, x, mask=None, train=False):
+        """Projection network output z [N, proj_dim] and updated BN statistics."""
+        return mlp(params, buffers, x, 1, prefix="proj", mask=mask, train=train, final_relu=True)
+
+    def logits(self, params, z):
+        return linear(params, "cls0", z)  # [N, K]
+
+    # -- client -----------------------------------------------------------------------------------------------
+    def context(self, state, engine) -> dict:
+        return {"hp": {k: expand_hc(v, engine.C) for k, v in state.hp.items()}}
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        z, new_buffers = self.embed(params, buffers, x, mask, train=True)
+        return masked_ce(self.logits(params, z), y, mask), new_buffers
+
+    def predict(self, params, buffers, x, ctx):
+        z, _ = self.embed(params, buffers, x)
+        return self.logits(params, z)
+
+    def init_state(self, state, engine) -> None:
+        pass
+
+    def after_local(self, state, engine) -> None:
+        pass
+
+    # -- server -----------------------------------------------------------------------------------------------
+    def shared(self, name: str) -> bool:
+        """Which parameters are uploaded and averaged."""
+        return True
+
+    def upload(self, state, engine) -> dict:
+        return {k: v for k, v in state.params.items() if self.shared(k)}
+
+    def aggregate(self, uploads: dict, weights: torch.Tensor, state, engine) -> dict:
+        return {k: weighted_mean(v, weights) for k, v in uploads.items()}
+
+    def download(self, state, server: dict, part: torch.Tensor, engine) -> None:
+        for k, v in server.items():
+            state.params[k] = expand_hc(v, engine.C).clone()

@@ -1,0 +1,127 @@
+"""FedPCL (Tan et al., NeurIPS 2022; fedpcl.md §4, eq. 5–10, Alg. 1): prototype-wise contrastive learning.
+
+Differences from FedAvg: the head is only the projection network FC(D, 256) + ReLU + BN (Table 7, no classifier);
+nothing parametric is uploaded, only the local prototypes (eq. 5) and their class counts; the server builds global
+prototypes (eq. 6) and pads every local set (eq. 7); the local loss is L_g + L_p (eq. 8–10, τ = 0.07); inference is the
+nearest local prototype by inner product. Before round 1 the prototypes of the initial networks are exchanged once
+(Alg. 1 line 1, "initialize prototype sets").
+
+`fedpcl-official` matches the released code (DESIGN.md §3): no BN, L2-normalised z, only the local-prototype term.
+Ablations: terms=global|local (Table 6); loss=supcon (Table 5). Table 5's other rows, "Cross Entropy" and
+"CE + ProtoDist", are FedAvg and FedProto: the paper's numbers for them equal those in Table 11.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..engine import expand_hc
+from . import register
+from .base import FedAvg, masked_mean, one_hot
+from .protos import global_prototypes, local_prototypes, pad_prototypes, privatize
+
+
+def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Tensor:
+    """Eq. 8 per sample: -log exp(z·C^y/τ) / Σ_{a≠y} exp(z·C^a/τ), protos [K, d] -> [N]."""
+    s = z @ protos.T / tau  # [N, K]
+    pos = one_hot(y, protos.shape[0])  # [N, K]
+    return -(s * pos).sum(-1) + s.masked_fill(pos, float("-inf")).logsumexp(-1)
+
+
+def supcon(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, tau) -> torch.Tensor:
+    """Supervised contrastive loss (Khosla et al. 2020) over one batch's embeddings, one view: [N]."""
+    zn = F.normalize(z, dim=-1)
+    s = zn @ zn.T / tau  # [N, N]
+    eye = torch.eye(len(z), dtype=torch.bool)
+    valid = mask[None, :] & ~eye  # [N, N]
+    pos = (y[:, None] == y[None, :]) & valid
+    log_prob = s - s.masked_fill(~valid, float("-inf")).logsumexp(-1, keepdim=True)
+    n_pos = pos.float().sum(-1)
+    return -(log_prob * pos).sum(-1) / n_pos.clamp(min=1) * (n_pos > 0)
+
+
+@register
+class FedPCL(FedAvg):
+    name = "fedpcl"
+    paper = "Tan et al., NeurIPS 2022 — fedpcl.md §4 eq. 5–10, Alg. 1"
+    uploads = "local prototypes [K, proj_dim] + class counts [K]"
+    defaults = {"proj_dim": 256, "bn": True, "normalize": False, "tau": 0.07, "terms": "both", "loss": "pcl",
+                "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1}
+    structural = ("proto_noise_scale", "proto_noise_p")
+
+    def init(self, cfg, d_in, num_classes, gen):
+        params, buffers = super().init(cfg, d_in, num_classes, gen)
+        return {k: v for k, v in params.items() if not k.startswith("cls")}, buffers  # no classifier
+
+    def embed(self, params, buffers, x, mask=None, train=False):
+        z, new = super().embed(params, buffers, x, mask, train)
+        return (F.normalize(z, dim=-1) if self.cfg["normalize"] else z), new
+
+    def shared(self, name):
+        return False
+
+    # -- prototypes ---------------------------------------------------------------------------------------------
+    def init_state(self, state, engine):
+        self.after_local(state, engine)
+        weights = engine.train.counts[None].float().expand(engine.H, -1)
+        state.server = self.aggregate(self.upload(state, engine), weights, state, engine)
+
+    def after_local(self, state, engine):
+        state.client["protos"], state.client["counts"] = local_prototypes(self, state, engine.train)
+
+    def upload(self, state, engine):
+        c = self.cfg
+        protos = privatize(state.client["protos"], c["proto_noise"], c["proto_noise_scale"], c["proto_noise_p"],
+                           engine.seeds, engine.round)
+        return {"protos": protos, "counts": state.client["counts"]}
+
+    def aggregate(self, uploads, weights, state, engine):
+        part = (weights > 0)[..., None]  # [H, C, 1]
+        counts = uploads["counts"] * part  # [H, C, K]
+        glob = global_prototypes(uploads["protos"], counts)  # [H, K, d]
+        padded = pad_prototypes(uploads["protos"], counts, glob)  # [H, C, K, d]
+        if "locals" in state.server:  # clients that sat this round out keep their last prototypes
+            padded = torch.where(part[..., None], padded, state.server["locals"])
+        return {"global": glob, "locals": padded}
+
+    def download(self, state, server, part, engine):
+        state.server = server
+
+    # -- client ---------------------------------------------------------------------------------------------------
+    def context(self, state, engine):
+        ctx = super().context(state, engine)
+        C = engine.C
+        ctx["global"] = expand_hc(state.server["global"], C)  # [H, C, K, d]
+        ctx["locals"] = expand_hc(state.server["locals"], C)  # [H, C, C, K, d]  every client's padded set
+        ctx["own"] = state.client["protos"]  # [H, C, K, d]  for inference
+        ctx["own_counts"] = state.client["counts"]  # [H, C, K]
+        return ctx
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        z, new_buffers = self.embed(params, buffers, x, mask, train=True)
+        return masked_mean(LOSSES[self.cfg["loss"]](self, params, z, y, mask, ctx), mask), new_buffers
+
+    def pcl(self, params, z, y, mask, ctx):
+        tau, terms = ctx["hp"]["tau"], self.cfg["terms"]
+        l_g = proto_contrast(z, y, ctx["global"], tau)  # eq. 8
+        l_p = torch.stack([proto_contrast(z, y, p, tau) for p in ctx["locals"].unbind(0)]).mean(0)  # eq. 9
+        return {"both": l_g + l_p, "global": l_g, "local": l_p}[terms]  # eq. 10
+
+    def predict(self, params, buffers, x, ctx):
+        z, _ = self.embed(params, buffers, x)
+        scores = z @ ctx["own"].T  # [N, K] similarity to the client's own local prototypes
+        return scores.masked_fill(ctx["own_counts"] == 0, float("-inf"))
+
+
+LOSSES = {
+    "pcl": FedPCL.pcl,
+    "supcon": lambda self, params, z, y, mask, ctx: supcon(z, y, mask, ctx["hp"]["tau"]),
+}
+
+
+@register
+class FedPCLOfficial(FedPCL):
+    name = "fedpcl-official"
+    paper = "FedPCL released code (yuetan031/FedPCL), DESIGN.md §3"
+    defaults = FedPCL.defaults | {"bn": False, "normalize": True, "terms": "local"}

@@ -1,0 +1,69 @@
+"""Prototype helpers shared by the prototype methods (FedPCL, FedProto, FedProc): class means, eq. 6 aggregation,
+eq. 7 padding, and the privacy noise on uploaded prototypes (fedpcl.md App. A.2.4)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine import map_models
+from .base import one_hot
+
+
+def class_means(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 5 for one client: prototypes [K, d] (zero for absent classes) and class counts [K]."""
+    onehot = (one_hot(y, K) & mask[:, None]).float()  # [N, K]
+    counts = onehot.sum(0)  # [K]
+    return onehot.T @ z / counts.clamp(min=1)[:, None], counts
+
+
+def local_prototypes(algo, state, data) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every model's prototypes of its own training data in eval mode: ([H, C, K, d], counts [H, C, K])."""
+    K = data.num_classes
+
+    def one(params, buffers, x, y, mask):
+        z, _ = algo.embed(params, buffers, x)
+        return class_means(z, y, mask, K)
+
+    return map_models(one, (state.params, state.buffers), (data.features, data.labels, data.mask))
+
+
+def global_prototypes(protos: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Eq. 6: C̄_j = 1/|N_j| Σ_{i∈N_j} |D_ij|/N_j · C_i^j, from [H, C, K, d] and counts [H, C, K] -> [H, K, d]."""
+    owners = (counts > 0).float().sum(1).clamp(min=1)  # [H, K]  |N_j|
+    n_j = counts.sum(1).clamp(min=1)  # [H, K]  N_j
+    return (counts[..., None] * protos).sum(1) / (n_j * owners)[..., None]
+
+
+def mean_prototypes(protos: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Unweighted mean over the clients that own each class (FedProto's aggregation): [H, K, d]."""
+    own = (counts > 0).float()  # [H, C, K]
+    return (own[..., None] * protos).sum(1) / own.sum(1).clamp(min=1)[..., None]
+
+
+def pad_prototypes(protos: torch.Tensor, counts: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+    """Eq. 7: a client's missing class j takes the global prototype C̄_j: [H, C, K, d]."""
+    return torch.where(counts[..., None] > 0, protos, glob[:, None])
+
+
+def _laplace(shape, scale: float, gen: torch.Generator) -> torch.Tensor:
+    u = torch.rand(shape, generator=gen) - 0.5
+    return -scale * torch.sign(u) * torch.log1p(-2 * u.abs())
+
+
+_NOISE = {
+    "laplace": _laplace,
+    "gaussian": lambda shape, scale, gen: scale * torch.randn(shape, generator=gen),
+}
+
+
+def privatize(protos: torch.Tensor, kind: str, scale: float, p: float, seeds: torch.Tensor, rnd: int) -> torch.Tensor:
+    """C~ = (1 - p) C + e, e ~ Laplace/Gaussian(0, s) per entry, seeded by (seed, round) (fedpcl.md Table 15)."""
+    if kind == "none":
+        return protos
+    if kind not in _NOISE:
+        from ..errors import UserError
+
+        raise UserError(f"proto_noise must be none, laplace or gaussian (got {kind!r})")
+    gens = [torch.Generator().manual_seed(int(s) * 100_003 + rnd) for s in seeds]  # same seed, same noise
+    noise = torch.stack([_NOISE[kind](protos.shape[1:], scale, g) for g in gens])  # [H, C, K, d]
+    return (1 - p) * protos + noise.to(protos)

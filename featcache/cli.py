@@ -1,0 +1,140 @@
+"""The `featcache` command: a thin typer layer over the library; the only module that imports rich.
+
+Every command is one library call with the same argument names. A `UserError` becomes one red line on stderr and
+exit code 2; `--json` prints one JSON object on stdout and nothing else there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run frozen backbones once, cache embeddings in HDF5, train federated heads on them.")
+out = Console()
+err = Console(stderr=True)
+
+
+@contextmanager
+def progress_bar(enabled: bool = True):
+    """Yield a `(label, done, total)` callback that drives one rich bar per label (on stderr)."""
+    if not enabled:
+        yield None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done, total=total)
+
+        yield update
+
+
+def _emit(result: dict, as_json: bool, table: Table | None = None) -> None:
+    if as_json:
+        print(json.dumps(result, sort_keys=True))
+    elif table is not None:
+        out.print(table)
+
+
+@app.command()
+def extract(
+    dataset: str = typer.Option("offline-digits", help="dataset name (see `featcache datasets`)"),
+    backbone: list[str] = typer.Option(["efficientnet_lite0"], help="timm name, NAME=CHECKPOINT or NAME=random; repeat for several"),
+    partition: str = typer.Option("feature", help="feature | label | feature-label | pathological | iid"),
+    clients: Optional[int] = typer.Option(None, help="number of clients (default: one per domain / 5)"),
+    alpha: float = typer.Option(0.5, help="Dirichlet concentration for label skew"),
+    per_class: Optional[int] = typer.Option(None, help="train images per class per client (FedPCL: 10)"),
+    test_per_class: Optional[int] = typer.Option(None, help="test images per class per client (FedPCL: 200)"),
+    classes_per_client: int = typer.Option(2, help="classes per client for the pathological partition"),
+    domain: Optional[list[str]] = typer.Option(None, help="use only these domains (repeat)"),
+    val_fraction: float = typer.Option(0.2, help="share of train held out for validation (grid search)"),
+    image_size: Optional[int] = typer.Option(None, help="input size override (FedPCL: 64 for ResNet18)"),
+    views: int = typer.Option(0, help="augmented views per training image (FedPCL two-crop, FedPFT+Con)"),
+    noise: Optional[str] = typer.Option(None, help="image noise: laplace or gaussian (FedPCL A.2.4)"),
+    noise_scale: float = typer.Option(0.2, help="noise scale s"),
+    noise_p: float = typer.Option(0.1, help="perturbation coefficient p: x~ = (1-p) x + e"),
+    seed: int = typer.Option(0, help="seed of partition, views and noise"),
+    data_root: Optional[Path] = typer.Option(None, help="folder holding the dataset"),
+    download: bool = typer.Option(False, help="let torchvision datasets download (online users)"),
+    out_dir: Path = typer.Option(Path("cache"), "--out", help="folder for caches"),
+    batch_size: int = typer.Option(64, help="images per forward pass"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Run each frozen backbone once over every client's images and write the embeddings to an HDF5 cache."""
+    from .extract import Noise, extract as run
+
+    with progress_bar(not as_json) as progress:
+        result = run(
+            dataset=dataset, backbone=backbone, partition=partition, clients=clients, alpha=alpha,
+            per_class=per_class, test_per_class=test_per_class, classes_per_client=classes_per_client,
+            domains=domain, val_fraction=val_fraction, image_size=image_size, views=views,
+            noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
+            download=download, out=out_dir, batch_size=batch_size, device=device, progress=progress,
+        )
+    table = Table(title="featcache extract")
+    for k in ("cache", "cache_hit", "images", "backbones", "seconds"):
+        table.add_row(k, str(result[k]))
+    table.show_header = False
+    _emit(result, as_json, table)
+
+
+@app.command()
+def info(cache: Path = typer.Argument(..., help="cache file"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show a cache's metadata and per-client counts."""
+    from .cache import info as read
+
+    meta = read(cache)
+    if as_json:
+        _emit(meta, True)
+        return
+    head = Table(title=str(cache), show_header=False)
+    for k in ("dataset", "backbones", "classes", "domains", "partition", "views", "images", "bytes", "created", "key"):
+        head.add_row(k, json.dumps(meta.get(k)))
+    for k, b in meta["backbone_info"].items():
+        head.add_row(f"backbone {k}", f"{b['name']} dim={b['dim']} weights={b['weights']} sha256={b['weights_sha256'][:12]}")
+    out.print(head)
+    counts = Table(title="clients")
+    for col in ("client", "domain", "train", "val", "test"):
+        counts.add_column(col)
+    for c in meta["counts"]:
+        counts.add_row(*(str(c[col]) for col in ("client", "domain", "train", "val", "test")))
+    out.print(counts)
+
+
+@app.command()
+def datasets() -> None:
+    """List the dataset readers and the layout each expects."""
+    from .datasets import list_datasets
+
+    table = Table("dataset", "expected layout")
+    for name, layout in sorted(list_datasets().items()):
+        table.add_row(name, layout)
+    out.print(table)
+
+
+def main() -> None:
+    """Console entry point: user errors are one line and exit code 2, never a traceback."""
+    try:
+        app()
+    except UserError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

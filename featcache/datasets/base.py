@@ -1,0 +1,97 @@
+"""What every dataset reader returns: labelled image sets per domain and split, with a content fingerprint.
+
+A reader never decodes all images up front: an `ImageSet` hands out one RGB `PIL.Image` at a time, so extraction
+streams with flat memory. The fingerprint covers everything that determines the pixels (array bytes, or file paths
+with sizes and modification times), so a changed file gives a new cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+class ImageSet:
+    """A labelled, indexable set of images. Subclasses implement `image(i)` and `fingerprint()`."""
+
+    labels: np.ndarray  # [N] int64
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def image(self, i: int) -> Image.Image:  # RGB
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+
+class ArrayImages(ImageSet):
+    """Images held in a uint8 array [N, H, W] (grey) or [N, H, W, 3] (RGB)."""
+
+    def __init__(self, images: np.ndarray, labels) -> None:
+        images = np.asarray(images)
+        if images.dtype != np.uint8 or images.ndim not in (3, 4):
+            raise ValueError(f"expected uint8 images [N,H,W] or [N,H,W,3], got {images.dtype} {images.shape}")
+        self.images = images
+        self.labels = np.asarray(labels, dtype=np.int64)
+        if len(self.images) != len(self.labels):
+            raise ValueError(f"{len(self.images)} images but {len(self.labels)} labels")
+
+    def image(self, i: int) -> Image.Image:
+        return Image.fromarray(self.images[i]).convert("RGB")
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(str(self.images.shape).encode())
+        h.update(np.ascontiguousarray(self.images).tobytes())
+        h.update(self.labels.tobytes())
+        return h.hexdigest()
+
+
+class PathImages(ImageSet):
+    """Images read from files on disk (any format PIL opens); grey, palette, RGBA and 16-bit become RGB."""
+
+    def __init__(self, paths, labels) -> None:
+        self.paths = [Path(p) for p in paths]
+        self.labels = np.asarray(labels, dtype=np.int64)
+        if len(self.paths) != len(self.labels):
+            raise ValueError(f"{len(self.paths)} paths but {len(self.labels)} labels")
+
+    def image(self, i: int) -> Image.Image:
+        with Image.open(self.paths[i]) as im:
+            if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+                arr = np.asarray(im, dtype=np.float64)
+                arr = (255.0 * arr / max(arr.max(), 1.0)).astype(np.uint8)
+                return Image.fromarray(arr).convert("RGB")
+            return im.convert("RGB")
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for p, y in zip(self.paths, self.labels):
+            st = os.stat(p)
+            h.update(f"{p.as_posix()}|{st.st_size}|{st.st_mtime_ns}|{int(y)}\n".encode())
+        return h.hexdigest()
+
+
+@dataclass
+class Dataset:
+    """Domains -> splits ('train', 'test') -> ImageSet, plus class names shared by all domains."""
+
+    name: str
+    classes: list[str]
+    domains: dict[str, dict[str, ImageSet]]
+    source: str = ""  # where the data came from, for provenance
+    extra: dict = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(f"{self.name}|{self.classes}".encode())
+        for d in sorted(self.domains):
+            for s in sorted(self.domains[d]):
+                h.update(f"{d}/{s}:{self.domains[d][s].fingerprint()}\n".encode())
+        return h.hexdigest()
