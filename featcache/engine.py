@@ -139,10 +139,12 @@ class Engine:
         n_eff = data.counts // B * B if cfg["drop_last"] else data.counts  # [C]
         steps = int(((n_eff + B - 1) // B).max())
         opt = OPTIMIZERS[cfg["optimizer"]](state.params, lr=self.hp["lr"], weight_decay=self.hp["weight_decay"],
-                                            momentum=self.hp.get("momentum"))
+                                            momentum=self.hp.get("momentum"),
+                                            scale={k: algo.lr_scale(k) for k in state.params})
         step_fn = vmap(vmap(grad_and_value(algo.local_loss, has_aux=True)))
         c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1]
-        for epoch in range(cfg["local_epochs"]):
+        for epoch in range(algo.local_epochs()):
+            frozen = {k for k in state.params if not algo.trainable(k, epoch)}
             order = batch_order(self.seeds, rnd, epoch, data.counts.cpu(), data.features.shape[1]).to(self.device)
             for s in range(steps):
                 idx = order[..., s * B : (s + 1) * B]  # [H, C, B]
@@ -157,7 +159,7 @@ class Engine:
                 if not torch.isfinite(loss[active]).all():
                     raise UserError(f"{algo.name}: loss became NaN/Inf in round {rnd + 1}: lower --set lr=... "
                                     "or check the cache with `featcache info`")
-                state.params = opt.step(state.params, grads, active)
+                state.params = opt.step(state.params, grads, active, frozen)
                 for k, v in new_buffers.items():
                     state.buffers[k] = torch.where(active.reshape(*active.shape, *[1] * (v.dim() - 2)), v,
                                                    state.buffers[k])

@@ -12,8 +12,9 @@ import torch
 
 from featcache.engine import Engine, batch_order, participation
 
-OPT = {"adam": lambda ps, c: torch.optim.Adam(ps, lr=c["lr"], weight_decay=c["weight_decay"]),
-       "sgd": lambda ps, c: torch.optim.SGD(ps, lr=c["lr"], weight_decay=c["weight_decay"], momentum=c["momentum"])}
+OPT = {"adam": lambda groups, c: torch.optim.Adam(groups, lr=c["lr"], weight_decay=c["weight_decay"]),
+       "sgd": lambda groups, c: torch.optim.SGD(groups, lr=c["lr"], weight_decay=c["weight_decay"],
+                                                momentum=c["momentum"])}
 
 
 def plain_loop(algo, cfg: dict, train, test) -> torch.Tensor:
@@ -33,10 +34,13 @@ def plain_loop(algo, cfg: dict, train, test) -> torch.Tensor:
             params = {k: v[0, c].clone().requires_grad_(True) for k, v in state.params.items()}
             buffers = {k: v[0, c].clone() for k, v in state.buffers.items()}
             ctx_c = torch.utils._pytree.tree_map(lambda t: t[0, c], ctx)
-            opt = OPT[cfg["optimizer"]](list(params.values()), cfg)
+            groups = [{"params": [p], "lr": cfg["lr"] * algo.lr_scale(k)} for k, p in params.items()]
+            opt = OPT[cfg["optimizer"]](groups, cfg)
             n = int(train.counts[c])
             n_eff = n // B * B if cfg["drop_last"] else n
-            for epoch in range(cfg["local_epochs"]):
+            for epoch in range(algo.local_epochs()):
+                for k, p in params.items():
+                    p.requires_grad_(algo.trainable(k, epoch))
                 order = batch_order(eng.seeds, rnd, epoch, train.counts, train.features.shape[1])[0, c]
                 for s in range(0, n_eff, B):
                     rows = order[s : min(s + B, n_eff)]
@@ -44,7 +48,7 @@ def plain_loop(algo, cfg: dict, train, test) -> torch.Tensor:
                     extra = {"views": train.views[c, rows]} if train.views is not None else {}
                     loss, new = algo.local_loss(params, buffers, x, y, torch.ones(len(rows), dtype=torch.bool),
                                                 ctx_c | extra)
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
                     buffers.update({k: v.detach() for k, v in new.items()})

@@ -6,6 +6,7 @@ FC(D, proj_dim) + ReLU (+ BN with bn=True) followed by a classifier FC(proj_dim,
 Hooks, in the order the engine calls them each round:
     context(state, engine)           per-model tensors the local loss and inference need, leading [H, C]
     local_loss(params, buffers, x, y, mask, ctx) -> (loss, new_buffers)   ONE client's minibatch loss (vmapped)
+        local_epochs(), trainable(name, epoch), lr_scale(name)   what is trained when, and how fast
     after_local(state, engine)       e.g. compute prototypes on the client's data
     upload(state, engine)            what each client sends: name -> [H, C, ...]
     aggregate(uploads, weights, state, engine) -> server state, name -> [H, ...]
@@ -80,6 +81,17 @@ class FedAvg:
     def predict(self, params, buffers, x, ctx):
         z, _ = self.embed(params, buffers, x)
         return self.logits(params, z)
+
+    def local_epochs(self) -> int:
+        return self.cfg["local_epochs"]
+
+    def trainable(self, name: str, epoch: int) -> bool:
+        """Whether parameter `name` is updated in local epoch `epoch` (alternating phases train subsets)."""
+        return True
+
+    def lr_scale(self, name: str) -> float:
+        """Learning-rate multiplier of parameter `name` (for per-module rates)."""
+        return 1.0
 
     def init_state(self, state, engine) -> None:
         pass
