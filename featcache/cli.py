@@ -116,6 +116,80 @@ def info(cache: Path = typer.Argument(..., help="cache file"), as_json: bool = t
     out.print(counts)
 
 
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UserError(f"--seeds {text!r}: write comma-separated integers, e.g. 0,1,2") from None
+
+
+@app.command()
+def train(
+    cache: Path = typer.Option(..., help="cache file from `featcache extract`"),
+    algo: list[str] = typer.Option(..., help="algorithm (see `featcache algos`); repeat to compare several"),
+    rounds: Optional[int] = typer.Option(None, help="communication rounds (default 50)"),
+    seeds: str = typer.Option("0,1,2", help="comma-separated seeds; reported as mean(std) over them"),
+    set: list[str] = typer.Option([], "--set", help="override a setting: key=value (see `featcache algos NAME`)"),
+    out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for result JSON files"),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Train federated algorithms on cached features (backbones are never loaded)."""
+    from .train import train as run
+
+    results = []
+    with progress_bar(not as_json) as progress:
+        for name in algo:
+            tick = (lambda done, total, name=name: progress(name, done, total)) if progress else None
+            results.append(run(cache=cache, algo=name, rounds=rounds, seeds=_seeds(seeds), set=set,
+                               out=out_dir, device=device, progress=tick))
+    if as_json:
+        _emit(results[0] if len(results) == 1 else {"runs": results}, True)
+        return
+    table = Table(title=f"featcache train — {cache.name}")
+    for col in ("algorithm", "final acc % mean(std)", "best-round acc %", "params up/client/round", "KB up/client/round",
+                "s/round"):
+        table.add_column(col, justify="right" if col != "algorithm" else "left")
+    for r in results:
+        table.add_row(r["algo"], f"{r['mean_acc']:.2f}({r['std_acc']:.2f})",
+                      f"{r['best_round_mean_acc']:.2f}({r['best_round_std_acc']:.2f})",
+                      f"{r['params_uploaded_per_round']:,}", f"{r['bytes_uploaded_per_round'] / 1024:.1f}",
+                      f"{r['seconds_per_round']:.4f}")
+    out.print(table)
+    for r in results:
+        out.print(f"[dim]{r['algo']}: {r['result_file']}[/dim]")
+
+
+@app.command()
+def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's settings")) -> None:
+    """List the registered algorithms with their paper reference and what a client uploads."""
+    from .algorithms import create, list_algorithms
+    from .config import resolve
+
+    if name:
+        table = Table("setting", "default", title=f"{name} — {create(name).paper}")
+        for k, v in sorted(resolve(create(name)).items()):
+            table.add_row(k, repr(v))
+        out.print(table)
+        return
+    table = Table("algorithm", "reference", "uploads", "limitation")
+    for key, cls in list_algorithms().items():
+        table.add_row(key, cls.paper, cls.uploads, getattr(cls, "limitation", ""))
+    out.print(table)
+
+
+@app.command()
+def report(
+    results: list[Path] = typer.Argument(..., help="result JSON files from `featcache train`"),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="write report.md and curves.png here"),
+) -> None:
+    """Render result files as a markdown table (and PNG curves with --out)."""
+    from .report import report as render
+
+    rendered = render(results, out_dir)
+    print(rendered["table"])
+
+
 @app.command()
 def datasets() -> None:
     """List the dataset readers and the layout each expects."""

