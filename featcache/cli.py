@@ -161,6 +161,41 @@ def train(
 
 
 @app.command()
+def grid(
+    cache: Path = typer.Option(..., help="cache file from `featcache extract` (with a validation split)"),
+    algo: str = typer.Option(..., help="algorithm (see `featcache algos`)"),
+    grid: list[str] = typer.Option(..., "--grid", help="axis: key=v1,v2,... (repeat for more axes)"),
+    seeds: str = typer.Option("0,1,2", help="comma-separated seeds"),
+    rounds: Optional[int] = typer.Option(None, help="communication rounds"),
+    set: list[str] = typer.Option([], "--set", help="fixed setting key=value for every configuration"),
+    out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for the grid's run folder"),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+    backend: str = typer.Option("local", help="local (in-process) | ray (RAY_ADDRESS or a local Ray)"),
+    chunk: Optional[int] = typer.Option(None, help="models per batched run (default: planned from memory)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Train a hyperparameter grid batched, select on validation, retrain the best, report test accuracy."""
+    from .grid import grid as run
+
+    with progress_bar(not as_json) as progress:
+        result = run(cache=cache, algo=algo, grid=grid, seeds=_seeds(seeds), rounds=rounds, set=set, out=out_dir,
+                     device=device, backend=backend, chunk=chunk, progress=progress)
+    if as_json:
+        _emit(result, True)
+        return
+    keys = list(result["axes"])
+    table = Table(*keys, "val acc % mean(std)", title=f"{algo} grid: {result['configs']} configs x "
+                  f"{len(result['seeds'])} seeds, {result['chunks']} chunk(s) of <= {result['chunk_size']} models")
+    for row in result["selection"]:
+        table.add_row(*(str(row["config"][k]) for k in keys), f"{row['val_mean']:.2f}({row['val_std']:.2f})")
+    out.print(table)
+    if "retrain" in result:
+        r = result["retrain"]
+        out.print(f"best {result['best']} retrained on full train: test acc {r['mean_acc']:.2f}({r['std_acc']:.2f})")
+    out.print(f"[dim]{result['run_folder']}/grid.json, grid.csv[/dim]")
+
+
+@app.command()
 def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's settings")) -> None:
     """List the registered algorithms with their paper reference and what a client uploads."""
     from .algorithms import create, list_algorithms

@@ -1,0 +1,191 @@
+"""`featcache grid`: a hyperparameter grid trained as batched runs, validation-selected, then retrained.
+
+Protocol of the papers (fedpcl.md App. A.1.4): train every configuration on train-minus-validation (the 20 % held out
+at extraction), score it by mean client accuracy on the validation rows, retrain the best on the full train split and
+report test accuracy mean(std) over seeds.
+
+Continuous hyperparameters (lr, weight decay, τ, μ, ...) become per-model tensors on the engine's configuration axis,
+so H configurations x seeds x C clients train in the same vectorized steps; structural ones (widths, prompt counts,
+option strings) split the grid into buckets. Buckets are cut into chunks sized to the memory budget; each finished
+chunk is written atomically to the run folder, so an interrupted grid resumes at the first unfinished chunk.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import itertools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .algorithms import create
+from .cache import load_clients
+from .config import parse_value, resolve
+from .errors import UserError
+from .train import load_split, run_configs, train
+
+BACKENDS = {}
+
+
+def parse_grid(algo, grid: list[str]) -> dict[str, list]:
+    """['lr=1e-1,1e-2', 'weight_decay=1e-3,1e-4'] -> {'lr': [0.1, 0.01], 'weight_decay': [...]} (typed, strict)."""
+    defaults = resolve(algo)
+    axes = {}
+    for item in grid:
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or not values.strip():
+            raise UserError(f"--grid {item!r}: write key=v1,v2,..., e.g. --grid lr=1e-1,1e-2")
+        resolve(algo, {key: values.split(",")[0].strip()})  # unknown key / bad type -> one-line error
+        axes[key] = [parse_value(key, v.strip(), defaults[key]) for v in values.split(",")]
+    if not axes:
+        raise UserError("no --grid axis given: e.g. --grid lr=1e-1,1e-2,1e-3")
+    return axes
+
+
+def plan_chunk(n_models: int, per_model_bytes: int, budget_bytes: int) -> int:
+    """How many configurations x seeds fit in one batched run."""
+    return max(1, min(n_models, budget_bytes // max(per_model_bytes, 1)))
+
+
+def memory_budget(device: str) -> int:
+    """Half of the free GPU memory, or a quarter of the available RAM."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        return free // 2
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return avail // 4
+
+
+def _per_model_bytes(algo, cfg: dict, train, C: int) -> int:
+    """Parameters + gradients + optimizer moments + activations of one configuration across its C clients."""
+    params, buffers = algo.init(cfg, train.features.shape[-1], train.num_classes, torch.Generator().manual_seed(0))
+    n = sum(p.numel() for p in params.values()) + sum(b.numel() for b in buffers.values())
+    width = max(p.shape[0] for p in params.values())
+    activations = cfg["batch_size"] * width * 8 + train.features.shape[1] * (width + train.num_classes) * 2
+    return 4 * C * (5 * n + activations)
+
+
+def _bucket_key(cfg: dict, algo) -> str:
+    structural = {k: v for k, v in cfg.items() if not isinstance(v, float) or k in algo.structural}
+    return json.dumps(structural, sort_keys=True)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, sort_keys=True, indent=1))
+    os.replace(tmp, path)
+
+
+def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str) -> list[list[float]]:
+    """Train a chunk on train-minus-validation and score on validation: per model, per-client final accuracy."""
+    algo = create(algo_name)
+    fit = load_split(cache, algo, holdout="fit")
+    val = load_clients(cache, "train", holdout="val")
+    acc = run_configs(algo, cfgs, fit, val, device)["acc"][-1]  # [H, C]
+    return (100 * acc).tolist()
+
+
+def _local_backend(jobs, progress):
+    for i, job in enumerate(jobs):
+        yield job, _run_chunk(*job["args"])
+
+
+BACKENDS["local"] = _local_backend
+
+
+def _ray_backend(jobs, progress):
+    """Chunks as Ray tasks: `ray.init()` joins RAY_ADDRESS when set (a real cluster), else starts a local one."""
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--backend ray needs Ray: pip install 'featcache[ray]'") from None
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
+    remote = ray.remote(_run_chunk)
+    pending = {remote.remote(*job["args"]): job for job in jobs}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        job = pending.pop(done[0])
+        yield job, ray.get(done[0])
+
+
+BACKENDS["ray"] = _ray_backend
+
+
+def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1, 2), rounds: int | None = None,
+         set: list[str] | None = None, out: str | Path = "runs", device: str = "cpu", backend: str = "local",
+         chunk: int | None = None, retrain: bool = True, progress=None) -> dict:
+    """Select on validation, retrain the best on full train, report test mean(std). Resumable by run folder."""
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend {backend!r}: use local or ray")
+    if not seeds:
+        raise UserError("--seeds needs at least one seed, e.g. --seeds 0,1,2")
+    impl = create(algo)
+    base = list(set or []) + ([f"rounds={rounds}"] if rounds is not None else [])
+    base_cfg = resolve(impl, base)
+    axes = parse_grid(impl, grid)
+    points = [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+    cfgs = [base_cfg | p for p in points]
+
+    run_id = hashlib.sha256(json.dumps({"cache": str(Path(cache).resolve()), "algo": algo, "base": base_cfg,
+                                        "axes": axes, "seeds": list(seeds)}, sort_keys=True).encode()).hexdigest()[:12]
+    folder = Path(out) / f"grid-{algo}-{run_id}"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    fit = load_split(cache, impl, holdout="fit")
+    C = fit.features.shape[0]
+    buckets: dict[str, list[int]] = {}
+    for i, c in enumerate(cfgs):
+        buckets.setdefault(_bucket_key(c, impl), []).append(i)
+    jobs, chunk_sizes = [], []
+    for members in buckets.values():
+        models = [(i, s) for i in members for s in seeds]  # configurations x seeds share the H axis
+        size = chunk or plan_chunk(len(models), _per_model_bytes(impl, cfgs[members[0]], fit, C), memory_budget(device))
+        chunk_sizes.append(size)
+        for start in range(0, len(models), size):
+            part = models[start : start + size]
+            name = f"chunk-{len(jobs):04d}.json"
+            jobs.append({"file": folder / name, "models": part,
+                         "args": (str(cache), algo, [cfgs[i] | {"seed": int(s)} for i, s in part], device)})
+    todo = [j for j in jobs if not j["file"].is_file()]
+    if progress:
+        progress("grid", len(jobs) - len(todo), len(jobs))
+    for job, acc in BACKENDS[backend](todo, progress):
+        _write_json(job["file"], {"models": job["models"], "val_acc": acc})
+        if progress:
+            progress("grid", sum(j["file"].is_file() for j in jobs), len(jobs))
+
+    scores = {i: [] for i in range(len(cfgs))}
+    for job in jobs:
+        saved = json.loads(job["file"].read_text())
+        for (i, s), per_client in zip(saved["models"], saved["val_acc"]):
+            scores[i].append(float(np.mean(per_client)))
+    table = sorted(({"config": points[i], "val_mean": float(np.mean(v)), "val_std": float(np.std(v))}
+                    for i, v in scores.items()), key=lambda r: -r["val_mean"])
+    result = {"algo": algo, "cache": str(cache), "axes": axes, "seeds": list(seeds), "configs": len(cfgs),
+              "models": len(cfgs) * len(seeds) * C, "chunks": len(jobs), "chunk_size": max(chunk_sizes),
+              "backend": backend, "run_folder": str(folder), "selection": table, "best": table[0]["config"]}
+    if retrain:
+        final = train(cache, algo, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
+                      out=folder, device=device)
+        result["retrain"] = {k: final[k] for k in ("mean_acc", "std_acc", "per_seed", "best_round_mean_acc",
+                                                   "best_round_std_acc", "result_file", "params_uploaded_per_round")}
+    _write_json(folder / "grid.json", result)
+    (folder / "grid.csv").write_text(to_csv(table))
+    return result
+
+
+def to_csv(table: list[dict]) -> str:
+    keys = list(table[0]["config"])
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow([*keys, "val_mean", "val_std"])
+    for r in table:
+        w.writerow([*(r["config"][k] for k in keys), f"{r['val_mean']:.4f}", f"{r['val_std']:.4f}"])
+    return buf.getvalue()

@@ -1,0 +1,115 @@
+"""`featcache train` and `featcache grid` as a library and as a command: results, determinism, errors, resumption,
+batched-grid equivalence and the Ray backend."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from featcache import grid as grid_mod
+from featcache.errors import UserError
+from featcache.grid import grid
+from featcache.train import train
+from tests.synthetic import write_cache
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return write_cache(tmp_path_factory.mktemp("cache") / "synthetic.h5")
+
+
+def cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "featcache.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_train_result_and_determinism(cache, tmp_path):
+    a = train(cache, "fedavg", rounds=3, seeds=[0, 1], set=["lr=0.01"], out=tmp_path / "a")
+    b = train(cache, "fedavg", rounds=3, seeds=[0, 1], set=["lr=0.01"], out=tmp_path / "b")
+    assert Path(a["result_file"]).read_bytes() == Path(b["result_file"]).read_bytes()
+    assert a["config"]["lr"] == 0.01 and a["config"]["rounds"] == 3 and a["seeds"] == [0, 1]
+    assert len(a["per_seed"]) == 2 and len(a["per_client"]) == 4
+    assert abs(a["mean_acc"] - sum(a["per_seed"]) / 2) < 1e-3
+    assert a["params_uploaded_per_round"] == 16 * 256 + 256 + 256 * 5 + 5  # FC(16,256) + FC(256,5)
+    assert set(a["fairness"]) == {"average", "worst_10", "worst_20", "worst_40", "best_10", "variance"}
+
+
+@pytest.mark.parametrize("bad,msg", [(["nope=1"], "unknown setting 'nope'"), (["lr=fast"], "expected a float"),
+                                     (["lr"], "write key=value"), (["optimizer=rmsprop"], "optimizer must be")])
+def test_train_rejects_bad_settings(cache, tmp_path, bad, msg):
+    with pytest.raises(UserError, match=msg):
+        train(cache, "fedavg", rounds=1, seeds=[0], set=bad, out=tmp_path)
+
+
+def test_nan_loss_is_one_line(cache, tmp_path):
+    with pytest.raises(UserError, match="NaN"):
+        train(cache, "fedavg", rounds=2, seeds=[0], set=["lr=1e38", "optimizer=sgd"], out=tmp_path)
+
+
+def test_cli_train_json_and_errors(cache, tmp_path):
+    ok = cli("train", "--cache", cache, "--algo", "fedpcl", "--rounds", "2", "--seeds", "0", "--out", str(tmp_path),
+             "--json")
+    assert ok.returncode == 0, ok.stderr
+    res = json.loads(ok.stdout)
+    for key in ("algo", "mean_acc", "std_acc", "per_seed", "per_client", "seconds_per_round",
+                "params_uploaded_per_round"):
+        assert key in res
+    assert res["params_uploaded_per_round"] == 5 * 256 + 5  # prototypes + class counts
+    bad = cli("train", "--cache", cache, "--algo", "fedpcll", "--out", str(tmp_path))
+    assert bad.returncode == 2 and "fedpcl" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    missing = cli("train", "--cache", str(tmp_path / "none.h5"), "--algo", "fedavg")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_grid_selects_retrains_and_matches_single_runs(cache, tmp_path):
+    res = grid(cache, "fedavg", ["lr=1e-1,1e-3", "weight_decay=1e-4,1e-2"], seeds=[0, 1], rounds=3,
+               out=tmp_path, chunk=3)
+    assert res["configs"] == 4 and res["chunks"] == 3 and len(res["selection"]) == 4
+    vals = [r["val_mean"] for r in res["selection"]]
+    assert vals == sorted(vals, reverse=True) and res["best"] == res["selection"][0]["config"]
+    assert "mean_acc" in res["retrain"]
+    # the batched chunk gives each configuration exactly what it gets alone
+    alone = grid(cache, "fedavg", ["lr=1e-1,1e-3", "weight_decay=1e-4,1e-2"], seeds=[0, 1], rounds=3,
+                 out=tmp_path / "alone", chunk=1, retrain=False)
+    for a, b in zip(res["selection"], alone["selection"]):
+        assert a["config"] == b["config"] and a["val_mean"] == pytest.approx(b["val_mean"], abs=1e-4)
+    assert Path(res["run_folder"], "grid.csv").read_text().startswith("lr,weight_decay,val_mean,val_std")
+
+
+def test_grid_resumes_at_first_unfinished_chunk(cache, tmp_path, monkeypatch):
+    args = dict(cache=cache, algo="fedavg", grid=["lr=1e-1,1e-2,1e-3"], seeds=[0], rounds=2, out=tmp_path,
+                chunk=1, retrain=False)
+    first = grid(**args)
+    chunks = sorted(Path(first["run_folder"]).glob("chunk-*.json"))
+    before = {p: p.read_bytes() for p in chunks}
+    chunks[1].unlink()  # as if killed while training chunk 1
+    calls = []
+    real = grid_mod._run_chunk
+    monkeypatch.setattr(grid_mod, "_run_chunk", lambda *a: calls.append(a[2]) or real(*a))
+    again = grid(**args)
+    assert len(calls) == 1 and calls[0][0]["lr"] == 1e-2
+    assert {p: p.read_bytes() for p in chunks} == before and again["selection"] == first["selection"]
+
+
+def test_grid_rejects_bad_axes(cache, tmp_path):
+    with pytest.raises(UserError, match="unknown setting"):
+        grid(cache, "fedavg", ["learning_rate=1,2"], seeds=[0], out=tmp_path)
+    with pytest.raises(UserError, match="key=v1,v2"):
+        grid(cache, "fedavg", ["lr"], seeds=[0], out=tmp_path)
+
+
+@pytest.mark.slow
+def test_grid_on_local_ray_cluster(cache, tmp_path):
+    import ray  # a dev dependency: this test must run, not skip
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        res = grid(cache, "fedavg", ["lr=1e-1,1e-2"], seeds=[0], rounds=2, out=tmp_path, chunk=1,
+                   backend="ray", retrain=False)
+        local = grid(cache, "fedavg", ["lr=1e-1,1e-2"], seeds=[0], rounds=2, out=tmp_path / "local", chunk=1,
+                     retrain=False)
+        assert res["selection"] == local["selection"]
+    finally:
+        ray.shutdown()
