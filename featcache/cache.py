@@ -101,7 +101,7 @@ class ClientData:
 
     @property
     def mask(self) -> torch.Tensor:  # [C, Nmax] bool
-        return torch.arange(self.features.shape[1]) < self.counts[:, None]
+        return torch.arange(self.features.shape[1], device=self.counts.device) < self.counts[:, None]
 
 
 def _pad(arrays: list[np.ndarray], fill) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""FedProc (Mu et al., "FedProc: Prototypical Contrastive Federated Learning on Non-IID data", 2021;
+fedproc.md §3.3, eq. 2–5, Alg. 1). Official code: MuXutong/FedProc.
+
+Differences from FedAvg:
+- head = projection head (an MLP with one hidden layer, §3.3) + a linear output layer f_c. Adapted to cached
+  features: the frozen backbone is the base encoder, so the learnable model is FC(D, D) → ReLU → FC(D, proj_dim)
+  giving z (hidden width D as in the official/MOON `l1`), then f_c = FC(proj_dim, K) on z;
+- local loss (eq. 2): α·ℓ_gpc + (1 − α)·ℓ_ce with α = 1 − t/T (t = 0-based round, T = rounds), ℓ_gpc (eq. 4) the
+  cross-entropy of the cosine similarities of z to the global class prototypes (no temperature in eq. 4: τ = 1);
+- clients also upload their local prototypes (eq. 5, class means of z after local training) and class counts; the
+  server averages each class over the clients that own it (Alg. 1 line 9; a class a participant lacks is left out of
+  its mean, the only reading of 1/m·Σ c_i that is defined) and keeps the last prototype of a class no participant
+  owns. The initial prototypes c^0 (Alg. 1 line 2) are those of the initial model, as in the official code.
+Variants (alpha_schedule, Table 4): "fixed" (α = 0.5); "two-stage" (first half of the rounds ℓ_gpc only with the
+output layer frozen, then ℓ_ce only with the projection head frozen).
+
+`fedproc-official` matches the released code: z L2-normalised before f_c, CE only in round 0 (then the same α), and
+sample-weighted prototype averaging; it hard-codes T = 100 in α, which equals the paper's default rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..engine import expand_hc
+from ..heads import mlp, mlp_init
+from . import register
+from .base import FedAvg, masked_mean, one_hot
+from .fedproto import check_choice, empty_global, update_global
+from .protos import local_prototypes, mean_prototypes
+
+ALPHA = {  # weight of ℓ_gpc in round t of T (eq. 2; ℓ_ce gets 1 − α)
+    "linear": lambda t, T: 1 - t / T,  # eq. 2
+    "fixed": lambda t, T: 0.5,  # Table 4 "FedProc (α = 0.5)"
+    "two-stage": lambda t, T: float(t < T / 2),  # Table 4 "Two-stage FL" (see trainable)
+    "official": lambda t, T: 0.0 if t == 0 else 1 - t / T,  # released code: CE only in round 0
+}
+
+
+def sample_mean(protos: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mean of all samples' z per class (the official code's class centres): [H, C, K, d] -> [H, K, d]."""
+    return (counts[..., None] * protos).sum(1) / counts.sum(1).clamp(min=1)[..., None]
+
+
+AVERAGE = {"clients": mean_prototypes, "samples": sample_mean}
+
+
+def gpc(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Tensor:
+    """Eq. 4 per row: −log exp(sim(z, c_y)) / Σ_k exp(sim(z, c_k)), sim = cosine / τ; protos [K, d] -> [N]."""
+    s = F.normalize(z, dim=-1) @ F.normalize(protos, dim=-1).T / tau  # [N, K]
+    return s.logsumexp(-1) - (s * one_hot(y, protos.shape[0])).sum(-1)
+
+
+@register
+class FedProc(FedAvg):
+    name = "fedproc"
+    paper = "Mu et al., 2021 — fedproc.md §3.3 eq. 2–5, Alg. 1"
+    uploads = "all head parameters + local prototypes [K, proj_dim] + class counts [K]"
+    defaults = {
+        "proj_dim": 256,  # projection output size (§4.1)
+        "tau": 1.0,  # eq. 4 has no temperature
+        "alpha_schedule": "linear",  # eq. 2
+        "normalize": False,  # official code: True
+        "proto_average": "clients",  # Alg. 1 line 9; official code: "samples"
+    }
+
+    # -- model ------------------------------------------------------------------------------------------------
+    def init(self, cfg, d_in, num_classes, gen):
+        check_choice(cfg, "alpha_schedule", ALPHA)
+        check_choice(cfg, "proto_average", AVERAGE)
+        proj, _ = mlp_init([d_in, d_in, cfg["proj_dim"]], gen, prefix="proj")
+        out, _ = mlp_init([cfg["proj_dim"], num_classes], gen, prefix="cls")
+        return proj | out, {}
+
+    def embed(self, params, buffers, x, mask=None, train=False):
+        z, _ = mlp(params, buffers, x, 2, prefix="proj")  # [N, proj_dim], no ReLU on the output
+        return (F.normalize(z, dim=-1) if self.cfg["normalize"] else z), {}
+
+    # -- client -----------------------------------------------------------------------------------------------
+    def context(self, state, engine):
+        ctx = super().context(state, engine)
+        alpha = ALPHA[self.cfg["alpha_schedule"]](engine.round, self.cfg["rounds"])
+        ctx["alpha"] = torch.full((engine.H, engine.C), alpha, device=engine.device)  # [H, C]
+        ctx["global"] = expand_hc(state.server["global"], engine.C)  # [H, C, K, d]
+        return ctx
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        z, _ = self.embed(params, buffers, x)
+        ce = F.cross_entropy(self.logits(params, z), y.clamp(min=0), reduction="none")  # [B]
+        a = ctx["alpha"]
+        return masked_mean(a * gpc(z, y, ctx["global"], ctx["hp"]["tau"]) + (1 - a) * ce, mask), {}
+
+    def trainable(self, name, epoch):
+        """Two-stage: the projection head trains in the first half of the rounds, the output layer in the second."""
+        if self.cfg["alpha_schedule"] != "two-stage":
+            return True
+        first_stage = self.engine.round < self.cfg["rounds"] / 2
+        return name.startswith("proj") == first_stage
+
+    # -- prototypes -------------------------------------------------------------------------------------------
+    def init_state(self, state, engine):
+        self.engine = engine  # trainable() needs the round
+        self.after_local(state, engine)
+        everyone = engine.train.counts[None].float().expand(engine.H, -1)  # [H, C]
+        state.server = update_global(state.client["protos"], state.client["counts"], everyone,
+                                     empty_global(engine, self.cfg["proj_dim"]), AVERAGE[self.cfg["proto_average"]])
+
+    def after_local(self, state, engine):
+        state.client["protos"], state.client["counts"] = local_prototypes(self, state, engine.train)
+
+    def upload(self, state, engine):
+        return super().upload(state, engine) | {"protos": state.client["protos"], "counts": state.client["counts"]}
+
+    def aggregate(self, uploads, weights, state, engine):
+        params = super().aggregate({k: uploads[k] for k in state.params}, weights, state, engine)
+        protos = update_global(uploads["protos"], uploads["counts"], weights, state.server,
+                               AVERAGE[self.cfg["proto_average"]])
+        return {"params": params, "protos": protos}
+
+    def download(self, state, server, part, engine):
+        super().download(state, server["params"], part, engine)
+        state.server = server["protos"]
+
+
+@register
+class FedProcOfficial(FedProc):
+    name = "fedproc-official"
+    paper = "FedProc released code (MuXutong/FedProc), DESIGN.md §4"
+    defaults = FedProc.defaults | {"normalize": True, "alpha_schedule": "official", "proto_average": "samples"}

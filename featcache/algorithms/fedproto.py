@@ -1,0 +1,124 @@
+"""FedProto (Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients", AAAI 2022; the
+"CE + ProtoDist" baseline [24] of fedpcl.md Tables 2–5). Official code: yuetan031/FedProto.
+
+Differences from FedAvg:
+- no parameter is shared: every client keeps its own head (projection + classifier);
+- a client uploads its local prototypes (class means of the projection output z on its training data, after local
+  training) and class counts; the server averages each class's prototypes over the clients that own it (unweighted,
+  as the official `proto_aggregation`); a class that no participant of the round owns keeps its last global prototype;
+- the local loss adds λ·d(z, C̄^y) to the cross-entropy, d = squared L2 distance averaged over the feature dimensions
+  (the official code's nn.MSELoss, so that its λ = 1 keeps its scale); a row whose class has no global prototype yet
+  (every row in round 1) adds 0, through a weight tensor;
+- inference: the client's own classifier (infer="classifier", how the official code evaluates) or the nearest global
+  prototype by L2 distance (infer="proto").
+Prototype noise (proto_noise=laplace|gaussian) follows FedPCL's privacy study (fedpcl.md App. A.2.4).
+
+Differs from the official code in one place: it averages the z of every training batch while the model moves; here
+the prototypes are the class means of the final local model's z (the definition FedPCL's eq. 5 uses).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine import expand_hc
+from ..errors import UserError, suggest
+from . import register
+from .base import FedAvg, masked_ce, masked_mean, one_hot
+from .protos import local_prototypes, mean_prototypes, privatize
+
+
+def update_global(protos: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, server: dict,
+                  average=mean_prototypes) -> dict:
+    """New global prototypes from the participants (weight > 0) of a round; a class none of them owns keeps its
+    previous prototype. protos [H, C, K, d], counts [H, C, K], weights [H, C] -> {"global": [H, K, d],
+    "has": [H, K] bool}."""
+    counts = counts * (weights > 0)[..., None]  # [H, C, K]  participants only
+    fresh = counts.sum(1) > 0  # [H, K]
+    glob = torch.where(fresh[..., None], average(protos, counts), server["global"])  # [H, K, d]
+    return {"global": glob, "has": fresh | server["has"]}
+
+
+def empty_global(engine, d: int) -> dict:
+    """No global prototype for any class yet: {"global": zeros [H, K, d], "has": False [H, K]}."""
+    H, K, dev = engine.H, engine.train.num_classes, engine.device
+    return {"global": torch.zeros(H, K, d, device=dev), "has": torch.zeros(H, K, dtype=torch.bool, device=dev)}
+
+
+def check_choice(cfg: dict, key: str, choices) -> None:
+    if cfg[key] not in choices:
+        hint = suggest(str(cfg[key]), choices)
+        raise UserError(f"{key} must be one of {', '.join(choices)} (got {cfg[key]!r}){hint}: fix --set {key}=...")
+
+
+def proto_distance(z: torch.Tensor, y: torch.Tensor, glob: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+    """Per row 1/d·||z − C̄^y||², or 0 where class y has no global prototype (or y is padding): [N]."""
+    onehot = one_hot(y, glob.shape[0]).float()  # [N, K]
+    target = onehot @ glob  # [N, d]
+    return ((z - target) ** 2).mean(-1) * (onehot @ has.float())
+
+
+def sq_distances(z: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
+    """||z_n − C_k||² for z [N, d], protos [K, d] -> [N, K]."""
+    return (z * z).sum(-1, keepdim=True) - 2 * z @ protos.T + (protos * protos).sum(-1)
+
+
+@register
+class FedProto(FedAvg):
+    name = "fedproto"
+    paper = "Tan et al., AAAI 2022 (fedpcl.md [24]); official code yuetan031/FedProto"
+    uploads = "local prototypes [K, proj_dim] + class counts [K] (no parameters)"
+    defaults = FedAvg.defaults | {
+        "lam": 1.0,  # λ, official default ld = 1
+        "infer": "classifier",  # official evaluation uses each client's own model
+        "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1,  # as FedPCL (fedpcl.md Table 15)
+    }
+    structural = ("proto_noise_scale", "proto_noise_p")
+
+    def init(self, cfg, d_in, num_classes, gen):
+        check_choice(cfg, "infer", INFER)
+        return super().init(cfg, d_in, num_classes, gen)
+
+    def shared(self, name):
+        return False
+
+    # -- client -----------------------------------------------------------------------------------------------
+    def context(self, state, engine):
+        ctx = super().context(state, engine)
+        ctx["global"] = expand_hc(state.server["global"], engine.C)  # [H, C, K, d]
+        ctx["has"] = expand_hc(state.server["has"], engine.C)  # [H, C, K] bool
+        return ctx
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        z, new_buffers = self.embed(params, buffers, x, mask, train=True)
+        reg = masked_mean(proto_distance(z, y, ctx["global"], ctx["has"]), mask)
+        return masked_ce(self.logits(params, z), y, mask) + ctx["hp"]["lam"] * reg, new_buffers
+
+    def predict(self, params, buffers, x, ctx):
+        return INFER[self.cfg["infer"]](self, params, buffers, x, ctx)
+
+    def nearest_prototype(self, params, buffers, x, ctx):
+        z, _ = self.embed(params, buffers, x)
+        return (-sq_distances(z, ctx["global"])).masked_fill(~ctx["has"], float("-inf"))  # [N, K]
+
+    # -- server -----------------------------------------------------------------------------------------------
+    def init_state(self, state, engine):
+        state.server = empty_global(engine, self.cfg["proj_dim"])
+
+    def after_local(self, state, engine):
+        state.client["protos"], state.client["counts"] = local_prototypes(self, state, engine.train)
+
+    def upload(self, state, engine):
+        c = self.cfg
+        protos = privatize(state.client["protos"], c["proto_noise"], c["proto_noise_scale"], c["proto_noise_p"],
+                           engine.seeds, engine.round)  # [H, C, K, d]
+        return {"protos": protos, "counts": state.client["counts"]}
+
+    def aggregate(self, uploads, weights, state, engine):
+        return update_global(uploads["protos"], uploads["counts"], weights, state.server)
+
+    def download(self, state, server, part, engine):
+        state.server = server
+
+
+INFER = {"classifier": FedAvg.predict, "proto": FedProto.nearest_prototype}
