@@ -34,11 +34,18 @@ def resolve(algo, overrides: dict | list[str] | None = None) -> dict:
             pairs[k.strip()] = v.strip()
         overrides = pairs
     for k, v in (overrides or {}).items():
+        if k == "seed":
+            raise UserError("seed is not a setting: pass --seeds 0,1,2")
         if k not in cfg:
             raise UserError(f"unknown setting {k!r} for {algo.name}{suggest(k, cfg)}; known: {', '.join(sorted(cfg))}")
         cfg[k] = parse_value(k, v, cfg[k]) if isinstance(v, str) else type(cfg[k])(v)
     if cfg["optimizer"] not in ("adam", "sgd"):
         raise UserError(f"optimizer must be adam or sgd (got {cfg['optimizer']!r})")
-    if cfg["rounds"] < 1 or cfg["local_epochs"] < 1 or cfg["batch_size"] < 1 or not 0 < cfg["participation"] <= 1:
-        raise UserError("rounds, local_epochs and batch_size must be >= 1 and 0 < participation <= 1")
+    positive = [k for k in ("rounds", "local_epochs", "batch_size", "eval_every", "proj_dim") if cfg.get(k, 1) < 1]
+    if positive or not 0 < cfg["participation"] <= 1:
+        raise UserError(f"{', '.join(positive) or 'participation'} out of range: rounds, local_epochs, batch_size, "
+                        "eval_every, proj_dim must be >= 1 and 0 < participation <= 1")
+    for k, allowed in getattr(algo, "choices", {}).items():
+        if cfg[k] not in allowed:
+            raise UserError(f"{algo.name}: {k} must be one of {', '.join(allowed)} (got {cfg[k]!r})")
     return cfg

@@ -36,7 +36,14 @@ ENGINE_DEFAULTS = {
     "eval_every": 1,
     "seed": 0,
 }
-PER_MODEL = ("lr", "weight_decay", "momentum")  # continuous engine hyperparameters: per-config tensors [H]
+ENGINE_STRUCTURAL = ("participation",)  # floats the engine reads once per run, not per model
+
+
+def structural_keys(cfg: dict, algo) -> list[str]:
+    """Settings that must be equal inside one batched run (shapes, options, per-run floats); every other float is a
+    per-configuration tensor [H]."""
+    return [k for k, v in cfg.items()
+            if not isinstance(v, float) or k in algo.structural or k in ENGINE_STRUCTURAL]
 
 
 @dataclass
@@ -110,7 +117,7 @@ class Engine:
 
     def __init__(self, algo, cfgs: list[dict], train: ClientData, test: ClientData, device: str = "cpu"):
         self.algo, self.cfgs, self.device = algo, cfgs, torch.device(device)
-        structural = [k for k, v in cfgs[0].items() if not isinstance(v, float) or k in algo.structural]
+        structural = structural_keys(cfgs[0], algo)
         for c in cfgs[1:]:
             diff = [k for k in structural if c[k] != cfgs[0][k] and k != "seed"]
             if diff:
@@ -119,7 +126,7 @@ class Engine:
         self.train, self.test = train.to(self.device), test.to(self.device)
         self.H, self.C = len(cfgs), train.features.shape[0]
         self.seeds = torch.tensor([c["seed"] for c in cfgs])
-        floats = [k for k, v in self.cfg.items() if isinstance(v, float) and k not in algo.structural]
+        floats = [k for k in self.cfg if k not in structural]
         self.hp = {k: torch.tensor([c[k] for c in cfgs], dtype=torch.float32, device=self.device) for k in floats}
 
     # -- setup --------------------------------------------------------------------------------------------------
@@ -137,6 +144,10 @@ class Engine:
         cfg, algo, data = self.cfg, self.algo, self.train
         B = cfg["batch_size"]
         n_eff = data.counts // B * B if cfg["drop_last"] else data.counts  # [C]
+        if bool((n_eff == 0).any()):
+            small = int((n_eff == 0).sum())
+            raise UserError(f"{small} client(s) have fewer than batch_size={B} training rows and would never train "
+                            "with drop_last: use --set drop_last=false or a smaller --set batch_size")
         steps = int(((n_eff + B - 1) // B).max())
         opt = OPTIMIZERS[cfg["optimizer"]](state.params, lr=self.hp["lr"], weight_decay=self.hp["weight_decay"],
                                             momentum=self.hp.get("momentum"),

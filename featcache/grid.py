@@ -26,6 +26,7 @@ import torch
 from .algorithms import create
 from .cache import load_clients
 from .config import parse_value, resolve
+from .engine import structural_keys
 from .errors import UserError
 from .train import load_split, run_configs, train
 
@@ -72,8 +73,7 @@ def _per_model_bytes(algo, cfg: dict, train, C: int) -> int:
 
 
 def _bucket_key(cfg: dict, algo) -> str:
-    structural = {k: v for k, v in cfg.items() if not isinstance(v, float) or k in algo.structural}
-    return json.dumps(structural, sort_keys=True)
+    return json.dumps({k: cfg[k] for k in structural_keys(cfg, algo)}, sort_keys=True)
 
 
 def _write_json(path: Path, obj) -> None:
@@ -150,7 +150,8 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
         chunk_sizes.append(size)
         for start in range(0, len(models), size):
             part = models[start : start + size]
-            name = f"chunk-{len(jobs):04d}.json"
+            digest = hashlib.sha256(json.dumps([cfgs[i] | {"seed": int(s)} for i, s in part], sort_keys=True).encode())
+            name = f"chunk-{digest.hexdigest()[:16]}.json"  # named by what it trains: any chunking resumes safely
             jobs.append({"file": folder / name, "models": part,
                          "args": (str(cache), algo, [cfgs[i] | {"seed": int(s)} for i, s in part], device)})
     todo = [j for j in jobs if not j["file"].is_file()]
@@ -170,6 +171,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
                     for i, v in scores.items()), key=lambda r: -r["val_mean"])
     result = {"algo": algo, "cache": str(cache), "axes": axes, "seeds": list(seeds), "configs": len(cfgs),
               "models": len(cfgs) * len(seeds) * C, "chunks": len(jobs), "chunk_size": max(chunk_sizes),
+              "chunks_resumed": len(jobs) - len(todo),
               "backend": backend, "run_folder": str(folder), "selection": table, "best": table[0]["config"]}
     if retrain:
         final = train(cache, algo, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],

@@ -37,7 +37,7 @@ def batch_norm(params: Params, buffers: Params, name: str, x: torch.Tensor, mask
     """BatchNorm1d over the rows where mask is True; returns (output [N, d], updated running statistics)."""
     mean_key, var_key = f"{name}.running_mean", f"{name}.running_var"
     if train:
-        w = (torch.ones(x.shape[0]) if mask is None else mask.float())[:, None]  # [N, 1]
+        w = (torch.ones(x.shape[0], device=x.device) if mask is None else mask.float())[:, None]  # [N, 1]
         n = w.sum().clamp(min=1)
         mean = (w * x).sum(0) / n  # [d]
         var = (w * (x - mean) ** 2).sum(0) / n  # [d] biased, used to normalise

@@ -56,9 +56,9 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
         "algo": algo,
         "paper": impl.paper,
         "uploads": impl.uploads,
-        "config": cfg,
+        "config": {k: v for k, v in cfg.items() if k != "seed"},
         "seeds": [int(s) for s in seeds],
-        "cache": {"path": str(cache), "key": meta["key"], "dataset": meta["dataset"], "backbones": meta["backbones"]},
+        "cache": {"key": meta["key"], "dataset": meta["dataset"], "backbones": meta["backbones"]},
         "clients": int(train_data.features.shape[0]),
         "params_uploaded_per_round": int(floats),
         "bytes_uploaded_per_round": int(floats) * 4,
@@ -70,7 +70,7 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     timing = {"seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
               "seconds_total": round(float(np.sum(raw["round_seconds"])), 3)}
     _write_atomic(path.with_suffix(".timing.json"), json.dumps(timing))
-    return result | timing | {"result_file": str(path)}
+    return result | timing | {"result_file": str(path), "cache_path": str(cache)}
 
 
 def _write_atomic(path: Path, text: str) -> None:

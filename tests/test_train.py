@@ -34,7 +34,7 @@ def test_train_result_and_determinism(cache, tmp_path):
     assert len(a["per_seed"]) == 2 and len(a["per_client"]) == 4
     assert abs(a["mean_acc"] - sum(a["per_seed"]) / 2) < 1e-3
     assert a["params_uploaded_per_round"] == 16 * 256 + 256 + 256 * 5 + 5  # FC(16,256) + FC(256,5)
-    assert set(a["fairness"]) == {"average", "worst_10", "worst_20", "worst_40", "best_10", "variance"}
+    assert set(a["fairness"]) == {"average", "worst_10", "worst_20", "worst_40", "best_10", "variance", "std"}
 
 
 @pytest.mark.parametrize("bad,msg", [(["nope=1"], "unknown setting 'nope'"), (["lr=fast"], "expected a float"),
@@ -92,6 +92,22 @@ def test_grid_resumes_at_first_unfinished_chunk(cache, tmp_path, monkeypatch):
     again = grid(**args)
     assert len(calls) == 1 and calls[0][0]["lr"] == 1e-2
     assert {p: p.read_bytes() for p in chunks} == before and again["selection"] == first["selection"]
+
+
+def test_grid_resumes_safely_with_other_chunking(cache, tmp_path):
+    args = dict(cache=cache, algo="fedavg", grid=["lr=1e-1,1e-2"], seeds=[0, 1], rounds=2, out=tmp_path,
+                retrain=False)
+    two = grid(**args, chunk=2)
+    for p in Path(two["run_folder"]).glob("chunk-*.json"):
+        p.unlink()
+        break
+    one = grid(**args, chunk=1)  # resumed with another chunk size: nothing counted twice
+    assert [r["val_mean"] for r in one["selection"]] == pytest.approx([r["val_mean"] for r in two["selection"]])
+
+
+def test_participation_is_not_batched_across_rates(cache, tmp_path):
+    res = grid(cache, "fedavg", ["participation=0.5,1.0"], seeds=[0], rounds=2, out=tmp_path, retrain=False)
+    assert res["chunks"] == 2  # two buckets: a rate is per run, never taken from the first configuration
 
 
 def test_grid_rejects_bad_axes(cache, tmp_path):

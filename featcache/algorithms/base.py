@@ -105,11 +105,13 @@ class FedAvg:
         return True
 
     def upload(self, state, engine) -> dict:
-        return {k: v for k, v in state.params.items() if self.shared(k)}
+        """Shared parameters and shared buffers (BN running statistics travel with their layer)."""
+        return {k: v for k, v in (state.params | state.buffers).items() if self.shared(k)}
 
     def aggregate(self, uploads: dict, weights: torch.Tensor, state, engine) -> dict:
         return {k: weighted_mean(v, weights) for k, v in uploads.items()}
 
     def download(self, state, server: dict, part: torch.Tensor, engine) -> None:
         for k, v in server.items():
-            state.params[k] = expand_hc(v, engine.C).clone()
+            target = state.params if k in state.params else state.buffers
+            target[k] = expand_hc(v, engine.C).clone()

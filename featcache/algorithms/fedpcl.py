@@ -6,7 +6,14 @@ prototypes (eq. 6) and pads every local set (eq. 7); the local loss is L_g + L_p
 nearest local prototype by inner product. Before round 1 the prototypes of the initial networks are exchanged once
 (Alg. 1 line 1, "initialize prototype sets").
 
-`fedpcl-official` matches the released code (DESIGN.md §3): no BN, L2-normalised z, only the local-prototype term.
+`fedpcl-official` matches the released code (yuetan031/FedPCL lib/losses.py ConLoss, lib/update.py; DESIGN.md §3):
+no BN, L2-normalised z, only the local-prototype term written as the code writes it (each client's prototype of the
+sample's class is the anchor, contrasted against the batch's features, same-label samples positive, summed over the
+clients' sets), global prototypes as the unweighted mean over owning clients, inference by the smallest squared
+distance to the client's own prototypes.
+
+Eq. 6 is implemented literally (`global_agg="eq6"`): the size-weighted mean is divided once more by |N_j|, so global
+prototypes are 1/|N_j| the length of local ones; `global_agg="mean"` is the plain mean over owning clients.
 Ablations: terms=global|local (Table 6); loss=supcon (Table 5). Table 5's other rows, "Cross Entropy" and
 "CE + ProtoDist", are FedAvg and FedProto: the paper's numbers for them equal those in Table 11.
 """
@@ -19,7 +26,7 @@ import torch.nn.functional as F
 from ..engine import expand_hc
 from . import register
 from .base import FedAvg, masked_mean, one_hot
-from .protos import global_prototypes, local_prototypes, pad_prototypes, privatize
+from .protos import global_prototypes, local_prototypes, mean_prototypes, pad_prototypes, privatize
 
 
 def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Tensor:
@@ -35,7 +42,7 @@ def supcon(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, tau) -> torch.T
     """Supervised contrastive loss (Khosla et al. 2020) over one batch's embeddings, one view: [N]."""
     zn = F.normalize(z, dim=-1)
     s = zn @ zn.T / tau  # [N, N]
-    eye = torch.eye(len(z), dtype=torch.bool)
+    eye = torch.eye(len(z), dtype=torch.bool, device=z.device)
     valid = mask[None, :] & ~eye  # [N, N]
     pos = (y[:, None] == y[None, :]) & valid
     log_prob = s - s.masked_fill(~valid, float("-inf")).logsumexp(-1, keepdim=True)
@@ -49,7 +56,9 @@ class FedPCL(FedAvg):
     paper = "Tan et al., NeurIPS 2022 — fedpcl.md §4 eq. 5–10, Alg. 1"
     uploads = "local prototypes [K, proj_dim] + class counts [K]"
     defaults = {"proj_dim": 256, "bn": True, "normalize": False, "tau": 0.07, "terms": "both", "loss": "pcl",
-                "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1}
+                "global_agg": "eq6", "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1}
+    choices = {"terms": ("both", "global", "local"), "loss": ("pcl", "supcon", "official"),
+               "global_agg": ("eq6", "mean"), "proto_noise": ("none", "laplace", "gaussian")}
     structural = ("proto_noise_scale", "proto_noise_p")
 
     def init(self, cfg, d_in, num_classes, gen):
@@ -81,7 +90,9 @@ class FedPCL(FedAvg):
     def aggregate(self, uploads, weights, state, engine):
         part = (weights > 0)[..., None]  # [H, C, 1]
         counts = uploads["counts"] * part  # [H, C, K]
-        glob = global_prototypes(uploads["protos"], counts)  # [H, K, d]
+        glob = GLOBAL_AGG[self.cfg["global_agg"]](uploads["protos"], counts)  # [H, K, d]
+        if "global" in state.server:  # a class no participant holds this round keeps its last global prototype
+            glob = torch.where(counts.sum(1)[..., None] > 0, glob, state.server["global"])
         padded = pad_prototypes(uploads["protos"], counts, glob)  # [H, C, K, d]
         if "locals" in state.server:  # clients that sat this round out keep their last prototypes
             padded = torch.where(part[..., None], padded, state.server["locals"])
@@ -115,9 +126,24 @@ class FedPCL(FedAvg):
         scores = z @ ctx["own"].T  # [N, K] similarity to the client's own local prototypes
         return scores.masked_fill(ctx["own_counts"] == 0, float("-inf"))
 
+    def official(self, params, z, y, mask, ctx):
+        """Released ConLoss: anchors C_p^{y_i} against the batch's z_j, positives y_j = y_i (j != i), summed over p."""
+        anchors = ctx["locals"][:, y.clamp(min=0)]  # [P, N, d]
+        s = torch.matmul(anchors, z.T) / ctx["hp"]["tau"]  # [P, N, N]
+        eye = torch.eye(len(z), dtype=torch.bool, device=z.device)
+        valid = mask[None, :] & ~eye  # [N, N]
+        pos = (y[:, None] == y[None, :]) & valid
+        log_prob = s - s.masked_fill(~valid, float("-inf")).logsumexp(-1, keepdim=True)  # [P, N, N]
+        n_pos = pos.float().sum(-1)  # [N]
+        per_set = -(log_prob * pos).sum(-1) / n_pos.clamp(min=1) * (n_pos > 0)  # [P, N]
+        return per_set.sum(0)
+
+
+GLOBAL_AGG = {"eq6": global_prototypes, "mean": mean_prototypes}
 
 LOSSES = {
     "pcl": FedPCL.pcl,
+    "official": FedPCL.official,
     "supcon": lambda self, params, z, y, mask, ctx: supcon(z, y, mask, ctx["hp"]["tau"]),
 }
 
@@ -126,4 +152,9 @@ LOSSES = {
 class FedPCLOfficial(FedPCL):
     name = "fedpcl-official"
     paper = "FedPCL released code (yuetan031/FedPCL), DESIGN.md §3"
-    defaults = FedPCL.defaults | {"bn": False, "normalize": True, "terms": "local"}
+    defaults = FedPCL.defaults | {"bn": False, "normalize": True, "loss": "official", "global_agg": "mean"}
+
+    def predict(self, params, buffers, x, ctx):
+        z, _ = self.embed(params, buffers, x)
+        dist = ((z[:, None] - ctx["own"][None]) ** 2).sum(-1)  # [N, K] squared distance to own prototypes
+        return (-dist).masked_fill(ctx["own_counts"] == 0, float("-inf"))
