@@ -13,13 +13,15 @@ install: $(BIN)/featcache
 
 $(BIN)/featcache: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip >/dev/null
 	$(BIN)/pip install -e '.[dev]'
 	@touch $@
 
+DEMO_CACHE = $$($(BIN)/featcache extract $(DEMO_EXTRACT) --json | $(BIN)/python -c 'import json,sys; print(json.load(sys.stdin)["cache"])')
+
 demo: install
 	$(BIN)/featcache extract $(DEMO_EXTRACT)
-	$(BIN)/featcache info $$($(BIN)/featcache extract $(DEMO_EXTRACT) --json | $(BIN)/python -c 'import json,sys; print(json.load(sys.stdin)["cache"])')
+	$(BIN)/featcache info $(DEMO_CACHE)
+	$(BIN)/featcache train --cache $(DEMO_CACHE) --algo fedpcl --algo fedproto --algo fedavg --rounds 50 --seeds 0,1,2 --out $(RUNS)
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -29,6 +31,8 @@ test-fast: install
 
 bench: install
 	$(BIN)/python bench/extract.py
+	$(BIN)/python bench/train.py
+	$(BIN)/python bench/grid.py
 
 clean:
 	rm -rf $(CACHE) $(RUNS) results .pytest_cache

@@ -149,7 +149,7 @@ def _device(device: str) -> torch.device:
 
 def _write_layout(f: h5py.File, data, parts, models, manifest: dict, key: str, views: int) -> int:
     """Create every group and label array; return the number of distinct images (train + test)."""
-    domains = sorted(data.domains)
+    domains = list(dict.fromkeys(p.domain for p in parts))  # the domains clients hold, in client order
     C.write_attrs(f, {
         "featcache_format": C.FORMAT, "featcache_version": C.versions()["featcache"], "key": key,
         "manifest": manifest, "backbones": [bb.key for bb in models], "classes": list(data.classes),

@@ -1,0 +1,29 @@
+"""FedRep (Collins et al., "Exploiting Shared Representations for Personalized Federated Learning", ICML 2021,
+Alg. 1).
+
+Like FedPer, the body (projection network) is shared and the head (classifier) stays local; FedRep differs in how a
+client trains: first `head_epochs` epochs on the head with the body frozen, then `local_epochs` epochs on the body
+with the head frozen (Alg. 1, client update). The paper's experiments use 10 head epochs and 1 body epoch (§5), the
+defaults here (the engine's local_epochs = 1). The server averages the bodies; FedRep's Alg. 1 averages uniformly,
+which equals FedAvg's n_k / n weighting (kept here) on equally sized clients.
+"""
+
+from __future__ import annotations
+
+from . import register
+from .fedper import FedPer
+
+
+@register
+class FedRep(FedPer):
+    name = "fedrep"
+    paper = "Collins et al., Exploiting Shared Representations for Personalized FL, ICML 2021, Alg. 1"
+    defaults = FedPer.defaults | {"head_epochs": 10}  # §5: 10 local epochs for the head, then 1 for the body
+    test_overrides = {"head_epochs": 2}  # generic engine tests: both phases and the switch, at a fifth of the cost
+
+    def local_epochs(self):
+        return self.cfg["head_epochs"] + self.cfg["local_epochs"]
+
+    def trainable(self, name, epoch):
+        head_phase = epoch < self.cfg["head_epochs"]
+        return not self.shared(name) if head_phase else self.shared(name)

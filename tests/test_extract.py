@@ -1,0 +1,122 @@
+"""`featcache extract` end to end on the built-in offline digits with a real offline backbone: cache layout, cache
+hits, determinism, views, noise, the CLI contract, and one-line errors that leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from featcache import cache as C
+from featcache.errors import UserError
+from featcache.extract import Noise, extract
+
+SMALL = dict(dataset="offline-digits", backbone=["efficientnet_lite0"], partition="feature", per_class=3,
+             test_per_class=2, image_size=32, domains=["mnist", "synth"])
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "featcache.cli", *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def small_cache(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cache")
+    return extract(**SMALL, out=out), out
+
+
+def test_cache_layout_and_metadata(small_cache):
+    res, _ = small_cache
+    assert res["cache_hit"] is False and res["backbones"] == ["efficientnet_lite0"]
+    assert res["images"] == 2 * 10 * (3 + 2)  # 2 clients x 10 classes x (3 train + 2 test)
+    with h5py.File(res["cache"]) as f:
+        meta = C.read_attrs(f)
+        assert meta["featcache_format"] == C.FORMAT and meta["domains"] == ["mnist", "synth"]
+        assert meta["partition"]["scheme"] == "feature" and len(meta["counts"]["clients"]) == 2
+        bb = C.read_attrs(f["backbones/efficientnet_lite0"])
+        assert bb["weights"].startswith("package:") and len(bb["weights_sha256"]) == 64
+        assert bb["preprocessing"]["input_size"] == [3, 32, 32]
+        g = f["clients/000/train"]
+        x = g["features/efficientnet_lite0"][...]
+        assert x.shape == (30, bb["dim"]) and x.dtype == np.float32 and np.isfinite(x).all()
+        np.testing.assert_array_equal(g["features/concat"][...], x)
+        assert sorted(np.bincount(g["labels"][...])) == [3] * 10
+        assert len(g["val_index"][...]) > 0
+
+
+def test_cache_hit_is_instant_and_identical(small_cache):
+    res, out = small_cache
+    again = extract(**SMALL, out=out)
+    assert again["cache_hit"] and again["cache"] == res["cache"] and again["seconds"] < 1.0
+
+
+def test_other_seed_or_backbone_gives_new_cache_and_same_seed_same_bytes(small_cache, tmp_path):
+    res, _ = small_cache
+    other = extract(**(SMALL | {"seed": 1}), out=tmp_path)
+    assert other["cache"] != res["cache"]
+    twin = extract(**SMALL, out=tmp_path / "twin")
+    with h5py.File(res["cache"]) as a, h5py.File(twin["cache"]) as b:
+        for c in a["clients"]:
+            for split in ("train", "test"):
+                np.testing.assert_array_equal(a[f"clients/{c}/{split}/features/concat"][...],
+                                              b[f"clients/{c}/{split}/features/concat"][...])
+
+
+def test_two_backbones_concatenate_in_order(tmp_path):
+    res = extract(**(SMALL | {"backbone": ["efficientnet_lite0", "resnet18=random"], "domains": ["mnist"]}),
+                  out=tmp_path)
+    with h5py.File(res["cache"]) as f:
+        assert json.loads(f.attrs["backbones"]) == ["efficientnet_lite0", "resnet18-random"]
+        g = f["clients/000/test/features"]
+        np.testing.assert_array_equal(g["concat"][...], np.concatenate([g["efficientnet_lite0"][...],
+                                                                        g["resnet18-random"][...]], 1))
+        assert f["backbones/resnet18-random"].attrs["weights"] == "random"
+
+
+def test_views_and_noise(tmp_path):
+    base = SMALL | {"domains": ["mnist"]}
+    views = extract(**(base | {"views": 2}), out=tmp_path)
+    with h5py.File(views["cache"]) as f:
+        v = f["clients/000/train/views/concat"][...]
+        x = f["clients/000/train/features/concat"][...]
+        assert v.shape == (30, 2, x.shape[1]) and not np.allclose(v[:, 0], v[:, 1])
+    clean = C.load_clients(views["cache"], "train")
+    noisy = extract(**(base | {"noise": Noise("gaussian", 0.2, 0.1)}), out=tmp_path)
+    assert noisy["cache"] != views["cache"]
+    assert not np.allclose(C.load_clients(noisy["cache"], "train").features, clean.features)
+    with pytest.raises(UserError, match="noise"):
+        Noise("uniform", 0.1, 0.1)
+
+
+def test_cli_json_and_info(small_cache, tmp_path):
+    res, out = small_cache
+    run = cli("extract", "--dataset", "offline-digits", "--backbone", "efficientnet_lite0", "--partition", "feature",
+              "--per-class", "3", "--test-per-class", "2", "--image-size", "32", "--domain", "mnist",
+              "--domain", "synth", "--out", str(out), "--json")
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert got["cache"] == res["cache"] and got["cache_hit"] is True
+    assert {"cache", "cache_hit", "images", "backbones", "seconds"} <= set(got)
+    info = cli("info", res["cache"], "--json")
+    assert info.returncode == 0 and json.loads(info.stdout)["counts"]["clients"][0]["train"] == 30
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--partition", "label", "--alpha", "-1"], "alpha"),
+    (["--backbone", "resnet181"], "resnet18"),
+    (["--domain", "mnst"], "mnist"),
+    (["--partition", "iid", "--clients", "100000", "--domain", "mnist"], "clients"),
+    (["--dataset", "digit5", "--data-root", "/nonexistent"], "digit"),
+    (["--backbone", "resnet18=/nonexistent/model_best.pth.tar"], "does not exist"),
+])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, args, needle):
+    base = ["extract", "--per-class", "2", "--test-per-class", "1", "--image-size", "32", "--out", str(tmp_path / "o")]
+    run = cli(*base, *args)
+    assert run.returncode == 2, run.stderr
+    lines = [line for line in run.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in run.stderr
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
