@@ -111,7 +111,7 @@ def info(cache: Path = typer.Argument(..., help="cache file"), as_json: bool = t
     counts = Table(title="clients")
     for col in ("client", "domain", "train", "val", "test"):
         counts.add_column(col)
-    for c in meta["counts"]:
+    for c in meta["counts"]["clients"]:
         counts.add_row(*(str(c[col]) for col in ("client", "domain", "train", "val", "test")))
     out.print(counts)
 

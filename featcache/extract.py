@@ -2,16 +2,22 @@
 
 The cache key is computed before any model or image is touched, from everything that determines the embeddings
 (dataset identity, partition, backbone weights, preprocessing options, views, noise, seed, library versions), so a
-repeated command is a cache hit that costs a hash and a file lookup. A miss writes to a temporary file in the output
-folder that is renamed into place only when every (backbone, client, split) block is written.
+repeated command is a cache hit that costs a hash and a file lookup. A miss embeds one (backbone, client, split) block at a
+time into `.<cache>.parts/`, each block renamed into place only when complete, so a killed extraction resumes from
+its finished blocks; the HDF5 file is then assembled in a temporary file and renamed into place. A lock on the parts
+folder keeps two extractions of the same cache from writing at once; readers only ever see finished caches.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -108,30 +114,123 @@ def extract(
     key = C.cache_key(manifest)
     path = C.cache_path(Path(out), dataset, key)
     if path.is_file():
-        with C.open_cache(path) as f:
-            images = int(f.attrs["images"])
-            keys = C.read_attrs(f)["backbones"]
-        return _result(path, True, key, images, keys, t0)
+        return _hit(path, key, t0)
 
     data = data or load_dataset(dataset, data_root, download=download)
     parts = make_partition(data, spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    work = path.with_name(f".{path.name}.parts")  # finished (backbone, client, split) blocks: the resume point
+    with _locked(work) as fresh:
+        if path.is_file():  # another process finished it while we waited for the lock
+            return _hit(path, key, t0)
+        try:
+            metas = [_backbone_blocks(work, j, spec_j, data, parts, image_size, views, noise, seed, batch_size,
+                                      _device(device), progress) for j, spec_j in enumerate(backbone)]
+            images = _assemble(path, work, data, parts, metas, manifest, key, views)
+        except KeyboardInterrupt:
+            raise  # finished blocks stay in `work`: the same command resumes from them
+        except BaseException:
+            if fresh:
+                shutil.rmtree(work, ignore_errors=True)
+            raise
+    shutil.rmtree(work, ignore_errors=True)
+    return _result(path, False, key, images, [m["key"] for m in metas], t0)
+
+
+@contextmanager
+def _locked(work: Path):
+    """Exclusive lock on the work folder (two extracts of one cache never write at once); yields whether the
+    folder is new (nothing to resume)."""
+    fresh = not work.exists()
+    work.mkdir(exist_ok=True)
+    with open(work / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield fresh
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _backbone_blocks(work: Path, j: int, spec: str, data, parts, image_size, views, noise, seed, batch_size, dev,
+                     progress) -> dict:
+    """Embed every (client, split[, views]) block of backbone j into work/b{j}.*.npy, skipping finished blocks.
+    Returns the backbone's metadata (also saved, so a finished backbone is never rebuilt on resume)."""
+    meta_file = work / f"b{j}.json"
+    jobs = [(c, part, split, v) for c, part in enumerate(parts) for split in SPLITS
+            for v in ((0, views) if views and split == "train" else (0,))]
+    blocks = [work / f"b{j}.{c:03d}.{split}.{'views' if v else 'features'}.npy" for c, _, split, v in jobs]
+    if meta_file.is_file() and all(b.is_file() for b in blocks):
+        return json.loads(meta_file.read_text())
     from .backbones import create_backbone
 
-    models = [create_backbone(b, image_size=image_size) for b in backbone]
-    dev = _device(device)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    bb = create_backbone(spec, image_size=image_size)
+    meta = {"key": bb.key, "name": bb.name, "weights": bb.weights, "weights_sha256": bb.weights_sha256,
+            "dim": bb.dim, "preprocessing": bb.preprocessing}
+    model = bb.model.to(dev)
+    if dev.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    total = sum(len(getattr(p, s)) for _, p, s, _ in jobs)
+    done = 0
+    for (c, part, split, v), block in zip(jobs, blocks):
+        idx = getattr(part, split)  # [n]
+        if block.is_file():
+            done += len(idx)
+            continue
+        tmp = block.with_suffix(".tmp.npy")
+        out = np.lib.format.open_memmap(tmp, "w+", np.float32, (len(idx), v, bb.dim) if v else (len(idx), bb.dim))
+        row = 0
+        for x in _batches(bb, data.domains[part.domain][split], part.domain, split, idx, v, noise, seed, batch_size):
+            z = _forward(model, x, dev)  # [B*max(v,1), D]
+            n = len(z) // max(v, 1)
+            out[row : row + n] = z.reshape(n, v, -1) if v else z
+            row += n
+            done += n
+            if progress:
+                progress(bb.key, done, total)
+        out.flush()
+        del out
+        os.replace(tmp, block)  # a block exists only once complete
+    meta_file.write_text(json.dumps(meta))
+    return meta
+
+
+@torch.inference_mode()
+def _forward(model, x: torch.Tensor, dev: torch.device) -> np.ndarray:
+    x = x.to(dev, non_blocking=True)
+    cuda = dev.type == "cuda"
+    if cuda:
+        x = x.to(memory_format=torch.channels_last)
+    with torch.autocast(dev.type, dtype=torch.float16, enabled=cuda):
+        return model(x).float().cpu().numpy()
+
+
+def _assemble(path: Path, work: Path, data, parts, metas, manifest, key, views, rows_per_block: int = 4096) -> int:
+    """Write the HDF5 cache from the finished blocks into a temporary file, renamed into place when complete."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with h5py.File(tmp, "w") as f:
-            images = _write_layout(f, data, parts, models, manifest, key, views)
-            for bb in models:
-                _run_backbone(f, bb, data, parts, views, noise, seed, batch_size, dev, progress)
-            _write_concat(f, [bb.key for bb in models], views)
+        with h5py.File(tmp, "w", track_order=True) as f:
+            images = _write_layout(f, data, parts, metas, manifest, key)
+            for c in range(len(parts)):
+                for split in SPLITS:
+                    for group in ("features", "views") if views and split == "train" else ("features",):
+                        blocks = [np.load(work / f"b{j}.{c:03d}.{split}.{group}.npy", mmap_mode="r")
+                                  for j in range(len(metas))]
+                        g = f[f"clients/{c:03d}/{split}"]
+                        for m, b in zip(metas, blocks):
+                            g.create_dataset(f"{group}/{m['key']}", data=b, track_times=False)
+                        shape = (*blocks[0].shape[:-1], sum(b.shape[-1] for b in blocks))
+                        cat = g.create_dataset(f"{group}/concat", shape, "f4", track_times=False)
+                        for r in range(0, shape[0], rows_per_block):
+                            cat[r : r + rows_per_block] = np.concatenate([b[r : r + rows_per_block] for b in blocks], -1)
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
-    return _result(path, False, key, images, [bb.key for bb in models], t0)
+    return images
+
+
+def _hit(path: Path, key: str, t0: float) -> dict:
+    with C.open_cache(path) as f:
+        return _result(path, True, key, int(f.attrs["images"]), C.read_attrs(f)["backbones"], t0)
 
 
 def _result(path: Path, hit: bool, key: str, images: int, keys: list[str], t0: float) -> dict:
@@ -147,21 +246,18 @@ def _device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _write_layout(f: h5py.File, data, parts, models, manifest: dict, key: str, views: int) -> int:
-    """Create every group and label array; return the number of distinct images (train + test)."""
+def _write_layout(f: h5py.File, data, parts, metas: list[dict], manifest: dict, key: str) -> int:
+    """Root attributes, backbone metadata and every client's labels; returns the number of images (train + test).
+    No timestamps: the same inputs give a byte-identical file."""
     domains = list(dict.fromkeys(p.domain for p in parts))  # the domains clients hold, in client order
     C.write_attrs(f, {
         "featcache_format": C.FORMAT, "featcache_version": C.versions()["featcache"], "key": key,
-        "manifest": manifest, "backbones": [bb.key for bb in models], "classes": list(data.classes),
+        "manifest": manifest, "backbones": [m["key"] for m in metas], "classes": list(data.classes),
         "domains": domains, "dataset": data.name, "partition": manifest["partition"],
-        "counts": partition_counts(data, parts), "views": views, "versions": manifest["versions"],
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "counts": partition_counts(data, parts), "views": manifest["views"], "versions": manifest["versions"],
     })
-    for bb in models:
-        C.write_attrs(f.create_group(f"backbones/{bb.key}"), {
-            "name": bb.name, "weights": bb.weights, "weights_sha256": bb.weights_sha256, "dim": bb.dim,
-            "preprocessing": bb.preprocessing,
-        })
+    for m in metas:
+        C.write_attrs(f.create_group(f"backbones/{m['key']}"), {k: v for k, v in m.items() if k != "key"})
     images = 0
     for c, part in enumerate(parts):
         g = f.create_group(f"clients/{c:03d}")
@@ -169,15 +265,11 @@ def _write_layout(f: h5py.File, data, parts, models, manifest: dict, key: str, v
         for split in SPLITS:
             idx = getattr(part, split)  # [n] int64
             s = g.create_group(split)
-            s["labels"] = data.domains[part.domain][split].labels[idx]
-            s["source_index"] = idx
-            s["domain"] = np.full(len(idx), domains.index(part.domain), dtype=np.int16)
-            for bb in models:
-                s.create_dataset(f"features/{bb.key}", (len(idx), bb.dim), "f4")
-                if views and split == "train":
-                    s.create_dataset(f"views/{bb.key}", (len(idx), views, bb.dim), "f4")
+            s.create_dataset("labels", data=data.domains[part.domain][split].labels[idx], track_times=False)
+            s.create_dataset("source_index", data=idx, track_times=False)
+            s.create_dataset("domain", data=np.full(len(idx), domains.index(part.domain), np.int16), track_times=False)
             images += len(idx)
-        g["train/val_index"] = part.val
+        g.create_dataset("train/val_index", data=part.val, track_times=False)
     f.attrs["images"] = images
     return images
 
@@ -208,45 +300,3 @@ def _batches(bb, images, domain: str, split: str, idx: np.ndarray, views: int, n
     chunks = [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
     with ThreadPoolExecutor(1) as pool:  # prepare batch k+1 while the backbone runs on batch k
         yield from pool.map(prepare, chunks)
-
-
-@torch.inference_mode()
-def _run_backbone(f, bb, data, parts, views, noise, seed, batch_size, dev, progress) -> None:
-    model = bb.model.to(dev)
-    cuda = dev.type == "cuda"
-    if cuda:
-        model = model.to(memory_format=torch.channels_last)
-    jobs = [(c, part, split, v) for c, part in enumerate(parts) for split in SPLITS
-            for v in ((0, views) if views and split == "train" else (0,))]
-    total = sum(len(getattr(p, s)) for _, p, s, _ in jobs)
-    done = 0
-    for c, part, split, v in jobs:
-        idx = getattr(part, split)  # [n]
-        images = data.domains[part.domain][split]
-        dset = f[f"clients/{c:03d}/{split}/{'views' if v else 'features'}/{bb.key}"]
-        row = 0
-        for x in _batches(bb, images, part.domain, split, idx, v, noise, seed, batch_size):  # [B*max(v,1), 3, S, S]
-            x = x.to(dev, non_blocking=True)
-            if cuda:
-                x = x.to(memory_format=torch.channels_last)
-            with torch.autocast(dev.type, dtype=torch.float16, enabled=cuda):
-                z = model(x).float().cpu().numpy()  # [B*max(v,1), D]
-            n = len(z) // max(v, 1)
-            dset[row : row + n] = z.reshape(n, v, -1) if v else z
-            row += n
-            done += n
-            if progress:
-                progress(f"{bb.key}", done, total)
-    bb.model.to("cpu")
-
-
-def _write_concat(f: h5py.File, keys: list[str], views: int, rows_per_block: int = 4096) -> None:
-    """features/concat (and views/concat) = per-backbone embeddings side by side, in `keys` order."""
-    for g in f["clients"].values():
-        for split in SPLITS:
-            for group in ("features", "views") if views and split == "train" else ("features",):
-                parts = [g[f"{split}/{group}/{k}"] for k in keys]
-                shape = (*parts[0].shape[:-1], sum(p.shape[-1] for p in parts))
-                out = g[split][group].create_dataset("concat", shape, "f4")
-                for r in range(0, shape[0], rows_per_block):
-                    out[r : r + rows_per_block] = np.concatenate([p[r : r + rows_per_block] for p in parts], -1)
