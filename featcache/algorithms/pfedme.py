@@ -77,6 +77,9 @@ class PFedMe(FedAvg):
     def predict(self, params, buffers, x, ctx):
         return super().predict(personal(params, buffers), buffers, x, ctx)
 
+    def shared(self, name):
+        return not name.startswith(PERSONAL)  # θ̃ (held in buffers) never leaves the client
+
     # -- server -----------------------------------------------------------------------------------------------
     def init_state(self, state, engine):
         remember_global(state)

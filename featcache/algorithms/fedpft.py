@@ -1,0 +1,308 @@
+"""FedPFT, FedPFT+Con and FedAvg+Linear (Wu et al., "From Mismatch to Harmony: Resolving Feature-Classifier Mismatch
+in Federated Learning via Prompt-Driven Feature Transformation", ICLR 2025 submission; fedpft.md §3, Alg. 1, App. C-F),
+plus the Origin / Probe / Match accuracies of its Table 1 (App. A).
+
+No public code exists; every choice below is derived from the paper, and marked where the paper is silent.
+
+Model on cached features. ϕ (the paper's feature extractor) is the learnable layer above the frozen backbone, as in
+FedAvg here: FC(D, m) + ReLU with m = proj_dim. h_κ is FC(m, K).
+
+FTM τ (§3.3, eq. 2): one multi-head self-attention layer over the tokens [f, p_1..p_n] (f = ϕ(x), p = prompts, all
+in R^m); f' is the output at f's position. Its size follows App. N, Table 15: τ has 0.26M parameters for ResNet-8
+(m = 256) and 1.05M for ResNet-10 (m = 512), i.e. 4m² + 4m = the Q, K, V and output projections of
+torch.nn.MultiheadAttention and nothing else (an MLP block would add ≥ 2m² more). So: no MLP and no LayerNorm.
+The paper shows no formula for the rest; our choices: a residual connection (residual=True), because without it
+f' starts as W_o(v_f + Σ v_p)/(1 + n) and SGD at the paper's rates stalls (synthetic test data, 20 rounds at lr 0.1:
+0.59 accuracy without, 1.00 with); `heads` = 1 (App. H plots one attention row per sample). Initialised as
+nn.MultiheadAttention (Xavier-uniform Q/K/V, zero biases). Only the row of f is computed:
+f' = f + W_o softmax(q_f [k_f, k_p]ᵀ / √d_h) [v_f, v_p] + b_o, which equals row 0 of full self-attention.
+Prompts p_κ (n_κ = 10, App. D.3) are initialised N(0, 0.02²) like timm's learned tokens (the paper is silent).
+
+FedPFT (Alg. 1): each round R = R_f + R_a local epochs (local_epochs must equal r_f + r_a), (R_f, R_a) = (4, 1):
+    feature transformation phase, eq. 4 (R_f epochs): train p_κ and τ; ϕ and h_κ frozen;
+    model training phase, eq. 5 (R_a epochs):        train ϕ, τ, h_κ; p_κ frozen.
+Clients upload ϕ, τ, h_κ (FedAvg-averaged, §3.5); p_κ never leaves the client. Inference: h_κ(τ([ϕ(x), p_κ])).
+Optimizer (App. D.3): SGD, lr 0.1, the FTM at 0.05 (lr_scale 0.5). The paper names no momentum or weight decay:
+torch.optim.SGD's defaults (0, 0).
+
+FedPFT+Con (§3.6, App. C): a second prompt set p_ρ (n_ρ = n_κ; the paper gives no number) and a projection head h_ρ
+add eq. 7's MoCo loss on two augmented views x', x'' (cached views 0 and 1):
+q = h_ρ τ([ϕ(x'), p_ρ]), k₊ = h̃_ρ τ([ϕ̃(x''), p_ρ]) — as written, the key uses the current τ and p_ρ and momentum
+copies ϕ̃, h̃_ρ; keys carry no gradient; q and keys are L2-normalised; negatives come from a queue; temperature β.
+Per phase, each loss trains only the parameters that eq. 8 / eq. 9 list before its semicolon:
+    transformation phase, eq. 8:  L_CE trains p_κ, τ;      L_Con trains ϕ, τ, h_ρ   (h_κ, p_ρ frozen)
+    model phase, eq. 9:           L_CE trains ϕ, τ, h_κ;   L_Con trains p_ρ, τ      (p_κ, h_ρ frozen)
+so ϕ learns only from L_Con in the first phase and only from L_CE in the second. The engine hands the loss no epoch,
+so `trainable()` (asked at the start of every epoch) records the phase for `local_loss`.
+Uploaded: ϕ, τ, h_κ and h_ρ (§3.6 calls h_ρ global). Local: p_κ, p_ρ and the MoCo state, kept per client in buffers
+and updated every step in MoCo's order: momentum update θ̃ ← m θ̃ + (1 - m) θ from the current parameters, keys,
+then the batch's keys enter the queue (newest first; the oldest fall off). The momentum encoder is never reset: it
+tracks the client's downloaded-then-trained model across rounds. Not given by the paper, taken from the MoCo it cites
+(He et al. 2020, v1): linear head FC(m, 128), m = 0.999, β = 0.07, queue initialised with random unit vectors; the
+queue holds 1024 keys (MoCo's 65,536 is 130x a client's 500 images). FTM lr 0.01 (lr_scale 0.1): App. D.3 says "the
+learning rate for the FTM remains 0.01" for FedPFT+Con, contradicting FedPFT's 0.05; each number is used as written.
+
+FedAvg+Linear (App. F, Table 9): a personalised linear layer T_i (m x m, with bias) between the global ϕ and h, in
+place of τ and the prompts. The paper gives no schedule; we use FedPFT's alternating one with T_i in the prompts'
+role: R_f epochs train T_i (ϕ, h frozen), R_a epochs train ϕ and h (T_i frozen). T_i starts as the identity, so
+round 1 starts from FedAvg's model. ϕ and h are averaged; T_i stays local.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..engine import map_models
+from ..errors import UserError
+from ..heads import linear, linear_init
+from ..optim import Adam
+from . import register
+from .base import FedAvg, masked_ce, masked_mean
+
+Params = dict[str, torch.Tensor]
+
+
+# -- the feature transformation module τ ---------------------------------------------------------------------------
+def ftm_init(params: Params, m: int, gen: torch.Generator) -> None:
+    """Q, K, V, O projections m -> m, initialised as torch.nn.MultiheadAttention (4m² + 4m parameters)."""
+    bound = math.sqrt(6 / (m + 3 * m))  # Xavier-uniform over the stacked [3m, m] in-projection
+    for name in ("q", "k", "v"):
+        params[f"ftm.{name}.weight"] = (torch.rand(m, m, generator=gen) * 2 - 1) * bound  # [m, m]
+        params[f"ftm.{name}.bias"] = torch.zeros(m)
+    linear_init(params, "ftm.o", m, m, gen)
+    params["ftm.o.bias"] = torch.zeros(m)
+
+
+def ftm(params: Params, f: torch.Tensor, prompts: torch.Tensor, heads: int, residual: bool) -> torch.Tensor:
+    """Eq. 2: f' = τ([f, p])[0] for every row of f [N, m] with the same prompts [n, m] -> [N, m]
+    (plus f itself with residual=True)."""
+    N, m = f.shape
+    d = m // heads
+    split = lambda t: t.reshape(*t.shape[:-1], heads, d)  # [..., m] -> [..., heads, d]
+    q, k_f, v_f = (split(linear(params, f"ftm.{s}", f)) for s in "qkv")  # [N, heads, d]
+    k_p, v_p = (split(linear(params, f"ftm.{s}", prompts)) for s in "kv")  # [n, heads, d]
+    s_self = (q * k_f).sum(-1, keepdim=True)  # [N, heads, 1]  f attends to itself
+    s_prompt = torch.einsum("Nhd,nhd->Nhn", q, k_p)  # [N, heads, n]
+    a = torch.softmax(torch.cat([s_self, s_prompt], -1) / math.sqrt(d), -1)  # [N, heads, 1 + n]
+    out = a[..., :1] * v_f + torch.einsum("Nhn,nhd->Nhd", a[..., 1:], v_p)  # [N, heads, d]
+    attended = linear(params, "ftm.o", out.reshape(N, m))  # [N, m]
+    return f + attended if residual else attended
+
+
+# -- MoCo (FedPFT+Con) ----------------------------------------------------------------------------------------------
+def info_nce(q: torch.Tensor, k_pos: torch.Tensor, queue: torch.Tensor, beta) -> torch.Tensor:
+    """Eq. 7 per sample: -log exp(q·k₊/β) / (exp(q·k₊/β) + Σ_j exp(q·k_j/β)), q, k₊ [N, d], queue [Q, d] -> [N]."""
+    pos = (q * k_pos).sum(-1, keepdim=True)  # [N, 1]
+    logits = torch.cat([pos, q @ queue.T], -1) / beta  # [N, 1 + Q]
+    return logits.logsumexp(-1) - logits[:, 0]
+
+
+def enqueue(queue: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """MoCo's FIFO: the valid keys [B, d] (mask [B]) enter at the front of queue [Q, d], the oldest fall off."""
+    n = mask.sum()
+    fresh = keys[torch.argsort((~mask).long(), stable=True)]  # [B, d] valid rows first, in batch order
+    j = torch.arange(queue.shape[0], device=queue.device)  # [Q]
+    take_fresh = (j < n)[:, None]  # [Q, 1]
+    old = queue[(j - n).clamp(min=0)]  # [Q, d] the queue shifted back by n
+    return torch.where(take_fresh, fresh[j.clamp(max=len(keys) - 1)], old)
+
+
+# -- the alternating schedule shared by FedPFT and FedAvg+Linear (§3.5, Alg. 1) -----------------------------------
+class Alternating(FedAvg):
+    """R_f epochs of the feature transformation phase, then R_a epochs of the model training phase; parameters named
+    by `personal` stay on the client, the rest is FedAvg-averaged."""
+
+    phases: dict[str, tuple[str, ...]] = {}  # phase -> prefixes of the parameter names it trains
+    personal: tuple[str, ...] = ()
+    # The generic 20-round test runs at lr 1e-2 (an Adam rate); SGD with momentum 0.9 there takes steps like the
+    # paper's plain SGD at lr 0.1.
+    test_overrides = {"momentum": 0.9}
+
+    def init_state(self, state, engine):
+        r_f, r_a, r = self.cfg["r_f"], self.cfg["r_a"], self.cfg["local_epochs"]
+        if min(r_f, r_a) < 0 or r_f + r_a != r:
+            raise UserError(f"{self.name}: local epochs split into phases, R = R_f + R_a: need r_f, r_a >= 0 and "
+                            f"local_epochs = r_f + r_a (got r_f={r_f}, r_a={r_a}, local_epochs={r})")
+
+    def phase(self, epoch: int) -> str:
+        return "transform" if epoch < self.cfg["r_f"] else "model"
+
+    def trainable(self, name, epoch):
+        return name.startswith(self.phases[self.phase(epoch)])
+
+    def shared(self, name):
+        return not name.startswith(self.personal)
+
+
+# -- FedPFT -----------------------------------------------------------------------------------------------------------
+@register
+class FedPFT(Alternating):
+    name = "fedpft"
+    paper = "Wu et al., ICLR 2025 submission — fedpft.md §3 eq. 2–5, Alg. 1, App. D.3"
+    uploads = "extractor ϕ, FTM τ and classifier h_κ (prompts p_κ stay local)"
+    defaults = {
+        "proj_dim": 256, "bn": False,  # ϕ = FC(D, m) + ReLU; m = 256 is ResNet-8's width in Table 15
+        "n_prompts": 10, "heads": 1, "residual": True,  # n_κ = 10 (App. D.3); heads, residual: ours (docstring)
+        "r_f": 4, "r_a": 1, "local_epochs": 5,  # (R_f, R_a) = (4, 1) (App. D.3), R = R_f + R_a = 5 (§4.1)
+        "optimizer": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0,  # SGD lr 0.1 (App. D.3)
+        "ftm_lr_scale": 0.5,  # FTM lr 0.05 = 0.5 x 0.1 (App. D.3)
+    }
+    structural = ("ftm_lr_scale",)
+    phases = {"transform": ("prompt.kappa", "ftm."), "model": ("proj", "ftm.", "cls")}  # eq. 4, eq. 5
+    personal = ("prompt.",)
+
+    def init(self, cfg, d_in, num_classes, gen):
+        m = cfg["proj_dim"]
+        if m % cfg["heads"]:
+            raise UserError(f"{self.name}: proj_dim={m} must be a multiple of heads={cfg['heads']}")
+        params, buffers = super().init(cfg, d_in, num_classes, gen)
+        ftm_init(params, m, gen)
+        params["prompt.kappa"] = torch.randn(cfg["n_prompts"], m, generator=gen) * 0.02  # [n_κ, m]
+        return params, buffers
+
+    def embed(self, params, buffers, x, mask=None, train=False):
+        """f' = τ([ϕ(x), p_κ]): the classifier's input [N, m]."""
+        f, new = super().embed(params, buffers, x, mask, train)  # [N, m]
+        return ftm(params, f, params["prompt.kappa"], self.cfg["heads"], self.cfg["residual"]), new
+
+    def lr_scale(self, name):
+        return self.cfg["ftm_lr_scale"] if name.startswith("ftm.") else 1.0
+
+
+# -- FedPFT+Con -------------------------------------------------------------------------------------------------------
+VIEWS_ERROR = "fedpft-con needs augmented views: extract with --views 2"
+
+
+@register
+class FedPFTCon(FedPFT):
+    name = "fedpft-con"
+    paper = "Wu et al., ICLR 2025 submission — fedpft.md §3.6, App. C eq. 6–9, App. D.3"
+    uploads = "extractor ϕ, FTM τ, classifier h_κ and projection head h_ρ (prompts p_κ, p_ρ stay local)"
+    defaults = FedPFT.defaults | {
+        "ftm_lr_scale": 0.1,  # "the learning rate for the FTM remains 0.01" (App. D.3) = 0.1 x 0.1
+        "con_dim": 128, "queue": 1024, "beta": 0.07, "moco_m": 0.999,  # MoCo v1's head dim, τ and m; queue: ours
+    }
+    phases = {"transform": ("prompt.kappa", "ftm.", "proj", "rho"),  # eq. 8
+              "model": ("proj", "ftm.", "cls", "prompt.rho")}  # eq. 9
+    personal = ("prompt.", "ema.", "queue")  # prompts and the client's MoCo state (buffers) stay local
+    momentum = ("proj", "rho")  # parameters with a momentum copy (ϕ̃, h̃_ρ) in buffers "ema.<name>"
+    uses_views = True  # train.py loads the cached augmented views for this algorithm
+    current_phase = "transform"  # set by trainable() at the start of every local epoch
+    limitation = ("the two augmented views are the ones cached at extraction (--views), the same every epoch, "
+                  "not fresh augmentations per step as in MoCo")
+
+    def init(self, cfg, d_in, num_classes, gen):
+        params, buffers = super().init(cfg, d_in, num_classes, gen)
+        m, d = cfg["proj_dim"], cfg["con_dim"]
+        params["prompt.rho"] = torch.randn(cfg["n_prompts"], m, generator=gen) * 0.02  # [n_ρ, m]
+        linear_init(params, "rho0", m, d, gen)
+        buffers |= {f"ema.{k}": v.clone() for k, v in params.items() if k.startswith(self.momentum)}
+        buffers["queue"] = F.normalize(torch.randn(cfg["queue"], d, generator=gen), dim=-1)  # [Q, d] as MoCo
+        return params, buffers
+
+    def init_state(self, state, engine):
+        super().init_state(state, engine)
+        if engine.train.views is None or engine.train.views.shape[2] < 2:
+            raise UserError(VIEWS_ERROR)
+
+    def trainable(self, name, epoch):
+        # The engine hands local_loss no epoch; it asks trainable() at the start of every epoch, before any step,
+        # so the phase is recorded here for local_loss's per-loss gradient routing (eq. 8 vs eq. 9).
+        self.current_phase = self.phase(epoch)
+        return super().trainable(name, epoch)
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        heads, res, hp = self.cfg["heads"], self.cfg["residual"], ctx["hp"]
+        transform = self.current_phase == "transform"
+        f, new_buffers = FedAvg.embed(self, params, buffers, x, mask, train=True)  # ϕ(x) [B, m]
+        f_ce = f.detach() if transform else f  # eq. 8: L_CE does not train ϕ in the transformation phase
+        ce = masked_ce(self.logits(params, ftm(params, f_ce, params["prompt.kappa"], heads, res)), y, mask)
+
+        views = ctx["views"]  # [B, V, D]
+        f_q, _ = FedAvg.embed(self, params, buffers, views[:, 0], mask, train=True)  # ϕ(x') [B, m]
+        f_q = f_q if transform else f_q.detach()  # eq. 9: L_Con does not train ϕ in the model phase
+        q = F.normalize(linear(params, "rho0", ftm(params, f_q, params["prompt.rho"], heads, res)), dim=-1)  # [B, d]
+        ema = {k[4:]: hp["moco_m"] * v + (1 - hp["moco_m"]) * params[k[4:]].detach()
+               for k, v in buffers.items() if k.startswith("ema.")}  # ϕ̃, h̃_ρ after the momentum update
+        f_k, _ = FedAvg.embed(self, ema, buffers, views[:, 1], mask, train=True)  # ϕ̃(x'') [B, m]
+        k = F.normalize(linear(ema, "rho0", ftm(params, f_k, params["prompt.rho"], heads, res)), dim=-1).detach()
+        con = masked_mean(info_nce(q, k, buffers["queue"], hp["beta"]), mask)
+
+        new_buffers |= {f"ema.{n}": v.detach() for n, v in ema.items()}
+        new_buffers["queue"] = enqueue(buffers["queue"], k, mask)
+        return ce + con, new_buffers
+
+
+# -- FedAvg+Linear ----------------------------------------------------------------------------------------------------
+@register
+class FedAvgLinear(Alternating):
+    name = "fedavg-linear"
+    paper = "Wu et al., ICLR 2025 submission — fedpft.md App. F, Table 9"
+    uploads = "extractor ϕ and classifier h (the linear transform T_i stays local)"
+    defaults = {k: v for k, v in FedPFT.defaults.items() if k not in ("n_prompts", "heads", "residual", "ftm_lr_scale")}
+    phases = {"transform": ("lin.",), "model": ("proj", "cls")}
+    personal = ("lin.",)
+
+    def init(self, cfg, d_in, num_classes, gen):
+        params, buffers = super().init(cfg, d_in, num_classes, gen)
+        m = cfg["proj_dim"]
+        params["lin.weight"], params["lin.bias"] = torch.eye(m), torch.zeros(m)  # T_i = identity at the start
+        return params, buffers
+
+    def embed(self, params, buffers, x, mask=None, train=False):
+        f, new = super().embed(params, buffers, x, mask, train)  # ϕ(x) [N, m]
+        return linear(params, "lin", f), new
+
+
+# -- Table 1: Origin / Probe / Match accuracy (App. A, Fig. 6) ------------------------------------------------------
+def probe_match(algo, state, train, test, steps: int = 200, lr: float = 1e-2) -> dict[str, torch.Tensor]:
+    """Per-model accuracies [H, C] on each client's test data, for algorithms that predict logits(embed(x)):
+
+    origin: the trained model as it is (Fig. 6a);
+    probe:  a fresh linear classifier (zero init) trained on the client's train data on top of the classifier's
+            input features (Fig. 6b; for FedPFT that is f' = τ([ϕ(x), p_κ]), as Table 6's 'p_κ' row);
+    match:  the model's own classifier, frozen, behind a linear layer (identity init) trained on the client's train
+            data (Fig. 6c). Both are fitted full-batch with Adam (`steps`, `lr`: the paper gives neither).
+    """
+    embed = lambda p, b, x: algo.embed(p, b, x)[0]
+    z_train = map_models(embed, (state.params, state.buffers), (train.features,))  # [H, C, N, m]
+    z_test = map_models(embed, (state.params, state.buffers), (test.features,))  # [H, C, N', m]
+    H, C, _, m = z_train.shape
+    K = train.num_classes
+    eye = torch.eye(m, device=z_train.device)
+    heads = {
+        "probe": ({"w.weight": torch.zeros(H, C, K, m), "w.bias": torch.zeros(H, C, K)},
+                  lambda w, p, z: linear(w, "w", z)),
+        "match": ({"w.weight": eye.expand(H, C, m, m).clone(), "w.bias": torch.zeros(H, C, m)},
+                  lambda w, p, z: algo.logits(p, linear(w, "w", z))),
+    }
+    out = {"origin": _accuracy(map_models(algo.logits, (state.params, z_test)), test)}
+    for kind, (w, head) in heads.items():
+        w = {k: v.to(z_train) for k, v in w.items()}
+        w = _fit(w, lambda w_, p, z, y, mask: masked_ce(head(w_, p, z), y, mask), state.params, z_train, train,
+                 steps, lr)
+        out[kind] = _accuracy(map_models(head, (w, state.params, z_test)), test)
+    return out
+
+
+def _fit(w: Params, loss, params: Params, z: torch.Tensor, data, steps: int, lr: float) -> Params:
+    """Full-batch Adam on `w` (leaves [H, C, ...]), every model on its own client's rows."""
+    H, C = z.shape[:2]
+    opt = Adam(w, lr=torch.full((H,), lr, device=z.device), weight_decay=torch.zeros(H, device=z.device))
+    active = torch.ones(H, C, dtype=torch.bool, device=z.device)
+    for _ in range(steps):
+        leaves = {k: v.detach().requires_grad_(True) for k, v in w.items()}
+        total = map_models(loss, (leaves, params, z), (data.labels, data.mask)).sum()
+        grads = dict(zip(leaves, torch.autograd.grad(total, list(leaves.values()))))
+        with torch.no_grad():
+            w = opt.step(w, grads, active)
+    return w
+
+
+def _accuracy(scores: torch.Tensor, data) -> torch.Tensor:
+    """scores [H, C, N, K] -> accuracy [H, C] over each client's valid rows."""
+    hit = (scores.argmax(-1) == data.labels) & data.mask  # [H, C, N]
+    return hit.sum(-1) / data.counts.clamp(min=1)
