@@ -12,6 +12,13 @@ from ..errors import UserError, suggest
 
 _ALGOS: dict[str, type] = {}
 
+# Methods whose mechanism needs something a feature cache cannot give: listed, never faked.
+UNAVAILABLE = {
+    "pfedpt": "pFedPT (Li et al., 2023) learns visual prompts added to the input pixels, before the backbone; "
+              "cached features come after the frozen backbone, so its prompts have nothing to act on. "
+              "FedPFT's feature-space prompts (fedpft) are the cached-feature counterpart.",
+}
+
 
 def register(cls):
     _ALGOS[cls.name] = cls
@@ -30,6 +37,8 @@ def list_algorithms() -> dict[str, type]:
 
 def create(name: str):
     _import_all()
+    if name in UNAVAILABLE:
+        raise UserError(f"{name} cannot run on cached features: {UNAVAILABLE[name]}")
     if name not in _ALGOS:
         raise UserError(f"unknown algorithm {name!r}{suggest(name, _ALGOS)}: see `featcache algos`")
     return _ALGOS[name]()

@@ -119,7 +119,7 @@ class Alternating(FedAvg):
     personal: tuple[str, ...] = ()
     # The generic 20-round test runs at lr 1e-2 (an Adam rate); SGD with momentum 0.9 there takes steps like the
     # paper's plain SGD at lr 0.1.
-    test_overrides = {"momentum": 0.9}
+    test_overrides = {"momentum": 0.9, "r_f": 1, "r_a": 1, "local_epochs": 2}  # both phases, fewer epochs: fast tests
 
     def init_state(self, state, engine):
         r_f, r_a, r = self.cfg["r_f"], self.cfg["r_a"], self.cfg["local_epochs"]
