@@ -253,11 +253,14 @@ def _parse_spec(spec: str) -> tuple[str, str]:
 
 
 def _create(name: str, image_size: int | None, **kwargs) -> torch.nn.Module:
-    """timm feature model (num_classes=0); fixed-size models (ViTs) are built for `image_size`."""
+    """timm feature model (num_classes=0); fixed-size models (ViTs) are built for `image_size`. Initialised from a
+    fixed seed, so random backbones, and what a partial checkpoint leaves out, are the same on every run."""
     cfg = timm.models.get_pretrained_cfg(name)
     if image_size and cfg is not None and cfg.fixed_input_size:
         kwargs["img_size"] = image_size
-    return timm.create_model(name, num_classes=0, **kwargs)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return timm.create_model(name, num_classes=0, **kwargs)
 
 
 def _random_model(name: str, image_size: int | None) -> torch.nn.Module:
@@ -267,9 +270,7 @@ def _random_model(name: str, image_size: int | None) -> torch.nn.Module:
         UserWarning,
         stacklevel=3,
     )
-    with torch.random.fork_rng():  # seeded, so "random" features are the same on every run
-        torch.manual_seed(0)
-        return _create(name, image_size)
+    return _create(name, image_size)
 
 
 def _hub_model(name: str, image_size: int | None) -> tuple[torch.nn.Module, str, str]:
@@ -323,7 +324,7 @@ def _checkpoint_model(name: str, path: Path, image_size: int | None, allow_parti
     if problems and not allow_partial:
         raise UserError(
             f"checkpoint {path} does not fit {name} ({problems}): check that {name} is the checkpoint's "
-            "architecture, or allow a partial load"
+            "architecture, or pass --allow-partial to load what fits (the rest stays seeded random)"
         )
     if problems:
         warnings.warn(f"partial load of {path} into {name}, rest left random: {problems}", UserWarning, stacklevel=3)
@@ -352,7 +353,7 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             ) from err
         reason = str(err).partition("WeightsUnpickler error:")[2] or str(err)
         raise UserError(f"cannot read checkpoint {path}: {_first_line(reason)}") from err
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
+    except Exception as err:  # a damaged file trips the (weights-only) unpickler in many ways: IndexError, KeyError...
         raise UserError(f"cannot read checkpoint {path}: {_first_line(str(err))}") from err
     state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -1,10 +1,11 @@
-"""The HDF5 feature cache: its schema, its fingerprint, atomic writing, and reading clients back as padded tensors.
+"""The HDF5 feature cache: its schema, its fingerprint, its checksums, and reading clients back as padded tensors.
 
-Schema (format 1; every attribute that is not a number or string is a JSON string):
+Schema (format 2; every attribute that is not a number or string is a JSON string):
 
     /                                   attrs: featcache_format, featcache_version, key, manifest (JSON: everything
                                                that determines the embeddings), backbones (JSON list = concat order),
-                                               classes, domains, partition, counts, versions, created
+                                               classes, domains, dataset, partition, counts, views, versions, images,
+                                               meta_sha256
     /backbones/<bkey>                   attrs: name, weights, weights_sha256, dim, preprocessing (JSON)
     /clients/<c:03d>                    attrs: domain
     /clients/<c>/<split>/labels         [n] int64           split is 'train' or 'test'
@@ -15,6 +16,10 @@ Schema (format 1; every attribute that is not a number or string is a JSON strin
     /clients/<c>/train/views/<bkey>     [n, V, D_b] float32  only with --views V (augmented training views)
     /clients/<c>/train/views/concat     [n, V, sum D_b] float32
     /clients/<c>/train/val_index        [v] int64            positions in train held out for validation
+
+Every dataset carries `sha256`, the sha256 of its array bytes (C order), and the root `meta_sha256` covers the rest:
+every object's path, kind, dtype, shape and attributes. `verify` recomputes both and checks the schema, the counts
+against the stored partition counts, and that features are finite; `load_clients` refuses a cache that fails it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +39,9 @@ import torch
 from . import __version__
 from .errors import UserError
 
-FORMAT = 1
+FORMAT = 2  # 2: checksums (`sha256` on every dataset, `meta_sha256` on the root)
+_CHECKSUM_ATTRS = ("sha256", "meta_sha256")
+_READ_BYTES = 1 << 24  # rows are hashed and checked in slices of about 16 MiB
 
 
 def cache_key(manifest: dict) -> str:
@@ -70,8 +79,11 @@ def open_cache(path: str | Path) -> h5py.File:
         raise UserError(f"cache {path} is not a readable HDF5 file ({e}); delete it and run `featcache extract` again")
     fmt = f.attrs.get("featcache_format")
     if fmt != FORMAT:
+        fmt = fmt.item() if isinstance(fmt, np.generic) else fmt
+        wrote = f.attrs.get("featcache_version", "an unknown version")
         f.close()
-        raise UserError(f"{path} has cache format {fmt!r}, this featcache reads format {FORMAT}: re-run `featcache extract`")
+        raise UserError(f"{path} has cache format {fmt!r} (written by featcache {wrote}), this featcache {__version__} "
+                        f"reads format {FORMAT}: re-run `featcache extract` with the same options to rebuild it")
     return f
 
 
@@ -83,6 +95,184 @@ def info(path: str | Path) -> dict:
         meta["path"] = str(path)
         meta["bytes"] = os.path.getsize(path)
     return meta
+
+
+# -- checksums and verification -----------------------------------------------------------------------------------
+
+SPLITS = ("train", "test")
+_ROOT_ATTRS = ("featcache_version", "key", "manifest", "backbones", "classes", "domains", "dataset", "partition",
+               "counts", "views", "versions", "images", "meta_sha256")
+_BACKBONE_ATTRS = ("name", "weights", "weights_sha256", "dim", "preprocessing")
+_INDEX_DTYPES = {"labels": "int64", "source_index": "int64", "domain": "int16"}
+_VERIFIED: set[tuple] = set()  # (path, size, mtime, inode) of cache files that passed `verify` in this process
+
+
+def seal(f: h5py.File) -> None:
+    """Store the checksums of a cache being written: `sha256` on every dataset, then `meta_sha256` on the root."""
+    for _, ds in _objects(f, h5py.Dataset):
+        ds.attrs["sha256"] = _scan(ds)[0]
+    f.attrs["meta_sha256"] = _meta_sha256(f)
+
+
+def verify(path: str | Path) -> dict:
+    """Check a cache: schema, dtypes, shapes and counts against the stored partition counts, label ranges, finite
+    features, array and metadata checksums; and compare the library versions it was extracted with to this
+    environment's. Returns {path, ok, problems (one line each), stale (version differences: warnings, not
+    problems), arrays, bytes, seconds}."""
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    stale: list[str] = []
+    arrays = 0
+    try:
+        with open_cache(path) as f:
+            arrays = _check_cache(f, problems)
+            stale = _stale(read_attrs(f)["versions"])
+    except UserError as e:
+        problems.append(str(e))
+    except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
+        problems.append(f"unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
+    size = os.path.getsize(path) if Path(path).is_file() else 0
+    return {"path": str(path), "ok": not problems, "problems": problems, "stale": stale, "arrays": arrays,
+            "bytes": size, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def check(path: str | Path) -> None:
+    """Refuse a cache that fails `verify` with one line, and warn about version differences. Each version of a file
+    (path, size, mtime, inode) is verified once per process."""
+    path = Path(path)
+    open_cache(path).close()  # missing, not HDF5, another format: their own one-line errors
+    st = path.stat()
+    ident = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if ident in _VERIFIED:
+        return
+    report = verify(path)
+    problems = report["problems"]
+    if problems:
+        more = f" (+{len(problems) - 1} more: run `featcache verify {path}`)" if len(problems) > 1 else ""
+        raise UserError(f"cache {path} failed verification: {problems[0]}{more}; delete it and re-run "
+                        "`featcache extract`")
+    if report["stale"]:
+        warnings.warn(f"cache {path} was extracted with {', '.join(report['stale'])}: a fresh `featcache extract` "
+                      "may give other features", UserWarning, stacklevel=3)
+    _VERIFIED.add(ident)
+
+
+def _check_cache(f: h5py.File, problems: list[str]) -> int:
+    """Append one line per problem; returns the number of datasets read."""
+    missing = [a for a in _ROOT_ATTRS if a not in f.attrs]
+    if missing:
+        problems.append(f"root attributes missing: {', '.join(missing)}")
+        return 0
+    meta = read_attrs(f)
+    if meta["meta_sha256"] != _meta_sha256(f):
+        problems.append("metadata checksum mismatch: names, shapes, dtypes or attributes changed after writing")
+    if cache_key(meta["manifest"]) != meta["key"]:
+        problems.append("the stored key is not the hash of the stored manifest")
+    dims = {}
+    for b in meta["backbones"]:
+        g = f.get(f"backbones/{b}")
+        if g is None or any(a not in g.attrs for a in _BACKBONE_ATTRS):
+            problems.append(f"backbones/{b} is missing or lacks one of {', '.join(_BACKBONE_ATTRS)}")
+            return 0
+        dims[b] = int(g.attrs["dim"])
+    rows = meta["counts"]["clients"]
+    expected = _expected_datasets(rows, dims, int(meta["views"]))
+    found = dict(_objects(f, h5py.Dataset))
+    problems += [f"{name}: missing" for name in sorted(set(expected) - set(found))]
+    problems += [f"{name}: not part of the schema" for name in sorted(set(found) - set(expected))]
+    for name in sorted(set(expected) & set(found)):
+        ds, (dtype, shape) = found[name], expected[name]
+        if ds.dtype != np.dtype(dtype) or ds.shape != shape:
+            problems.append(f"{name}: {ds.dtype} {list(ds.shape)}, but the stored counts say {dtype} {list(shape)}")
+            continue
+        digest, finite = _scan(ds)
+        if ds.attrs.get("sha256") != digest:
+            problems.append(f"{name}: sha256 mismatch (the array bytes changed after writing)")
+        if not finite:
+            problems.append(f"{name}: NaN or Inf values")
+    if not problems:
+        problems += _value_problems(f, rows, len(meta["classes"]), len(meta["domains"]), int(meta["images"]))
+    return len(found)
+
+
+def _expected_datasets(rows: list[dict], dims: dict[str, int], views: int) -> dict[str, tuple[str, tuple]]:
+    """Path -> (dtype, shape) of every dataset the schema and the stored per-client counts call for."""
+    out = {}
+    for c, row in enumerate(rows):
+        for split in SPLITS:
+            base, n = f"clients/{c:03d}/{split}", row[split]
+            out |= {f"{base}/{k}": (dtype, (n,)) for k, dtype in _INDEX_DTYPES.items()}
+            groups = {"features": (n,)} | ({"views": (n, views)} if views and split == "train" else {})
+            for group, lead in groups.items():
+                out |= {f"{base}/{group}/{b}": ("float32", (*lead, d)) for b, d in dims.items()}
+                out[f"{base}/{group}/concat"] = ("float32", (*lead, sum(dims.values())))
+        out[f"clients/{c:03d}/train/val_index"] = ("int64", (row["val"],))
+    return out
+
+
+def _value_problems(f: h5py.File, rows: list[dict], classes: int, domains: int, images: int) -> list[str]:
+    """Labels and domain indices in range, validation positions increasing inside train, the image total."""
+    problems = []
+    for c in range(len(rows)):
+        for split in SPLITS:
+            for name, bound in (("labels", classes), ("domain", domains)):
+                v = f[f"clients/{c:03d}/{split}/{name}"][...]  # [n]
+                if v.size and not 0 <= v.min() <= v.max() < bound:
+                    problems.append(f"clients/{c:03d}/{split}/{name}: values outside 0..{bound - 1}")
+        val = f[f"clients/{c:03d}/train/val_index"][...]  # [v]
+        if val.size and not (np.all(np.diff(val) > 0) and 0 <= val[0] and val[-1] < rows[c]["train"]):
+            problems.append(f"clients/{c:03d}/train/val_index: not increasing positions inside train")
+    total = sum(row[split] for row in rows for split in SPLITS)
+    if total != images:
+        problems.append(f"images attribute says {images}, the clients hold {total}")
+    return problems
+
+
+def _stale(stored: dict) -> list[str]:
+    """'torch 2.14.1 (now 2.15.0)' for each library whose version differs from the one the cache was made with."""
+    return [f"{k} {stored.get(k)} (now {v})" for k, v in versions().items() if stored.get(k) != v]
+
+
+def _objects(f: h5py.File, kind: type | None = None) -> list[tuple[str, object]]:
+    """(path, object) of every group and dataset below the root (or only those of `kind`), sorted by path."""
+    found = []
+
+    def visit(name: str, obj) -> None:
+        if kind is None or isinstance(obj, kind):
+            found.append((name, obj))
+
+    f.visititems(visit)
+    return sorted(found, key=lambda item: item[0])
+
+
+def _scan(ds: h5py.Dataset) -> tuple[str, bool]:
+    """(sha256 of the array bytes in C order, whether every value is finite), reading slices of rows."""
+    h = hashlib.sha256()
+    finite = True
+    step = max(_READ_BYTES // max(ds.dtype.itemsize * int(np.prod(ds.shape[1:])), 1), 1)
+    for r in range(0, ds.shape[0], step):
+        block = ds[r : r + step]  # [rows, ...]
+        h.update(np.ascontiguousarray(block).tobytes())
+        finite = finite and (block.dtype.kind != "f" or bool(np.isfinite(block).all()))
+    return h.hexdigest(), finite
+
+
+def _meta_sha256(f: h5py.File) -> str:
+    """sha256 over every object's path, kind (dtype and shape for datasets) and attributes, checksums excepted."""
+    entries = [["/", "group", _plain_attrs(f)]]
+    for name, obj in _objects(f):
+        kind = f"dataset {obj.dtype.str} {list(obj.shape)}" if isinstance(obj, h5py.Dataset) else "group"
+        entries.append([name, kind, _plain_attrs(obj)])
+    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+
+
+def _plain_attrs(obj) -> dict:
+    out = {}
+    for name, value in obj.attrs.items():
+        if name not in _CHECKSUM_ATTRS:
+            value = value.decode() if isinstance(value, bytes) else value
+            out[name] = value.tolist() if isinstance(value, (np.ndarray, np.generic)) else value
+    return out
 
 
 @dataclass
@@ -121,6 +311,7 @@ def load_clients(
     `holdout` uses the validation positions of the train split: 'none' = all of train, 'fit' = train without the
     validation rows, 'val' = only the validation rows (split must be 'train' for the last two).
     """
+    check(path)
     with open_cache(path) as f:
         order = json.loads(f.attrs["backbones"])
         wanted = backbones or order

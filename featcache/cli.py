@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -40,7 +41,11 @@ def progress_bar(enabled: bool = True):
                 tasks[label] = bar.add_task(label, total=total)
             bar.update(tasks[label], completed=done, total=total)
 
-        yield update
+        try:
+            yield update
+        except BaseException:
+            bar.live.transient = True  # on an error, its one-line message is all that stays on screen
+            raise
 
 
 def _emit(result: dict, as_json: bool, table: Table | None = None) -> None:
@@ -73,6 +78,7 @@ def extract(
     out_dir: Path = typer.Option(Path("cache"), "--out", help="folder for caches"),
     batch_size: int = typer.Option(64, help="images per forward pass"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    allow_partial: bool = typer.Option(False, help="load checkpoints whose keys do not all match (rest: random)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Run each frozen backbone once over every client's images and write the embeddings to an HDF5 cache."""
@@ -84,7 +90,8 @@ def extract(
             per_class=per_class, test_per_class=test_per_class, classes_per_client=classes_per_client,
             domains=domain, val_fraction=val_fraction, image_size=image_size, views=views,
             noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
-            download=download, out=out_dir, batch_size=batch_size, device=device, progress=progress,
+            download=download, out=out_dir, batch_size=batch_size, device=device, allow_partial=allow_partial,
+            progress=progress,
         )
     table = Table(title="featcache extract")
     for k in ("cache", "cache_hit", "images", "backbones", "seconds"):
@@ -114,6 +121,24 @@ def info(cache: Path = typer.Argument(..., help="cache file"), as_json: bool = t
     for c in meta["counts"]["clients"]:
         counts.add_row(*(str(c[col]) for col in ("client", "domain", "train", "val", "test")))
     out.print(counts)
+
+
+@app.command()
+def verify(cache: Path = typer.Argument(..., help="cache file"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Check a cache: schema, counts, finite features, checksums; report library versions that changed since."""
+    from .cache import verify as check
+
+    report = check(cache)
+    if as_json:
+        _emit(report, True)
+    elif report["ok"]:
+        out.print(f"ok: {cache} ({report['arrays']} arrays, checksums match, {report['seconds']} s)", soft_wrap=True)
+    for line in report["stale"]:
+        err.print(f"[yellow]warning:[/yellow] extracted with {line}", highlight=False, soft_wrap=True)
+    if not report["ok"]:
+        first = report["problems"][0]
+        more = f" (+{len(report['problems']) - 1} more, see --json)" if len(report["problems"]) > 1 else ""
+        raise UserError(f"{first}{more}" if str(cache) in first else f"{cache}: {first}{more}")
 
 
 def _seeds(text: str) -> list[int]:
@@ -207,9 +232,13 @@ def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's 
             table.add_row(k, repr(v))
         out.print(table)
         return
+    from .algorithms import UNAVAILABLE
+
     table = Table("algorithm", "reference", "uploads", "limitation")
     for key, cls in list_algorithms().items():
         table.add_row(key, cls.paper, cls.uploads, getattr(cls, "limitation", ""))
+    for key, why in UNAVAILABLE.items():
+        table.add_row(key, "", "—", f"not available on cached features: {why}")
     out.print(table)
 
 
@@ -236,8 +265,37 @@ def datasets() -> None:
     out.print(table)
 
 
+@app.command()
+def reproduce(
+    pipeline: str = typer.Argument(..., help="pipelines/NAME.toml, or NAME"),
+    profile: str = typer.Option("quick", help="quick (minutes) | full (the papers' rounds and seeds)"),
+    data_root: Optional[Path] = typer.Option(None, help="folder with the paper's dataset (default: offline data)"),
+    dataset: Optional[str] = typer.Option(None, help="dataset override (with --data-root, default: the paper's)"),
+    backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="backbone override, in order; repeat"),
+    out_dir: Path = typer.Option(Path("results"), "--out", help="folder for NAME.md, NAME.png and job results"),
+    cache: Path = typer.Option(Path("cache"), help="cache folder (shared by every pipeline)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Reproduce one paper table or figure: extract, train, write our numbers beside the paper's."""
+    from .reproduce import reproduce as run
+
+    with progress_bar(not as_json) as progress:
+        result = run(pipeline=pipeline, profile=profile, data_root=data_root, dataset=dataset, backbones=backbones,
+                     out=out_dir, cache=cache, progress=progress)
+    if as_json:
+        _emit(result, True)
+        return
+    print(result["table"])
+    out.print(f"[dim]{result['markdown']} ({result['jobs']} jobs, {result['seconds']} s)[/dim]")
+
+
+def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    err.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
-    """Console entry point: user errors are one line and exit code 2, never a traceback."""
+    """Console entry point: user errors are one line and exit code 2, never a traceback; warnings are one line."""
+    warnings.showwarning = _warn_one_line
     try:
         app()
     except UserError as e:

@@ -1,19 +1,27 @@
 """`featcache extract`: run each frozen backbone once over every client's images and stream the embeddings to HDF5.
 
 The cache key is computed before any model or image is touched, from everything that determines the embeddings
-(dataset identity, partition, backbone weights, preprocessing options, views, noise, seed, library versions), so a
-repeated command is a cache hit that costs a hash and a file lookup. A miss embeds one (backbone, client, split) block at a
-time into `.<cache>.parts/`, each block renamed into place only when complete, so a killed extraction resumes from
-its finished blocks; the HDF5 file is then assembled in a temporary file and renamed into place. A lock on the parts
-folder keeps two extractions of the same cache from writing at once; readers only ever see finished caches.
+(dataset identity, partition, backbone weights, preprocessing options, views, noise, seed, precision, library
+versions), so a repeated command is a cache hit that costs a hash and a file lookup. A miss embeds one (backbone,
+client, split) block at a time into `.<cache>.parts/`, each block written to `*.partial`, synced and renamed into
+place only when complete, so a killed extraction resumes from its finished blocks; the HDF5 file is then assembled
+inside the parts folder, sealed with checksums (`cache.seal`), synced and renamed into place. An exclusive lock on the
+parts folder keeps two extractions of the same cache from writing at once (the second waits, then finds the cache);
+readers only ever see finished caches.
+
+When a run fails: a kill or Ctrl-C keeps the finished blocks (the same command resumes); a full disk keeps them too
+and says so in one line (free space, run the same command again); any other error (bad input) removes the parts
+folder when this run created it. Partial files never survive a failure that Python sees.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +42,11 @@ from .partition import PartitionSpec, make_partition, partition_counts
 
 Progress = Callable[[str, int, int], None]  # (task label, items done so far, total items)
 SPLITS = ("train", "test")
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # no space, quota, file size limit
+
+
+class DiskFullError(UserError):
+    """The disk filled up while writing; finished blocks are kept so the same command resumes."""
 
 
 @dataclass(frozen=True)
@@ -82,9 +95,11 @@ def extract(
     out: str | Path = "cache",
     batch_size: int = 64,
     device: str = "auto",
+    allow_partial: bool = False,
     progress: Progress | None = None,
 ) -> dict:
-    """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, seconds}."""
+    """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, seconds}.
+    `allow_partial` loads checkpoints whose keys do not all match (the rest keeps a seeded random init)."""
     t0 = time.perf_counter()
     backbone = list(backbone)
     if not backbone:
@@ -100,6 +115,7 @@ def extract(
     )
     from .backbones import weights_identity
 
+    dev = _device(device)
     identity, data = dataset_identity(dataset, data_root, download)
     manifest = {
         "dataset": identity,
@@ -109,50 +125,115 @@ def extract(
         "views": views,
         "noise": asdict(noise) if noise else None,
         "seed": seed,
+        "precision": "float16" if dev.type == "cuda" else "float32",  # CUDA runs under fp16 autocast
+        "allow_partial": allow_partial,
         "versions": C.versions(),
     }
     key = C.cache_key(manifest)
     path = C.cache_path(Path(out), dataset, key)
+    work = path.with_name(f".{path.name}.parts")  # finished (backbone, client, split) blocks: the resume point
     if path.is_file():
+        _drop_leftover(work)
         return _hit(path, key, t0)
 
     data = data or load_dataset(dataset, data_root, download=download)
+    _refuse_empty_classes(data)
     parts = make_partition(data, spec)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    work = path.with_name(f".{path.name}.parts")  # finished (backbone, client, split) blocks: the resume point
-    with _locked(work) as fresh:
-        if path.is_file():  # another process finished it while we waited for the lock
-            return _hit(path, key, t0)
-        try:
-            metas = [_backbone_blocks(work, j, spec_j, data, parts, image_size, views, noise, seed, batch_size,
-                                      _device(device), progress) for j, spec_j in enumerate(backbone)]
-            images = _assemble(path, work, data, parts, metas, manifest, key, views)
-        except KeyboardInterrupt:
-            raise  # finished blocks stay in `work`: the same command resumes from them
-        except BaseException:
-            if fresh:
-                shutil.rmtree(work, ignore_errors=True)
-            raise
-    shutil.rmtree(work, ignore_errors=True)
+    with _writing(work):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(work) as resuming:
+            if path.is_file():  # another process finished it while we waited for the lock
+                shutil.rmtree(work)
+                return _hit(path, key, t0)
+            try:
+                metas = [_backbone_blocks(work, j, spec_j, data, parts, image_size, views, noise, seed, batch_size,
+                                          dev, allow_partial, progress) for j, spec_j in enumerate(backbone)]
+                images = _assemble(path, work, data, parts, metas, manifest, key, views)
+            except BaseException as e:
+                for partial in work.glob("*.partial"):
+                    partial.unlink()
+                if not (resuming or isinstance(e, (KeyboardInterrupt, DiskFullError))):
+                    shutil.rmtree(work, ignore_errors=True)  # bad input: nothing of this run is worth keeping
+                raise
+            shutil.rmtree(work)
     return _result(path, False, key, images, [m["key"] for m in metas], t0)
 
 
+def _refuse_empty_classes(data) -> None:
+    """A class without a single image in any domain could be neither learned nor tested (an empty class folder)."""
+    seen = sum(np.bincount(images.labels, minlength=len(data.classes))[: len(data.classes)]
+               for splits in data.domains.values() for images in splits.values())  # [K] images per class
+    empty = [c for c, n in zip(data.classes, seen) if n == 0]
+    if empty:
+        raise UserError(f"{data.name}: class {empty[0]!r} has no images in any domain (an empty class folder?): "
+                        "add images of it or remove it")
+
+
 @contextmanager
-def _locked(work: Path):
-    """Exclusive lock on the work folder (two extracts of one cache never write at once); yields whether the
-    folder is new (nothing to resume)."""
-    fresh = not work.exists()
-    work.mkdir(exist_ok=True)
-    with open(work / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+def _writing(target: Path) -> Iterator[None]:
+    """Turn a full disk (or quota, or file size limit) while writing `target` into one `DiskFullError` line."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:  # HDF5 reports a failed write as a RuntimeError naming the errno
+        found = re.search(r"errno = (\d+)", str(e))
+        code = getattr(e, "errno", None) or (int(found.group(1)) if found else None)
+        if code not in _DISK_FULL:
+            raise
+        raise DiskFullError(f"disk full while writing {target} ({os.strerror(code)}): free space and run the same "
+                            "command again; finished blocks are kept and resumed") from None
+
+
+@contextmanager
+def _locked(work: Path) -> Iterator[bool]:
+    """Hold the exclusive lock of the work folder; yields whether it holds finished blocks to resume from.
+    The holder may delete the folder: a waiter then finds its lock file unlinked, and locks the new folder instead."""
+    while True:
+        work.mkdir(exist_ok=True)
         try:
-            yield fresh
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            lock = open(work / "lock", "a")
+        except FileNotFoundError:  # the holder removed the folder between our mkdir and open
+            continue
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _same_file(lock, work / "lock"):
+                yield any(work.glob("b*.npy")) or any(work.glob("b*.json"))
+                return
+
+
+def _same_file(handle, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(handle.fileno())
+    return (st.st_ino, st.st_dev) == (held.st_ino, held.st_dev)
+
+
+def _drop_leftover(work: Path) -> None:
+    """Remove a parts folder left behind by an extraction killed after its final rename (when nobody holds it)."""
+    try:
+        with open(work / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(lock, work / "lock"):
+                shutil.rmtree(work)
+    except (FileNotFoundError, BlockingIOError):
+        pass
+
+
+@contextmanager
+def _synced(path: Path) -> Iterator:
+    """A file handle on `path.partial`; when the block ends without error the file is synced and renamed to `path`,
+    so `path` exists only complete. Plain writes, not a memory map: a full disk is an OSError, never a SIGBUS."""
+    partial = path.with_name(path.name + ".partial")
+    with _writing(path), open(partial, "wb") as fh:
+        yield fh
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(partial, path)
 
 
 def _backbone_blocks(work: Path, j: int, spec: str, data, parts, image_size, views, noise, seed, batch_size, dev,
-                     progress) -> dict:
+                     allow_partial, progress) -> dict:
     """Embed every (client, split[, views]) block of backbone j into work/b{j}.*.npy, skipping finished blocks.
     Returns the backbone's metadata (also saved, so a finished backbone is never rebuilt on resume)."""
     meta_file = work / f"b{j}.json"
@@ -163,7 +244,7 @@ def _backbone_blocks(work: Path, j: int, spec: str, data, parts, image_size, vie
         return json.loads(meta_file.read_text())
     from .backbones import create_backbone
 
-    bb = create_backbone(spec, image_size=image_size)
+    bb = create_backbone(spec, image_size=image_size, allow_partial=allow_partial)
     meta = {"key": bb.key, "name": bb.name, "weights": bb.weights, "weights_sha256": bb.weights_sha256,
             "dim": bb.dim, "preprocessing": bb.preprocessing}
     model = bb.model.to(dev)
@@ -176,21 +257,18 @@ def _backbone_blocks(work: Path, j: int, spec: str, data, parts, image_size, vie
         if block.is_file():
             done += len(idx)
             continue
-        tmp = block.with_suffix(".tmp.npy")
-        out = np.lib.format.open_memmap(tmp, "w+", np.float32, (len(idx), v, bb.dim) if v else (len(idx), bb.dim))
-        row = 0
-        for x in _batches(bb, data.domains[part.domain][split], part.domain, split, idx, v, noise, seed, batch_size):
-            z = _forward(model, x, dev)  # [B*max(v,1), D]
-            n = len(z) // max(v, 1)
-            out[row : row + n] = z.reshape(n, v, -1) if v else z
-            row += n
-            done += n
-            if progress:
-                progress(bb.key, done, total)
-        out.flush()
-        del out
-        os.replace(tmp, block)  # a block exists only once complete
-    meta_file.write_text(json.dumps(meta))
+        shape = (len(idx), v, bb.dim) if v else (len(idx), bb.dim)
+        with _synced(block) as fh:
+            np.lib.format.write_array_header_1_0(fh, {"descr": "<f4", "fortran_order": False, "shape": shape})
+            for x in _batches(bb, data.domains[part.domain][split], part.domain, split, idx, v, noise, seed,
+                              batch_size):
+                z = _forward(model, x, dev)  # [B*max(v,1), D] float32: an image's views are consecutive rows
+                fh.write(z.astype("<f4", copy=False).tobytes())
+                done += len(z) // max(v, 1)
+                if progress:
+                    progress(bb.key, done, total)
+    with _synced(meta_file) as fh:
+        fh.write(json.dumps(meta).encode())
     return meta
 
 
@@ -205,27 +283,53 @@ def _forward(model, x: torch.Tensor, dev: torch.device) -> np.ndarray:
 
 
 def _assemble(path: Path, work: Path, data, parts, metas, manifest, key, views, rows_per_block: int = 4096) -> int:
-    """Write the HDF5 cache from the finished blocks into a temporary file, renamed into place when complete."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with h5py.File(tmp, "w", track_order=True) as f:
-            images = _write_layout(f, data, parts, metas, manifest, key)
-            for c in range(len(parts)):
-                for split in SPLITS:
-                    for group in ("features", "views") if views and split == "train" else ("features",):
-                        blocks = [np.load(work / f"b{j}.{c:03d}.{split}.{group}.npy", mmap_mode="r")
-                                  for j in range(len(metas))]
-                        g = f[f"clients/{c:03d}/{split}"]
-                        for m, b in zip(metas, blocks):
-                            g.create_dataset(f"{group}/{m['key']}", data=b, track_times=False)
-                        shape = (*blocks[0].shape[:-1], sum(b.shape[-1] for b in blocks))
-                        cat = g.create_dataset(f"{group}/concat", shape, "f4", track_times=False)
-                        for r in range(0, shape[0], rows_per_block):
-                            cat[r : r + rows_per_block] = np.concatenate([b[r : r + rows_per_block] for b in blocks], -1)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write the HDF5 cache from the finished blocks inside `work`, seal it with checksums, sync it and rename it
+    into place."""
+    partial = work / "cache.h5.partial"
+    with _writing(path), _create_h5(partial) as f:
+        images = _write_layout(f, data, parts, metas, manifest, key)
+        for c in range(len(parts)):
+            for split in SPLITS:
+                for group in ("features", "views") if views and split == "train" else ("features",):
+                    blocks = [np.load(work / f"b{j}.{c:03d}.{split}.{group}.npy", mmap_mode="r")
+                              for j in range(len(metas))]
+                    g = f[f"clients/{c:03d}/{split}"]
+                    for m, b in zip(metas, blocks):
+                        g.create_dataset(f"{group}/{m['key']}", data=b, track_times=False)
+                    shape = (*blocks[0].shape[:-1], sum(b.shape[-1] for b in blocks))
+                    cat = g.create_dataset(f"{group}/concat", shape, "f4", track_times=False)
+                    for r in range(0, shape[0], rows_per_block):
+                        cat[r : r + rows_per_block] = np.concatenate([b[r : r + rows_per_block] for b in blocks], -1)
+        C.seal(f)
+    with _writing(path), open(partial, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(partial, path)
+    _sync_folder(path.parent)
     return images
+
+
+def _create_h5(path: Path) -> h5py.File:
+    """A new HDF5 file as `h5py.File(path, "w", track_order=True)` creates it, but without HDF5's sieve buffer: raw
+    data reaches the disk when a dataset is written, so a full disk fails that write. With the buffer the failure
+    surfaces while datasets close, leaving them half-closed, and freeing them later crashes the interpreter."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_EARLIEST, h5py.h5f.LIBVER_LATEST)
+    fapl.set_sieve_buf_size(0)
+    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
+    order = h5py.h5p.CRT_ORDER_TRACKED | h5py.h5p.CRT_ORDER_INDEXED
+    fcpl.set_link_creation_order(order)
+    fcpl.set_attr_creation_order(order)
+    fcpl.set_obj_track_times(False)
+    return h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fapl=fapl, fcpl=fcpl))
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in `folder` durable (the new name survives a power cut, not only a kill)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _hit(path: Path, key: str, t0: float) -> dict:

@@ -27,9 +27,8 @@ def synthetic_clients(C: int = 4, n: tuple[int, int] = (30, 60), D: int = 16, K:
 
 
 def write_cache(path, C: int = 4, D: int = 16, K: int = 5, views: int = 0, val_fraction: float = 0.25) -> str:
-    """A cache file in featcache's HDF5 schema holding synthetic features (for trainer and grid tests)."""
-    import json
-
+    """A cache file in featcache's HDF5 schema holding synthetic features, sealed with checksums as extract seals
+    its caches (for trainer and grid tests)."""
     import h5py
     import numpy as np
 
@@ -37,21 +36,30 @@ def write_cache(path, C: int = 4, D: int = 16, K: int = 5, views: int = 0, val_f
 
     train = synthetic_clients(C=C, D=D, K=K, seed=0, views=views)
     test = synthetic_clients(C=C, D=D, K=K, seed=1)
+    manifest = {"dataset": {"name": "synthetic"}, "views": views, "versions": fc.versions()}
+    rows = []
     with h5py.File(path, "w") as f:
-        fc.write_attrs(f, {"featcache_format": fc.FORMAT, "key": "synthetic", "dataset": "synthetic",
-                           "backbones": ["synth"], "classes": [str(k) for k in range(K)], "domains": ["synth"],
-                           "views": views, "images": 0, "counts": []})
         for c in range(C):
             for split, data in (("train", train), ("test", test)):
                 n = int(data.counts[c])
                 g = f.create_group(f"clients/{c:03d}/{split}")
                 g["labels"] = data.labels[c, :n].numpy()
+                g["source_index"] = np.arange(n, dtype=np.int64)
+                g["domain"] = np.zeros(n, np.int16)
                 for name in ("synth", "concat"):
                     g[f"features/{name}"] = data.features[c, :n].numpy()
                     if views and split == "train":
                         g[f"views/{name}"] = data.views[c, :n].numpy()
-            rng = np.random.default_rng(c)
             n = int(train.counts[c])
-            f[f"clients/{c:03d}/train/val_index"] = np.sort(rng.choice(n, int(val_fraction * n), replace=False))
-        f.attrs["counts"] = json.dumps([])
+            val = np.sort(np.random.default_rng(c).choice(n, int(val_fraction * n), replace=False))
+            f[f"clients/{c:03d}/train/val_index"] = val
+            rows.append({"client": c, "domain": "synth", "train": n, "val": len(val), "test": int(test.counts[c])})
+        fc.write_attrs(f, {"featcache_format": fc.FORMAT, "featcache_version": fc.versions()["featcache"],
+                           "key": fc.cache_key(manifest), "manifest": manifest, "dataset": "synthetic",
+                           "backbones": ["synth"], "classes": [str(k) for k in range(K)], "domains": ["synth"],
+                           "partition": {}, "counts": {"clients": rows}, "views": views,
+                           "versions": manifest["versions"], "images": sum(r["train"] + r["test"] for r in rows)})
+        fc.write_attrs(f.create_group("backbones/synth"), {"name": "synthetic", "weights": "synthetic",
+                                                           "weights_sha256": "", "dim": D, "preprocessing": {}})
+        fc.seal(f)
     return str(path)

@@ -129,3 +129,8 @@ def test_grid_on_local_ray_cluster(cache, tmp_path):
         assert res["selection"] == local["selection"]
     finally:
         ray.shutdown()
+
+
+def test_unavailable_method_says_why(cache, tmp_path):
+    with pytest.raises(UserError, match="input pixels"):
+        train(cache, "pfedpt", rounds=1, seeds=[0], out=tmp_path)

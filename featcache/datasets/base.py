@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ..errors import UserError
+
 
 class ImageSet:
     """A labelled, indexable set of images. Subclasses implement `image(i)` and `fingerprint()`."""
@@ -64,12 +66,16 @@ class PathImages(ImageSet):
             raise ValueError(f"{len(self.paths)} paths but {len(self.labels)} labels")
 
     def image(self, i: int) -> Image.Image:
-        with Image.open(self.paths[i]) as im:
-            if im.mode in ("I;16", "I;16B", "I;16L", "I"):
-                arr = np.asarray(im, dtype=np.float64)
-                arr = (255.0 * arr / max(arr.max(), 1.0)).astype(np.uint8)
-                return Image.fromarray(arr).convert("RGB")
-            return im.convert("RGB")
+        try:
+            with Image.open(self.paths[i]) as im:
+                if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+                    arr = np.asarray(im, dtype=np.float64)  # [H, W]
+                    arr = (255.0 * arr / max(arr.max(), 1.0)).astype(np.uint8)
+                    return Image.fromarray(arr).convert("RGB")
+                return im.convert("RGB")
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL's ways to say "damaged"
+            reason = (str(e).splitlines() or [type(e).__name__])[0].replace(f" {str(self.paths[i])!r}", "")
+            raise UserError(f"cannot read image {self.paths[i]} ({reason}): repair or delete the file") from None
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()

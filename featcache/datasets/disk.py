@@ -9,6 +9,7 @@ a missing dataset is a one-line `UserError` naming the layout and where to get i
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
@@ -306,7 +307,8 @@ def _has_split_folders(domain: Path) -> bool:
 def imagefolder(root: Path | None, download: bool = False, test_fraction: float = 0.3, seed: int = 0) -> Dataset:
     """Any `ROOT/{domain}/{class}/*` tree. Classes are the sorted union of class-folder names over all domains (a
     domain may lack some); a domain holding `train/` and `test/` keeps that split, others get a seeded stratified
-    one. Domains without images are skipped."""
+    one. Domains without images are skipped; a class a domain has in test but not in train is allowed with a warning
+    (extract refuses a class without images in any domain)."""
     _check_fraction(test_fraction)
     root = _folder("imagefolder", root, download, IMAGEFOLDER_LAYOUT)
     class_parents = {
@@ -321,5 +323,17 @@ def imagefolder(root: Path | None, download: bool = False, test_fraction: float 
             splits = _split_folder(domain, classes, test_fraction, seed)
         if any(len(s) for s in splits.values()):
             domains[domain.name] = splits
+    _warn_test_only_classes(classes, domains)
     source = f"image folders at {root} (test_fraction={test_fraction}, seed={seed} where no train/test)"
     return _finish("imagefolder", classes, domains, IMAGEFOLDER_LAYOUT, root, source)
+
+
+def _warn_test_only_classes(classes: list[str], domains: dict) -> None:
+    """Warn about classes a domain has in test but not in train: that domain's clients are never tested on them,
+    because a client's test labels follow its train labels (allowed: a domain may lack classes)."""
+    for name, splits in domains.items():
+        counts = {split: np.bincount(splits[split].labels, minlength=len(classes)) for split in SPLITS}  # [K] each
+        unused = [classes[k] for k in np.flatnonzero((counts["test"] > 0) & (counts["train"] == 0))]
+        if unused:
+            warnings.warn(f"imagefolder: domain {name!r} has test images but no training images of {unused}: "
+                          "its clients are never tested on them", UserWarning, stacklevel=3)

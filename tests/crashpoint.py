@@ -1,0 +1,111 @@
+"""Run the featcache CLI in this process with a fault injected at a chosen point (driven by test_faults.py).
+
+    python tests/crashpoint.py [--kill SPEC] [--pause SPEC:FILE] [--log FILE] -- featcache arguments...
+
+SPEC is WHEN:FUNCTION:N:PATTERN, e.g. `after:os.replace:3:b*.npy`: the N-th call of FUNCTION (a dotted path:
+`os.replace`, `featcache.extract._forward`, `h5py.Group.create_dataset`) that has an argument whose file name matches
+PATTERN (`*` counts every call) triggers, `before` or `after` the call runs.
+
+--kill   the process sends itself SIGKILL: a real kill -9, no exception handler, finally block or atexit hook runs.
+--pause  the process waits until FILE exists (holding whatever locks it holds), then goes on.
+--log    appends JSON lines to FILE: {"replace": name} for every os.replace destination, and {"parts": {name:
+         [inode, mtime_ns]}} of the parts folder just before extract assembles the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+
+def resolve(dotted: str) -> tuple[object, str]:
+    """(owner, attribute) for a dotted path: the longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:-1]:
+            owner = getattr(owner, name)
+        return owner, parts[-1]
+    raise ValueError(f"cannot resolve {dotted}")
+
+
+def wrap(dotted: str, hook: Callable[[tuple], None], when: str = "after") -> None:
+    """Replace FUNCTION by a wrapper that calls `hook(args)` before or after each call."""
+    owner, attr = resolve(dotted)
+    original = getattr(owner, attr)
+
+    def wrapper(*args, **kwargs):
+        if when == "before":
+            hook(args)
+        result = original(*args, **kwargs)
+        if when == "after":
+            hook(args)
+        return result
+
+    setattr(owner, attr, wrapper)
+
+
+def trigger(spec: str, action: Callable[[], None]) -> None:
+    when, dotted, n, pattern = spec.split(":", 3)
+    calls = 0
+
+    def hook(args: tuple) -> None:
+        nonlocal calls
+        names = [os.path.basename(os.fspath(a)) for a in args if isinstance(a, (str, os.PathLike))]
+        if pattern == "*" or any(fnmatch.fnmatch(name, pattern) for name in names):
+            calls += 1
+            if calls == int(n):
+                action()
+
+    wrap(dotted, hook, when)
+
+
+def log_to(path: str) -> None:
+    def write(record: dict) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    wrap("os.replace", lambda args: write({"replace": os.path.basename(os.fspath(args[1]))}))
+    wrap("featcache.extract._assemble", lambda args: write(
+        {"parts": {p.name: [p.stat().st_ino, p.stat().st_mtime_ns] for p in sorted(Path(args[1]).iterdir())}}),
+        when="before")
+
+
+def wait_for(flag: str) -> None:
+    while not Path(flag).exists():
+        time.sleep(0.01)
+
+
+def main() -> None:
+    split = sys.argv.index("--")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kill")
+    parser.add_argument("--pause")
+    parser.add_argument("--log")
+    opts = parser.parse_args(sys.argv[1:split])
+    if opts.kill:
+        trigger(opts.kill, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    if opts.pause:
+        spec, _, flag = opts.pause.rpartition(":")
+        trigger(spec, lambda: wait_for(flag))
+    if opts.log:
+        log_to(opts.log)
+    from featcache.cli import main as cli
+
+    sys.argv = ["featcache", *sys.argv[split + 1 :]]
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Helpers of the fault, integrity and hostile-input tests: small image-folder datasets, the featcache CLI run in
+this process, and assertions on what a failed command leaves behind."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from fixtures_disk import write_image
+
+# Two tiny random-weight timm test models: two backbones x two clients x two splits = 8 blocks to kill between.
+BACKBONES = ["test_resnet=random", "test_efficientnet=random"]
+
+
+def write_folders(root: Path, domains=("d1", "d2"), classes=("a", "b", "c"), per_class: int = 8,
+                  mode: str = "RGB", suffix: str = ".png") -> Path:
+    """`root/{domain}/{class}/img_NNN.png`, every image different (seeded by its path)."""
+    for d in domains:
+        for c in classes:
+            for i in range(per_class):
+                write_image(root / d / c / f"img_{i:03d}{suffix}", mode, size=(10, 10),
+                            seed=zlib.crc32(f"{d}/{c}/{i}".encode()))
+    return root
+
+
+def folder_extract_args(root: Path, out: Path, *extra: str) -> list[str]:
+    backbones = [arg for spec in BACKBONES for arg in ("--backbone", spec)]
+    return ["extract", "--dataset", "imagefolder", "--data-root", str(root), *backbones, "--image-size", "32",
+            "--batch-size", "4", "--out", str(out), "--json", *extra]
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str) -> Result:
+    """`featcache ARGS` through the console entry point, in this process (no interpreter start-up per call)."""
+    from featcache import cli
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    argv = sys.argv
+    sys.argv = ["featcache", *map(str, args)]
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+    return Result(code, stdout.getvalue(), stderr.getvalue())
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def one_line_error(result: Result, needle: str) -> str:
+    """Assert exit code 2 and exactly one stderr line (with `needle`), no traceback; return that line."""
+    assert result.code == 2, (result.code, result.stderr)
+    assert "Traceback" not in result.stderr
+    (line,) = lines(result.stderr)
+    assert line.startswith("error:") and needle in line, line
+    return line
+
+
+def everything_in(folder: Path) -> list[str]:
+    """Every file and folder below `folder`, hidden ones included (relative paths, sorted)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread, as the subprocesses run (features are bit-identical only for one thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,188 @@
+"""Checksums and `featcache verify`, staleness, and determinism: a damaged or stale cache is never used silently, a
+change of any input gives a new cache, and the same command gives the same bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import h5py
+import pytest
+import timm
+import torch
+from harness import BACKBONES, lines, one_thread, run_cli, sha256, write_folders
+
+from featcache import cache as C
+from featcache.extract import extract
+
+FLIPS = 96  # single-bit flips spread evenly over a cache file
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_folders(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture(scope="module")
+def cache(images, tmp_path_factory) -> Path:
+    with one_thread():
+        res = extract(dataset="imagefolder", data_root=images, backbone=BACKBONES, image_size=32, batch_size=4,
+                      out=tmp_path_factory.mktemp("cache"))
+    return Path(res["cache"])
+
+
+def contents(path: Path) -> dict:
+    """Every attribute and every array of a cache, as read back."""
+    with h5py.File(path, "r") as f:
+        out = {"/": C._plain_attrs(f)}
+        for name, obj in C._objects(f):
+            data = obj[...].tobytes() if isinstance(obj, h5py.Dataset) else None
+            out[name] = (C._plain_attrs(obj), data)
+    return out
+
+
+def test_each_dataset_carries_the_sha256_of_its_bytes_and_verify_passes(cache):
+    with h5py.File(cache, "r") as f:
+        datasets = C._objects(f, h5py.Dataset)
+        for _, ds in datasets:
+            assert ds.attrs["sha256"] == hashlib.sha256(ds[...].tobytes()).hexdigest()
+        assert len(f.attrs["meta_sha256"]) == 64
+    report = C.verify(cache)
+    assert report["ok"] and report["problems"] == [] and report["stale"] == [] and report["arrays"] == len(datasets)
+    shown = run_cli("verify", str(cache))
+    assert shown.code == 0 and lines(shown.stdout)[0].startswith(f"ok: {cache} ({len(datasets)} arrays")
+    assert json.loads(run_cli("verify", str(cache), "--json").stdout)["ok"] is True
+
+
+def test_every_bit_flip_is_detected_or_changes_nothing(cache, tmp_path):
+    """One bit flipped at evenly spread offsets: `verify` refuses the file, or every array and attribute reads back
+    exactly as written (the bit fell in unused space). Never silently different data."""
+    reference = contents(cache)
+    raw = cache.read_bytes()
+    damaged = tmp_path / "flip.h5"
+    detected = 0
+    for i in range(FLIPS):
+        flipped = bytearray(raw)
+        flipped[i * len(raw) // FLIPS + 3] ^= 1 << (i % 8)
+        damaged.write_bytes(flipped)
+        report = C.verify(damaged)
+        if report["ok"]:
+            assert contents(damaged) == reference, f"flip {i} changed the data and passed verify"
+        else:
+            detected += 1
+            assert all("\n" not in p for p in report["problems"])
+    assert detected >= FLIPS // 2  # most of the file is array bytes
+
+
+def rewrite(path: Path, **attrs) -> None:
+    """Store other root attributes and re-seal, as if the cache had been written that way."""
+    with h5py.File(path, "r+") as f:
+        C.write_attrs(f, attrs)
+        C.seal(f)
+
+
+def test_cache_from_other_library_versions_is_used_with_one_warning_line(cache, tmp_path):
+    old = Path(shutil.copy(cache, tmp_path / "old.h5"))
+    with h5py.File(old, "r") as f:
+        meta = C.read_attrs(f)
+    versions = meta["versions"] | {"torch": "1.0.0", "featcache": "0.0.1"}
+    manifest = meta["manifest"] | {"versions": versions}
+    rewrite(old, versions=versions, manifest=manifest, key=C.cache_key(manifest), featcache_version="0.0.1")
+    report = C.verify(old)
+    assert report["ok"] and report["stale"] == [f"featcache 0.0.1 (now {C.versions()['featcache']})",
+                                                f"torch 1.0.0 (now {C.versions()['torch']})"]
+    trained = run_cli("train", "--cache", str(old), "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--set",
+                      "batch_size=8", "--out", str(tmp_path / "runs"), "--json")
+    assert trained.code == 0, trained.stderr
+    (warning,) = [line for line in lines(trained.stderr) if "extracted with" in line]
+    assert warning.startswith(f"warning: cache {old} was extracted with featcache 0.0.1") and "torch 1.0.0" in warning
+
+
+def test_a_tampered_key_is_a_problem(cache, tmp_path):
+    copy = Path(shutil.copy(cache, tmp_path / "c.h5"))
+    rewrite(copy, key="0" * 64)
+    assert C.verify(copy)["problems"] == ["the stored key is not the hash of the stored manifest"]
+
+
+def test_train_verifies_each_file_version_once_per_process(cache, tmp_path, monkeypatch):
+    copy = Path(shutil.copy(cache, tmp_path / "c.h5"))
+    calls = []
+    monkeypatch.setattr(C, "verify", lambda path: calls.append(path) or {"ok": True, "problems": [], "stale": []})
+    C.load_clients(copy, "train")
+    C.load_clients(copy, "test")
+    assert len(calls) == 1
+    os.utime(copy, ns=(1, 1))  # another version of the file: verified again
+    C.load_clients(copy, "train")
+    assert len(calls) == 2
+
+
+# -- a changed input gives a new cache (the key covers it) ---------------------------------------------------------
+
+
+def small(images: Path, out: Path, **options) -> dict:
+    args = dict(dataset="imagefolder", data_root=images, backbone=["test_resnet=random"], image_size=32, out=out)
+    return extract(**(args | options))
+
+
+def test_new_checkpoint_content_under_the_same_path_gives_a_new_cache(images, tmp_path):
+    ckpt = tmp_path / "model.pth"
+    state = timm.create_model("test_resnet", num_classes=0).state_dict()
+    torch.save(state, ckpt)
+    first = small(images, tmp_path, backbone=[f"test_resnet={ckpt}"])
+    state["conv1.0.weight"].mul_(2)
+    torch.save(state, ckpt)
+    second = small(images, tmp_path, backbone=[f"test_resnet={ckpt}"])
+    assert not second["cache_hit"] and second["cache"] != first["cache"]
+
+
+def test_image_size_gives_a_new_cache(images, tmp_path):
+    first = small(images, tmp_path)
+    second = small(images, tmp_path, image_size=40)
+    assert not second["cache_hit"] and second["cache"] != first["cache"]
+    assert small(images, tmp_path)["cache_hit"]
+
+
+def test_touching_an_image_file_gives_a_new_cache(tmp_path):
+    images = write_folders(tmp_path / "images", domains=("d1",), classes=("a", "b"), per_class=4)
+    first = small(images, tmp_path / "out")
+    target = images / "d1" / "a" / "img_000.png"
+    st = target.stat()
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # same bytes, new mtime
+    second = small(images, tmp_path / "out")
+    assert not second["cache_hit"] and second["cache"] != first["cache"]
+
+
+def test_partition_alpha_gives_a_new_cache(images, tmp_path):
+    label = dict(partition="label", clients=2, domains=["d1"])
+    first = small(images, tmp_path, alpha=0.5, **label)
+    second = small(images, tmp_path, alpha=1.0, **label)
+    assert not second["cache_hit"] and second["cache"] != first["cache"]
+
+
+# -- same command, same bytes ------------------------------------------------------------------------------------
+
+
+def test_same_extract_twice_gives_identical_cache_bytes(images, cache, tmp_path):
+    again = extract(dataset="imagefolder", data_root=images, backbone=BACKBONES, image_size=32, batch_size=4,
+                    out=tmp_path)
+    assert not again["cache_hit"] and Path(again["cache"]).name == cache.name
+    assert sha256(again["cache"]) == sha256(cache)
+
+
+def test_same_train_command_twice_gives_identical_result_bytes(cache, tmp_path):
+    files = []
+    for out in ("a", "b"):
+        run = run_cli("train", "--cache", str(cache), "--algo", "fedavg", "--rounds", "3", "--seeds", "0,1",
+                      "--set", "batch_size=8", "--out", str(tmp_path / out), "--json")
+        assert run.code == 0, run.stderr
+        files.append(Path(json.loads(run.stdout)["result_file"]))
+    assert files[0].name == files[1].name and files[0].read_bytes() == files[1].read_bytes()
