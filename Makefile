@@ -7,7 +7,7 @@ RUNS    ?= runs
 DEMO_BACKBONES := --backbone efficientnet_lite0 --backbone efficientnet_lite1 --backbone efficientnet_lite2
 DEMO_EXTRACT   := --dataset offline-digits $(DEMO_BACKBONES) --partition feature --per-class 10 --test-per-class 50 --image-size 64 --out $(CACHE)
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench clean reproduce reproduce-quick
 
 install: $(BIN)/featcache
 
@@ -29,10 +29,32 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m 'not slow'
 
+# Reproduction of the seed papers' tables and figures: one target per pipelines/NAME.toml, writing
+# $(RESULTS)/NAME.md (ours beside the paper's numbers) and NAME.png for figures. Single targets use the papers'
+# settings (PROFILE=full); DATA=folder DATASET=name BACKBONES="spec spec ..." run them on the real data.
+# reproduce-quick / reproduce run every target, JOBS at a time with THREADS torch threads each.
+RESULTS   ?= results
+PROFILE   ?= full
+JOBS      ?= 2
+THREADS   ?= 1
+PIPELINES := $(sort $(basename $(notdir $(wildcard pipelines/*.toml))))
+REPRODUCE_ARGS = --profile $(PROFILE) --out $(RESULTS) --cache $(CACHE) $(if $(DATA),--data-root $(DATA)) \
+                 $(if $(DATASET),--dataset $(DATASET)) $(foreach b,$(BACKBONES),--backbones $(b))
+
+.PHONY: $(PIPELINES)
+$(PIPELINES): install
+	$(BIN)/featcache reproduce pipelines/$@.toml $(REPRODUCE_ARGS)
+
+reproduce-quick: install
+	OMP_NUM_THREADS=$(THREADS) $(MAKE) --no-print-directory -k -j$(JOBS) --output-sync=target $(PIPELINES) PROFILE=quick
+
+reproduce: install
+	OMP_NUM_THREADS=$(THREADS) $(MAKE) --no-print-directory -k -j$(JOBS) --output-sync=target $(PIPELINES) PROFILE=full
+
 bench: install
 	$(BIN)/python bench/extract.py
 	$(BIN)/python bench/train.py
 	$(BIN)/python bench/grid.py
 
 clean:
-	rm -rf $(CACHE) $(RUNS) results .pytest_cache
+	rm -rf $(CACHE) $(RUNS) $(RESULTS) .pytest_cache

@@ -1,0 +1,223 @@
+"""`featcache reproduce`: pipeline files (loading, strict validation), planning cells into shared jobs, metrics,
+the markdown table beside the paper's numbers, and one tiny end-to-end pipeline on extracted digits (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from featcache.errors import UserError
+from featcache.reproduce import (
+    cell_values, column_labels, load_pipeline, metric_value, parse_pipeline, plan, reproduce, table_markdown,
+)
+
+PIPELINE = """
+name = "toy"
+title = "a toy table"
+paper_dataset = "digit5"
+note = "USPS maps to optdigits offline."
+
+[extract]
+dataset = "offline-digits"
+backbone = ["efficientnet_lite0", "efficientnet_lite1"]
+partition = "feature"
+per_class = 10
+
+[columns]
+MNIST = { metric = "domain:mnist" }
+USPS = { metric = "domain:usps|optdigits" }
+SVHN = { metric = "domain:svhn" }
+Avg = { metric = "acc" }
+Comm = { metric = "params" }
+
+[[run]]
+row = "s FedAvg"
+algo = "fedavg"
+backbones = [0]
+[[run]]
+row = "m Ours"
+algo = "fedpcl"
+set = { tau = 0.1 }
+
+[paper]
+name = "fedpcl"
+table = "Table 2"
+source = "fedpcl.md Table 2"
+columns = ["MNIST", "SVHN", "USPS", "Avg", "Comm", "Office"]
+[paper.rows]
+"s FedAvg" = ["70.65(1.15)", "17.10(0.20)", "70.24(1.62)", "44.04(0.98)", 133632, "1.0"]
+"m Ours" = ["84.65(0.15)", "19.38(0.63)", "90.74(0.53)", "55.34(0.34)", 2560, "-"]
+
+[profiles.quick]
+rounds = 2
+seeds = [0, 1]
+
+[profiles.full]
+rounds = 50
+seeds = [0, 1, 2]
+"""
+
+
+def fake_result(per_client_per_seed, params):
+    """A result dict as run_job returns it: clients 0..2 own mnist, optdigits, synth."""
+    per_seed = [sum(row) / len(row) for row in per_client_per_seed]
+    mean = sum(per_seed) / len(per_seed)
+    std = (sum((v - mean) ** 2 for v in per_seed) / len(per_seed)) ** 0.5
+    return {"per_client_per_seed": per_client_per_seed, "client_domains": ["mnist", "optdigits", "synth"],
+            "mean_acc": mean, "std_acc": std, "params_uploaded_per_round": params}
+
+
+def test_table_beside_paper_numbers_exact():
+    pipe = parse_pipeline(PIPELINE, "toy.toml")
+    cells = plan(pipe, "quick")
+    jobs = {cells[("s FedAvg", "Avg")].key(): fake_result([[60.0, 70.0, 50.0], [62.0, 72.0, 52.0]], 330506),
+            cells[("m Ours", "Avg")].key(): fake_result([[80.0, 90.0, 40.0], [80.0, 90.0, 40.0]], 2570)}
+    table = table_markdown(pipe, cell_values(pipe, cells, jobs))
+    assert table == (
+        "| row | MNIST ours | MNIST paper | SVHN ours | SVHN paper | USPS ours | USPS paper | Avg ours | Avg paper "
+        "| Comm ours | Comm paper | Office ours | Office paper |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| s FedAvg | 61.00(1.00) | 70.65(1.15) | n/a | 17.10(0.20) | 71.00(1.00) | 70.24(1.62) | 61.00(1.00) "
+        "| 44.04(0.98) | 330,506 | 133,632 | — | 1.0 |\n"
+        "| m Ours | 80.00(0.00) | 84.65(0.15) | n/a | 19.38(0.63) | 90.00(0.00) | 90.74(0.53) | 70.00(0.00) "
+        "| 55.34(0.34) | 2,570 | 2,560 | — | - |\n"
+    )
+    labels = column_labels(pipe, cells, jobs)
+    assert labels["USPS"] == "clients of domain optdigits"
+    assert labels["SVHN"] == "n/a (the data has no domain svhn)"
+
+
+def test_one_job_per_run_and_backbone_subsets():
+    pipe = parse_pipeline(PIPELINE, "toy.toml")
+    cells = plan(pipe, "quick")
+    assert len(cells) == 10 and len(set(cells.values())) == 2  # every column of a row reads one job
+    fedavg, ours = cells[("s FedAvg", "MNIST")], cells[("m Ours", "MNIST")]
+    assert fedavg.backbones == (0,) and ours.backbones is None  # all backbones in order = the stored concat
+    assert json.loads(ours.settings) == {"tau": 0.1} and ours.rounds == 2 and ours.seeds == (0, 1)
+    full = plan(pipe, "full")[("m Ours", "MNIST")]
+    assert full.rounds == 50 and full.seeds == (0, 1, 2) and full.extract == ours.extract
+
+
+def test_command_line_overrides_reach_the_extraction(tmp_path):
+    pipe = parse_pipeline(PIPELINE, "toy.toml")
+    job = plan(pipe, "quick", data_root=tmp_path, backbones=["resnet18=a.pth", "resnet18=b.pth"])[("m Ours", "Avg")]
+    ex = job.extract_kwargs
+    assert ex["dataset"] == "digit5"  # --data-root without --dataset: the paper's dataset
+    assert ex["data_root"] == str(tmp_path.resolve()) and ex["backbone"] == ["resnet18=a.pth", "resnet18=b.pth"]
+    assert plan(pipe, "quick", dataset="mnist")[("m Ours", "Avg")].extract_kwargs["dataset"] == "mnist"
+    with pytest.raises(UserError, match="row .s FedAvg. picks backbone 2 but the extraction has 2 .*pass 3 or more"):
+        plan(parse_pipeline(PIPELINE.replace("backbones = [0]", "backbones = [2]"), "toy.toml"), "quick")
+
+
+def test_columns_and_profiles_override_extract_and_settings():
+    text = PIPELINE.replace('Avg = { metric = "acc" }',
+                            'Avg = { metric = "acc", extract = { partition = "label", alpha = 1, '
+                            'domains = { offline-digits = ["mnistm"] } } }')
+    text = text.replace("rounds = 2\n", 'rounds = 2\nset = { lr = 0.01 }\nextract = { per_class = 3 }\n')
+    cells = plan(parse_pipeline(text, "toy.toml"), "quick")
+    avg, mnist = cells[("m Ours", "Avg")], cells[("m Ours", "MNIST")]
+    assert avg != mnist
+    assert avg.extract_kwargs | {"alpha": None} == mnist.extract_kwargs | {
+        "partition": "label", "domains": ["mnistm"], "alpha": None}
+    assert avg.extract_kwargs["alpha"] == 1.0 and isinstance(avg.extract_kwargs["alpha"], float)
+    assert avg.extract_kwargs["per_class"] == 3 and json.loads(avg.settings) == {"tau": 0.1, "lr": 0.01}
+    on_cifar = plan(parse_pipeline(text, "toy.toml"), "quick", dataset="cifar10")[("m Ours", "Avg")]
+    assert "domains" not in on_cifar.extract_kwargs  # no entry for cifar10: its default domains
+
+
+def test_state_needs_merge_into_one_job():
+    text = PIPELINE.replace('Comm = { metric = "params" }', 'Comm = { metric = "fixed" }')
+    cells = plan(parse_pipeline(text, "toy.toml"), "quick")
+    assert len(set(cells.values())) == 2 and cells[("m Ours", "MNIST")].needs == ("fixed",)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (('name = "toy"', 'name = "toy"\nrounds = 3'), "toy.toml: unknown key 'rounds'"),
+    (('algo = "fedpcl"', 'algo = "fedpcl"\nseed = 1'), "[[run]] 2: unknown key 'seed'"),
+    (('per_class = 10', 'per_clas = 10'), "unknown extract option 'per_clas' (did you mean: per_class"),
+    (('set = { tau = 0.1 }', 'set = { tua = 0.1 }'), "[[run]] 2: unknown setting 'tua'"),
+    (('set = { tau = 0.1 }', 'set = { tau = "warm" }'), "expected a float"),
+    (('set = { tau = 0.1 }', 'set = { rounds = 3 }'), "rounds comes from [profiles.*]"),
+    (('algo = "fedavg"', 'algo = "fedavgg"'), "unknown algorithm 'fedavgg'"),
+    (('row = "m Ours"', 'row = "m Our"'), "row 'm Our' is not a paper row"),
+    (('"17.10(0.20)"', '"17.10 ± 0.20"'), "is not a number, 'mean(std)' or '-'"),
+    (('2560, "-"]', '2560]'), "give one cell per paper column (6)"),
+    (('metric = "acc"', 'metric = "accuracy"'), "unknown metric 'accuracy'"),
+    (('MNIST = {', 'Mnist = {'), "[columns.'Mnist']: not a paper column"),
+    (('seeds = [0, 1]', 'seeds = []'), "seeds a non-empty list"),
+    (('name = "fedpcl"', 'name = "fedx"'), "name must be one of fedpcl, fedproc, fedpft"),
+    (('[profiles.full]', '[profiles.full]\ncolumns = ["Nope"]'), "columns names 'Nope'"),
+    (('partition = "feature"', 'partition = 3'), None),
+    (('title = "a toy table"', 'title = 7'), "title must be a str"),
+    (('[extract]', '[extract]\nbackbone = ['), "not valid TOML"),
+])
+def test_bad_pipelines_are_one_line_errors(edit, message):
+    text = PIPELINE.replace(*edit)
+    assert text != PIPELINE
+    if message is None:  # a wrong type inside [extract] is caught by extract() itself, with the option's name
+        parse_pipeline(text, "toy.toml")
+        return
+    with pytest.raises(UserError) as e:
+        parse_pipeline(text, "toy.toml")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_profile_and_pipeline():
+    with pytest.raises(UserError, match="no profile 'fast'.*known: quick, full"):
+        plan(parse_pipeline(PIPELINE, "toy.toml"), "fast")
+    with pytest.raises(UserError, match="no pipeline 'fedpcl-tabel2' \\(did you mean: fedpcl-table2"):
+        load_pipeline("fedpcl-tabel2")
+
+
+def test_metrics_read_results():
+    result = {"fairness": {"worst_10": [16.7, 1.7]}, "best_round_mean_acc": 50.0, "best_round_std_acc": 2.0,
+              "probe": {"match": [70.0, 74.0]}, "client_domains": ["mnist", "mnist", "synth"],
+              "similarity": [[[0.9, 0.1], [0.7, 0.3], [0.5, 0.5]], [[0.9, 0.1], [0.9, 0.1], [0.5, 0.5]]]}
+    assert metric_value(result, "fair:worst_10") == (16.7, 1.7)
+    assert metric_value(result, "best") == (50.0, 2.0)
+    assert metric_value(result, "probe:match") == (72.0, 2.0)
+    mean, std = metric_value(result, "protosim:mnist", pick=1)  # seeds: mean of clients 0, 1 = 0.2 and 0.1
+    assert abs(mean - 0.15) < 1e-9 and abs(std - 0.05) < 1e-9
+    assert metric_value(result, "protosim:svhn", pick=0) is None
+
+
+def test_every_shipped_pipeline_loads_and_plans():
+    paths = sorted(Path("pipelines").glob("*.toml"))
+    assert len(paths) >= 20
+    for path in paths:
+        pipe = load_pipeline(path)
+        assert pipe.name == path.stem and {"quick", "full"} <= set(pipe.profiles)
+        assert plan(pipe, "quick") and plan(pipe, "full")
+
+
+def test_cli_reproduce_bad_name_is_one_line():
+    done = subprocess.run([sys.executable, "-m", "featcache.cli", "reproduce", "fedpcl-tabel2"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "no pipeline 'fedpcl-tabel2'" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_end_to_end(tmp_path):
+    text = PIPELINE.replace("per_class = 10", "per_class = 3\ntest_per_class = 3\nimage_size = 32")
+    text = text.replace('title = "a toy table"', 'title = "a toy table"\nset = { batch_size = 8 }')
+    path = tmp_path / "toy.toml"
+    path.write_text(text)
+    out, cache = tmp_path / "results", tmp_path / "cache"
+    first = reproduce(path, "quick", out=out, cache=cache)
+    md = Path(first["markdown"]).read_text()
+    assert first["jobs"] == 2 and len(first["caches"]) == 1
+    key = Path(first["caches"][0]).stem.split("-")[-1]
+    assert f"featcache reproduce {path} --profile quick --out {out} --cache {cache}" in md
+    assert key in md and "Resolved configuration" in md and '"batch_size": 8' in md
+    assert first["table"] in md and "| s FedAvg | " in md and "n/a" in md
+    row = [line for line in md.splitlines() if line.startswith("| m Ours |")][0]
+    assert "| 2,570 | 2,560 |" in row  # 10 prototypes of 256 floats + 10 counts, beside the paper's 2,560
+    cells = json.loads((out / "toy.json").read_text())["cells"]
+    assert {c["row"] for c in cells} == {"s FedAvg", "m Ours"} and all(c["ours"] for c in cells if c["column"] == "Avg")
+    again = reproduce(path, "quick", out=out, cache=cache)  # memoised jobs, cache hit: same markdown
+    assert Path(again["markdown"]).read_text() == md
