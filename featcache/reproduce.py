@@ -3,7 +3,7 @@ numbers beside the paper's (plus a PNG where the target is a figure).
 
 A pipeline (pipelines/NAME.toml) holds:
 
-    name, paper, table, title        what is reproduced (paper = fedpcl | fedproc | fedpft, /work/shared/papers)
+    name, title                      the Make target (= the file's stem) and what the table shows
     paper_dataset                    the dataset the paper used: taken when --data-root is given without --dataset
     note                             how the paper's setting maps onto the data at hand (printed with the table)
     extra_rows                       rows we report that the paper's table does not have
@@ -15,7 +15,8 @@ A pipeline (pipelines/NAME.toml) holds:
     [[run]]                          row (a paper row), algo, set = {setting = value}, backbones = [indices into the
                                      extract's backbone list] (default: all), extract = {overrides}, columns = [only
                                      these], grid = {setting = [values]} (validation-select + retrain)
-    [paper]                          source, columns = [the paper's columns], rows = {row = [cells]}, claims = [..]
+    [paper]                          name (fedpcl | fedproc | fedpft), table ("Table 2"), source, columns = [the
+                                     paper's columns], rows = {row = [cells: "mean(std)", a number or "-"]}, claims
     [figure]                         kind = lines | heatmap, xlabel, ylabel, xscale, normalize = column
     [profiles.quick], [profiles.full]   rounds, seeds, and optional set / extract / columns / rows overrides
 
@@ -61,8 +62,8 @@ _CELL = re.compile(r"^-?\d[\d,]*(\.\d+)?(\(\d+(\.\d+)?\))?M?$")  # "82.75(0.40)"
 
 # key -> (type or types, required); the loader checks every table against these
 _TOP = {"name": (str, True), "title": (str, True), "paper_dataset": (str, False), "note": (str, False),
-        "extra_rows": (list, False), "set": (dict, False), "extract": (dict, True), "columns": (dict, True), "run": (list, True),
-        "paper": (dict, True), "figure": (dict, False), "profiles": (dict, True)}
+        "extra_rows": (list, False), "set": (dict, False), "extract": (dict, True), "columns": (dict, True),
+        "run": (list, True), "paper": (dict, True), "figure": (dict, False), "profiles": (dict, True)}
 _PAPER = {"name": (str, True), "table": (str, True), "source": (str, True), "columns": (list, True),
           "rows": (dict, False), "claims": (list, False)}
 _COLUMN = {"metric": (str, True), "extract": (dict, False), "set": (dict, False), "backbones": (list, False),
@@ -184,61 +185,12 @@ def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
         raise UserError(f"{path} [paper]: name must be one of {', '.join(PAPERS)} (got {paper['name']!r})")
     _check_extract(f"{path} [extract]", doc["extract"], base=True)
     paper_columns = [str(c) for c in paper["columns"]]
-    rows = paper.get("rows", {})
-    for row, cells in rows.items():
-        if not isinstance(cells, list) or len(cells) != len(paper_columns):
-            raise UserError(f"{path} [paper.rows] {row!r}: give one cell per paper column ({len(paper_columns)})")
-        for cell in cells:
-            if not (isinstance(cell, (int, float)) and not isinstance(cell, bool)
-                    or isinstance(cell, str) and (cell == "-" or _CELL.match(cell))):
-                raise UserError(f"{path} [paper.rows] {row!r}: cell {cell!r} is not a number, 'mean(std)' or '-'")
-
-    columns = []
-    for name, spec in doc["columns"].items():
-        where = f"{path} [columns.{name!r}]"
-        _check(where, spec, _COLUMN)
-        if name not in paper_columns:
-            raise UserError(f"{where}: not a paper column{suggest(name, paper_columns)}; paper: {paper_columns}")
-        kind = spec["metric"].partition(":")[0]
-        if kind not in METRICS:
-            raise UserError(f"{where}: unknown metric {spec['metric']!r}{suggest(kind, METRICS)}; "
-                            f"known: {', '.join(METRICS)}")
-        _check_extract(where, spec.get("extract", {}))
-        columns.append(Column(name, spec["metric"], spec.get("extract", {}), spec.get("set", {}),
-                              _indices(where, spec.get("backbones")), spec.get("x")))
-
+    rows = _paper_rows(path, paper.get("rows", {}), len(paper_columns))
+    columns = _columns(path, doc["columns"], paper_columns)
     extra_rows = tuple(doc.get("extra_rows", ()))
-    runs = []
-    for i, spec in enumerate(doc["run"], 1):
-        where = f"{path} [[run]] {i}"
-        _check(where, spec, _RUN)
-        if spec["row"] not in rows and spec["row"] not in extra_rows:
-            raise UserError(f"{where}: row {spec['row']!r} is not a paper row{suggest(spec['row'], rows)}: "
-                            "fix it or list it in extra_rows")
-        unknown = [c for c in spec.get("columns", ()) if c not in doc["columns"]]
-        if unknown:
-            raise UserError(f"{where}: column {unknown[0]!r} has no [columns] entry")
-        _check_extract(where, spec.get("extract", {}))
-        _check_settings(where, spec["algo"], doc.get("set", {}) | spec.get("set", {}), spec.get("grid", {}))
-        runs.append(Run(spec["row"], spec["algo"], spec.get("set", {}), _indices(where, spec.get("backbones")),
-                        spec.get("extract", {}), tuple(spec.get("columns", ())), spec.get("grid", {})))
-
-    profiles = {}
-    for name, spec in doc["profiles"].items():
-        where = f"{path} [profiles.{name}]"
-        _check(where, spec, _PROFILE)
-        if not spec["seeds"] or not all(isinstance(s, int) for s in spec["seeds"]) or spec["rounds"] < 1:
-            raise UserError(f"{where}: rounds must be >= 1 and seeds a non-empty list of integers")
-        _check_extract(where, spec.get("extract", {}))
-        for key, known in (("columns", doc["columns"]), ("rows", [*rows, *extra_rows])):
-            unknown = [v for v in spec.get(key, ()) if v not in known]
-            if unknown:
-                raise UserError(f"{where}: {key} names {unknown[0]!r}, which is not one of the pipeline's {key}")
-        for run in runs:
-            _check_settings(where, run.algo, doc.get("set", {}) | run.set | spec.get("set", {}), {})
-        profiles[name] = Profile(spec["rounds"], tuple(spec["seeds"]), spec.get("set", {}), spec.get("extract", {}),
-                                 tuple(spec.get("columns", ())), tuple(spec.get("rows", ())))
-
+    runs = _runs(path, doc, columns, [*rows, *extra_rows])
+    profiles = {name: _profile(f"{path} [profiles.{name}]", spec, doc, columns, runs, [*rows, *extra_rows])
+                for name, spec in doc["profiles"].items()}
     figure = doc.get("figure", {})
     if figure:
         _check(f"{path} [figure]", figure, _FIGURE)
@@ -250,8 +202,72 @@ def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
         name=doc["name"], paper=paper["name"], table=paper["table"], title=doc["title"], extract=doc["extract"],
         columns=columns, runs=runs, source=paper["source"], paper_columns=paper_columns, paper_rows=rows,
         profiles=profiles, paper_dataset=doc.get("paper_dataset"), note=doc.get("note", "").strip(),
-        extra_rows=extra_rows, set=doc.get("set", {}), claims=tuple(paper.get("claims", ())), figure=figure, path=path,
+        extra_rows=extra_rows, set=doc.get("set", {}), claims=tuple(paper.get("claims", ())), figure=figure,
+        path=path,
     )
+
+
+def _paper_rows(path: str, rows: dict, n_columns: int) -> dict[str, list]:
+    for row, cells in rows.items():
+        if not isinstance(cells, list) or len(cells) != n_columns:
+            raise UserError(f"{path} [paper.rows] {row!r}: give one cell per paper column ({n_columns})")
+        for cell in cells:
+            if not (isinstance(cell, (int, float)) and not isinstance(cell, bool)
+                    or isinstance(cell, str) and (cell == "-" or _CELL.match(cell))):
+                raise UserError(f"{path} [paper.rows] {row!r}: cell {cell!r} is not a number, 'mean(std)' or '-'")
+    return rows
+
+
+def _columns(path: str, table: dict, paper_columns: list[str]) -> list[Column]:
+    columns = []
+    for name, spec in table.items():
+        where = f"{path} [columns.{name!r}]"
+        _check(where, spec, _COLUMN)
+        if name not in paper_columns:
+            raise UserError(f"{where}: not a paper column{suggest(name, paper_columns)}; paper: {paper_columns}")
+        kind = spec["metric"].partition(":")[0]
+        if kind not in METRICS:
+            raise UserError(f"{where}: unknown metric {spec['metric']!r}{suggest(kind, METRICS)}; "
+                            f"known: {', '.join(METRICS)}")
+        _check_extract(where, spec.get("extract", {}))
+        columns.append(Column(name, spec["metric"], spec.get("extract", {}), spec.get("set", {}),
+                              _indices(where, spec.get("backbones")), spec.get("x")))
+    return columns
+
+
+def _runs(path: str, doc: dict, columns: list[Column], rows: list[str]) -> list[Run]:
+    runs = []
+    for i, spec in enumerate(doc["run"], 1):
+        where = f"{path} [[run]] {i}"
+        _check(where, spec, _RUN)
+        if spec["row"] not in rows:
+            raise UserError(f"{where}: row {spec['row']!r} is not a paper row{suggest(spec['row'], rows)}: "
+                            "fix it or list it in extra_rows")
+        unknown = [c for c in spec.get("columns", ()) if c not in {col.name for col in columns}]
+        if unknown:
+            raise UserError(f"{where}: column {unknown[0]!r} has no [columns] entry")
+        _check_extract(where, spec.get("extract", {}))
+        for col in columns:
+            _check_settings(where, spec["algo"], doc.get("set", {}) | col.set | spec.get("set", {}),
+                            spec.get("grid", {}))
+        runs.append(Run(spec["row"], spec["algo"], spec.get("set", {}), _indices(where, spec.get("backbones")),
+                        spec.get("extract", {}), tuple(spec.get("columns", ())), spec.get("grid", {})))
+    return runs
+
+
+def _profile(where: str, spec: dict, doc: dict, columns: list[Column], runs: list[Run], rows: list[str]) -> Profile:
+    _check(where, spec, _PROFILE)
+    if not spec["seeds"] or not all(isinstance(s, int) for s in spec["seeds"]) or spec["rounds"] < 1:
+        raise UserError(f"{where}: rounds must be >= 1 and seeds a non-empty list of integers")
+    _check_extract(where, spec.get("extract", {}))
+    for key, known in (("columns", [c.name for c in columns]), ("rows", rows)):
+        unknown = [v for v in spec.get(key, ()) if v not in known]
+        if unknown:
+            raise UserError(f"{where}: {key} names {unknown[0]!r}, which is not one of the pipeline's {key}")
+    for run in runs:
+        _check_settings(where, run.algo, doc.get("set", {}) | run.set | spec.get("set", {}), {})
+    return Profile(spec["rounds"], tuple(spec["seeds"]), spec.get("set", {}), spec.get("extract", {}),
+                   tuple(spec.get("columns", ())), tuple(spec.get("rows", ())))
 
 
 def _check_settings(where: str, algo: str, settings: dict, grid: dict) -> None:
@@ -354,7 +370,8 @@ def plan(pipe: Pipeline, profile: str = "quick", dataset: str | None = None, dat
             if kind == "protosim":  # one all-backbone job; the row's single backbone is the one read
                 if chosen is None or len(chosen) != 1:
                     raise UserError(f"{pipe.path}: row {run.row!r} feeds a protosim column: give backbones = [k]")
-                chosen = _subset(pipe, run, chosen, ex["backbone"]) and None
+                _subset(pipe, run, chosen, ex["backbone"])  # in range
+                chosen = None
             job = Job(
                 extract=json.dumps(ex, sort_keys=True), algo=run.algo,
                 settings=json.dumps(pipe.set | col.set | run.set | prof.set, sort_keys=True), rounds=prof.rounds,
@@ -390,9 +407,10 @@ def _extract(ex: dict, cache: Path, progress) -> dict:
     if "noise" in kwargs:
         kwargs["noise"] = Noise(kwargs["noise"]["kind"], float(kwargs["noise"]["scale"]), float(kwargs["noise"]["p"]))
     info = extract(**kwargs, out=cache, progress=progress)
-    meta = C.info(info["cache"])
+    with C.open_cache(info["cache"]) as f:
+        meta = C.read_attrs(f)
+        info["dims"] = [int(f["backbones"][k].attrs["dim"]) for k in meta["backbones"]]  # [B] in concat order
     info["client_domains"] = [c["domain"] for c in meta["counts"]["clients"]]
-    info["dims"] = [meta["backbone_info"][k]["dim"] for k in meta["backbones"]]
     info["classes"] = len(meta["classes"])
     return info
 
@@ -453,8 +471,7 @@ def _engine_job(job: Job, info: dict, settings: dict) -> dict:
 
     impl = create(job.algo)
     cfg = resolve(impl, settings | {"rounds": job.rounds})
-    names = C.info(info["cache"])["backbones"]
-    chosen = [names[i] for i in job.backbones] if job.backbones is not None else None
+    chosen = [info["backbones"][i] for i in job.backbones] if job.backbones is not None else None
     train = C.load_clients(info["cache"], "train", backbones=chosen, views=getattr(impl, "uses_views", False))
     test = C.load_clients(info["cache"], "test", backbones=chosen)
     engine = Engine(impl, [cfg | {"seed": s} for s in job.seeds], train, test)
@@ -508,8 +525,9 @@ def _grid_job(job: Job, info: dict, out: Path, settings: dict) -> dict:
         raise UserError("a grid run cannot pick backbones or feed probe/protosim metrics: split it into runs")
     found = grid(info["cache"], job.algo, axes, seeds=list(job.seeds), rounds=job.rounds,
                  set=[f"{k}={v}" for k, v in settings.items()], out=out / "runs")
-    result = json.loads(Path(found["retrain"]["result_file"]).read_text())
-    return result | {"grid": {"best": found["best"], "selection": found["selection"]}}
+    path = found["retrain"]["result_file"]
+    return json.loads(Path(path).read_text()) | {"result_file": path,
+                                                 "grid": {"best": found["best"], "selection": found["selection"]}}
 
 
 def _trainable_params(algo: str, cfg: dict, d_in: int, classes: int) -> int:
@@ -625,7 +643,7 @@ def cell_values(pipe: Pipeline, cells: dict, results: dict) -> dict[tuple[str, s
 
 
 def column_labels(pipe: Pipeline, cells: dict, results: dict) -> dict[str, str]:
-    """What each paper column is on this data: 'USPS → optdigits', 'SVHN → n/a (no svhn)', 'MNIST → —' (not run)."""
+    """What each mapped paper column is on this data, e.g. 'clients of domain optdigits' for USPS."""
     labels = {}
     for col in pipe.columns:
         jobs = [job for (_, c), job in cells.items() if c == col.name]
@@ -721,6 +739,8 @@ def _figure(pipe: Pipeline, values: dict, path: Path) -> None:
             x = [p[0] for p in pts]
             ax.errorbar(x, [p[1][0] for p in pts], yerr=[p[1][1] for p in pts], marker="o", capsize=3, label=row)
         ax.set_xscale(pipe.figure.get("xscale", "linear"))
+        ax.set_xticks([c.x for c in cols], [f"{c.x:g}" for c in cols])
+        ax.minorticks_off()
         ax.legend()
         ax.grid(alpha=0.3)
     else:

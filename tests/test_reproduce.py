@@ -12,8 +12,10 @@ import pytest
 
 from featcache.errors import UserError
 from featcache.reproduce import (
-    cell_values, column_labels, load_pipeline, metric_value, parse_pipeline, plan, reproduce, table_markdown,
+    Job, cell_values, column_labels, load_pipeline, metric_value, parse_pipeline, plan, reproduce, run_job,
+    table_markdown,
 )
+from tests.synthetic import write_cache
 
 PIPELINE = """
 name = "toy"
@@ -199,6 +201,37 @@ def test_cli_reproduce_bad_name_is_one_line():
                           text=True)
     assert done.returncode == 2 and "no pipeline 'fedpcl-tabel2'" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def synthetic_job(**change) -> Job:
+    spec = dict(extract=json.dumps({"backbone": ["synth"]}), algo="fedavg", settings=json.dumps({"lr": 0.01}),
+                rounds=2, seeds=(0, 1), backbones=None, grid="{}", needs=())
+    return Job(**spec | change)
+
+
+def test_jobs_are_memoised_and_state_outputs_added(tmp_path):
+    cache = write_cache(tmp_path / "synthetic.h5")
+    info = {"cache": cache, "key": "synthetic", "client_domains": ["synth"] * 4, "backbones": ["synth"], "dims": [16],
+            "classes": 5}
+    first = run_job(synthetic_job(), info, tmp_path / "out")
+    memo = list((tmp_path / "out" / "jobs").glob("fedavg-*.json"))
+    assert len(memo) == 1 and first["trainable_params"] == 16 * 256 + 256 + 256 * 5 + 5
+    assert len(first["per_client_per_seed"]) == 2 and "probe" not in first
+    stamp = memo[0].stat().st_mtime_ns
+    assert run_job(synthetic_job(), info, tmp_path / "out") == first and memo[0].stat().st_mtime_ns == stamp
+    probed = run_job(synthetic_job(needs=("probe",)), info, tmp_path / "out")  # same training, more outputs
+    assert set(probed["probe"]) == {"origin", "probe", "match"} and len(probed["probe"]["match"]) == 2
+    assert probed["mean_acc"] == first["mean_acc"]  # the engine path equals train() on the same job
+    assert list((tmp_path / "out" / "jobs").glob("fedavg-*.json")) == memo
+
+
+def test_grid_job_selects_on_validation_then_retrains(tmp_path):
+    cache = write_cache(tmp_path / "synthetic.h5")
+    info = {"cache": cache, "key": "synthetic", "client_domains": ["synth"] * 4, "backbones": ["synth"], "dims": [16],
+            "classes": 5}
+    result = run_job(synthetic_job(settings="{}", grid=json.dumps({"lr": [0.1, 1e-4]})), info, tmp_path / "out")
+    assert result["grid"]["best"]["lr"] in (0.1, 1e-4) and len(result["grid"]["selection"]) == 2
+    assert result["config"]["lr"] == result["grid"]["best"]["lr"] and Path(result["result_file"]).is_file()
 
 
 @pytest.mark.slow
