@@ -62,7 +62,7 @@ def read_attrs(obj) -> dict:
     out = {}
     for name, value in obj.attrs.items():
         value = value.decode() if isinstance(value, bytes) else value
-        if isinstance(value, str) and value[:1] in "[{":
+        if isinstance(value, str) and value[:1] in ("[", "{"):
             value = json.loads(value)
         out[name] = value.item() if isinstance(value, np.generic) else value
     return out
