@@ -17,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import featcache  # noqa: E402, F401  (before torch: its allocator settings)
+import torch  # noqa: E402
 
 from featcache.algorithms import create  # noqa: E402
 from featcache.config import resolve  # noqa: E402

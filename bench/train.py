@@ -1,6 +1,7 @@
 """Benchmark: seconds per round of the vectorized engine vs a plain per-client loop on the same cached tensors, and
 vs the official-FedPCL pattern that re-runs three frozen ResNet18s (64x64) on every batch, prototype pass and test
-batch. Prints one JSON object. Run: `.venv/bin/python bench/train.py [--clients 20] [--rounds 3]`.
+batch. Prints one JSON object. Run: `.venv/bin/python bench/train.py [--clients 20] [--rounds 5] [--repeats 3]`.
+The engine and the plain loop are timed alternately, `repeats` times each; the medians are compared.
 
 The plain loop is tests/reference.py (one Python iteration per client and minibatch, torch.optim). The official
 pattern's round time = (images it pushes through the backbones per round) / (measured images/s of three ResNet18s on
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import featcache  # noqa: E402, F401  (before torch: its allocator settings)
+import torch  # noqa: E402
 
 from featcache.algorithms import create  # noqa: E402
 from featcache.config import resolve  # noqa: E402
@@ -45,7 +48,8 @@ def backbone_images_per_second(batch: int = 32, size: int = 64, repeats: int = 3
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dim", type=int, default=1536, help="feature size (3 x ResNet18 = 1536)")
     ap.add_argument("--algo", default="fedpcl")
     args = ap.parse_args()
@@ -55,12 +59,17 @@ def main() -> None:
     algo = create(args.algo)
     cfg = resolve(algo, {"rounds": args.rounds})
 
-    t0 = time.perf_counter()
-    Engine(algo, [cfg], train, test).run()
-    vec = (time.perf_counter() - t0) / args.rounds
-    t0 = time.perf_counter()
-    plain_loop(create(args.algo), cfg, train, test)
-    loop = (time.perf_counter() - t0) / args.rounds
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) / args.rounds
+
+    Engine(algo, [resolve(algo, {"rounds": 1})], train, test).run()  # warm-up: first-call dispatch, allocator
+    runs = {"vectorized": [], "plain_loop": []}
+    for _ in range(args.repeats):  # interleaved, so a noisy neighbour slows both alike; the median of each
+        runs["vectorized"].append(timed(lambda: Engine(algo, [cfg], train, test).run()))
+        runs["plain_loop"].append(timed(lambda: plain_loop(create(args.algo), cfg, train, test)))
+    vec, loop = statistics.median(runs["vectorized"]), statistics.median(runs["plain_loop"])
 
     ips = backbone_images_per_second()
     n_train, n_test = int(train.counts.sum()), int(test.counts.sum())
@@ -68,7 +77,8 @@ def main() -> None:
     official = images_per_round / ips + loop
     print(json.dumps({
         "algo": args.algo, "clients": args.clients, "feature_dim": args.dim, "rounds": args.rounds,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "all_seconds_per_round": {k: [round(t, 4) for t in v] for k, v in runs.items()},
         "seconds_per_round": {"vectorized": round(vec, 5), "plain_loop": round(loop, 5),
                               "official_pattern": round(official, 3)},
         "backbone_images_per_second_3xresnet18_64px": round(ips, 1),

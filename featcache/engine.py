@@ -50,7 +50,7 @@ def structural_keys(cfg: dict, algo) -> list[str]:
 class State:
     """Everything that evolves over rounds; tensors lead with [H, C] (models) except `server` ([H, ...])."""
 
-    params: Params
+    params: Params  # updated in place by the optimizer during local training: clone what you keep across rounds
     buffers: Params
     client: dict = field(default_factory=dict)  # per-model algorithm state, e.g. local prototypes [H, C, K, d]
     server: dict = field(default_factory=dict)  # per-config server state, e.g. global prototypes [H, K, d]
@@ -151,7 +151,9 @@ class Engine:
         steps = int(((n_eff + B - 1) // B).max())
         opt = OPTIMIZERS[cfg["optimizer"]](state.params, lr=self.hp["lr"], weight_decay=self.hp["weight_decay"],
                                             momentum=self.hp.get("momentum"),
-                                            scale={k: algo.lr_scale(k) for k in state.params})
+                                            scale={k: algo.lr_scale(k) for k in state.params},
+                                            reuse=getattr(self, "_opt", None))
+        self._opt = opt  # its moment buffers are zeroed and reused next round
         loss_fn = vmap(vmap(algo.local_loss))  # [H, C] losses; summed, each model gets exactly its own gradient
         c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1]
         for epoch in range(algo.local_epochs()):

@@ -4,9 +4,16 @@ Learning rate, weight decay and momentum are per-config tensors [H] (a grid trai
 multiplies the learning rate per parameter name (FedPFT's own rate for its FTM); `frozen` names are left untouched
 for a step (a phase that trains only some parameters). `active` [H, C] marks the models that have a batch in this
 step: the others (clients with fewer steps, non-participants) keep parameters, moments and step counts exactly as
-they were. Semantics are torch.optim.Adam / torch.optim.SGD (L2 weight decay added to the gradient); the arithmetic
-is torch's own fused kernels, called on per-model views, one call per (configuration, parameter): a step reads and
-writes each parameter once instead of once per elementwise operation, which is what bounds a grid's speed.
+they were. Semantics are torch.optim.Adam / torch.optim.SGD (L2 weight decay added to the gradient).
+
+Speed: the arithmetic is torch's own fused kernels (one read and write of each tensor per step). A linear layer's
+weight gradient arrives from autograd as a transposed view ([d_in, d_out] in memory); instead of copying it every
+step, a parameter and its moments adopt the memory layout of their gradient at the first step (the forward
+`x @ W.T` is then a plain contiguous matmul as well). The kernels work on raw memory, so every tensor of one call
+is handed over in the same layout. When all clients of a configuration step at the same step count (the usual
+case) their C models go to the kernel as one slab [C, ...]. Parameters are updated in place (no copy per round);
+`reuse` hands over a previous optimizer's moment
+buffers (zeroed), so a fresh optimizer each round does not allocate and fault in new pages.
 """
 
 from __future__ import annotations
@@ -16,66 +23,120 @@ import torch
 Params = dict[str, torch.Tensor]
 
 
-class _Stacked:
-    """Shared bookkeeping: which (h, c) models step now, and their per-model hyperparameters."""
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.mT.is_contiguous()
 
-    def __init__(self, params: Params, lr, weight_decay, scale=None):
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous view of t's memory (t itself or its last-two-dims transpose); same layout in, same order out."""
+    return t if t.is_contiguous() else t.mT
+
+
+def _like(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """t's values in layout's memory layout (t itself when it already has it)."""
+    return t if t.stride() == layout.stride() else torch.empty_strided(t.shape, layout.stride(),
+                                                                        dtype=t.dtype, device=t.device).copy_(t)
+
+
+class _Stacked:
+    """Shared bookkeeping: which (h, c) models step now, their per-model hyperparameters, their state layout."""
+
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self, params: Params, lr, weight_decay, scale=None, reuse=None):
         self.lr, self.wd, self.scale = lr.tolist(), weight_decay.tolist(), scale or {}
-        self.params = {k: v.detach().clone() for k, v in params.items()}  # updated in place by the kernels
+        # The engine's own parameter tensors are updated in place (an algorithm clones whatever it keeps from an
+        # earlier round); views and broadcast tensors are copied first.
+        self.params = {k: v.detach() if v._base is None and _dense(v) else v.detach().clone() for k, v in params.items()}
+        for name in self.state_names:  # zeroed moments, taken from `reuse` when it has one of the right shape
+            old = getattr(reuse, name, None) or {}
+            setattr(self, name, {k: old[k].zero_() if k in old and old[k].shape == v.shape else torch.zeros_like(v)
+                                 for k, v in self.params.items()})
+
+    def _align(self, k: str, g: torch.Tensor) -> torch.Tensor:
+        """Bring parameter k and its state into the gradient's layout (once); returns the gradient to use."""
+        g = g if _dense(g) else g.contiguous()
+        self.params[k] = _like(self.params[k], g)
+        for name in self.state_names:
+            getattr(self, name)[k] = _like(getattr(self, name)[k], g)
+        return g
+
+    def uniform(self, k: str, h: int) -> bool:
+        """Whether every client model of configuration h has the same optimizer history for parameter k."""
+        raise NotImplementedError
 
     def groups(self, grads: Params, active: torch.Tensor, frozen):
-        """Yield (h, name, [param views], [grad views], [(h, c)]) for the active models of each configuration."""
+        """Yield (h, name, models, tensors) per configuration and parameter; `tensors(t)` lists the contiguous views
+        of t's [H, C, ...] entries this call updates (one slab [C, ...] when models is None)."""
         act = active.cpu().tolist()
+        for k in self.params:
+            if k not in frozen:
+                grads[k] = self._align(k, grads[k])
         for h, row in enumerate(act):
             models = [c for c, a in enumerate(row) if a]
             if not models:
                 continue
-            for k, p in self.params.items():
+            for k in self.params:
                 if k in frozen:
                     continue
-                yield h, k, [p[h, c] for c in models], [grads[k][h, c].contiguous() for c in models], models
+                if len(models) == len(row) and self.uniform(k, h):
+                    yield h, k, None, lambda t: [_flat(t[h])]
+                else:
+                    yield h, k, models, lambda t: [_flat(t[h, c]) for c in models]
 
 
 class Adam(_Stacked):
-    def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None, **_):
-        super().__init__(params, lr, weight_decay, scale)
+    state_names = ("m", "v")
+
+    def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None,
+                 reuse=None, **_):
+        super().__init__(params, lr, weight_decay, scale, reuse)
         self.betas, self.eps = betas, eps
-        self.m = {k: torch.zeros_like(v) for k, v in self.params.items()}
-        self.v = {k: torch.zeros_like(v) for k, v in self.params.items()}
         self.t = {k: torch.zeros(v.shape[:2], device=v.device) for k, v in self.params.items()}  # [H, C] steps
 
+    def uniform(self, k, h):
+        t = self.t[k][h]  # [C]
+        return bool((t == t[0]).all())
+
     def step(self, params: Params, grads: Params, active: torch.Tensor, frozen=()) -> Params:
-        for h, k, ps, gs, models in self.groups(grads, active, frozen):
-            self.t[k][h, models] += 1  # the kernel expects the caller to count the step, as torch.optim.Adam does
+        grads = dict(grads)
+        for h, k, models, views in self.groups(grads, active, frozen):
+            self.t[k][h, slice(None) if models is None else models] += 1  # the caller counts, as torch.optim does
+            steps = [self.t[k][h, 0]] if models is None else [self.t[k][h, c] for c in models]
             torch._fused_adam_(
-                ps, gs, [self.m[k][h, c] for c in models], [self.v[k][h, c] for c in models], [],
-                [self.t[k][h, c] for c in models], amsgrad=False, lr=self.lr[h] * self.scale.get(k, 1.0),
-                beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.wd[h], eps=self.eps, maximize=False)
+                views(self.params[k]), views(grads[k]), views(self.m[k]), views(self.v[k]), [], steps,
+                amsgrad=False, lr=self.lr[h] * self.scale.get(k, 1.0), beta1=self.betas[0], beta2=self.betas[1],
+                weight_decay=self.wd[h], eps=self.eps, maximize=False)
         return dict(self.params)
 
 
 class SGD(_Stacked):
-    def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, **_):
-        super().__init__(params, lr, weight_decay, scale)
+    state_names = ("buf",)
+
+    def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, reuse=None, **_):
+        super().__init__(params, lr, weight_decay, scale, reuse)
         self.mom = momentum.tolist() if momentum is not None else None
-        self.buf = {k: torch.zeros_like(v) for k, v in self.params.items()}
         self.started = {k: torch.zeros(v.shape[:2], dtype=torch.bool) for k, v in self.params.items()}
 
+    def uniform(self, k, h):
+        s = self.started[k][h]  # [C]
+        return bool((s == s[0]).all())
+
     def step(self, params: Params, grads: Params, active: torch.Tensor, frozen=()) -> Params:
-        for h, k, ps, gs, models in self.groups(grads, active, frozen):
+        grads = dict(grads)
+        for h, k, models, views in self.groups(grads, active, frozen):
             mom = self.mom[h] if self.mom else 0.0
-            first = [c for c in models if not self.started[k][h, c]]
-            for subset, is_first in ((first, True), ([c for c in models if c not in first], False)):
-                if not subset:
-                    continue
-                idx = [models.index(c) for c in subset]
-                torch._fused_sgd_(
-                    [ps[i] for i in idx], [gs[i] for i in idx],
-                    [self.buf[k][h, c] for c in subset] if mom else [],
-                    weight_decay=self.wd[h], momentum=mom, lr=self.lr[h] * self.scale.get(k, 1.0), dampening=0.0,
-                    nesterov=False, maximize=False, is_first_step=is_first)
-            for c in models:
-                self.started[k][h, c] = True
+            p, g, b = views(self.params[k]), views(grads[k]), views(self.buf[k])
+            started = self.started[k][h].tolist() if models is None else [self.started[k][h, c] for c in models]
+            started = started[:1] if models is None else started
+            for is_first in (True, False):  # the kernel's first step copies the gradient into the momentum buffer
+                idx = [i for i, s in enumerate(started) if bool(s) != is_first]
+                if idx:
+                    torch._fused_sgd_(
+                        [p[i] for i in idx], [g[i] for i in idx], [b[i] for i in idx] if mom else [],
+                        weight_decay=self.wd[h], momentum=mom, lr=self.lr[h] * self.scale.get(k, 1.0),
+                        dampening=0.0, nesterov=False, maximize=False, is_first_step=is_first)
+            self.started[k][h, slice(None) if models is None else models] = True
         return dict(self.params)
 
 

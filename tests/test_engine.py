@@ -75,23 +75,50 @@ def test_participation_rate():
 
 
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
-def test_stacked_optimizer_matches_torch(opt_name):
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_stacked_optimizer_matches_torch(opt_name, layout):
+    """Slabs (all clients step), per-model views (some do), gradients in a linear layer's transposed layout, and a
+    second round's optimizer reusing the first one's buffers: all equal torch.optim, model by model."""
     g = torch.Generator().manual_seed(0)
-    p0 = torch.randn(2, 3, 4, generator=g)  # [H, C, d]
+    p0 = torch.randn(2, 3, 4, 5, generator=g)  # [H, C, d_out, d_in]
     lr, wd = torch.tensor([1e-2, 1e-1]), torch.tensor([1e-4, 1e-2])
-    ours = {"w": p0.clone()}
-    opt = (Adam if opt_name == "adam" else SGD)(ours, lr=lr, weight_decay=wd, momentum=torch.tensor([0.9, 0.5]))
+    make = Adam if opt_name == "adam" else SGD
+    ours, opt = {"w": p0.clone()}, None
     refs = [[p0[h, c].clone().requires_grad_(True) for c in range(3)] for h in range(2)]
-    torch_opts = [[(torch.optim.Adam([refs[h][c]], lr=float(lr[h]), weight_decay=float(wd[h])) if opt_name == "adam"
-                    else torch.optim.SGD([refs[h][c]], lr=float(lr[h]), weight_decay=float(wd[h]),
-                                         momentum=[0.9, 0.5][h])) for c in range(3)] for h in range(2)]
-    for step in range(5):
-        grad = torch.randn(2, 3, 4, generator=g)
-        active = torch.rand(2, 3, generator=g) > 0.3
-        ours = opt.step(ours, {"w": grad}, active)
-        for h in range(2):
-            for c in range(3):
-                if active[h, c]:
-                    refs[h][c].grad = grad[h, c].clone()
-                    torch_opts[h][c].step()
-    torch.testing.assert_close(ours["w"], torch.stack([torch.stack([r.detach() for r in row]) for row in refs]))
+    for rnd in range(2):  # a fresh optimizer per round, as the engine makes them
+        opt = make(ours, lr=lr, weight_decay=wd, momentum=torch.tensor([0.9, 0.5]), reuse=opt)
+        torch_opts = [[(torch.optim.Adam([refs[h][c]], lr=float(lr[h]), weight_decay=float(wd[h]))
+                        if opt_name == "adam" else torch.optim.SGD([refs[h][c]], lr=float(lr[h]),
+                                                                   weight_decay=float(wd[h]), momentum=[0.9, 0.5][h]))
+                       for c in range(3)] for h in range(2)]
+        for step in range(5):
+            grad = torch.randn(2, 3, 4, 5, generator=g)
+            grad = grad.mT.contiguous().mT if layout == "transposed" else grad  # how autograd returns x @ W.T's
+            active = torch.ones(2, 3, dtype=torch.bool) if step < 2 else torch.rand(2, 3, generator=g) > 0.3
+            ours = opt.step(ours, {"w": grad}, active)
+            for h in range(2):
+                for c in range(3):
+                    if active[h, c]:
+                        refs[h][c].grad = grad[h, c].clone()
+                        torch_opts[h][c].step()
+        assert ours["w"].stride() == grad.stride()  # the parameter adopted its gradient's layout
+        torch.testing.assert_close(ours["w"], torch.stack([torch.stack([r.detach() for r in row]) for row in refs]))
+
+
+def test_clamped_logsumexp_equals_torch_and_survives_empty_rows():
+    """The fast logsumexp (underflowing exponents clamped) gives torch's values and gradients, including −inf
+    masks; a row with nothing left (supervised contrast over a batch with one valid row) stays finite."""
+    from featcache.algorithms.base import logsumexp
+    from featcache.algorithms.fedpcl import supcon
+
+    g = torch.Generator().manual_seed(0)
+    s = (torch.randn(4, 7, 9, generator=g) * 60).requires_grad_(True)  # / τ = 0.07 scale: most terms underflow
+    mask = torch.rand(4, 7, 9, generator=g) < 0.3
+    ours = logsumexp(s.masked_fill(mask, float("-inf")))
+    ref = torch.logsumexp(s.masked_fill(mask, float("-inf")), -1)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(torch.autograd.grad(ours.sum(), s)[0], torch.autograd.grad(ref.sum(), s)[0])
+    assert torch.isfinite(logsumexp(torch.full((2, 3), float("-inf")))).all()
+    z = torch.randn(4, 5, generator=g)
+    loss = supcon(z, torch.tensor([0, 1, 0, 2]), torch.tensor([True, False, False, False]), 0.07)
+    assert torch.isfinite(loss).all() and (loss == 0).all()

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..engine import expand_hc
 from . import register
-from .base import FedAvg, masked_mean, one_hot
+from .base import FedAvg, logsumexp, masked_mean, one_hot
 from .protos import global_prototypes, local_prototypes, mean_prototypes, pad_prototypes, privatize
 
 
@@ -33,9 +33,11 @@ def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) 
     """Eq. 8 per sample: -log exp(z·C^y/τ) / Σ_{a≠y} exp(z·C^a/τ).
 
     protos [K, d] -> [N]; a stack of prototype sets [P, K, d] -> [P, N] (eq. 9's sets, in one matmul)."""
-    s = torch.matmul(z, protos.transpose(-1, -2)) / tau  # [N, K] or [P, N, K]
+    K, d = protos.shape[-2:]
+    s = (z @ protos.reshape(-1, d).T / tau).reshape(len(z), -1, K).movedim(1, 0)  # [P, N, K]
+    s = s[0] if protos.dim() == 2 else s  # [N, K] for a single set
     pos = one_hot(y, protos.shape[-2])  # [N, K]
-    return -(s * pos).sum(-1) + s.masked_fill(pos, float("-inf")).logsumexp(-1)
+    return -(s * pos).sum(-1) + logsumexp(s.masked_fill(pos, float("-inf")))
 
 
 def supcon(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, tau) -> torch.Tensor:
@@ -45,7 +47,7 @@ def supcon(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, tau) -> torch.T
     eye = torch.eye(len(z), dtype=torch.bool, device=z.device)
     valid = mask[None, :] & ~eye  # [N, N]
     pos = (y[:, None] == y[None, :]) & valid
-    log_prob = s - s.masked_fill(~valid, float("-inf")).logsumexp(-1, keepdim=True)
+    log_prob = s - logsumexp(s.masked_fill(~valid, float("-inf")), keepdim=True)
     n_pos = pos.float().sum(-1)
     return -(log_prob * pos).sum(-1) / n_pos.clamp(min=1) * (n_pos > 0)
 
@@ -133,7 +135,7 @@ class FedPCL(FedAvg):
         eye = torch.eye(len(z), dtype=torch.bool, device=z.device)
         valid = mask[None, :] & ~eye  # [N, N]
         pos = (y[:, None] == y[None, :]) & valid
-        log_prob = s - s.masked_fill(~valid, float("-inf")).logsumexp(-1, keepdim=True)  # [P, N, N]
+        log_prob = s - logsumexp(s.masked_fill(~valid, float("-inf")), keepdim=True)  # [P, N, N]
         n_pos = pos.float().sum(-1)  # [N]
         per_set = -(log_prob * pos).sum(-1) / n_pos.clamp(min=1) * (n_pos > 0)  # [P, N]
         return per_set.sum(0)

@@ -60,7 +60,7 @@ from ..errors import UserError
 from ..heads import linear, linear_init
 from ..optim import Adam
 from . import register
-from .base import FedAvg, masked_ce, masked_mean
+from .base import FedAvg, logsumexp, masked_ce, masked_mean
 
 Params = dict[str, torch.Tensor]
 
@@ -97,7 +97,7 @@ def info_nce(q: torch.Tensor, k_pos: torch.Tensor, queue: torch.Tensor, beta) ->
     """Eq. 7 per sample: -log exp(q·k₊/β) / (exp(q·k₊/β) + Σ_j exp(q·k_j/β)), q, k₊ [N, d], queue [Q, d] -> [N]."""
     pos = (q * k_pos).sum(-1, keepdim=True)  # [N, 1]
     logits = torch.cat([pos, q @ queue.T], -1) / beta  # [N, 1 + Q]
-    return logits.logsumexp(-1) - logits[:, 0]
+    return logsumexp(logits) - logits[:, 0]
 
 
 def enqueue(queue: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..engine import expand_hc
 from ..heads import mlp, mlp_init
 from . import register
-from .base import FedAvg, masked_mean, one_hot
+from .base import FedAvg, logsumexp, masked_mean, one_hot
 from .fedproto import check_choice, empty_global, update_global
 from .protos import local_prototypes, mean_prototypes
 
@@ -49,7 +49,7 @@ AVERAGE = {"clients": mean_prototypes, "samples": sample_mean}
 def gpc(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Tensor:
     """Eq. 4 per row: −log exp(sim(z, c_y)) / Σ_k exp(sim(z, c_k)), sim = cosine / τ; protos [K, d] -> [N]."""
     s = F.normalize(z, dim=-1) @ F.normalize(protos, dim=-1).T / tau  # [N, K]
-    return s.logsumexp(-1) - (s * one_hot(y, protos.shape[0])).sum(-1)
+    return logsumexp(s) - (s * one_hot(y, protos.shape[0])).sum(-1)
 
 
 @register
