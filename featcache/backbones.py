@@ -108,7 +108,12 @@ class Backbone:
     preprocessing: dict  # JSON-able: input_size [3, H, W], mean, std, interpolation, crop_pct
 
     def transform(self, train: bool = False) -> Callable[[Image.Image], torch.Tensor]:
-        """PIL image -> normalised [3, H, W] float tensor.
+        """PIL image -> normalised [3, H, W] float tensor: `pil_transform` then ToTensor and Normalize."""
+        return T.Compose([self.pil_transform(train), T.ToTensor(), T.Normalize(self.preprocessing["mean"],
+                                                                                self.preprocessing["std"])])
+
+    def pil_transform(self, train: bool = False) -> Callable[[Image.Image], Image.Image]:
+        """The per-image part of preprocessing, PIL image -> RGB PIL image at the input size.
 
         Eval: resize to the full input size. Train (augmented views): RandomResizedCrop(scale 0.5-1), horizontal flip,
         colour jitter 0.4; these draw from torch's global generator, so the caller seeds views with torch.manual_seed.
@@ -123,8 +128,13 @@ class Backbone:
             ]
         else:
             resize = [T.Resize(size, interpolation=interpolation)]
-        normalize = T.Normalize(self.preprocessing["mean"], self.preprocessing["std"])
-        return T.Compose([_to_rgb, *resize, T.ToTensor(), normalize])
+        return T.Compose([_to_rgb, *resize])
+
+    def to_tensor(self, images: list[Image.Image]) -> torch.Tensor:
+        """pil_transform outputs -> [B, 3, H, W]: bit for bit ToTensor and Normalize per image, done once a batch."""
+        x = torch.from_numpy(np.stack([np.asarray(im) for im in images])).permute(0, 3, 1, 2)  # [B, 3, H, W] uint8
+        mean, std = (torch.tensor(self.preprocessing[k]).view(3, 1, 1) for k in ("mean", "std"))
+        return x.float().div(255).sub_(mean).div_(std).contiguous()
 
 
 def create_backbone(spec: str, image_size: int | None = None, allow_partial: bool = False) -> Backbone:

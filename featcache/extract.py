@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -136,9 +137,12 @@ def extract(
         _drop_leftover(work)
         return _hit(path, key, t0)
 
+    phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
+    t = time.perf_counter()
     data = data or load_dataset(dataset, data_root, download=download)
     _refuse_empty_classes(data)
     parts = make_partition(data, spec)
+    phases["dataset"] = time.perf_counter() - t
     with _writing(work):
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(work) as resuming:
@@ -147,8 +151,10 @@ def extract(
                 return _hit(path, key, t0)
             try:
                 metas = [_backbone_blocks(work, j, spec_j, data, parts, image_size, views, noise, seed, batch_size,
-                                          dev, allow_partial, progress) for j, spec_j in enumerate(backbone)]
+                                          dev, allow_partial, progress, phases) for j, spec_j in enumerate(backbone)]
+                t = time.perf_counter()
                 images = _assemble(path, work, data, parts, metas, manifest, key, views)
+                phases["assembly"] = time.perf_counter() - t
             except BaseException as e:
                 for partial in work.glob("*.partial"):
                     partial.unlink()
@@ -156,7 +162,8 @@ def extract(
                     shutil.rmtree(work, ignore_errors=True)  # bad input: nothing of this run is worth keeping
                 raise
             shutil.rmtree(work)
-    return _result(path, False, key, images, [m["key"] for m in metas], t0)
+    return _result(path, False, key, images, [m["key"] for m in metas], t0) | {
+        "phases": {k: round(v, 3) for k, v in phases.items()}}
 
 
 def _refuse_empty_classes(data) -> None:
@@ -233,9 +240,10 @@ def _synced(path: Path) -> Iterator:
 
 
 def _backbone_blocks(work: Path, j: int, spec: str, data, parts, image_size, views, noise, seed, batch_size, dev,
-                     allow_partial, progress) -> dict:
+                     allow_partial, progress, phases: dict) -> dict:
     """Embed every (client, split[, views]) block of backbone j into work/b{j}.*.npy, skipping finished blocks.
-    Returns the backbone's metadata (also saved, so a finished backbone is never rebuilt on resume)."""
+    Returns the backbone's metadata (also saved, so a finished backbone is never rebuilt on resume); adds the
+    seconds spent building the model and embedding to `phases`."""
     meta_file = work / f"b{j}.json"
     jobs = [(c, part, split, v) for c, part in enumerate(parts) for split in SPLITS
             for v in ((0, views) if views and split == "train" else (0,))]
@@ -244,6 +252,7 @@ def _backbone_blocks(work: Path, j: int, spec: str, data, parts, image_size, vie
         return json.loads(meta_file.read_text())
     from .backbones import create_backbone
 
+    t = time.perf_counter()
     bb = create_backbone(spec, image_size=image_size, allow_partial=allow_partial)
     meta = {"key": bb.key, "name": bb.name, "weights": bb.weights, "weights_sha256": bb.weights_sha256,
             "dim": bb.dim, "preprocessing": bb.preprocessing}
@@ -251,6 +260,7 @@ def _backbone_blocks(work: Path, j: int, spec: str, data, parts, image_size, vie
     if dev.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     total = sum(len(getattr(p, s)) for _, p, s, _ in jobs)
+    phases["models"] += (t1 := time.perf_counter()) - t
     done = 0
     for (c, part, split, v), block in zip(jobs, blocks):
         idx = getattr(part, split)  # [n]
@@ -267,6 +277,7 @@ def _backbone_blocks(work: Path, j: int, spec: str, data, parts, image_size, vie
                 done += len(z) // max(v, 1)
                 if progress:
                     progress(bb.key, done, total)
+    phases["embedding"] += time.perf_counter() - t1
     with _synced(meta_file) as fh:
         fh.write(json.dumps(meta).encode())
     return meta
@@ -386,7 +397,7 @@ def _image_seed(seed: int, domain: str, split: str, index: int, view: int) -> in
 def _batches(bb, images, domain: str, split: str, idx: np.ndarray, views: int, noise, seed: int, batch_size: int
              ) -> Iterator[torch.Tensor]:
     """Preprocessed input batches [B, 3, S, S]; with views, each image contributes its V augmented views in a row."""
-    eval_tf, view_tf = bb.transform(train=False), bb.transform(train=True)
+    eval_tf, view_tf = bb.pil_transform(train=False), bb.pil_transform(train=True)
 
     def prepare(rows: np.ndarray) -> torch.Tensor:
         out = []
@@ -399,8 +410,26 @@ def _batches(bb, images, domain: str, split: str, idx: np.ndarray, views: int, n
             for v in range(views):
                 torch.manual_seed(_image_seed(seed, domain, split, int(i), v))
                 out.append(view_tf(img))
-        return torch.stack(out)
+        return bb.to_tensor(out)
 
     chunks = [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
-    with ThreadPoolExecutor(1) as pool:  # prepare batch k+1 while the backbone runs on batch k
-        yield from pool.map(prepare, chunks)
+    # With a core to spare, batch k+1 is prepared while the backbone runs on batch k; without one, a preparing thread
+    # would only stall the backbone's parallel regions, so batches are prepared in turn.
+    spare = (os.cpu_count() or 1) > torch.get_num_threads()
+    yield from _prefetched(prepare, chunks, ahead=1 if spare else 0)
+
+
+def _prefetched(fn, items, ahead: int) -> Iterator:
+    """map(fn, items), computing up to `ahead` results in a worker thread before they are asked for (bounded memory,
+    unlike Executor.map, which runs ahead through all items)."""
+    if ahead < 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(1) as pool:
+        pending = deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) > ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()

@@ -98,6 +98,22 @@ def test_transforms_squash_to_the_input_size_and_seeded_views_repeat():
     assert torch.equal(views[0], views[1]) and not torch.equal(views[0], views[2])
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_batched_conversion_equals_per_image_transform_bit_for_bit(train):
+    """Extraction converts and normalises a whole batch at once: the same bytes as ToTensor + Normalize per image."""
+    backbone = create_backbone("efficientnet_lite0=random", image_size=40)
+    backbone.preprocessing |= {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}  # unequal channels
+    images = [Image.fromarray(a[i * 50 : i * 50 + 90, :120]) for a in load_sample_images().images for i in range(3)]
+    images.append(Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8)))  # grey
+    per_image, pil = [], []
+    for seed, im in enumerate(images):
+        torch.manual_seed(seed)
+        per_image.append(backbone.transform(train)(im))
+        torch.manual_seed(seed)
+        pil.append(backbone.pil_transform(train)(im))
+    assert torch.equal(backbone.to_tensor(pil), torch.stack(per_image))  # [7, 3, 40, 40]
+
+
 def _resnet18_state(seed: int = 0) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     return timm.create_model("resnet18").state_dict()
