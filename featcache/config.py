@@ -47,5 +47,6 @@ def resolve(algo, overrides: dict | list[str] | None = None) -> dict:
                         "eval_every, proj_dim must be >= 1 and 0 < participation <= 1")
     for k, allowed in getattr(algo, "choices", {}).items():
         if cfg[k] not in allowed:
-            raise UserError(f"{algo.name}: {k} must be one of {', '.join(allowed)} (got {cfg[k]!r})")
+            raise UserError(f"{algo.name}: {k} must be one of {', '.join(allowed)} (got {cfg[k]!r})"
+                            f"{suggest(str(cfg[k]), allowed)}: fix --set {k}=...")
     return cfg

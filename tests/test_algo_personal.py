@@ -137,7 +137,7 @@ def test_pfedme_engine_sgd_step_equals_paper():
     eng.run()
     local = []
     for c in range(3):
-        theta = pfedme_reference(w, train.features[c], train.labels[c], 15.0, 0.09, steps=5)
+        theta = pfedme_reference(w, train.features[c], train.labels[c], 15.0, cfg["personal_lr"], steps=5)
         local.append({k: w[k] - 0.005 * 15.0 * (w[k] - theta[k]) for k in w})
         assert_dicts_close({k: eng.state.buffers["personal." + k][0, c] for k in w}, theta, atol=1e-5, rtol=1e-4)
     for k in w:  # β = 1: the plain average of the local models

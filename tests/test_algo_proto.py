@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from featcache.algorithms import create
+from featcache.config import resolve
 from featcache.engine import ENGINE_DEFAULTS, Engine
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
@@ -118,8 +119,8 @@ def test_fedproto_inference_options():
     algo.cfg = algo.cfg | {"infer": "classifier"}
     logits = torch.relu(x @ params["proj0.weight"].T + params["proj0.bias"]) @ params["cls0.weight"].T
     torch.testing.assert_close(algo.predict(params, {}, x, ctx), logits + params["cls0.bias"])
-    with pytest.raises(UserError, match="infer"):
-        make("fedproto", infer="protos")
+    with pytest.raises(UserError, match="infer must be one of classifier, proto .got 'protos'. .did you mean: proto"):
+        resolve(create("fedproto"), {"infer": "protos"})
 
 
 @pytest.mark.parametrize("kind, spread", [("gaussian", lambda e: e.std()), ("laplace", lambda e: e.abs().mean())])
@@ -185,8 +186,8 @@ def test_fedproc_alpha_schedule(schedule, expect):
         alpha = algo.context(state, eng)["alpha"]
         assert alpha.shape == (2, 3)
         torch.testing.assert_close(alpha, torch.full((2, 3), expect(t, 10)))
-    with pytest.raises(UserError, match="alpha_schedule"):
-        make("fedproc", alpha_schedule="cosine")
+    with pytest.raises(UserError, match="alpha_schedule must be one of"):
+        resolve(create("fedproc"), {"alpha_schedule": "cosine"})
 
 
 def test_fedproc_two_stage_trains_features_then_classifier():

@@ -27,7 +27,7 @@ from ..engine import expand_hc
 from ..heads import mlp, mlp_init
 from . import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
-from .fedproto import check_choice, empty_global, update_global
+from .fedproto import empty_global, update_global
 from .protos import local_prototypes, mean_prototypes
 
 ALPHA = {  # weight of ℓ_gpc in round t of T (eq. 2; ℓ_ce gets 1 − α)
@@ -64,11 +64,10 @@ class FedProc(FedAvg):
         "normalize": False,  # official code: True
         "proto_average": "clients",  # Alg. 1 line 9; official code: "samples"
     }
+    choices = {"alpha_schedule": tuple(ALPHA), "proto_average": tuple(AVERAGE)}
 
     # -- model ------------------------------------------------------------------------------------------------
     def init(self, cfg, d_in, num_classes, gen):
-        check_choice(cfg, "alpha_schedule", ALPHA)
-        check_choice(cfg, "proto_average", AVERAGE)
         proj, _ = mlp_init([d_in, d_in, cfg["proj_dim"]], gen, prefix="proj")
         out, _ = mlp_init([cfg["proj_dim"], num_classes], gen, prefix="cls")
         return proj | out, {}

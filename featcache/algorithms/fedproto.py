@@ -45,12 +45,6 @@ def empty_global(engine, d: int) -> dict:
     return {"global": torch.zeros(H, K, d, device=dev), "has": torch.zeros(H, K, dtype=torch.bool, device=dev)}
 
 
-def check_choice(cfg: dict, key: str, choices) -> None:
-    if cfg[key] not in choices:
-        hint = suggest(str(cfg[key]), choices)
-        raise UserError(f"{key} must be one of {', '.join(choices)} (got {cfg[key]!r}){hint}: fix --set {key}=...")
-
-
 def proto_distance(z: torch.Tensor, y: torch.Tensor, glob: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
     """Per row 1/d·||z − C̄^y||², or 0 where class y has no global prototype (or y is padding): [N]."""
     onehot = one_hot(y, glob.shape[0]).float()  # [N, K]
@@ -73,11 +67,8 @@ class FedProto(FedAvg):
         "infer": "classifier",  # official evaluation uses each client's own model
         "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1,  # as FedPCL (fedpcl.md Table 15)
     }
+    choices = {"infer": ("classifier", "proto"), "proto_noise": ("none", "laplace", "gaussian")}  # INFER, _NOISE
     structural = ("proto_noise_scale", "proto_noise_p")
-
-    def init(self, cfg, d_in, num_classes, gen):
-        check_choice(cfg, "infer", INFER)
-        return super().init(cfg, d_in, num_classes, gen)
 
     def shared(self, name):
         return False

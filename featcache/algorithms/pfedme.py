@@ -16,8 +16,9 @@ minimiser θ̂_i(w) is client i's personalized model. Differences from FedAvg:
   θ̃ is the initial model.
 The inner loop starts each minibatch from θ = w (the released code warm-starts from the previous θ̃); each of the K
 forward passes updates BN running statistics, as the released code's K train-mode passes do.
-Defaults: λ = 15, K = 5, personal_lr = 0.09, β = 1, the paper's non-convex MNIST setting (official README, "Effect of
-hyper-parameters": η = 0.005, personal lr 0.09); its convex MNIST runs use personal lr 0.1, Synthetic and CIFAR-10 0.01.
+Defaults: λ = 15, K = 5, β = 1 (the paper's non-convex MNIST setting, official README "Effect of hyper-parameters")
+and personal_lr = 0.01, its Synthetic and CIFAR-10 setting: MNIST's 0.09 (on 784 pixels in [0, 1]) makes the inner
+loop diverge on 1,280–3,840-d backbone features (offline-digits, 3 backbones: 11 % after 10 rounds vs 60.5 %).
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ class PFedMe(FedAvg):
     name = "pfedme"
     paper = "Dinh, Tran & Nguyen, Personalized Federated Learning with Moreau Envelopes, NeurIPS 2020, eq. 2–3, Alg. 1"
     uploads = "all head parameters (the local model w; θ̃ stays on the client)"
-    # official README, MNIST non-convex: λ = 15, K = 5, personal lr 0.09, β = 1
-    defaults = FedAvg.defaults | {"lam": 15.0, "inner_steps": 5, "personal_lr": 0.09, "beta": 1.0}
+    defaults = FedAvg.defaults | {"lam": 15.0, "inner_steps": 5, "personal_lr": 0.01, "beta": 1.0}
 
     def init(self, cfg, d_in, num_classes, gen):
         if cfg["inner_steps"] < 1:
