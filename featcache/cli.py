@@ -96,6 +96,8 @@ def extract(
     table = Table(title="featcache extract")
     for k in ("cache", "cache_hit", "images", "backbones", "seconds"):
         table.add_row(k, str(result[k]))
+    if "phases" in result:  # a miss: where the seconds went
+        table.add_row("phases", " · ".join(f"{k} {v:.1f} s" for k, v in result["phases"].items()))
     table.show_header = False
     _emit(result, as_json, table)
 
