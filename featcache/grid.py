@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .algorithms import create
+from .atomic import write_atomic
 from .cache import load_clients
 from .config import parse_value, resolve
 from .engine import structural_keys
@@ -77,9 +78,7 @@ def _bucket_key(cfg: dict, algo) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, sort_keys=True, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, sort_keys=True, indent=1))
 
 
 def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str) -> list[list[float]]:

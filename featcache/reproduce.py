@@ -38,7 +38,6 @@ import hashlib
 import inspect
 import json
 import math
-import os
 import re
 import shlex
 import time
@@ -51,6 +50,7 @@ import numpy as np
 
 from . import __version__
 from . import cache as C
+from .atomic import write_atomic
 from .errors import UserError, suggest
 from .extract import Noise, extract
 
@@ -458,7 +458,7 @@ def run_job(job: Job, info: dict, out: Path) -> dict:
     if "fixed" in job.needs:
         spec = job.extract_kwargs
         result["fixed_params"] = sum(_backbone_params(spec["backbone"][i], spec.get("image_size")) for i in chosen)
-    _write_atomic(memo, json.dumps(result, sort_keys=True))
+    write_atomic(memo, json.dumps(result, sort_keys=True))
     return result
 
 
@@ -549,11 +549,6 @@ def _backbone_params(spec: str, image_size: int | None) -> int:
     return int(sum(p.numel() for p in create_backbone(spec, image_size=image_size).model.parameters()))
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # -- metrics: one job result -> one cell ------------------------------------------------------------------------------
@@ -785,10 +780,10 @@ def reproduce(pipeline: str | Path, profile: str = "quick", data_root: str | Pat
         _figure(pipe, cell_values(pipe, cells, results), Path(figures[0]))
     command = command_line(pipe, profile, data_root, dataset, backbones, out, cache)
     text = render(pipe, profile, command, cells, results, caches, figures)
-    _write_atomic(out / f"{pipe.name}.md", text)
+    write_atomic(out / f"{pipe.name}.md", text)
     values = cell_values(pipe, cells, results)
     paper = lambda r, c: pipe.paper_rows[r][pipe.paper_columns.index(c)] if r in pipe.paper_rows else None
-    _write_atomic(out / f"{pipe.name}.json", json.dumps(
+    write_atomic(out / f"{pipe.name}.json", json.dumps(
         {"pipeline": pipe.name, "profile": profile, "command": command,
          "cells": [{"row": r, "column": c, "ours": v, "paper": paper(r, c)} for (r, c), v in values.items()]},
         indent=1, sort_keys=True))

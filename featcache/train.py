@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import h5py
@@ -19,6 +18,7 @@ import torch
 
 from . import cache as C
 from .algorithms import create
+from .atomic import write_atomic
 from .config import resolve
 from .engine import Engine
 from .errors import UserError
@@ -66,15 +66,10 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     body = json.dumps(result, sort_keys=True, indent=1)
     run_id = hashlib.sha256(body.encode()).hexdigest()[:12]
     path = Path(out) / f"{algo}-{run_id}.json"
-    _write_atomic(path, body)
+    write_atomic(path, body)
     timing = {"seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
               "seconds_total": round(float(np.sum(raw["round_seconds"])), 3)}
-    _write_atomic(path.with_suffix(".timing.json"), json.dumps(timing))
+    write_atomic(path.with_suffix(".timing.json"), json.dumps(timing))
     return result | timing | {"result_file": str(path), "cache_path": str(cache)}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

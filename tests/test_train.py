@@ -4,6 +4,7 @@ batched-grid equivalence and the Ray backend."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,21 @@ def test_grid_on_local_ray_cluster(cache, tmp_path):
 def test_unavailable_method_says_why(cache, tmp_path):
     with pytest.raises(UserError, match="input pixels"):
         train(cache, "pfedpt", rounds=1, seeds=[0], out=tmp_path)
+
+
+def test_atomic_write_removes_its_own_and_dead_writers_temporaries(tmp_path):
+    """A failed write leaves no temporary; a writer killed outright leaves one that the next write removes."""
+    from featcache.atomic import write_atomic
+
+    target = tmp_path / "r.json"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f".r.json.{int(dead.stdout)}.tmp"  # a writer that no longer exists
+    live = tmp_path / f".r.json.{os.getppid()}.tmp"  # a writer still running: not ours to touch
+    orphan.write_text("half")
+    live.write_text("half")
+    with pytest.raises(TypeError):
+        write_atomic(target, None)  # fails mid-write
+    assert not target.exists() and not orphan.exists() and live.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+    write_atomic(target, "{}")
+    assert target.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == [live.name, "r.json"]
