@@ -128,6 +128,7 @@ class Engine:
         self.seeds = torch.tensor([c["seed"] for c in cfgs])
         floats = [k for k in self.cfg if k not in structural]
         self.hp = {k: torch.tensor([c[k] for c in cfgs], dtype=torch.float32, device=self.device) for k in floats}
+        self._opt = None  # the last round's optimizer, whose moment buffers the next round reuses
 
     # -- setup --------------------------------------------------------------------------------------------------
     def init_state(self) -> State:
@@ -152,8 +153,8 @@ class Engine:
         opt = OPTIMIZERS[cfg["optimizer"]](state.params, lr=self.hp["lr"], weight_decay=self.hp["weight_decay"],
                                             momentum=self.hp.get("momentum"),
                                             scale={k: algo.lr_scale(k) for k in state.params},
-                                            reuse=getattr(self, "_opt", None))
-        self._opt = opt  # its moment buffers are zeroed and reused next round
+                                            reuse=self._opt)
+        self._opt = opt
         loss_fn = vmap(vmap(algo.local_loss))  # [H, C] losses; summed, each model gets exactly its own gradient
         c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1]
         for epoch in range(algo.local_epochs()):

@@ -12,8 +12,8 @@ step, a parameter and its moments adopt the memory layout of their gradient at t
 `x @ W.T` is then a plain contiguous matmul as well). The kernels work on raw memory, so every tensor of one call
 is handed over in the same layout. When all clients of a configuration step at the same step count (the usual
 case) their C models go to the kernel as one slab [C, ...]. Parameters are updated in place (no copy per round);
-`reuse` hands over a previous optimizer's moment
-buffers (zeroed), so a fresh optimizer each round does not allocate and fault in new pages.
+`reuse` hands over a previous optimizer's moment buffers (zeroed), so a fresh optimizer each round does not allocate
+and fault in new pages.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _like(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
 class _Stacked:
     """Shared bookkeeping: which (h, c) models step now, their per-model hyperparameters, their state layout."""
 
-    state_names: tuple[str, ...] = ()
+    state_names: tuple[str, ...] = ()  # per-element state, shaped like the parameters
+    history = ""  # per-model state [H, C] that must be equal across a slab (Adam's step counts, SGD's started flags)
 
     def __init__(self, params: Params, lr, weight_decay, scale=None, reuse=None):
         self.lr, self.wd, self.scale = lr.tolist(), weight_decay.tolist(), scale or {}
@@ -63,30 +64,28 @@ class _Stacked:
 
     def uniform(self, k: str, h: int) -> bool:
         """Whether every client model of configuration h has the same optimizer history for parameter k."""
-        raise NotImplementedError
+        past = getattr(self, self.history)[k][h]  # [C]
+        return bool((past == past[0]).all())
 
     def groups(self, grads: Params, active: torch.Tensor, frozen):
-        """Yield (h, name, models, tensors) per configuration and parameter; `tensors(t)` lists the contiguous views
-        of t's [H, C, ...] entries this call updates (one slab [C, ...] when models is None)."""
+        """Yield (h, name, models, views, grad) per configuration and parameter: `grad` is the parameter's gradient
+        in its layout, `views(t)` lists the contiguous views of t's [H, C, ...] entries this call updates (one slab
+        [C, ...] when models is None)."""
         act = active.cpu().tolist()
-        for k in self.params:
-            if k not in frozen:
-                grads[k] = self._align(k, grads[k])
+        grads = {k: self._align(k, g) for k, g in grads.items() if k not in frozen}
         for h, row in enumerate(act):
             models = [c for c, a in enumerate(row) if a]
             if not models:
                 continue
-            for k in self.params:
-                if k in frozen:
-                    continue
+            for k, g in grads.items():
                 if len(models) == len(row) and self.uniform(k, h):
-                    yield h, k, None, lambda t: [_flat(t[h])]
+                    yield h, k, None, lambda t: [_flat(t[h])], g
                 else:
-                    yield h, k, models, lambda t: [_flat(t[h, c]) for c in models]
+                    yield h, k, models, lambda t: [_flat(t[h, c]) for c in models], g
 
 
 class Adam(_Stacked):
-    state_names = ("m", "v")
+    state_names, history = ("m", "v"), "t"
 
     def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None,
                  reuse=None, **_):
@@ -94,41 +93,30 @@ class Adam(_Stacked):
         self.betas, self.eps = betas, eps
         self.t = {k: torch.zeros(v.shape[:2], device=v.device) for k, v in self.params.items()}  # [H, C] steps
 
-    def uniform(self, k, h):
-        t = self.t[k][h]  # [C]
-        return bool((t == t[0]).all())
-
     def step(self, params: Params, grads: Params, active: torch.Tensor, frozen=()) -> Params:
-        grads = dict(grads)
-        for h, k, models, views in self.groups(grads, active, frozen):
+        for h, k, models, views, grad in self.groups(grads, active, frozen):
             self.t[k][h, slice(None) if models is None else models] += 1  # the caller counts, as torch.optim does
             steps = [self.t[k][h, 0]] if models is None else [self.t[k][h, c] for c in models]
             torch._fused_adam_(
-                views(self.params[k]), views(grads[k]), views(self.m[k]), views(self.v[k]), [], steps,
+                views(self.params[k]), views(grad), views(self.m[k]), views(self.v[k]), [], steps,
                 amsgrad=False, lr=self.lr[h] * self.scale.get(k, 1.0), beta1=self.betas[0], beta2=self.betas[1],
                 weight_decay=self.wd[h], eps=self.eps, maximize=False)
         return dict(self.params)
 
 
 class SGD(_Stacked):
-    state_names = ("buf",)
+    state_names, history = ("buf",), "started"
 
     def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, reuse=None, **_):
         super().__init__(params, lr, weight_decay, scale, reuse)
         self.mom = momentum.tolist() if momentum is not None else None
         self.started = {k: torch.zeros(v.shape[:2], dtype=torch.bool) for k, v in self.params.items()}
 
-    def uniform(self, k, h):
-        s = self.started[k][h]  # [C]
-        return bool((s == s[0]).all())
-
     def step(self, params: Params, grads: Params, active: torch.Tensor, frozen=()) -> Params:
-        grads = dict(grads)
-        for h, k, models, views in self.groups(grads, active, frozen):
+        for h, k, models, views, grad in self.groups(grads, active, frozen):
             mom = self.mom[h] if self.mom else 0.0
-            p, g, b = views(self.params[k]), views(grads[k]), views(self.buf[k])
-            started = self.started[k][h].tolist() if models is None else [self.started[k][h, c] for c in models]
-            started = started[:1] if models is None else started
+            p, g, b = views(self.params[k]), views(grad), views(self.buf[k])
+            started = [self.started[k][h, 0]] if models is None else [self.started[k][h, c] for c in models]
             for is_first in (True, False):  # the kernel's first step copies the gradient into the momentum buffer
                 idx = [i for i, s in enumerate(started) if bool(s) != is_first]
                 if idx:

@@ -53,6 +53,8 @@ from . import cache as C
 from .atomic import write_atomic
 from .errors import UserError, suggest
 from .extract import Noise, extract
+from .metrics import mean_std
+from .report import fmt
 
 PIPELINE_DIR = Path("pipelines")
 PAPERS = ("fedpcl", "fedproc", "fedpft")
@@ -555,11 +557,6 @@ def _backbone_params(spec: str, image_size: int | None) -> int:
 Value = tuple[float, float] | int | None  # mean(std), a count, or None (no counterpart in this data)
 
 
-def _seeds_mean_std(per_seed) -> tuple[float, float]:
-    v = np.asarray(per_seed, dtype=np.float64)
-    return float(v.mean()), float(v.std())
-
-
 def _domain_clients(result: dict, names: str) -> tuple[str | None, list[int]]:
     """The first domain of 'a|b|c' that the result's clients hold, and those clients."""
     for name in names.split("|"):
@@ -573,7 +570,7 @@ def _domain(result: dict, names: str, pick: int | None) -> Value:
     _, clients = _domain_clients(result, names)
     if not clients:
         return None
-    return _seeds_mean_std(np.asarray(result["per_client_per_seed"])[:, clients].mean(1))
+    return mean_std(np.asarray(result["per_client_per_seed"])[:, clients].mean(1))
 
 
 def _protosim(result: dict, names: str, pick: int | None) -> Value:
@@ -581,7 +578,7 @@ def _protosim(result: dict, names: str, pick: int | None) -> Value:
     _, clients = _domain_clients(result, names)
     if not clients:
         return None
-    return _seeds_mean_std(np.asarray(result["similarity"])[:, clients, pick].mean(1))  # [S, C, B] -> [S]
+    return mean_std(np.asarray(result["similarity"])[:, clients, pick].mean(1))  # [S, C, B] -> [S]
 
 
 METRICS = {
@@ -592,7 +589,7 @@ METRICS = {
     "fixed": lambda r, arg, pick: int(r["fixed_params"]),
     "domain": _domain,
     "fair": lambda r, arg, pick: tuple(r["fairness"][arg]),
-    "probe": lambda r, arg, pick: _seeds_mean_std(r["probe"][arg]),
+    "probe": lambda r, arg, pick: mean_std(r["probe"][arg]),
     "protosim": _protosim,
 }
 
@@ -608,8 +605,7 @@ def fmt_value(value: Value, metric: str) -> str:
         return "n/a"
     if isinstance(value, int):
         return f"{value / 1e6:.1f}M" if metric == "fixed" else f"{value:,}"
-    mean, std = value
-    return f"{mean:.2f}({std:.2f})"
+    return fmt(*value)
 
 
 def fmt_paper(cell) -> str:

@@ -36,7 +36,7 @@ def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) 
     K, d = protos.shape[-2:]
     s = (z @ protos.reshape(-1, d).T / tau).reshape(len(z), -1, K).movedim(1, 0)  # [P, N, K]
     s = s[0] if protos.dim() == 2 else s  # [N, K] for a single set
-    pos = one_hot(y, protos.shape[-2])  # [N, K]
+    pos = one_hot(y, K)  # [N, K]
     return -(s * pos).sum(-1) + logsumexp(s.masked_fill(pos, float("-inf")))
 
 
