@@ -18,26 +18,25 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
+import itertools
 import json
 import os
 import re
 import shutil
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 import h5py
 import numpy as np
 import torch
-from PIL import Image
 
 from . import cache as C
-from .datasets import dataset_identity, load_dataset
+from . import pipeline as P
+from .datasets import dataset_identity, keep_dataset, load_dataset
 from .errors import UserError
 from .partition import PartitionSpec, make_partition, partition_counts
 
@@ -64,10 +63,11 @@ class Noise:
         if not 0 <= self.p < 1 or self.scale < 0:
             raise UserError(f"noise needs 0 <= p < 1 and scale >= 0 (got p={self.p}, scale={self.scale})")
 
-    def apply(self, img: Image.Image, rng: np.random.Generator) -> Image.Image:
-        x = np.asarray(img, dtype=np.float32) / 255.0  # [H, W, 3]
+    def apply(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """uint8 [H, W, 3] -> uint8 [H, W, 3], noised on [0, 1] pixels and rounded."""
+        x = image.astype(np.float32) / 255.0  # [H, W, 3]
         x = (1 - self.p) * x + _NOISE[self.kind](rng, self.scale, x.shape)
-        return Image.fromarray((np.clip(x, 0, 1) * 255 + 0.5).astype(np.uint8))
+        return (np.clip(x, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
 _NOISE = {
@@ -94,21 +94,30 @@ def extract(
     data_root: str | Path | None = None,
     download: bool = False,
     out: str | Path = "cache",
-    batch_size: int = 64,
+    batch_size: int | None = None,
+    workers: int | None = None,
     device: str = "auto",
+    backend: str = "local",
     allow_partial: bool = False,
     progress: Progress | None = None,
 ) -> dict:
     """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, seconds}.
-    `allow_partial` loads checkpoints whose keys do not all match (the rest keeps a seeded random init)."""
+
+    `batch_size` (images per forward) and `workers` (input worker processes) default from the device and the
+    dataset (`pipeline.default_batch_size`, `pipeline.default_workers`); neither changes the cache's bytes on one
+    machine. `backend` 'ray' runs the blocks as Ray tasks. `allow_partial` loads checkpoints whose keys do not all
+    match (the rest keeps a seeded random init)."""
     t0 = time.perf_counter()
     backbone = list(backbone)
     if not backbone:
         raise UserError("no backbone given: pass --backbone NAME (e.g. efficientnet_lite0)")
     if len(set(backbone)) != len(backbone):
         raise UserError(f"backbone listed twice in {backbone}: give each once")
-    if views < 0 or batch_size < 1:
-        raise UserError(f"--views must be >= 0 and --batch-size >= 1 (got {views}, {batch_size})")
+    for flag, value, least in (("--views", views, 0), ("--workers", workers, 0), ("--batch-size", batch_size, 1)):
+        if value is not None and value < least:
+            raise UserError(f"{flag} must be >= {least} (got {value})")
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
     spec = PartitionSpec(
         scheme=partition, clients=clients, alpha=alpha, per_class=per_class, test_per_class=test_per_class,
         classes_per_client=classes_per_client, domains=tuple(domains) if domains else None,
@@ -116,7 +125,8 @@ def extract(
     )
     from .backbones import weights_identity
 
-    dev = _device(device)
+    runner = BACKENDS[backend]()
+    dev = runner.device(device)
     identity, data = dataset_identity(dataset, data_root, download)
     manifest = {
         "dataset": identity,
@@ -126,6 +136,7 @@ def extract(
         "views": views,
         "noise": asdict(noise) if noise else None,
         "seed": seed,
+        "pipeline": P.DESCRIPTION,
         "precision": "float16" if dev.type == "cuda" else "float32",  # CUDA runs under fp16 autocast
         "allow_partial": allow_partial,
         "versions": C.versions(),
@@ -139,7 +150,7 @@ def extract(
 
     phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
     t = time.perf_counter()
-    data = data or load_dataset(dataset, data_root, download=download)
+    data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
     _refuse_empty_classes(data)
     parts = make_partition(data, spec)
     phases["dataset"] = time.perf_counter() - t
@@ -150,8 +161,10 @@ def extract(
                 shutil.rmtree(work)
                 return _hit(path, key, t0)
             try:
-                metas = [_backbone_blocks(work, j, spec_j, data, parts, image_size, views, noise, seed, batch_size,
-                                          dev, allow_partial, progress, phases) for j, spec_j in enumerate(backbone)]
+                run = Settings(tuple(backbone), image_size, noise, seed, batch_size or P.default_batch_size(dev),
+                               P.default_workers(data, views) if workers is None else workers, str(dev),
+                               allow_partial)
+                metas = _embedded(work, runner, data, parts, views, run, progress, phases)
                 t = time.perf_counter()
                 images = _assemble(path, work, data, parts, metas, manifest, key, views)
                 phases["assembly"] = time.perf_counter() - t
@@ -162,6 +175,8 @@ def extract(
                     shutil.rmtree(work, ignore_errors=True)  # bad input: nothing of this run is worth keeping
                 raise
             shutil.rmtree(work)
+    with suppress(OSError):  # a built-in dataset's next miss reads its arrays instead of building them
+        keep_dataset(data, out)
     return _result(path, False, key, images, [m["key"] for m in metas], t0) | {
         "phases": {k: round(v, 3) for k, v in phases.items()}}
 
@@ -239,58 +254,149 @@ def _synced(path: Path) -> Iterator:
     os.replace(partial, path)
 
 
-def _backbone_blocks(work: Path, j: int, spec: str, data, parts, image_size, views, noise, seed, batch_size, dev,
-                     allow_partial, progress, phases: dict) -> dict:
-    """Embed every (client, split[, views]) block of backbone j into work/b{j}.*.npy, skipping finished blocks.
-    Returns the backbone's metadata (also saved, so a finished backbone is never rebuilt on resume); adds the
-    seconds spent building the model and embedding to `phases`."""
-    meta_file = work / f"b{j}.json"
-    jobs = [(c, part, split, v) for c, part in enumerate(parts) for split in SPLITS
-            for v in ((0, views) if views and split == "train" else (0,))]
-    blocks = [work / f"b{j}.{c:03d}.{split}.{'views' if v else 'features'}.npy" for c, _, split, v in jobs]
-    if meta_file.is_file() and all(b.is_file() for b in blocks):
-        return json.loads(meta_file.read_text())
+@dataclass(frozen=True)
+class Block:
+    """One client's split (and group: plain features, or augmented views) for every backbone: the unit of resume."""
+
+    client: int
+    domain: str
+    split: str
+    group: str  # 'features' | 'views'
+    rows: np.ndarray  # [n] indices into data.domains[domain][split]
+
+    def file(self, j: int) -> str:
+        return f"b{j}.{self.client:03d}.{self.split}.{self.group}.npy"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the embedding pass needs besides the images: the same for the local and the Ray backend."""
+
+    specs: tuple[str, ...]
+    image_size: int | None
+    noise: Noise | None
+    seed: int
+    batch_size: int
+    workers: int
+    device: str
+    allow_partial: bool
+
+
+def _embedded(work: Path, runner, data, parts, views: int, run: Settings, progress, phases: dict) -> list[dict]:
+    """Every block of every backbone in `work` (finished ones kept), then each backbone's `b{j}.json` metadata;
+    returns the metadata in backbone order."""
+    blocks, meta_files = _blocks(parts, views), [work / f"b{j}.json" for j in range(len(run.specs))]
+    jobs = [(block, todo) for block in blocks
+            if (todo := [j for j in range(len(run.specs)) if not (work / block.file(j)).is_file()])]
+    metas = runner.embed(work, jobs, data, views, run, progress, phases) if jobs else {}
+    for j, file in enumerate(meta_files):
+        if not file.is_file():
+            meta = metas.get(j) or _metadata(_build(run, j))  # all its blocks survived a kill, its metadata did not
+            with _synced(file) as fh:
+                fh.write(json.dumps(meta).encode())
+    return [json.loads(file.read_text()) for file in meta_files]
+
+
+def _build(run: Settings, j: int):
     from .backbones import create_backbone
 
+    return create_backbone(run.specs[j], image_size=run.image_size, allow_partial=run.allow_partial)
+
+
+def _metadata(bb) -> dict:
+    return {"key": bb.key, "name": bb.name, "weights": bb.weights, "weights_sha256": bb.weights_sha256,
+            "dim": bb.dim, "preprocessing": bb.preprocessing | {"pipeline": P.DESCRIPTION}}
+
+
+def _blocks(parts, views: int) -> list[Block]:
+    return [Block(c, part.domain, split, group, getattr(part, split)) for c, part in enumerate(parts) for split in SPLITS
+            for group in (("features", "views") if views and split == "train" else ("features",))]
+
+
+def _embed(work: Path, jobs: list[tuple[Block, list[int]]], data, views: int, run: Settings,
+           progress: Progress | None = None, phases: dict | None = None) -> dict[int, dict]:
+    """One pass over the images of `jobs` (block, the backbones that still need it): each chunk of images is decoded
+    once and embedded by every backbone that needs it; each block's rows are streamed to `work/b{j}.*.npy.partial`,
+    renamed into place when the block is complete. Builds each backbone once; returns their metadata by index."""
     t = time.perf_counter()
-    bb = create_backbone(spec, image_size=image_size, allow_partial=allow_partial)
-    meta = {"key": bb.key, "name": bb.name, "weights": bb.weights, "weights_sha256": bb.weights_sha256,
-            "dim": bb.dim, "preprocessing": bb.preprocessing}
-    model = bb.model.to(dev)
-    if dev.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
-    total = sum(len(getattr(p, s)) for _, p, s, _ in jobs)
-    phases["models"] += (t1 := time.perf_counter()) - t
-    done = 0
-    for (c, part, split, v), block in zip(jobs, blocks):
-        idx = getattr(part, split)  # [n]
-        if block.is_file():
-            done += len(idx)
-            continue
-        shape = (len(idx), v, bb.dim) if v else (len(idx), bb.dim)
-        with _synced(block) as fh:
-            np.lib.format.write_array_header_1_0(fh, {"descr": "<f4", "fortran_order": False, "shape": shape})
-            for x in _batches(bb, data.domains[part.domain][split], part.domain, split, idx, v, noise, seed,
-                              batch_size):
-                z = _forward(model, x, dev)  # [B*max(v,1), D] float32: an image's views are consecutive rows
-                fh.write(z.astype("<f4", copy=False).tobytes())
-                done += len(z) // max(v, 1)
-                if progress:
-                    progress(bb.key, done, total)
-    phases["embedding"] += time.perf_counter() - t1
-    with _synced(meta_file) as fh:
-        fh.write(json.dumps(meta).encode())
-    return meta
+    dev = torch.device(run.device)
+    needed = sorted({j for _, js in jobs for j in js})
+    built = {j: _build(run, j) for j in needed}
+    models = {j: bb.model.to(dev, memory_format=torch.channels_last) for j, bb in built.items()}
+    geometry = {j: P.Geometry.of(bb.preprocessing) for j, bb in built.items()}
+    stats = {j: [torch.tensor(bb.preprocessing[k], device=dev).view(1, 3, 1, 1) for k in ("mean", "std")]
+             for j, bb in built.items()}  # [1, 3, 1, 1] each
+    chunks = [P.Chunk(b, block.domain, block.split, block.rows[r : r + run.batch_size],
+                      views if block.group == "views" else 0)
+              for b, (block, _) in enumerate(jobs) for r in range(0, len(block.rows), run.batch_size)]
+    source = P.Chunks(data, chunks, list(dict.fromkeys(geometry.values())), run.noise, run.seed)
+    total = {j: sum(len(block.rows) for block, js in jobs if j in js) for j in needed}
+    done = dict.fromkeys(needed, 0)
+    if phases is not None:
+        phases["models"] += (t1 := time.perf_counter()) - t
+    writer = _Writer(dev, lag=len(needed))
+    with torch.inference_mode():
+        for b, prepared in itertools.groupby(P.loader(source, run.workers, dev), key=lambda item: item[0]):
+            block, js = jobs[b]
+            with ExitStack() as files:
+                fh = {j: files.enter_context(_block_file(work / block.file(j), len(block.rows),
+                                                         views if block.group == "views" else 0, built[j].dim))
+                      for j in js}
+                for _, images in prepared:
+                    x = P.to_device(images, source.geometries, dev)  # {geometry: [B*V, 3, H, W] uint8}
+                    for j in js:
+                        z = _forward(models[j], P.normalise(x[geometry[j]], *stats[j]), dev)  # [B*V, D]
+                        writer.put(fh[j], z)
+                        done[j] += len(z) // max(views if block.group == "views" else 0, 1)
+                        if progress:
+                            progress(built[j].key, done[j], total[j])
+                writer.flush()
+    if phases is not None:
+        phases["embedding"] += time.perf_counter() - t1
+    return {j: _metadata(bb) for j, bb in built.items()}
 
 
-@torch.inference_mode()
-def _forward(model, x: torch.Tensor, dev: torch.device) -> np.ndarray:
-    x = x.to(dev, non_blocking=True)
-    cuda = dev.type == "cuda"
-    if cuda:
-        x = x.to(memory_format=torch.channels_last)
-    with torch.autocast(dev.type, dtype=torch.float16, enabled=cuda):
-        return model(x).float().cpu().numpy()
+@contextmanager
+def _block_file(path: Path, rows: int, views: int, dim: int) -> Iterator:
+    """An open `.npy` of float32 [rows, dim] (or [rows, views, dim]) filled by plain writes, complete or absent."""
+    with _synced(path) as fh:
+        shape = (rows, views, dim) if views else (rows, dim)
+        np.lib.format.write_array_header_1_0(fh, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        yield fh
+
+
+class _Writer:
+    """Writes embedded rows to their block files. On CUDA a batch's device-to-host copy is started at once and
+    written `lag` batches later, so the copy and the disk write overlap the next forward passes."""
+
+    def __init__(self, dev: torch.device, lag: int) -> None:
+        self.cuda, self.lag, self.pending = dev.type == "cuda", lag, deque()
+
+    def put(self, fh, z: torch.Tensor) -> None:
+        if not self.cuda:
+            fh.write(z.numpy().astype("<f4", copy=False).tobytes())
+            return
+        host = z.to("cpu", non_blocking=True)  # into pinned memory
+        done = torch.cuda.Event()
+        done.record()
+        self.pending.append((fh, host, done))
+        while len(self.pending) > self.lag:
+            self._write_oldest()
+
+    def flush(self) -> None:
+        while self.pending:
+            self._write_oldest()
+
+    def _write_oldest(self) -> None:
+        fh, host, done = self.pending.popleft()
+        done.synchronize()
+        fh.write(host.numpy().astype("<f4", copy=False).tobytes())
+
+
+def _forward(model, x: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """[B, 3, H, W] float32 on the device -> [B, D] float32 on the device (fp16 autocast on CUDA)."""
+    with torch.autocast(dev.type, dtype=torch.float16, enabled=dev.type == "cuda"):
+        return model(x).float()
 
 
 def _assemble(path: Path, work: Path, data, parts, metas, manifest, key, views, rows_per_block: int = 4096) -> int:
@@ -353,12 +459,70 @@ def _result(path: Path, hit: bool, key: str, images: int, keys: list[str], t0: f
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def _device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device} asked for but CUDA is not available: use --device cpu")
-    return torch.device(device)
+class Local:
+    """Blocks embedded in this process (input workers as child processes)."""
+
+    def device(self, name: str) -> torch.device:
+        if name == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"--device {name} asked for but CUDA is not available: use --device cpu")
+        return torch.device(name)
+
+    def embed(self, work, jobs, data, views, run, progress, phases) -> dict[int, dict]:
+        return _embed(work, jobs, data, views, run, progress, phases)
+
+
+class Ray:
+    """Blocks as Ray tasks: one per GPU of the cluster, each building the backbones once and embedding its share of
+    the blocks into the parts folder (which must be the same path on every node: a shared filesystem), or one per CPU
+    where the cluster has no GPU. `ray.init()` joins RAY_ADDRESS when set, else starts a local Ray. This process
+    keeps the lock, resumes and assembles exactly as the local backend does, so the cache bytes are the same."""
+
+    def __init__(self) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise UserError("--backend ray needs Ray: pip install 'featcache[ray]'") from None
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
+        resources = ray.cluster_resources()
+        self.ray, self.gpus, self.cpus = ray, int(resources.get("GPU", 0)), max(1, int(resources.get("CPU", 1)))
+
+    def device(self, name: str) -> torch.device:
+        if name not in ("auto", "cpu", "cuda"):
+            raise UserError(f"--device {name} with --backend ray: use auto, cpu or cuda (Ray assigns the GPUs)")
+        if name == "cuda" and not self.gpus:
+            raise UserError("--device cuda asked for but the Ray cluster has no GPU: use --device cpu")
+        return torch.device("cuda" if name != "cpu" and self.gpus else "cpu")
+
+    def embed(self, work, jobs, data, views, run, progress, phases) -> dict[int, dict]:
+        t = time.perf_counter()
+        cuda = run.device == "cuda"
+        tasks = min(len(jobs), self.gpus if cuda else self.cpus)
+        cpus = max(1, self.cpus // self.gpus) if cuda else 1
+        task = self.ray.remote(num_gpus=1 if cuda else 0, num_cpus=cpus)(_embed)
+        run = replace(run, workers=min(run.workers, cpus if cuda else 0))
+        shared = self.ray.put(data)
+        pending = {task.remote(work, jobs[i::tasks], shared, views, run): jobs[i::tasks] for i in range(tasks)}
+        metas, done = {}, {}
+        while pending:
+            (finished,), _ = self.ray.wait(list(pending), num_returns=1)
+            share = pending.pop(finished)
+            try:
+                metas |= self.ray.get(finished)
+            except self.ray.exceptions.RayTaskError as e:  # keep a user error one line, not the task's traceback
+                raise (e.cause if isinstance(e.cause, UserError) else e) from None
+            for block, todo in share:
+                for j in todo:
+                    done[j] = done.get(j, 0) + len(block.rows)
+                    if progress:
+                        progress(metas[j]["key"], done[j], sum(len(b.rows) for b, js in jobs if j in js))
+        phases["embedding"] += time.perf_counter() - t
+        return metas
+
+
+BACKENDS = {"local": Local, "ray": Ray}
 
 
 def _write_layout(f: h5py.File, data, parts, metas: list[dict], manifest: dict, key: str) -> int:
@@ -387,49 +551,3 @@ def _write_layout(f: h5py.File, data, parts, metas: list[dict], manifest: dict, 
         g.create_dataset("train/val_index", data=part.val, track_times=False)
     f.attrs["images"] = images
     return images
-
-
-def _image_seed(seed: int, domain: str, split: str, index: int, view: int) -> int:
-    h = hashlib.sha256(f"{seed}|{domain}|{split}|{index}|{view}".encode()).digest()
-    return int.from_bytes(h[:8], "little") & (2**63 - 1)
-
-
-def _batches(bb, images, domain: str, split: str, idx: np.ndarray, views: int, noise, seed: int, batch_size: int
-             ) -> Iterator[torch.Tensor]:
-    """Preprocessed input batches [B, 3, S, S]; with views, each image contributes its V augmented views in a row."""
-    eval_tf, view_tf = bb.pil_transform(train=False), bb.pil_transform(train=True)
-
-    def prepare(rows: np.ndarray) -> torch.Tensor:
-        out = []
-        for i in rows:
-            img = images.image(int(i))
-            if noise is not None:
-                img = noise.apply(img, np.random.default_rng(_image_seed(seed, domain, split, int(i), -1)))
-            if not views:
-                out.append(eval_tf(img))
-            for v in range(views):
-                torch.manual_seed(_image_seed(seed, domain, split, int(i), v))
-                out.append(view_tf(img))
-        return bb.to_tensor(out)
-
-    chunks = [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
-    # With a core to spare, batch k+1 is prepared while the backbone runs on batch k; without one, a preparing thread
-    # would only stall the backbone's parallel regions, so batches are prepared in turn.
-    spare = (os.cpu_count() or 1) > torch.get_num_threads()
-    yield from _prefetched(prepare, chunks, ahead=1 if spare else 0)
-
-
-def _prefetched(fn, items, ahead: int) -> Iterator:
-    """map(fn, items), computing up to `ahead` results in a worker thread before they are asked for (bounded memory,
-    unlike Executor.map, which runs ahead through all items)."""
-    if ahead < 1:
-        yield from map(fn, items)
-        return
-    with ThreadPoolExecutor(1) as pool:
-        pending = deque()
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) > ahead:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()

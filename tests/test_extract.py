@@ -122,25 +122,3 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, args, needle)
     lines = [line for line in run.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in run.stderr
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
-
-
-@pytest.mark.parametrize("ahead", [0, 1, 3])
-def test_prefetch_runs_at_most_ahead_items_early(ahead):
-    """Batches are prepared at most `ahead` before the backbone asks for them (memory stays flat on huge clients)."""
-    import threading
-
-    from featcache.extract import _prefetched
-
-    made, lock = [], threading.Lock()
-
-    def fn(i):
-        with lock:
-            made.append(i)
-        return i * i
-
-    out = []
-    for k, v in enumerate(_prefetched(fn, range(20), ahead)):
-        with lock:
-            assert len(made) <= k + 1 + ahead
-        out.append(v)
-    assert out == [i * i for i in range(20)]

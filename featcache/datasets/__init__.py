@@ -7,9 +7,15 @@ Like timm's model registry: a reader module decorates its loader with `@register
 from __future__ import annotations
 
 import hashlib
+import io
+import json
+import zipfile
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
+from ..atomic import write_atomic
 from ..errors import UserError, suggest
 from .base import ArrayImages, Dataset, ImageSet, PathImages
 
@@ -55,16 +61,52 @@ def list_datasets() -> dict[str, str]:
     return dict(_LAYOUTS)
 
 
-def load_dataset(name: str, root: str | Path | None = None, download: bool = False, **options) -> Dataset:
-    """Load a registered dataset. `root` is the folder holding it (ignored by built-in offline data)."""
+def load_dataset(name: str, root: str | Path | None = None, download: bool = False, store: str | Path | None = None,
+                 **options) -> Dataset:
+    """Load a registered dataset. `root` is the folder holding it (ignored by built-in offline data). A built-in
+    dataset that `keep_dataset` saved in the folder `store` is read from there instead of being built again."""
     _import_readers()
     if name not in _READERS:
         raise UserError(f"unknown dataset {name!r}{suggest(name, _READERS)}; known: {', '.join(sorted(_READERS))}")
+    if name in _RECIPES and store is not None and (file := _stored(name, Path(store), options)).is_file():
+        try:
+            return _read_stored(file)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # damaged: build it again (and replace it)
+            file.unlink(missing_ok=True)
     return _READERS[name](root=Path(root) if root is not None else None, download=download, **options)
+
+
+def keep_dataset(data: Dataset, store: str | Path, **options) -> None:
+    """Save a built-in dataset's arrays in `store` as `.NAME-KEY.npz`, KEY the hash of its recipe's identity and
+    `options` (a changed recipe or package version is a new file): a later `load_dataset(..., store=)` reads it in
+    a fraction of the build time. Data read from disk is not kept (it is already on disk)."""
+    if data.name not in _RECIPES or (file := _stored(data.name, Path(store), options)).is_file():
+        return
+    arrays = {f"{d}/{s}/{k}": getattr(images, k) for d, splits in data.domains.items() for s, images in splits.items()
+              for k in ("images", "labels")}
+    buffer = io.BytesIO()
+    np.savez(buffer, classes=np.array(data.classes), source=np.array(data.source), **arrays)
+    write_atomic(file, buffer.getvalue())
+
+
+def _stored(name: str, store: Path, options: dict) -> Path:
+    identity = dataset_identity(name)[0] | {"options": options}
+    return store / f".{name}-{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]}.npz"
+
+
+def _read_stored(file: Path) -> Dataset:
+    with np.load(file, allow_pickle=False) as z:
+        domains: dict[str, dict[str, ImageSet]] = {}
+        for key in z.files:
+            if key.endswith("/images"):
+                d, s, _ = key.split("/")
+                domains.setdefault(d, {})[s] = ArrayImages(z[key], z[f"{d}/{s}/labels"])
+        name = file.name[1:].rsplit("-", 1)[0]
+        return Dataset(name, [str(c) for c in z["classes"]], domains, source=str(z["source"]))
 
 
 def _import_readers() -> None:
     from . import disk, offline_digits, torchvision_sets  # noqa: F401  (registration side effects)
 
 
-__all__ = ["ArrayImages", "Dataset", "ImageSet", "PathImages", "dataset_identity", "load_dataset", "list_datasets", "register_dataset"]
+__all__ = ["ArrayImages", "Dataset", "ImageSet", "PathImages", "dataset_identity", "keep_dataset", "load_dataset", "list_datasets", "register_dataset"]

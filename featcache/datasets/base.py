@@ -1,7 +1,7 @@
 """What every dataset reader returns: labelled image sets per domain and split, with a content fingerprint.
 
-A reader never decodes all images up front: an `ImageSet` hands out one RGB `PIL.Image` at a time, so extraction
-streams with flat memory. The fingerprint covers everything that determines the pixels (array bytes, or file paths
+A reader never decodes all images up front: an `ImageSet` hands out one RGB `PIL.Image` at a time (or, when it holds
+equal-size arrays, a batch of them as one uint8 array), so extraction streams with flat memory. The fingerprint covers everything that determines the pixels (array bytes, or file paths
 with sizes and modification times), so a changed file gives a new cache.
 """
 
@@ -29,6 +29,11 @@ class ImageSet:
     def image(self, i: int) -> Image.Image:  # RGB
         raise NotImplementedError
 
+    def batch(self, rows: np.ndarray) -> np.ndarray | None:
+        """Images `rows` as one uint8 array [B, H, W, 3] when the set holds equal-size arrays, else None (then
+        `image(i)` decodes them one by one)."""
+        return None
+
     def fingerprint(self) -> str:
         raise NotImplementedError
 
@@ -47,6 +52,10 @@ class ArrayImages(ImageSet):
 
     def image(self, i: int) -> Image.Image:
         return Image.fromarray(self.images[i]).convert("RGB")
+
+    def batch(self, rows: np.ndarray) -> np.ndarray:
+        x = self.images[rows]  # [B, H, W] grey or [B, H, W, 3]
+        return np.repeat(x[..., None], 3, axis=-1) if x.ndim == 3 else x
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()

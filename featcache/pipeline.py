@@ -1,0 +1,190 @@
+"""The input pipeline of `featcache extract`: each image read and decoded once, then resized and normalised for every
+backbone as batched tensor ops.
+
+A *chunk* is up to `batch_size` images of one (client, split) block. Preparing it (`Chunks[k]`) decodes every image
+once, applies the optional image noise at the image's own resolution, and then:
+
+- when the images share one size and there are no augmented views (array datasets such as offline-digits, Digit-5,
+  CIFAR; folders of equal-size photos), returns them as one uint8 batch [B, 3, h, w]; `to_device` moves it to the
+  device and resizes it there, once per input geometry, in one batched op;
+- otherwise resizes (or, for views, augments) each image for each input geometry and returns the uint8 batches
+  {geometry: [B*V, 3, H, W]}, an image's V views in consecutive rows.
+
+`loader` runs `Chunks` in worker processes (torch's DataLoader: bounded prefetch, pinned host memory on CUDA) when
+there is per-image work to spread, or in this process when a chunk is one array slice. The bytes are the same either
+way: every operation is per image or per chunk, and chunks are fixed by the batch size alone. `normalise` turns a
+uint8 batch into the backbone's float input on the device.
+
+Resizing is torchvision's `resize` on uint8 tensors with antialiasing (within one grey level of PIL's), rounded to
+uint8 as PIL's is; `DESCRIPTION` records the exact operations in each backbone's metadata and in the cache key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .datasets.base import ArrayImages
+from .errors import UserError
+
+DESCRIPTION = {
+    "version": 2,  # bump on any change to what the operations below compute
+    "decode": "PIL, converted to RGB (16-bit grey scaled to 0..255); noise at the image's resolution, rounded to uint8",
+    "resize": "torchvision.transforms.v2.functional.resize(uint8 [B, 3, h, w], (H, W), interpolation, "
+              "antialias=True) -> uint8; no crop",
+    "normalise": "x / 255, then (x - mean) / std per channel, float32; channels_last",
+    "views": "per (image, view) seed: RandomResizedCrop((H, W), scale=(0.5, 1)), RandomHorizontalFlip, "
+             "ColorJitter(0.4, 0.4, 0.4) on uint8 tensors (torchvision.transforms.v2)",
+}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a backbone's input size and resampling make of an image: backbones that share one share the pixels."""
+
+    height: int
+    width: int
+    interpolation: str  # 'bicubic' | 'bilinear' | 'nearest' ...
+
+    @classmethod
+    def of(cls, preprocessing: dict) -> "Geometry":
+        _, h, w = preprocessing["input_size"]
+        return cls(int(h), int(w), preprocessing["interpolation"])
+
+
+@dataclass(frozen=True)
+class Chunk:
+    block: int  # index of the (client, split, group) block the rows belong to
+    domain: str
+    split: str
+    rows: np.ndarray  # [B] indices into data.domains[domain][split]
+    views: int = 0  # augmented views per image; 0: the plain (resized) image
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A user error met while preparing a chunk (a damaged image), carried out of a worker process as a value so it
+    stays one line (DataLoader would re-raise it with the worker's traceback in its message)."""
+
+    message: str
+
+
+class Chunks(Dataset):
+    """Chunk k -> (block, prepared uint8 images); see the module docstring for the two forms."""
+
+    def __init__(self, data, chunks: list[Chunk], geometries: list[Geometry], noise, seed: int) -> None:
+        self.data, self.chunks, self.geometries, self.noise, self.seed = data, chunks, geometries, noise, seed
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, k: int):
+        chunk = self.chunks[k]
+        try:
+            return chunk.block, self._prepare(chunk)
+        except UserError as e:
+            return chunk.block, Failed(str(e))
+
+    def _prepare(self, chunk: Chunk) -> torch.Tensor | dict[Geometry, torch.Tensor]:
+        images = self.data.domains[chunk.domain][chunk.split]
+        stack = images.batch(chunk.rows) if self.noise is None else None  # [B, h, w, 3] uint8, or None
+        if stack is None:
+            pixels = [self._decode(images, chunk, int(i)) for i in chunk.rows]  # each [h, w, 3] uint8
+            if len({p.shape for p in pixels}) == 1:
+                stack = np.stack(pixels)
+        if stack is not None and not chunk.views:
+            return torch.from_numpy(np.ascontiguousarray(stack)).permute(0, 3, 1, 2).contiguous()  # [B, 3, h, w]
+        if stack is not None:
+            pixels = list(stack)
+        tensors = [torch.from_numpy(np.ascontiguousarray(p)).permute(2, 0, 1) for p in pixels]  # each [3, h, w]
+        if chunk.views:
+            return {g: torch.cat([self._views(x, chunk, int(i), g) for x, i in zip(tensors, chunk.rows)])
+                    for g in self.geometries}  # [B*V, 3, H, W] uint8
+        return {g: torch.cat([resize(x[None], g) for x in tensors]) for g in self.geometries}  # [B, 3, H, W]
+
+    def _decode(self, images, chunk: Chunk, i: int) -> np.ndarray:
+        x = np.array(images.image(i))  # [h, w, 3] uint8, writable
+        if self.noise is None:
+            return x
+        return self.noise.apply(x, np.random.default_rng(image_seed(self.seed, chunk.domain, chunk.split, i, -1)))
+
+    def _views(self, x: torch.Tensor, chunk: Chunk, i: int, g: Geometry) -> torch.Tensor:
+        """[V, 3, H, W] uint8: the image's V augmented views; a view's crop box depends on its seed and the image
+        alone, so backbones of different input sizes see the same crops."""
+        augment = _augmentation(g)
+        out = []
+        with torch.random.fork_rng(devices=[]):
+            for v in range(chunk.views):
+                torch.manual_seed(image_seed(self.seed, chunk.domain, chunk.split, i, v))
+                out.append(augment(x))
+        return torch.stack(out)
+
+
+def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """uint8 [B, 3, h, w] -> uint8 [B, 3, H, W], on whatever device x lives."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as F
+
+    if tuple(x.shape[-2:]) == (g.height, g.width):
+        return x
+    return F.resize(x, [g.height, g.width], interpolation=InterpolationMode(g.interpolation), antialias=True)
+
+
+def _augmentation(g: Geometry):
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import v2
+
+    return v2.Compose([
+        v2.RandomResizedCrop((g.height, g.width), scale=(0.5, 1.0), interpolation=InterpolationMode(g.interpolation),
+                             antialias=True),
+        v2.RandomHorizontalFlip(),
+        v2.ColorJitter(0.4, 0.4, 0.4),
+    ])
+
+
+def image_seed(seed: int, domain: str, split: str, index: int, view: int) -> int:
+    """The seed of one image's noise (view -1) or one of its augmented views."""
+    h = hashlib.sha256(f"{seed}|{domain}|{split}|{index}|{view}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & (2**63 - 1)
+
+
+def default_workers(data, views: int) -> int:
+    """Worker processes for `loader`: none when every chunk is one array slice (nothing per image to spread), else
+    one per core this process may run on."""
+    if not views and all(isinstance(s, ArrayImages) for splits in data.domains.values() for s in splits.values()):
+        return 0
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_batch_size(device: torch.device) -> int:
+    """Images per forward: 256 keeps a GPU busy; on a CPU, 64 runs faster than larger batches (cache-resident)."""
+    return 256 if device.type == "cuda" else 64
+
+
+def loader(chunks: Chunks, workers: int, device: torch.device):
+    """Prepared chunks in order: (block, uint8 images), prepared up to 4 chunks per worker ahead."""
+    if workers == 0:
+        return (chunks[k] for k in range(len(chunks)))
+    return DataLoader(chunks, batch_size=None, shuffle=False, num_workers=workers, prefetch_factor=4,
+                      pin_memory=device.type == "cuda", persistent_workers=False)
+
+
+def to_device(prepared, geometries: list[Geometry], device: torch.device) -> dict[Geometry, torch.Tensor]:
+    """A prepared chunk on the device at every input geometry (uint8). A shared-size batch is copied once and
+    resized there; per-image results are copied as they are."""
+    if isinstance(prepared, Failed):
+        raise UserError(prepared.message)
+    if isinstance(prepared, torch.Tensor):
+        x = prepared.to(device, non_blocking=True)  # [B, 3, h, w] uint8
+        return {g: resize(x, g) for g in geometries}
+    return {g: t.to(device, non_blocking=True) for g, t in prepared.items()}
+
+
+def normalise(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, 3, H, W] -> float32 [B, 3, H, W] channels_last; mean, std [1, 3, 1, 1] on x's device."""
+    return x.float().div_(255).sub_(mean).div_(std).contiguous(memory_format=torch.channels_last)

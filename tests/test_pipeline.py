@@ -1,0 +1,184 @@
+"""The extraction input pipeline: one decode per image for every backbone, batched resizing equal to per-image
+resizing, embeddings that agree with the PIL path on real digits and photos, cache bytes that depend neither on the
+worker count nor on the backend (Ray), and built-in datasets kept beside the caches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from harness import BACKBONES, one_thread, sha256
+from PIL import Image
+from sklearn.datasets import load_sample_images
+
+from featcache import pipeline as P
+from featcache.backbones import create_backbone
+from featcache.datasets import keep_dataset, load_dataset
+from featcache.datasets.base import ArrayImages, Dataset, PathImages
+from featcache.errors import UserError
+from featcache.extract import Noise, extract
+
+
+def write_photos(root, sizes=((120, 90), (97, 131), (160, 100))):
+    """root/{domain}/{class}/*.jpg: crops of scikit-learn's two sample photos (real content) in several sizes."""
+    photos = load_sample_images().images  # 2 x [427, 640, 3]
+    for d, domain in enumerate(("d1", "d2")):
+        for k, cls in enumerate(("china", "flower")):
+            for i, (w, h) in enumerate(sizes * 2):
+                top, left = 40 * i + 20 * d, 60 * i
+                crop = photos[k][top : top + 2 * h, left : left + 2 * w]
+                path = root / domain / cls / f"{i}.jpg"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(crop).resize((w, h)).save(path, quality=90)
+    return root
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    return write_photos(tmp_path_factory.mktemp("photos"))
+
+
+def cached_and_reference(res: dict, data, spec: str, image_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cached features, features of the PIL path: per-image `Backbone.transform()` then the model) of every image."""
+    bb = create_backbone(spec, image_size=image_size)
+    tf = bb.transform()
+    cached, reference = [], []
+    with h5py.File(res["cache"]) as f, torch.inference_mode():
+        for c, g in f["clients"].items():
+            for split in ("train", "test"):
+                images = data.domains[g.attrs["domain"]][split]
+                rows = g[f"{split}/source_index"][...]
+                cached.append(g[f"{split}/features/{bb.key}"][...])
+                reference.append(bb.model(torch.stack([tf(images.image(int(i))) for i in rows])).numpy())
+    return np.concatenate(cached), np.concatenate(reference)
+
+
+@pytest.mark.parametrize("dataset", ["offline-digits", "photos"])
+def test_embeddings_agree_with_the_pil_path_on_real_digits_and_photos(tmp_path, photos, dataset):
+    if dataset == "photos":
+        args, data = dict(dataset="imagefolder", data_root=photos), load_dataset("imagefolder", photos)
+    else:
+        args = dict(dataset="offline-digits", domains=["mnist", "synth"], per_class=3, test_per_class=2)
+        data = load_dataset("offline-digits")
+    res = extract(**args, backbone=["efficientnet_lite0"], image_size=48, out=tmp_path)
+    ours, pil = cached_and_reference(res, data, "efficientnet_lite0", 48)  # [N, D] each
+    cosine = (ours * pil).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(pil, axis=1)
+    assert len(cosine) == res["images"] and cosine.min() >= 0.99, cosine.min()
+    assert not np.array_equal(ours, pil)  # a different (batched, antialiased tensor) resize, not the same code
+
+
+def test_every_image_is_decoded_once_for_all_backbones(tmp_path, photos, monkeypatch):
+    decoded = []
+    original = PathImages.image
+    monkeypatch.setattr(PathImages, "image", lambda self, i: decoded.append((id(self), i)) or original(self, i))
+    res = extract(dataset="imagefolder", data_root=photos, backbone=BACKBONES, image_size=32, workers=0, out=tmp_path)
+    assert len(decoded) == len(set(decoded)) == res["images"]
+    with h5py.File(res["cache"]) as f:  # two backbones of two geometries (bilinear, bicubic) were fed
+        interpolations = [json.loads(f[f"backbones/{k}"].attrs["preprocessing"])["interpolation"]
+                          for k in res["backbones"]]
+        assert sorted(interpolations) == ["bicubic", "bilinear"]
+        assert f["clients/000/train/features/concat"].shape[1] > 0
+
+
+def test_arrays_come_as_one_uint8_batch_and_mixed_sizes_per_geometry(tmp_path):
+    arrays = ArrayImages(np.arange(5 * 6 * 7, dtype=np.uint8).reshape(5, 6, 7), np.zeros(5))  # grey [5, 6, 7]
+    files = [tmp_path / f"{i}.png" for i in range(3)]
+    for i, f in enumerate(files):
+        Image.fromarray(np.full((8 + i, 9, 3), 40 * i, np.uint8)).save(f)
+    data = Dataset("t", ["a"], {"d": {"train": arrays, "test": PathImages(files, np.zeros(3))}})
+    small, large = P.Geometry(4, 4, "bilinear"), P.Geometry(10, 12, "bicubic")
+    chunks = P.Chunks(data, [P.Chunk(0, "d", "train", np.array([4, 1, 2])), P.Chunk(1, "d", "test", np.arange(3)),
+                             P.Chunk(2, "d", "train", np.array([0, 3]), views=2)], [small, large], None, 0)
+    block, batch = chunks[0]
+    assert block == 0 and batch.dtype == torch.uint8 and batch.shape == (3, 3, 6, 7)  # grey repeated to RGB
+    assert torch.equal(batch[:, 0], torch.from_numpy(arrays.images[[4, 1, 2]]))
+    _, mixed = chunks[1]
+    assert {g: tuple(x.shape) for g, x in mixed.items()} == {small: (3, 3, 4, 4), large: (3, 3, 10, 12)}
+    _, views = chunks[2]
+    assert views[large].shape == (4, 3, 10, 12) and not torch.equal(views[large][0], views[large][1])
+    assert torch.equal(chunks[2][1][large], views[large])  # seeded per (image, view): the same again
+    on_device = P.to_device(batch, [small, large], torch.device("cpu"))
+    assert torch.equal(on_device[small], torch.cat([P.resize(x[None], small) for x in batch]))
+
+
+def test_batched_resize_equals_per_image_resize_and_is_near_pil():
+    photo = load_sample_images().images[1][:200, :300]  # [200, 300, 3]
+    x = torch.from_numpy(np.stack([photo, photo[::-1], 255 - photo])).permute(0, 3, 1, 2).contiguous()
+    for g in (P.Geometry(64, 64, "bicubic"), P.Geometry(48, 80, "bilinear"), P.Geometry(224, 224, "bicubic")):
+        batched = P.resize(x, g)  # [3, 3, H, W] uint8
+        assert torch.equal(batched, torch.cat([P.resize(xi[None], g) for xi in x]))
+        pil = np.asarray(Image.fromarray(photo).resize((g.width, g.height), Image.Resampling[g.interpolation.upper()]))
+        diff = np.abs(batched[0].permute(1, 2, 0).numpy().astype(int) - pil.astype(int))
+        assert diff.mean() < 1.0 and np.percentile(diff, 99) <= 3
+
+
+def test_cache_bytes_do_not_depend_on_the_worker_count(tmp_path, photos):
+    with one_thread():
+        files = {w: extract(dataset="imagefolder", data_root=photos, backbone=BACKBONES, image_size=32, workers=w,
+                            batch_size=3, out=tmp_path / str(w))["cache"] for w in (0, 2)}
+        digits = {w: extract(dataset="offline-digits", domains=["optdigits"], per_class=2, test_per_class=1,
+                             noise=Noise("laplace", 0.1, 0.1), views=2, image_size=32, workers=w,
+                             out=tmp_path / f"digits{w}")["cache"] for w in (0, 1)}
+    assert sha256(files[0]) == sha256(files[2]) and sha256(digits[0]) == sha256(digits[1])
+
+
+def test_a_damaged_image_read_by_a_worker_is_one_line(tmp_path, photos):
+    import shutil
+
+    root = shutil.copytree(photos, tmp_path / "photos")
+    (root / "d2" / "flower" / "1.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    with pytest.raises(UserError) as err:
+        extract(dataset="imagefolder", data_root=root, backbone=["test_resnet=random"], image_size=32, workers=2,
+                out=tmp_path / "out")
+    assert "1.jpg" in str(err.value) and "\n" not in str(err.value) and "repair or delete" in str(err.value)
+    assert not any((tmp_path / "out").rglob("*.h5"))
+
+
+def test_built_in_dataset_is_kept_beside_the_caches_and_read_back(tmp_path):
+    built = load_dataset("offline-digits", domains=["optdigits"])
+    keep_dataset(built, tmp_path, domains=["optdigits"])
+    (kept,) = tmp_path.glob(".offline-digits-*.npz")
+    again = load_dataset("offline-digits", store=tmp_path, domains=["optdigits"])
+    assert again.classes == built.classes and list(again.domains) == ["optdigits"]
+    for split in ("train", "test"):
+        np.testing.assert_array_equal(again.domains["optdigits"][split].images, built.domains["optdigits"][split].images)
+        np.testing.assert_array_equal(again.domains["optdigits"][split].labels, built.domains["optdigits"][split].labels)
+    kept.write_bytes(b"damaged")  # a damaged file is built again, never an error
+    assert load_dataset("offline-digits", store=tmp_path, domains=["optdigits"]).domains["optdigits"]["test"].labels.size
+
+
+def test_extract_keeps_the_built_dataset_only_after_success(tmp_path):
+    with pytest.raises(UserError):
+        extract(dataset="offline-digits", domains=["mnst"], per_class=1, test_per_class=1, out=tmp_path)
+    assert not any(tmp_path.iterdir())
+    extract(dataset="offline-digits", domains=["optdigits"], per_class=1, test_per_class=1, image_size=32,
+            out=tmp_path)
+    assert len(list(tmp_path.glob(".offline-digits-*.npz"))) == 1
+
+
+def test_worker_and_batch_size_defaults_follow_the_data_and_device(photos):
+    arrays = load_dataset("offline-digits", domains=["optdigits"])
+    assert P.default_workers(arrays, views=0) == 0 and P.default_workers(arrays, views=2) >= 1
+    assert P.default_workers(load_dataset("imagefolder", photos), views=0) >= 1
+    assert P.default_batch_size(torch.device("cuda")) == 256 and P.default_batch_size(torch.device("cpu")) == 64
+
+
+@pytest.mark.slow
+def test_ray_backend_writes_the_same_bytes_as_the_local_one(tmp_path, photos):
+    ray = pytest.importorskip("ray")
+    args = dict(dataset="imagefolder", data_root=photos, backbone=BACKBONES, image_size=32, batch_size=3)
+    with one_thread():
+        local = extract(**args, out=tmp_path / "local")
+    ray.init(num_cpus=2, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        remote = extract(**args, backend="ray", out=tmp_path / "ray")
+        again = extract(**args, backend="ray", out=tmp_path / "ray")
+    finally:
+        ray.shutdown()
+    assert Path(remote["cache"]).name == Path(local["cache"]).name and sha256(remote["cache"]) == sha256(local["cache"])
+    assert not remote["cache_hit"] and again["cache_hit"]
+    assert sorted(p.name for p in (tmp_path / "ray").iterdir()) == [Path(local["cache"]).name]
