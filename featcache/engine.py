@@ -18,6 +18,7 @@ import torch
 from torch.func import vmap
 
 from .cache import ClientData
+from .devices import resolve_device
 from .errors import UserError
 from .optim import OPTIMIZERS
 
@@ -115,8 +116,9 @@ def participation(seeds: torch.Tensor, rnd: int, C: int, rate: float) -> torch.T
 class Engine:
     """Trains H configurations x C clients of one algorithm on cached features."""
 
-    def __init__(self, algo, cfgs: list[dict], train: ClientData, test: ClientData, device: str = "cpu"):
-        self.algo, self.cfgs, self.device = algo, cfgs, torch.device(device)
+    def __init__(self, algo, cfgs: list[dict], train: ClientData, test: ClientData,
+                 device: str | torch.device = "cpu"):
+        self.algo, self.cfgs, self.device = algo, cfgs, resolve_device(device)
         structural = structural_keys(cfgs[0], algo)
         for c in cfgs[1:]:
             diff = [k for k in structural if c[k] != cfgs[0][k] and k != "seed"]

@@ -1,10 +1,15 @@
 """`featcache extract`: run each frozen backbone once over every client's images and stream the embeddings to HDF5.
 
 The cache key is computed before any model or image is touched, from everything that determines the embeddings
-(dataset identity, partition, backbone weights, preprocessing options, views, noise, seed, precision, library
-versions), so a repeated command is a cache hit that costs a hash and a file lookup. A miss embeds one (backbone,
-client, split) block at a time into `.<cache>.parts/`, each block written to `*.partial`, synced and renamed into
-place only when complete, so a killed extraction resumes from its finished blocks; the HDF5 file is then assembled
+(dataset identity, partition, backbone weights, preprocessing options and pipeline, views, noise, seed, precision,
+library versions), so a repeated command is a cache hit that costs a hash and a file lookup.
+
+A miss builds every backbone once and makes one pass over the images (`pipeline.py`: each image decoded once, resized
+and normalised for each backbone as batched tensor ops, per-image work in worker processes): each (client, split)
+block's chunks are embedded by every backbone that still needs the block, and each backbone's rows of the block are
+streamed to `.<cache>.parts/b{j}.*.npy.partial`, synced and renamed into place only when complete, so a killed
+extraction resumes from its finished blocks (`--backend ray` runs shares of the blocks as Ray tasks, one per GPU, into
+the same folder). Each backbone's metadata `b{j}.json` follows its blocks. The HDF5 file is then assembled
 inside the parts folder, sealed with checksums (`cache.seal`), synced and renamed into place. An exclusive lock on the
 parts folder keeps two extractions of the same cache from writing at once (the second waits, then finds the cache);
 readers only ever see finished caches.
@@ -37,6 +42,7 @@ import torch
 from . import cache as C
 from . import pipeline as P
 from .datasets import dataset_identity, keep_dataset, load_dataset
+from .devices import resolve_device
 from .errors import UserError
 from .partition import PartitionSpec, make_partition, partition_counts
 
@@ -256,16 +262,16 @@ def _synced(path: Path) -> Iterator:
 
 @dataclass(frozen=True)
 class Block:
-    """One client's split (and group: plain features, or augmented views) for every backbone: the unit of resume."""
+    """One client's split, as plain features or as augmented views, for every backbone: the unit of resume."""
 
     client: int
     domain: str
     split: str
-    group: str  # 'features' | 'views'
+    views: int  # 0: features [n, D]; V: views [n, V, D]
     rows: np.ndarray  # [n] indices into data.domains[domain][split]
 
     def file(self, j: int) -> str:
-        return f"b{j}.{self.client:03d}.{self.split}.{self.group}.npy"
+        return f"b{j}.{self.client:03d}.{self.split}.{'views' if self.views else 'features'}.npy"
 
 
 @dataclass(frozen=True)
@@ -288,7 +294,7 @@ def _embedded(work: Path, runner, data, parts, views: int, run: Settings, progre
     blocks, meta_files = _blocks(parts, views), [work / f"b{j}.json" for j in range(len(run.specs))]
     jobs = [(block, todo) for block in blocks
             if (todo := [j for j in range(len(run.specs)) if not (work / block.file(j)).is_file()])]
-    metas = runner.embed(work, jobs, data, views, run, progress, phases) if jobs else {}
+    metas = runner.embed(work, jobs, data, run, progress, phases) if jobs else {}
     for j, file in enumerate(meta_files):
         if not file.is_file():
             meta = metas.get(j) or _metadata(_build(run, j))  # all its blocks survived a kill, its metadata did not
@@ -309,12 +315,12 @@ def _metadata(bb) -> dict:
 
 
 def _blocks(parts, views: int) -> list[Block]:
-    return [Block(c, part.domain, split, group, getattr(part, split)) for c, part in enumerate(parts) for split in SPLITS
-            for group in (("features", "views") if views and split == "train" else ("features",))]
+    return [Block(c, part.domain, split, v, getattr(part, split)) for c, part in enumerate(parts) for split in SPLITS
+            for v in ((0, views) if views and split == "train" else (0,))]
 
 
-def _embed(work: Path, jobs: list[tuple[Block, list[int]]], data, views: int, run: Settings,
-           progress: Progress | None = None, phases: dict | None = None) -> dict[int, dict]:
+def _embed(work: Path, jobs: list[tuple[Block, list[int]]], data, run: Settings, progress: Progress | None = None,
+           phases: dict | None = None) -> dict[int, dict]:
     """One pass over the images of `jobs` (block, the backbones that still need it): each chunk of images is decoded
     once and embedded by every backbone that needs it; each block's rows are streamed to `work/b{j}.*.npy.partial`,
     renamed into place when the block is complete. Builds each backbone once; returns their metadata by index."""
@@ -326,8 +332,7 @@ def _embed(work: Path, jobs: list[tuple[Block, list[int]]], data, views: int, ru
     geometry = {j: P.Geometry.of(bb.preprocessing) for j, bb in built.items()}
     stats = {j: [torch.tensor(bb.preprocessing[k], device=dev).view(1, 3, 1, 1) for k in ("mean", "std")]
              for j, bb in built.items()}  # [1, 3, 1, 1] each
-    chunks = [P.Chunk(b, block.domain, block.split, block.rows[r : r + run.batch_size],
-                      views if block.group == "views" else 0)
+    chunks = [P.Chunk(b, block.domain, block.split, block.rows[r : r + run.batch_size], block.views)
               for b, (block, _) in enumerate(jobs) for r in range(0, len(block.rows), run.batch_size)]
     source = P.Chunks(data, chunks, list(dict.fromkeys(geometry.values())), run.noise, run.seed)
     total = {j: sum(len(block.rows) for block, js in jobs if j in js) for j in needed}
@@ -339,15 +344,14 @@ def _embed(work: Path, jobs: list[tuple[Block, list[int]]], data, views: int, ru
         for b, prepared in itertools.groupby(P.loader(source, run.workers, dev), key=lambda item: item[0]):
             block, js = jobs[b]
             with ExitStack() as files:
-                fh = {j: files.enter_context(_block_file(work / block.file(j), len(block.rows),
-                                                         views if block.group == "views" else 0, built[j].dim))
-                      for j in js}
+                fh = {j: files.enter_context(_block_file(work / block.file(j), len(block.rows), block.views,
+                                                         built[j].dim)) for j in js}
                 for _, images in prepared:
                     x = P.to_device(images, source.geometries, dev)  # {geometry: [B*V, 3, H, W] uint8}
                     for j in js:
                         z = _forward(models[j], P.normalise(x[geometry[j]], *stats[j]), dev)  # [B*V, D]
                         writer.put(fh[j], z)
-                        done[j] += len(z) // max(views if block.group == "views" else 0, 1)
+                        done[j] += len(z) // max(block.views, 1)
                         if progress:
                             progress(built[j].key, done[j], total[j])
                 writer.flush()
@@ -463,14 +467,10 @@ class Local:
     """Blocks embedded in this process (input workers as child processes)."""
 
     def device(self, name: str) -> torch.device:
-        if name == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if name.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError(f"--device {name} asked for but CUDA is not available: use --device cpu")
-        return torch.device(name)
+        return resolve_device(name)
 
-    def embed(self, work, jobs, data, views, run, progress, phases) -> dict[int, dict]:
-        return _embed(work, jobs, data, views, run, progress, phases)
+    def embed(self, work, jobs, data, run, progress, phases) -> dict[int, dict]:
+        return _embed(work, jobs, data, run, progress, phases)
 
 
 class Ray:
@@ -496,7 +496,7 @@ class Ray:
             raise UserError("--device cuda asked for but the Ray cluster has no GPU: use --device cpu")
         return torch.device("cuda" if name != "cpu" and self.gpus else "cpu")
 
-    def embed(self, work, jobs, data, views, run, progress, phases) -> dict[int, dict]:
+    def embed(self, work, jobs, data, run, progress, phases) -> dict[int, dict]:
         t = time.perf_counter()
         cuda = run.device == "cuda"
         tasks = min(len(jobs), self.gpus if cuda else self.cpus)
@@ -504,7 +504,7 @@ class Ray:
         task = self.ray.remote(num_gpus=1 if cuda else 0, num_cpus=cpus)(_embed)
         run = replace(run, workers=min(run.workers, cpus if cuda else 0))
         shared = self.ray.put(data)
-        pending = {task.remote(work, jobs[i::tasks], shared, views, run): jobs[i::tasks] for i in range(tasks)}
+        pending = {task.remote(work, jobs[i::tasks], shared, run): jobs[i::tasks] for i in range(tasks)}
         metas, done = {}, {}
         while pending:
             (finished,), _ = self.ray.wait(list(pending), num_returns=1)

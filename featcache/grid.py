@@ -27,6 +27,7 @@ from .algorithms import create
 from .atomic import write_atomic
 from .cache import load_clients
 from .config import parse_value, resolve
+from .devices import resolve_device
 from .engine import structural_keys
 from .errors import UserError
 from .train import load_split, run_configs, train
@@ -55,10 +56,10 @@ def plan_chunk(n_models: int, per_model_bytes: int, budget_bytes: int) -> int:
     return max(1, min(n_models, budget_bytes // max(per_model_bytes, 1)))
 
 
-def memory_budget(device: str) -> int:
-    """Half of the free GPU memory, or a quarter of the available RAM."""
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info()
+def memory_budget(device: torch.device) -> int:
+    """Half of the free memory of the (resolved) CUDA device, or a quarter of the available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
         return free // 2
     avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return avail // 4
@@ -81,7 +82,7 @@ def _write_json(path: Path, obj) -> None:
     write_atomic(path, json.dumps(obj, sort_keys=True, indent=1))
 
 
-def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str) -> list[list[float]]:
+def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str | torch.device) -> list[list[float]]:
     """Train a chunk on train-minus-validation and score on validation: per model, per-client final accuracy."""
     algo = create(algo_name)
     fit = load_split(cache, algo, holdout="fit")
@@ -118,9 +119,13 @@ BACKENDS["ray"] = _ray_backend
 
 
 def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1, 2), rounds: int | None = None,
-         set: list[str] | None = None, out: str | Path = "runs", device: str = "cpu", backend: str = "local",
-         chunk: int | None = None, retrain: bool = True, progress=None) -> dict:
-    """Select on validation, retrain the best on full train, report test mean(std). Resumable by run folder."""
+         set: list[str] | None = None, out: str | Path = "runs", device: str | torch.device = "auto",
+         backend: str = "local", chunk: int | None = None, retrain: bool = True, progress=None) -> dict:
+    """Select on validation, retrain the best on full train, report test mean(std). Resumable by run folder.
+
+    `device` (auto | cpu | cuda[:N]) is checked here and sizes the chunks; each chunk resolves it again where it runs,
+    so with the Ray backend `auto` picks each worker's GPU when it has one."""
+    dev = resolve_device(device)
     if backend not in BACKENDS:
         raise UserError(f"unknown backend {backend!r}: use local or ray")
     if not seeds:
@@ -145,7 +150,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
     jobs, chunk_sizes = [], []
     for members in buckets.values():
         models = [(i, s) for i in members for s in seeds]  # configurations x seeds share the H axis
-        size = chunk or plan_chunk(len(models), _per_model_bytes(impl, cfgs[members[0]], fit, C), memory_budget(device))
+        size = chunk or plan_chunk(len(models), _per_model_bytes(impl, cfgs[members[0]], fit, C), memory_budget(dev))
         chunk_sizes.append(size)
         for start in range(0, len(models), size):
             part = models[start : start + size]
@@ -170,11 +175,11 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
                     for i, v in scores.items()), key=lambda r: -r["val_mean"])
     result = {"algo": algo, "cache": str(cache), "axes": axes, "seeds": list(seeds), "configs": len(cfgs),
               "models": len(cfgs) * len(seeds) * C, "chunks": len(jobs), "chunk_size": max(chunk_sizes),
-              "chunks_resumed": len(jobs) - len(todo),
-              "backend": backend, "run_folder": str(folder), "selection": table, "best": table[0]["config"]}
+              "chunks_resumed": len(jobs) - len(todo), "backend": backend, "device": str(dev),
+              "run_folder": str(folder), "selection": table, "best": table[0]["config"]}
     if retrain:
         final = train(cache, algo, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
-                      out=folder, device=device)
+                      out=folder, device=dev)
         result["retrain"] = {k: final[k] for k in ("mean_acc", "std_acc", "per_seed", "best_round_mean_acc",
                                                    "best_round_std_acc", "result_file", "params_uploaded_per_round")}
     _write_json(folder / "grid.json", result)

@@ -57,6 +57,9 @@ from .metrics import mean_std
 from .report import fmt
 
 PIPELINE_DIR = Path("pipelines")
+# Jobs are memoised in OUT/jobs/ under what they train, not where: every job trains on the CPU, so a memoised result
+# never mixes with one a GPU rounded differently (train and grid default to --device auto, the engine to cpu).
+TRAIN_DEVICE = "cpu"
 PAPERS = ("fedpcl", "fedproc", "fedpft")
 EXTRACT_KEYS = tuple(k for k in inspect.signature(extract).parameters if k not in ("out", "progress", "data_root"))
 FIXED_EXTRACT = ("dataset", "backbone")  # set once per pipeline (and by --dataset / --backbones), never per cell
@@ -446,7 +449,7 @@ def run_job(job: Job, info: dict, out: Path) -> dict:
         from .train import train
 
         result = train(info["cache"], job.algo, rounds=job.rounds, seeds=list(job.seeds), set=settings,
-                       out=out / "runs")
+                       out=out / "runs", device=TRAIN_DEVICE)
     chosen = job.backbones if job.backbones is not None else range(len(info["dims"]))
     keep = ("algo", "config", "seeds", "mean_acc", "std_acc", "per_seed", "per_client_per_seed", "best_round_mean_acc",
             "best_round_std_acc", "fairness", "curve", "params_uploaded_per_round", "probe", "similarity",
@@ -476,7 +479,7 @@ def _engine_job(job: Job, info: dict, settings: dict) -> dict:
     chosen = [info["backbones"][i] for i in job.backbones] if job.backbones is not None else None
     train = C.load_clients(info["cache"], "train", backbones=chosen, views=getattr(impl, "uses_views", False))
     test = C.load_clients(info["cache"], "test", backbones=chosen)
-    engine = Engine(impl, [cfg | {"seed": s} for s in job.seeds], train, test)
+    engine = Engine(impl, [cfg | {"seed": s} for s in job.seeds], train, test, device=TRAIN_DEVICE)
     raw = engine.run()
     result = {"algo": job.algo, "config": cfg, "seeds": list(job.seeds),
               "params_uploaded_per_round": int(raw["upload_floats"][0])} | summarize(raw["acc"].numpy(),
@@ -526,7 +529,7 @@ def _grid_job(job: Job, info: dict, out: Path, settings: dict) -> dict:
     if job.backbones is not None or job.needs:
         raise UserError("a grid run cannot pick backbones or feed probe/protosim metrics: split it into runs")
     found = grid(info["cache"], job.algo, axes, seeds=list(job.seeds), rounds=job.rounds,
-                 set=[f"{k}={v}" for k, v in settings.items()], out=out / "runs")
+                 set=[f"{k}={v}" for k, v in settings.items()], out=out / "runs", device=TRAIN_DEVICE)
     path = found["retrain"]["result_file"]
     return json.loads(Path(path).read_text()) | {"result_file": path,
                                                  "grid": {"best": found["best"], "selection": found["selection"]}}

@@ -32,13 +32,14 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1"}  # on a busy 2-core machine, two Ope
 BLOCKS = {f"b{j}.{c:03d}.{s}.features.npy" for j in range(2) for c in range(2) for s in ("train", "test")}
 FINISHED = BLOCKS | {"b0.json", "b1.json"}  # what a backbone leaves in the parts folder once done
 
-# Each case: the kill -9 of each interrupted run, in order (then one clean run). The blocks are written in the order
-# b0.000.train, b0.000.test, b0.001.train, b0.001.test, b1...; batch size 4 gives 5 + 2 forward passes per client.
+# Each case: the kill -9 of each interrupted run, in order (then one clean run). One pass embeds each (client, split)
+# block for both backbones, so the blocks are renamed into place in the order b0.000.train, b1.000.train, b0.000.test,
+# b1.000.test, b0.001.train, ...; batch size 4 gives 5 + 2 batches per client, each a forward pass per backbone.
 KILLS = {
     "after-block-1": ["after:os.replace:1:b*.npy"],
     "after-block-2": ["after:os.replace:2:b*.npy"],
     "after-block-3": ["after:os.replace:3:b*.npy"],
-    "after-block-5-second-backbone": ["after:os.replace:5:b*.npy"],
+    "after-block-5-second-client": ["after:os.replace:5:b*.npy"],
     "inside-block-3": ["after:featcache.extract._forward:8:*"],
     "inside-assembly": ["after:h5py.Group.create_dataset:18:*"],
     "before-final-rename": ["before:os.replace:1:*.h5"],

@@ -10,8 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from harness import one_line_error, run_cli
 
 from featcache import grid as grid_mod
+from featcache.devices import resolve_device
 from featcache.errors import UserError
 from featcache.grid import grid
 from featcache.train import train
@@ -153,3 +156,54 @@ def test_atomic_write_removes_its_own_and_dead_writers_temporaries(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
     write_atomic(target, "{}")
     assert target.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == [live.name, "r.json"]
+
+
+def _fake_cuda(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_device_auto_is_cuda_only_where_cuda_is(monkeypatch):
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _fake_cuda(monkeypatch, 0)
+    assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu") == resolve_device(" CPU ")
+    _fake_cuda(monkeypatch, 2)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("cuda:1") == torch.device("cuda", 1) and resolve_device(torch.device("cuda:0")).index == 0
+
+
+@pytest.mark.parametrize("name, cuda_devices, needle", [
+    ("cuda", 0, "--device cuda asked for but CUDA is not available: use --device cpu or auto"),
+    ("cuda:0", 0, "CUDA is not available"),
+    ("cuda:2", 2, "this machine has 2 CUDA device(s), cuda:0 to cuda:1"),
+    ("foo", 0, "--device 'foo' is not a device: use auto | cpu | cuda[:N]"),
+    ("cuda:x", 2, "is not a device: use auto | cpu | cuda[:N]"),
+    ("gpu", 2, "is not a device"),
+])
+def test_device_refusals_are_one_line(monkeypatch, name, cuda_devices, needle):
+    _fake_cuda(monkeypatch, cuda_devices)
+    with pytest.raises(UserError) as refused:
+        resolve_device(name)
+    assert needle in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_train_and_grid_default_to_auto_and_record_the_device(cache, tmp_path):
+    result = train(cache, "fedavg", rounds=1, seeds=[0], out=tmp_path)
+    assert result["device"] == str(resolve_device("auto"))
+    assert json.loads(Path(result["result_file"]).with_suffix(".timing.json").read_text())["device"] == result["device"]
+    assert "device" not in json.loads(Path(result["result_file"]).read_text())  # the result is device-free
+    found = grid(cache, "fedavg", ["lr=1e-1,1e-2"], seeds=[0], rounds=1, out=tmp_path, retrain=False)
+    assert found["device"] == str(resolve_device("auto"))
+
+
+@pytest.mark.parametrize("command", ["train", "grid"])
+@pytest.mark.parametrize("device, needle", [("foo", "is not a device: use auto | cpu | cuda[:N]"),
+                                            ("cuda", "CUDA is not available"), ("cuda:99", "cuda:99")])
+def test_cli_bad_device_is_one_line_exit_2_before_any_work(cache, tmp_path, command, device, needle):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available on this machine")
+    axes = ["--grid", "lr=1e-1,1e-2"] if command == "grid" else []
+    result = run_cli(command, "--cache", cache, "--algo", "fedavg", *axes, "--rounds", "1", "--seeds", "0",
+                     "--out", tmp_path / "runs", "--device", device)
+    one_line_error(result, needle)
+    assert not (tmp_path / "runs").exists()
