@@ -28,12 +28,16 @@ from featcache.engine import Engine  # noqa: E402
 from tests.synthetic import synthetic_clients  # noqa: E402
 
 
-def mm_gflops(n: int = 1024, repeats: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def mm_gflops(device: str, n: int = 1024, repeats: int = 10) -> float:
+    """torch.mm's float32 GFLOP/s on `device` (the grid's), the reference for the grid's achieved rate."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     torch.mm(a, b)
+    sync()
     t0 = time.perf_counter()
     for _ in range(repeats):
         torch.mm(a, b)
+    sync()
     return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9
 
 
@@ -66,7 +70,7 @@ def main() -> None:
 
     Engine(algo, configs(base, 2), train, test, args.device).run()  # warm-up (first-call imports, allocator)
     out = {"algo": args.algo, "rounds": args.rounds, "clients": 5, "device": args.device,
-           "threads": torch.get_num_threads(), "mm_gflops": round(mm_gflops(), 1), "grids": []}
+           "threads": torch.get_num_threads(), "mm_gflops": round(mm_gflops(args.device), 1), "grids": []}
     for H in (int(s) for s in args.sizes.split(",")):
         cfgs = configs(base, H)
         sync()

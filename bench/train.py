@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dim", type=int, default=1536, help="feature size (3 x ResNet18 = 1536)")
     ap.add_argument("--algo", default="fedpcl")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (engine and plain loop alike)")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     train = synthetic_clients(C=args.clients, n=(100, 100), D=args.dim, K=10, seed=0)  # FedPCL: 100 train / client
@@ -59,16 +60,22 @@ def main() -> None:
     algo = create(args.algo)
     cfg = resolve(algo, {"rounds": args.rounds})
 
+    dev = args.device
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    train, test = train.to(dev), test.to(dev)
+
     def timed(fn) -> float:
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         return (time.perf_counter() - t0) / args.rounds
 
-    Engine(algo, [resolve(algo, {"rounds": 1})], train, test).run()  # warm-up: first-call dispatch, allocator
+    Engine(algo, [resolve(algo, {"rounds": 1})], train, test, dev).run()  # warm-up: first-call dispatch, allocator
     runs = {"vectorized": [], "plain_loop": []}
     for _ in range(args.repeats):  # interleaved, so a noisy neighbour slows both alike; the median of each
-        runs["vectorized"].append(timed(lambda: Engine(algo, [cfg], train, test).run()))
-        runs["plain_loop"].append(timed(lambda: plain_loop(create(args.algo), cfg, train, test)))
+        runs["vectorized"].append(timed(lambda: Engine(algo, [cfg], train, test, dev).run()))
+        runs["plain_loop"].append(timed(lambda: plain_loop(create(args.algo), cfg, train, test, dev)))
     vec, loop = statistics.median(runs["vectorized"]), statistics.median(runs["plain_loop"])
 
     ips = backbone_images_per_second()
@@ -76,7 +83,7 @@ def main() -> None:
     images_per_round = n_train * cfg["local_epochs"] + n_train + n_test  # batches + prototype pass + test batches
     official = images_per_round / ips + loop
     print(json.dumps({
-        "algo": args.algo, "clients": args.clients, "feature_dim": args.dim, "rounds": args.rounds,
+        "algo": args.algo, "device": dev, "clients": args.clients, "feature_dim": args.dim, "rounds": args.rounds,
         "threads": torch.get_num_threads(), "repeats": args.repeats,
         "all_seconds_per_round": {k: [round(t, 4) for t in v] for k, v in runs.items()},
         "seconds_per_round": {"vectorized": round(vec, 5), "plain_loop": round(loop, 5),

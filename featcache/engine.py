@@ -5,6 +5,9 @@ Models carry two leading axes [H, C]: H configurations (hyperparameter settings 
     broadcast context -> local epochs (all H*C models in one vmapped step per minibatch) -> after_local
     -> upload -> aggregate over clients of each configuration -> download -> evaluate
 
+Every hook gets a read-only `Round`: which round and local epoch it is, the participation mask, the per-configuration
+hyperparameters, the shared settings. Hooks never see the engine.
+
 Minibatch order comes from a counter-based hash of (seed, round, epoch, client, row), so it needs no Python loop
 over clients, and a client sees the same batches whether it trains alone, in a plain loop, or inside a grid.
 """
@@ -12,7 +15,8 @@ over clients, and a client sees the same batches whether it trains alone, in a p
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import torch
 from torch.func import vmap
@@ -42,9 +46,15 @@ ENGINE_STRUCTURAL = ("participation",)  # floats the engine reads once per run, 
 
 def structural_keys(cfg: dict, algo) -> list[str]:
     """Settings that must be equal inside one batched run (shapes, options, per-run floats); every other float is a
-    per-configuration tensor [H]."""
+    per-configuration tensor [H]. (The seed is not structural: it is a per-configuration value, `Round.seeds`.)"""
     return [k for k, v in cfg.items()
-            if not isinstance(v, float) or k in algo.structural or k in ENGINE_STRUCTURAL]
+            if k != "seed" and (not isinstance(v, float) or k in algo.structural or k in ENGINE_STRUCTURAL)]
+
+
+def shared_settings(cfg: dict, algo) -> MappingProxyType:
+    """The settings an algorithm is bound to: the structural ones, read-only (per-configuration floats are absent,
+    so a hook cannot read configuration 0's value by mistake: they are tensors in `Round.hp`)."""
+    return MappingProxyType({k: cfg[k] for k in structural_keys(cfg, algo)})
 
 
 @dataclass
@@ -56,6 +66,31 @@ class State:
     client: dict = field(default_factory=dict)  # per-model algorithm state, e.g. local prototypes [H, C, K, d]
     server: dict = field(default_factory=dict)  # per-config server state, e.g. global prototypes [H, K, d]
     hp: dict = field(default_factory=dict)  # per-config hyperparameters as tensors [H]
+
+
+@dataclass(frozen=True)
+class Round:
+    """Read-only facts of the moment a hook runs; the engine hands a fresh one to every hook (hooks never see the
+    engine). Tensors are on `device` unless noted."""
+
+    round: int  # 0-based round; -1 in init_state (before round 1)
+    rounds: int  # R, the run's number of rounds
+    epoch: int  # local epoch (0 outside local training)
+    step: int  # step within the local epoch (0 outside local training)
+    steps_per_epoch: int  # minibatches per local epoch (the largest client's; smaller clients sit the rest out)
+    client_steps: torch.Tensor  # [C] minibatches each client takes per local epoch
+    part: torch.Tensor  # [H, C] bool: the clients taking part in this round (all of them in init_state)
+    H: int  # configurations
+    C: int  # clients
+    seeds: torch.Tensor  # [H] int64, on the host (they seed torch.Generators)
+    hp: MappingProxyType  # per-configuration hyperparameters, name -> [H] float32
+    cfg: MappingProxyType  # the run's shared (structural) settings, read-only
+    data: ClientData  # the clients' training data (padded [C, Nmax, ...] + counts [C])
+    device: torch.device
+
+    def expand(self, t: torch.Tensor) -> torch.Tensor:
+        """[H, ...] -> [H, C, ...] (a view): a per-configuration value for every client."""
+        return expand_hc(t, self.C)
 
 
 def map_models(fn, model_args: tuple, client_args: tuple = (), shared_args: tuple = ()):
@@ -85,21 +120,23 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def hash_keys(seeds: torch.Tensor, *ids: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Pseudo-random int64 keys [H, *shape] from (seed_h, ids..., position); same inputs, same keys, anywhere."""
+    """Pseudo-random int64 keys [H, *shape] from (seed_h, ids..., position); same inputs, same keys, anywhere (on the
+    device of `seeds`: integer arithmetic only, so CPU and GPU give the same bits)."""
     x = seeds.long().reshape(-1, *([1] * len(shape)))
     for i in ids:
         x = _mix(x * 1_000_003 + i)
     for d, n in enumerate(shape):  # each axis position enters separately: client c, row n
-        coord = torch.arange(n).reshape(*([1] * (d + 1)), n, *([1] * (len(shape) - d - 1)))
+        coord = torch.arange(n, device=x.device).reshape(*([1] * (d + 1)), n, *([1] * (len(shape) - d - 1)))
         x = _mix(x * 1_000_003 + coord)
     return x & _MASK63
 
 
 def batch_order(seeds: torch.Tensor, rnd: int, epoch: int, counts: torch.Tensor, n_max: int) -> torch.Tensor:
-    """Per model, a random permutation of its client's valid rows, padding rows last: [H, C, Nmax] int64."""
+    """Per model, a random permutation of its client's valid rows, padding rows last: [H, C, Nmax] int64, on the
+    device of `seeds` (`counts` [C] on the same device); no host synchronisation."""
     keys = hash_keys(seeds, rnd, epoch, shape=(len(counts), n_max))  # [H, C, Nmax]
-    valid = torch.arange(n_max) < counts[:, None]  # [C, Nmax]
-    keys = torch.where(valid, keys >> 1, torch.full_like(keys, _MASK63))
+    valid = torch.arange(n_max, device=keys.device) < counts[:, None]  # [C, Nmax]
+    keys = torch.where(valid, keys >> 1, torch.full_like(keys, _MASK63))  # [H, C, Nmax]
     return torch.argsort(keys, dim=-1, stable=True)
 
 
@@ -113,80 +150,136 @@ def participation(seeds: torch.Tensor, rnd: int, C: int, rate: float) -> torch.T
     return ranks < k
 
 
+def trained_rows(counts, batch_size: int, drop_last: bool) -> list[int]:
+    """Rows each client trains on per local epoch (drop_last drops a short last batch)."""
+    return [int(n) // batch_size * batch_size if drop_last else int(n) for n in counts]
+
+
+def client_steps(counts, batch_size: int, drop_last: bool) -> list[int]:
+    """Minibatches each client takes per local epoch (the one place this is computed; see `Round.client_steps`)."""
+    return [(n + batch_size - 1) // batch_size for n in trained_rows(counts, batch_size, drop_last)]
+
+
 class Engine:
     """Trains H configurations x C clients of one algorithm on cached features."""
 
     def __init__(self, algo, cfgs: list[dict], train: ClientData, test: ClientData,
                  device: str | torch.device = "cpu"):
-        self.algo, self.cfgs, self.device = algo, cfgs, resolve_device(device)
+        self.cfgs, self.device = cfgs, resolve_device(device)
         structural = structural_keys(cfgs[0], algo)
         for c in cfgs[1:]:
-            diff = [k for k in structural if c[k] != cfgs[0][k] and k != "seed"]
+            diff = [k for k in structural if c[k] != cfgs[0][k]]
             if diff:
                 raise UserError(f"configurations of one batched run must share {diff}: run them as separate buckets")
-        self.cfg = algo.cfg = cfgs[0]
+        self.cfg = shared_settings(cfgs[0], algo)  # the engine's own and every hook's shared settings
+        self.algo = algo.bind(self.cfg)  # a bound copy; the caller's object is left as it was
         self.train, self.test = train.to(self.device), test.to(self.device)
         self.H, self.C = len(cfgs), train.features.shape[0]
         self.seeds = torch.tensor([c["seed"] for c in cfgs])
-        floats = [k for k in self.cfg if k not in structural]
-        self.hp = {k: torch.tensor([c[k] for c in cfgs], dtype=torch.float32, device=self.device) for k in floats}
+        floats = [k for k in cfgs[0] if k not in structural and k != "seed"]
+        self.hp = {k: torch.tensor([float(c[k]) for c in cfgs], dtype=torch.float32, device=self.device)
+                   for k in floats}  # name -> [H]
+        self._hp_host = {k: [float(c[k]) for c in cfgs] for k in floats}  # the optimizer's per-config floats
+        self._seeds = self.seeds.to(self.device)  # [H] for batch orders built on the device
+        self._plan_steps()
         self._opt = None  # the last round's optimizer, whose moment buffers the next round reuses
+        self.last_round: Round | None = None  # the context of the last round run (evaluate's default)
+
+    def _plan_steps(self) -> None:
+        """Minibatch plan, fixed for the run and read from the host once: rows each client trains per epoch (n_eff),
+        the steps per epoch, and per step which clients still have a batch. Refuses clients that would never train."""
+        B, drop_last = self.cfg["batch_size"], self.cfg["drop_last"]
+        counts = self.train.counts.tolist()  # once, before training
+        n_eff = trained_rows(counts, B, drop_last)
+        small = sum(n == 0 for n in n_eff)
+        if small:
+            raise UserError(f"{small} client(s) have fewer than batch_size={B} training rows and would never train "
+                            "with drop_last: use --set drop_last=false or a smaller --set batch_size")
+        per_client = client_steps(counts, B, drop_last)
+        self.steps = max(per_client)
+        self._client_steps = torch.tensor(per_client, device=self.device)  # [C]
+        N = self.train.features.shape[1]
+        self._n_eff = torch.tensor(n_eff, device=self.device)  # [C]
+        self._has_batch = [[s * B < n for n in n_eff] for s in range(self.steps)]  # host [steps][C]
+        self._valid = [((s * B + torch.arange(min(B, N - s * B), device=self.device)) < self._n_eff[:, None])
+                       for s in range(self.steps)]  # [C, B_s] per step: rows of a step that are real samples
 
     # -- setup --------------------------------------------------------------------------------------------------
+    def round_context(self, rnd: int, part=None, epoch: int = 0, step: int = 0) -> Round:
+        """The `Round` of round `rnd` (-1: before round 1); part [H, C] bool (default: every client)."""
+        if part is None:
+            part = torch.ones(self.H, self.C, dtype=torch.bool, device=self.device)
+        elif not torch.is_tensor(part):
+            part = torch.tensor(part, dtype=torch.bool)
+        return Round(round=rnd, rounds=self.cfg["rounds"], epoch=epoch, step=step, steps_per_epoch=self.steps,
+                     client_steps=self._client_steps, part=part.to(self.device), H=self.H, C=self.C,
+                     seeds=self.seeds, hp=MappingProxyType(self.hp), cfg=self.cfg, data=self.train,
+                     device=self.device)
+
     def init_state(self) -> State:
         d_in, K = self.train.features.shape[-1], self.train.num_classes
         per_h = [self.algo.init(self.cfg, d_in, K, torch.Generator().manual_seed(int(s))) for s in self.seeds]
         stack = lambda dicts: {k: expand_hc(torch.stack([d[k] for d in dicts]), self.C).clone().to(self.device)
                                for k in dicts[0]}
         state = State(params=stack([p for p, _ in per_h]), buffers=stack([b for _, b in per_h]), hp=self.hp)
-        self.algo.init_state(state, self)
+        self.algo.init_state(state, self.round_context(-1))
         return state
 
     # -- one round ----------------------------------------------------------------------------------------------
-    def local_train(self, state: State, rnd: int, active_clients: torch.Tensor) -> None:
+    def local_train(self, state: State, rnd: int, part) -> torch.Tensor:
+        """The round's local epochs for every model. `part` [H][C] bool is host data (nested lists, or a CPU tensor;
+        participation is computed on the host), so the optimizer learns which models step without reading the
+        device. Nothing in here reads a device tensor back: returns the models whose loss was NaN/Inf at some step,
+        [H, C] bool on the device, for the caller to read once per round (`check_finite`)."""
         cfg, algo, data = self.cfg, self.algo, self.train
         B = cfg["batch_size"]
-        n_eff = data.counts // B * B if cfg["drop_last"] else data.counts  # [C]
-        if bool((n_eff == 0).any()):
-            small = int((n_eff == 0).sum())
-            raise UserError(f"{small} client(s) have fewer than batch_size={B} training rows and would never train "
-                            "with drop_last: use --set drop_last=false or a smaller --set batch_size")
-        steps = int(((n_eff + B - 1) // B).max())
-        opt = OPTIMIZERS[cfg["optimizer"]](state.params, lr=self.hp["lr"], weight_decay=self.hp["weight_decay"],
-                                            momentum=self.hp.get("momentum"),
+        part_host = part.tolist() if torch.is_tensor(part) else part  # [H][C] host bools
+        ctx_round = self.round_context(rnd, part_host)
+        part = ctx_round.part  # [H, C]
+        hp = self._hp_host
+        opt = OPTIMIZERS[cfg["optimizer"]](state.params, lr=hp["lr"], weight_decay=hp["weight_decay"],
+                                            momentum=hp.get("momentum"),
                                             scale={k: algo.lr_scale(k) for k in state.params},
                                             reuse=self._opt)
         self._opt = opt
         loss_fn = vmap(vmap(algo.local_loss))  # [H, C] losses; summed, each model gets exactly its own gradient
         c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1]
+        bad = torch.zeros(self.H, self.C, dtype=torch.bool, device=self.device)  # [H, C] NaN/Inf seen
         for epoch in range(algo.local_epochs()):
-            frozen = {k for k in state.params if not algo.trainable(k, epoch)}
-            order = batch_order(self.seeds, rnd, epoch, data.counts.cpu(), data.features.shape[1]).to(self.device)
-            for s in range(steps):
+            at = replace(ctx_round, epoch=epoch)
+            frozen = {k for k in state.params if not algo.trainable(k, at)}
+            ctx = algo.context(state, at)  # server and client state do not change during local steps
+            order = batch_order(self._seeds, rnd, epoch, data.counts, data.features.shape[1])  # [H, C, N]
+            for s in range(self.steps):
                 idx = order[..., s * B : (s + 1) * B]  # [H, C, B]
-                valid = (s * B + torch.arange(idx.shape[-1], device=self.device)) < n_eff[:, None]  # [C, B]
-                valid = valid.expand_as(idx)  # [H, C, B]
-                active = valid.any(-1) & active_clients  # [H, C]
+                valid = self._valid[s].expand_as(idx)  # [H, C, B]
+                active = valid.any(-1) & part  # [H, C]
+                active_host = [[p and h for p, h in zip(row, self._has_batch[s])] for row in part_host]
                 x = data.features[c_idx, idx]  # [H, C, B, D]
                 y = data.labels[c_idx, idx]  # [H, C, B]
                 extra = {"views": data.views[c_idx, idx]} if data.views is not None else {}  # [H, C, B, V, D]
-                ctx = algo.context(state, self) | extra
                 params = {k: v.detach().requires_grad_(True) for k, v in state.params.items()}
-                loss, new_buffers = loss_fn(params, state.buffers, x, y, valid, ctx)
+                loss, new_buffers = loss_fn(params, state.buffers, x, y, valid, ctx | extra)  # [H, C]
                 grads = dict(zip(params, torch.autograd.grad(loss.sum(), list(params.values()), allow_unused=True)))
                 grads = {k: torch.zeros_like(params[k]) if g is None else g for k, g in grads.items()}
-                if not torch.isfinite(loss[active]).all():
-                    raise UserError(f"{algo.name}: loss became NaN/Inf in round {rnd + 1}: lower --set lr=... "
-                                    "or check the cache with `featcache info`")
+                bad |= ~torch.isfinite(loss.detach()) & active  # [H, C] read once, after the round
                 with torch.no_grad():
-                    state.params = opt.step(state.params, grads, active, frozen)
+                    state.params = opt.step(state.params, grads, active_host, frozen)
+                    algo.after_step(state.params, ctx, active, replace(at, step=s))
                 for k, v in new_buffers.items():
                     state.buffers[k] = torch.where(active.reshape(*active.shape, *[1] * (v.dim() - 2)), v,
                                                    state.buffers[k])
+        return bad
 
-    def evaluate(self, state: State, data: ClientData) -> torch.Tensor:
-        """Per-model accuracy on each client's own data: [H, C]."""
-        ctx = self.algo.context(state, self)
+    def check_finite(self, bad: torch.Tensor, rnd: int) -> None:
+        """One device read per round: refuse to go on when any model's loss was NaN/Inf (bad [H, C])."""
+        if bool(bad.any()):
+            raise UserError(f"{self.algo.name}: loss became NaN/Inf in round {rnd + 1}: lower --set lr=... "
+                            "or check the cache with `featcache info`")
+
+    def evaluate(self, state: State, data: ClientData, rnd: Round | None = None) -> torch.Tensor:
+        """Per-model accuracy on each client's own data: [H, C] (after round `rnd`, by default the last one run)."""
+        ctx = self.algo.context(state, rnd or self.last_round or self.round_context(-1))
         predict = lambda p, b, c, x: self.algo.predict(p, b, x, c)
         scores = map_models(predict, (state.params, state.buffers, ctx), (data.features,))  # [H, C, N, K]
         hit = (scores.argmax(-1) == data.labels) & data.mask  # [H, C, N]
@@ -194,26 +287,25 @@ class Engine:
 
     def run(self, progress=None) -> dict:
         """Train all rounds; returns per-round accuracies [R_eval, H, C], upload sizes and timings."""
-        self.round = -1
         state = self.init_state()
         accs, rounds, upload_floats, times = [], [], [], []
-        R = self.cfg["rounds"]
+        R, algo = self.cfg["rounds"], self.algo
         for rnd in range(R):
-            self.round = rnd
             t0 = time.perf_counter()
-            part = participation(self.seeds, rnd, self.C, self.cfg["participation"]).to(self.device)  # [H, C]
-            self.local_train(state, rnd, part)
-            self.algo.after_local(state, self)
-            uploads = self.algo.upload(state, self)  # name -> [H, C, ...]
-            weights = self.train.counts[None].float() * part  # [H, C]
-            server = self.algo.aggregate(uploads, weights, state, self)
-            self.algo.download(state, server, part, self)
+            part_host = participation(self.seeds, rnd, self.C, self.cfg["participation"]).tolist()  # [H][C] host
+            self.check_finite(self.local_train(state, rnd, part_host), rnd)
+            now = self.last_round = self.round_context(rnd, part_host)
+            algo.after_local(state, now)
+            uploads = algo.upload(state, now)  # name -> [H, C, ...]
+            weights = self.train.counts[None].float() * now.part  # [H, C]
+            server = algo.aggregate(uploads, weights, state, now)
+            algo.download(state, server, now)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             upload_floats.append(sum(v[0, 0].numel() for v in uploads.values()))
             if (rnd + 1) % self.cfg["eval_every"] == 0 or rnd == R - 1:
-                accs.append(self.evaluate(state, self.test).cpu())
+                accs.append(self.evaluate(state, self.test, now).cpu())
                 rounds.append(rnd + 1)
             if progress:
                 progress(rnd + 1, R)

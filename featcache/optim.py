@@ -14,6 +14,10 @@ is handed over in the same layout. When all clients of a configuration step at t
 case) their C models go to the kernel as one slab [C, ...]. Parameters are updated in place (no copy per round);
 `reuse` hands over a previous optimizer's moment buffers (zeroed), so a fresh optimizer each round does not allocate
 and fault in new pages.
+
+No host synchronisation: `active` and the hyperparameters are host values (nested lists [H][C] / lists [H], a CPU
+tensor is accepted too), and the per-model step history that decides how models are grouped is mirrored on the host
+(`count`), so a step never reads a device tensor back.
 """
 
 from __future__ import annotations
@@ -38,14 +42,18 @@ def _like(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
                                                                         dtype=t.dtype, device=t.device).copy_(t)
 
 
+def _host(v) -> list | None:
+    """A host list from a list or a tensor (a tensor on a device is read once, at construction)."""
+    return v.tolist() if torch.is_tensor(v) else (None if v is None else list(v))
+
+
 class _Stacked:
     """Shared bookkeeping: which (h, c) models step now, their per-model hyperparameters, their state layout."""
 
     state_names: tuple[str, ...] = ()  # per-element state, shaped like the parameters
-    history = ""  # per-model state [H, C] that must be equal across a slab (Adam's step counts, SGD's started flags)
 
     def __init__(self, params: Params, lr, weight_decay, scale=None, reuse=None):
-        self.lr, self.wd, self.scale = lr.tolist(), weight_decay.tolist(), scale or {}
+        self.lr, self.wd, self.scale = _host(lr), _host(weight_decay), scale or {}  # [H] host floats
         # The engine's own parameter tensors are updated in place (an algorithm clones whatever it keeps from an
         # earlier round); views and broadcast tensors are copied first.
         self.params = {k: v.detach() if v._base is None and _dense(v) else v.detach().clone() for k, v in params.items()}
@@ -53,6 +61,8 @@ class _Stacked:
             old = getattr(reuse, name, None) or {}
             setattr(self, name, {k: old[k].zero_() if k in old and old[k].shape == v.shape else torch.zeros_like(v)
                                  for k, v in self.params.items()})
+        H, C = next(iter(self.params.values())).shape[:2]
+        self.count = {k: [[0] * C for _ in range(H)] for k in self.params}  # host [H][C]: steps taken per model
 
     def _align(self, k: str, g: torch.Tensor) -> torch.Tensor:
         """Bring parameter k and its state into the gradient's layout (once); returns the gradient to use."""
@@ -63,15 +73,15 @@ class _Stacked:
         return g
 
     def uniform(self, k: str, h: int) -> bool:
-        """Whether every client model of configuration h has the same optimizer history for parameter k."""
-        past = getattr(self, self.history)[k][h]  # [C]
-        return bool((past == past[0]).all())
+        """Whether every client model of configuration h has taken the same number of steps of parameter k."""
+        past = self.count[k][h]  # [C] host ints
+        return all(n == past[0] for n in past)
 
-    def groups(self, grads: Params, active: torch.Tensor, frozen):
+    def groups(self, grads: Params, active, frozen):
         """Yield (h, name, models, views, grad) per configuration and parameter: `grad` is the parameter's gradient
         in its layout, `views(t)` lists the contiguous views of t's [H, C, ...] entries this call updates (one slab
         [C, ...] when models is None)."""
-        act = active.cpu().tolist()
+        act = _host(active)  # [H][C] host bools
         grads = {k: self._align(k, g) for k, g in grads.items() if k not in frozen}
         for h, row in enumerate(act):
             models = [c for c, a in enumerate(row) if a]
@@ -82,18 +92,20 @@ class _Stacked:
                     yield h, k, None, lambda t: [_flat(t[h])], g
                 else:
                     yield h, k, models, lambda t: [_flat(t[h, c]) for c in models], g
+                for c in models:
+                    self.count[k][h][c] += 1
 
 
 class Adam(_Stacked):
-    state_names, history = ("m", "v"), "t"
+    state_names = ("m", "v")
 
     def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None,
                  reuse=None, **_):
         super().__init__(params, lr, weight_decay, scale, reuse)
         self.betas, self.eps = betas, eps
-        self.t = {k: torch.zeros(v.shape[:2], device=v.device) for k, v in self.params.items()}  # [H, C] steps
+        self.t = {k: torch.zeros(v.shape[:2], device=v.device) for k, v in self.params.items()}  # [H, C] the kernel's
 
-    def step(self, params: Params, grads: Params, active: torch.Tensor, frozen=()) -> Params:
+    def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
         for h, k, models, views, grad in self.groups(grads, active, frozen):
             self.t[k][h, slice(None) if models is None else models] += 1  # the caller counts, as torch.optim does
             steps = [self.t[k][h, 0]] if models is None else [self.t[k][h, c] for c in models]
@@ -105,26 +117,25 @@ class Adam(_Stacked):
 
 
 class SGD(_Stacked):
-    state_names, history = ("buf",), "started"
+    state_names = ("buf",)
 
     def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, reuse=None, **_):
         super().__init__(params, lr, weight_decay, scale, reuse)
-        self.mom = momentum.tolist() if momentum is not None else None
-        self.started = {k: torch.zeros(v.shape[:2], dtype=torch.bool) for k, v in self.params.items()}
+        self.mom = _host(momentum)  # [H] host floats or None
 
-    def step(self, params: Params, grads: Params, active: torch.Tensor, frozen=()) -> Params:
+    def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
         for h, k, models, views, grad in self.groups(grads, active, frozen):
             mom = self.mom[h] if self.mom else 0.0
             p, g, b = views(self.params[k]), views(grad), views(self.buf[k])
-            started = [self.started[k][h, 0]] if models is None else [self.started[k][h, c] for c in models]
+            counts = self.count[k][h]  # host step counts before this step (groups() counts after the yield)
+            started = [counts[0] > 0] if models is None else [counts[c] > 0 for c in models]
             for is_first in (True, False):  # the kernel's first step copies the gradient into the momentum buffer
-                idx = [i for i, s in enumerate(started) if bool(s) != is_first]
+                idx = [i for i, s in enumerate(started) if s != is_first]
                 if idx:
                     torch._fused_sgd_(
                         [p[i] for i in idx], [g[i] for i in idx], [b[i] for i in idx] if mom else [],
                         weight_decay=self.wd[h], momentum=mom, lr=self.lr[h] * self.scale.get(k, 1.0),
                         dampening=0.0, nesterov=False, maximize=False, is_first_step=is_first)
-            self.started[k][h, slice(None) if models is None else models] = True
         return dict(self.params)
 
 

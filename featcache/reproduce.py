@@ -485,7 +485,7 @@ def _engine_job(job: Job, info: dict, settings: dict) -> dict:
               "params_uploaded_per_round": int(raw["upload_floats"][0])} | summarize(raw["acc"].numpy(),
                                                                                      raw["eval_rounds"])
     for need in job.needs:
-        result |= STATE_OUTPUTS.get(need, lambda impl, engine, dims: {})(impl, engine, info["dims"])
+        result |= STATE_OUTPUTS.get(need, lambda impl, engine, dims: {})(engine.algo, engine, info["dims"])
     return result
 
 
@@ -541,8 +541,7 @@ def _trainable_params(algo: str, cfg: dict, d_in: int, classes: int) -> int:
 
     from .algorithms import create
 
-    impl = create(algo)
-    impl.cfg = cfg
+    impl = create(algo, cfg)
     params, _ = impl.init(cfg, d_in, classes, torch.Generator().manual_seed(0))
     return int(sum(p.numel() for p in params.values()))
 

@@ -19,9 +19,9 @@ D, P, K = 3, 4, 3  # input features, projection width, classes of the tiny hand-
 
 
 def setup(name: str, **over):
-    algo = create(name)
-    algo.cfg = ENGINE_DEFAULTS | algo.defaults | {"proj_dim": P} | over
-    params, buffers = algo.init(algo.cfg, D, K, torch.Generator().manual_seed(0))
+    cfg = ENGINE_DEFAULTS | create(name).defaults | {"proj_dim": P} | over
+    algo = create(name, cfg)
+    params, buffers = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
     return algo, params, buffers
 
 
@@ -115,15 +115,33 @@ def test_fedprox_anchors_to_the_round_start_model(data):
 
 
 # -- SCAFFOLD -------------------------------------------------------------------------------------------------------
-def test_scaffold_gradient_is_corrected_by_c_minus_ci():
-    algo, params, buffers = setup("scaffold")
-    x, y, mask = batch()
-    correction = {k: v - 0.5 for k, v in perturbed(params, seed=3).items()}  # c − c_i
-    ours = grad(lambda p: algo.local_loss(p, buffers, x, y, mask, hp() | {"correction": correction})[0])(params)
-    leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    mean_ce(leaf, x, y, mask).backward()
-    for k in params:  # Alg. 1 line 10: y ← y − η (g_i(y) − c_i + c)
-        torch.testing.assert_close(ours[k], leaf[k].grad + correction[k])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_scaffold_step_is_corrected_by_c_minus_ci(optimizer, data):
+    """Alg. 1 line 10 on one full-batch step per client: y ← y − η (d + c − c_i), d = the optimizer's direction for
+    the loss gradient g (SGD without momentum: d = g, the paper's step; Adam's first step: d = g / (|g| + ε)). The
+    correction is applied exactly, outside the optimizer's moments, for the clients that take part only."""
+    train, test = data
+    lr = 0.05
+    eng = Engine(create("scaffold"), [config(create("scaffold"), lr=lr, optimizer=optimizer, momentum=0.0,
+                                             weight_decay=0.0, batch_size=int(train.counts.max()), drop_last=False)],
+                 train, test)
+    state = eng.init_state()
+    g = torch.Generator().manual_seed(9)
+    c = state.server["control"] = {k: torch.randn(v.shape, generator=g) for k, v in state.server["control"].items()}
+    c_i = state.client["control"] = {k: torch.randn(v.shape, generator=g) for k, v in state.params.items()}
+    y0 = {k: v.clone() for k, v in state.params.items()}
+    part = [[True, False, True, True]]
+    eng.local_train(state, 0, part)
+    fedavg = create("fedavg", dict(eng.algo.cfg))
+    for i in range(4):
+        leaf = {k: v[0, i].clone().requires_grad_(True) for k, v in y0.items()}
+        n = int(train.counts[i])
+        loss, _ = fedavg.local_loss(leaf, {}, train.features[i, :n], train.labels[i, :n], train.mask[i, :n], {})
+        grads = dict(zip(leaf, torch.autograd.grad(loss, list(leaf.values()))))
+        for k, gk in grads.items():
+            d = gk if optimizer == "sgd" else gk / (gk.abs() + 1e-8)
+            want = y0[k][0, i] - lr * (d + c[k][0] - c_i[k][0, i]) if part[0][i] else y0[k][0, i]
+            torch.testing.assert_close(state.params[k][0, i], want, atol=1e-6, rtol=1e-5)
 
 
 def test_scaffold_local_steps_count_the_engine_minibatches(data):
@@ -135,8 +153,9 @@ def test_scaffold_local_steps_count_the_engine_minibatches(data):
         expected = []
         for n in train.counts.tolist():
             n_eff = n // 16 * 16 if drop_last else n
-            expected.append(3 * len(range(0, n_eff, 16)))
-        assert algo.local_steps(eng).tolist() == expected
+            expected.append(len(range(0, n_eff, 16)))
+        now = eng.round_context(0)
+        assert now.client_steps.tolist() == expected and now.steps_per_epoch == max(expected)
 
 
 def test_scaffold_with_bn_averages_running_statistics(data):
@@ -162,10 +181,11 @@ def test_scaffold_control_variates_follow_option_ii(data):
     y_i = {k: v + rand(v) for k, v in state.params.items()}
     state.params = dict(y_i)
     part = torch.tensor([[True, False, True, True]])
-    uploads = algo.upload(state, eng)
+    algo, now = eng.algo, eng.round_context(0, part)
+    uploads = algo.upload(state, now)
     assert sum(v[0, 0].numel() for v in uploads.values()) == 2 * sum(v[0, 0].numel() for v in y_i.values())
-    server = algo.aggregate(uploads, train.counts[None].float() * part, state, eng)
-    algo.download(state, server, part, eng)
+    server = algo.aggregate(uploads, train.counts[None].float() * part, state, now)
+    algo.download(state, server, now)
 
     S = [i for i in range(4) if part[0, i]]
     for k in x:
@@ -210,8 +230,9 @@ def test_moon_keeps_the_trained_model_of_participants_as_previous(data):
     trained = perturbed(state.params, seed=8)
     state.params = dict(trained)
     part = torch.tensor([[True, False, False, True]])
-    server = algo.aggregate(algo.upload(state, eng), train.counts[None].float() * part, state, eng)
-    algo.download(state, server, part, eng)
+    algo, now = eng.algo, eng.round_context(0, part)
+    server = algo.aggregate(algo.upload(state, now), train.counts[None].float() * part, state, now)
+    algo.download(state, server, now)
     for k in trained:
         for i in range(4):
             expected = trained[k][0, i] if part[0, i] else old_prev[k][0, i]
@@ -242,7 +263,7 @@ def test_moon_first_round_equals_fedavg(data):
 ])
 def test_shares_exactly_its_papers_parameters(name, shared, over, data):
     eng = run(name, data, **over)
-    assert set(eng.algo.upload(eng.state, eng)) == shared
+    assert set(eng.algo.upload(eng.state, eng.last_round)) == shared
     local = set(eng.state.params) - shared
     assert local, f"{name} keeps nothing local"
     for k, v in eng.state.params.items():
@@ -259,11 +280,11 @@ def test_fedbn_keeps_bn_parameters_and_statistics_local(data):
 
 def test_fedrep_trains_head_then_body(data):
     train, test = data
-    algo = create("fedrep")
-    algo.cfg = config(algo, head_epochs=10, local_epochs=1)
+    eng = Engine(create("fedrep"), [config(create("fedrep"), head_epochs=10, local_epochs=1)], train, test)
+    algo, at = eng.algo, lambda e: eng.round_context(0, epoch=e)
     assert algo.local_epochs() == 11
-    assert [algo.trainable("cls0.weight", e) for e in (0, 9, 10)] == [True, True, False]
-    assert [algo.trainable("proj0.weight", e) for e in (0, 9, 10)] == [False, False, True]
+    assert [algo.trainable("cls0.weight", at(e)) for e in (0, 9, 10)] == [True, True, False]
+    assert [algo.trainable("proj0.weight", at(e)) for e in (0, 9, 10)] == [False, False, True]
     for head_epochs, body_epochs, changed in [(2, 0, {"cls0"}), (0, 1, {"proj0"})]:
         algo = create("fedrep")
         eng = Engine(algo, [config(algo, head_epochs=head_epochs, local_epochs=body_epochs)], train, test)

@@ -96,7 +96,8 @@ def test_enqueue_is_fifo_of_valid_keys():
 
 
 def con_setup(data):
-    """A FedPFT+Con model of client 0 with a minibatch: (algo, params, buffers, x, y, mask, ctx)."""
+    """A FedPFT+Con model of client 0 with a minibatch: (algo, params, buffers, x, y, mask, ctx), ctx for the
+    transformation phase (epoch 0); `phase_ctx(algo, ctx, epoch)` switches it to another epoch's phase."""
     train, _ = data
     eng = engine("fedpft-con", data)
     state = eng.init_state()
@@ -105,20 +106,23 @@ def con_setup(data):
     buffers = {k: v[0, 0] for k, v in state.buffers.items()}
     x, y, views = train.features[0, :6], train.labels[0, :6], train.views[0, :6]  # [6, D], [6], [6, 2, D]
     mask = torch.tensor([True, True, True, True, True, False])
-    ctx = {"hp": {k: v[0] for k, v in state.hp.items()}, "views": views}
+    ctx = {"hp": {k: v[0] for k, v in state.hp.items()}, "views": views, "transform": torch.tensor(True)}
     return eng.algo, params, buffers, x, y, mask, ctx
+
+
+def phase_ctx(algo, ctx: dict, epoch: int) -> dict:
+    return ctx | {"transform": torch.tensor(algo.phase(epoch) == "transform")}
 
 
 def test_con_loss_equals_ce_plus_eq7(data):
     algo, params, buffers, x, y, mask, ctx = con_setup(data)
     cfg = algo.cfg
-    algo.trainable("cls0.weight", 0)  # phase of epoch 0
-    loss, new = algo.local_loss(params, buffers, x, y, mask, ctx)
+    loss, new = algo.local_loss(params, buffers, x, y, mask, phase_ctx(algo, ctx, 0))  # phase of epoch 0
 
     relu = lambda p, v: torch.relu(p["proj0.weight"] @ v + p["proj0.bias"])
     ftm_ = lambda f, prompts: attention_row0(params, f, prompts, cfg["heads"], cfg["residual"])
     unit = lambda v: v / v.norm()
-    m, beta = cfg["moco_m"], cfg["beta"]
+    m, beta = float(ctx["hp"]["moco_m"]), float(ctx["hp"]["beta"])  # per-configuration floats
     ema = {k: m * buffers[f"ema.{k}"] + (1 - m) * params[k] for k in ("proj0.weight", "proj0.bias", "rho0.weight",
                                                                         "rho0.bias")}
     terms = []
@@ -146,9 +150,8 @@ def test_con_routes_extractor_gradients_per_phase(data):
     algo, params, buffers, x, y, mask, ctx = con_setup(data)
 
     def grad_phi(epoch, y_, views):
-        algo.trainable("proj0.weight", epoch)
         p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-        loss, _ = algo.local_loss(p, buffers, x, y_, mask, ctx | {"views": views})
+        loss, _ = algo.local_loss(p, buffers, x, y_, mask, phase_ctx(algo, ctx, epoch) | {"views": views})
         return torch.autograd.grad(loss, p["proj0.weight"])[0]
 
     y2, views2 = (y + 1) % 5, ctx["views"].flip(0)
@@ -190,10 +193,11 @@ def test_phase_trains_exactly_its_parameters(name, phase, data):
 
 
 def test_phase_schedule(data):
-    algo = engine("fedpft", data).algo
+    eng = engine("fedpft", data)
+    algo, lr = eng.algo, float(eng.hp["lr"][0])
     assert [algo.phase(e) for e in range(algo.local_epochs())] == ["transform"] * 4 + ["model"]  # (R_f, R_a) = (4, 1)
-    assert algo.lr_scale("ftm.q.weight") * algo.cfg["lr"] == pytest.approx(0.05)  # App. D.3
-    assert algo.lr_scale("prompt.kappa") * algo.cfg["lr"] == pytest.approx(0.1)
+    assert algo.lr_scale("ftm.q.weight") * lr == pytest.approx(0.05)  # App. D.3
+    assert algo.lr_scale("prompt.kappa") * lr == pytest.approx(0.1)
 
 
 def test_bad_settings_are_user_errors(data):
@@ -211,7 +215,7 @@ def test_personal_parameters_never_leave_the_client(name, data):
     eng = engine(name, data, rounds=1)
     eng.run()
     state = eng.state
-    uploads = eng.algo.upload(state, eng)
+    uploads = eng.algo.upload(state, eng.last_round)
     assert set(uploads) == set(state.params) - PERSONAL[name]
     for k, v in state.params.items():
         same = all(torch.equal(v[0, 0], v[0, c]) for c in range(eng.C))
@@ -226,8 +230,9 @@ def test_server_averages_shared_parameters_by_sample_count(name, data):
     eng.local_train(state, 0, part)
     local = {k: v.clone() for k, v in state.params.items()}
     weights = eng.train.counts[None].float() * part  # [1, C]
-    server = eng.algo.aggregate(eng.algo.upload(state, eng), weights, state, eng)
-    eng.algo.download(state, server, part, eng)
+    now = eng.round_context(0, part)
+    server = eng.algo.aggregate(eng.algo.upload(state, now), weights, state, now)
+    eng.algo.download(state, server, now)
     n = eng.train.counts.tolist()
     for k, v in local.items():
         if k in PERSONAL[name]:
@@ -243,9 +248,9 @@ def test_fedavg_linear_starts_as_fedavg(data):
     x = data[0].features[0]
     outs = []
     for name in ("fedavg", "fedavg-linear"):
-        algo = create(name)
-        algo.cfg = config(algo)
-        params, buffers = algo.init(algo.cfg, x.shape[-1], 5, torch.Generator().manual_seed(3))
+        cfg = config(create(name))
+        algo = create(name, cfg)
+        params, buffers = algo.init(cfg, x.shape[-1], 5, torch.Generator().manual_seed(3))
         outs.append(algo.predict(params, buffers, x, {}))
     torch.testing.assert_close(outs[0], outs[1])
 
@@ -257,6 +262,7 @@ def test_probe_match(name, data):
     over = {"lr": 0.1} if name == "fedpft" else {}
     eng = Engine(algo, [config(algo, rounds=2, **over)], *data)
     eng.run()
+    algo = eng.algo
     untrained = probe_match(algo, eng.state, *data, steps=0)
     torch.testing.assert_close(untrained["origin"], eng.evaluate(eng.state, data[1]))  # Fig. 6a = the model
     torch.testing.assert_close(untrained["match"], untrained["origin"])  # identity transform = the model

@@ -7,12 +7,13 @@ tensors and plain loops over clients, never the algorithms' helpers.
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import pytest
 import torch
 
 from featcache.algorithms import create
-from featcache.engine import ENGINE_DEFAULTS, Engine, State
+from featcache.engine import ENGINE_DEFAULTS, Engine, Round, State
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
 
@@ -21,9 +22,21 @@ KEYS = ("proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias")
 
 
 def setup(name: str, **over):
-    algo = create(name)
-    algo.cfg = ENGINE_DEFAULTS | algo.defaults | {"proj_dim": HID} | over
+    """Algorithm `name` bound to its defaults plus `over`; `.full` holds the whole configuration."""
+    full = ENGINE_DEFAULTS | create(name).defaults | {"proj_dim": HID} | over
+    algo = create(name, full)
+    algo.full = full
     return algo
+
+
+def round_of(part, **hp) -> Round:
+    """A Round for server hooks called directly: participation part [H, C] (nonzero = takes part), hp name -> [H]."""
+    part = torch.as_tensor(part) != 0
+    H, C = part.shape
+    return Round(round=0, rounds=1, epoch=0, step=0, steps_per_epoch=1, client_steps=torch.ones(C, dtype=torch.long),
+                 part=part, H=H, C=C, seeds=torch.zeros(H, dtype=torch.long),
+                 hp={k: torch.as_tensor(v, dtype=torch.float32) for k, v in hp.items()}, cfg=MappingProxyType({}),
+                 data=None, device=torch.device("cpu"))
 
 
 def tiny_model(seed: int) -> dict:
@@ -118,8 +131,8 @@ def test_pfedme_server_mixes_with_beta():
     old = {"proj0.bias": torch.randn(2, HID, generator=g)}  # w^t [H, d]
     uploads = {"proj0.bias": torch.randn(2, 3, HID, generator=g)}  # w_i [H, C, d]
     weights = torch.tensor([[10.0, 0.0, 30.0], [5.0, 7.0, 9.0]])  # client 1 of config 0 sat out
-    state = State(params={}, buffers={}, server={"global": old}, hp={"beta": torch.tensor([0.5, 2.0])})
-    out = algo.aggregate(uploads, weights, state, None)["proj0.bias"]
+    state = State(params={}, buffers={}, server={"global": old})
+    out = algo.aggregate(uploads, weights, state, round_of(weights, beta=[0.5, 2.0]))["proj0.bias"]
     for h, beta in enumerate([0.5, 2.0]):
         S = [c for c in range(3) if weights[h, c] > 0]
         mean = sum(uploads["proj0.bias"][h, c] for c in S) / len(S)  # Σ_{i∈S} w_i / S
@@ -146,7 +159,7 @@ def test_pfedme_engine_sgd_step_equals_paper():
 
 def test_pfedme_needs_an_inner_step():
     with pytest.raises(UserError, match="inner_steps"):
-        create("pfedme").init(setup("pfedme").cfg | {"inner_steps": 0}, D_IN, K, torch.Generator())
+        create("pfedme").init(setup("pfedme").full | {"inner_steps": 0}, D_IN, K, torch.Generator())
 
 
 # -- Per-FedAvg ------------------------------------------------------------------------------------------------
@@ -213,14 +226,14 @@ def test_perfedavg_server_averages_participants_uniformly():
     algo = setup("perfedavg")
     uploads = {"cls0.bias": torch.arange(12.0).reshape(1, 4, 3)}  # [H, C, K]
     weights = torch.tensor([[100.0, 0.0, 1.0, 3.0]])
-    out = algo.aggregate(uploads, weights, None, None)["cls0.bias"]
+    out = algo.aggregate(uploads, weights, None, round_of(weights))["cls0.bias"]
     torch.testing.assert_close(out[0], (uploads["cls0.bias"][0, 0] + uploads["cls0.bias"][0, 2]
                                         + uploads["cls0.bias"][0, 3]) / 3)
 
 
 def test_perfedavg_rejects_unknown_order():
     with pytest.raises(UserError, match="order"):
-        create("perfedavg").init(setup("perfedavg").cfg | {"order": "hf"}, D_IN, K, torch.Generator())
+        create("perfedavg").init(setup("perfedavg").full | {"order": "hf"}, D_IN, K, torch.Generator())
 
 
 # -- FedAMP ----------------------------------------------------------------------------------------------------
@@ -233,14 +246,14 @@ def vec(m: dict, c: int) -> torch.Tensor:
     return torch.cat([m[k][0, c].reshape(-1) for k in KEYS])
 
 
-def amp_state(**values) -> State:
-    return State(params={}, buffers={}, hp={k: torch.tensor([v]) for k, v in values.items()})
+def amp_round(C: int, **values) -> Round:
+    return round_of(torch.ones(1, C), **{k: [v] for k, v in values.items()})
 
 
 def test_heurfedamp_cloud_models():
     algo, W = setup("fedamp"), models(4, 20)
     sigma, xi_ii = 3.0, 0.3
-    out = algo.aggregate(W, torch.ones(1, 4), amp_state(sigma=sigma, self_attention=xi_ii), None)
+    out = algo.aggregate(W, torch.ones(1, 4), None, amp_round(4, sigma=sigma, self_attention=xi_ii))
     for i in range(4):
         cos = lambda j: torch.dot(vec(W, i), vec(W, j)) / (vec(W, i).norm() * vec(W, j).norm())
         others = [j for j in range(4) if j != i]
@@ -253,7 +266,7 @@ def test_heurfedamp_cloud_models():
 def test_fedamp_distance_cloud_models():
     algo, W = setup("fedamp", attention="distance"), models(3, 30)
     alpha, sigma = 0.5, 40.0
-    out = algo.aggregate(W, torch.ones(1, 3), amp_state(sigma=sigma, alpha_k=alpha), None)
+    out = algo.aggregate(W, torch.ones(1, 3), None, amp_round(3, sigma=sigma, alpha_k=alpha))
     for i in range(3):
         a_prime = lambda j: math.exp(-float(((vec(W, i) - vec(W, j)) ** 2).sum()) / sigma) / sigma  # A'(||·||²)
         xi = {j: alpha * a_prime(j) for j in range(3) if j != i}
@@ -264,7 +277,7 @@ def test_fedamp_distance_cloud_models():
 
 def test_fedamp_single_client_keeps_its_model():
     W = models(1, 40)
-    out = setup("fedamp").aggregate(W, torch.ones(1, 1), amp_state(sigma=1.0, self_attention=0.5), None)
+    out = setup("fedamp").aggregate(W, torch.ones(1, 1), None, amp_round(1, sigma=1.0, self_attention=0.5))
     assert_dicts_close(out, W)
 
 
@@ -283,14 +296,14 @@ def test_fedamp_download_keeps_personal_models():
     algo, W = setup("fedamp"), models(3, 60)
     state = State(params={k: v.clone() for k, v in W.items()}, buffers={})
     cloud = {k: v + 1 for k, v in W.items()}
-    algo.download(state, cloud, torch.ones(1, 3, dtype=torch.bool), None)
+    algo.download(state, cloud, round_of(torch.ones(1, 3)))
     assert_dicts_close(state.params, W)
     assert state.client["cloud"] is cloud
 
 
 def test_fedamp_rejects_unknown_attention():
     with pytest.raises(UserError, match="attention"):
-        create("fedamp").init(setup("fedamp").cfg | {"attention": "dot"}, D_IN, K, torch.Generator())
+        create("fedamp").init(setup("fedamp").full | {"attention": "dot"}, D_IN, K, torch.Generator())
 
 
 # -- all three ---------------------------------------------------------------------------------------------------

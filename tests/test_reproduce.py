@@ -153,18 +153,24 @@ def test_state_needs_merge_into_one_job():
     (('seeds = [0, 1]', 'seeds = []'), "seeds a non-empty list"),
     (('name = "fedpcl"', 'name = "fedx"'), "name must be one of fedpcl, fedproc, fedpft"),
     (('[profiles.full]', '[profiles.full]\ncolumns = ["Nope"]'), "columns names 'Nope'"),
-    (('partition = "feature"', 'partition = 3'), None),
+    (('partition = "feature"', 'partition = 3'), "partition option scheme has the wrong type"),
     (('title = "a toy table"', 'title = 7'), "title must be a str"),
     (('[extract]', '[extract]\nbackbone = ['), "not valid TOML"),
 ])
-def test_bad_pipelines_are_one_line_errors(edit, message):
+def test_bad_pipelines_are_one_line_errors(edit, message, tmp_path):
     text = PIPELINE.replace(*edit)
     assert text != PIPELINE
-    if message is None:  # a wrong type inside [extract] is caught by extract() itself, with the option's name
-        parse_pipeline(text, "toy.toml")
-        return
-    with pytest.raises(UserError) as e:
-        parse_pipeline(text, "toy.toml")
+    if edit[1] == "partition = 3":  # a wrong type inside [extract] passes the parser; extract() refuses it, by name
+        from featcache.extract import extract
+
+        pipe = parse_pipeline(text, "toy.toml")
+        assert pipe.extract["partition"] == 3
+        with pytest.raises(UserError) as e:
+            extract(**pipe.extract, out=tmp_path)
+        assert list(tmp_path.iterdir()) == []  # refused before anything was written
+    else:
+        with pytest.raises(UserError) as e:
+            parse_pipeline(text, "toy.toml")
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

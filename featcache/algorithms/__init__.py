@@ -1,4 +1,4 @@
-"""Algorithm registry, like timm's model registry: `@register` on a class, `create(name)`, `list_algorithms()`.
+"""Algorithm registry, like timm's model registry: `@register` on a class, `create(name, cfg)`, `list_algorithms()`.
 
 Every algorithm is a subclass of `base.FedAvg` that overrides only the hooks where it differs.
 """
@@ -21,6 +21,10 @@ UNAVAILABLE = {
 
 
 def register(cls):
+    """Class decorator: make `cls` creatable by its `name`; a name can be registered once."""
+    old = _ALGOS.get(cls.name)
+    if old is not None and old is not cls:
+        raise UserError(f"algorithm name {cls.name!r} is already registered by {old.__module__}.{old.__qualname__}")
     _ALGOS[cls.name] = cls
     return cls
 
@@ -35,10 +39,17 @@ def list_algorithms() -> dict[str, type]:
     return dict(sorted(_ALGOS.items()))
 
 
-def create(name: str):
+def create(name: str, cfg: dict | None = None):
+    """A new instance of algorithm `name`, bound to the shared (structural) settings of `cfg` when given (the engine
+    binds its own copy to the run's settings)."""
     _import_all()
     if name in UNAVAILABLE:
         raise UserError(f"{name} cannot run on cached features: {UNAVAILABLE[name]}")
     if name not in _ALGOS:
         raise UserError(f"unknown algorithm {name!r}{suggest(name, _ALGOS)}: see `featcache algos`")
-    return _ALGOS[name]()
+    algo = _ALGOS[name]()
+    if cfg is None:
+        return algo
+    from ..engine import shared_settings
+
+    return algo.bind(shared_settings(cfg, algo))

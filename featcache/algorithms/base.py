@@ -3,23 +3,34 @@
 The model on top of the frozen backbones is the FedPCL baselines' head (fedpcl.md §5.1): a projection layer
 FC(D, proj_dim) + ReLU (+ BN with bn=True) followed by a classifier FC(proj_dim, K).
 
-Hooks, in the order the engine calls them each round:
-    context(state, engine)           per-model tensors the local loss and inference need, leading [H, C]
-    local_loss(params, buffers, x, y, mask, ctx) -> (loss, new_buffers)   ONE client's minibatch loss (vmapped)
-        local_epochs(), trainable(name, epoch), lr_scale(name)   what is trained when, and how fast
-    after_local(state, engine)       e.g. compute prototypes on the client's data
-    upload(state, engine)            what each client sends: name -> [H, C, ...]
-    aggregate(uploads, weights, state, engine) -> server state, name -> [H, ...]
-    download(state, server, part, engine)    what clients take from the server
+An algorithm is bound to the run's shared (structural) settings, `self.cfg` (read-only; `create(name, cfg)` or the
+engine's `bind`). Every hook that runs on the server side gets `rnd`, the read-only `engine.Round`: round, local
+epoch, participation mask rnd.part [H, C], per-configuration hyperparameters rnd.hp (name -> [H]), the training
+data, H, C, seeds. Per-configuration floats exist only as those tensors. Hooks, in the order the engine calls them:
+
+    init(cfg, d_in, K, gen) -> (params, buffers)       ONE model's initial tensors
+    init_state(state, rnd)           once, before round 1 (rnd.round = -1)
+    per local epoch:
+        trainable(name, rnd)         whether parameter `name` is updated in local epoch rnd.epoch
+        context(state, rnd)          per-model tensors the local loss and inference need, leading [H, C]
+        local_loss(params, buffers, x, y, mask, ctx) -> (loss, new_buffers)   ONE client's minibatch loss (vmapped)
+        after_step(params, ctx, active, rnd)   after each optimizer step, in place on [H, C, ...] (e.g. SCAFFOLD)
+    after_local(state, rnd)          e.g. compute prototypes on the client's data
+    upload(state, rnd)               what each client sends: name -> [H, C, ...]
+    aggregate(uploads, weights, state, rnd) -> server state, name -> [H, ...]  (weights [H, C]: n_k, 0 if absent)
+    download(state, server, rnd)     what clients take from the server
     predict(params, buffers, x, ctx) -> scores [N, K]       ONE client's inference (vmapped)
+and, asked once per run: local_epochs(), lr_scale(name), shared(name).
 """
 
 from __future__ import annotations
 
+import copy
+from types import MappingProxyType
+
 import torch
 import torch.nn.functional as F
 
-from ..engine import expand_hc
 from ..heads import linear, mlp, mlp_init
 from . import register
 
@@ -49,6 +60,29 @@ def masked_ce(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torc
     return masked_mean(F.cross_entropy(logits, y.clamp(min=0), reduction="none"), mask)
 
 
+def proximal(params: dict, anchor: dict) -> torch.Tensor:
+    """||w − w^t||² summed over all parameters (a scalar for one client)."""
+    return sum(((params[k] - anchor[k]) ** 2).sum() for k in params)
+
+
+def remember_global(state) -> None:
+    """Keep the model every client starts the next round from, w^t [H, ...], in state.server["global"].
+
+    Call it after the download of a FedAvg-style algorithm, when all clients of a configuration hold the same model.
+    """
+    state.server["global"] = {k: v[:, 0].clone() for k, v in state.params.items()}  # [H, ...]
+
+
+def global_context(state, rnd) -> dict:
+    """The round's global model broadcast to every client: name -> [H, C, ...] (views)."""
+    return {k: rnd.expand(v) for k, v in state.server["global"].items()}
+
+
+def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Broadcast [H] or [H, C] against [H, ...] or [H, C, ...] (trailing singleton axes)."""
+    return t.reshape(*t.shape, *[1] * (like.dim() - t.dim()))
+
+
 def weighted_mean(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Average [H, C, ...] over clients with weights [H, C] -> [H, ...] (FedAvg's n_k / n)."""
     w = w / w.sum(1, keepdim=True).clamp(min=1e-12)  # [H, C]
@@ -62,6 +96,17 @@ class FedAvg:
     uploads = "all head parameters"
     defaults: dict = {"proj_dim": 256, "bn": False}
     structural: tuple = ()  # float hyperparameters that cannot vary inside one batched run
+    choices: dict = {}  # setting -> allowed values (checked by config.resolve)
+    test_overrides: dict = {}  # settings the generic engine tests add (faster, every phase exercised)
+    uses_views = False  # whether training needs the cached augmented views (train.py loads them)
+    limitation = ""  # what differs from the paper on cached features (shown by `featcache algos`)
+    cfg = None  # the shared settings this instance is bound to (see bind)
+
+    def bind(self, cfg) -> "FedAvg":
+        """A copy bound to the shared (structural) settings `cfg` (read-only); this instance is unchanged."""
+        bound = copy.copy(self)
+        bound.cfg = cfg if isinstance(cfg, MappingProxyType) else MappingProxyType(dict(cfg))
+        return bound
 
     # -- model ------------------------------------------------------------------------------------------------
     def init(self, cfg: dict, d_in: int, num_classes: int, gen: torch.Generator):
@@ -81,8 +126,10 @@ class FedAvg:
         return linear(params, "cls0", z)  # [N, K]
 
     # -- client -----------------------------------------------------------------------------------------------
-    def context(self, state, engine) -> dict:
-        return {"hp": {k: expand_hc(v, engine.C) for k, v in state.hp.items()}}
+    def context(self, state, rnd) -> dict:
+        """Per-model tensors for local_loss and predict, leading [H, C]; asked once per local epoch and for
+        evaluation (server and client state do not change during local steps)."""
+        return {"hp": {k: rnd.expand(v) for k, v in rnd.hp.items()}}
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)
@@ -92,21 +139,26 @@ class FedAvg:
         z, _ = self.embed(params, buffers, x)
         return self.logits(params, z)
 
+    def after_step(self, params: dict, ctx: dict, active: torch.Tensor, rnd) -> None:
+        """Called after every optimizer step (under no_grad) with the stacked parameters name -> [H, C, ...], which it
+        may change in place, the epoch's context and active [H, C] bool (the models that stepped; the others must
+        stay unchanged). Must not read device tensors back to the host."""
+
     def local_epochs(self) -> int:
         return self.cfg["local_epochs"]
 
-    def trainable(self, name: str, epoch: int) -> bool:
-        """Whether parameter `name` is updated in local epoch `epoch` (alternating phases train subsets)."""
+    def trainable(self, name: str, rnd) -> bool:
+        """Whether parameter `name` is updated in local epoch rnd.epoch of round rnd.round (phases train subsets)."""
         return True
 
     def lr_scale(self, name: str) -> float:
         """Learning-rate multiplier of parameter `name` (for per-module rates)."""
         return 1.0
 
-    def init_state(self, state, engine) -> None:
+    def init_state(self, state, rnd) -> None:
         pass
 
-    def after_local(self, state, engine) -> None:
+    def after_local(self, state, rnd) -> None:
         pass
 
     # -- server -----------------------------------------------------------------------------------------------
@@ -114,14 +166,14 @@ class FedAvg:
         """Which parameters are uploaded and averaged."""
         return True
 
-    def upload(self, state, engine) -> dict:
+    def upload(self, state, rnd) -> dict:
         """Shared parameters and shared buffers (BN running statistics travel with their layer)."""
         return {k: v for k, v in (state.params | state.buffers).items() if self.shared(k)}
 
-    def aggregate(self, uploads: dict, weights: torch.Tensor, state, engine) -> dict:
+    def aggregate(self, uploads: dict, weights: torch.Tensor, state, rnd) -> dict:
         return {k: weighted_mean(v, weights) for k, v in uploads.items()}
 
-    def download(self, state, server: dict, part: torch.Tensor, engine) -> None:
+    def download(self, state, server: dict, rnd) -> None:
         for k, v in server.items():
             target = state.params if k in state.params else state.buffers
-            target[k] = expand_hc(v, engine.C).clone()
+            target[k] = rnd.expand(v).clone()

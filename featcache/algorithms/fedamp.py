@@ -26,8 +26,7 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from . import register
-from .base import FedAvg
-from .fedprox import proximal
+from .base import FedAvg, proximal
 
 
 def cosine_attention(flat: torch.Tensor, hp: dict) -> torch.Tensor:
@@ -69,22 +68,22 @@ class FedAMP(FedAvg):
             raise UserError(f"fedamp: attention must be cosine or distance (got {cfg['attention']!r})")
         return super().init(cfg, d_in, num_classes, gen)
 
-    def init_state(self, state, engine):
+    def init_state(self, state, rnd):
         state.client["cloud"] = {k: v.clone() for k, v in state.params.items()}  # u_i before round 1 = w_i
 
-    def context(self, state, engine):
-        return super().context(state, engine) | {"cloud": state.client["cloud"]}
+    def context(self, state, rnd):
+        return super().context(state, rnd) | {"cloud": state.client["cloud"]}
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         ce, new_buffers = super().local_loss(params, buffers, x, y, mask, ctx)
         hp = ctx["hp"]
         return ce + hp["lam"] / (2 * hp["alpha_k"]) * proximal(params, ctx["cloud"]), new_buffers
 
-    def aggregate(self, uploads, weights, state, engine):
+    def aggregate(self, uploads, weights, state, rnd):
         """Personalized cloud models u_i = Σ_j ξ_ij w_j for every client: name -> [H, C, ...]."""
         flat = torch.cat([v.flatten(2) for v in uploads.values()], -1)  # [H, C, P]
-        xi = ATTENTION[self.cfg["attention"]](flat, state.hp)  # [H, C, C]
+        xi = ATTENTION[self.cfg["attention"]](flat, rnd.hp)  # [H, C, C]
         return {k: torch.einsum("hij,hj...->hi...", xi, v) for k, v in uploads.items()}
 
-    def download(self, state, server, part, engine):
+    def download(self, state, server, rnd):
         state.client["cloud"] = server

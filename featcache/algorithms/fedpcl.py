@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..engine import expand_hc
 from . import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
 from .protos import global_prototypes, local_prototypes, mean_prototypes, pad_prototypes, privatize
@@ -75,40 +74,38 @@ class FedPCL(FedAvg):
         return False
 
     # -- prototypes ---------------------------------------------------------------------------------------------
-    def init_state(self, state, engine):
-        self.after_local(state, engine)
-        weights = engine.train.counts[None].float().expand(engine.H, -1)
-        state.server = self.aggregate(self.upload(state, engine), weights, state, engine)
+    # state.server: "prototypes" [H, K, d] the global prototypes (eq. 6); "padded" [H, C, K, d] every client's
+    # local set padded with them (eq. 7)
+    def init_state(self, state, rnd):
+        self.after_local(state, rnd)  # Alg. 1 line 1: the initial networks' prototypes, exchanged once
+        weights = rnd.data.counts[None].float().expand(rnd.H, -1)  # [H, C] everyone (rnd.part is all True)
+        state.server = self.aggregate(self.upload(state, rnd), weights, state, rnd)
 
-    def after_local(self, state, engine):
-        state.client["protos"], state.client["counts"] = local_prototypes(self, state, engine.train)
+    def after_local(self, state, rnd):
+        state.client["protos"], state.client["counts"] = local_prototypes(self, state, rnd.data)
 
-    def upload(self, state, engine):
-        c = self.cfg
-        protos = privatize(state.client["protos"], c["proto_noise"], c["proto_noise_scale"], c["proto_noise_p"],
-                           engine.seeds, engine.round)
-        return {"protos": protos, "counts": state.client["counts"]}
+    def upload(self, state, rnd):
+        return {"protos": privatize(state.client["protos"], rnd), "counts": state.client["counts"]}
 
-    def aggregate(self, uploads, weights, state, engine):
-        part = (weights > 0)[..., None]  # [H, C, 1]
+    def aggregate(self, uploads, weights, state, rnd):
+        part = rnd.part[..., None]  # [H, C, 1]
         counts = uploads["counts"] * part  # [H, C, K]
         glob = GLOBAL_AGG[self.cfg["global_agg"]](uploads["protos"], counts)  # [H, K, d]
-        if "global" in state.server:  # a class no participant holds this round keeps its last global prototype
-            glob = torch.where(counts.sum(1)[..., None] > 0, glob, state.server["global"])
+        if "prototypes" in state.server:  # a class no participant holds this round keeps its last global prototype
+            glob = torch.where(counts.sum(1)[..., None] > 0, glob, state.server["prototypes"])
         padded = pad_prototypes(uploads["protos"], counts, glob)  # [H, C, K, d]
-        if "locals" in state.server:  # clients that sat this round out keep their last prototypes
-            padded = torch.where(part[..., None], padded, state.server["locals"])
-        return {"global": glob, "locals": padded}
+        if "padded" in state.server:  # clients that sat this round out keep their last prototypes
+            padded = torch.where(part[..., None], padded, state.server["padded"])
+        return {"prototypes": glob, "padded": padded}
 
-    def download(self, state, server, part, engine):
+    def download(self, state, server, rnd):
         state.server = server
 
     # -- client ---------------------------------------------------------------------------------------------------
-    def context(self, state, engine):
-        ctx = super().context(state, engine)
-        C = engine.C
-        ctx["global"] = expand_hc(state.server["global"], C)  # [H, C, K, d]
-        ctx["locals"] = expand_hc(state.server["locals"], C)  # [H, C, C, K, d]  every client's padded set
+    def context(self, state, rnd):
+        ctx = super().context(state, rnd)
+        ctx["prototypes"] = rnd.expand(state.server["prototypes"])  # [H, C, K, d]
+        ctx["padded"] = rnd.expand(state.server["padded"])  # [H, C, C, K, d]  every client's padded set
         ctx["own"] = state.client["protos"]  # [H, C, K, d]  for inference
         ctx["own_counts"] = state.client["counts"]  # [H, C, K]
         return ctx
@@ -119,8 +116,8 @@ class FedPCL(FedAvg):
 
     def pcl(self, params, z, y, mask, ctx):
         tau, terms = ctx["hp"]["tau"], self.cfg["terms"]
-        l_g = proto_contrast(z, y, ctx["global"], tau)  # eq. 8
-        l_p = proto_contrast(z, y, ctx["locals"], tau).mean(0)  # eq. 9: mean over the m clients' sets
+        l_g = proto_contrast(z, y, ctx["prototypes"], tau)  # eq. 8
+        l_p = proto_contrast(z, y, ctx["padded"], tau).mean(0)  # eq. 9: mean over the m clients' sets
         return {"both": l_g + l_p, "global": l_g, "local": l_p}[terms]  # eq. 10
 
     def predict(self, params, buffers, x, ctx):
@@ -130,7 +127,7 @@ class FedPCL(FedAvg):
 
     def official(self, params, z, y, mask, ctx):
         """Released ConLoss: anchors C_p^{y_i} against the batch's z_j, positives y_j = y_i (j != i), summed over p."""
-        anchors = ctx["locals"][:, y.clamp(min=0)]  # [P, N, d]
+        anchors = ctx["padded"][:, y.clamp(min=0)]  # [P, N, d]
         s = torch.matmul(anchors, z.T) / ctx["hp"]["tau"]  # [P, N, N]
         eye = torch.eye(len(z), dtype=torch.bool, device=z.device)
         valid = mask[None, :] & ~eye  # [N, N]

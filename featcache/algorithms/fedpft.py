@@ -32,8 +32,8 @@ copies ϕ̃, h̃_ρ; keys carry no gradient; q and keys are L2-normalised; negat
 Per phase, each loss trains only the parameters that eq. 8 / eq. 9 list before its semicolon:
     transformation phase, eq. 8:  L_CE trains p_κ, τ;      L_Con trains ϕ, τ, h_ρ   (h_κ, p_ρ frozen)
     model phase, eq. 9:           L_CE trains ϕ, τ, h_κ;   L_Con trains p_ρ, τ      (p_κ, h_ρ frozen)
-so ϕ learns only from L_Con in the first phase and only from L_CE in the second. The engine hands the loss no epoch,
-so `trainable()` (asked at the start of every epoch) records the phase for `local_loss`.
+so ϕ learns only from L_Con in the first phase and only from L_CE in the second: the context carries the phase of the
+epoch as a per-model flag ctx["transform"], which routes the gradients with torch.where.
 Uploaded: ϕ, τ, h_κ and h_ρ (§3.6 calls h_ρ global). Local: p_κ, p_ρ and the MoCo state, kept per client in buffers
 and updated every step in MoCo's order: momentum update θ̃ ← m θ̃ + (1 - m) θ from the current parameters, keys,
 then the batch's keys enter the queue (newest first; the oldest fall off). The momentum encoder is never reset: it
@@ -121,7 +121,7 @@ class Alternating(FedAvg):
     # paper's plain SGD at lr 0.1.
     test_overrides = {"momentum": 0.9, "r_f": 1, "r_a": 1, "local_epochs": 2}  # both phases, fewer epochs: fast tests
 
-    def init_state(self, state, engine):
+    def init_state(self, state, rnd):
         r_f, r_a, r = self.cfg["r_f"], self.cfg["r_a"], self.cfg["local_epochs"]
         if min(r_f, r_a) < 0 or r_f + r_a != r:
             raise UserError(f"{self.name}: local epochs split into phases, R = R_f + R_a: need r_f, r_a >= 0 and "
@@ -130,8 +130,8 @@ class Alternating(FedAvg):
     def phase(self, epoch: int) -> str:
         return "transform" if epoch < self.cfg["r_f"] else "model"
 
-    def trainable(self, name, epoch):
-        return name.startswith(self.phases[self.phase(epoch)])
+    def trainable(self, name, rnd):
+        return name.startswith(self.phases[self.phase(rnd.epoch)])
 
     def shared(self, name):
         return not name.startswith(self.personal)
@@ -190,7 +190,6 @@ class FedPFTCon(FedPFT):
     personal = ("prompt.", "ema.", "queue")  # prompts and the client's MoCo state (buffers) stay local
     momentum = ("proj", "rho")  # parameters with a momentum copy (ϕ̃, h̃_ρ) in buffers "ema.<name>"
     uses_views = True  # train.py loads the cached augmented views for this algorithm
-    current_phase = "transform"  # set by trainable() at the start of every local epoch
     limitation = ("the two augmented views are the ones cached at extraction (--views), the same every epoch, "
                   "not fresh augmentations per step as in MoCo")
 
@@ -203,27 +202,27 @@ class FedPFTCon(FedPFT):
         buffers["queue"] = F.normalize(torch.randn(cfg["queue"], d, generator=gen), dim=-1)  # [Q, d] as MoCo
         return params, buffers
 
-    def init_state(self, state, engine):
-        super().init_state(state, engine)
-        if engine.train.views is None or engine.train.views.shape[2] < 2:
+    def init_state(self, state, rnd):
+        super().init_state(state, rnd)
+        if rnd.data.views is None or rnd.data.views.shape[2] < 2:
             raise UserError(VIEWS_ERROR)
 
-    def trainable(self, name, epoch):
-        # The engine hands local_loss no epoch; it asks trainable() at the start of every epoch, before any step,
-        # so the phase is recorded here for local_loss's per-loss gradient routing (eq. 8 vs eq. 9).
-        self.current_phase = self.phase(epoch)
-        return super().trainable(name, epoch)
+    def context(self, state, rnd):
+        """Adds the epoch's phase as a per-model flag [H, C] (eq. 8 vs eq. 9 route the losses' gradients)."""
+        transform = self.phase(rnd.epoch) == "transform"
+        flag = torch.full((rnd.H, rnd.C), transform, dtype=torch.bool, device=rnd.device)  # [H, C]
+        return super().context(state, rnd) | {"transform": flag}
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         heads, res, hp = self.cfg["heads"], self.cfg["residual"], ctx["hp"]
-        transform = self.current_phase == "transform"
+        transform = ctx["transform"]  # this epoch's phase (a 0-d bool per model)
         f, new_buffers = FedAvg.embed(self, params, buffers, x, mask, train=True)  # ϕ(x) [B, m]
-        f_ce = f.detach() if transform else f  # eq. 8: L_CE does not train ϕ in the transformation phase
+        f_ce = torch.where(transform, f.detach(), f)  # eq. 8: L_CE does not train ϕ in the transformation phase
         ce = masked_ce(self.logits(params, ftm(params, f_ce, params["prompt.kappa"], heads, res)), y, mask)
 
         views = ctx["views"]  # [B, V, D]
         f_q, _ = FedAvg.embed(self, params, buffers, views[:, 0], mask, train=True)  # ϕ(x') [B, m]
-        f_q = f_q if transform else f_q.detach()  # eq. 9: L_Con does not train ϕ in the model phase
+        f_q = torch.where(transform, f_q, f_q.detach())  # eq. 9: L_Con does not train ϕ in the model phase
         q = F.normalize(linear(params, "rho0", ftm(params, f_q, params["prompt.rho"], heads, res)), dim=-1)  # [B, d]
         ema = {k[4:]: hp["moco_m"] * v + (1 - hp["moco_m"]) * params[k[4:]].detach()
                for k, v in buffers.items() if k.startswith("ema.")}  # ϕ̃, h̃_ρ after the momentum update

@@ -23,12 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..engine import expand_hc
 from ..heads import mlp, mlp_init
 from . import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
-from .fedproto import empty_global, update_global
-from .protos import local_prototypes, mean_prototypes
+from .protos import empty_global, local_prototypes, mean_prototypes, update_global
 
 ALPHA = {  # weight of ℓ_gpc in round t of T (eq. 2; ℓ_ce gets 1 − α)
     "linear": lambda t, T: 1 - t / T,  # eq. 2
@@ -77,48 +75,46 @@ class FedProc(FedAvg):
         return (F.normalize(z, dim=-1) if self.cfg["normalize"] else z), {}
 
     # -- client -----------------------------------------------------------------------------------------------
-    def context(self, state, engine):
-        ctx = super().context(state, engine)
-        alpha = ALPHA[self.cfg["alpha_schedule"]](engine.round, self.cfg["rounds"])
-        ctx["alpha"] = torch.full((engine.H, engine.C), alpha, device=engine.device)  # [H, C]
-        ctx["global"] = expand_hc(state.server["global"], engine.C)  # [H, C, K, d]
+    def context(self, state, rnd):
+        ctx = super().context(state, rnd)
+        alpha = ALPHA[self.cfg["alpha_schedule"]](rnd.round, rnd.rounds)
+        ctx["alpha"] = torch.full((rnd.H, rnd.C), alpha, device=rnd.device)  # [H, C]
+        ctx["prototypes"] = rnd.expand(state.server["prototypes"])  # [H, C, K, d]
         return ctx
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, _ = self.embed(params, buffers, x)
         ce = F.cross_entropy(self.logits(params, z), y.clamp(min=0), reduction="none")  # [B]
         a = ctx["alpha"]
-        return masked_mean(a * gpc(z, y, ctx["global"], ctx["hp"]["tau"]) + (1 - a) * ce, mask), {}
+        return masked_mean(a * gpc(z, y, ctx["prototypes"], ctx["hp"]["tau"]) + (1 - a) * ce, mask), {}
 
-    def trainable(self, name, epoch):
+    def trainable(self, name, rnd):
         """Two-stage: the projection head trains in the first half of the rounds, the output layer in the second."""
         if self.cfg["alpha_schedule"] != "two-stage":
             return True
-        first_stage = self.engine.round < self.cfg["rounds"] / 2
+        first_stage = rnd.round < rnd.rounds / 2
         return name.startswith("proj") == first_stage
 
-    # -- prototypes -------------------------------------------------------------------------------------------
-    def init_state(self, state, engine):
-        self.engine = engine  # trainable() needs the round
-        self.after_local(state, engine)
-        everyone = engine.train.counts[None].float().expand(engine.H, -1)  # [H, C]
-        state.server = update_global(state.client["protos"], state.client["counts"], everyone,
-                                     empty_global(engine, self.cfg["proj_dim"]), AVERAGE[self.cfg["proto_average"]])
+    # -- prototypes: state.server = {"prototypes": [H, K, d], "has": [H, K]} ----------------------------------------
+    def init_state(self, state, rnd):
+        self.after_local(state, rnd)  # c^0: the initial model's prototypes (Alg. 1 line 2), from every client
+        state.server = update_global(state.client["protos"], state.client["counts"], rnd.part,
+                                     empty_global(rnd, self.cfg["proj_dim"]), AVERAGE[self.cfg["proto_average"]])
 
-    def after_local(self, state, engine):
-        state.client["protos"], state.client["counts"] = local_prototypes(self, state, engine.train)
+    def after_local(self, state, rnd):
+        state.client["protos"], state.client["counts"] = local_prototypes(self, state, rnd.data)
 
-    def upload(self, state, engine):
-        return super().upload(state, engine) | {"protos": state.client["protos"], "counts": state.client["counts"]}
+    def upload(self, state, rnd):
+        return super().upload(state, rnd) | {"protos": state.client["protos"], "counts": state.client["counts"]}
 
-    def aggregate(self, uploads, weights, state, engine):
-        params = super().aggregate({k: uploads[k] for k in state.params}, weights, state, engine)
-        protos = update_global(uploads["protos"], uploads["counts"], weights, state.server,
+    def aggregate(self, uploads, weights, state, rnd):
+        params = super().aggregate({k: uploads[k] for k in state.params}, weights, state, rnd)
+        protos = update_global(uploads["protos"], uploads["counts"], rnd.part, state.server,
                                AVERAGE[self.cfg["proto_average"]])
         return {"params": params, "protos": protos}
 
-    def download(self, state, server, part, engine):
-        super().download(state, server["params"], part, engine)
+    def download(self, state, server, rnd):
+        super().download(state, server["params"], rnd)
         state.server = server["protos"]
 
 

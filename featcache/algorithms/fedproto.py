@@ -21,28 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import expand_hc
-from ..errors import UserError, suggest
 from . import register
 from .base import FedAvg, masked_ce, masked_mean, one_hot
-from .protos import local_prototypes, mean_prototypes, privatize
-
-
-def update_global(protos: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, server: dict,
-                  average=mean_prototypes) -> dict:
-    """New global prototypes from the participants (weight > 0) of a round; a class none of them owns keeps its
-    previous prototype. protos [H, C, K, d], counts [H, C, K], weights [H, C] -> {"global": [H, K, d],
-    "has": [H, K] bool}."""
-    counts = counts * (weights > 0)[..., None]  # [H, C, K]  participants only
-    fresh = counts.sum(1) > 0  # [H, K]
-    glob = torch.where(fresh[..., None], average(protos, counts), server["global"])  # [H, K, d]
-    return {"global": glob, "has": fresh | server["has"]}
-
-
-def empty_global(engine, d: int) -> dict:
-    """No global prototype for any class yet: {"global": zeros [H, K, d], "has": False [H, K]}."""
-    H, K, dev = engine.H, engine.train.num_classes, engine.device
-    return {"global": torch.zeros(H, K, d, device=dev), "has": torch.zeros(H, K, dtype=torch.bool, device=dev)}
+from .protos import empty_global, local_prototypes, privatize, update_global
 
 
 def proto_distance(z: torch.Tensor, y: torch.Tensor, glob: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
@@ -74,15 +55,15 @@ class FedProto(FedAvg):
         return False
 
     # -- client -----------------------------------------------------------------------------------------------
-    def context(self, state, engine):
-        ctx = super().context(state, engine)
-        ctx["global"] = expand_hc(state.server["global"], engine.C)  # [H, C, K, d]
-        ctx["has"] = expand_hc(state.server["has"], engine.C)  # [H, C, K] bool
+    def context(self, state, rnd):
+        ctx = super().context(state, rnd)
+        ctx["prototypes"] = rnd.expand(state.server["prototypes"])  # [H, C, K, d]
+        ctx["has"] = rnd.expand(state.server["has"])  # [H, C, K] bool
         return ctx
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)
-        reg = masked_mean(proto_distance(z, y, ctx["global"], ctx["has"]), mask)
+        reg = masked_mean(proto_distance(z, y, ctx["prototypes"], ctx["has"]), mask)
         return masked_ce(self.logits(params, z), y, mask) + ctx["hp"]["lam"] * reg, new_buffers
 
     def predict(self, params, buffers, x, ctx):
@@ -90,25 +71,22 @@ class FedProto(FedAvg):
 
     def nearest_prototype(self, params, buffers, x, ctx):
         z, _ = self.embed(params, buffers, x)
-        return (-sq_distances(z, ctx["global"])).masked_fill(~ctx["has"], float("-inf"))  # [N, K]
+        return (-sq_distances(z, ctx["prototypes"])).masked_fill(~ctx["has"], float("-inf"))  # [N, K]
 
-    # -- server -----------------------------------------------------------------------------------------------
-    def init_state(self, state, engine):
-        state.server = empty_global(engine, self.cfg["proj_dim"])
+    # -- server: state.server = {"prototypes": [H, K, d], "has": [H, K]} ------------------------------------------
+    def init_state(self, state, rnd):
+        state.server = empty_global(rnd, self.cfg["proj_dim"])
 
-    def after_local(self, state, engine):
-        state.client["protos"], state.client["counts"] = local_prototypes(self, state, engine.train)
+    def after_local(self, state, rnd):
+        state.client["protos"], state.client["counts"] = local_prototypes(self, state, rnd.data)
 
-    def upload(self, state, engine):
-        c = self.cfg
-        protos = privatize(state.client["protos"], c["proto_noise"], c["proto_noise_scale"], c["proto_noise_p"],
-                           engine.seeds, engine.round)  # [H, C, K, d]
-        return {"protos": protos, "counts": state.client["counts"]}
+    def upload(self, state, rnd):
+        return {"protos": privatize(state.client["protos"], rnd), "counts": state.client["counts"]}  # [H, C, K, d]
 
-    def aggregate(self, uploads, weights, state, engine):
-        return update_global(uploads["protos"], uploads["counts"], weights, state.server)
+    def aggregate(self, uploads, weights, state, rnd):
+        return update_global(uploads["protos"], uploads["counts"], rnd.part, state.server)
 
-    def download(self, state, server, part, engine):
+    def download(self, state, server, rnd):
         state.server = server
 
 

@@ -8,29 +8,8 @@ where w^t is the global model the round started from and the norm runs over ever
 
 from __future__ import annotations
 
-import torch
-
-from ..engine import expand_hc
 from . import register
-from .base import FedAvg
-
-
-def remember_global(state) -> None:
-    """Keep the model every client starts the next round from, w^t [H, ...], in state.server["global"].
-
-    Call it after the download of a FedAvg-style algorithm, when all clients of a configuration hold the same model.
-    """
-    state.server["global"] = {k: v[:, 0].clone() for k, v in state.params.items()}  # [H, ...]
-
-
-def global_context(state, engine) -> dict:
-    """The round's global model broadcast to every client: name -> [H, C, ...] (views)."""
-    return {k: expand_hc(v, engine.C) for k, v in state.server["global"].items()}
-
-
-def proximal(params: dict, anchor: dict) -> torch.Tensor:
-    """||w − w^t||² summed over all parameters (a scalar for one client)."""
-    return sum(((params[k] - anchor[k]) ** 2).sum() for k in params)
+from .base import FedAvg, global_context, proximal, remember_global
 
 
 @register
@@ -40,15 +19,15 @@ class FedProx(FedAvg):
     uploads = "all head parameters"
     defaults = FedAvg.defaults | {"mu": 0.01}  # from the paper's μ search set (§5); tune per data set
 
-    def init_state(self, state, engine):
+    def init_state(self, state, rnd):
+        remember_global(state)  # w^t: state.server["global"]
+
+    def download(self, state, server, rnd):
+        super().download(state, server, rnd)
         remember_global(state)
 
-    def download(self, state, server, part, engine):
-        super().download(state, server, part, engine)
-        remember_global(state)
-
-    def context(self, state, engine):
-        return super().context(state, engine) | {"global": global_context(state, engine)}
+    def context(self, state, rnd):
+        return super().context(state, rnd) | {"global": global_context(state, rnd)}
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         ce, new_buffers = super().local_loss(params, buffers, x, y, mask, ctx)

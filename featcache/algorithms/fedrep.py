@@ -11,19 +11,23 @@ which equals FedAvg's n_k / n weighting (kept here) on equally sized clients.
 from __future__ import annotations
 
 from . import register
-from .fedper import FedPer
+from .base import FedAvg
 
 
 @register
-class FedRep(FedPer):
+class FedRep(FedAvg):
     name = "fedrep"
     paper = "Collins et al., Exploiting Shared Representations for Personalized FL, ICML 2021, Alg. 1"
-    defaults = FedPer.defaults | {"head_epochs": 10}  # §5: 10 local epochs for the head, then 1 for the body
+    uploads = "projection parameters (the body)"
+    defaults = FedAvg.defaults | {"head_epochs": 10}  # §5: 10 local epochs for the head, then 1 for the body
     test_overrides = {"head_epochs": 2}  # generic engine tests: both phases and the switch, at a fifth of the cost
 
     def local_epochs(self):
         return self.cfg["head_epochs"] + self.cfg["local_epochs"]
 
-    def trainable(self, name, epoch):
-        head_phase = epoch < self.cfg["head_epochs"]
+    def shared(self, name):
+        return name.startswith("proj")  # the body, as FedPer; the classifier is the client's head
+
+    def trainable(self, name, rnd):
+        head_phase = rnd.epoch < self.cfg["head_epochs"]
         return not self.shared(name) if head_phase else self.shared(name)

@@ -42,13 +42,13 @@ class FedRoD(FedAvg):
     def shared(self, name):
         return not name.startswith("pcls")
 
-    def init_state(self, state, engine):
-        data = engine.train
+    def init_state(self, state, rnd):
+        data = rnd.data
         counts = (one_hot(data.labels, data.num_classes) & data.mask[..., None]).sum(1).float()  # [C, K]
-        state.client["class_counts"] = counts.expand(engine.H, *counts.shape)  # [H, C, K]
+        state.client["class_counts"] = counts.expand(rnd.H, *counts.shape)  # [H, C, K]
 
-    def context(self, state, engine):
-        return super().context(state, engine) | {"class_counts": state.client["class_counts"]}
+    def context(self, state, rnd):
+        return super().context(state, rnd) | {"class_counts": state.client["class_counts"]}
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)

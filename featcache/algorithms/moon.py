@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import register
-from .base import FedAvg, masked_ce, masked_mean
-from .fedprox import global_context, remember_global
+from .base import FedAvg, bcast, global_context, masked_ce, masked_mean, remember_global
 
 
 def model_contrast(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau) -> torch.Tensor:
@@ -37,18 +36,18 @@ class Moon(FedAvg):
     uploads = "all head parameters"
     defaults = FedAvg.defaults | {"mu": 1.0, "tau": 0.5}  # §4.1 / released code defaults
 
-    def init_state(self, state, engine):
+    def init_state(self, state, rnd):
         remember_global(state)
         state.client["prev"] = {k: v.clone() for k, v in state.params.items()}  # [H, C, ...]
 
-    def download(self, state, server, part, engine):
-        keep = lambda v: part.reshape(*part.shape, *[1] * (v.dim() - 2))  # [H, C, 1, ...]
-        state.client["prev"] = {k: torch.where(keep(v), state.params[k], v) for k, v in state.client["prev"].items()}
-        super().download(state, server, part, engine)
+    def download(self, state, server, rnd):
+        prev = state.client["prev"]  # participants' previous model := their model after this round's training
+        state.client["prev"] = {k: torch.where(bcast(rnd.part, v), state.params[k], v) for k, v in prev.items()}
+        super().download(state, server, rnd)
         remember_global(state)
 
-    def context(self, state, engine):
-        return super().context(state, engine) | {"global": global_context(state, engine), "prev": state.client["prev"]}
+    def context(self, state, rnd):
+        return super().context(state, rnd) | {"global": global_context(state, rnd), "prev": state.client["prev"]}
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)

@@ -56,16 +56,16 @@ class PerFedAvg(FedAvg):
         loss, new_outer = super().local_loss(adapted, buffers | new, x[D_PRIME], y[D_PRIME], mask[D_PRIME], ctx)
         return loss, new | new_outer
 
-    def context(self, state, engine):
-        train, H = engine.train, engine.H
-        per_model = lambda t: t[None].expand(H, *t.shape)  # [C, ...] -> [H, C, ...] (a view)
+    def context(self, state, rnd):
+        train = rnd.data
+        per_model = lambda t: t[None].expand(rnd.H, *t.shape)  # [C, ...] -> [H, C, ...] (a view)
         local = {"train_x": train.features, "train_y": train.labels, "train_mask": train.labels >= 0}
-        return super().context(state, engine) | {k: per_model(v) for k, v in local.items()}
+        return super().context(state, rnd) | {k: per_model(v) for k, v in local.items()}
 
     def predict(self, params, buffers, x, ctx):
         adapted, _ = self.step(params, params, buffers, ctx["train_x"], ctx["train_y"], ctx["train_mask"], ctx)
         return super().predict(adapted, buffers, x, ctx)
 
     # -- server -----------------------------------------------------------------------------------------------
-    def aggregate(self, uploads, weights, state, engine):
-        return {k: weighted_mean(v, (weights > 0).float()) for k, v in uploads.items()}
+    def aggregate(self, uploads, weights, state, rnd):
+        return {k: weighted_mean(v, rnd.part.float()) for k, v in uploads.items()}  # uniform over participants

@@ -28,8 +28,7 @@ from torch.func import grad
 
 from ..errors import UserError
 from . import register
-from .base import FedAvg, weighted_mean
-from .fedprox import proximal, remember_global
+from .base import FedAvg, proximal, remember_global, weighted_mean
 
 PERSONAL = "personal."  # buffer prefix of the personalized model θ̃
 
@@ -81,14 +80,14 @@ class PFedMe(FedAvg):
         return not name.startswith(PERSONAL)  # θ̃ (held in buffers) never leaves the client
 
     # -- server -----------------------------------------------------------------------------------------------
-    def init_state(self, state, engine):
+    def init_state(self, state, rnd):
         remember_global(state)
 
-    def aggregate(self, uploads, weights, state, engine):
-        mean = {k: weighted_mean(v, (weights > 0).float()) for k, v in uploads.items()}  # (1/S) Σ_{i∈S} w_i
-        beta, old = state.hp["beta"], state.server["global"]  # [H], name -> [H, ...]
+    def aggregate(self, uploads, weights, state, rnd):
+        mean = {k: weighted_mean(v, rnd.part.float()) for k, v in uploads.items()}  # (1/S) Σ_{i∈S} w_i
+        beta, old = rnd.hp["beta"], state.server["global"]  # [H], name -> [H, ...]
         return {k: torch.lerp(old[k], v, beta.reshape(-1, *[1] * (v.dim() - 1))) for k, v in mean.items()}
 
-    def download(self, state, server, part, engine):
-        super().download(state, server, part, engine)
+    def download(self, state, server, rnd):
+        super().download(state, server, rnd)
         remember_global(state)

@@ -1,5 +1,6 @@
 """Prototype helpers shared by the prototype methods (FedPCL, FedProto, FedProc): class means, eq. 6 aggregation,
-eq. 7 padding, and the privacy noise on uploaded prototypes (fedpcl.md App. A.2.4)."""
+eq. 7 padding, the server's global prototypes (state.server["prototypes"] [H, K, d], "has" [H, K]), and the privacy
+noise on uploaded prototypes (fedpcl.md App. A.2.4)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,22 @@ def pad_prototypes(protos: torch.Tensor, counts: torch.Tensor, glob: torch.Tenso
     return torch.where(counts[..., None] > 0, protos, glob[:, None])
 
 
+def empty_global(rnd, d: int) -> dict:
+    """No global prototype for any class yet: {"prototypes": zeros [H, K, d], "has": False [H, K]}."""
+    H, K, dev = rnd.H, rnd.data.num_classes, rnd.device
+    return {"prototypes": torch.zeros(H, K, d, device=dev), "has": torch.zeros(H, K, dtype=torch.bool, device=dev)}
+
+
+def update_global(protos: torch.Tensor, counts: torch.Tensor, part: torch.Tensor, server: dict,
+                  average=mean_prototypes) -> dict:
+    """New global prototypes from the participants (part [H, C] bool) of a round; a class none of them owns keeps its
+    previous prototype. protos [H, C, K, d], counts [H, C, K] -> {"prototypes": [H, K, d], "has": [H, K] bool}."""
+    counts = counts * part[..., None]  # [H, C, K]  participants only
+    fresh = counts.sum(1) > 0  # [H, K]
+    glob = torch.where(fresh[..., None], average(protos, counts), server["prototypes"])  # [H, K, d]
+    return {"prototypes": glob, "has": fresh | server["has"]}
+
+
 def _laplace(shape, scale: float, gen: torch.Generator) -> torch.Tensor:
     u = torch.rand(shape, generator=gen) - 0.5
     return -scale * torch.sign(u) * torch.log1p(-2 * u.abs())
@@ -56,14 +73,16 @@ _NOISE = {
 }
 
 
-def privatize(protos: torch.Tensor, kind: str, scale: float, p: float, seeds: torch.Tensor, rnd: int) -> torch.Tensor:
-    """C~ = (1 - p) C + e, e ~ Laplace/Gaussian(0, s) per entry, seeded by (seed, round) (fedpcl.md Table 15)."""
+def privatize(protos: torch.Tensor, rnd) -> torch.Tensor:
+    """C~ = (1 - p) C + e, e ~ Laplace/Gaussian(0, s) per entry, seeded by (seed, round) (fedpcl.md Table 15);
+    kind, s, p are the settings proto_noise, proto_noise_scale, proto_noise_p of rnd.cfg."""
+    kind, scale, p = rnd.cfg["proto_noise"], rnd.cfg["proto_noise_scale"], rnd.cfg["proto_noise_p"]
     if kind == "none":
         return protos
     if kind not in _NOISE:
         from ..errors import UserError
 
         raise UserError(f"proto_noise must be none, laplace or gaussian (got {kind!r})")
-    gens = [torch.Generator().manual_seed(int(s) * 100_003 + rnd) for s in seeds]  # same seed, same noise
+    gens = [torch.Generator().manual_seed(s * 100_003 + rnd.round) for s in rnd.seeds.tolist()]  # same seed, noise
     noise = torch.stack([_NOISE[kind](protos.shape[1:], scale, g) for g in gens])  # [H, C, K, d]
     return (1 - p) * protos + noise.to(protos)
