@@ -3,26 +3,97 @@
 The text (or bytes) goes to `.NAME.PID.tmp` beside the target and is renamed over it. A failed write removes its temporary; a
 writer killed outright (kill -9, power loss) cannot, so the next writer of the same file removes the temporaries of
 processes that no longer exist.
+
+One output layer for every command that writes results (`train`, `grid`, `report`, `reproduce`): `check_folder`
+refuses an unusable `--out` before any work starts, and `output_errors` turns the OS errors of creating a folder or
+writing a file (EEXIST, ENOTDIR, EACCES, EPERM, EROFS, ENOSPC, EDQUOT, EFBIG) into one-line `UserError`s.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
+from contextlib import contextmanager
 from pathlib import Path
+
+from .errors import UserError
+
+_HOW = {
+    errno.EEXIST: "a file is in the way of a folder: pass --out a folder path",
+    errno.ENOTDIR: "a file is in the way of a folder: pass --out a folder path",
+    errno.EISDIR: "a folder is in the way of a file: move it or pass another --out",
+    errno.EACCES: "permission denied: pass --out a folder you can write to",
+    errno.EPERM: "permission denied: pass --out a folder you can write to",
+    errno.EROFS: "read-only file system: pass --out a folder you can write to",
+    errno.ENOSPC: "disk full: free space and run the same command again",
+    errno.EDQUOT: "disk quota exceeded: free space and run the same command again",
+    errno.EFBIG: "file size limit reached (ulimit -f): raise the limit and run the same command again",
+    errno.ENAMETOOLONG: "file name too long: pass a shorter --out",
+}
+
+
+def output_error(e: OSError, path: str | Path) -> UserError | None:
+    """The one-line UserError for an OS error while writing `path`, or None for an error that is not about output."""
+    code = getattr(e, "errno", None)
+    if code not in _HOW:
+        return None
+    return UserError(f"cannot write {path}: {os.strerror(code)}; {_HOW[code]}")
+
+
+@contextmanager
+def output_errors(path: str | Path):
+    """Inside: an OSError of creating or writing `path` becomes one `UserError` line (exit code 2)."""
+    try:
+        yield
+    except OSError as e:
+        mapped = output_error(e, getattr(e, "filename", None) or path)
+        if mapped is None:
+            raise
+        raise mapped from None
+
+
+def check_folder(folder: str | Path, flag: str = "--out") -> None:
+    """Refuse, before any work, an output folder that cannot be created or written: an existing file, a path below
+    a file, a folder without write permission. Creates nothing."""
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists():
+        if probe.is_symlink():  # a dangling link
+            raise UserError(f"{flag} {folder}: {probe} is a broken symbolic link: pass another folder")
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "is a file" if probe == folder else f"is below the file {probe}"
+        raise UserError(f"{flag} {folder} {where}, not a folder: pass --out a folder path")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {folder}: {probe} is not writable (permission denied): pass --out a folder you "
+                        "can write to")
+
+
+def make_folder(folder: str | Path) -> Path:
+    """mkdir -p with the one-line output errors."""
+    folder = Path(folder)
+    with output_errors(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def write_atomic(path: str | Path, text: str | bytes) -> None:
+    """Write `path` atomically; an OS error of the output (see `output_errors`) is one UserError line and leaves no
+    temporary behind."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _drop_orphans(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    make_folder(path.parent)
+    with output_errors(path):
+        _drop_orphans(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def _drop_orphans(path: Path) -> None:

@@ -88,13 +88,52 @@ def open_cache(path: str | Path) -> h5py.File:
 
 
 def info(path: str | Path) -> dict:
-    """Metadata and per-client counts of a cache, JSON-able."""
+    """Metadata and per-client counts of a cache, JSON-able. A cache whose metadata is damaged (no `backbones`
+    group, an attribute that is not JSON or is an array, counts of the wrong shape) is one UserError line."""
     with open_cache(path) as f:
-        meta = read_attrs(f)
-        meta["backbone_info"] = {k: read_attrs(g) for k, g in f["backbones"].items()}
+        try:
+            meta = read_attrs(f)
+            if "backbones" not in f or not isinstance(f["backbones"], h5py.Group):
+                raise ValueError("it has no backbones group")
+            meta["backbone_info"] = {k: read_attrs(g) for k, g in f["backbones"].items()}
+            problem = _info_problem(meta)
+        except json.JSONDecodeError as e:
+            problem = f"an attribute is not valid JSON ({e})"
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
+            problem = (str(e).splitlines() or [type(e).__name__])[0]
+        if problem:
+            raise UserError(f"cache {path} is damaged: {problem}; run `featcache verify {path}`, then delete it and "
+                            "re-run `featcache extract`")
         meta["path"] = str(path)
         meta["bytes"] = os.path.getsize(path)
     return meta
+
+
+def _info_problem(meta: dict) -> str | None:
+    """What `featcache info` cannot render in a cache's metadata (None when nothing)."""
+    for k, v in meta.items():
+        if isinstance(v, (np.ndarray, np.generic)):
+            return f"attribute {k!r} is an array, not a number, string or JSON"
+        if k != "backbone_info":
+            try:
+                json.dumps(v)
+            except (TypeError, ValueError):
+                return f"attribute {k!r} is not JSON"
+    for k, b in meta["backbone_info"].items():
+        if not isinstance(b, dict) or any(not isinstance(b.get(a), t) for a, t in
+                                           (("name", str), ("dim", int), ("weights", str), ("weights_sha256", str))):
+            return f"backbones/{k} lacks one of name, dim, weights, weights_sha256"
+        if isinstance(b.get("dim"), bool):
+            return f"backbones/{k} has a dim that is not a number"
+        for a, v in b.items():
+            if isinstance(v, (np.ndarray, np.generic)):
+                return f"backbones/{k} attribute {a!r} is an array"
+    counts = meta.get("counts")
+    rows = counts.get("clients") if isinstance(counts, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(c in r for c in
+                                             ("client", "domain", "train", "val", "test")) for r in rows):
+        return "attribute 'counts' is not {clients: [{client, domain, train, val, test}, ...]}"
+    return None
 
 
 # -- checksums and verification -----------------------------------------------------------------------------------
@@ -176,6 +215,13 @@ def _check_cache(f: h5py.File, problems: list[str]) -> int:
             return 0
         dims[b] = int(g.attrs["dim"])
     rows = meta["counts"]["clients"]
+    if not rows or "clients" not in f:
+        problems.append("no clients: the cache has no clients/ group or its counts list no client")
+        return 0
+    empty = [f"{c:03d}" for c, row in enumerate(rows) if int(row.get("train", 0)) - int(row.get("val", 0)) < 1]
+    if empty:
+        problems.append(f"client {empty[0]} has no training rows (outside validation)"
+                        + (f" (+{len(empty) - 1} more clients)" if len(empty) > 1 else ""))
     expected = _expected_datasets(rows, dims, int(meta["views"]))
     found = dict(_objects(f, h5py.Dataset))
     problems += [f"{name}: missing" for name in sorted(set(expected) - set(found))]
@@ -192,7 +238,26 @@ def _check_cache(f: h5py.File, problems: list[str]) -> int:
             problems.append(f"{name}: NaN or Inf values")
     if not problems:
         problems += _value_problems(f, rows, len(meta["classes"]), len(meta["domains"]), int(meta["images"]))
+    if not problems:
+        problems += _concat_problems(f, rows, list(dims), int(meta["views"]))
     return len(found)
+
+
+def _concat_problems(f: h5py.File, rows: list[dict], order: list[str], views: int) -> list[str]:
+    """`features/concat` (and `views/concat`) must equal the per-backbone blocks side by side, in `backbones` order."""
+    problems = []
+    for c in range(len(rows)):
+        for split in SPLITS:
+            for group in ("features", "views") if views and split == "train" else ("features",):
+                base = f"clients/{c:03d}/{split}/{group}"
+                cat = f[f"{base}/concat"]
+                step = max(_READ_BYTES // max(cat.dtype.itemsize * int(np.prod(cat.shape[1:])), 1), 1)
+                for r in range(0, cat.shape[0], step):
+                    side = np.concatenate([f[f"{base}/{b}"][r : r + step] for b in order], -1)
+                    if not np.array_equal(cat[r : r + step], side):
+                        problems.append(f"{base}/concat: not equal to the per-backbone blocks side by side")
+                        break
+    return problems
 
 
 def _expected_datasets(rows: list[dict], dims: dict[str, int], views: int) -> dict[str, tuple[str, tuple]]:

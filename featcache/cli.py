@@ -7,6 +7,7 @@ exit code 2; `--json` prints one JSON object on stdout and nothing else there.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -147,10 +149,13 @@ def verify(cache: Path = typer.Argument(..., help="cache file"), as_json: bool =
 
 
 def _seeds(text: str) -> list[int]:
+    from .config import check_seeds
+
     try:
-        return [int(s) for s in text.split(",") if s.strip()]
+        seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise UserError(f"--seeds {text!r}: write comma-separated integers, e.g. 0,1,2") from None
+    return check_seeds(seeds)
 
 
 @app.command()
@@ -165,13 +170,19 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded)."""
-    from .train import train as run
+    from .train import precheck, train as run
 
+    twice = sorted({a for a in algo if algo.count(a) > 1})
+    if twice:
+        raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
+    seed_list = _seeds(seeds)
+    for name in algo:  # every algorithm's settings and the output folder, before the first one trains
+        precheck(algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir, device=device)
     results = []
     with progress_bar(not as_json) as progress:
         for name in algo:
             tick = (lambda done, total, name=name: progress(name, done, total)) if progress else None
-            results.append(run(cache=cache, algo=name, rounds=rounds, seeds=_seeds(seeds), set=set,
+            results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=set,
                                out=out_dir, device=device, progress=tick))
     if as_json:
         _emit(results[0] if len(results) == 1 else {"runs": results}, True)
@@ -201,14 +212,15 @@ def grid(
     out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for the grid's run folder"),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
     backend: str = typer.Option("local", help="local (in-process) | ray (RAY_ADDRESS or a local Ray)"),
-    chunk: Optional[int] = typer.Option(None, help="models per batched run (default: planned from memory)"),
+    chunk: Optional[int] = typer.Option(None, help="models per batched run, >= 1 (default: planned from memory)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train a hyperparameter grid batched, select on validation, retrain the best, report test accuracy."""
     from .grid import grid as run
 
+    seed_list = _seeds(seeds)
     with progress_bar(not as_json) as progress:
-        result = run(cache=cache, algo=algo, grid=grid, seeds=_seeds(seeds), rounds=rounds, set=set, out=out_dir,
+        result = run(cache=cache, algo=algo, grid=grid, seeds=seed_list, rounds=rounds, set=set, out=out_dir,
                      device=device, backend=backend, chunk=chunk, progress=progress)
     if as_json:
         _emit(result, True)
@@ -255,7 +267,8 @@ def report(
     """Render result files as a markdown table (and PNG curves with --out)."""
     from .report import report as render
 
-    rendered = render(results, out_dir)
+    rendered = render(results, out_dir, note=lambda line: err.print(f"[yellow]note:[/yellow] {line}",
+                                                                    highlight=False, soft_wrap=True))
     print(rendered["table"])
 
 
@@ -298,14 +311,38 @@ def _warn_one_line(message, category, filename, lineno, file=None, line=None) ->
     err.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
 
 
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split("\n")[0].split()) or "(no message)"
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+        isinstance(e, RuntimeError) and ("can't allocate memory" in text or "CUDA out of memory" in text))
+
+
 def main() -> None:
-    """Console entry point: user errors are one line and exit code 2, never a traceback; warnings are one line."""
+    """Console entry point: user errors are one line and exit code 2, never a traceback; warnings are one line.
+
+    Last resort: any other exception is a bug of featcache; it is one line too ("internal error: ...") with exit code
+    1. FEATCACHE_DEBUG=1 re-raises it with its traceback."""
     warnings.showwarning = _warn_one_line
     try:
         app()
     except UserError as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(' '.join(str(e).splitlines()))}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except Exception as e:
+        if os.environ.get("FEATCACHE_DEBUG", "").strip() not in ("", "0"):
+            raise
+        if _out_of_memory(e):  # the up-front estimate was too low: still the user's setting, still one line
+            err.print(f"[red]error:[/red] out of memory ({escape(_first_line(e))}): lower batch_size or the widths "
+                      "(proj_dim, ...), use fewer --seeds, or a smaller --chunk", highlight=False, soft_wrap=True)
+            sys.exit(2)
+        err.print(f"[red]internal error:[/red] {escape(_first_line(e))}; run with FEATCACHE_DEBUG=1 for the "
+                  "traceback, and please report it", highlight=False, soft_wrap=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

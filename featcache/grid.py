@@ -24,19 +24,20 @@ import numpy as np
 import torch
 
 from .algorithms import create
-from .atomic import write_atomic
+from .atomic import check_folder, make_folder, output_errors, write_atomic
 from .cache import load_clients
-from .config import parse_value, resolve
+from .config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
 from .devices import resolve_device
 from .engine import structural_keys
 from .errors import UserError
-from .train import load_split, run_configs, train
+from .train import available_bytes, check_memory, load_split, run_configs, train
 
 BACKENDS = {}
 
 
 def parse_grid(algo, grid: list[str]) -> dict[str, list]:
-    """['lr=1e-1,1e-2', 'weight_decay=1e-3,1e-4'] -> {'lr': [0.1, 0.01], 'weight_decay': [...]} (typed, strict)."""
+    """['lr=1e-1,1e-2', 'weight_decay=1e-3,1e-4'] -> {'lr': [0.1, 0.01], 'weight_decay': [...]} (typed, strict:
+    every value of every axis is checked against its setting's range; an axis or a value given twice is refused)."""
     defaults = resolve(algo)
     axes = {}
     for item in grid:
@@ -44,8 +45,17 @@ def parse_grid(algo, grid: list[str]) -> dict[str, list]:
         key = key.strip()
         if not sep or not values.strip():
             raise UserError(f"--grid {item!r}: write key=v1,v2,..., e.g. --grid lr=1e-1,1e-2")
-        resolve(algo, {key: values.split(",")[0].strip()})  # unknown key / bad type -> one-line error
-        axes[key] = [parse_value(key, v.strip(), defaults[key]) for v in values.split(",")]
+        if key in axes:
+            raise UserError(f"--grid {key} is given twice: put all its values in one axis, e.g. --grid {key}=a,b")
+        texts = [v.strip() for v in values.split(",")]
+        if "" in texts:
+            raise UserError(f"--grid {item!r} has an empty value: write key=v1,v2,...")
+        for v in texts:
+            resolve(algo, {key: v})  # unknown key, bad type, out of range -> one-line error naming the value
+        axes[key] = [parse_value(key, v, defaults[key]) for v in texts]
+        twice = [v for i, v in enumerate(axes[key]) if v in axes[key][:i]]
+        if twice:
+            raise UserError(f"--grid {key} lists {twice[0]!r} twice: each value once")
     if not axes:
         raise UserError("no --grid axis given: e.g. --grid lr=1e-1,1e-2,1e-3")
     return axes
@@ -67,11 +77,9 @@ def memory_budget(device: torch.device) -> int:
 
 def _per_model_bytes(algo, cfg: dict, train, C: int) -> int:
     """Parameters + gradients + optimizer moments + activations of one configuration across its C clients."""
-    params, buffers = algo.init(cfg, train.features.shape[-1], train.num_classes, torch.Generator().manual_seed(0))
-    n = sum(p.numel() for p in params.values()) + sum(b.numel() for b in buffers.values())
-    width = max(p.shape[0] for p in params.values())
-    activations = cfg["batch_size"] * width * 8 + train.features.shape[1] * (width + train.num_classes) * 2
-    return 4 * C * (5 * n + activations)
+    from .train import per_model_bytes
+
+    return per_model_bytes(algo, cfg, train.features.shape[-1], train.num_classes, train.features.shape[1], C)
 
 
 def _bucket_key(cfg: dict, algo) -> str:
@@ -128,62 +136,84 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
     dev = resolve_device(device)
     if backend not in BACKENDS:
         raise UserError(f"unknown backend {backend!r}: use local or ray")
-    if not seeds:
-        raise UserError("--seeds needs at least one seed, e.g. --seeds 0,1,2")
+    seeds = check_seeds(seeds)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise UserError(f"--chunk {chunk}: a chunk holds at least 1 model (leave it out to plan it from memory)")
     impl = create(algo)
-    base = list(set or []) + ([f"rounds={rounds}"] if rounds is not None else [])
+    base = merge_rounds(list(set or []), rounds)
     base_cfg = resolve(impl, base)
     axes = parse_grid(impl, grid)
+    fixed = pairs(base)
+    both = [k for k in axes if k in fixed]
+    if both:
+        flag = "--rounds" if both[0] == "rounds" and rounds is not None else f"--set {both[0]}"
+        raise UserError(f"{both[0]} is both a --grid axis and {flag}: give it in one place")
     points = [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
     cfgs = [base_cfg | p for p in points]
+    for c in cfgs:  # the whole grid, every combination, before anything trains
+        check(impl, c)
+    check_folder(out)
 
     run_id = hashlib.sha256(json.dumps({"cache": str(Path(cache).resolve()), "algo": algo, "base": base_cfg,
                                         "axes": axes, "seeds": list(seeds)}, sort_keys=True).encode()).hexdigest()[:12]
     folder = Path(out) / f"grid-{algo}-{run_id}"
-    folder.mkdir(parents=True, exist_ok=True)
 
     fit = load_split(cache, impl, holdout="fit")
     C = fit.features.shape[0]
     buckets: dict[str, list[int]] = {}
     for i, c in enumerate(cfgs):
+        check_clients(c, C)
         buckets.setdefault(_bucket_key(c, impl), []).append(i)
-    jobs, chunk_sizes = [], []
-    for members in buckets.values():
-        models = [(i, s) for i in members for s in seeds]  # configurations x seeds share the H axis
-        size = chunk or plan_chunk(len(models), _per_model_bytes(impl, cfgs[members[0]], fit, C), memory_budget(dev))
-        chunk_sizes.append(size)
-        for start in range(0, len(models), size):
-            part = models[start : start + size]
-            digest = hashlib.sha256(json.dumps([cfgs[i] | {"seed": int(s)} for i, s in part], sort_keys=True).encode())
-            name = f"chunk-{digest.hexdigest()[:16]}.json"  # named by what it trains: any chunking resumes safely
-            jobs.append({"file": folder / name, "models": part,
-                         "args": (str(cache), algo, [cfgs[i] | {"seed": int(s)} for i, s in part], device)})
-    todo = [j for j in jobs if not j["file"].is_file()]
-    if progress:
-        progress("grid", len(jobs) - len(todo), len(jobs))
-    for job, acc in BACKENDS[backend](todo, progress):
-        _write_json(job["file"], {"models": job["models"], "val_acc": acc})
+    per_model = {}  # memory of one model per bucket: refuse a bucket whose smallest chunk cannot fit, before training
+    for key, members in buckets.items():
+        per_model[key] = check_memory(impl, cfgs[members[0]], min(chunk or 1, len(members) * len(seeds)), fit, dev,
+                                      "use a smaller --chunk")
+    created = not folder.exists()
+    make_folder(folder)
+    try:
+        jobs, chunk_sizes = [], []
+        for key, members in buckets.items():
+            models = [(i, s) for i in members for s in seeds]  # configurations x seeds share the H axis
+            size = chunk or plan_chunk(len(models), per_model[key], memory_budget(dev))
+            chunk_sizes.append(size)
+            for start in range(0, len(models), size):
+                part = models[start : start + size]
+                digest = hashlib.sha256(json.dumps([cfgs[i] | {"seed": int(s)} for i, s in part],
+                                                   sort_keys=True).encode())
+                name = f"chunk-{digest.hexdigest()[:16]}.json"  # named by what it trains: any chunking resumes safely
+                jobs.append({"file": folder / name, "models": part,
+                             "args": (str(cache), algo, [cfgs[i] | {"seed": int(s)} for i, s in part], device)})
+        todo = [j for j in jobs if not j["file"].is_file()]
         if progress:
-            progress("grid", sum(j["file"].is_file() for j in jobs), len(jobs))
+            progress("grid", len(jobs) - len(todo), len(jobs))
+        for job, acc in BACKENDS[backend](todo, progress):
+            _write_json(job["file"], {"models": job["models"], "val_acc": acc})
+            if progress:
+                progress("grid", sum(j["file"].is_file() for j in jobs), len(jobs))
 
-    scores = {i: [] for i in range(len(cfgs))}
-    for job in jobs:
-        saved = json.loads(job["file"].read_text())
-        for (i, s), per_client in zip(saved["models"], saved["val_acc"]):
-            scores[i].append(float(np.mean(per_client)))
-    table = sorted(({"config": points[i], "val_mean": float(np.mean(v)), "val_std": float(np.std(v))}
-                    for i, v in scores.items()), key=lambda r: -r["val_mean"])
-    result = {"algo": algo, "cache": str(cache), "axes": axes, "seeds": list(seeds), "configs": len(cfgs),
-              "models": len(cfgs) * len(seeds) * C, "chunks": len(jobs), "chunk_size": max(chunk_sizes),
-              "chunks_resumed": len(jobs) - len(todo), "backend": backend, "device": str(dev),
-              "run_folder": str(folder), "selection": table, "best": table[0]["config"]}
-    if retrain:
-        final = train(cache, algo, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
-                      out=folder, device=dev)
-        result["retrain"] = {k: final[k] for k in ("mean_acc", "std_acc", "per_seed", "best_round_mean_acc",
-                                                   "best_round_std_acc", "result_file", "params_uploaded_per_round")}
-    _write_json(folder / "grid.json", result)
-    (folder / "grid.csv").write_text(to_csv(table))
+        scores = {i: [] for i in range(len(cfgs))}
+        for job in jobs:
+            saved = json.loads(job["file"].read_text())
+            for (i, s), per_client in zip(saved["models"], saved["val_acc"]):
+                scores[i].append(float(np.mean(per_client)))
+        table = sorted(({"config": points[i], "val_mean": float(np.mean(v)), "val_std": float(np.std(v))}
+                        for i, v in scores.items()), key=lambda r: -r["val_mean"])
+        result = {"algo": algo, "cache": str(cache), "axes": axes, "seeds": list(seeds), "configs": len(cfgs),
+                  "models": len(cfgs) * len(seeds) * C, "chunks": len(jobs), "chunk_size": max(chunk_sizes),
+                  "chunks_resumed": len(jobs) - len(todo), "backend": backend, "device": str(dev),
+                  "run_folder": str(folder), "selection": table, "best": table[0]["config"]}
+        if retrain:
+            final = train(cache, algo, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
+                          out=folder, device=dev)
+            keep = ("mean_acc", "std_acc", "per_seed", "best_round_mean_acc", "best_round_std_acc", "result_file",
+                    "params_uploaded_per_round")
+            result["retrain"] = {k: final[k] for k in keep}
+        write_atomic(folder / "grid.csv", to_csv(table))
+        _write_json(folder / "grid.json", result)  # last: its presence means the run folder is complete
+    except BaseException:
+        if created and folder.is_dir() and not any(folder.iterdir()):  # a run folder that got nothing: not left behind
+            folder.rmdir()
+        raise
     return result
 
 

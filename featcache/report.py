@@ -3,19 +3,82 @@ accuracy curves. Used by the CLI and the reproduction pipelines."""
 
 from __future__ import annotations
 
+import io
 import json
+import math
 from pathlib import Path
 
+from .atomic import check_folder, write_atomic
 from .errors import UserError
 
+_NUMBERS = ("mean_acc", "std_acc", "best_round_mean_acc", "best_round_std_acc")
 
-def load_results(paths) -> list[dict]:
-    results = []
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def result_problem(r) -> str | None:
+    """Why a parsed JSON value is not a `featcache train` result file (None when it is one)."""
+    if not isinstance(r, dict):
+        kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(r), "null")
+        return f"a JSON {kind}, not an object"
+    if "curve" not in r and "seconds_per_round" in r:
+        return "a .timing.json sidecar"
+    if "selection" in r and "axes" in r:
+        return "a grid summary (grid.json): report its retrained result file instead"
+    if not isinstance(r.get("algo"), str) or not r["algo"]:
+        return "no algorithm name ('algo')"
+    for k in _NUMBERS:
+        if not _number(r.get(k)):
+            return f"'{k}' is missing or not a finite number"
+    w20 = (r.get("fairness") or {}).get("worst_20") if isinstance(r.get("fairness"), dict) else None
+    if not (isinstance(w20, list) and len(w20) == 2 and all(_number(v) for v in w20)):
+        return "'fairness.worst_20' is missing or not [mean, std]"
+    if not (isinstance(r.get("params_uploaded_per_round"), int) and not isinstance(r["params_uploaded_per_round"], bool)
+            and r["params_uploaded_per_round"] >= 0):
+        return "'params_uploaded_per_round' is missing or not a count"
+    if not (isinstance(r.get("seeds"), list) and r["seeds"]):
+        return "'seeds' is missing or empty"
+    curve = r.get("curve")
+    if not isinstance(curve, dict):
+        return "no accuracy 'curve'"
+    rounds, acc = curve.get("rounds"), curve.get("mean_acc")
+    if not (isinstance(rounds, list) and isinstance(acc, list) and rounds and len(rounds) == len(acc)
+            and all(_number(v) for v in rounds + acc)):
+        return "'curve' needs lists 'rounds' and 'mean_acc' of numbers, of the same length"
+    return None
+
+
+def load_results(paths, note=None) -> list[dict]:
+    """Parse and check each result file. A file that does not exist is refused; one that is not a result file (a
+    timing sidecar, grid.json, other JSON, a binary file) is refused when it is the only one, and skipped with a
+    one-line `note` when several files are given (a glob or a folder such as runs/*)."""
+    results, skipped = [], []
+    paths = [Path(p) for p in paths]
     for p in paths:
+        if not p.is_file():
+            what = f"is a folder: pass the result files in it, e.g. {p / '*.json'}" if p.is_dir() else "does not exist"
+            raise UserError(f"result file {p} {what}")
         try:
-            results.append(json.loads(Path(p).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"cannot read result file {p}: {e}") from None
+            parsed = json.loads(p.read_bytes().decode("utf-8"))
+            why = result_problem(parsed)
+        except OSError as e:
+            raise UserError(f"cannot read result file {p}: {e.strerror or e}") from None
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            why = "not JSON (a binary file?)"
+        if why is None:
+            results.append(parsed)
+        elif len(paths) == 1:
+            raise UserError(f"{p} is not a featcache result file: {why}")
+        else:
+            skipped.append(f"{p}: not a result file ({why})")
+    if skipped and not results:
+        raise UserError(f"none of the {len(paths)} inputs is a featcache result file ({skipped[0]}"
+                        f"{f'; +{len(skipped) - 1} more' if len(skipped) > 1 else ''}): pass the result JSON files "
+                        "of `featcache train`, e.g. runs/*.json")
+    for line in skipped if note is not None else ():
+        note(f"skipped {line}")
     return results
 
 
@@ -35,7 +98,8 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def curves_png(results: list[dict], path: str | Path) -> None:
+def curves_png(results: list[dict], path: str | Path | None = None) -> bytes:
+    """The accuracy curves as PNG bytes (also written atomically to `path` when given)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,21 +113,35 @@ def curves_png(results: list[dict], path: str | Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
+    if path is not None:
+        write_atomic(path, buf.getvalue())
+    return buf.getvalue()
 
 
-def report(results: list[str | Path], out: str | Path | None = None) -> dict:
-    """Render the table (returned, and written to OUT/report.md with OUT/curves.png when `out` is given)."""
-    loaded = load_results(results)
+def report(results: list[str | Path], out: str | Path | None = None, note=None) -> dict:
+    """Render the table (returned, and written to OUT/report.md with OUT/curves.png when `out` is given). `note`
+    receives one line per input skipped because it is not a result file."""
+    if out:
+        check_folder(out)
+    loaded = load_results(results, note)
     if not loaded:
-        raise UserError("no result files given: pass runs/*.json")
+        raise UserError("no result files among the inputs: pass the result JSON files of `featcache train`, e.g. "
+                        "runs/*.json")
     table = markdown_table(loaded)
     written = {}
     if out:
         out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.md").write_text(table)
-        curves_png(loaded, out / "curves.png")
+        png = curves_png(loaded)  # rendered before anything is written
+        existed = (out / "curves.png").exists()
+        write_atomic(out / "curves.png", png)
+        try:
+            write_atomic(out / "report.md", table)
+        except BaseException:
+            if not existed:  # the pair is written together or not at all
+                (out / "curves.png").unlink(missing_ok=True)
+            raise
         written = {"markdown": str(out / "report.md"), "figure": str(out / "curves.png")}
     return {"table": table, **written}

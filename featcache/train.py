@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import h5py
@@ -19,8 +20,8 @@ import torch
 
 from . import cache as C
 from .algorithms import create
-from .atomic import write_atomic
-from .config import resolve
+from .atomic import check_folder, write_atomic
+from .config import check_clients, check_seeds, merge_rounds, resolve
 from .devices import resolve_device
 from .engine import Engine
 from .errors import UserError
@@ -38,20 +39,84 @@ def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
     return Engine(algo, cfgs, train, test, device=device).run(progress)
 
 
+# Size settings a memory refusal may name, in the order they are considered when several grew.
+SIZE_SETTINGS = ("proj_dim", "con_dim", "n_prompts", "queue", "heads", "batch_size")
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory of the (resolved) CUDA device, or the RAM the kernel reports as available."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def per_model_bytes(algo, cfg: dict, d_in: int, num_classes: int, n_max: int, clients: int) -> int:
+    """Parameters + gradients + optimizer moments + activations of one configuration across its clients. The
+    parameters are built on torch's meta device (shapes only, nothing allocated); an algorithm's own checks of its
+    settings (in `init`) run here too. An `init` that cannot run on the meta device is run for real."""
+    try:
+        with torch.device("meta"):
+            params, buffers = algo.init(cfg, d_in, num_classes, torch.Generator())
+    except UserError:
+        raise
+    except Exception:
+        params, buffers = algo.init(cfg, d_in, num_classes, torch.Generator().manual_seed(0))
+    n = sum(p.numel() for p in params.values()) + sum(b.numel() for b in buffers.values())
+    width = max([p.shape[0] for p in params.values() if p.dim()] or [1])
+    activations = cfg["batch_size"] * width * 8 + n_max * (width + num_classes) * 2
+    return 4 * clients * (5 * n + activations)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_memory(algo, cfg: dict, models: int, data: C.ClientData, device: torch.device, flag: str = "") -> int:
+    """Refuse, in one line naming the setting to lower, a run of `models` batched configurations that needs more
+    memory than `device` has available. Returns the bytes one model needs."""
+    one = per_model_bytes(algo, cfg, data.features.shape[-1], data.num_classes, data.features.shape[1],
+                          data.features.shape[0])
+    need, avail = one * models, available_bytes(device)
+    if need > avail:
+        defaults = resolve(algo)
+        grown = [k for k in SIZE_SETTINGS if k in cfg and cfg[k] > defaults[k]]
+        name = max(grown, key=lambda k: cfg[k] / max(defaults[k], 1)) if grown else None
+        fix = (f"lower {name} (now {cfg[name]}, default {defaults[name]})" if name else
+               flag or "use fewer seeds or a cache with fewer clients")
+        raise UserError(f"{algo.name} would need about {_gib(need)} of memory ({models} model(s) x {_gib(one)}) "
+                        f"but {device} has {_gib(avail)} available: {fix}")
+    return one
+
+
+def precheck(algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2), set: list[str] | dict | None = None,
+             out: str | Path = "runs", device: str | torch.device = "auto"):
+    """Everything about a run that can be checked without its cache: device, seeds, settings, the output folder.
+    Returns (device, algorithm, resolved config)."""
+    dev = resolve_device(device)
+    seeds = check_seeds(seeds)
+    impl = create(algo)
+    cfg = resolve(impl, merge_rounds(set, rounds))
+    check_folder(out)
+    return dev, impl, cfg
+
+
 def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2),
           set: list[str] | dict | None = None, out: str | Path = "runs", device: str | torch.device = "auto",
           progress=None) -> dict:
     """Train `algo` on `cache` for each seed on `device` (auto | cpu | cuda[:N]); write the result JSON; return the
     result with timings and the device it ran on (the result file does not record it)."""
-    dev = resolve_device(device)
-    if not seeds:
-        raise UserError("--seeds needs at least one seed, e.g. --seeds 0,1,2")
-    impl = create(algo)
-    overrides = dict(set) if isinstance(set, dict) else list(set or [])
-    if rounds is not None:
-        overrides = overrides | {"rounds": rounds} if isinstance(overrides, dict) else overrides + [f"rounds={rounds}"]
-    cfg = resolve(impl, overrides)
+    dev, impl, cfg = precheck(algo, rounds, seeds, set, out, device)
+    seeds = check_seeds(seeds)
     train_data = load_split(cache, impl)
+    check_clients(cfg, int(train_data.features.shape[0]))
+    check_memory(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")
     test_data = C.load_clients(cache, "test")
     raw = run_configs(impl, [cfg | {"seed": int(s)} for s in seeds], train_data, test_data, dev, progress)
     with h5py.File(cache, "r") as f:
@@ -71,10 +136,14 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     body = json.dumps(result, sort_keys=True, indent=1)
     run_id = hashlib.sha256(body.encode()).hexdigest()[:12]
     path = Path(out) / f"{algo}-{run_id}.json"
-    write_atomic(path, body)
     timing = {"seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
               "seconds_total": round(float(np.sum(raw["round_seconds"])), 3), "device": str(dev)}
-    write_atomic(path.with_suffix(".timing.json"), json.dumps(timing))
+    existed = path.exists()
+    write_atomic(path, body)
+    try:
+        write_atomic(path.with_suffix(".timing.json"), json.dumps(timing))
+    except BaseException:
+        if not existed:  # the pair is written together or not at all
+            path.unlink(missing_ok=True)
+        raise
     return result | timing | {"result_file": str(path), "cache_path": str(cache)}
-
-
