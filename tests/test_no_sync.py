@@ -37,7 +37,8 @@ def data():
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedpcl", "fedproto", "fedproc", "scaffold", "fedprox", "moon",
-                                  "fedpft-con", "fedrep", "pfedme", "perfedavg", "fedamp"])
+                                  "fedpft-con", "fedrep", "pfedme", "perfedavg", "fedamp",
+                                  "fedcac", "pfedsd", "pfedgate"])
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_local_steps_never_read_the_device(name, optimizer, data, monkeypatch):
     train, test = data

@@ -9,8 +9,12 @@ nearest local prototype by inner product. Before round 1 the prototypes of the i
 `fedpcl-official` matches the released code (yuetan031/FedPCL lib/losses.py ConLoss, lib/update.py; DESIGN.md §3):
 no BN, L2-normalised z, only the local-prototype term written as the code writes it (each client's prototype of the
 sample's class is the anchor, contrasted against the batch's features, same-label samples positive, summed over the
-clients' sets), global prototypes as the unweighted mean over owning clients, inference by the smallest squared
-distance to the client's own prototypes.
+clients' sets) on the code's two-view batch (update_weights_lg concatenates images[0] and images[1], n_views = 2; on
+Digit-5/Office-10 the two crops are identical, so the cached batch is duplicated: every anchor has its own copy as a
+positive and the denominator doubles), zero loss in round 0 (the code trains only once global prototypes exist; in
+round 0 only weight decay acts), global prototypes as the unweighted mean over owning clients, inference by the
+smallest squared distance to the client's own prototypes. (Contrasting two different cached views instead would need
+the trainer to load views for this algorithm; it does not.)
 
 Eq. 6 is implemented literally (`global_agg="eq6"`): the size-weighted mean is divided once more by |N_j|, so global
 prototypes are 1/|N_j| the length of local ones; `global_agg="mean"` is the plain mean over owning clients.
@@ -126,16 +130,22 @@ class FedPCL(FedAvg):
         return scores.masked_fill(ctx["own_counts"] == 0, float("-inf"))
 
     def official(self, params, z, y, mask, ctx):
-        """Released ConLoss: anchors C_p^{y_i} against the batch's z_j, positives y_j = y_i (j != i), summed over p."""
-        anchors = ctx["padded"][:, y.clamp(min=0)]  # [P, N, d]
-        s = torch.matmul(anchors, z.T) / ctx["hp"]["tau"]  # [P, N, N]
-        eye = torch.eye(len(z), dtype=torch.bool, device=z.device)
-        valid = mask[None, :] & ~eye  # [N, N]
-        pos = (y[:, None] == y[None, :]) & valid
-        log_prob = s - logsumexp(s.masked_fill(~valid, float("-inf")), keepdim=True)  # [P, N, N]
-        n_pos = pos.float().sum(-1)  # [N]
-        per_set = -(log_prob * pos).sum(-1) / n_pos.clamp(min=1) * (n_pos > 0)  # [P, N]
-        return per_set.sum(0)
+        """Released ConLoss on the released batch of two views (update_weights_lg: torch.cat([images[0], images[1]]),
+        n_views = 2; the two crops are identical on the cached features, so the batch is duplicated): 2N anchors
+        C_p^{y_i} against the 2N features, positives the same-label features except the anchor's own position (the
+        sample's copy in the other view is one), summed over the clients' sets p. Returns [N]: the mean of a row's two
+        anchors, so the masked mean over rows is the code's mean over the 2N anchors."""
+        N = len(z)
+        z2, y2, mask2 = torch.cat([z, z]), torch.cat([y, y]), torch.cat([mask, mask])  # [2N, d], [2N], [2N]
+        anchors = ctx["padded"][:, y2.clamp(min=0)]  # [P, 2N, d]
+        s = torch.matmul(anchors, z2.T) / ctx["hp"]["tau"]  # [P, 2N, 2N]
+        eye = torch.eye(2 * N, dtype=torch.bool, device=z.device)
+        valid = mask2[None, :] & ~eye  # [2N, 2N]
+        pos = (y2[:, None] == y2[None, :]) & valid
+        log_prob = s - logsumexp(s.masked_fill(~valid, float("-inf")), keepdim=True)  # [P, 2N, 2N]
+        n_pos = pos.float().sum(-1)  # [2N]
+        per_anchor = -(log_prob * pos).sum(-1) / n_pos.clamp(min=1) * (n_pos > 0)  # [P, 2N]
+        return per_anchor.sum(0).reshape(2, N).mean(0)
 
 
 GLOBAL_AGG = {"eq6": global_prototypes, "mean": mean_prototypes}
@@ -152,6 +162,15 @@ class FedPCLOfficial(FedPCL):
     name = "fedpcl-official"
     paper = "FedPCL released code (yuetan031/FedPCL), DESIGN.md §3"
     defaults = FedPCL.defaults | {"bn": False, "normalize": True, "loss": "official", "global_agg": "mean"}
+
+    def context(self, state, rnd):
+        started = torch.full((rnd.H, rnd.C), float(rnd.round > 0), device=rnd.device)  # [H, C]
+        return super().context(state, rnd) | {"started": started}
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        """Zero in round 0 (the released code has no global prototypes yet: loss2 = 0, only weight decay acts)."""
+        loss, new_buffers = super().local_loss(params, buffers, x, y, mask, ctx)
+        return loss * ctx["started"], new_buffers
 
     def predict(self, params, buffers, x, ctx):
         z, _ = self.embed(params, buffers, x)

@@ -14,8 +14,9 @@ Differences from FedAvg:
 Variants (alpha_schedule, Table 4): "fixed" (α = 0.5); "two-stage" (first half of the rounds ℓ_gpc only with the
 output layer frozen, then ℓ_ce only with the projection head frozen).
 
-`fedproc-official` matches the released code: z L2-normalised before f_c, CE only in round 0 (then the same α), and
-sample-weighted prototype averaging; it hard-codes T = 100 in α, which equals the paper's default rounds.
+`fedproc-official` matches the released code (MuXutong/FedProc train.py, train_net_fedproc): z L2-normalised before
+f_c, CE only in round 0, then CE weight min(t/100, 1) and ℓ_gpc weight 1 − min(t/100, 1) (the code's fixed 100
+rounds, whatever `rounds` is: after round 100 only CE trains), and sample-weighted prototype averaging.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ ALPHA = {  # weight of ℓ_gpc in round t of T (eq. 2; ℓ_ce gets 1 − α)
     "linear": lambda t, T: 1 - t / T,  # eq. 2
     "fixed": lambda t, T: 0.5,  # Table 4 "FedProc (α = 0.5)"
     "two-stage": lambda t, T: float(t < T / 2),  # Table 4 "Two-stage FL" (see trainable)
-    "official": lambda t, T: 0.0 if t == 0 else 1 - t / T,  # released code: CE only in round 0
+    "official": lambda t, T: 0.0 if t == 0 else 1 - min(t / 100, 1),  # released code: CE only in round 0, then
+    # CE weight round/100 capped at 1 (a fixed 100, whatever the number of rounds)
 }
 
 

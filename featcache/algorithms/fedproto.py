@@ -10,7 +10,11 @@ Differences from FedAvg:
   (the official code's nn.MSELoss, so that its λ = 1 keeps its scale); a row whose class has no global prototype yet
   (every row in round 1) adds 0, through a weight tensor;
 - inference: the client's own classifier (infer="classifier", how the official code evaluates) or the nearest global
-  prototype by L2 distance (infer="proto").
+  prototype (infer="proto", the official test_inference_new_het_lt): only the classes the client holds in its
+  training split and that have a global prototype are candidates, at distance nn.MSELoss (the squared L2 distance
+  averaged over the dimensions); every other class sits at the code's fixed distance 100 (so it wins only when every
+  candidate is farther than 100, as in the code); infer="proto-all" is PFLlib's reading: every class with a global
+  prototype, by squared L2 distance.
 Prototype noise (proto_noise=laplace|gaussian) follows FedPCL's privacy study (fedpcl.md App. A.2.4).
 
 Differs from the official code in one place: it averages the z of every training batch while the model moves; here
@@ -48,7 +52,7 @@ class FedProto(FedAvg):
         "infer": "classifier",  # official evaluation uses each client's own model
         "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1,  # as FedPCL (fedpcl.md Table 15)
     }
-    choices = {"infer": ("classifier", "proto"), "proto_noise": ("none", "laplace", "gaussian")}  # INFER, _NOISE
+    choices = {"infer": ("classifier", "proto", "proto-all"), "proto_noise": ("none", "laplace", "gaussian")}
     structural = ("proto_noise_scale", "proto_noise_p")
 
     def shared(self, name):
@@ -59,6 +63,7 @@ class FedProto(FedAvg):
         ctx = super().context(state, rnd)
         ctx["prototypes"] = rnd.expand(state.server["prototypes"])  # [H, C, K, d]
         ctx["has"] = rnd.expand(state.server["has"])  # [H, C, K] bool
+        ctx["own_classes"] = state.client["own_classes"]  # [H, C, K] bool: classes in the client's training split
         return ctx
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
@@ -70,12 +75,21 @@ class FedProto(FedAvg):
         return INFER[self.cfg["infer"]](self, params, buffers, x, ctx)
 
     def nearest_prototype(self, params, buffers, x, ctx):
+        """Released: −MSE to the global prototypes of the client's own classes, −100 for every other class."""
+        z, _ = self.embed(params, buffers, x)
+        mse = sq_distances(z, ctx["prototypes"]) / z.shape[-1]  # [N, K]
+        return (-mse).masked_fill(~(ctx["has"] & ctx["own_classes"]), -100.0)
+
+    def nearest_prototype_all(self, params, buffers, x, ctx):
         z, _ = self.embed(params, buffers, x)
         return (-sq_distances(z, ctx["prototypes"])).masked_fill(~ctx["has"], float("-inf"))  # [N, K]
 
     # -- server: state.server = {"prototypes": [H, K, d], "has": [H, K]} ------------------------------------------
     def init_state(self, state, rnd):
         state.server = empty_global(rnd, self.cfg["proj_dim"])
+        data = rnd.data
+        own = (one_hot(data.labels, data.num_classes) & data.mask[..., None]).any(1)  # [C, K]
+        state.client["own_classes"] = own.expand(rnd.H, *own.shape)  # [H, C, K]
 
     def after_local(self, state, rnd):
         state.client["protos"], state.client["counts"] = local_prototypes(self, state, rnd.data)
@@ -90,4 +104,4 @@ class FedProto(FedAvg):
         state.server = server
 
 
-INFER = {"classifier": FedAvg.predict, "proto": FedProto.nearest_prototype}
+INFER = {"classifier": FedAvg.predict, "proto": FedProto.nearest_prototype, "proto-all": FedProto.nearest_prototype_all}

@@ -1,0 +1,104 @@
+"""FedCAC (Wu et al., "Bold but Cautious: Unlocking the Potential of Personalized Federated Learning through
+Cautiously Aggressive Collaboration", ICCV 2023): parameter-wise critical-parameter selection.
+
+Differences from FedAvg:
+- after local training each client scores every parameter's sensitivity to its non-IID data,
+  s = |(θ^{t,E} − θ^{t,0}) ⊙ θ^{t,E}| (the change of local training times the trained value), and marks the top
+  `tau` fraction of each parameter tensor (layer) as critical (mask m_i, 1 = critical); a layer whose threshold is
+  ~0 (≤ 1e-10) takes its smallest non-zero score instead, as the released code does. It uploads its model and m_i;
+- server: the overlap of clients i and j is 1 − ||m_i − m_j||₁ / (2 ||m_i||₁); the threshold is
+  avg + (t+1)/β·(max − avg) over the round's participant pairs (t = 0-based round): it grows with the rounds, so
+  critical parameters collaborate less and less (from round β on, with no one);
+  client i's customized model is the uniform mean of its own model and those of the participants j whose overlap
+  with i reaches the threshold; the global model is FedAvg's n_k / n mean of the participants;
+- download: θ_i = m_i ⊙ customized_i + (1 − m_i) ⊙ global (critical parameters from the collaborators, the rest
+  from everyone). BN running statistics (bn=True) come from the global model. Each client is evaluated with θ_i as
+  trained (its own model after local training is what it uploads; after download it holds the mixed model).
+Choices on cached features (the paper leaves them to the network): the "layers" are the head's parameter tensors
+(proj0.weight, proj0.bias, cls0.weight, cls0.bias); overlap average/max are taken over participating pairs (all
+pairs under full participation, as the released code); before a client first trains it has no critical parameters
+(m = 0: it takes the global model whole, as the released code's first round). Defaults τ = 0.5 and β = 100 are our
+choice (the paper's per-dataset values were not available offline): tune them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import register
+from .base import FedAvg, bcast, weighted_mean
+
+CRIT = "critical."  # upload prefix of the critical-parameter masks
+
+
+def critical_mask(new: torch.Tensor, old: torch.Tensor, tau: float) -> torch.Tensor:
+    """m [H, C, ...]: the top-τ fraction of |(new − old) ⊙ new| within each model's tensor (1 = critical)."""
+    score = ((new - old) * new).abs().flatten(2)  # [H, C, P]
+    k = int(tau * score.shape[-1])
+    if k == 0:
+        return torch.zeros_like(new)
+    thresh = score.topk(k, dim=-1).values[..., -1:]  # [H, C, 1] the k-th largest score
+    nonzero = score.masked_fill(score <= 1e-20, float("inf")).amin(-1, keepdim=True)  # smallest non-zero score
+    thresh = torch.where((thresh <= 1e-10) & torch.isfinite(nonzero), nonzero, thresh)
+    return (score >= thresh).to(new.dtype).reshape(new.shape)
+
+
+def overlap(masks: torch.Tensor) -> torch.Tensor:
+    """1 − ||m_i − m_j||₁ / (2 ||m_i||₁) for flattened masks [H, C, P] -> [H, C, C]."""
+    diff = (masks[:, :, None] - masks[:, None]).abs().sum(-1)  # [H, C, C]
+    return 1 - diff / (2 * masks.sum(-1, keepdim=True)).clamp(min=1e-12)
+
+
+def collaborators(ov: torch.Tensor, part: torch.Tensor, t: int, beta: torch.Tensor) -> torch.Tensor:
+    """[H, C, C] bool: j collaborates with i (i itself always) when overlap ≥ threshold; ov [H, C, C], part [H, C]."""
+    C = ov.shape[-1]
+    eye = torch.eye(C, dtype=torch.bool, device=ov.device)
+    pairs = part[:, :, None] & part[:, None, :] & ~eye  # [H, C, C]
+    n = pairs.sum((1, 2)).clamp(min=1)  # [H]
+    avg = (ov * pairs).sum((1, 2)) / n  # [H]
+    mx = ov.masked_fill(~pairs, float("-inf")).amax((1, 2))  # [H]
+    thresh = avg + (t + 1) / beta * (mx - avg)  # [H]
+    return (pairs & (ov >= thresh[:, None, None])) | eye
+
+
+@register
+class FedCAC(FedAvg):
+    name = "fedcac"
+    paper = "Wu et al., Bold but Cautious: Unlocking the Potential of Personalized FL through Cautiously Aggressive " \
+            "Collaboration, ICCV 2023"
+    uploads = "all head parameters + their critical-parameter masks"
+    defaults = FedAvg.defaults | {"tau": 0.5, "beta": 100.0}  # our choice (see the module docstring)
+    structural = ("tau",)  # the number of critical parameters per layer is a shape
+    limitation = "critical parameters are chosen per head tensor (the head's layers)"
+
+    def init_state(self, state, rnd):
+        state.client["start"] = {k: v.clone() for k, v in state.params.items()}  # θ^{t,0}
+        state.client["critical"] = {k: torch.zeros_like(v) for k, v in state.params.items()}  # m = 0: none yet
+
+    def after_local(self, state, rnd):
+        part = rnd.part
+        for k, v in state.params.items():
+            new = critical_mask(v, state.client["start"][k], self.cfg["tau"])
+            state.client["critical"][k] = torch.where(bcast(part, v), new, state.client["critical"][k])
+
+    def upload(self, state, rnd):
+        return super().upload(state, rnd) | {CRIT + k: m for k, m in state.client["critical"].items()}
+
+    def aggregate(self, uploads, weights, state, rnd):
+        models = {k: v for k, v in uploads.items() if not k.startswith(CRIT)}
+        glob = super().aggregate(models, weights, state, rnd)  # name -> [H, ...]
+        masks = torch.cat([uploads[CRIT + k].flatten(2) for k in state.params], -1)  # [H, C, P]
+        collab = collaborators(overlap(masks), rnd.part, rnd.round, rnd.hp["beta"]).to(masks.dtype)  # [H, C, C]
+        collab = collab / collab.sum(-1, keepdim=True)  # uniform mean over the collaborators
+        custom = {k: torch.einsum("hij,hj...->hi...", collab, models[k]) for k in state.params}  # [H, C, ...]
+        return {"global": glob, "custom": custom}
+
+    def download(self, state, server, rnd):
+        glob, custom = server["global"], server["custom"]
+        for k in state.buffers:
+            if k in glob:
+                state.buffers[k] = rnd.expand(glob[k]).clone()
+        for k in state.params:
+            m = state.client["critical"][k]  # [H, C, ...]
+            state.params[k] = m * custom[k] + (1 - m) * rnd.expand(glob[k])
+        state.client["start"] = {k: v.clone() for k, v in state.params.items()}

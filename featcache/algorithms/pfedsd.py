@@ -1,0 +1,61 @@
+"""pFedSD (Jin et al., "Personalized Edge Intelligence via Federated Self-Knowledge Distillation", IEEE TPDS 2022):
+personalized self-knowledge distillation.
+
+Differences from FedAvg:
+- every client keeps its personalized model, the model it holds after its last local training (θ̂_i);
+- local loss: a client starts from the global model and trains on
+  CE(y, f(x; θ)) + λ·T²·KL(softmax(f(x; θ̂_i)/T) ‖ softmax(f(x; θ)/T)),
+  the teacher θ̂_i being its personalized model of the previous round it took part in (detached, inference mode);
+  before a client has trained once there is no teacher and the loss is the cross-entropy alone;
+- each client is evaluated with its personalized model θ̂_i (held in state.client["personal"], parameters and BN
+  statistics), not with the global model it downloads.
+The server is FedAvg. Defaults T = 3 and λ = 1 are our choice (the paper's values were not available offline).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import register
+from .base import FedAvg, bcast, masked_ce, masked_mean
+
+
+def self_distillation(student: torch.Tensor, teacher: torch.Tensor, T) -> torch.Tensor:
+    """Per row T²·KL(softmax(teacher/T) ‖ softmax(student/T)): [N]."""
+    p = F.log_softmax(teacher / T, -1)
+    q = F.log_softmax(student / T, -1)
+    return T * T * (p.exp() * (p - q)).sum(-1)
+
+
+@register
+class PFedSD(FedAvg):
+    name = "pfedsd"
+    paper = "Jin et al., Personalized Edge Intelligence via Federated Self-Knowledge Distillation, IEEE TPDS 2022"
+    uploads = "all head parameters"
+    defaults = FedAvg.defaults | {"temperature": 3.0, "lam": 1.0}  # our choice (see the module docstring)
+
+    def init_state(self, state, rnd):
+        state.client["personal"] = {k: v.clone() for k, v in (state.params | state.buffers).items()}
+        state.client["has_teacher"] = torch.zeros(rnd.H, rnd.C, device=rnd.device)  # [H, C] 1 once trained
+
+    def context(self, state, rnd):
+        return super().context(state, rnd) | {"personal": state.client["personal"],
+                                              "has_teacher": state.client["has_teacher"]}
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        z, new_buffers = self.embed(params, buffers, x, mask, train=True)
+        logits = self.logits(params, z)
+        with torch.no_grad():
+            teacher = FedAvg.predict(self, ctx["personal"], ctx["personal"], x, ctx)
+        kd = self_distillation(logits, teacher, ctx["hp"]["temperature"])  # [B]
+        reg = ctx["hp"]["lam"] * ctx["has_teacher"] * masked_mean(kd, mask)
+        return masked_ce(logits, y, mask) + reg, new_buffers
+
+    def predict(self, params, buffers, x, ctx):
+        return super().predict(ctx["personal"], ctx["personal"], x, ctx)
+
+    def after_local(self, state, rnd):
+        for k, v in (state.params | state.buffers).items():  # participants' trained models become θ̂_i
+            state.client["personal"][k] = torch.where(bcast(rnd.part, v), v, state.client["personal"][k])
+        state.client["has_teacher"] = torch.maximum(state.client["has_teacher"], rnd.part.float())

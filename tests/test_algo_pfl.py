@@ -1,0 +1,197 @@
+"""FedCAC, pFedSD and pFedGate (FedPFT Table 2's remaining baselines) against direct transcriptions of their papers'
+equations on tiny tensors: explicit loops, their own forward pass, never the algorithms' helpers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from featcache.algorithms import create
+from featcache.engine import ENGINE_DEFAULTS, Engine, State
+from featcache.errors import UserError
+from tests.synthetic import synthetic_clients
+from tests.test_algo_personal import (D_IN, HID, K, KEYS, assert_dicts_close, batch, ce, grad_of, hp, logits_of,
+                                      loss_and_grad, models, round_of, setup, tiny_model)
+
+
+# -- FedCAC ------------------------------------------------------------------------------------------------------
+def critical_reference(new: torch.Tensor, old: torch.Tensor, tau: float) -> torch.Tensor:
+    """The released code's evaluate_critical_parameter for one tensor: top-τ of |(new − old)·new|."""
+    c = ((new - old) * new).abs()
+    metric = c.reshape(-1)
+    nz = int(tau * metric.numel())
+    top = torch.topk(metric, nz).values
+    thresh = top[-1] if len(top) else math.inf
+    if thresh <= 1e-10:
+        rest = metric[metric > 1e-20]
+        if len(rest):
+            thresh = rest.sort().values[0]
+    return (c >= thresh).float()
+
+
+def test_fedcac_critical_parameters_are_the_most_sensitive():
+    algo = setup("fedcac", tau=0.5)
+    old, new = models(3, 0), models(3, 10)
+    new["cls0.bias"][0, 1] = old["cls0.bias"][0, 1]  # a layer that did not move: threshold falls to the smallest >0
+    state = State(params={k: v.clone() for k, v in new.items()}, buffers={},
+                  client={"start": old, "critical": {k: torch.zeros_like(v) for k, v in new.items()}})
+    part = torch.tensor([[1, 1, 0]])
+    algo.after_local(state, round_of(part))
+    for c in range(3):
+        for k in KEYS:
+            want = critical_reference(new[k][0, c], old[k][0, c], 0.5) if c < 2 else torch.zeros_like(new[k][0, c])
+            torch.testing.assert_close(state.client["critical"][k][0, c], want, msg=f"client {c} {k}")
+    assert state.client["critical"]["proj0.weight"][0, 0].mean() == 0.5
+
+
+def test_fedcac_server_collaborates_among_overlapping_clients():
+    """Transcription of the released server: overlap, the growing threshold, the customized and global models."""
+    algo, W = setup("fedcac"), models(4, 20)
+    g = torch.Generator().manual_seed(3)
+    masks = {k: (torch.rand(v.shape, generator=g) < 0.5).float() for k, v in W.items()}
+    uploads = W | {"critical." + k: m for k, m in masks.items()}
+    weights = torch.tensor([[10.0, 20.0, 30.0, 40.0]])
+    t, beta = 3, 8.0
+    rnd = round_of(torch.ones(1, 4), beta=[beta])
+    rnd = type(rnd)(**{**rnd.__dict__, "round": t})
+    state = State(params={k: v.clone() for k, v in W.items()}, buffers={}, client={"critical": masks})
+    out = algo.aggregate(uploads, weights, state, rnd)
+    flat = [torch.cat([masks[k][0, c].reshape(-1) for k in KEYS]) for c in range(4)]
+    ov = [[1 - (flat[i] - flat[j]).abs().sum() / (flat[i].sum() * 2) for j in range(4)] for i in range(4)]
+    others = [ov[i][j] for i in range(4) for j in range(4) if i != j]
+    avg, mx = sum(others) / len(others), max(others)
+    thresh = avg + (t + 1) / beta * (mx - avg)
+    for i in range(4):
+        collab = [i] + [j for j in range(4) if j != i and ov[i][j] >= thresh]
+        for k in KEYS:
+            torch.testing.assert_close(out["custom"][k][0, i], sum(W[k][0, j] for j in collab) / len(collab))
+    for k in KEYS:
+        torch.testing.assert_close(out["global"][k][0], sum(W[k][0, c] * weights[0, c] for c in range(4)) / 100)
+    algo.download(state, out, rnd)
+    for i in range(4):
+        for k in KEYS:
+            m = masks[k][0, i]
+            mixed = m * out["custom"][k][0, i] + (1 - m) * out["global"][k][0]
+            torch.testing.assert_close(state.params[k][0, i], mixed)
+
+
+def test_fedcac_threshold_passes_the_maximum_late_in_training():
+    """After β rounds no pair reaches the threshold: critical parameters stay with their own client."""
+    algo, W = setup("fedcac"), models(3, 30)
+    masks = {k: torch.ones_like(v) for k, v in W.items()}
+    masks["cls0.bias"][0, 0] = 0
+    uploads = W | {"critical." + k: m for k, m in masks.items()}
+    rnd = round_of(torch.ones(1, 3), beta=[2.0])
+    rnd = type(rnd)(**{**rnd.__dict__, "round": 5})
+    out = algo.aggregate(uploads, torch.ones(1, 3), State(params=W, buffers={}), rnd)
+    assert_dicts_close({k: v[0, 0] for k, v in out["custom"].items()}, {k: v[0, 0] for k, v in W.items()})
+
+
+# -- pFedSD ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("has_teacher", [0.0, 1.0])
+def test_pfedsd_loss_is_ce_plus_self_distillation(has_teacher):
+    algo, w, teacher = setup("pfedsd"), tiny_model(0), tiny_model(1)
+    x, y = batch(2)
+    T, lam = 3.0, 0.7
+    ctx = hp(temperature=T, lam=lam) | {"personal": teacher, "has_teacher": torch.tensor(has_teacher)}
+    loss, g, _ = loss_and_grad(algo, w, x, y, torch.ones(6, dtype=torch.bool), ctx)
+
+    def expected(p):
+        s, t = logits_of(p, x), logits_of(teacher, x)
+        kd = 0.0
+        for n in range(len(x)):  # T²·KL(softmax(t/T) ‖ softmax(s/T)), row by row
+            pt, ps = torch.softmax(t[n] / T, -1), torch.softmax(s[n] / T, -1)
+            kd = kd + T * T * (pt * (pt.log() - ps.log())).sum()
+        return ce(p, x, y) + has_teacher * lam * kd / len(x)
+
+    torch.testing.assert_close(loss, expected(w))
+    assert_dicts_close(g, grad_of(expected, w), atol=1e-6, rtol=1e-5)
+
+
+def test_pfedsd_evaluates_and_distils_from_the_personalized_model():
+    algo, w, personal = setup("pfedsd"), tiny_model(3), tiny_model(4)
+    x, _ = batch(5)
+    torch.testing.assert_close(algo.predict(w, {}, x, {"personal": personal}), logits_of(personal, x))
+    W = models(3, 40)
+    state = State(params={k: v.clone() for k, v in W.items()}, buffers={},
+                  client={"personal": {k: torch.zeros_like(v) for k, v in W.items()},
+                          "has_teacher": torch.zeros(1, 3)})
+    algo.after_local(state, round_of(torch.tensor([[1, 0, 1]])))
+    for c in range(3):
+        for k in KEYS:
+            want = W[k][0, c] if c != 1 else torch.zeros_like(W[k][0, c])
+            torch.testing.assert_close(state.client["personal"][k][0, c], want)
+    torch.testing.assert_close(state.client["has_teacher"], torch.tensor([[1.0, 0.0, 1.0]]))
+
+
+def test_pfedsd_first_round_equals_fedavg():
+    train, test = synthetic_clients(C=3, n=(10, 20), seed=0), synthetic_clients(C=3, n=(10, 20), seed=1)
+    cfg = ENGINE_DEFAULTS | create("pfedsd").defaults | {"proj_dim": HID, "rounds": 1, "batch_size": 8}
+    sd, avg = Engine(create("pfedsd"), [cfg], train, test), Engine(create("fedavg"), [cfg], train, test)
+    sd.run(), avg.run()
+    assert_dicts_close(sd.state.params, avg.state.params)
+
+
+# -- pFedGate ----------------------------------------------------------------------------------------------------
+def gate_model(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return tiny_model(seed) | {"gate0.weight": torch.randn(HID, D_IN, generator=g),
+                               "gate0.bias": torch.randn(HID, generator=g)}
+
+
+def gated_logits(p: dict, x: torch.Tensor, s: float) -> torch.Tensor:
+    """θ ⊙ g: per sample, hidden unit j of the projection scaled by its gate if among the ⌈s·M⌉ largest, else 0."""
+    rows = []
+    for n in range(len(x)):
+        g = torch.sigmoid(p["gate0.weight"] @ x[n] + p["gate0.bias"])  # [M]
+        keep = torch.zeros(HID)
+        keep[torch.argsort(g, descending=True)[: math.ceil(s * HID)]] = 1
+        W, b = p["proj0.weight"] * (g * keep)[:, None], p["proj0.bias"] * g * keep  # the gated block = one unit
+        z = torch.relu(W @ x[n] + b)
+        rows.append(p["cls0.weight"] @ z + p["cls0.bias"])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("s", [0.5, 1.0])
+def test_pfedgate_predicts_with_the_sparse_gated_model(s):
+    algo, p = setup("pfedgate", sparsity=s), gate_model(6)
+    x, y = batch(7)
+    torch.testing.assert_close(algo.predict(p, {}, x, hp()), gated_logits(p, x, s))
+    loss, g, _ = loss_and_grad(algo, p, x, y, torch.ones(6, dtype=torch.bool), hp())
+
+    def expected(q):
+        s_ = gated_logits(q, x, s)
+        return sum(-(torch.log_softmax(s_[n], -1)[y[n]]) for n in range(len(x))) / len(x)
+
+    torch.testing.assert_close(loss, expected(p))
+    assert_dicts_close(g, grad_of(expected, p), atol=1e-6, rtol=1e-5)
+    assert g["gate0.weight"].abs().sum() > 0  # the gating network learns through the kept gates
+
+
+def test_pfedgate_keeps_the_gating_network_local():
+    algo = setup("pfedgate")
+    assert {k for k in gate_model(0) if algo.shared(k)} == set(KEYS)
+
+
+def test_pfedgate_rejects_a_bad_budget():
+    with pytest.raises(UserError, match="sparsity"):
+        create("pfedgate").init(setup("pfedgate").full | {"sparsity": 0.0}, D_IN, K, torch.Generator())
+
+
+# -- all three ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, over", [("fedcac", {"beta": 2.0}), ("pfedsd", {"temperature": 1.5, "lam": 0.3}),
+                                        ("pfedgate", {"lr": 3e-2})])
+def test_batched_hyperparameters_equal_single_runs(name, over):
+    train, test = synthetic_clients(C=3, n=(10, 20), seed=0), synthetic_clients(C=3, n=(10, 20), seed=1)
+    base = ENGINE_DEFAULTS | create(name).defaults | {"proj_dim": HID, "rounds": 3, "batch_size": 8, "lr": 1e-2,
+                                                      "participation": 0.67}
+    cfgs = [base, base | over | {"seed": 1}]
+    batched = Engine(create(name), cfgs, train, test)
+    acc = batched.run()["acc"]
+    for h, cfg in enumerate(cfgs):
+        alone = Engine(create(name), [cfg], train, test)
+        torch.testing.assert_close(acc[:, h], alone.run()["acc"][:, 0])
+        assert_dicts_close({k: v[h] for k, v in batched.state.params.items()},
+                           {k: v[0] for k, v in alone.state.params.items()})
