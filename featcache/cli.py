@@ -30,24 +30,30 @@ err = Console(stderr=True)
 
 @contextmanager
 def progress_bar(enabled: bool = True):
-    """Yield a `(label, done, total)` callback that drives one rich bar per label (on stderr)."""
+    """Yield a `(label, done, total)` callback that drives one rich bar per label (on stderr). The bars appear with
+    the first update, so a command refused before any work prints its one error line and nothing else."""
     if not enabled:
         yield None
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False) as bar:
-        tasks: dict[str, int] = {}
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
+    tasks: dict[str, int] = {}
 
-        def update(label: str, done: int, total: int) -> None:
-            if label not in tasks:
-                tasks[label] = bar.add_task(label, total=total)
-            bar.update(tasks[label], completed=done, total=total)
+    def update(label: str, done: int, total: int) -> None:
+        if not tasks:
+            bar.start()
+        if label not in tasks:
+            tasks[label] = bar.add_task(label, total=total)
+        bar.update(tasks[label], completed=done, total=total)
 
-        try:
-            yield update
-        except BaseException:
-            bar.live.transient = True  # on an error, its one-line message is all that stays on screen
-            raise
+    try:
+        yield update
+    except BaseException:
+        bar.live.transient = True  # on an error, its one-line message is all that stays on screen
+        raise
+    finally:
+        if tasks:
+            bar.stop()
 
 
 def _emit(result: dict, as_json: bool, table: Table | None = None) -> None:
