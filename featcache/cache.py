@@ -421,6 +421,35 @@ def _rows(g, holdout: str, split: str) -> np.ndarray:
     raise UserError(f"holdout must be one of none, fit, val (got {holdout!r})")
 
 
+# featcache's own code that determines the embeddings (relative to the package): which images (dataset readers,
+# partition), how they are preprocessed (pipeline), how backbones are built and run, and how blocks are embedded and
+# written (extract). Its sha256 is part of every cache key, so a change of any of it gives new caches; `featcache
+# 0.1.0` alone could not tell two preprocessings apart.
+PREPROCESSING_CODE = ("pipeline.py", "backbones.py", "extract.py", "partition.py", "datasets/*.py")
+
+
+def _read_source(rel: str) -> bytes:
+    return (Path(__file__).resolve().parent / rel).read_bytes()
+
+
+def code_identity() -> dict:
+    """{"files": [...], "sha256": ...}: the sha256 over the names and bytes of `PREPROCESSING_CODE`, in order (a
+    file that cannot be read counts as empty, so the key still changes when it comes back)."""
+    root = Path(__file__).resolve().parent
+    files = []
+    for pattern in PREPROCESSING_CODE:
+        found = sorted(p.relative_to(root).as_posix() for p in root.glob(pattern)) if "*" in pattern else [pattern]
+        files += found
+    h = hashlib.sha256()
+    for rel in files:
+        try:
+            data = _read_source(rel)
+        except OSError:
+            data = b""
+        h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+    return {"files": files, "sha256": h.hexdigest()}
+
+
 def versions() -> dict:
     """Versions of the libraries whose numerics determine the embeddings."""
     import importlib.metadata as md

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +21,14 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .errors import UserError
+# Transparent huge pages for torch's large CPU tensors, for the `featcache` command only (this module runs before torch
+# is imported; a user's own setting wins; library users may set it themselves before importing torch). A grid's
+# stacked gradients and moments are hundreds of MB allocated afresh every step; page by page, the first touch of them
+# costs more than the matmul that fills them (bench/grid.py, bench/train.py).
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+from . import provenance  # noqa: E402
+from .errors import UserError  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run frozen backbones once, cache embeddings in HDF5, train federated heads on them.")
@@ -28,12 +36,40 @@ out = Console()
 err = Console(stderr=True)
 
 
+PLAIN_EVERY_S = 30.0  # when stderr is not a terminal: a line per label at least every 30 s ...
+PLAIN_STEP = 0.1  # ... and at every 10 % of its total
+
+
+def plain_progress(write=None, clock=time.monotonic):
+    """A `(label, done, total)` callback for logs (stderr not a terminal: nohup, SLURM, CI): plain lines such as
+    `progress: fedavg 10/50 (20 %) 12 s` at every 10 % of a label's total, at least every 30 s while it advances,
+    and at its end; nothing before the first update."""
+    write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+    start, last = {}, {}  # label -> first update time; label -> (time, fraction) of the last line
+
+    def update(label: str, done: int, total: int) -> None:
+        now = clock()
+        start.setdefault(label, now)
+        frac = done / total if total else 1.0
+        t, f = last.get(label, (None, None))
+        if (t is None or frac >= 1.0 and f < 1.0 or int(frac / PLAIN_STEP) > int(f / PLAIN_STEP)
+                or now - t >= PLAIN_EVERY_S and frac > f):
+            last[label] = (now, frac)
+            write(f"progress: {label} {done}/{total} ({100 * frac:.0f} %) {now - start[label]:.0f} s")
+
+    return update
+
+
 @contextmanager
 def progress_bar(enabled: bool = True):
-    """Yield a `(label, done, total)` callback that drives one rich bar per label (on stderr). The bars appear with
-    the first update, so a command refused before any work prints its one error line and nothing else."""
+    """Yield a `(label, done, total)` callback that drives one rich bar per label (on stderr), or, when stderr is not
+    a terminal, prints plain periodic lines (`plain_progress`). The bars appear with the first update, so a command
+    refused before any work prints its one error line and nothing else."""
     if not enabled:
         yield None
+        return
+    if not err.is_terminal:
+        yield plain_progress()
         return
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
@@ -75,6 +111,8 @@ def extract(
     classes_per_client: int = typer.Option(2, help="classes per client for the pathological partition"),
     domain: Optional[list[str]] = typer.Option(None, help="use only these domains (repeat)"),
     val_fraction: float = typer.Option(0.2, help="share of train held out for validation (grid search)"),
+    order: str = typer.Option("shuffled", help="which images of a class a client takes: shuffled (seeded) | first "
+                                               "(the dataset's order, FedPCL's first 10 per class)"),
     image_size: Optional[int] = typer.Option(None, help="input size override (FedPCL: 64 for ResNet18)"),
     views: int = typer.Option(0, help="augmented views per training image (FedPCL two-crop, FedPFT+Con)"),
     noise: Optional[str] = typer.Option(None, help="image noise: laplace or gaussian (FedPCL A.2.4)"),
@@ -99,7 +137,7 @@ def extract(
         result = run(
             dataset=dataset, backbone=backbone, partition=partition, clients=clients, alpha=alpha,
             per_class=per_class, test_per_class=test_per_class, classes_per_client=classes_per_client,
-            domains=domain, val_fraction=val_fraction, image_size=image_size, views=views,
+            domains=domain, val_fraction=val_fraction, order=order, image_size=image_size, views=views,
             noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
             download=download, out=out_dir, batch_size=batch_size, workers=workers, device=device, backend=backend,
             allow_partial=allow_partial, progress=progress,
@@ -292,7 +330,8 @@ def datasets() -> None:
 @app.command()
 def reproduce(
     pipeline: str = typer.Argument(..., help="pipelines/NAME.toml, or NAME"),
-    profile: str = typer.Option("quick", help="quick (minutes) | full (the papers' rounds and seeds)"),
+    profile: str = typer.Option("full", help="full (the papers' rounds and seeds; the default, as for the make "
+                                             "targets) | quick (minutes)"),
     data_root: Optional[Path] = typer.Option(None, help="folder with the paper's dataset (default: offline data)"),
     dataset: Optional[str] = typer.Option(None, help="dataset override (with --data-root, default: the paper's)"),
     backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="backbone override, in order; repeat"),
@@ -334,6 +373,14 @@ def main() -> None:
     Last resort: any other exception is a bug of featcache; it is one line too ("internal error: ...") with exit code
     1. FEATCACHE_DEBUG=1 re-raises it with its traceback."""
     warnings.showwarning = _warn_one_line
+    provenance.set_command(sys.argv)  # result files record the command line (for this call only)
+    try:
+        _main()
+    finally:
+        provenance.COMMAND = None
+
+
+def _main() -> None:
     try:
         app()
     except UserError as e:

@@ -93,6 +93,7 @@ def extract(
     classes_per_client: int = 2,
     domains: list[str] | None = None,
     val_fraction: float = 0.2,
+    order: str = "shuffled",
     image_size: int | None = None,
     views: int = 0,
     noise: Noise | None = None,
@@ -127,7 +128,7 @@ def extract(
     spec = PartitionSpec(
         scheme=partition, clients=clients, alpha=alpha, per_class=per_class, test_per_class=test_per_class,
         classes_per_client=classes_per_client, domains=tuple(domains) if domains else None,
-        val_fraction=val_fraction, seed=seed,
+        val_fraction=val_fraction, order=order, seed=seed,
     )
     from .backbones import weights_identity
 
@@ -143,6 +144,7 @@ def extract(
         "noise": asdict(noise) if noise else None,
         "seed": seed,
         "pipeline": P.DESCRIPTION,
+        "code": C.code_identity()["sha256"],  # featcache's own preprocessing code (cache.PREPROCESSING_CODE)
         "precision": "float16" if dev.type == "cuda" else "float32",  # CUDA runs under fp16 autocast
         "allow_partial": allow_partial,
         "versions": C.versions(),
@@ -338,6 +340,11 @@ def _embed(work: Path, jobs: list[tuple[Block, list[int]]], data, run: Settings,
     done = dict.fromkeys(needed, 0)
     if phases is not None:
         phases["models"] += (t1 := time.perf_counter()) - t
+    for block, js in jobs:  # a client with no rows in a split (no chunk will visit it): empty blocks
+        if len(block.rows) == 0:
+            for j in js:
+                with _block_file(work / block.file(j), 0, block.views, built[j].dim):
+                    pass
     writer = _Writer(dev, lag=len(needed))
     with torch.inference_mode():
         for b, prepared in itertools.groupby(P.loader(source, run.workers, dev), key=lambda item: item[0]):

@@ -2,7 +2,8 @@
 
 Protocol of the papers (fedpcl.md App. A.1.4): train every configuration on train-minus-validation (the 20 % held out
 at extraction), score it by mean client accuracy on the validation rows, retrain the best on the full train split and
-report test accuracy mean(std) over seeds.
+report test accuracy mean(std) over seeds
+(std: the sample std over seeds, ddof=1; 0 with one seed).
 
 Continuous hyperparameters (lr, weight decay, τ, μ, ...) become per-model tensors on the engine's configuration axis,
 so H configurations x seeds x C clients train in the same vectorized steps; structural ones (widths, prompt counts,
@@ -30,6 +31,8 @@ from .config import check, check_clients, check_seeds, merge_rounds, pairs, pars
 from .devices import resolve_device
 from .engine import structural_keys
 from .errors import UserError
+from .metrics import mean_std
+from .provenance import library_call, provenance
 from .train import available_bytes, check_memory, load_split, run_configs, train
 
 BACKENDS = {}
@@ -90,18 +93,27 @@ def _write_json(path: Path, obj) -> None:
     write_atomic(path, json.dumps(obj, sort_keys=True, indent=1))
 
 
-def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str | torch.device) -> list[list[float]]:
-    """Train a chunk on train-minus-validation and score on validation: per model, per-client final accuracy."""
+def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str | torch.device,
+               progress=None) -> list[list[float]]:
+    """Train a chunk on train-minus-validation and score on validation: per model, per-client final accuracy.
+    `progress(round, rounds)` is called after each round."""
     algo = create(algo_name)
     fit = load_split(cache, algo, holdout="fit")
     val = load_clients(cache, "train", holdout="val")
-    acc = run_configs(algo, cfgs, fit, val, device)["acc"][-1]  # [H, C]
+    acc = run_configs(algo, cfgs, fit, val, device, progress)["acc"][-1]  # [H, C]
     return (100 * acc).tolist()
 
 
 def _local_backend(jobs, progress):
-    for i, job in enumerate(jobs):
-        yield job, _run_chunk(*job["args"])
+    """In-process, one chunk after another; progress is reported per round (in rounds of all chunks to train)."""
+    total = sum(job["rounds"] for job in jobs)
+    done = 0
+    for job in jobs:
+        tick = None
+        if progress:
+            tick = lambda r, R, base=done, n=job["rounds"]: progress("grid rounds", base + round(r * n / R), total)
+        yield job, _run_chunk(*job["args"], tick)
+        done += job["rounds"]
 
 
 BACKENDS["local"] = _local_backend
@@ -181,22 +193,22 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
                 digest = hashlib.sha256(json.dumps([cfgs[i] | {"seed": int(s)} for i, s in part],
                                                    sort_keys=True).encode())
                 name = f"chunk-{digest.hexdigest()[:16]}.json"  # named by what it trains: any chunking resumes safely
-                jobs.append({"file": folder / name, "models": part,
+                jobs.append({"file": folder / name, "models": part, "rounds": max(cfgs[i]["rounds"] for i, _ in part),
                              "args": (str(cache), algo, [cfgs[i] | {"seed": int(s)} for i, s in part], device)})
         todo = [j for j in jobs if not j["file"].is_file()]
         if progress:
-            progress("grid", len(jobs) - len(todo), len(jobs))
+            progress("grid chunks", len(jobs) - len(todo), len(jobs))
         for job, acc in BACKENDS[backend](todo, progress):
             _write_json(job["file"], {"models": job["models"], "val_acc": acc})
             if progress:
-                progress("grid", sum(j["file"].is_file() for j in jobs), len(jobs))
+                progress("grid chunks", sum(j["file"].is_file() for j in jobs), len(jobs))
 
         scores = {i: [] for i in range(len(cfgs))}
         for job in jobs:
             saved = json.loads(job["file"].read_text())
             for (i, s), per_client in zip(saved["models"], saved["val_acc"]):
                 scores[i].append(float(np.mean(per_client)))
-        table = sorted(({"config": points[i], "val_mean": float(np.mean(v)), "val_std": float(np.std(v))}
+        table = sorted(({"config": points[i], "val_mean": mean_std(v)[0], "val_std": mean_std(v)[1]}
                         for i, v in scores.items()), key=lambda r: -r["val_mean"])
         result = {"algo": algo, "cache": str(cache), "axes": axes, "seeds": list(seeds), "configs": len(cfgs),
                   "models": len(cfgs) * len(seeds) * C, "chunks": len(jobs), "chunk_size": max(chunk_sizes),
@@ -204,10 +216,14 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
                   "run_folder": str(folder), "selection": table, "best": table[0]["config"]}
         if retrain:
             final = train(cache, algo, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
-                          out=folder, device=dev)
+                          out=folder, device=dev,
+                          progress=(lambda done, total: progress("grid retrain", done, total)) if progress else None)
             keep = ("mean_acc", "std_acc", "per_seed", "best_round_mean_acc", "best_round_std_acc", "result_file",
                     "params_uploaded_per_round")
             result["retrain"] = {k: final[k] for k in keep}
+        result["provenance"] = provenance(dev, library_call(
+            "featcache.grid", cache=str(cache), algo=algo, grid=list(grid), seeds=list(seeds), rounds=rounds,
+            set=list(set or []), device=str(device), backend=backend, chunk=chunk, retrain=retrain))
         write_atomic(folder / "grid.csv", to_csv(table))
         _write_json(folder / "grid.json", result)  # last: its presence means the run folder is complete
     except BaseException:

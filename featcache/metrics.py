@@ -1,4 +1,5 @@
-"""Accuracy summaries the papers report: unweighted mean over clients, mean(std) over seeds (FedPCL convention),
+"""Accuracy summaries the papers report: unweighted mean over clients, mean(std) over seeds (FedPCL convention; std is
+the sample std, ddof=1, and 0 with one seed),
 fairness across clients (fedpcl.md Tables 12–13), and communication per client per round."""
 
 from __future__ import annotations
@@ -7,15 +8,17 @@ import numpy as np
 
 
 def mean_std(values) -> tuple[float, float]:
-    """Mean and population std over seeds, in percent-free units (the caller decides the scale)."""
+    """Mean and sample std (ddof=1, as pandas and most papers) over seeds, in the caller's units. With one seed the
+    std is undefined; it is reported as 0 (tables then say "1 seed")."""
     v = np.asarray(values, dtype=np.float64)
-    return float(v.mean()), float(v.std())
+    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
 
 
 def fairness(acc: np.ndarray) -> dict:
     """Per-client accuracies [C] (in %) -> average, worst 10/20/40 %, best 10 %, variance (Tables 12–13).
 
-    "Worst q %" is the mean accuracy of the ceil(q·C) lowest clients. `variance` is over clients in %²; the paper's
+    "Worst q %" is the mean accuracy of the ceil(q·C) lowest clients. `variance` and `std` are over all clients
+    (population, ddof=0: the clients are the whole population, not a sample) in %²; the paper's
     "Variance" column (11.16 beside worst-10 % 16.73 and best-10 % 54.60) can only be a standard deviation in %, so
     `std` is reported too and is the number to compare with Tables 12–13."""
     a = np.sort(np.asarray(acc, dtype=np.float64))

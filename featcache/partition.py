@@ -323,6 +323,7 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
 
 
 def _chosen_domains(dataset: Dataset, spec: PartitionSpec, multi_domain: bool) -> list[str]:
+    _refuse_missing_domains(dataset, spec, multi_domain)
     known = list(dataset.domains)
     chosen = list(spec.domains) if spec.domains else (known if multi_domain else known[:1])
     for d in chosen:
@@ -335,6 +336,25 @@ def _chosen_domains(dataset: Dataset, spec: PartitionSpec, multi_domain: bool) -
             f"scheme {spec.scheme!r} splits one domain but got {len(chosen)} ({', '.join(chosen)}): pass one"
         )
     return chosen
+
+
+def _refuse_missing_domains(dataset: Dataset, spec: PartitionSpec, multi_domain: bool) -> None:
+    """Refuse when the domains the partition would use include one whose files are absent (a reader records them in
+    `dataset.extra["missing_domains"]`): without `--domain` that is any of the dataset's domains (the first one for
+    single-domain schemes), so a run never silently uses fewer domains than the dataset has."""
+    missing: dict[str, str] = dataset.extra.get("missing_domains") or {}
+    if not missing:
+        return
+    order = dataset.extra.get("domain_order") or [*dataset.domains, *missing]
+    wanted = list(spec.domains) if spec.domains else (order if multi_domain else order[:1])
+    absent = [d for d in wanted if d in missing]
+    if absent:
+        where = "; ".join(f"{d}: {missing[d]}" for d in absent)
+        raise UserError(
+            f"{dataset.name}: domain{'s' if len(absent) > 1 else ''} {', '.join(absent)} not found (expected {where}); "
+            f"put {'them' if len(absent) > 1 else 'it'} there, or pick present domains with --domain "
+            f"(present: {', '.join(dataset.domains)})"
+        )
 
 
 def _test_indices(

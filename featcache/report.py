@@ -86,13 +86,81 @@ def fmt(mean: float, std: float) -> str:
     return f"{mean:.2f}({std:.2f})"
 
 
+def _cache_of(r: dict) -> dict:
+    c = r.get("cache")
+    return c if isinstance(c, dict) else {}
+
+
+def check_one_cache(results: list[dict], names: list[str] | None = None) -> None:
+    """Refuse, in one line, results trained on different caches (their numbers are not comparable in one table)."""
+    keys = {}
+    for i, r in enumerate(results):
+        key = _cache_of(r).get("key")
+        if isinstance(key, str):
+            keys.setdefault(key, names[i] if names else r["algo"])
+    if len(keys) > 1:
+        (a, fa), (b, fb) = list(keys.items())[:2]
+        raise UserError(f"the results come from {len(keys)} different caches ({fa}: {a[:16]}, {fb}: {b[:16]}): report "
+                        "the files of each cache separately")
+
+
+def _settings(r: dict) -> dict:
+    cfg = r.get("config") if isinstance(r.get("config"), dict) else {}
+    return {"algo": r["algo"], **cfg, "seeds": ",".join(map(str, r["seeds"]))}
+
+
+def _defaults(algo: str) -> dict:
+    """The resolved default settings of a registered algorithm ({} for one this featcache does not know)."""
+    try:
+        from .algorithms import create
+        from .config import resolve
+
+        return resolve(create(algo))
+    except Exception:
+        return {}
+
+
+def labels(results: list[dict]) -> list[str]:
+    """Each run named by the settings that differ between the files: the algorithm when only it differs
+    (`fedpcl`), else `fedpcl terms=global` / `lr=0.01 seeds=0,1`; runs that differ in nothing get #1, #2, ...
+    A setting that differs only because the algorithms' defaults differ (every file at its algorithm's default) does
+    not name a run."""
+    every = [_settings(r) for r in results]
+    defaults = {a: _defaults(a) for a in {r["algo"] for r in results}}
+    keys = list(dict.fromkeys(k for s in every for k in s))
+    text = lambda v: json.dumps(v, sort_keys=True)
+    differ = [k for k in keys if len({text(s.get(k)) for s in every}) > 1 and (
+        k in ("algo", "seeds") or any(k in s and (k not in defaults[s["algo"]] or text(s[k]) != text(
+            defaults[s["algo"]][k])) for s in every))]
+    out = []
+    for s in every:
+        parts = [s["algo"]] if "algo" in differ or not differ else []
+        parts += [f"{k}={s.get(k, '—')}" for k in differ if k != "algo"]
+        out.append(" ".join(parts))
+    if len(set(out)) < len(out):  # identical settings: tell the rows apart by position
+        out = [f"{label} #{i + 1}" for i, label in enumerate(out)]
+    return out
+
+
+def title(results: list[dict]) -> str:
+    """`offline-digits cache 4aca237fe6b6d7b8, seeds 0,1,2`: what the whole table is about."""
+    caches = {(_cache_of(r).get("dataset"), _cache_of(r).get("key")) for r in results}
+    names = ", ".join(f"{d or '?'} cache {k[:16]}" if isinstance(k, str) else "cache not recorded"
+                      for d, k in sorted(caches, key=str))
+    seeds = sorted({",".join(map(str, r["seeds"])) for r in results})
+    return f"{names}; seeds {' / '.join(seeds)}"
+
+
 def markdown_table(results: list[dict]) -> str:
-    """One row per run: algorithm, final mean(std) over seeds, best-round mean(std), worst-20 %, uploads."""
-    rows = ["| algorithm | final acc % | best-round acc % | worst 20 % | params up / client / round | seeds |",
+    """A title (cache, seeds), then one row per run: its label (the settings that differ between the runs), final
+    mean(std) over seeds, best-round mean(std), worst-20 %, uploads. std is the sample std over seeds (ddof=1; 0 with
+    one seed)."""
+    rows = [f"**{title(results)}** — mean(std) over seeds, std = sample std (ddof=1; 0 with one seed)", "",
+            "| run | final acc % | best-round acc % | worst 20 % | params up / client / round | seeds |",
             "|---|---|---|---|---|---|"]
-    for r in results:
+    for r, label in zip(results, labels(results)):
         w20 = r["fairness"]["worst_20"]
-        rows.append(f"| {r['algo']} | {fmt(r['mean_acc'], r['std_acc'])} | "
+        rows.append(f"| {label} | {fmt(r['mean_acc'], r['std_acc'])} | "
                     f"{fmt(r['best_round_mean_acc'], r['best_round_std_acc'])} | {fmt(*w20)} | "
                     f"{r['params_uploaded_per_round']:,} | {len(r['seeds'])} |")
     return "\n".join(rows) + "\n"
@@ -105,9 +173,13 @@ def curves_png(results: list[dict], path: str | Path | None = None) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        ax.plot(r["curve"]["rounds"], r["curve"]["mean_acc"], label=r["algo"])
+    for r, label in zip(results, labels(results)):
+        ax.plot(r["curve"]["rounds"], r["curve"]["mean_acc"], label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
+    ax.set_title(title(results), fontsize=9)
     ax.set_xlabel("round")
     ax.set_ylabel("mean client test accuracy (%)")
     ax.legend()
@@ -130,6 +202,7 @@ def report(results: list[str | Path], out: str | Path | None = None, note=None) 
     if not loaded:
         raise UserError("no result files among the inputs: pass the result JSON files of `featcache train`, e.g. "
                         "runs/*.json")
+    check_one_cache(loaded)
     table = markdown_table(loaded)
     written = {}
     if out:

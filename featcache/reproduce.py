@@ -54,9 +54,12 @@ from .atomic import write_atomic
 from .errors import UserError, suggest
 from .extract import Noise, extract
 from .metrics import mean_std
+from .provenance import library_call, provenance
 from .report import fmt
 
-PIPELINE_DIR = Path("pipelines")
+PIPELINE_DIR = Path("pipelines")  # NAME is looked up here (relative to the working directory) first, then ...
+REPO_PIPELINE_DIR = Path(__file__).resolve().parent.parent / "pipelines"  # ... beside the package (a checkout)
+DEFAULT_PROFILE = "full"  # the papers' rounds and seeds, as the Make targets (PROFILE ?= full); `quick` is opt-in
 # Jobs are memoised in OUT/jobs/ under what they train, not where: every job trains on the CPU, so a memoised result
 # never mixes with one a GPU rounded differently (train and grid default to --device auto, the engine to cpu).
 TRAIN_DEVICE = "cpu"
@@ -292,15 +295,27 @@ def _check_settings(where: str, algo: str, settings: dict, grid: dict) -> None:
         raise UserError(f"{where}: {e}") from None
 
 
+def pipeline_dirs() -> list[Path]:
+    """Where a bare NAME is looked up: ./pipelines/, then the pipelines/ folder of the checkout featcache runs from
+    (so `featcache reproduce NAME` works from any working directory)."""
+    dirs = [PIPELINE_DIR]
+    if REPO_PIPELINE_DIR.is_dir() and REPO_PIPELINE_DIR.resolve() != PIPELINE_DIR.resolve():
+        dirs.append(REPO_PIPELINE_DIR)
+    return dirs
+
+
 def pipeline_path(pipeline: str | Path) -> Path:
-    """A TOML path, or a bare name looked up in pipelines/."""
+    """A TOML path, or a bare name (NAME or NAME.toml) looked up in `pipeline_dirs()`."""
     path = Path(pipeline)
     if path.is_file():
         return path
-    named = PIPELINE_DIR / f"{pipeline}.toml"
-    if named.is_file():
-        return named
-    known = sorted(p.stem for p in PIPELINE_DIR.glob("*.toml"))
+    stem = path.name[: -len(".toml")] if path.name.endswith(".toml") else str(pipeline)
+    if path.parent == Path(".") or path.parent == PIPELINE_DIR:
+        for folder in pipeline_dirs():
+            named = folder / f"{stem}.toml"
+            if named.is_file():
+                return named
+    known = sorted({p.stem for folder in pipeline_dirs() for p in folder.glob("*.toml")})
     raise UserError(f"no pipeline {str(pipeline)!r}{suggest(str(pipeline), known)}; known: {', '.join(known)}")
 
 
@@ -355,7 +370,7 @@ def resolve_extract(pipe: Pipeline, overrides: list[dict], dataset: str | None, 
     return {k: v for k, v in ex.items() if v is not None}
 
 
-def plan(pipe: Pipeline, profile: str = "quick", dataset: str | None = None, data_root=None, backbones=None
+def plan(pipe: Pipeline, profile: str = DEFAULT_PROFILE, dataset: str | None = None, data_root=None, backbones=None
          ) -> dict[tuple[str, str], Job]:
     """Every (row, column) cell the profile runs -> its job (protosim cells: the all-backbone job)."""
     if profile not in pipe.profiles:
@@ -753,7 +768,7 @@ def _figure(pipe: Pipeline, values: dict, path: Path) -> None:
 
 
 # -- the command ------------------------------------------------------------------------------------------------------
-def reproduce(pipeline: str | Path, profile: str = "quick", data_root: str | Path | None = None,
+def reproduce(pipeline: str | Path, profile: str = DEFAULT_PROFILE, data_root: str | Path | None = None,
               dataset: str | None = None, backbones: list[str] | None = None, out: str | Path = "results",
               cache: str | Path = "cache", progress=None) -> dict:
     """Run one pipeline: extract (shared cache folder), train every job, write OUT/NAME.md (+ NAME.png, NAME.json)."""
@@ -783,6 +798,9 @@ def reproduce(pipeline: str | Path, profile: str = "quick", data_root: str | Pat
     paper = lambda r, c: pipe.paper_rows[r][pipe.paper_columns.index(c)] if r in pipe.paper_rows else None
     write_atomic(out / f"{pipe.name}.json", json.dumps(
         {"pipeline": pipe.name, "profile": profile, "command": command,
+         "provenance": provenance(TRAIN_DEVICE, library_call(
+             "featcache.reproduce", pipeline=str(pipeline), profile=profile, data_root=data_root and str(data_root),
+             dataset=dataset, backbones=backbones, out=str(out), cache=str(cache))),
          "cells": [{"row": r, "column": c, "ours": v, "paper": paper(r, c)} for (r, c), v in values.items()]},
         indent=1, sort_keys=True))
     return {"pipeline": pipe.name, "markdown": str(out / f"{pipe.name}.md"), "figures": figures, "jobs": len(jobs),

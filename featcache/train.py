@@ -2,9 +2,12 @@
 
 Seeds share the configuration axis H of the engine, so three seeds cost one vectorized run. The result file holds the
 fully resolved config, the cache it came from, accuracies (final and best-round, named plainly), fairness and
-communication; it is a pure function of (cache, algorithm, config, seeds), so the same seed gives the same file.
-Wall-clock timings, and the device they were taken on, go to the printed summary and a `.timing.json`
-sidecar, never into the result file.
+communication, and its provenance (featcache.provenance: CPU model, GPU name on CUDA, torch threads, featcache's git
+commit, the command line or library call). Its numbers are a pure function of (cache, algorithm, config, seeds), and
+provenance holds nothing that changes between repeated runs, so the same seed and command on the same machine and
+commit give the same file (the file is named by a hash of everything but the provenance: what it trains). Wall-clock
+timings, and the device they were taken on, go to the printed summary and a `.timing.json` sidecar, never into the
+result file.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .devices import resolve_device
 from .engine import Engine
 from .errors import UserError
 from .metrics import summarize
+from .provenance import library_call, provenance
 
 
 def load_split(path, algo, holdout: str = "none", split: str = "train") -> C.ClientData:
@@ -133,8 +137,10 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
         "params_uploaded_per_round": int(floats),
         "bytes_uploaded_per_round": int(floats) * 4,
     } | summarize(raw["acc"].numpy(), raw["eval_rounds"])
+    run_id = hashlib.sha256(json.dumps(result, sort_keys=True, indent=1).encode()).hexdigest()[:12]
+    result["provenance"] = provenance(dev, library_call("featcache.train", cache=str(cache), algo=algo, rounds=rounds,
+                                                        seeds=list(seeds), set=set, device=str(device)))
     body = json.dumps(result, sort_keys=True, indent=1)
-    run_id = hashlib.sha256(body.encode()).hexdigest()[:12]
     path = Path(out) / f"{algo}-{run_id}.json"
     timing = {"seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
               "seconds_total": round(float(np.sum(raw["round_seconds"])), 3), "device": str(dev)}

@@ -61,7 +61,9 @@ def run_cli(*args: str) -> Result:
 
 
 def lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip()]
+    """The non-blank lines of stderr, less plain progress lines (`progress: ...`, printed when stderr is not a terminal,
+    as in these tests): progress of work done before an error is not part of the error's one line."""
+    return [line for line in text.splitlines() if line.strip() and not line.startswith("progress: ")]
 
 
 def one_line_error(result: Result, needle: str) -> str:

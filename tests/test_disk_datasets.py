@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -27,6 +28,7 @@ from featcache.datasets import load_dataset
 from featcache.datasets.disk import DOMAINNET_CLASSES, OFFICE10_CLASSES, PACS_CLASSES, stratified_split
 from featcache.datasets.safe_pickle import safe_load
 from featcache.errors import UserError
+from featcache.partition import PartitionSpec, make_partition
 
 
 def one_line_error(excinfo, *fragments: str) -> str:
@@ -185,7 +187,7 @@ def test_digit5_missing_data_names_layout_and_source(tmp_path):
     one_line_error(e, "no data found", "MNIST", "partitions/train_part", "github.com/med-air/FedBN")
     with pytest.raises(UserError) as e:
         load_dataset("digit5", None)
-    one_line_error(e, "--root", "SynthDigits")
+    one_line_error(e, "needs --data-root pointing at", "SynthDigits")
     with pytest.raises(UserError) as e:
         load_dataset("digit5", tmp_path / "nowhere")
     one_line_error(e, "is not a folder")
@@ -206,6 +208,103 @@ def test_digit5_rejects_wrong_arrays_and_fingerprint_follows_content(tmp_path):
     with pytest.raises(UserError) as e:
         load_dataset("digit5", tmp_path, parts=1)
     one_line_error(e, "expected uint8 images", "float32")
+
+
+def test_digit5_label_errors_name_the_label_and_the_range(tmp_path):
+    write_digit5(tmp_path, folders=("MNIST",), parts=1, n_test=6)
+    test_x, test_y = safe_load(tmp_path / "MNIST" / "test.pkl")
+    dump((test_x, np.where(np.arange(6) >= 4, 10 + np.arange(6), test_y)), tmp_path / "MNIST" / "test.pkl")
+    with pytest.raises(UserError) as e:
+        load_dataset("digit5", tmp_path, parts=1)
+    message = one_line_error(e, "test.pkl: label 14 of image 4 is outside the digit classes 0..9", "2 of 6 labels")
+    assert "labels for" not in message
+    dump((test_x, test_y[:5]), tmp_path / "MNIST" / "test.pkl")
+    with pytest.raises(UserError) as e:
+        load_dataset("digit5", tmp_path, parts=1)
+    one_line_error(e, "expected one label per image, got 5 labels for 6 images")
+
+
+def _refused(data, **spec) -> str:
+    with pytest.raises(UserError) as e:
+        make_partition(data, PartitionSpec(**spec))
+    return one_line_error(e)
+
+
+def test_digit5_missing_domains_are_refused_unless_domain_picks_present_ones(tmp_path):
+    write_digit5(tmp_path / "digit", folders=("USPS", "MNIST", "MNIST_M"), parts=2)
+    data = load_dataset("digit5", tmp_path, parts=2)
+    assert list(data.domains) == ["mnist", "usps", "mnistm"]  # the reader loads what is there ...
+    base = tmp_path / "digit"
+    message = _refused(data)  # ... and the default feature partition (all five domains) refuses to run on three
+    assert message.startswith("digit5: domains svhn, synth not found (expected svhn: ")
+    for folder in ("SVHN", "SynthDigits"):
+        assert f"{base / folder}/partitions/train_part{{0..1}}.pkl and {base / folder}/test.pkl" in message
+    assert "MNIST_M" not in message and "--domain" in message and "present: mnist, usps, mnistm" in message
+    for scheme in ("feature", "feature-label"):
+        _refused(data, scheme=scheme, clients=6)
+    message = _refused(data, domains=("mnist", "svhn"))  # asking for an absent domain names its path
+    assert "domain svhn not found" in message and str(base / "SVHN" / "test.pkl") in message
+    parts = make_partition(data, PartitionSpec(domains=("mnist", "usps", "mnistm")))
+    assert [p.domain for p in parts] == ["mnist", "usps", "mnistm"]
+    assert {p.domain for p in make_partition(data, PartitionSpec("label", clients=3))} == {"mnist"}  # its default
+    assert {p.domain for p in make_partition(data, PartitionSpec("iid", clients=2, domains=("usps",)))} == {"usps"}
+
+    write_digit5(tmp_path / "svhn_only", folders=("SVHN",), parts=1)
+    only_svhn = load_dataset("digit5", tmp_path / "svhn_only", parts=1)
+    assert "domain mnist not found" in _refused(only_svhn, scheme="label", clients=2)  # the default would move
+    assert "train_part0.pkl and" in _refused(only_svhn, scheme="label", clients=2)
+    make_partition(only_svhn, PartitionSpec("label", clients=2, domains=("svhn",)))
+
+
+def test_office10_domainnet_and_pacs_missing_sites_are_refused(tmp_path):
+    data = tmp_path / "data"
+    _fedbn_site(data, "office_caltech_10", "amazon", OFFICE10_CLASSES, "", as_numpy=True)
+    write_class_folders(data / "office_caltech_10" / "dslr", {c: 3 for c in OFFICE10_CLASSES})
+    office = load_dataset("office10", data)
+    base = data / "office_caltech_10"
+    message = _refused(office)
+    assert message.startswith("office10: domains caltech, webcam not found")
+    assert f"{base}/webcam_train.pkl and {base}/webcam_test.pkl, or {base}/webcam/{{class}}/*.jpg" in message
+    assert {p.domain for p in make_partition(office, PartitionSpec(domains=("amazon", "dslr")))} == {"amazon", "dslr"}
+
+    write_class_folders(tmp_path / "dn" / "sketch", {"zebra": 4, "bird": 4})
+    domainnet = load_dataset("domainnet", tmp_path / "dn")
+    assert "domains clipart, infograph, painting, quickdraw, real not found" in _refused(domainnet)
+    make_partition(domainnet, PartitionSpec(domains=("sketch",)))
+
+    write_class_folders(tmp_path / "pacs" / "photo", {"dog": 3, "horse": 3})
+    pacs = load_dataset("pacs", tmp_path / "pacs")
+    assert f"sketch: {tmp_path / 'pacs' / 'sketch'}/{{class}}/*.jpg" in _refused(pacs)
+    make_partition(pacs, PartitionSpec("iid", clients=2))  # single-domain default: photo, the first, is present
+
+
+def test_cli_refuses_missing_domains_in_one_line_and_extracts_chosen_ones_in_first_order(tmp_path):
+    import h5py
+    from harness import everything_in, one_line_error as one_line_cli_error, run_cli
+
+    written = write_digit5(tmp_path / "digit", folders=("MNIST", "USPS"), parts=10, per_part=2, n_test=10)
+    out = tmp_path / "out"
+    args = ["extract", "--dataset", "digit5", "--data-root", str(tmp_path), "--backbone", "test_resnet=random",
+            "--image-size", "32", "--batch-size", "4", "--per-class", "1", "--out", str(out), "--json"]
+    line = one_line_cli_error(run_cli(*args), "digit5: domains svhn, synth, mnistm not found")
+    assert str(tmp_path / "digit" / "SynthDigits" / "partitions" / "train_part{0..9}.pkl") in line
+    assert everything_in(out) == []
+    ok = run_cli(*args, "--domain", "mnist", "--domain", "usps", "--order", "first", "--val-fraction", "0")
+    assert ok.code == 0, ok.stderr
+    with h5py.File(json.loads(ok.stdout)["cache"]) as f:
+        assert json.loads(f.attrs["partition"])["order"] == "first"
+        for c, folder in enumerate(("MNIST", "USPS")):
+            train_y = written[folder][1]
+            firsts = sorted(int(np.flatnonzero(train_y == k)[0]) for k in np.unique(train_y))  # first image per class
+            assert f[f"clients/{c:03d}/train/source_index"][()].tolist() == firsts
+    one_line_cli_error(run_cli("extract", "--dataset", "digit5", "--out", str(out)), "digit5 needs --data-root")
+    one_line_cli_error(run_cli(*args, "--order", "frist"), "unknown partition order 'frist' (did you mean: first?)")
+
+
+def test_complete_datasets_record_nothing_missing(tmp_path):
+    write_digit5(tmp_path, parts=1)
+    data = load_dataset("digit5", tmp_path, parts=1)
+    assert data.extra == {} and len(make_partition(data, PartitionSpec())) == 5
 
 
 # --- office10 and domainnet -----------------------------------------------------------------------------------------
@@ -454,7 +553,7 @@ def test_torchvision_sets_offline_without_files(tmp_path, name, expected):
     one_line_error(e, "not found", expected, "--download")
     with pytest.raises(UserError) as e:
         load_dataset(name, None)
-    one_line_error(e, "--root", expected)
+    one_line_error(e, "needs --data-root:", expected)
 
 
 def test_download_goes_through_torchvision_only_when_asked(tmp_path, monkeypatch):

@@ -122,3 +122,30 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, args, needle)
     lines = [line for line in run.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in run.stderr
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_cache_key_covers_featcache_preprocessing_code(monkeypatch, tmp_path):
+    """A change of featcache's own preprocessing code (here: pipeline.py's text) gives another cache key."""
+    manifests = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(manifest):
+        manifests.append(manifest)
+        raise Stop
+
+    monkeypatch.setattr(C, "cache_key", spy)
+    for patched in (False, True):
+        if patched:
+            real = C._read_source
+            monkeypatch.setattr(C, "_read_source", lambda rel: real(rel) + (b"\n# edited" if rel == "pipeline.py"
+                                                                            else b""))
+        with pytest.raises(Stop):
+            extract(**SMALL, out=tmp_path)
+    before, after = manifests
+    assert before["code"] != after["code"] and {k: v for k, v in before.items() if k != "code"} == {
+        k: v for k, v in after.items() if k != "code"}
+    monkeypatch.undo()
+    assert C.cache_key(before) != C.cache_key(after)
+    assert "pipeline.py" in C.code_identity()["files"] and "backbones.py" in C.code_identity()["files"]

@@ -179,10 +179,18 @@ def test_same_extract_twice_gives_identical_cache_bytes(images, cache, tmp_path)
 
 
 def test_same_train_command_twice_gives_identical_result_bytes(cache, tmp_path):
-    files = []
-    for out in ("a", "b"):
+    files, texts = [], []
+    for _ in range(2):  # the very same command (its --out too: the result file records the command line)
         run = run_cli("train", "--cache", str(cache), "--algo", "fedavg", "--rounds", "3", "--seeds", "0,1",
-                      "--set", "batch_size=8", "--out", str(tmp_path / out), "--json")
+                      "--set", "batch_size=8", "--out", str(tmp_path / "a"), "--json")
         assert run.code == 0, run.stderr
         files.append(Path(json.loads(run.stdout)["result_file"]))
-    assert files[0].name == files[1].name and files[0].read_bytes() == files[1].read_bytes()
+        texts.append(files[-1].read_bytes())
+    assert files[0] == files[1] and texts[0] == texts[1]
+    other = run_cli("train", "--cache", str(cache), "--algo", "fedavg", "--rounds", "3", "--seeds", "0,1",
+                    "--set", "batch_size=8", "--out", str(tmp_path / "b"), "--json")
+    moved = json.loads(Path(json.loads(other.stdout)["result_file"]).read_bytes())
+    # another --out: the same file name (what it trains) and numbers; only the recorded command differs
+    assert Path(json.loads(other.stdout)["result_file"]).name == files[0].name
+    assert {k: v for k, v in moved.items() if k != "provenance"} == {
+        k: v for k, v in json.loads(texts[0]).items() if k != "provenance"}

@@ -247,3 +247,23 @@ def test_too_many_clients_for_a_small_domain_is_a_user_error():
     tiny = make_dataset(domains=("a",), n_train=30, n_test=10)
     with pytest.raises(UserError, match="got no training images|need it"):
         make_partition(tiny, PartitionSpec("pathological", clients=20, classes_per_client=5))
+
+
+def test_domains_a_reader_found_missing_are_refused_unless_not_used():
+    data = make_dataset(domains=("svhn", "usps"), n_train=200, n_test=100)
+    data.extra.update(missing_domains={"mnist": "ROOT/MNIST/test.pkl", "synth": "ROOT/SynthDigits/test.pkl"},
+                      domain_order=["mnist", "svhn", "usps", "synth"])
+    for spec, absent in [(PartitionSpec(), "domains mnist, synth not found"),  # every domain by default
+                         (PartitionSpec("label", clients=2), "domain mnist not found"),  # the first one by default
+                         (PartitionSpec(domains=("usps", "synth")), "domain synth not found")]:
+        with pytest.raises(UserError) as err:
+            make_partition(data, spec)
+        text = str(err.value)
+        assert text.startswith(f"fake: {absent} (expected mnist: ROOT/MNIST/test.pkl" if "mnist" in absent
+                               else f"fake: {absent} (expected synth: ROOT/SynthDigits/test.pkl")
+        assert "--domain" in text and "present: svhn, usps" in text and "\n" not in text
+    assert [p.domain for p in make_partition(data, PartitionSpec(domains=("usps", "svhn")))] == ["usps", "svhn"]
+    assert {p.domain for p in make_partition(data, PartitionSpec("iid", clients=2, domains=("svhn",)))} == {"svhn"}
+    del data.extra["domain_order"]  # without the order, the present domains come first: mnist is still refused
+    with pytest.raises(UserError, match="domains mnist, synth not found"):
+        make_partition(data, PartitionSpec())

@@ -182,3 +182,14 @@ def test_ray_backend_writes_the_same_bytes_as_the_local_one(tmp_path, photos):
     assert Path(remote["cache"]).name == Path(local["cache"]).name and sha256(remote["cache"]) == sha256(local["cache"])
     assert not remote["cache_hit"] and again["cache_hit"]
     assert sorted(p.name for p in (tmp_path / "ray").iterdir()) == [Path(local["cache"]).name]
+
+
+def test_a_client_without_test_images_gets_empty_blocks(tmp_path):
+    from fixtures_disk import write_digit5
+
+    write_digit5(tmp_path / "d", folders=("MNIST",), parts=10, per_part=2, n_test=5)
+    res = extract(dataset="digit5", data_root=tmp_path / "d", backbone=["test_resnet=random"], image_size=32,
+                  per_class=1, domains=["mnist"], out=tmp_path / "out")
+    with h5py.File(res["cache"]) as f:
+        sizes = [f[f"clients/{c}/test/features/concat"].shape[0] for c in f["clients"]]
+        assert 0 in sizes and f["clients/000/train/features/concat"].shape[0] > 0

@@ -68,7 +68,7 @@ def fake_result(per_client_per_seed, params):
     """A result dict as run_job returns it: clients 0..2 own mnist, optdigits, synth."""
     per_seed = [sum(row) / len(row) for row in per_client_per_seed]
     mean = sum(per_seed) / len(per_seed)
-    std = (sum((v - mean) ** 2 for v in per_seed) / len(per_seed)) ** 0.5
+    std = (sum((v - mean) ** 2 for v in per_seed) / max(len(per_seed) - 1, 1)) ** 0.5  # sample std, as metrics
     return {"per_client_per_seed": per_client_per_seed, "client_domains": ["mnist", "optdigits", "synth"],
             "mean_acc": mean, "std_acc": std, "params_uploaded_per_round": params}
 
@@ -79,11 +79,11 @@ def test_table_beside_paper_numbers_exact():
     jobs = {cells[("s FedAvg", "Avg")].key(): fake_result([[60.0, 70.0, 50.0], [62.0, 72.0, 52.0]], 330506),
             cells[("m Ours", "Avg")].key(): fake_result([[80.0, 90.0, 40.0], [80.0, 90.0, 40.0]], 2570)}
     table = table_markdown(pipe, cell_values(pipe, cells, jobs))
-    assert table == (
+    assert table == (  # std over seeds is the sample std: seeds 60, 62 -> 1.41 (the population std would be 1.00)
         "| row | MNIST ours | MNIST paper | SVHN ours | SVHN paper | USPS ours | USPS paper | Avg ours | Avg paper "
         "| Comm ours | Comm paper | Office ours | Office paper |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-        "| s FedAvg | 61.00(1.00) | 70.65(1.15) | n/a | 17.10(0.20) | 71.00(1.00) | 70.24(1.62) | 61.00(1.00) "
+        "| s FedAvg | 61.00(1.41) | 70.65(1.15) | n/a | 17.10(0.20) | 71.00(1.41) | 70.24(1.62) | 61.00(1.41) "
         "| 44.04(0.98) | 330,506 | 133,632 | — | 1.0 |\n"
         "| m Ours | 80.00(0.00) | 84.65(0.15) | n/a | 19.38(0.63) | 90.00(0.00) | 90.74(0.53) | 70.00(0.00) "
         "| 55.34(0.34) | 2,570 | 2,560 | — | - |\n"
@@ -187,9 +187,10 @@ def test_metrics_read_results():
               "similarity": [[[0.9, 0.1], [0.7, 0.3], [0.5, 0.5]], [[0.9, 0.1], [0.9, 0.1], [0.5, 0.5]]]}
     assert metric_value(result, "fair:worst_10") == (16.7, 1.7)
     assert metric_value(result, "best") == (50.0, 2.0)
-    assert metric_value(result, "probe:match") == (72.0, 2.0)
+    mean, std = metric_value(result, "probe:match")  # sample std over seeds (ddof=1): 70, 74 -> 2·√2
+    assert mean == 72.0 and abs(std - 2 * 2**0.5) < 1e-9
     mean, std = metric_value(result, "protosim:mnist", pick=1)  # seeds: mean of clients 0, 1 = 0.2 and 0.1
-    assert abs(mean - 0.15) < 1e-9 and abs(std - 0.05) < 1e-9
+    assert abs(mean - 0.15) < 1e-9 and abs(std - 0.05 * 2**0.5) < 1e-9
     assert metric_value(result, "protosim:svhn", pick=0) is None
 
 
@@ -260,3 +261,12 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     assert {c["row"] for c in cells} == {"s FedAvg", "m Ours"} and all(c["ours"] for c in cells if c["column"] == "Avg")
     again = reproduce(path, "quick", out=out, cache=cache)  # memoised jobs, cache hit: same markdown
     assert Path(again["markdown"]).read_text() == md
+
+
+def test_pipeline_names_resolve_from_any_working_directory(tmp_path, monkeypatch):
+    from featcache.reproduce import DEFAULT_PROFILE, pipeline_path
+
+    monkeypatch.chdir(tmp_path)  # no pipelines/ here: the checkout's are found
+    for name in ("fedpcl-table2", "fedpcl-table2.toml", "pipelines/fedpcl-table2.toml"):
+        assert pipeline_path(name).resolve() == (Path(__file__).resolve().parent.parent / "pipelines" / "fedpcl-table2.toml").resolve()
+    assert DEFAULT_PROFILE == "full"

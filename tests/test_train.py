@@ -207,3 +207,74 @@ def test_cli_bad_device_is_one_line_exit_2_before_any_work(cache, tmp_path, comm
                      "--out", tmp_path / "runs", "--device", device)
     one_line_error(result, needle)
     assert not (tmp_path / "runs").exists()
+
+
+def test_std_over_seeds_is_the_sample_std_and_zero_for_one_seed():
+    from featcache.metrics import mean_std
+
+    assert mean_std([1.0, 3.0]) == (2.0, 2**0.5)  # ddof=1, as pandas: not the population std 1.0
+    assert mean_std([5.0]) == (5.0, 0.0)
+
+
+def test_result_file_records_provenance_and_its_name_ignores_it(cache, tmp_path):
+    from featcache import provenance as P
+
+    a = train(cache, "fedavg", rounds=1, seeds=[0], out=tmp_path / "a")
+    prov = json.loads(Path(a["result_file"]).read_text())["provenance"]
+    assert prov["cpu"] == P.cpu_model() and prov["torch_threads"] == torch.get_num_threads()
+    assert prov["gpu"] is None and prov["command"] is None and prov["call"].startswith("featcache.train(")
+    assert prov["commit"] == P.git_commit()  # this checkout's commit (None outside a checkout), never an error
+    old = P.COMMAND
+    try:
+        P.set_command(["/usr/bin/featcache", "train", "--algo", "fedavg"])
+        b = train(cache, "fedavg", rounds=1, seeds=[0], out=tmp_path / "b")
+    finally:
+        P.COMMAND = old
+    assert json.loads(Path(b["result_file"]).read_text())["provenance"]["command"] == "featcache train --algo fedavg"
+    assert Path(a["result_file"]).name == Path(b["result_file"]).name  # named by what it trains
+
+
+def test_progress_off_a_terminal_is_plain_periodic_lines():
+    from featcache.cli import plain_progress
+
+    lines, now = [], [0.0]
+    tick = plain_progress(lines.append, clock=lambda: now[0])
+    for done in range(1, 101):
+        tick("fedavg", done, 100)
+    assert len(lines) == 11 and lines[0] == "progress: fedavg 1/100 (1 %) 0 s"  # the first update, then every 10 %
+    assert lines[1] == "progress: fedavg 10/100 (10 %) 0 s" and lines[-1].startswith(
+        "progress: fedavg 100/100 (100 %)")
+    lines.clear()
+    tick = plain_progress(lines.append, clock=lambda: now[0])
+    for done in range(1, 6):  # slow: 5 of 1000 steps, 40 s apart -> a line every 30 s anyway
+        now[0] += 40
+        tick("grid rounds", done, 1000)
+    assert len(lines) == 5 and all("rounds" in line for line in lines)
+
+
+def test_cli_train_under_a_pipe_prints_plain_progress_lines(cache, tmp_path):
+    res = cli("train", "--cache", str(cache), "--algo", "fedavg", "--rounds", "10", "--seeds", "0",
+              "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    progress = [line for line in res.stderr.splitlines() if line.startswith("progress: fedavg")]
+    assert progress and progress[-1].startswith("progress: fedavg 10/10 (100 %)")
+    result = json.loads(next(p for p in tmp_path.iterdir() if not p.name.endswith(".timing.json")).read_text())
+    assert result["provenance"]["command"].startswith("featcache train --cache")
+
+
+def test_scaffold_defaults_to_plain_sgd():
+    from featcache.algorithms import create
+    from featcache.config import resolve
+
+    cfg = resolve(create("scaffold"))
+    assert cfg["optimizer"] == "sgd" and cfg["momentum"] == 0.0 and cfg["lr"] == 0.1
+
+
+def test_importing_featcache_sets_no_environment_variable_the_cli_does():
+    code = ("import os, sys; import featcache.train; a = os.environ.get('THP_MEM_ALLOC_ENABLE'); "
+            "import featcache.cli; print(a, os.environ.get('THP_MEM_ALLOC_ENABLE'))")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.stdout.split() == ["None", "1"], done.stderr
+    start = "import sys, featcache.cli; print('torch' in sys.modules)"  # the CLI sets it before torch loads
+    assert subprocess.run([sys.executable, "-c", start], capture_output=True, text=True).stdout.strip() == "False"

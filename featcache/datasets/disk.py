@@ -5,6 +5,11 @@ Each domain becomes one entry of `Dataset.domains` with a 'train' and a 'test' s
 (image folders), a seeded stratified split per class makes one that does not move when other classes change.
 Pickles are read with `safe_load`, so a dataset file cannot run code. None of these can be downloaded by featcache:
 a missing dataset is a one-line `UserError` naming the layout and where to get it.
+
+The readers with a fixed list of domains (digit5, office10, domainnet, pacs) load the domains present and record the
+absent ones, with the paths they were expected at, in `Dataset.extra["missing_domains"]` (and the full list in
+`extra["domain_order"]`): the partition refuses to run on fewer domains than the dataset has unless `--domain`
+picks present ones (`partition.make_partition`), so an extraction never runs silently on 4 of 5 domains.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def _folder(name: str, root: Path | None, download: bool, layout: str) -> Path:
     if download:
         raise UserError(f"{name} cannot be downloaded by featcache; put it on disk as {layout}")
     if root is None:
-        raise UserError(f"{name} needs --root pointing at {layout}")
+        raise UserError(f"{name} needs --data-root pointing at {layout}")
     if not root.is_dir():
         raise UserError(f"{name}: {root} is not a folder; expected {layout}")
     return root
@@ -117,10 +122,17 @@ def _split_folder(folder: Path, classes: list[str], test_fraction: float, seed: 
     }
 
 
-def _finish(name: str, classes: list[str], domains: dict, layout: str, root: Path, source: str) -> Dataset:
+def _finish(name: str, classes: list[str], domains: dict, layout: str, root: Path, source: str,
+            expected: dict[str, str] | None = None) -> Dataset:
+    """The dataset; `expected` maps every domain the dataset has (in its order) to where its files belong, so the
+    absent ones are recorded for the partition to refuse (see the module docstring)."""
     if not domains:
         raise UserError(f"{name}: no data found under {root}; expected {layout}")
-    return Dataset(name=name, classes=classes, domains=domains, source=source)
+    data = Dataset(name=name, classes=classes, domains=domains, source=source)
+    missing = {d: where for d, where in (expected or {}).items() if d not in domains}
+    if missing:
+        data.extra.update(missing_domains=missing, domain_order=list(expected))
+    return data
 
 
 # --- Digit-5 (FedBN pickles) ---------------------------------------------------------------------------------------
@@ -138,8 +150,13 @@ def _digit_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
         images = images[..., 0]  # [N, H, W, 1] -> [N, H, W]
     if images.dtype != np.uint8 or images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] != 3):
         raise UserError(f"{path}: expected uint8 images [N,H,W] or [N,H,W,3], got {images.dtype} {images.shape}")
-    if len(images) != len(labels) or (len(labels) and not 0 <= labels.min() <= labels.max() <= 9):
-        raise UserError(f"{path}: expected one label in 0..9 per image, got {len(labels)} labels for {len(images)}")
+    if len(images) != len(labels):
+        raise UserError(f"{path}: expected one label per image, got {len(labels)} labels for {len(images)} images")
+    outside = np.flatnonzero((labels < 0) | (labels > 9))  # [n_bad]
+    if len(outside):
+        i = int(outside[0])
+        raise UserError(f"{path}: label {int(labels[i])} of image {i} is outside the digit classes 0..9 "
+                        f"({len(outside)} of {len(labels)} labels are)")
     return images, labels
 
 
@@ -176,7 +193,10 @@ def digit5(root: Path | None, download: bool = False, parts: int = 10) -> Datase
         for domain, folder in DIGIT5_FOLDERS.items()
         if (base / folder).is_dir()
     }
-    return _finish("digit5", DIGIT5_CLASSES, domains, DIGIT5_LAYOUT, root, f"FedBN Digit-5 pickles at {base}")
+    train_parts = "train_part0.pkl" if parts == 1 else f"train_part{{0..{parts - 1}}}.pkl"
+    expected = {d: f"{base / f}/partitions/{train_parts} and {base / f}/test.pkl" for d, f in DIGIT5_FOLDERS.items()}
+    source = f"FedBN Digit-5 pickles at {base}"
+    return _finish("digit5", DIGIT5_CLASSES, domains, DIGIT5_LAYOUT, root, source, expected)
 
 
 # --- Office-Caltech-10 and DomainNet (FedBN path pickles, or image folders) ----------------------------------------
@@ -254,7 +274,8 @@ def _read_sites(
         elif (base / site).is_dir():
             domains[site] = _split_folder(base / site, classes, test_fraction, seed)
     source = f"{name} at {base} (FedBN pickles, else folders split with test_fraction={test_fraction}, seed={seed})"
-    return _finish(name, classes, domains, layout, root, source)
+    expected = {s: f"{base}/{s}_train.pkl and {base}/{s}_test.pkl, or {base}/{s}/{{class}}/*.jpg" for s in sites}
+    return _finish(name, classes, domains, layout, root, source, expected)
 
 
 @register_dataset("office10", layout=OFFICE10_LAYOUT)
@@ -292,7 +313,8 @@ def pacs(root: Path | None, download: bool = False, test_fraction: float = 0.3, 
         if (base / domain).is_dir()
     }
     source = f"PACS folders at {base} (test_fraction={test_fraction}, seed={seed})"
-    return _finish("pacs", PACS_CLASSES, domains, PACS_LAYOUT, root, source)
+    expected = {d: f"{base / d}/{{class}}/*.jpg" for d in PACS_DOMAINS}
+    return _finish("pacs", PACS_CLASSES, domains, PACS_LAYOUT, root, source, expected)
 
 
 def _subfolders(folder: Path) -> list[Path]:

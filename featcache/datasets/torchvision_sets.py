@@ -198,7 +198,7 @@ def _download(name: str, source: _Source, root: Path) -> None:
 def _loader(name: str, source: _Source) -> Callable[..., Dataset]:
     def load(root: Path | None, download: bool = False) -> Dataset:
         if root is None:
-            raise UserError(f"{name} needs --root: a folder holding {source.layout}; --download fetches it there")
+            raise UserError(f"{name} needs --data-root: a folder holding {source.layout}; --download fetches it there")
         if download:
             _download(name, source, root)
         missing = [f for f in source.files if _on_disk(root, f) is None]
