@@ -205,7 +205,8 @@ def _seeds(text: str) -> list[int]:
 @app.command()
 def train(
     cache: Path = typer.Option(..., help="cache file from `featcache extract`"),
-    algo: list[str] = typer.Option(..., help="algorithm (see `featcache algos`); repeat to compare several"),
+    algo: list[str] = typer.Option(..., help="algorithm (see `featcache algos`), or a plug-in: path/to/file.py:Class "
+                                             "or package.module:Class; repeat to compare several"),
     rounds: Optional[int] = typer.Option(None, help="communication rounds (default 50)"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; reported as mean(std) over them"),
     set: list[str] = typer.Option([], "--set", help="override a setting: key=value (see `featcache algos NAME`)"),
@@ -214,8 +215,10 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded)."""
+    from .algorithms import load
     from .train import precheck, train as run
 
+    algo = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
     twice = sorted({a for a in algo if algo.count(a) > 1})
     if twice:
         raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
@@ -248,7 +251,7 @@ def train(
 @app.command()
 def grid(
     cache: Path = typer.Option(..., help="cache file from `featcache extract` (with a validation split)"),
-    algo: str = typer.Option(..., help="algorithm (see `featcache algos`)"),
+    algo: str = typer.Option(..., help="algorithm (see `featcache algos`), or a plug-in: path/to/file.py:Class"),
     grid: list[str] = typer.Option(..., "--grid", help="axis: key=v1,v2,... (repeat for more axes)"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds"),
     rounds: Optional[int] = typer.Option(None, help="communication rounds"),
@@ -260,8 +263,10 @@ def grid(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train a hyperparameter grid batched, select on validation, retrain the best, report test accuracy."""
+    from .algorithms import load
     from .grid import grid as run
 
+    algo = load(algo)  # a plug-in spec: registered here, shown by its name
     seed_list = _seeds(seeds)
     with progress_bar(not as_json) as progress:
         result = run(cache=cache, algo=algo, grid=grid, seeds=seed_list, rounds=rounds, set=set, out=out_dir,
@@ -282,19 +287,29 @@ def grid(
 
 
 @app.command()
-def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's settings")) -> None:
+def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's settings (a name or file.py:Class)"),
+          as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """List the registered algorithms with their paper reference and what a client uploads."""
-    from .algorithms import create, list_algorithms
+    from .algorithms import UNAVAILABLE, create, list_algorithms
     from .config import resolve
 
+    if as_json:
+        if name:
+            algo = create(name)
+            _emit({"algo": algo.name, "paper": algo.paper, "uploads": algo.uploads,
+                   "limitation": getattr(algo, "limitation", ""), "settings": resolve(algo)}, True)
+            return
+        _emit({"algorithms": {key: {"paper": cls.paper, "uploads": cls.uploads,
+                                    "limitation": getattr(cls, "limitation", "")}
+                              for key, cls in list_algorithms().items()},
+               "unavailable": dict(UNAVAILABLE)}, True)
+        return
     if name:
         table = Table("setting", "default", title=f"{name} — {create(name).paper}")
         for k, v in sorted(resolve(create(name)).items()):
             table.add_row(k, repr(v))
         out.print(table)
         return
-    from .algorithms import UNAVAILABLE
-
     table = Table("algorithm", "reference", "uploads", "limitation")
     for key, cls in list_algorithms().items():
         table.add_row(key, cls.paper, cls.uploads, getattr(cls, "limitation", ""))
@@ -317,10 +332,13 @@ def report(
 
 
 @app.command()
-def datasets() -> None:
+def datasets(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """List the dataset readers and the layout each expects."""
     from .datasets import list_datasets
 
+    if as_json:
+        _emit({"datasets": dict(sorted(list_datasets().items()))}, True)
+        return
     table = Table("dataset", "expected layout")
     for name, layout in sorted(list_datasets().items()):
         table.add_row(name, layout)
@@ -384,7 +402,8 @@ def _main() -> None:
     try:
         app()
     except UserError as e:
-        err.print(f"[red]error:[/red] {escape(' '.join(str(e).splitlines()))}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(' '.join(str(e).splitlines()))}", highlight=False, soft_wrap=True,
+                  emoji=False)  # `--algo file.py:X: ...` is no :x: emoji
         sys.exit(2)
     except Exception as e:
         if os.environ.get("FEATCACHE_DEBUG", "").strip() not in ("", "0"):

@@ -152,6 +152,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise UserError(f"--chunk {chunk}: a chunk holds at least 1 model (leave it out to plan it from memory)")
     impl = create(algo)
+    spec, algo = algo, impl.name  # a plug-in spec names the run as its registered name; chunks load it by its spec
     base = merge_rounds(list(set or []), rounds)
     base_cfg = resolve(impl, base)
     axes = parse_grid(impl, grid)
@@ -194,7 +195,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
                                                    sort_keys=True).encode())
                 name = f"chunk-{digest.hexdigest()[:16]}.json"  # named by what it trains: any chunking resumes safely
                 jobs.append({"file": folder / name, "models": part, "rounds": max(cfgs[i]["rounds"] for i, _ in part),
-                             "args": (str(cache), algo, [cfgs[i] | {"seed": int(s)} for i, s in part], device)})
+                             "args": (str(cache), spec, [cfgs[i] | {"seed": int(s)} for i, s in part], device)})
         todo = [j for j in jobs if not j["file"].is_file()]
         if progress:
             progress("grid chunks", len(jobs) - len(todo), len(jobs))
@@ -215,14 +216,14 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
                   "chunks_resumed": len(jobs) - len(todo), "backend": backend, "device": str(dev),
                   "run_folder": str(folder), "selection": table, "best": table[0]["config"]}
         if retrain:
-            final = train(cache, algo, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
+            final = train(cache, spec, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
                           out=folder, device=dev,
                           progress=(lambda done, total: progress("grid retrain", done, total)) if progress else None)
             keep = ("mean_acc", "std_acc", "per_seed", "best_round_mean_acc", "best_round_std_acc", "result_file",
                     "params_uploaded_per_round")
             result["retrain"] = {k: final[k] for k in keep}
         result["provenance"] = provenance(dev, library_call(
-            "featcache.grid", cache=str(cache), algo=algo, grid=list(grid), seeds=list(seeds), rounds=rounds,
+            "featcache.grid", cache=str(cache), algo=spec, grid=list(grid), seeds=list(seeds), rounds=rounds,
             set=list(set or []), device=str(device), backend=backend, chunk=chunk, retrain=retrain))
         write_atomic(folder / "grid.csv", to_csv(table))
         _write_json(folder / "grid.json", result)  # last: its presence means the run folder is complete

@@ -6,7 +6,8 @@ for a step (a phase that trains only some parameters). `active` [H, C] marks the
 step: the others (clients with fewer steps, non-participants) keep parameters, moments and step counts exactly as
 they were. Semantics are torch.optim.Adam / torch.optim.SGD (L2 weight decay added to the gradient).
 
-Speed: the arithmetic is torch's own fused kernels (one read and write of each tensor per step). A linear layer's
+Speed: the arithmetic is torch's own fused kernels through torch.optim's public functional API (`adam`, `sgd` with
+fused=True: one read and write of each tensor per step). A linear layer's
 weight gradient arrives from autograd as a transposed view ([d_in, d_out] in memory); instead of copying it every
 step, a parameter and its moments adopt the memory layout of their gradient at the first step (the forward
 `x @ W.T` is then a plain contiguous matmul as well). The kernels work on raw memory, so every tensor of one call
@@ -23,6 +24,8 @@ tensor is accepted too), and the per-model step history that decides how models 
 from __future__ import annotations
 
 import torch
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
 Params = dict[str, torch.Tensor]
 
@@ -107,12 +110,12 @@ class Adam(_Stacked):
 
     def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
         for h, k, models, views, grad in self.groups(grads, active, frozen):
-            self.t[k][h, slice(None) if models is None else models] += 1  # the caller counts, as torch.optim does
-            steps = [self.t[k][h, 0]] if models is None else [self.t[k][h, c] for c in models]
-            torch._fused_adam_(
-                views(self.params[k]), views(grad), views(self.m[k]), views(self.v[k]), [], steps,
-                amsgrad=False, lr=self.lr[h] * self.scale.get(k, 1.0), beta1=self.betas[0], beta2=self.betas[1],
-                weight_decay=self.wd[h], eps=self.eps, maximize=False)
+            steps = [self.t[k][h, 0]] if models is None else [self.t[k][h, c] for c in models]  # 0-d views
+            adam(views(self.params[k]), views(grad), views(self.m[k]), views(self.v[k]), [], steps, fused=True,
+                 amsgrad=False, lr=self.lr[h] * self.scale.get(k, 1.0), beta1=self.betas[0], beta2=self.betas[1],
+                 weight_decay=self.wd[h], eps=self.eps, maximize=False)  # counts the steps it is given
+            if models is None:  # one slab stepped on model 0's count: the others keep the same count
+                self.t[k][h, 1:] = self.t[k][h, 0]
         return dict(self.params)
 
 
@@ -132,10 +135,12 @@ class SGD(_Stacked):
             for is_first in (True, False):  # the kernel's first step copies the gradient into the momentum buffer
                 idx = [i for i, s in enumerate(started) if s != is_first]
                 if idx:
-                    torch._fused_sgd_(
-                        [p[i] for i in idx], [g[i] for i in idx], [b[i] for i in idx] if mom else [],
-                        weight_decay=self.wd[h], momentum=mom, lr=self.lr[h] * self.scale.get(k, 1.0),
-                        dampening=0.0, nesterov=False, maximize=False, is_first_step=is_first)
+                    bufs = [None if is_first else b[i] for i in idx] if mom else []  # None: the first step's
+                    sgd([p[i] for i in idx], [g[i] for i in idx], bufs, fused=True, weight_decay=self.wd[h],
+                        momentum=mom, lr=self.lr[h] * self.scale.get(k, 1.0), dampening=0.0, nesterov=False,
+                        maximize=False)
+                    for i, new in zip(idx, bufs if mom and is_first else ()):  # sgd made fresh first-step buffers
+                        b[i].copy_(new)
         return dict(self.params)
 
 

@@ -117,6 +117,7 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     """Train `algo` on `cache` for each seed on `device` (auto | cpu | cuda[:N]); write the result JSON; return the
     result with timings and the device it ran on (the result file does not record it)."""
     dev, impl, cfg = precheck(algo, rounds, seeds, set, out, device)
+    spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
     seeds = check_seeds(seeds)
     train_data = load_split(cache, impl)
     check_clients(cfg, int(train_data.features.shape[0]))
@@ -138,7 +139,7 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
         "bytes_uploaded_per_round": int(floats) * 4,
     } | summarize(raw["acc"].numpy(), raw["eval_rounds"])
     run_id = hashlib.sha256(json.dumps(result, sort_keys=True, indent=1).encode()).hexdigest()[:12]
-    result["provenance"] = provenance(dev, library_call("featcache.train", cache=str(cache), algo=algo, rounds=rounds,
+    result["provenance"] = provenance(dev, library_call("featcache.train", cache=str(cache), algo=spec, rounds=rounds,
                                                         seeds=list(seeds), set=set, device=str(device)))
     body = json.dumps(result, sort_keys=True, indent=1)
     path = Path(out) / f"{algo}-{run_id}.json"

@@ -26,7 +26,8 @@ def digits_cache(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", sorted(list_algorithms()))
 def test_every_algorithm_trains_on_extracted_digits(digits_cache, tmp_path, algo):
-    res = train(digits_cache, algo, rounds=3, seeds=[0], set=["batch_size=16"], out=tmp_path)
+    fast = [f"{k}={v}" for k, v in getattr(list_algorithms()[algo], "test_overrides", {}).items()]
+    res = train(digits_cache, algo, rounds=3, seeds=[0], set=["batch_size=16", *fast], out=tmp_path)
     assert len(res["per_client"]) == 4 and 0 <= res["mean_acc"] <= 100
     assert res["mean_acc"] > CHANCE, f"{algo} does not beat chance on real digits: {res['mean_acc']:.1f} %"
     assert res["params_uploaded_per_round"] >= 0 and len(res["curve"]["mean_acc"]) == 3

@@ -1,12 +1,20 @@
 """Algorithm registry, like timm's model registry: `@register` on a class, `create(name, cfg)`, `list_algorithms()`.
 
 Every algorithm is a subclass of `base.FedAvg` that overrides only the hooks where it differs.
+
+A name may also be a plug-in spec, `path/to/my_algo.py:MyAlgo` or `package.module:MyAlgo`: `load(spec)` imports the
+class (a FedAvg subclass), registers it under its own `name` and returns that name; `create(spec)` does the same.
+Installed packages can declare theirs in the `featcache.algorithms` entry-point group (`name = "module:Class"`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import pkgutil
+import sys
+from pathlib import Path
 
 from ..errors import UserError, suggest
 
@@ -29,9 +37,32 @@ def register(cls):
     return cls
 
 
+ENTRY_POINT_GROUP = "featcache.algorithms"  # installed packages: [project.entry-points."featcache.algorithms"]
+_entry_points_loaded = False
+
+
 def _import_all() -> None:
     for mod in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{mod.name}")
+    _load_entry_points()
+
+
+def _load_entry_points() -> None:
+    """Register the algorithms installed packages declare in the `featcache.algorithms` entry-point group
+    (`myprox = "mypkg.algo:MyProx"`), once per process. A broken one is skipped with a one-line warning: it must not
+    stop the built-in algorithms from running."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    import warnings
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            load(ep.value)
+        except UserError as e:
+            warnings.warn(f"installed algorithm {ep.name!r} skipped: {e}", stacklevel=2)
 
 
 def list_algorithms() -> dict[str, type]:
@@ -39,10 +70,88 @@ def list_algorithms() -> dict[str, type]:
     return dict(sorted(_ALGOS.items()))
 
 
-def create(name: str, cfg: dict | None = None):
-    """A new instance of algorithm `name`, bound to the shared (structural) settings of `cfg` when given (the engine
-    binds its own copy to the run's settings)."""
+def is_plugin(spec: str) -> bool:
+    """Whether `spec` names a plug-in class (`file.py:Class` or `package.module:Class`) rather than a registered name."""
+    return isinstance(spec, str) and ":" in spec
+
+
+def _import_file(path: Path, spec: str):
+    """Import a plug-in file as a module of its own (once per resolved path: loading the same file twice gives the
+    same classes)."""
+    if not path.is_file():
+        raise UserError(f"--algo {spec}: no file {path}")
+    resolved = path.resolve()
+    name = f"featcache_plugin_{resolved.stem}_{hashlib.sha256(str(resolved).encode()).hexdigest()[:10]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    loader_spec = importlib.util.spec_from_file_location(name, resolved)
+    if loader_spec is None or loader_spec.loader is None:
+        raise UserError(f"--algo {spec}: {path} is not a Python file")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except UserError:
+        sys.modules.pop(name, None)
+        raise
+    except BaseException as e:
+        sys.modules.pop(name, None)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise UserError(f"--algo {spec}: importing {path} failed: {type(e).__name__}: {_first_line(e)}") from e
+    return module
+
+
+def _first_line(e: BaseException) -> str:
+    return " ".join(str(e).split("\n")[0].split())[:300] or "(no message)"
+
+
+def _import_module(module_name: str, spec: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise UserError(f"--algo {spec}: no module {module_name!r} (write file.py:Class for a file)") from e
+        raise UserError(f"--algo {spec}: importing {module_name} failed: {type(e).__name__}: {_first_line(e)}") from e
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"--algo {spec}: importing {module_name} failed: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def load(spec: str) -> str:
+    """Import the plug-in class of `spec` (`path/to/file.py:Class` or `package.module:Class`), register it under its
+    `name` and return that name. A registered name is returned as it is."""
+    if not is_plugin(spec):
+        return spec
     _import_all()
+    where, _, cls_name = spec.rpartition(":")
+    if not where or not cls_name:
+        raise UserError(f"--algo {spec}: write path/to/file.py:ClassName or package.module:ClassName")
+    is_file = where.endswith(".py") or "/" in where or "\\" in where
+    module = _import_file(Path(where), spec) if is_file else _import_module(where, spec)
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise UserError(f"--algo {spec}: {where} has no class {cls_name!r}")
+    from .base import FedAvg
+
+    if not (isinstance(cls, type) and issubclass(cls, FedAvg)):
+        raise UserError(f"--algo {spec}: {cls_name} is not an algorithm (a subclass of featcache.algorithms.base.FedAvg)")
+    name = cls.__dict__.get("name")
+    if not isinstance(name, str) or not name:
+        raise UserError(f"--algo {spec}: {cls_name} needs a `name` of its own (a class attribute, e.g. name = "
+                        f"{cls_name.lower()!r}); it would otherwise run as {getattr(cls, 'name', None)!r}")
+    if name in UNAVAILABLE:
+        raise UserError(f"--algo {spec}: {cls_name}.name {name!r} is a reserved algorithm name: pick another")
+    register(cls)
+    return name
+
+
+def create(name: str, cfg: dict | None = None):
+    """A new instance of algorithm `name` (a registered name or a plug-in spec, see `load`), bound to the shared
+    (structural) settings of `cfg` when given (the engine binds its own copy to the run's settings)."""
+    _import_all()
+    name = load(name)
     if name in UNAVAILABLE:
         raise UserError(f"{name} cannot run on cached features: {UNAVAILABLE[name]}")
     if name not in _ALGOS:

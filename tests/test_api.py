@@ -1,0 +1,236 @@
+"""The public Python API (`featcache.extract/train/grid/load_cache/list_algorithms/register/create`), plug-in
+algorithms (`--algo file.py:Class`, `--algo package.module:Class`), `algos --json` / `datasets --json`, and the
+README's Python example."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from harness import one_line_error, run_cli
+
+import featcache
+from featcache.algorithms import _ALGOS
+from featcache.errors import UserError
+from tests.synthetic import write_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return write_cache(tmp_path_factory.mktemp("cache") / "synthetic.h5")
+
+
+@pytest.fixture
+def registry():
+    """Plug-ins registered by a test are forgotten after it (other tests list the built-in algorithms)."""
+    before = dict(_ALGOS)
+    yield
+    _ALGOS.clear()
+    _ALGOS.update(before)
+
+
+def python(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+# --- the package's API ---------------------------------------------------------------------------------------------
+
+def test_import_featcache_is_cheap_and_sets_no_environment_variable():
+    code = ("import os, sys, featcache; print('torch' in sys.modules, 'h5py' in sys.modules, "
+            "os.environ.get('THP_MEM_ALLOC_ENABLE'), featcache.__version__)")
+    assert python(code).split() == ["False", "False", "None", featcache.__version__]
+
+
+@pytest.mark.parametrize("first", ["function", "module"])
+def test_extract_train_grid_are_functions_and_modules_whichever_is_imported_first(first):
+    function = "from featcache import extract, train, grid; fns = (extract, train, grid)"
+    module = "import featcache.extract, featcache.train, featcache.grid; from featcache.extract import Noise"
+    code = "\n".join([function, module] if first == "function" else [module, function]) + textwrap.dedent("""
+        import inspect, featcache
+        import featcache.train as T
+        from featcache.train import load_split, train as train_fn
+        from featcache.grid import to_csv
+        assert T is featcache.train is fns[1] and callable(T) and T.train is train_fn
+        assert all(callable(f) for f in fns) and featcache.extract.Noise is Noise
+        assert list(inspect.signature(featcache.train).parameters)[:2] == ["cache", "algo"]
+        assert list(inspect.signature(featcache.extract).parameters)[:2] == ["dataset", "backbone"]
+        print("ok")
+    """)
+    assert python(code) == "ok"
+
+
+def test_api_names(cache, tmp_path):
+    from featcache import algorithms
+    from featcache.cache import load_clients
+
+    assert featcache.load_cache is load_clients
+    assert featcache.list_algorithms is algorithms.list_algorithms and "fedavg" in featcache.list_algorithms()
+    assert featcache.register is algorithms.register and featcache.create("fedavg").name == "fedavg"
+    assert {"extract", "train", "grid", "load_cache", "list_algorithms", "register", "create"} <= set(dir(featcache))
+    with pytest.raises(AttributeError):
+        featcache.no_such_thing  # noqa: B018
+    data = featcache.load_cache(cache, "train")
+    assert data.features.shape[0] == 4
+    result = featcache.train(cache, "fedavg", rounds=1, seeds=[0], out=tmp_path)
+    assert result["algo"] == "fedavg" and Path(result["result_file"]).is_file()
+    from featcache import train
+
+    assert train(cache, "fedavg", rounds=1, seeds=[0], out=tmp_path)["mean_acc"] == result["mean_acc"]
+    res = featcache.grid(cache, "fedavg", ["lr=0.1,0.01"], seeds=[0], rounds=1, out=tmp_path / "g", retrain=False)
+    assert res["configs"] == 2
+
+
+# --- plug-in algorithms ----------------------------------------------------------------------------------------------
+
+PLUGIN = '''
+from featcache.algorithms.fedprox import FedProx
+
+
+class MyProx(FedProx):
+    """FedProx under another name: must train exactly as the built-in one."""
+
+    name = "myprox-plugin"
+    paper = "a test plug-in"
+
+
+class NotAnAlgorithm:
+    name = "nope"
+
+
+class NoName(FedProx):
+    pass
+'''
+
+
+def write_plugin(folder: Path, text: str = PLUGIN, name: str = "my_algo.py") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def test_plugin_file_trains_from_the_cli_like_the_builtin(cache, tmp_path, registry):
+    plugin = write_plugin(tmp_path / "plugins")
+    args = ["--cache", cache, "--rounds", "2", "--seeds", "0", "--set", "mu=0.5", "--json"]
+    mine = run_cli("train", *args, "--algo", f"{plugin}:MyProx", "--out", tmp_path / "a")
+    assert mine.code == 0, mine.stderr
+    builtin = run_cli("train", *args, "--algo", "fedprox", "--out", tmp_path / "b")
+    a, b = json.loads(mine.stdout), json.loads(builtin.stdout)
+    assert a["algo"] == "myprox-plugin" and Path(a["result_file"]).name.startswith("myprox-plugin-")
+    assert a["per_client"] == b["per_client"] and a["mean_acc"] == b["mean_acc"]
+    # loaded once per file: naming it again (here with a plain name too) reuses the registered class
+    again = run_cli("train", *args, "--algo", f"{plugin}:MyProx", "--algo", "fedprox", "--out", tmp_path / "c")
+    assert again.code == 0, again.stderr
+    shown = run_cli("algos", "--json")
+    assert "myprox-plugin" in json.loads(shown.stdout)["algorithms"]
+
+
+def test_plugin_module_trains_and_grids(cache, tmp_path, registry, monkeypatch):
+    pkg = tmp_path / "site" / "mypkg"
+    write_plugin(pkg, "", "__init__.py")
+    write_plugin(pkg, PLUGIN.replace("myprox-plugin", "myprox-module"), "algo.py")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    res = run_cli("train", "--cache", cache, "--algo", "mypkg.algo:MyProx", "--rounds", "1", "--seeds", "0",
+                  "--out", tmp_path / "runs", "--json")
+    assert res.code == 0, res.stderr
+    assert json.loads(res.stdout)["algo"] == "myprox-module"
+    g = run_cli("grid", "--cache", cache, "--algo", "mypkg.algo:MyProx", "--grid", "mu=0.1,1", "--rounds", "1",
+                "--seeds", "0", "--out", tmp_path / "grid", "--json")
+    assert g.code == 0, g.stderr
+    out = json.loads(g.stdout)
+    assert out["algo"] == "myprox-module" and "grid-myprox-module-" in out["run_folder"]
+    assert json.loads(Path(out["retrain"]["result_file"]).read_text())["algo"] == "myprox-module"
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("{dir}/missing.py:MyProx", "no file"),
+    ("{dir}/my_algo.py:Missing", "has no class 'Missing'"),
+    ("{dir}/my_algo.py:NotAnAlgorithm", "is not an algorithm"),
+    ("{dir}/my_algo.py:NoName", "needs a `name` of its own"),
+    ("{dir}/broken.py:X", "importing"),
+    ("no_such_package_xyz.algo:X", "no module 'no_such_package_xyz.algo'"),
+    ("{dir}/my_algo.py:", "write path/to/file.py:ClassName"),
+])
+def test_plugin_errors_are_one_line(cache, tmp_path, registry, spec, needle):
+    folder = tmp_path / "plugins"
+    write_plugin(folder)
+    write_plugin(folder, "import nonexistent_dependency_xyz\n", "broken.py")
+    spec = spec.format(dir=folder)
+    for command in (["train", "--cache", cache, "--algo", spec], ["grid", "--cache", cache, "--algo", spec,
+                                                                   "--grid", "lr=0.1,0.01"]):
+        line = one_line_error(run_cli(*command, "--rounds", "1", "--seeds", "0", "--out", tmp_path / "runs"), needle)
+        assert spec in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_plugin_cannot_take_a_builtin_name(tmp_path, registry):
+    plugin = write_plugin(tmp_path, PLUGIN.replace('"myprox-plugin"', '"fedprox"'))
+    with pytest.raises(UserError, match="already registered"):
+        featcache.create(f"{plugin}:MyProx")
+
+
+def test_create_and_train_accept_a_plugin_spec(cache, tmp_path, registry):
+    plugin = write_plugin(tmp_path / "p")
+    assert featcache.create(f"{plugin}:MyProx").name == "myprox-plugin"
+    res = featcache.train(cache, f"{plugin}:MyProx", rounds=1, seeds=[0], out=tmp_path / "runs")
+    assert res["algo"] == "myprox-plugin"
+
+
+# --- --json on algos and datasets ------------------------------------------------------------------------------------
+
+def test_algos_and_datasets_json():
+    algos = run_cli("algos", "--json")
+    assert algos.code == 0, algos.stderr
+    listed = json.loads(algos.stdout)
+    assert {"fedavg", "fedprox", "fedpcl"} <= set(listed["algorithms"]) and "pfedpt" in listed["unavailable"]
+    assert set(listed["algorithms"]["fedavg"]) == {"paper", "uploads", "limitation"}
+    one = json.loads(run_cli("algos", "fedprox", "--json").stdout)
+    assert one["algo"] == "fedprox" and one["settings"]["mu"] == 0.01
+    data = run_cli("datasets", "--json")
+    assert data.code == 0, data.stderr
+    assert "offline-digits" in json.loads(data.stdout)["datasets"]
+    one_line_error(run_cli("algos", "fedprx", "--json"), "unknown algorithm")
+
+
+# --- the README ------------------------------------------------------------------------------------------------------
+
+def test_readme_python_api_example_runs(tmp_path, monkeypatch, capsys):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Python API", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 10
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split()[1].startswith("runs/fedavg-") and "fedavg" in printed[1]
+    assert list(tmp_path.joinpath("cache").glob("offline-digits-*.h5"))
+    assert "--algo path/to/my_prox.py:MyProx" in readme
+
+
+def test_installed_entry_point_algorithms_are_registered(tmp_path, registry, monkeypatch):
+    from featcache import algorithms
+
+    site = tmp_path / "site"
+    write_plugin(site / "epkg", "", "__init__.py")
+    write_plugin(site / "epkg", PLUGIN.replace("myprox-plugin", "myprox-installed"), "algo.py")
+    info = site / "epkg-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: epkg\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[featcache.algorithms]\nmyprox = epkg.algo:MyProx\n"
+                                           "broken = epkg.algo:NotAnAlgorithm\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(algorithms, "_entry_points_loaded", False)
+    with pytest.warns(UserWarning, match="installed algorithm 'broken' skipped: .*is not an algorithm"):
+        assert "myprox-installed" in featcache.list_algorithms()
+    assert featcache.create("myprox-installed").paper == "a test plug-in"
