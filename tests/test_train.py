@@ -267,7 +267,7 @@ def test_scaffold_defaults_to_plain_sgd():
     from featcache.config import resolve
 
     cfg = resolve(create("scaffold"))
-    assert cfg["optimizer"] == "sgd" and cfg["momentum"] == 0.0 and cfg["lr"] == 0.1
+    assert cfg["optimizer"] == "sgd" and cfg["momentum"] == 0.0 and cfg["lr"] == 0.01
 
 
 def test_importing_featcache_sets_no_environment_variable_the_cli_does():
