@@ -316,6 +316,15 @@ def _metadata(bb) -> dict:
             "dim": bb.dim, "preprocessing": bb.preprocessing | {"pipeline": P.DESCRIPTION}}
 
 
+def _rows_to_embed(jobs: list[tuple[Block, list[int]]]) -> dict[int, int]:
+    """Backbone index -> the rows `jobs` embed with it (the progress total)."""
+    total: dict[int, int] = {}
+    for block, js in jobs:
+        for j in js:
+            total[j] = total.get(j, 0) + len(block.rows)
+    return total
+
+
 def _blocks(parts, views: int) -> list[Block]:
     return [Block(c, part.domain, split, v, getattr(part, split)) for c, part in enumerate(parts) for split in SPLITS
             for v in ((0, views) if views and split == "train" else (0,))]
@@ -336,8 +345,7 @@ def _embed(work: Path, jobs: list[tuple[Block, list[int]]], data, run: Settings,
     chunks = [P.Chunk(b, block.domain, block.split, block.rows[r : r + run.batch_size], block.views)
               for b, (block, _) in enumerate(jobs) for r in range(0, len(block.rows), run.batch_size)]
     source = P.Chunks(data, chunks, list(dict.fromkeys(g for g, _, _ in inputs.values())), run.noise, run.seed)
-    total = {j: sum(len(block.rows) for block, js in jobs if j in js) for j in needed}
-    done = dict.fromkeys(needed, 0)
+    total, done = _rows_to_embed(jobs), dict.fromkeys(needed, 0)
     if phases is not None:
         phases["models"] += (t1 := time.perf_counter()) - t
     for block, js in jobs:  # a client with no rows in a split (no chunk will visit it): empty blocks
@@ -514,7 +522,7 @@ class Ray:
         run = replace(run, workers=min(run.workers, cpus if cuda else 0))
         shared = self.ray.put(data)
         pending = {task.remote(work, jobs[i::tasks], shared, run): jobs[i::tasks] for i in range(tasks)}
-        metas, done = {}, {}
+        metas, done, total = {}, {}, _rows_to_embed(jobs)
         while pending:
             (finished,), _ = self.ray.wait(list(pending), num_returns=1)
             share = pending.pop(finished)
@@ -526,7 +534,7 @@ class Ray:
                 for j in todo:
                     done[j] = done.get(j, 0) + len(block.rows)
                     if progress:
-                        progress(metas[j]["key"], done[j], sum(len(b.rows) for b, js in jobs if j in js))
+                        progress(metas[j]["key"], done[j], total[j])
         phases["embedding"] += time.perf_counter() - t
         return metas
 

@@ -21,6 +21,7 @@ uint8 as PIL's is; `DESCRIPTION` records the exact operations in each backbone's
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -135,7 +136,9 @@ def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
     return F.resize(x, [g.height, g.width], interpolation=InterpolationMode(g.interpolation), antialias=True)
 
 
+@functools.lru_cache(maxsize=None)
 def _augmentation(g: Geometry):
+    """The views' transform at geometry g, built once per process (it holds no state: the seeds are global)."""
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms import v2
 

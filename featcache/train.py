@@ -102,13 +102,13 @@ def check_memory(algo, cfg: dict, models: int, data: C.ClientData, device: torch
 def precheck(algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2), set: list[str] | dict | None = None,
              out: str | Path = "runs", device: str | torch.device = "auto"):
     """Everything about a run that can be checked without its cache: device, seeds, settings, the output folder.
-    Returns (device, algorithm, resolved config)."""
+    Returns (device, checked seeds, algorithm, resolved config)."""
     dev = resolve_device(device)
     seeds = check_seeds(seeds)
     impl = create(algo)
     cfg = resolve(impl, merge_rounds(set, rounds))
     check_folder(out)
-    return dev, impl, cfg
+    return dev, seeds, impl, cfg
 
 
 def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2),
@@ -116,9 +116,8 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
           progress=None) -> dict:
     """Train `algo` on `cache` for each seed on `device` (auto | cpu | cuda[:N]); write the result JSON; return the
     result with timings and the device it ran on (the result file does not record it)."""
-    dev, impl, cfg = precheck(algo, rounds, seeds, set, out, device)
+    dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device)
     spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
-    seeds = check_seeds(seeds)
     train_data = load_split(cache, impl)
     check_clients(cfg, int(train_data.features.shape[0]))
     check_memory(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")

@@ -312,14 +312,20 @@ def test_fedamp_rejects_unknown_attention():
                                         ("fedamp", {"sigma": 5.0, "self_attention": 0.2, "lam": 3.0})])
 def test_batched_hyperparameters_equal_single_runs(name, over):
     """The per-config hyperparameters reach the server hooks per configuration, not the first one's for all."""
+    assert_batched_equals_alone(name, over, rounds=2)
+
+
+def assert_batched_equals_alone(name: str, over: dict, rounds: int) -> None:
+    """Two configurations (the defaults, and `over` with another seed) trained as one batched run end with each
+    configuration's own accuracies and parameters, as when it is trained alone."""
     train, test = synthetic_clients(C=3, n=(10, 20), seed=0), synthetic_clients(C=3, n=(10, 20), seed=1)
-    base = ENGINE_DEFAULTS | create(name).defaults | {"proj_dim": HID, "rounds": 2, "batch_size": 8, "lr": 1e-2,
+    base = ENGINE_DEFAULTS | create(name).defaults | {"proj_dim": HID, "rounds": rounds, "batch_size": 8, "lr": 1e-2,
                                                       "participation": 0.67}
     cfgs = [base, base | over | {"seed": 1}]
     batched = Engine(create(name), cfgs, train, test)
-    batched.run()
+    acc = batched.run()["acc"]  # [R, H, C]
     for h, cfg in enumerate(cfgs):
         alone = Engine(create(name), [cfg], train, test)
-        alone.run()
+        torch.testing.assert_close(acc[:, h], alone.run()["acc"][:, 0])
         assert_dicts_close({k: v[h] for k, v in batched.state.params.items()},
                            {k: v[0] for k, v in alone.state.params.items()})

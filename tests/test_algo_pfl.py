@@ -12,8 +12,8 @@ from featcache.algorithms import create
 from featcache.engine import ENGINE_DEFAULTS, Engine, State
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
-from tests.test_algo_personal import (D_IN, HID, K, KEYS, assert_dicts_close, batch, ce, grad_of, hp, logits_of,
-                                      loss_and_grad, models, round_of, setup, tiny_model)
+from tests.test_algo_personal import (D_IN, HID, K, KEYS, assert_batched_equals_alone, assert_dicts_close, batch, ce,
+                                      grad_of, hp, logits_of, loss_and_grad, models, round_of, setup, tiny_model)
 
 
 # -- FedCAC ------------------------------------------------------------------------------------------------------
@@ -184,14 +184,4 @@ def test_pfedgate_rejects_a_bad_budget():
 @pytest.mark.parametrize("name, over", [("fedcac", {"beta": 2.0}), ("pfedsd", {"temperature": 1.5, "lam": 0.3}),
                                         ("pfedgate", {"lr": 3e-2})])
 def test_batched_hyperparameters_equal_single_runs(name, over):
-    train, test = synthetic_clients(C=3, n=(10, 20), seed=0), synthetic_clients(C=3, n=(10, 20), seed=1)
-    base = ENGINE_DEFAULTS | create(name).defaults | {"proj_dim": HID, "rounds": 3, "batch_size": 8, "lr": 1e-2,
-                                                      "participation": 0.67}
-    cfgs = [base, base | over | {"seed": 1}]
-    batched = Engine(create(name), cfgs, train, test)
-    acc = batched.run()["acc"]
-    for h, cfg in enumerate(cfgs):
-        alone = Engine(create(name), [cfg], train, test)
-        torch.testing.assert_close(acc[:, h], alone.run()["acc"][:, 0])
-        assert_dicts_close({k: v[h] for k, v in batched.state.params.items()},
-                           {k: v[0] for k, v in alone.state.params.items()})
+    assert_batched_equals_alone(name, over, rounds=3)

@@ -18,9 +18,8 @@ import pytest
 import timm
 import torch
 from fixtures_disk import dump, write_digit5, write_image
-from harness import everything_in, lines, one_line_error, one_thread, run_cli, write_folders
+from harness import edit_cache, everything_in, lines, one_line_error, one_thread, run_cli, write_folders
 
-from featcache import cache as C
 from featcache.backbones import create_backbone
 from featcache.datasets.base import PathImages
 from featcache.errors import UserError
@@ -232,15 +231,7 @@ def not_hdf5(src: Path, tmp: Path) -> Path:
 def tamper(edit: Callable[[h5py.File], None], reseal: bool) -> Callable[[Path, Path], Path]:
     """A copy of the good cache edited in place; `reseal` makes the checksums match, so only content checks help."""
 
-    def make(src: Path, tmp: Path) -> Path:
-        path = copied(src, tmp)
-        with h5py.File(path, "r+") as f:
-            edit(f)
-            if reseal:
-                C.seal(f)
-        return path
-
-    return make
+    return lambda src, tmp: edit_cache(copied(src, tmp), edit, reseal)
 
 
 # name -> (make the bad cache from a good one in a tmp folder, text the one line contains)

@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from harness import everything_in, lines, one_line_error, run_cli
+from harness import edit_cache, everything_in, lines, one_line_error, run_cli
 
 from featcache import cache as C
 from tests.synthetic import write_cache
@@ -147,15 +147,7 @@ def wrong_type(r: dict) -> None:
 def tampered(edit: Callable[[h5py.File], None], reseal: bool = True) -> Callable[[Ctx], Path]:
     """A copy of the good cache edited in place (checksums rewritten, so only the content checks can tell)."""
 
-    def make(x: Ctx) -> Path:
-        path = x.cache()
-        with h5py.File(path, "r+") as f:
-            edit(f)
-            if reseal:
-                C.seal(f)
-        return path
-
-    return make
+    return lambda x: edit_cache(x.cache(), edit, reseal)
 
 
 def cmd(command: str, make_cache: Callable[[Ctx], Path], *extra: str) -> Callable[[Ctx], list]:

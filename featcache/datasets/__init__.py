@@ -70,7 +70,7 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
         raise UserError(f"unknown dataset {name!r}{suggest(name, _READERS)}; known: {', '.join(sorted(_READERS))}")
     if name in _RECIPES and store is not None and (file := _stored(name, Path(store), options)).is_file():
         try:
-            return _read_stored(file)
+            return _read_stored(file, name)
         except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # damaged: build it again (and replace it)
             file.unlink(missing_ok=True)
     return _READERS[name](root=Path(root) if root is not None else None, download=download, **options)
@@ -94,14 +94,13 @@ def _stored(name: str, store: Path, options: dict) -> Path:
     return store / f".{name}-{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]}.npz"
 
 
-def _read_stored(file: Path) -> Dataset:
+def _read_stored(file: Path, name: str) -> Dataset:
     with np.load(file, allow_pickle=False) as z:
         domains: dict[str, dict[str, ImageSet]] = {}
         for key in z.files:
             if key.endswith("/images"):
                 d, s, _ = key.split("/")
                 domains.setdefault(d, {})[s] = ArrayImages(z[key], z[f"{d}/{s}/labels"])
-        name = file.name[1:].rsplit("-", 1)[0]
         return Dataset(name, [str(c) for c in z["classes"]], domains, source=str(z["source"]))
 
 
