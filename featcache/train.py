@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -26,21 +27,35 @@ from .algorithms import create
 from .atomic import check_folder, write_atomic
 from .config import check_clients, check_seeds, merge_rounds, resolve
 from .devices import resolve_device
-from .engine import Engine
+from .engine import Engine, State
 from .errors import UserError
 from .metrics import summarize
 from .provenance import library_call, provenance
 
 
-def load_split(path, algo, holdout: str = "none", split: str = "train") -> C.ClientData:
+def load_split(path, algo, holdout: str = "none", split: str = "train", backbones=None) -> C.ClientData:
     """Train (or validation) clients with cached views when the algorithm uses them."""
-    return C.load_clients(path, split, views=getattr(algo, "uses_views", False), holdout=holdout)
+    return C.load_clients(path, split, backbones=backbones, views=getattr(algo, "uses_views", False), holdout=holdout)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a run leaves behind when asked (`train(..., keep_state=True)`): the bound algorithm, the final engine
+    state (H = seeds), and the data it trained and was tested on."""
+
+    algo: object
+    state: State
+    train: C.ClientData
+    test: C.ClientData
 
 
 def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
                 device: str | torch.device = "cpu", progress=None) -> dict:
-    """Train H configurations batched; returns the engine's raw output (acc [R_eval, H, C], uploads, timings)."""
-    return Engine(algo, cfgs, train, test, device=device).run(progress)
+    """Train H configurations batched; returns the engine's raw output (acc [R_eval, H, C], uploads, timings) and
+    `trained` (a `Trained`)."""
+    engine = Engine(algo, cfgs, train, test, device=device)
+    raw = engine.run(progress)
+    return raw | {"trained": Trained(engine.algo, engine.state, engine.train, engine.test)}
 
 
 # Size settings a memory refusal may name, in the order they are considered when several grew.
@@ -113,15 +128,18 @@ def precheck(algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2),
 
 def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2),
           set: list[str] | dict | None = None, out: str | Path = "runs", device: str | torch.device = "auto",
-          progress=None) -> dict:
+          backbones: list[str] | None = None, keep_state: bool = False, progress=None) -> dict:
     """Train `algo` on `cache` for each seed on `device` (auto | cpu | cuda[:N]); write the result JSON; return the
-    result with timings and the device it ran on (the result file does not record it)."""
+    result with timings and the device it ran on (the result file does not record it).
+
+    `backbones` trains on a subset of the cached backbones' features (default: all, concatenated); `keep_state` adds
+    `trained` (a `Trained`: algorithm, final state, data) to the returned dict, for analyses of the trained heads."""
     dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device)
     spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
-    train_data = load_split(cache, impl)
+    train_data = load_split(cache, impl, backbones=backbones)
     check_clients(cfg, int(train_data.features.shape[0]))
     check_memory(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")
-    test_data = C.load_clients(cache, "test")
+    test_data = C.load_clients(cache, "test", backbones=backbones)
     raw = run_configs(impl, [cfg | {"seed": int(s)} for s in seeds], train_data, test_data, dev, progress)
     with h5py.File(cache, "r") as f:
         meta = C.read_attrs(f)
@@ -133,13 +151,15 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
         "config": {k: v for k, v in cfg.items() if k != "seed"},
         "seeds": [int(s) for s in seeds],
         "cache": {"key": meta["key"], "dataset": meta["dataset"], "backbones": meta["backbones"]},
+        "backbones": list(backbones or meta["backbones"]),
         "clients": int(train_data.features.shape[0]),
         "params_uploaded_per_round": int(floats),
         "bytes_uploaded_per_round": int(floats) * 4,
     } | summarize(raw["acc"].numpy(), raw["eval_rounds"])
     run_id = hashlib.sha256(json.dumps(result, sort_keys=True, indent=1).encode()).hexdigest()[:12]
     result["provenance"] = provenance(dev, library_call("featcache.train", cache=str(cache), algo=spec, rounds=rounds,
-                                                        seeds=list(seeds), set=set, device=str(device)))
+                                                        seeds=list(seeds), set=set, device=str(device),
+                                                        **({"backbones": list(backbones)} if backbones else {})))
     body = json.dumps(result, sort_keys=True, indent=1)
     path = Path(out) / f"{algo}-{run_id}.json"
     timing = {"seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
@@ -152,4 +172,5 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
         if not existed:  # the pair is written together or not at all
             path.unlink(missing_ok=True)
         raise
-    return result | timing | {"result_file": str(path), "cache_path": str(cache)}
+    kept = {"trained": raw["trained"]} if keep_state else {}
+    return result | timing | {"result_file": str(path), "cache_path": str(cache)} | kept
