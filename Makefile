@@ -1,6 +1,8 @@
 # featcache — install, demo, test, bench. Everything runs offline on CPU.
 PY      ?= python3
 VENV    ?= .venv
+# the torch/torchvision pair of .ci/torch-$(TORCH).txt: newest (default) or oldest; CI tests both ends
+TORCH   ?= newest
 BIN     := $(VENV)/bin
 CACHE   ?= cache
 RUNS    ?= runs
@@ -11,9 +13,9 @@ DEMO_EXTRACT   := --dataset offline-digits $(DEMO_BACKBONES) --partition feature
 
 install: $(BIN)/featcache
 
-$(BIN)/featcache: pyproject.toml
+$(BIN)/featcache: pyproject.toml .ci/torch-$(TORCH).txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev]' -c .ci/torch-$(TORCH).txt
 	@touch $@
 
 DEMO_CACHE = $$($(BIN)/featcache extract $(DEMO_EXTRACT) --json | $(BIN)/python -c 'import json,sys; print(json.load(sys.stdin)["cache"])')

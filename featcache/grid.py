@@ -1,6 +1,6 @@
 """`featcache grid`: a hyperparameter grid trained as batched runs, validation-selected, then retrained.
 
-Protocol of the papers (fedpcl.md App. A.1.4): train every configuration on train-minus-validation (the 20 % held out
+Protocol of the papers (Tan et al., FedPCL, NeurIPS 2022, App. A.1.4): train every configuration on train-minus-validation (the 20 % held out
 at extraction), score it by mean client accuracy on the validation rows, retrain the best on the full train split and
 report test accuracy mean(std) over seeds
 (std: the sample std over seeds, ddof=1; 0 with one seed).
@@ -93,26 +93,33 @@ def _write_json(path: Path, obj) -> None:
     write_atomic(path, json.dumps(obj, sort_keys=True, indent=1))
 
 
+def _split_data(cache: str, algo) -> tuple:
+    """The chunk's training rows (train minus validation) and its validation rows."""
+    return load_split(cache, algo, holdout="fit"), load_clients(cache, "train", holdout="val")
+
+
 def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str | torch.device,
-               progress=None) -> list[list[float]]:
+               progress=None, data: tuple | None = None) -> list[list[float]]:
     """Train a chunk on train-minus-validation and score on validation: per model, per-client final accuracy.
-    `progress(round, rounds)` is called after each round."""
+    `progress(round, rounds)` is called after each round; `data` = (fit, val) when the caller already loaded them."""
     algo = create(algo_name)
-    fit = load_split(cache, algo, holdout="fit")
-    val = load_clients(cache, "train", holdout="val")
+    fit, val = data or _split_data(cache, algo)
     acc = run_configs(algo, cfgs, fit, val, device, progress)["acc"][-1]  # [H, C]
     return (100 * acc).tolist()
 
 
 def _local_backend(jobs, progress):
-    """In-process, one chunk after another; progress is reported per round (in rounds of all chunks to train)."""
+    """In-process, one chunk after another, on data read once; progress is reported per round (in rounds of all
+    chunks to train)."""
     total = sum(job["rounds"] for job in jobs)
-    done = 0
+    done, data = 0, None
     for job in jobs:
         tick = None
         if progress:
             tick = lambda r, R, base=done, n=job["rounds"]: progress("grid rounds", base + round(r * n / R), total)
-        yield job, _run_chunk(*job["args"], tick)
+        cache, algo_name = job["args"][:2]
+        data = data or _split_data(cache, create(algo_name))
+        yield job, _run_chunk(*job["args"], tick, data)
         done += job["rounds"]
 
 
