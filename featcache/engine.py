@@ -5,6 +5,12 @@ Models carry two leading axes [H, C]: H configurations (hyperparameter settings 
     broadcast context -> local epochs (all H*C models in one vmapped step per minibatch) -> after_local
     -> upload -> aggregate over clients of each configuration -> download -> evaluate
 
+Evaluation (every `eval_every` rounds and after the last) records, per model: accuracy and loss on its client's own
+test rows, accuracy on its own training rows, and the round's mean local training loss (accumulated on the device
+over the local steps, read back once per round with the NaN check); per configuration: the accuracy of the server's
+global model (the algorithm's `global_model` hook, None where the server holds none) on the union of all clients'
+test rows.
+
 Every hook gets a read-only `Round`: which round and local epoch it is, the participation mask, the per-configuration
 hyperparameters, the shared settings. Hooks never see the engine.
 
@@ -24,7 +30,7 @@ from torch.func import vmap
 from .cache import ClientData
 from .devices import resolve_device
 from .errors import UserError
-from .optim import OPTIMIZERS
+from .optim import optimizer_for
 
 Params = dict[str, torch.Tensor]
 
@@ -184,6 +190,7 @@ class Engine:
         self._plan_steps()
         self._opt = None  # the last round's optimizer, whose moment buffers the next round reuses
         self.last_round: Round | None = None  # the context of the last round run (evaluate's default)
+        self.round_loss: torch.Tensor | None = None  # [H, C] the last local_train's mean loss per model (device)
 
     def _plan_steps(self) -> None:
         """Minibatch plan, fixed for the run and read from the host once: rows each client trains per epoch (n_eff),
@@ -230,21 +237,25 @@ class Engine:
         """The round's local epochs for every model. `part` [H][C] bool is host data (nested lists, or a CPU tensor;
         participation is computed on the host), so the optimizer learns which models step without reading the
         device. Nothing in here reads a device tensor back: returns the models whose loss was NaN/Inf at some step,
-        [H, C] bool on the device, for the caller to read once per round (`check_finite`)."""
+        [H, C] bool on the device, and leaves each model's mean loss over the local steps it took in
+        `self.round_loss` ([H, C] on the device, NaN where a model took none), for the caller to read once per round
+        (`read_round`)."""
         cfg, algo, data = self.cfg, self.algo, self.train
         B = cfg["batch_size"]
         part_host = part.tolist() if torch.is_tensor(part) else part  # [H][C] host bools
         ctx_round = self.round_context(rnd, part_host)
         part = ctx_round.part  # [H, C]
         hp = self._hp_host
-        opt = OPTIMIZERS[cfg["optimizer"]](state.params, lr=hp["lr"], weight_decay=hp["weight_decay"],
-                                            momentum=hp.get("momentum"),
-                                            scale={k: algo.lr_scale(k) for k in state.params},
-                                            reuse=self._opt)
+        opt = optimizer_for(cfg["optimizer"], self.device)(state.params, lr=hp["lr"], weight_decay=hp["weight_decay"],
+                                                           momentum=hp.get("momentum"),
+                                                           scale={k: algo.lr_scale(k) for k in state.params},
+                                                           reuse=self._opt)
         self._opt = opt
         loss_fn = vmap(vmap(algo.local_loss))  # [H, C] losses; summed, each model gets exactly its own gradient
         c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1]
         bad = torch.zeros(self.H, self.C, dtype=torch.bool, device=self.device)  # [H, C] NaN/Inf seen
+        loss_sum = torch.zeros(self.H, self.C, device=self.device)  # [H, C] summed over the steps a model took
+        n_steps = torch.zeros(self.H, self.C, device=self.device)  # [H, C]
         for epoch in range(algo.local_epochs()):
             at = replace(ctx_round, epoch=epoch)
             frozen = {k for k in state.params if not algo.trainable(k, at)}
@@ -263,37 +274,77 @@ class Engine:
                 grads = dict(zip(params, torch.autograd.grad(loss.sum(), list(params.values()), allow_unused=True)))
                 grads = {k: torch.zeros_like(params[k]) if g is None else g for k, g in grads.items()}
                 bad |= ~torch.isfinite(loss.detach()) & active  # [H, C] read once, after the round
+                loss_sum += torch.where(active, loss.detach(), 0.0)  # [H, C]
+                n_steps += active  # [H, C]
                 with torch.no_grad():
-                    state.params = opt.step(state.params, grads, active_host, frozen)
+                    state.params = opt.step(state.params, grads, active if opt.device_mask else active_host, frozen)
                     algo.after_step(state.params, ctx, active, replace(at, step=s))
                 for k, v in new_buffers.items():
                     state.buffers[k] = torch.where(active.reshape(*active.shape, *[1] * (v.dim() - 2)), v,
                                                    state.buffers[k])
+        self.round_loss = loss_sum / n_steps  # [H, C], NaN where a model took no step
         return bad
 
-    def check_finite(self, bad: torch.Tensor, rnd: int) -> None:
-        """One device read per round: refuse to go on when any model's loss was NaN/Inf (bad [H, C])."""
-        if bool(bad.any()):
+    def read_round(self, bad: torch.Tensor, rnd: int) -> torch.Tensor:
+        """One device read per round: refuse to go on when any model's loss was NaN/Inf (bad [H, C]); return the
+        round's mean local training loss [H, C] on the host (NaN for models that sat the round out)."""
+        both = torch.stack([bad.to(self.round_loss.dtype), self.round_loss]).cpu()  # [2, H, C]
+        if bool(both[0].any()):
             raise UserError(f"{self.algo.name}: loss became NaN/Inf in round {rnd + 1}: lower --set lr=... "
                             "or check the cache with `featcache info`")
+        return both[1]
+
+    # -- evaluation ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def scores(self, state: State, data: ClientData, rnd: Round | None = None, model=None) -> torch.Tensor:
+        """Every model's scores on its client's rows of `data`: [H, C, N, K] (after round `rnd`, by default the last
+        one run). `model` = (params, buffers) name -> [H, ...] scores the server's global model instead, broadcast to
+        every client, with the algorithm's `predict_global`."""
+        ctx = self.algo.context(state, rnd or self.last_round or self.round_context(-1))
+        if model is None:
+            params, buffers, fn = state.params, state.buffers, self.algo.predict
+        else:
+            params, buffers = ({k: expand_hc(v, self.C) for k, v in d.items()} for d in model)  # [H, C, ...]
+            fn = self.algo.predict_global
+        predict = lambda p, b, c, x: fn(p, b, x, c)
+        return map_models(predict, (params, buffers, ctx), (data.features,))  # [H, C, N, K]
 
     def evaluate(self, state: State, data: ClientData, rnd: Round | None = None) -> torch.Tensor:
         """Per-model accuracy on each client's own data: [H, C] (after round `rnd`, by default the last one run)."""
-        ctx = self.algo.context(state, rnd or self.last_round or self.round_context(-1))
-        predict = lambda p, b, c, x: self.algo.predict(p, b, x, c)
-        scores = map_models(predict, (state.params, state.buffers, ctx), (data.features,))  # [H, C, N, K]
-        hit = (scores.argmax(-1) == data.labels) & data.mask  # [H, C, N]
-        return hit.sum(-1) / data.counts.clamp(min=1)
+        return accuracy_loss(self.scores(state, data, rnd), data)[0]
 
-    def run(self, progress=None) -> dict:
-        """Train all rounds; returns per-round accuracies [R_eval, H, C], upload sizes and timings."""
+    def evaluate_global(self, state: State, data: ClientData, rnd: Round | None = None) -> torch.Tensor | None:
+        """The server's global model's accuracy on the union of all clients' rows of `data`: [H] (one correct count
+        over every row of every client / all rows), or None when the algorithm has no global model."""
+        model = self.algo.global_model(state, rnd or self.last_round or self.round_context(-1))
+        if model is None:
+            return None
+        hit = hits(self.scores(state, data, rnd, model), data)  # [H, C, N]
+        return hit.sum((1, 2)) / data.counts.sum().clamp(min=1)
+
+    def record(self, state: State, now: Round, round_loss: torch.Tensor, logs: bool = True) -> dict:
+        """What an evaluation round records, on the host: test_acc, test_loss, train_acc, train_loss [H, C] and
+        global_acc [H] (None without a global model); only test_acc without `logs`."""
+        test_acc, test_loss = accuracy_loss(self.scores(state, self.test, now), self.test)  # [H, C] each
+        if not logs:
+            return {"test_acc": test_acc.cpu()}
+        train_acc, _ = accuracy_loss(self.scores(state, self.train, now), self.train)  # [H, C]
+        glob = self.evaluate_global(state, self.test, now)  # [H] or None
+        return {"test_acc": test_acc.cpu(), "test_loss": test_loss.cpu(), "train_acc": train_acc.cpu(),
+                "train_loss": round_loss, "global_acc": None if glob is None else glob.cpu()}
+
+    def run(self, progress=None, logs: bool = True) -> dict:
+        """Train all rounds; returns, stacked over the evaluation rounds, the records of `record` (acc = test_acc
+        [R_eval, H, C], test_loss, train_acc, train_loss [R_eval, H, C], global_acc [R_eval, H] or None), the
+        evaluation rounds, upload sizes and timings. logs=False records test accuracy only: a grid's selection
+        needs nothing else, and the other records add a forward pass over every training row per evaluation."""
         state = self.init_state()
-        accs, rounds, upload_floats, times = [], [], [], []
+        records, rounds, upload_floats, times = [], [], [], []
         R, algo = self.cfg["rounds"], self.algo
         for rnd in range(R):
             t0 = time.perf_counter()
             part_host = participation(self.seeds, rnd, self.C, self.cfg["participation"]).tolist()  # [H][C] host
-            self.check_finite(self.local_train(state, rnd, part_host), rnd)
+            round_loss = self.read_round(self.local_train(state, rnd, part_host), rnd)  # [H, C] host
             now = self.last_round = self.round_context(rnd, part_host)
             algo.after_local(state, now)
             uploads = algo.upload(state, now)  # name -> [H, C, ...]
@@ -305,9 +356,26 @@ class Engine:
             times.append(time.perf_counter() - t0)
             upload_floats.append(sum(v[0, 0].numel() for v in uploads.values()))
             if (rnd + 1) % self.cfg["eval_every"] == 0 or rnd == R - 1:
-                accs.append(self.evaluate(state, self.test, now).cpu())
+                records.append(self.record(state, now, round_loss, logs))
                 rounds.append(rnd + 1)
             if progress:
                 progress(rnd + 1, R)
         self.state = state
-        return {"acc": torch.stack(accs), "eval_rounds": rounds, "upload_floats": upload_floats, "round_seconds": times}
+        stacked = {k: None if records[0][k] is None else torch.stack([r[k] for r in records]) for k in records[0]}
+        return stacked | {"acc": stacked["test_acc"], "eval_rounds": rounds, "upload_floats": upload_floats,
+                          "round_seconds": times}
+
+
+def hits(scores: torch.Tensor, data: ClientData) -> torch.Tensor:
+    """[H, C, N] bool: the valid rows whose top score is their label (scores [H, C, N, K])."""
+    return (scores.argmax(-1) == data.labels) & data.mask
+
+
+def accuracy_loss(scores: torch.Tensor, data: ClientData) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accuracy and mean cross-entropy of the scores over each client's valid rows: ([H, C], [H, C]). A score of
+    -inf for a row's label (a class the model rules out) gives that row an infinite loss."""
+    n = data.counts.clamp(min=1)  # [C]
+    labels = data.labels.clamp(min=0).expand(*scores.shape[:-1])  # [H, C, N]
+    ce = scores.logsumexp(-1) - scores.gather(-1, labels[..., None]).squeeze(-1)  # [H, C, N]
+    loss = torch.where(data.mask, ce, 0.0).sum(-1) / n  # [H, C]
+    return hits(scores, data).sum(-1) / n, loss

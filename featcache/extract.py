@@ -9,10 +9,10 @@ and normalised for each backbone as batched tensor ops, per-image work in worker
 block's chunks are embedded by every backbone that still needs the block, and each backbone's rows of the block are
 streamed to `.<cache>.parts/b{j}.*.npy.partial`, synced and renamed into place only when complete, so a killed
 extraction resumes from its finished blocks (`--backend ray` runs shares of the blocks as Ray tasks, one per GPU, into
-the same folder). Each backbone's metadata `b{j}.json` follows its blocks. The HDF5 file is then assembled
-inside the parts folder, sealed with checksums (`cache.seal`), synced and renamed into place. An exclusive lock on the
-parts folder keeps two extractions of the same cache from writing at once (the second waits, then finds the cache);
-readers only ever see finished caches.
+the same folder). Each backbone's metadata `b{j}.json` follows its blocks. `cache.write` then assembles the HDF5
+file inside the parts folder, each backbone's blocks becoming its columns of the one `concat` array (hashed as they
+are written), syncs it and renames it into place. An exclusive lock on the parts folder keeps two extractions of the
+same cache from writing at once (the second waits, then finds the cache); readers only ever see finished caches.
 
 When a run fails: a kill or Ctrl-C keeps the finished blocks (the same command resumes); a full disk keeps them too
 and says so in one line (free space, run the same command again); any other error (bad input) removes the parts
@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-import h5py
 import numpy as np
 import torch
 
@@ -57,7 +56,8 @@ class DiskFullError(UserError):
 
 @dataclass(frozen=True)
 class Noise:
-    """Image-space privacy noise x~ = (1 - p) x + e, e ~ Laplace/Gaussian(0, scale) on [0, 1] pixels (FedPCL A.2.4)."""
+    """Image-space privacy noise x~ = (1 - p) x + e, e ~ Laplace/Gaussian(0, scale) on [0, 1] pixels (Tan et al.,
+    FedPCL, NeurIPS 2022, App. A.2.4)."""
 
     kind: str  # 'laplace' | 'gaussian'
     scale: float
@@ -420,54 +420,28 @@ def _forward(model, x: torch.Tensor, dev: torch.device) -> torch.Tensor:
         return model(x).float()
 
 
-def _assemble(path: Path, work: Path, data, parts, metas, manifest, key, views, rows_per_block: int = 4096) -> int:
-    """Write the HDF5 cache from the finished blocks inside `work`, seal it with checksums, sync it and rename it
-    into place."""
-    partial = work / "cache.h5.partial"
-    with _writing(path), _create_h5(partial) as f:
-        images = _write_layout(f, data, parts, metas, manifest, key)
-        for c in range(len(parts)):
-            for split in SPLITS:
-                for group in ("features", "views") if views and split == "train" else ("features",):
-                    blocks = [np.load(work / f"b{j}.{c:03d}.{split}.{group}.npy", mmap_mode="r")
-                              for j in range(len(metas))]
-                    g = f[f"clients/{c:03d}/{split}"]
-                    for m, b in zip(metas, blocks):
-                        g.create_dataset(f"{group}/{m['key']}", data=b, track_times=False)
-                    shape = (*blocks[0].shape[:-1], sum(b.shape[-1] for b in blocks))
-                    cat = g.create_dataset(f"{group}/concat", shape, "f4", track_times=False)
-                    for r in range(0, shape[0], rows_per_block):
-                        cat[r : r + rows_per_block] = np.concatenate([b[r : r + rows_per_block] for b in blocks], -1)
-        C.seal(f)
-    with _writing(path), open(partial, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(partial, path)
-    _sync_folder(path.parent)
-    return images
+def _assemble(path: Path, work: Path, data, parts, metas, manifest, key, views) -> int:
+    """Write the HDF5 cache from the finished blocks inside `work` (`cache.write`: each backbone's block becomes its
+    columns of `concat`, hashed as written, synced and renamed into place); returns the number of images."""
+    domains = list(dict.fromkeys(p.domain for p in parts))  # the domains clients hold, in client order
+    header = {"key": key, "manifest": manifest, "dataset": data.name, "classes": list(data.classes),
+              "domains": domains, "partition": manifest["partition"], "counts": partition_counts(data, parts),
+              "views": manifest["views"], "versions": manifest["versions"]}
+    with _writing(path):
+        return C.write(path, header, metas, _clients(work, data, parts, len(metas), views),
+                       partial=work / "cache.h5.partial")
 
 
-def _create_h5(path: Path) -> h5py.File:
-    """A new HDF5 file as `h5py.File(path, "w", track_order=True)` creates it, but without HDF5's sieve buffer: raw
-    data reaches the disk when a dataset is written, so a full disk fails that write. With the buffer the failure
-    surfaces while datasets close, leaving them half-closed, and freeing them later crashes the interpreter."""
-    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
-    fapl.set_libver_bounds(h5py.h5f.LIBVER_EARLIEST, h5py.h5f.LIBVER_LATEST)
-    fapl.set_sieve_buf_size(0)
-    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
-    order = h5py.h5p.CRT_ORDER_TRACKED | h5py.h5p.CRT_ORDER_INDEXED
-    fcpl.set_link_creation_order(order)
-    fcpl.set_attr_creation_order(order)
-    fcpl.set_obj_track_times(False)
-    return h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fapl=fapl, fcpl=fcpl))
-
-
-def _sync_folder(folder: Path) -> None:
-    """Make a rename in `folder` durable (the new name survives a power cut, not only a kill)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _clients(work: Path, data, parts, backbones: int, views: int) -> Iterator[C.Client]:
+    """Each client as `cache.write` takes it, its features the block files of every backbone (memory-mapped)."""
+    for c, part in enumerate(parts):
+        blocks = lambda split, group: [np.load(work / f"b{j}.{c:03d}.{split}.{group}.npy", mmap_mode="r")
+                                       for j in range(backbones)]  # each [n, D_j] or [n, V, D_j]
+        splits = {split: C.Split(data.domains[part.domain][split].labels[getattr(part, split)], getattr(part, split),
+                                 blocks(split, "features"), blocks(split, "views") if views and split == "train"
+                                 else None)
+                  for split in SPLITS}
+        yield C.Client(part.domain, splits["train"], splits["test"], part.val)
 
 
 def _hit(path: Path, key: str, t0: float) -> dict:
@@ -540,31 +514,3 @@ class Ray:
 
 
 BACKENDS = {"local": Local, "ray": Ray}
-
-
-def _write_layout(f: h5py.File, data, parts, metas: list[dict], manifest: dict, key: str) -> int:
-    """Root attributes, backbone metadata and every client's labels; returns the number of images (train + test).
-    No timestamps: the same inputs give a byte-identical file."""
-    domains = list(dict.fromkeys(p.domain for p in parts))  # the domains clients hold, in client order
-    C.write_attrs(f, {
-        "featcache_format": C.FORMAT, "featcache_version": C.versions()["featcache"], "key": key,
-        "manifest": manifest, "backbones": [m["key"] for m in metas], "classes": list(data.classes),
-        "domains": domains, "dataset": data.name, "partition": manifest["partition"],
-        "counts": partition_counts(data, parts), "views": manifest["views"], "versions": manifest["versions"],
-    })
-    for m in metas:
-        C.write_attrs(f.create_group(f"backbones/{m['key']}"), {k: v for k, v in m.items() if k != "key"})
-    images = 0
-    for c, part in enumerate(parts):
-        g = f.create_group(f"clients/{c:03d}")
-        g.attrs["domain"] = part.domain
-        for split in SPLITS:
-            idx = getattr(part, split)  # [n] int64
-            s = g.create_group(split)
-            s.create_dataset("labels", data=data.domains[part.domain][split].labels[idx], track_times=False)
-            s.create_dataset("source_index", data=idx, track_times=False)
-            s.create_dataset("domain", data=np.full(len(idx), domains.index(part.domain), np.int16), track_times=False)
-            images += len(idx)
-        g.create_dataset("train/val_index", data=part.val, track_times=False)
-    f.attrs["images"] = images
-    return images

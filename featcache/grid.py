@@ -104,7 +104,7 @@ def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str | torch
     `progress(round, rounds)` is called after each round; `data` = (fit, val) when the caller already loaded them."""
     algo = create(algo_name)
     fit, val = data or _split_data(cache, algo)
-    acc = run_configs(algo, cfgs, fit, val, device, progress)["acc"][-1]  # [H, C]
+    acc = run_configs(algo, cfgs, fit, val, device, progress, logs=False)["acc"][-1]  # [H, C]
     return (100 * acc).tolist()
 
 

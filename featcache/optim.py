@@ -19,6 +19,19 @@ and fault in new pages.
 No host synchronisation: `active` and the hyperparameters are host values (nested lists [H][C] / lists [H], a CPU
 tensor is accepted too), and the per-model step history that decides how models are grouped is mirrored on the host
 (`count`), so a step never reads a device tensor back.
+
+`Adam` and `SGD` call a fused kernel once per configuration and parameter (and per client subset when clients are out
+of step): H x P launches and a Python call each per step. That is right on a CPU and wrong on a GPU with a large
+grid, where a step is then all launch overhead. `MaskedAdam` and `MaskedSGD` compute the same update as whole-stack
+tensor arithmetic on [H, C, ...]: hyperparameters are device tensors [H] broadcast to [H, C, 1...], step counts a
+device tensor [H, C], `active` a device bool tensor [H, C] (host lists are still accepted, at the cost of a copy),
+and models that do not step keep their values through one `torch.where` per tensor. A step launches a fixed number
+of kernels per parameter, whatever H and C, and reads nothing back nor takes host data (a CUDA graph can capture
+it); the price is more memory passes per tensor (about 30 against the fused kernel's 7). `optimizer_for(name,
+device)` picks: masked on CUDA, fused elsewhere.
+
+References: Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015 (Algorithm 1, with torch.optim.Adam's
+L2 weight decay); torch.optim.SGD's momentum (first step copies the gradient into the buffer, dampening 0).
 """
 
 from __future__ import annotations
@@ -50,20 +63,26 @@ def _host(v) -> list | None:
     return v.tolist() if torch.is_tensor(v) else (None if v is None else list(v))
 
 
+def _adopt(opt, params: Params, reuse) -> None:
+    """Set opt.params (the engine's tensors, updated in place) and its zeroed per-element state opt.<state_name>."""
+    # The engine's own parameter tensors are updated in place (an algorithm clones whatever it keeps from an earlier
+    # round); views and broadcast tensors are copied first.
+    opt.params = {k: v.detach() if v._base is None and _dense(v) else v.detach().clone() for k, v in params.items()}
+    for name in opt.state_names:  # zeroed moments, taken from `reuse` when it has one of the right shape
+        old = getattr(reuse, name, None) or {}
+        setattr(opt, name, {k: old[k].zero_() if k in old and old[k].shape == v.shape else torch.zeros_like(v)
+                            for k, v in opt.params.items()})
+
+
 class _Stacked:
     """Shared bookkeeping: which (h, c) models step now, their per-model hyperparameters, their state layout."""
 
     state_names: tuple[str, ...] = ()  # per-element state, shaped like the parameters
+    device_mask = False  # `step` takes `active` as host lists [H][C] (the engine passes what each kind takes)
 
     def __init__(self, params: Params, lr, weight_decay, scale=None, reuse=None):
         self.lr, self.wd, self.scale = _host(lr), _host(weight_decay), scale or {}  # [H] host floats
-        # The engine's own parameter tensors are updated in place (an algorithm clones whatever it keeps from an
-        # earlier round); views and broadcast tensors are copied first.
-        self.params = {k: v.detach() if v._base is None and _dense(v) else v.detach().clone() for k, v in params.items()}
-        for name in self.state_names:  # zeroed moments, taken from `reuse` when it has one of the right shape
-            old = getattr(reuse, name, None) or {}
-            setattr(self, name, {k: old[k].zero_() if k in old and old[k].shape == v.shape else torch.zeros_like(v)
-                                 for k, v in self.params.items()})
+        _adopt(self, params, reuse)
         H, C = next(iter(self.params.values())).shape[:2]
         self.count = {k: [[0] * C for _ in range(H)] for k in self.params}  # host [H][C]: steps taken per model
 
@@ -144,4 +163,100 @@ class SGD(_Stacked):
         return dict(self.params)
 
 
-OPTIMIZERS = {"adam": Adam, "sgd": SGD}
+def _device(v, device, dtype=torch.float32) -> torch.Tensor:
+    """v (a list or a tensor) as a tensor on `device`; a tensor already there is used as it is."""
+    return torch.as_tensor(v, dtype=dtype, device=device)
+
+
+def _per_config(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A per-configuration tensor [H] shaped to broadcast against a parameter stack: [H, 1, 1...]."""
+    return v.view(-1, *[1] * (p.dim() - 1))
+
+
+class _Masked:
+    """Shared bookkeeping of the whole-stack optimizers: device hyperparameters [H], device step counts [H, C] per
+    parameter (`t`), the parameters and their state in the gradient's memory layout."""
+
+    state_names: tuple[str, ...] = ()
+    device_mask = True  # `step` takes `active` as a device bool tensor [H, C]
+
+    def __init__(self, params: Params, lr, weight_decay, scale=None, reuse=None):
+        _adopt(self, params, reuse)
+        first = next(iter(self.params.values()))
+        self.device, (H, C) = first.device, first.shape[:2]
+        lr, wd = _device(lr, self.device), _device(weight_decay, self.device)  # [H]
+        scale = scale or {}
+        self.lr = {k: _per_config(lr * scale.get(k, 1.0), p) for k, p in self.params.items()}  # [H, 1...] per name
+        self.wd = {k: _per_config(wd, p) for k, p in self.params.items()}  # [H, 1...]
+        self.t = {k: torch.zeros(H, C, device=self.device) for k in self.params}  # [H, C] steps taken per model
+
+    _align = _Stacked._align  # parameter k and its state adopt the gradient's layout (a no-op after the first)
+
+    def _stepping(self, grads: Params, active, frozen):
+        """Yield (k, p, g, on, now) per trained parameter: p [H, C, ...] the parameter, g its gradient with L2 weight
+        decay added, on [H, C, 1...] the models that step, now [H, C, 1...] their step count including this one."""
+        act = _device(active, self.device, torch.bool)  # [H, C]; a no-op for a device bool tensor
+        for k, g in grads.items():
+            if k in frozen:
+                continue
+            g, p, t = self._align(k, g), self.params[k], self.t[k]
+            shape = (*act.shape, *[1] * (p.dim() - 2))
+            t.add_(act)  # [H, C]
+            yield k, p, torch.addcmul(g, p, self.wd[k]), act.view(shape), t.view(shape)  # g: [H, C, ...]
+
+
+class MaskedAdam(_Masked):
+    """torch.optim.Adam per model, as whole-stack arithmetic (see the module docstring). Same constructor and step
+    as `Adam`; `active` may be a device bool tensor [H, C] (pass one: a host list costs a copy per step)."""
+
+    state_names = ("m", "v")
+
+    def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None,
+                 reuse=None, **_):
+        super().__init__(params, lr, weight_decay, scale, reuse)
+        self.betas, self.eps = betas, eps
+
+    def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
+        b1, b2 = self.betas
+        for k, p, g, on, now in self._stepping(grads, active, frozen):
+            m, v = self.m[k], self.v[k]  # [H, C, ...]
+            torch.where(on, torch.lerp(m, g, 1 - b1), m, out=m)
+            torch.where(on, torch.lerp(v, g.square_(), 1 - b2), v, out=v)  # b2·v + (1 − b2)·g²
+            now = now.double()  # bias corrections in float64, as torch's kernels: in float32 1 − 0.999^t cancels
+            step = (self.lr[k] / (1 - b1**now)).float()  # [H, C, 1...] (inf where a model never stepped: masked)
+            denom = (v.sqrt() / (1 - b2**now).sqrt_().float()).add_(self.eps)  # [H, C, ...]
+            torch.where(on, torch.addcmul(p, m / denom, step, value=-1), p, out=p)  # [H, C, ...]
+        return dict(self.params)
+
+
+class MaskedSGD(_Masked):
+    """torch.optim.SGD (momentum, dampening 0) per model, as whole-stack arithmetic. Same constructor and step as
+    `SGD`; `momentum` None keeps no buffer; a configuration with momentum 0 leaves its buffer at zero, as SGD does."""
+
+    state_names = ("buf",)
+
+    def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, reuse=None, **_):
+        super().__init__(params, lr, weight_decay, scale, reuse)
+        self.mom = None if momentum is None else _device(momentum, self.device)  # [H] or None
+        self.moving = None if momentum is None else self.mom != 0  # [H] configurations that keep a buffer
+
+    def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
+        for k, p, g, on, _ in self._stepping(grads, active, frozen):
+            if self.mom is not None:  # structural (fixed at construction), not a value read
+                buf, mom, moving = self.buf[k], _per_config(self.mom, p), _per_config(self.moving, p)
+                g = torch.addcmul(g, buf, mom)  # [H, C, ...] mom·buf + g; a first step's buffer is still zero: g
+                torch.where(on & moving, g, buf, out=buf)
+            torch.where(on, torch.addcmul(p, g, self.lr[k], value=-1), p, out=p)  # [H, C, ...]
+        return dict(self.params)
+
+
+OPTIMIZERS = {"adam": Adam, "sgd": SGD}  # fused kernels per configuration: the CPU's choice
+MASKED = {"adam": MaskedAdam, "sgd": MaskedSGD}  # whole-stack arithmetic: the GPU's choice
+BY_DEVICE = {"cuda": MASKED}  # device type -> registry; any other device uses OPTIMIZERS
+
+
+def optimizer_for(name: str, device) -> type:
+    """The optimizer class for `name` on `device`. Rule: masked on CUDA (a GPU step is launch-bound: a fixed number
+    of kernels, no host data, capturable by a CUDA graph); fused on every other device (the CPU pays per memory
+    pass, not per launch, and the fused kernels make one pass per tensor)."""
+    return BY_DEVICE.get(torch.device(device).type, OPTIMIZERS)[name]

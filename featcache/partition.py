@@ -9,10 +9,10 @@ registry; the scheme decides each client's training images, then steps shared by
   that the domain's test pools allow for every class (so a domain whose test split mirrors its train split hands
   out nearly all of it), lowered where needed so that no class exceeds `test_per_class`.
 * val: positions into the client's train array, stratified by label and seeded; a class keeps at least one image in
-  train. Validation picks hyperparameters; the final run trains on the whole train array again (FedPCL App. A.1.4).
+  train. Validation picks hyperparameters; the final run trains on the whole train array again (FedPCL, App. A.1.4).
 * indices are sorted ascending (HDF5 reads with increasing indices).
 
-Schemes (FedPCL App. A.1, Tables 8-10 and 12-13; DESIGN.md section 3):
+Schemes (Tan et al., FedPCL, NeurIPS 2022, App. A.1, Tables 8-10 and 12-13):
 
 * feature: client i owns domain i mod #domains; each domain's class pools are split evenly among its clients and
   capped at `per_class` images per class per client (FedPCL feature shift: 10 per class, 200 test per class).
@@ -30,13 +30,20 @@ Schemes (FedPCL App. A.1, Tables 8-10 and 12-13; DESIGN.md section 3):
 
 `order` says which images of a class pool come first: "shuffled" (a seeded permutation, the default) or "first"
 (the dataset's own order, as FedPCL's official code takes the first 10 train and 200 test images per class).
-Everything is deterministic given `seed`. Dirichlet draws that leave a client without training images are redrawn
-(bounded); impossible requests raise `UserError`.
+Dirichlet draws that leave a client without training images are redrawn (bounded); impossible requests raise
+`UserError`.
+
+Randomness: everything is deterministic given `seed`, and every step draws from a stream of its own, seeded by `seed`
+and the step's name alone (`_stream`): "pools/train/<domain>" and "pools/test/<domain>" shuffle a domain's class
+pools, "split" makes the scheme's draws (Dirichlet proportions, the pathological deck), "val/<client>" picks a
+client's validation positions. A draw added to or removed from one step changes no other step's draws, a domain
+added changes no other domain's pools, a client added no other client's validation positions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -134,6 +141,8 @@ def _check_values(spec: PartitionSpec) -> None:
         )
     if spec.alpha <= 0:
         raise UserError(f"alpha must be > 0 (got {spec.alpha:g})")
+    if spec.seed < 0:
+        raise UserError(f"seed must be >= 0 (got {spec.seed})")
     if spec.clients is not None and spec.clients < 1:
         raise UserError(f"clients must be >= 1 (got {spec.clients})")
     if not 0 <= spec.val_fraction < 1:
@@ -154,6 +163,12 @@ _ORDERS: dict[str, Callable[[np.ndarray, np.random.Generator], np.ndarray]] = {
 }
 
 Pools = dict[str, list[np.ndarray]]  # domain -> one index array per class, in the order images are handed out
+
+
+def _stream(seed: int, step: str) -> np.random.Generator:
+    """The random stream of one step, named as in the module docstring: seeded by `seed` and the name alone."""
+    name = np.frombuffer(hashlib.sha256(step.encode()).digest(), np.uint32)  # [8] words of the step's name
+    return np.random.default_rng(np.random.SeedSequence([seed, *name.tolist()]))
 
 
 def _class_pools(labels: np.ndarray, n_classes: int, order: str, rng: np.random.Generator) -> list[np.ndarray]:
@@ -307,18 +322,19 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
         )
 
     n_classes = len(dataset.classes)
-    rng = np.random.default_rng(spec.seed)
-    pools = {d: _class_pools(dataset.domains[d]["train"].labels, n_classes, spec.order, rng) for d in used}
-    train = [np.sort(t) for t in scheme.split(owners, pools, spec, rng)]
+    pools = {d: _class_pools(dataset.domains[d]["train"].labels, n_classes, spec.order,
+                             _stream(spec.seed, f"pools/train/{d}")) for d in used}
+    train = [np.sort(t) for t in scheme.split(owners, pools, spec, _stream(spec.seed, "split"))]
     for i, (d, t) in enumerate(zip(owners, train)):
         if len(t) == 0:
             raise UserError(
                 f"client {i} (domain {d!r}) got no training images: use fewer clients or a larger per_class"
             )
-    test = _test_indices(dataset, owners, train, spec, rng)
+    test = _test_indices(dataset, owners, train, spec)
     return [
-        ClientPart(d, tr, te, _val_positions(dataset.domains[d]["train"].labels[tr], spec.val_fraction, rng))
-        for d, tr, te in zip(owners, train, test)
+        ClientPart(d, tr, te, _val_positions(dataset.domains[d]["train"].labels[tr], spec.val_fraction,
+                                             _stream(spec.seed, f"val/{i}")))
+        for i, (d, tr, te) in enumerate(zip(owners, train, test))
     ]
 
 
@@ -357,16 +373,16 @@ def _refuse_missing_domains(dataset: Dataset, spec: PartitionSpec, multi_domain:
         )
 
 
-def _test_indices(
-    dataset: Dataset, owners: list[str], train: list[np.ndarray], spec: PartitionSpec, rng: np.random.Generator
-) -> list[np.ndarray]:
+def _test_indices(dataset: Dataset, owners: list[str], train: list[np.ndarray],
+                  spec: PartitionSpec) -> list[np.ndarray]:
     """Test images per client with its train label distribution (see the module docstring)."""
     n_classes = len(dataset.classes)
     parts: list[list[np.ndarray]] = [[] for _ in owners]
     for d, who in _members(owners).items():
         y_train = dataset.domains[d]["train"].labels
         n = np.stack([np.bincount(y_train[train[i]], minlength=n_classes)[:n_classes] for i in who])  # [c, K]
-        pools = _class_pools(dataset.domains[d]["test"].labels, n_classes, spec.order, rng)
+        pools = _class_pools(dataset.domains[d]["test"].labels, n_classes, spec.order,
+                             _stream(spec.seed, f"pools/test/{d}"))
         supply = np.array([len(pool) for pool in pools])  # [K]
         demand = n.sum(0)  # [K]
         ratio = np.full(len(who), np.min(supply[demand > 0] / demand[demand > 0]))  # [c]

@@ -1,17 +1,38 @@
-"""`featcache report`: result JSON files -> a markdown table (mean(std) over seeds, communication) and a PNG of
-accuracy curves. Used by the CLI and the reproduction pipelines."""
+"""`featcache report`: result files of `featcache train` -> a markdown table and PNG figures. Used by the CLI and the
+reproduction pipelines.
+
+Inputs are any mix of result files and folders. A folder stands for the `*.json` files directly in it (one level:
+a grid's run folder inside `runs/` holds chunk files, not results; pass that folder itself to report its retrained
+result). Files that are not results are skipped with one note each; the sidecars `train` writes beside a result
+(`.timing.json`, `.metrics.csv`, `.state.safetensors`) share one note. Results from different caches are refused.
+
+Written to OUT: `report.md` (the table and the figures' links), `curves.png` (test accuracy per evaluation round,
+with the global model's accuracy and the mean local training loss where the results hold them; a shaded ±1 std band
+over seeds where the result's `.metrics.csv` sidecar holds the per-seed numbers) and `clients.png` (final accuracy
+per client, one group of bars per run, error bars ±1 std over seeds). std is always the sample std (ddof=1).
+"""
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from .atomic import check_folder, write_atomic
 from .errors import UserError
 
 _NUMBERS = ("mean_acc", "std_acc", "best_round_mean_acc", "best_round_std_acc")
+
+# What `train` writes beside a result `NAME.json`: never results themselves, skipped together in one note.
+SIDECARS = {".timing.json": "a .timing.json sidecar", ".metrics.csv": "a .metrics.csv sidecar",
+            ".state.safetensors": "a saved state (.state.safetensors): draw it with `featcache plot`"}
+MAX_RESULT_BYTES = 64 * 2**20  # a result file is a few kB; a larger input is some other file, not read
+CSV_TOLERANCE = 0.05  # percentage points: a metrics.csv whose seed means differ more from its result's curve is stale
 
 
 def _number(v) -> bool:
@@ -50,40 +71,112 @@ def result_problem(r) -> str | None:
     return None
 
 
-def load_results(paths, note=None) -> list[dict]:
-    """Parse and check each result file. A file that does not exist is refused; one that is not a result file (a
-    timing sidecar, grid.json, other JSON, a binary file) is refused when it is the only one, and skipped with a
-    one-line `note` when several files are given (a glob or a folder such as runs/*)."""
-    results, skipped = [], []
-    paths = [Path(p) for p in paths]
-    for p in paths:
-        if not p.is_file():
-            what = f"is a folder: pass the result files in it, e.g. {p / '*.json'}" if p.is_dir() else "does not exist"
-            raise UserError(f"result file {p} {what}")
-        try:
-            parsed = json.loads(p.read_bytes().decode("utf-8"))
-            why = result_problem(parsed)
-        except OSError as e:
-            raise UserError(f"cannot read result file {p}: {e.strerror or e}") from None
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            why = "not JSON (a binary file?)"
-        if why is None:
-            results.append(parsed)
-        elif len(paths) == 1:
+@dataclass
+class Run:
+    """One result file: where it is and what it holds."""
+
+    path: Path
+    result: dict
+
+
+@dataclass
+class Inputs:
+    """The inputs sorted out: results, sidecar files (one note for all of them), other files skipped (one note each)."""
+
+    runs: list[Run] = field(default_factory=list)
+    sidecars: list[Path] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        """One line per skipped input, sidecars in one line."""
+        lines = []
+        if self.sidecars:
+            kinds = {}
+            for p in self.sidecars:
+                kinds[_sidecar(p)] = kinds.get(_sidecar(p), 0) + 1
+            lines.append(f"skipped {len(self.sidecars)} sidecar file(s) beside the results ("
+                         f"{', '.join(f'{k} x{n}' for k, n in kinds.items())}): not result files")
+        return lines + [f"skipped {line}" for line in self.skipped]
+
+
+def _sidecar(p: Path) -> str | None:
+    return next((suffix for suffix in SIDECARS if p.name.endswith(suffix)), None)
+
+
+def expand(paths) -> tuple[list[Path], list[Path]]:
+    """(files, folders' files): each folder replaced by the `*.json` files directly in it, sorted by name; a path
+    given twice (directly or through its folder) is kept once. A path that does not exist is refused."""
+    given, found, seen = [], [], set()
+    for p in map(Path, paths):
+        if not (p.is_file() or p.is_dir()):
+            raise UserError(f"result file {p} does not exist: pass result files or folders holding them")
+        files = [p] if p.is_file() else [f for f in sorted(p.glob("*.json")) if f.is_file()]
+        for f in files:
+            if f.resolve() not in seen:
+                seen.add(f.resolve())
+                (given if p.is_file() else found).append(f)
+    return given, found
+
+
+def _parse(p: Path) -> tuple[dict | None, str | None]:
+    """(result, None) for a result file, else (None, why it is not one)."""
+    try:
+        if p.stat().st_size > MAX_RESULT_BYTES:
+            return None, f"{p.stat().st_size / 2**20:.0f} MB, too large for a result file"
+        parsed = json.loads(p.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read result file {p}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        kind = p.suffix.lower() if p.suffix.lower() not in ("", ".json") else "binary"
+        return None, f"not JSON (a {kind} file?)"
+    why = result_problem(parsed)
+    return (parsed, None) if why is None else (None, why)
+
+
+def load_inputs(paths) -> Inputs:
+    """Sort result files from the rest. A single file that is not a result file is refused (the user named it); among
+    several inputs, or in a folder, it is skipped (a glob such as runs/* picks up the sidecars)."""
+    paths = list(paths)
+    given, found = expand(paths)
+    if not given and not found:
+        raise UserError(f"no .json files in {', '.join(map(str, paths))}: pass the result JSON files of "
+                        "`featcache train` or the folder holding them, e.g. runs/")
+    single = len(given) == 1 and not found and len(paths) == 1
+    inputs = Inputs()
+    for p in given + found:
+        kind = _sidecar(p)
+        result, why = (None, SIDECARS[kind]) if kind else _parse(p)
+        if result is not None:
+            inputs.runs.append(Run(p, result))
+        elif single:
             raise UserError(f"{p} is not a featcache result file: {why}")
+        elif kind:
+            inputs.sidecars.append(p)
         else:
-            skipped.append(f"{p}: not a result file ({why})")
-    if skipped and not results:
-        raise UserError(f"none of the {len(paths)} inputs is a featcache result file ({skipped[0]}"
-                        f"{f'; +{len(skipped) - 1} more' if len(skipped) > 1 else ''}): pass the result JSON files "
-                        "of `featcache train`, e.g. runs/*.json")
-    for line in skipped if note is not None else ():
-        note(f"skipped {line}")
-    return results
+            inputs.skipped.append(f"{p}: not a result file ({why})")
+    if not inputs.runs:
+        first = inputs.notes()[0]
+        raise UserError(f"none of the {len(given) + len(found)} inputs is a featcache result file ({first}): pass the "
+                        "result JSON files of `featcache train` or their folder, e.g. runs/*.json or runs/")
+    return inputs
+
+
+def load_results(paths, note=None) -> list[dict]:
+    """The results among `paths` (files and folders, see `load_inputs`); `note` receives one line per skipped input."""
+    inputs = load_inputs(paths)
+    for line in inputs.notes() if note is not None else ():
+        note(line)
+    return [run.result for run in inputs.runs]
 
 
 def fmt(mean: float, std: float) -> str:
     return f"{mean:.2f}({std:.2f})"
+
+
+def fmt_global(r: dict) -> str:
+    """The global model's test accuracy mean(std), or "n/a" (no global model, or a result from before the metric)."""
+    mean, std = r.get("global_mean_acc"), r.get("global_std_acc")
+    return fmt(mean, std) if _number(mean) and _number(std) else "n/a"
 
 
 def _cache_of(r: dict) -> dict:
@@ -153,68 +246,245 @@ def title(results: list[dict]) -> str:
 
 def markdown_table(results: list[dict]) -> str:
     """A title (cache, seeds), then one row per run: its label (the settings that differ between the runs), final
-    mean(std) over seeds, best-round mean(std), worst-20 %, uploads. std is the sample std over seeds (ddof=1; 0 with
-    one seed)."""
+    mean(std) over seeds, best-round mean(std), the global model's accuracy ("n/a" without one), worst-20 %, uploads.
+    std is the sample std over seeds (ddof=1; 0 with one seed)."""
     rows = [f"**{title(results)}** — mean(std) over seeds, std = sample std (ddof=1; 0 with one seed)", "",
-            "| run | final acc % | best-round acc % | worst 20 % | params up / client / round | seeds |",
-            "|---|---|---|---|---|---|"]
+            "| run | final acc % | best-round acc % | global acc % | worst 20 % | params up / client / round | seeds |",
+            "|---|---|---|---|---|---|---|"]
     for r, label in zip(results, labels(results)):
         w20 = r["fairness"]["worst_20"]
         rows.append(f"| {label} | {fmt(r['mean_acc'], r['std_acc'])} | "
-                    f"{fmt(r['best_round_mean_acc'], r['best_round_std_acc'])} | {fmt(*w20)} | "
+                    f"{fmt(r['best_round_mean_acc'], r['best_round_std_acc'])} | {fmt_global(r)} | {fmt(*w20)} | "
                     f"{r['params_uploaded_per_round']:,} | {len(r['seeds'])} |")
     return "\n".join(rows) + "\n"
 
 
-def curves_png(results: list[dict], path: str | Path | None = None) -> bytes:
-    """The accuracy curves as PNG bytes (also written atomically to `path` when given)."""
+# -- per-seed curves from metrics.csv ----------------------------------------------------------------------------------
+
+def metrics_csv(result_file: Path) -> Path:
+    """The `.metrics.csv` sidecar `train` writes beside `result_file` (NAME.json -> NAME.metrics.csv)."""
+    return result_file.with_suffix(".metrics.csv")
+
+
+def read_metrics(path: Path) -> list[dict] | None:
+    """The rows of a metrics.csv (round, seed, client, split, loss, accuracy, global_accuracy), or None when there
+    is none or it cannot be read as one."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return None
+    need = {"round", "seed", "client", "split", "loss", "accuracy", "global_accuracy"}
+    return rows if rows and need <= set(rows[0]) else None
+
+
+def per_seed(rows: list[dict], split: str, column: str, rounds: list[int], seeds: list[int]) -> np.ndarray | None:
+    """[R, S]: `column` of the `split` rows averaged over the clients that have a value, per evaluation round and
+    seed; None when a round or seed has no value (the file does not cover the curve)."""
+    sums, counts = np.zeros((len(rounds), len(seeds))), np.zeros((len(rounds), len(seeds)))
+    at_round, at_seed = {r: i for i, r in enumerate(rounds)}, {s: j for j, s in enumerate(seeds)}
+    for row in rows:
+        try:
+            i, j = at_round.get(int(row["round"])), at_seed.get(int(row["seed"]))
+            value = float(row[column]) if row["split"] == split and row[column] not in ("", None) else None
+        except (TypeError, ValueError):
+            return None
+        if i is not None and j is not None and value is not None and math.isfinite(value):
+            sums[i, j] += value
+            counts[i, j] += 1
+    return sums / counts if counts.all() else None
+
+
+def _in_percent(values: np.ndarray, curve: list) -> np.ndarray | None:
+    """values [R, S] (fractions or %) in %, when their mean over seeds is the result's own curve [R] (in %); None
+    when it is not (a stale or foreign metrics.csv)."""
+    target = np.asarray(curve, dtype=np.float64)
+    for scale in (100.0, 1.0):
+        if np.abs(values.mean(1) * scale - target).max() <= CSV_TOLERANCE:
+            return values * scale
+    return None
+
+
+@dataclass
+class Series:
+    """One line of a figure: mean [R] over seeds, and std [R] over seeds (ddof=1) when the per-seed values are known."""
+
+    rounds: list
+    mean: np.ndarray
+    std: np.ndarray | None = None
+
+
+def series(run: Run) -> dict[str, Series]:
+    """A run's curves by name (`accuracy`, `global`, `loss`): the result's own means, with the std over seeds from
+    its metrics.csv when that file exists, covers every evaluation round and seed, and agrees with the means."""
+    r, curve = run.result, run.result["curve"]
+    rounds, seeds = [int(v) for v in curve["rounds"]], [int(s) for s in r["seeds"]]
+    rows = read_metrics(metrics_csv(run.path))
+    out = {}
+    for name, key, split, column, percent in (("accuracy", "mean_acc", "test", "accuracy", True),
+                                              ("global", "global_acc", "test", "global_accuracy", True),
+                                              ("loss", "train_loss", "train", "loss", False)):
+        mean = curve.get(key)
+        if not (isinstance(mean, list) and len(mean) == len(rounds) and all(_number(v) for v in mean)):
+            continue
+        values = per_seed(rows, split, column, rounds, seeds) if rows and len(seeds) > 1 else None
+        if values is not None:
+            values = _in_percent(values, mean) if percent else (
+                values if np.abs(values.mean(1) - np.asarray(mean)).max() <= 1e-3 * max(1.0, max(map(abs, mean)))
+                else None)
+        std = values.std(1, ddof=1) if values is not None else None
+        out[name] = Series(rounds, np.asarray(mean, dtype=np.float64), std)
+    return out
+
+
+# -- figures ---------------------------------------------------------------------------------------------------------
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from matplotlib.ticker import MaxNLocator
+    return plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r, label in zip(results, labels(results)):
-        ax.plot(r["curve"]["rounds"], r["curve"]["mean_acc"], label=label)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-    ax.set_title(title(results), fontsize=9)
-    ax.set_xlabel("round")
-    ax.set_ylabel("mean client test accuracy (%)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
+
+def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    if path is not None:
-        write_atomic(path, buf.getvalue())
+    _pyplot().close(fig)
     return buf.getvalue()
 
 
+def _draw(ax, s: Series, colour, label: str, style: str = "-") -> bool:
+    """One curve, with its ±1 std band when known; whether a band was drawn."""
+    ax.plot(s.rounds, s.mean, style, color=colour, label=label, marker="o" if len(s.rounds) == 1 else None)
+    if s.std is not None:
+        ax.fill_between(s.rounds, s.mean - s.std, s.mean + s.std, color=colour, alpha=0.2, linewidth=0)
+    return s.std is not None
+
+
+def curves_png(runs: list[Run], path: str | Path | None = None) -> bytes:
+    """Test accuracy per evaluation round (solid: mean over clients; dashed: the global model, where the results have
+    one), and the mean local training loss beside it where the results record it; shaded ±1 std over seeds where the
+    metrics.csv sidecar holds the per-seed values. PNG bytes, also written atomically to `path` when given."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
+    results = [run.result for run in runs]
+    curves = [series(run) for run in runs]
+    with_loss = any("loss" in c for c in curves)
+    fig, axes = plt.subplots(1, 2 if with_loss else 1, figsize=(11 if with_loss else 6.5, 4.4), squeeze=False)
+    acc_ax, banded, colours = axes[0][0], 0, plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (c, label) in enumerate(zip(curves, labels(results))):
+        colour = colours[i % len(colours)]
+        banded += _draw(acc_ax, c["accuracy"], colour, label)
+        if "global" in c:
+            banded += _draw(acc_ax, c["global"], colour, f"{label} (global model)", "--")
+        if "loss" in c:
+            banded += _draw(axes[0][1], c["loss"], colour, label)
+    acc_ax.set_ylabel("test accuracy (%)")
+    if with_loss:
+        axes[0][1].set_ylabel("mean local training loss (the algorithm's objective)")
+        axes[0][1].set_title("train loss, mean over participating clients", fontsize=9)
+    with_global = any("global" in c for c in curves)
+    acc_ax.set_title("solid: mean over clients (own test rows); dashed: global model (all test rows)" if with_global
+                     else "mean over clients, each on its own test rows", fontsize=9)
+    for ax in axes[0]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
+        ax.set_xlabel("communication round (rounds)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    band = ("shaded: ±1 std over seeds (ddof=1, from metrics.csv)" if banded else
+            "mean over seeds (no per-seed metrics.csv: no band)")
+    fig.suptitle(f"{title(results)}\n{band}", fontsize=9)
+    fig.tight_layout()
+    png = _png(fig)
+    if path is not None:
+        write_atomic(path, png)
+    return png
+
+
+def per_client(r: dict) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """Final test accuracy per client: (mean [C], std [C] over seeds, ddof=1, None with one seed), or None when the
+    result holds no per-client numbers."""
+    rows = r.get("per_client_per_seed")
+    try:
+        acc = np.asarray(rows, dtype=np.float64)  # [S, C]
+    except (TypeError, ValueError):
+        acc = None
+    if acc is not None and acc.ndim == 2 and acc.size and np.isfinite(acc).all():
+        return acc.mean(0), acc.std(0, ddof=1) if acc.shape[0] > 1 else None
+    flat = r.get("per_client")
+    if isinstance(flat, list) and flat and all(_number(v) for v in flat):
+        return np.asarray(flat, dtype=np.float64), None
+    return None
+
+
+def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
+    """Final test accuracy per client: one group of bars per run, one bar (colour) per client, error bars ±1 std over
+    seeds. PNG bytes, also written atomically to `path` when given."""
+    plt = _pyplot()
+    results = [run.result for run in runs]
+    groups = [(label, per_client(r)) for r, label in zip(results, labels(results))]
+    groups = [(label, g) for label, g in groups if g is not None]
+    C = max((len(g[0]) for _, g in groups), default=0)
+    fig, ax = plt.subplots(figsize=(max(7.5, 2.2 + 0.28 * C * max(len(groups), 1)), 4.6))
+    width = 0.8 / max(C, 1)
+    cmap = plt.get_cmap("tab10" if C <= 10 else "tab20")
+    for gi, (_, (mean, std)) in enumerate(groups):
+        for c in range(len(mean)):
+            ax.bar(gi + (c - (C - 1) / 2) * width, mean[c], width, color=cmap(c % cmap.N),
+                   yerr=None if std is None else std[c], capsize=2, error_kw={"linewidth": 0.8},
+                   label=f"client {c}" if gi == 0 else None)
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
+    ax.set_xlabel("run (one bar per client)")
+    ax.set_ylabel("final test accuracy (%)")
+    ax.set_ylim(0, 105)
+    ax.grid(axis="y", alpha=0.3)
+    if groups:
+        ax.legend(fontsize=7, ncol=1 + (C - 1) // 20, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title(f"{title(results)}\nerror bars: ±1 std over seeds (ddof=1)", fontsize=9)
+    fig.tight_layout()
+    png = _png(fig)
+    if path is not None:
+        write_atomic(path, png)
+    return png
+
+
+# -- the command -----------------------------------------------------------------------------------------------------
+
+def write_together(out: Path, files: dict[str, bytes | str]) -> dict[str, str]:
+    """Write every file into `out` atomically, all or none: a failure removes the ones this call created."""
+    created = []
+    try:
+        for name, body in files.items():
+            if not (out / name).exists():
+                created.append(out / name)
+            write_atomic(out / name, body)
+    except BaseException:
+        for p in created:
+            p.unlink(missing_ok=True)
+        raise
+    return {name: str(out / name) for name in files}
+
+
 def report(results: list[str | Path], out: str | Path | None = None, note=None) -> dict:
-    """Render the table (returned, and written to OUT/report.md with OUT/curves.png when `out` is given). `note`
-    receives one line per input skipped because it is not a result file."""
+    """Render result files and folders (see `load_inputs`) as a markdown table, returned under `table` with the
+    skipped inputs' notes under `skipped` (also passed, one line each, to `note`). With `out`, also writes
+    OUT/report.md, OUT/curves.png and OUT/clients.png, all three or none."""
     if out:
         check_folder(out)
-    loaded = load_results(results, note)
-    if not loaded:
-        raise UserError("no result files among the inputs: pass the result JSON files of `featcache train`, e.g. "
-                        "runs/*.json")
-    check_one_cache(loaded)
+    inputs = load_inputs(results)
+    for line in inputs.notes() if note is not None else ():
+        note(line)
+    loaded = [run.result for run in inputs.runs]
+    check_one_cache(loaded, [str(run.path) for run in inputs.runs])
     table = markdown_table(loaded)
     written = {}
     if out:
-        out = Path(out)
-        png = curves_png(loaded)  # rendered before anything is written
-        existed = (out / "curves.png").exists()
-        write_atomic(out / "curves.png", png)
-        try:
-            write_atomic(out / "report.md", table)
-        except BaseException:
-            if not existed:  # the pair is written together or not at all
-                (out / "curves.png").unlink(missing_ok=True)
-            raise
-        written = {"markdown": str(out / "report.md"), "figure": str(out / "curves.png")}
-    return {"table": table, **written}
+        figures = {"curves.png": curves_png(inputs.runs), "clients.png": clients_png(inputs.runs)}  # before any write
+        markdown = table + "\n![accuracy curves](curves.png)\n\n![per-client accuracy](clients.png)\n"
+        paths = write_together(Path(out), figures | {"report.md": markdown})
+        written = {"markdown": paths["report.md"], "figure": paths["curves.png"],
+                   "clients_figure": paths["clients.png"]}
+    return {"table": table, "skipped": inputs.notes(), **written}

@@ -8,6 +8,11 @@ provenance holds nothing that changes between repeated runs, so the same seed an
 commit give the same file (the file is named by a hash of everything but the provenance: what it trains). Wall-clock
 timings, and the device they were taken on, go to the printed summary and a `.timing.json` sidecar, never into the
 result file.
+
+Beside the result `NAME.json`, every run writes `NAME.metrics.csv` (every evaluation round, seed and client: loss and
+accuracy on train and test rows, the global model's accuracy; featcache.metrics) and, when asked, the final trained
+state `NAME.state.safetensors` (featcache.states) and TensorBoard scalars in `TENSORBOARD/NAME/seed-S`. They are
+written together or not at all, the result file last.
 """
 
 from __future__ import annotations
@@ -15,21 +20,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 
 from . import cache as C
 from .algorithms import create
-from .atomic import check_folder, write_atomic
+from .atomic import check_folder, output_errors, write_atomic
 from .config import check_clients, check_seeds, merge_rounds, resolve
 from .devices import resolve_device
 from .engine import Engine, State
 from .errors import UserError
-from .metrics import summarize
+from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from .provenance import library_call, provenance
 
 
@@ -50,11 +55,11 @@ class Trained:
 
 
 def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
-                device: str | torch.device = "cpu", progress=None) -> dict:
-    """Train H configurations batched; returns the engine's raw output (acc [R_eval, H, C], uploads, timings) and
-    `trained` (a `Trained`)."""
+                device: str | torch.device = "cpu", progress=None, logs: bool = True) -> dict:
+    """Train H configurations batched; returns the engine's raw output (acc [R_eval, H, C], with `logs` the other
+    records of `Engine.run`, uploads, timings) and `trained` (a `Trained`)."""
     engine = Engine(algo, cfgs, train, test, device=device)
-    raw = engine.run(progress)
+    raw = engine.run(progress, logs)
     return raw | {"trained": Trained(engine.algo, engine.state, engine.train, engine.test)}
 
 
@@ -115,34 +120,80 @@ def check_memory(algo, cfg: dict, models: int, data: C.ClientData, device: torch
 
 
 def precheck(algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2), set: list[str] | dict | None = None,
-             out: str | Path = "runs", device: str | torch.device = "auto"):
-    """Everything about a run that can be checked without its cache: device, seeds, settings, the output folder.
-    Returns (device, checked seeds, algorithm, resolved config)."""
+             out: str | Path = "runs", device: str | torch.device = "auto", tensorboard: str | Path | None = None):
+    """Everything about a run that can be checked without its cache: device, seeds, settings, the output folder(s),
+    TensorBoard when asked for. Returns (device, checked seeds, algorithm, resolved config)."""
     dev = resolve_device(device)
     seeds = check_seeds(seeds)
     impl = create(algo)
     cfg = resolve(impl, merge_rounds(set, rounds))
     check_folder(out)
+    if tensorboard is not None:
+        tensorboard_writer()
+        check_folder(tensorboard, "--tensorboard")
     return dev, seeds, impl, cfg
+
+
+def write_together(files: list[tuple[Path, str | bytes]]) -> None:
+    """Write every file atomically, in order (the result file last: its presence means the others are complete).
+    Should one fail, the files this call created are removed again: all of them or none."""
+    created = []
+    try:
+        for path, body in files:
+            existed = path.exists()
+            write_atomic(path, body)
+            if not existed:
+                created.append(path)
+    except BaseException:
+        for path in created:
+            path.unlink(missing_ok=True)
+        raise
+
+
+def tensorboard_run(folder: Path, raw: dict, seeds: list[int]) -> Path:
+    """Write the run's scalars into a temporary folder beside `folder` (committed by `commit_folder`)."""
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with output_errors(tmp):
+            write_tensorboard(tmp, raw, seeds)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def commit_folder(tmp: Path, folder: Path) -> None:
+    """Move the finished `tmp` folder to `folder`, replacing the folder of an earlier run of the same name (the same
+    training: names are hashes of what a run trains)."""
+    old = folder.with_name(f".{folder.name}.{os.getpid()}.old")
+    with output_errors(folder):
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2),
           set: list[str] | dict | None = None, out: str | Path = "runs", device: str | torch.device = "auto",
-          backbones: list[str] | None = None, keep_state: bool = False, progress=None) -> dict:
-    """Train `algo` on `cache` for each seed on `device` (auto | cpu | cuda[:N]); write the result JSON; return the
-    result with timings and the device it ran on (the result file does not record it).
+          backbones: list[str] | None = None, keep_state: bool = False, tensorboard: str | Path | None = None,
+          save_state: bool = False, progress=None) -> dict:
+    """Train `algo` on `cache` for each seed on `device` (auto | cpu | cuda[:N]); write the result JSON and its
+    metrics CSV; return the result with timings, the device it ran on (the result file does not record it) and the
+    paths written (result_file, metrics_csv, state_file, tensorboard: None when not asked for).
 
     `backbones` trains on a subset of the cached backbones' features (default: all, concatenated); `keep_state` adds
-    `trained` (a `Trained`: algorithm, final state, data) to the returned dict, for analyses of the trained heads."""
-    dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device)
+    `trained` (a `Trained`: algorithm, final state, data) to the returned dict, for analyses of the trained heads;
+    `save_state` writes that state to NAME.state.safetensors; `tensorboard` (a folder) logs the per-seed curves to
+    TENSORBOARD/NAME."""
+    dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device, tensorboard)
     spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
     train_data = load_split(cache, impl, backbones=backbones)
     check_clients(cfg, int(train_data.features.shape[0]))
     check_memory(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")
     test_data = C.load_clients(cache, "test", backbones=backbones)
     raw = run_configs(impl, [cfg | {"seed": int(s)} for s in seeds], train_data, test_data, dev, progress)
-    with h5py.File(cache, "r") as f:
-        meta = C.read_attrs(f)
+    meta = test_data.meta
     floats = raw["upload_floats"][0]
     result = {
         "algo": algo,
@@ -155,7 +206,8 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
         "clients": int(train_data.features.shape[0]),
         "params_uploaded_per_round": int(floats),
         "bytes_uploaded_per_round": int(floats) * 4,
-    } | summarize(raw["acc"].numpy(), raw["eval_rounds"])
+    } | summarize(raw["acc"].numpy(), raw["eval_rounds"], none_or_numpy(raw["global_acc"]),
+                  raw["train_loss"].numpy())
     run_id = hashlib.sha256(json.dumps(result, sort_keys=True, indent=1).encode()).hexdigest()[:12]
     result["provenance"] = provenance(dev, library_call("featcache.train", cache=str(cache), algo=spec, rounds=rounds,
                                                         seeds=list(seeds), set=set, device=str(device),
@@ -164,13 +216,34 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     path = Path(out) / f"{algo}-{run_id}.json"
     timing = {"seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
               "seconds_total": round(float(np.sum(raw["round_seconds"])), 3), "device": str(dev)}
-    existed = path.exists()
-    write_atomic(path, body)
-    try:
-        write_atomic(path.with_suffix(".timing.json"), json.dumps(timing))
-    except BaseException:
-        if not existed:  # the pair is written together or not at all
-            path.unlink(missing_ok=True)
-        raise
+    paths = write_run(path, body, timing, raw, result, save_state, tensorboard)
     kept = {"trained": raw["trained"]} if keep_state else {}
-    return result | timing | {"result_file": str(path), "cache_path": str(cache)} | kept
+    return result | timing | paths | {"cache_path": str(cache)} | kept
+
+
+def write_run(path: Path, body: str, timing: dict, raw: dict, result: dict, save_state: bool,
+              tensorboard: str | Path | None) -> dict:
+    """Write the result `body` to `path` with its sidecars (timing, metrics CSV, the state when asked for) and the
+    TensorBoard run when asked for: all of them or none. Returns the paths written (None: not asked for)."""
+    files = [(path.with_suffix(".timing.json"), json.dumps(timing)),
+             (path.with_suffix(".metrics.csv"), metrics_csv(raw, result["seeds"]))]
+    if save_state:
+        from .states import SUFFIX, state_bytes
+
+        files.append((path.with_suffix(SUFFIX), state_bytes(raw["trained"], result, path.name)))
+    board = Path(tensorboard) / path.stem if tensorboard is not None else None
+    tmp = tensorboard_run(board, raw, result["seeds"]) if board else None
+    try:
+        write_together([*files, (path, body)])
+    except BaseException:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if tmp:
+        commit_folder(tmp, board)
+    return {"result_file": str(path), "metrics_csv": str(files[1][0]),
+            "state_file": str(files[2][0]) if save_state else None, "tensorboard": str(board) if board else None}
+
+
+def none_or_numpy(t: torch.Tensor | None):
+    return None if t is None else t.numpy()

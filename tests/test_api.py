@@ -54,8 +54,9 @@ def test_import_featcache_is_cheap_and_sets_no_environment_variable():
 
 @pytest.mark.parametrize("first", ["function", "module"])
 def test_extract_train_grid_are_functions_and_modules_whichever_is_imported_first(first):
-    function = "from featcache import extract, train, grid; fns = (extract, train, grid)"
-    module = "import featcache.extract, featcache.train, featcache.grid; from featcache.extract import Noise"
+    function = "from featcache import extract, train, grid, report, plot; fns = (extract, train, grid, report, plot)"
+    module = ("import featcache.extract, featcache.train, featcache.grid, featcache.report, featcache.plot; "
+              "from featcache.extract import Noise")
     code = "\n".join([function, module] if first == "function" else [module, function]) + textwrap.dedent("""
         import inspect, featcache
         import featcache.train as T
@@ -65,6 +66,7 @@ def test_extract_train_grid_are_functions_and_modules_whichever_is_imported_firs
         assert all(callable(f) for f in fns) and featcache.extract.Noise is Noise
         assert list(inspect.signature(featcache.train).parameters)[:2] == ["cache", "algo"]
         assert list(inspect.signature(featcache.extract).parameters)[:2] == ["dataset", "backbone"]
+        assert featcache.report.report is fns[3].report and featcache.plot is fns[4] and featcache.load_state
         print("ok")
     """)
     assert python(code) == "ok"

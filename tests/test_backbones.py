@@ -228,6 +228,28 @@ def test_model_without_any_pretrained_weights_is_refused():
         create_backbone("efficientnet_lite3")
 
 
+def test_every_spec_form_resolves_through_weight_order_alone(monkeypatch, tmp_path):
+    """WEIGHT_ORDER is the one statement of where weights come from: each spec form reaches its source, and a source
+    put first there takes over create_backbone, weights_identity and the ways out the hub's errors name."""
+    served = {spec: backbones._weight_source(*backbones._parse_spec(spec)).what.split()[:2] for spec in
+              ("efficientnet_lite0", "resnet18", "resnet18=random", f"resnet18={tmp_path / 'm.pth'}")}
+    assert served == {"efficientnet_lite0": ["the", "weights"], "resnet18": ["timm's", "hub"],
+                      "resnet18=random": ["random", "initialisation"], f"resnet18={tmp_path / 'm.pth'}": ["a", "local"]}
+    first = backbones.WeightSource(
+        "a test source", "{name}=test", lambda name, source: name == "resnet18" and not source,
+        lambda name, source: {"name": name, "weights": "test"},
+        lambda name, source, size, partial: (timm.create_model("test_resnet", num_classes=0), "test_resnet",
+                                             "resnet18-test", "test", ""))
+    monkeypatch.setattr(backbones, "WEIGHT_ORDER", (first, *backbones.WEIGHT_ORDER))
+    assert backbones.weights_identity("resnet18") == {"name": "resnet18", "weights": "test"}
+    built = create_backbone("resnet18", image_size=32)
+    assert (built.name, built.key, built.weights) == ("test_resnet", "resnet18-test", "test")
+    assert backbones.weights_identity("resnet34") == {"name": "resnet34", "weights": "hub"}
+    _fake_hub(monkeypatch, ConnectionError("offline"))
+    with pytest.raises(UserError, match="pass resnet34=test, or resnet34=PATH to a checkpoint, or resnet34=random$"):
+        create_backbone("resnet34")
+
+
 def test_random_weights_only_when_asked_and_loudly():
     with pytest.warns(UserWarning, match="RANDOM weights"):
         backbone = create_backbone("resnet18=random", image_size=32)
@@ -444,7 +466,8 @@ def test_extract_with_an_augreg_npz_embeds_as_the_same_weights_in_a_state_dict_d
         ours, theirs = read_attrs(f[f"backbones/{key}"]), read_attrs(g["backbones/test_vit-same-weights"])
         assert ours["weights"] == f"file:{npz}" and ours["weights_sha256"] == backbones._sha256(npz)
         assert ours | {"weights": "", "weights_sha256": ""} == theirs | {"weights": "", "weights_sha256": ""}
-        features = f[f"clients/000/train/features/{key}"][:]  # [n, 64]
+        assert ours["columns"] == theirs["columns"] == [0, 64]  # one backbone: every column of concat
+        features = f["clients/000/train/features/concat"][:]  # [n, 64]
         assert features.shape == (20, 64) and np.isfinite(features).all() and features.std(0).min() > 0
-        np.testing.assert_array_equal(features, g["clients/000/train/features/test_vit-same-weights"][:])
+        np.testing.assert_array_equal(features, g["clients/000/train/features/concat"][:])
     assert extract(backbone=[f"test_vit={npz}"], **small)["cache_hit"]

@@ -19,7 +19,7 @@ CHANCE = 2 * 100 / 10  # twice chance with 10 classes: a head that learned nothi
 @pytest.fixture(scope="module")
 def digits_cache(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
-    return extract(dataset="offline-digits", backbone=["efficientnet_lite0"], partition="feature", per_class=8,
+    return extract(dataset="offline-digits", backbone=["efficientnet_lite0"], partition="feature", per_class=16,
                    test_per_class=5, image_size=32, views=2, out=out)["cache"]
 
 

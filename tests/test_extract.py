@@ -39,11 +39,11 @@ def test_cache_layout_and_metadata(small_cache):
         assert meta["partition"]["scheme"] == "feature" and len(meta["counts"]["clients"]) == 2
         bb = C.read_attrs(f["backbones/efficientnet_lite0"])
         assert bb["weights"].startswith("package:") and len(bb["weights_sha256"]) == 64
-        assert bb["preprocessing"]["input_size"] == [3, 32, 32]
+        assert bb["preprocessing"]["input_size"] == [3, 32, 32] and bb["columns"] == [0, bb["dim"]]
         g = f["clients/000/train"]
-        x = g["features/efficientnet_lite0"][...]
+        assert list(g["features"]) == ["concat"]  # the features are stored once
+        x = g["features/concat"][...]
         assert x.shape == (30, bb["dim"]) and x.dtype == np.float32 and np.isfinite(x).all()
-        np.testing.assert_array_equal(g["features/concat"][...], x)
         assert sorted(np.bincount(g["labels"][...])) == [3] * 10
         assert len(g["val_index"][...]) > 0
 
@@ -69,14 +69,23 @@ def test_other_seed_or_backbone_gives_new_cache_and_same_seed_same_bytes(small_c
 
 
 def test_two_backbones_concatenate_in_order(tmp_path):
-    res = extract(**(SMALL | {"backbone": ["efficientnet_lite0", "resnet18=random"], "domains": ["mnist"]}),
-                  out=tmp_path)
+    """Each backbone's columns of `concat` hold exactly what a cache of that backbone alone holds."""
+    names, options = ["efficientnet_lite0", "resnet18=random"], SMALL | {"domains": ["mnist"]}
+    res = extract(**(options | {"backbone": names}), out=tmp_path)
+    alone = [extract(**(options | {"backbone": [b]}), out=tmp_path)["cache"] for b in names]
     with h5py.File(res["cache"]) as f:
         assert json.loads(f.attrs["backbones"]) == ["efficientnet_lite0", "resnet18-random"]
-        g = f["clients/000/test/features"]
-        np.testing.assert_array_equal(g["concat"][...], np.concatenate([g["efficientnet_lite0"][...],
-                                                                        g["resnet18-random"][...]], 1))
         assert f["backbones/resnet18-random"].attrs["weights"] == "random"
+        columns = [json.loads(f[f"backbones/{k}"].attrs["columns"]) for k in res["backbones"]]
+        x = f["clients/000/test/features/concat"][...]  # [n, D0 + D1]
+        for (a, b), single in zip(columns, alone):
+            with h5py.File(single) as g:
+                np.testing.assert_array_equal(x[:, a:b], g["clients/000/test/features/concat"][...])
+    assert columns[0][0] == 0 and columns[0][1] == columns[1][0] and columns[1][1] == x.shape[1]
+    swapped = C.load_clients(res["cache"], "test", backbones=["resnet18-random", "efficientnet_lite0"])
+    (a0, b0), (a1, b1) = columns
+    np.testing.assert_array_equal(swapped.features[0, : len(x)].numpy(), np.concatenate([x[:, a1:b1], x[:, a0:b0]], 1))
+    assert swapped.meta["backbones"] == res["backbones"]
 
 
 def test_views_and_noise(tmp_path):

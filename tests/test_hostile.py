@@ -238,7 +238,7 @@ def tamper(edit: Callable[[h5py.File], None], reseal: bool) -> Callable[[Path, P
 CACHE_CASES: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
     "nan-features": (tamper(poke("clients/001/test/features/concat", np.nan), reseal=True),
                      "clients/001/test/features/concat: NaN or Inf values"),
-    "inf-features": (tamper(poke("clients/000/train/features/test_resnet-random", np.inf), reseal=True),
+    "inf-features": (tamper(poke("clients/000/train/features/concat", np.inf), reseal=True),
                      "NaN or Inf values"),
     "bit-flip": (tamper(flip_feature_bit, reseal=False), "clients/000/train/features/concat: sha256 mismatch"),
     "counts-disagree": (tamper(set_attr("images", 1), reseal=True), "images attribute says 1"),

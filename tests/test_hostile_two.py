@@ -200,7 +200,7 @@ def zero_row_client(f: h5py.File) -> None:
 
 
 def concat_differs(f: h5py.File) -> None:
-    f["clients/002/test/features/concat"][0, 0] += 1.0
+    f["backbones/synth"].attrs["columns"] = "[1, 17]"
 
 
 def label_out_of_range(f: h5py.File) -> None:
@@ -286,7 +286,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "verify-zero-row-client": (cmd("verify", tampered(zero_row_client)), "client 001 has no training rows"),
     "train-zero-row-client": (cmd("train", tampered(zero_row_client)), "client 001 has no training rows"),
     "verify-concat-differs": (cmd("verify", tampered(concat_differs)),
-                              "clients/002/test/features/concat: not equal to the per-backbone blocks"),
+                              "backbones/synth: columns [1, 17] do not follow the backbones before it"),
     "verify-label-out-of-range": (cmd("verify", tampered(label_out_of_range)), "labels: values outside 0..4"),
     # 7. memory
     "train-memory-proj-dim": (train("--set", "proj_dim=10000000", algo="fedpcl"), "lower proj_dim"),
@@ -325,7 +325,7 @@ def test_report_skips_non_result_files_with_a_note_and_writes_both_files(good_re
     assert len(notes) == 2 and all(n.startswith("note: skipped") for n in notes), notes
     assert any(".timing.json" in n for n in notes) and any("grid.json" in n for n in notes)
     assert "| fedavg |" in res.stdout
-    assert everything_in(tmp_path / "rep") == ["curves.png", "report.md"]
+    assert everything_in(tmp_path / "rep") == ["clients.png", "curves.png", "report.md"]
 
 
 def test_legitimate_edges_still_run(good_cache, tmp_path):

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import timm
 import torch
@@ -113,16 +114,38 @@ def test_a_tampered_key_is_a_problem(cache, tmp_path):
     assert C.verify(copy)["problems"] == ["the stored key is not the hash of the stored manifest"]
 
 
-def test_train_verifies_each_file_version_once_per_process(cache, tmp_path, monkeypatch):
+def test_loads_check_each_file_version_once_reading_every_feature_byte_once(cache, tmp_path, monkeypatch):
+    """The first load of a file version checks its structure once, and each feature array on the very read that fills
+    the tensors: loading train then test reads every feature byte exactly once, a second load checks nothing again,
+    and a new version of the file (another mtime) is checked again."""
     copy = Path(shutil.copy(cache, tmp_path / "c.h5"))
-    calls = []
-    monkeypatch.setattr(C, "verify", lambda path: calls.append(path) or {"ok": True, "problems": [], "stale": []})
+    with h5py.File(copy, "r") as f:
+        sizes = {name: ds.nbytes for name, ds in C._objects(f, h5py.Dataset) if name.endswith("/concat")}
+    read: dict[str, int] = {}
+    real_getitem, real_direct = h5py.Dataset.__getitem__, h5py.Dataset.read_direct
+
+    def count(ds, out) -> None:
+        if ds.name.endswith("/concat"):
+            read[ds.name[1:]] = read.get(ds.name[1:], 0) + np.asarray(out).nbytes
+
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", lambda ds, key: (out := real_getitem(ds, key), count(ds, out))[0])
+    monkeypatch.setattr(h5py.Dataset, "read_direct",
+                        lambda ds, dest, *a, **k: (real_direct(ds, dest, *a, **k), count(ds, dest)))  # all of dest
+    structure, features = [], []
+    real_structure, real_features = C._check_structure, C._feature_problems
+    monkeypatch.setattr(C, "_check_structure", lambda f, p: structure.append(1) or real_structure(f, p))
+    monkeypatch.setattr(C, "_feature_problems", lambda name, *a: features.append(name) or real_features(name, *a))
+    train = C.load_clients(copy, "train")
+    test = C.load_clients(copy, "test")
+    assert read == sizes and len(structure) == 1 and sorted(features) == sorted(sizes)
+    assert train.counts.sum() + test.counts.sum() == train.meta["images"]
+    read.clear()
     C.load_clients(copy, "train")
-    C.load_clients(copy, "test")
-    assert len(calls) == 1
-    os.utime(copy, ns=(1, 1))  # another version of the file: verified again
+    assert len(structure) == 1 and len(features) == len(sizes)  # nothing checked again
+    assert read == {k: v for k, v in sizes.items() if "/train/" in k}
+    os.utime(copy, ns=(1, 1))  # another version of the file: checked again
     C.load_clients(copy, "train")
-    assert len(calls) == 2
+    assert len(structure) == 2 and len(features) == len(sizes) + len(sizes) // 2
 
 
 # -- a changed input gives a new cache (the key covers it) ---------------------------------------------------------

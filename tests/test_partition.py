@@ -1,10 +1,12 @@
 """Partitions on small synthetic datasets: disjoint, deterministic, same train/test label mix, skew as asked."""
 
+import hashlib
 import json
 
 import numpy as np
 import pytest
 
+from featcache import partition
 from featcache.datasets.base import ArrayImages, Dataset
 from featcache.errors import UserError
 from featcache.partition import ClientPart, PartitionSpec, list_schemes, make_partition, partition_counts
@@ -222,6 +224,7 @@ ERRORS = [
     (lambda: PartitionSpec(val_fraction=1.0), "val_fraction must be in [0, 1)"),
     (lambda: PartitionSpec(val_fraction=-0.1), "val_fraction must be in [0, 1)"),
     (lambda: PartitionSpec(per_class=0), "per_class must be >= 1"),
+    (lambda: PartitionSpec(seed=-1), "seed must be >= 0 (got -1)"),
     (lambda: PartitionSpec(order="frist"), "did you mean: first"),
     (lambda: PartitionSpec(clients="5"), "clients has the wrong type"),
     (lambda: PartitionSpec(domains=[]), "domains must name each domain once"),
@@ -267,3 +270,38 @@ def test_domains_a_reader_found_missing_are_refused_unless_not_used():
     del data.extra["domain_order"]  # without the order, the present domains come first: mnist is still refused
     with pytest.raises(UserError, match="domains mnist, synth not found"):
         make_partition(data, PartitionSpec())
+
+
+def same_parts(a: list[ClientPart], b: list[ClientPart]) -> bool:
+    return len(a) == len(b) and all(x.domain == y.domain and all(np.array_equal(getattr(x, k), getattr(y, k))
+                                                                  for k in ("train", "test", "val")) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", ["feature-capped", "iid"])
+def test_a_draw_added_to_one_step_changes_no_other(name, monkeypatch):
+    """The feature and iid schemes draw nothing in their split step: one draw added there must change nothing (with
+    one stream for every step, it shifted the test pools' and validation draws that follow)."""
+    spec = SPECS[name]
+    before = make_partition(DATA, spec)
+    real = partition._SCHEMES[spec.scheme]
+    drawing = partition._Scheme(lambda *a: (a[-1].random(), real.split(*a))[1], real.multi_domain)
+    monkeypatch.setitem(partition._SCHEMES, spec.scheme, drawing)
+    assert same_parts(make_partition(DATA, spec), before)
+
+
+def test_a_domain_added_leaves_the_other_domains_clients_unchanged():
+    options = dict(per_class=10, test_per_class=20, val_fraction=0.3)
+    one = make_partition(DATA, PartitionSpec("feature", domains=("svhn",), **options))
+    two = make_partition(DATA, PartitionSpec("feature", domains=("svhn", "usps"), **options))
+    assert same_parts(one, two[:1]) and two[1].domain == "usps"
+
+
+def test_validation_draws_come_from_the_stream_named_by_the_client():
+    """Client i's validation positions are `_val_positions` drawn from the stream seeded by (seed, the sha256 words
+    of "val/i"), as the module docstring says; "first" order and the feature scheme make train draw-free."""
+    spec = PartitionSpec("feature", per_class=10, order="first", val_fraction=0.3, seed=7)
+    for i, p in enumerate(make_partition(DATA, spec)):
+        words = np.frombuffer(hashlib.sha256(f"val/{i}".encode()).digest(), np.uint32).tolist()
+        rng = np.random.default_rng(np.random.SeedSequence([7, *words]))
+        expected = partition._val_positions(train_labels(p), 0.3, rng)
+        np.testing.assert_array_equal(p.val, expected)

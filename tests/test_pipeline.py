@@ -52,7 +52,7 @@ def cached_and_reference(res: dict, data, spec: str, image_size: int) -> tuple[n
             for split in ("train", "test"):
                 images = data.domains[g.attrs["domain"]][split]
                 rows = g[f"{split}/source_index"][...]
-                cached.append(g[f"{split}/features/{bb.key}"][...])
+                cached.append(g[f"{split}/features/concat"][...])  # one backbone: all columns
                 reference.append(bb.model(torch.stack([tf(images.image(int(i))) for i in rows])).numpy())
     return np.concatenate(cached), np.concatenate(reference)
 

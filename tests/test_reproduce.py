@@ -4,6 +4,7 @@ the markdown table beside the paper's numbers, and one tiny end-to-end pipeline 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -153,24 +154,19 @@ def test_state_needs_merge_into_one_job():
     (('seeds = [0, 1]', 'seeds = []'), "seeds a non-empty list"),
     (('name = "fedpcl"', 'name = "fedx"'), "name must be one of fedpcl, fedproc, fedpft"),
     (('[profiles.full]', '[profiles.full]\ncolumns = ["Nope"]'), "columns names 'Nope'"),
-    (('partition = "feature"', 'partition = 3'), "partition option scheme has the wrong type"),
+    (('partition = "feature"', 'partition = 3'), "toy.toml [extract]: partition option scheme has the wrong type"),
+    (('Avg = { metric = "acc" }', 'Avg = { metric = "acc", extract = { alpha = 0 } }'),
+     "[columns.'Avg']: alpha must be > 0"),
+    (('seeds = [0, 1]', 'seeds = [0, 1]\nextract = { clients = "ten" }'),
+     "[profiles.quick]: partition option clients has the wrong type"),
     (('title = "a toy table"', 'title = 7'), "title must be a str"),
     (('[extract]', '[extract]\nbackbone = ['), "not valid TOML"),
 ])
-def test_bad_pipelines_are_one_line_errors(edit, message, tmp_path):
+def test_bad_pipelines_are_one_line_errors(edit, message):
     text = PIPELINE.replace(*edit)
     assert text != PIPELINE
-    if edit[1] == "partition = 3":  # a wrong type inside [extract] passes the parser; extract() refuses it, by name
-        from featcache.extract import extract
-
-        pipe = parse_pipeline(text, "toy.toml")
-        assert pipe.extract["partition"] == 3
-        with pytest.raises(UserError) as e:
-            extract(**pipe.extract, out=tmp_path)
-        assert list(tmp_path.iterdir()) == []  # refused before anything was written
-    else:
-        with pytest.raises(UserError) as e:
-            parse_pipeline(text, "toy.toml")
+    with pytest.raises(UserError) as e:  # partition options too: refused by the parser, before anything is extracted
+        parse_pipeline(text, "toy.toml")
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -270,3 +266,111 @@ def test_pipeline_names_resolve_from_any_working_directory(tmp_path, monkeypatch
     for name in ("fedpcl-table2", "fedpcl-table2.toml", "pipelines/fedpcl-table2.toml"):
         assert pipeline_path(name).resolve() == (Path(__file__).resolve().parent.parent / "pipelines" / "fedpcl-table2.toml").resolve()
     assert DEFAULT_PROFILE == "full"
+
+
+def test_global_metric_reads_the_server_model_and_is_na_without_one():
+    pipe = parse_pipeline(PIPELINE.replace('Avg = { metric = "acc" }', 'Avg = { metric = "global" }'), "toy.toml")
+    cells = plan(pipe, "quick")
+    per_seed = [71.5, 68.25]
+    server = fake_result([[60.0, 70.0, 50.0], [62.0, 72.0, 52.0]], 330506) | {
+        "global_mean_acc": statistics.mean(per_seed), "global_std_acc": statistics.stdev(per_seed),
+        "global_per_seed": per_seed}
+    none = fake_result([[80.0, 90.0, 40.0], [80.0, 90.0, 40.0]], 2570) | {
+        "global_mean_acc": None, "global_std_acc": None, "global_per_seed": None}
+    runs = {cells[("s FedAvg", "Avg")].key(): server, cells[("m Ours", "Avg")].key(): none}
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in
+            table_markdown(pipe, cell_values(pipe, cells, runs)).splitlines()[2:]}
+    avg = 1 + 2 * pipe.paper_columns.index("Avg")  # the 'Avg ours' cell
+    assert rows["s FedAvg"][avg] == f"{statistics.mean(per_seed):.2f}({statistics.stdev(per_seed):.2f})"
+    assert rows["m Ours"][avg] == "n/a"
+    older = {k: v for k, v in server.items() if not k.startswith("global")}  # a result from before the metric
+    assert metric_value(older, "global") is None and metric_value(none, "global") is None
+    assert column_labels(pipe, cells, runs)["Avg"] == "global model on all clients' test data"
+
+
+def test_fedproc_pipelines_report_the_global_model():
+    for name in ("fedproc-table2", "fedproc-table3", "fedproc-table4"):
+        pipe = load_pipeline(name)
+        assert {c.metric for c in pipe.columns} == {"global"}, name
+        assert "global model" in pipe.note and "fedproc.md" not in pipe.source
+
+
+def test_fedpft_table7_is_table8_pathological():
+    t7, t8 = load_pipeline("fedpft-table7"), load_pipeline("fedpft-table8")
+    assert list(t7.paper_rows) == list(t8.paper_rows) and len(t7.paper_rows) == 13
+    assert {r.row: r.algo for r in t7.runs} == {r.row: r.algo for r in t8.runs} and t7.set == t8.set
+    assert t7.paper_columns == ["CIFAR-10", "CIFAR-100", "Tiny ImageNet"]
+    assert t7.paper_rows["FedPFT+Con"] == ["90.55(1.35)", "58.14(0.71)", "37.59(0.39)"]
+    for profile, rounds in (("quick", 10), ("full", 1000)):
+        cells = plan(t7, profile)
+        assert {c for _, c in cells} == {"CIFAR-10"} and {j.rounds for j in cells.values()} == {rounds}
+        for (row, _), job in cells.items():
+            ex = job.extract_kwargs
+            assert (ex["partition"], ex["classes_per_client"], ex["clients"]) == ("pathological", 2, 10)
+            assert job.backbones == (0,) and ex.get("views", 0) == (2 if row == "FedPFT+Con" else 0)
+
+
+def test_grid_cannot_pick_backbones():
+    text = PIPELINE.replace('backbones = [0]', 'backbones = [0]\ngrid = { lr = [0.1, 0.01] }')
+    with pytest.raises(UserError, match="row 's FedAvg' has a grid and picks backbones"):
+        plan(parse_pipeline(text, "toy.toml"), "quick")
+
+
+def test_each_result_is_stored_once(tmp_path):
+    cache = write_cache(tmp_path / "synthetic.h5")
+    info = {"cache": cache, "key": "synthetic", "client_domains": ["synth"] * 4, "backbones": ["synth"], "dims": [16],
+            "classes": 5}
+    out = tmp_path / "out"
+    run = run_job(synthetic_job(), info, out)
+    memo_file, = (out / "jobs").glob("fedavg-*.json")
+    memo = json.loads(memo_file.read_text())
+    assert set(memo) == {"result_file", "grid_file", "outputs"} and memo["grid_file"] is None
+    assert memo["outputs"] == {"trainable_params": run["trainable_params"]}  # no accuracy in the memo: a pointer
+    stored = json.loads((out / memo["result_file"]).read_text())  # train()'s own result file, in OUT/runs/
+    assert Path(run["result_file"]) == out / memo["result_file"] and stored["algo"] == "fedavg"
+    assert stored["per_client_per_seed"] == run["per_client_per_seed"] and stored["mean_acc"] == run["mean_acc"]
+    Path(run["result_file"]).unlink()  # the result is gone: the memo no longer stands for it, the job trains again
+    again = run_job(synthetic_job(), info, out)
+    assert again == run and Path(again["result_file"]).is_file()
+    memo_file.write_text(json.dumps(stored))  # an older memo layout (a copy of the result): trained again, replaced
+    assert run_job(synthetic_job(), info, out) == run and set(json.loads(memo_file.read_text())) == set(memo)
+
+
+def test_grid_job_feeds_state_metrics(tmp_path):
+    cache = write_cache(tmp_path / "synthetic.h5")
+    info = {"cache": cache, "key": "synthetic", "client_domains": ["synth"] * 4, "backbones": ["synth"], "dims": [16],
+            "classes": 5}
+    job = synthetic_job(settings="{}", grid=json.dumps({"lr": [0.1, 1e-4]}), needs=("probe",))
+    run = run_job(job, info, tmp_path / "out")
+    assert run["config"]["lr"] == run["grid"]["best"]["lr"] and len(run["probe"]["origin"]) == 2
+    best = max(run["grid"]["selection"], key=lambda r: r["val_mean"])["config"]
+    assert run["grid"]["best"] == best
+    assert run_job(job, info, tmp_path / "out") == run  # memoised: grid.json and the result file read back
+
+
+def test_backbone_similarity_equals_a_loop_over_models(tmp_path):
+    import torch
+    import torch.nn.functional as F
+
+    from featcache.algorithms.fedpcl import backbone_similarity
+    from featcache.train import train
+
+    trained = train(write_cache(tmp_path / "synthetic.h5"), "fedpcl", rounds=2, seeds=[0, 1], out=tmp_path / "runs",
+                    device="cpu", keep_state=True)["trained"]
+    dims = [6, 10]  # the 16 synthetic columns read as two backbones
+    sim = backbone_similarity(trained.algo, trained.state, trained.train, dims)  # [S, C, B]
+    data, params, buffers = trained.train, trained.state.params, trained.state.buffers
+    H, C = sim.shape[:2]
+    assert sim.shape == (2, 4, 2) and not sim.requires_grad
+    for h in range(H):
+        for c in range(C):
+            p = {k: v[h, c].detach() for k, v in params.items()}
+            b = {k: v[h, c] for k, v in buffers.items()}
+            n = int(data.counts[c])
+            x, y = data.features[c, :n], data.labels[c, :n]
+            protos = lambda x: {k: trained.algo.embed(p, b, x)[0][y == k].mean(0) for k in y.unique().tolist()}
+            fused = protos(x)
+            for k, (lo, hi) in enumerate([(0, 6), (6, 16)]):
+                alone = protos(torch.cat([torch.zeros_like(x[:, :lo]), x[:, lo:hi], torch.zeros_like(x[:, hi:])], 1))
+                want = sum(F.cosine_similarity(alone[j], fused[j], dim=0) for j in fused) / len(fused)
+                assert abs(float(sim[h, c, k]) - want.item()) < 1e-5

@@ -258,7 +258,8 @@ def test_cli_train_under_a_pipe_prints_plain_progress_lines(cache, tmp_path):
     assert res.returncode == 0, res.stderr
     progress = [line for line in res.stderr.splitlines() if line.startswith("progress: fedavg")]
     assert progress and progress[-1].startswith("progress: fedavg 10/10 (100 %)")
-    result = json.loads(next(p for p in tmp_path.iterdir() if not p.name.endswith(".timing.json")).read_text())
+    (result_file,) = [p for p in tmp_path.glob("*.json") if not p.name.endswith(".timing.json")]
+    result = json.loads(result_file.read_text())
     assert result["provenance"]["command"].startswith("featcache train --cache")
 
 

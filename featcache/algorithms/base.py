@@ -1,7 +1,8 @@
 """FedAvg (McMahan et al., 2017) and the hooks every other algorithm overrides.
 
-The model on top of the frozen backbones is the FedPCL baselines' head (fedpcl.md §5.1): a projection layer
-FC(D, proj_dim) + ReLU (+ BN with bn=True) followed by a classifier FC(proj_dim, K).
+The model on top of the frozen backbones is the head of the FedPCL baselines (Tan et al., "Federated Learning from
+Pre-Trained Models: A Contrastive Learning Approach", NeurIPS 2022, §5.1): a projection layer FC(D, proj_dim) + ReLU
+(+ BN with bn=True) followed by a classifier FC(proj_dim, K).
 
 An algorithm is bound to the run's shared (structural) settings, `self.cfg` (read-only; `create(name, cfg)` or the
 engine's `bind`). Every hook that runs on the server side gets `rnd`, the read-only `engine.Round`: round, local
@@ -20,7 +21,14 @@ data, H, C, seeds. Per-configuration floats exist only as those tensors. Hooks, 
     aggregate(uploads, weights, state, rnd) -> server state, name -> [H, ...]  (weights [H, C]: n_k, 0 if absent)
     download(state, server, rnd)     what clients take from the server
     predict(params, buffers, x, ctx) -> scores [N, K]       ONE client's inference (vmapped)
+at every evaluation round:
+    global_model(state, rnd) -> (params, buffers) name -> [H, ...], or None     the server's aggregated model
+    predict_global(params, buffers, x, ctx) -> scores [N, K]  its inference on one client's rows (vmapped)
 and, asked once per run: local_epochs(), lr_scale(name), shared(name).
+
+The global model is what the FedAvg-family papers evaluate on a global test set (here: the union of all clients'
+test splits). FedAvg's is the averaged model every client downloads; an algorithm whose server holds no complete
+model (nothing shared, or personal layers the server never sees) has none, and says so in its docstring.
 """
 
 from __future__ import annotations
@@ -92,7 +100,7 @@ def weighted_mean(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @register
 class FedAvg:
     name = "fedavg"
-    paper = "McMahan et al., AISTATS 2017 (fedpcl.md Table 2 baseline)"
+    paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
     uploads = "all head parameters"
     defaults: dict = {"proj_dim": 256, "bn": False}
     structural: tuple = ()  # float hyperparameters that cannot vary inside one batched run
@@ -177,3 +185,18 @@ class FedAvg:
         for k, v in server.items():
             target = state.params if k in state.params else state.buffers
             target[k] = rnd.expand(v).clone()
+
+    # -- the global model -------------------------------------------------------------------------------------
+    def global_model(self, state, rnd) -> tuple[dict, dict] | None:
+        """The server's aggregated model after the round, (params, buffers) name -> [H, ...], or None when the
+        server holds no complete model. Default: when every parameter and buffer is shared, the model every client
+        holds after FedAvg's download (client 0's copy); None as soon as one is not. Override it when `download`
+        does not hand every client the server's model."""
+        if not all(self.shared(k) for k in (*state.params, *state.buffers)):
+            return None
+        return {k: v[:, 0] for k, v in state.params.items()}, {k: v[:, 0] for k, v in state.buffers.items()}
+
+    def predict_global(self, params, buffers, x, ctx):
+        """Scores [N, K] of the global model on one client's rows (vmapped like `predict`, which it is by default;
+        an algorithm whose `predict` reads a personal model from `ctx` predicts with `params` here)."""
+        return self.predict(params, buffers, x, ctx)

@@ -17,6 +17,8 @@ still enter the attention with their last model (the initial model before their 
 a fresh u_i each round (the paper's cross-silo setting has all clients take part). α_k is constant over rounds.
 Defaults λ = α_k = σ = 1 follow PFLlib's FedAMP; ξ_ii = 0.5 (equal weight to the own model and the attended others)
 is our choice: the paper's experimental values were not available offline, so tune them.
+Global model: none. The server holds one personalized cloud model u_i per client and no shared model; the paper
+evaluates the personalized models only.
 """
 
 from __future__ import annotations
@@ -87,3 +89,6 @@ class FedAMP(FedAvg):
 
     def download(self, state, server, rnd):
         state.client["cloud"] = server
+
+    def global_model(self, state, rnd):
+        return None  # every client keeps its own w_i; the server's u_i are per client (see the module docstring)

@@ -6,6 +6,7 @@ statistics never leave the client (Alg. 1 averages only the layers that are not 
 is averaged.
 FedBN's Alg. 1 averages with equal weights 1/K; the clients in its experiments are equally sized, where that equals
 FedAvg's n_k / n weighting, which is kept here.
+Global model: none. The server never holds the BatchNorm layers; the paper evaluates each client's local model.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ Choices on cached features (the paper leaves them to the network): the "layers" 
 pairs under full participation, as the released code); before a client first trains it has no critical parameters
 (m = 0: it takes the global model whole, as the released code's first round). Defaults τ = 0.5 and β = 100 are our
 choice (the paper's per-dataset values were not available offline): tune them.
+Global model: the FedAvg mean of the participants the server computes every round (kept in state.server["global"]),
+the model the non-critical parameters come from.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class FedCAC(FedAvg):
 
     def download(self, state, server, rnd):
         glob, custom = server["global"], server["custom"]
+        state.server["global"] = glob  # name -> [H, ...]: the global model (global_model)
         for k in state.buffers:
             if k in glob:
                 state.buffers[k] = rnd.expand(glob[k]).clone()
@@ -102,3 +105,7 @@ class FedCAC(FedAvg):
             m = state.client["critical"][k]  # [H, C, ...]
             state.params[k] = m * custom[k] + (1 - m) * rnd.expand(glob[k])
         state.client["start"] = {k: v.clone() for k, v in state.params.items()}
+
+    def global_model(self, state, rnd):
+        glob = state.server["global"]  # clients hold mixed models; the server's mean is the global one
+        return {k: glob[k] for k in state.params}, {k: glob[k] for k in state.buffers}

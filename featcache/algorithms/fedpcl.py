@@ -1,4 +1,5 @@
-"""FedPCL (Tan et al., NeurIPS 2022; fedpcl.md §4, eq. 5–10, Alg. 1): prototype-wise contrastive learning.
+"""FedPCL (Tan et al., "Federated Learning from Pre-Trained Models: A Contrastive Learning Approach", NeurIPS 2022;
+§4, eq. 5–10, Alg. 1): prototype-wise contrastive learning.
 
 Differences from FedAvg: the head is only the projection network FC(D, 256) + ReLU + BN (Table 7, no classifier);
 nothing parametric is uploaded, only the local prototypes (eq. 5) and their class counts; the server builds global
@@ -6,7 +7,7 @@ prototypes (eq. 6) and pads every local set (eq. 7); the local loss is L_g + L_p
 nearest local prototype by inner product. Before round 1 the prototypes of the initial networks are exchanged once
 (Alg. 1 line 1, "initialize prototype sets").
 
-`fedpcl-official` matches the released code (yuetan031/FedPCL lib/losses.py ConLoss, lib/update.py; DESIGN.md §3):
+`fedpcl-official` matches the released code (yuetan031/FedPCL lib/losses.py ConLoss, lib/update.py):
 no BN, L2-normalised z, only the local-prototype term written as the code writes it (each client's prototype of the
 sample's class is the anchor, contrasted against the batch's features, same-label samples positive, summed over the
 clients' sets) on the code's two-view batch (update_weights_lg concatenates images[0] and images[1], n_views = 2; on
@@ -20,9 +21,12 @@ Eq. 6 is implemented literally (`global_agg="eq6"`): the size-weighted mean is d
 prototypes are 1/|N_j| the length of local ones; `global_agg="mean"` is the plain mean over owning clients.
 Ablations: terms=global|local (Table 6); loss=supcon (Table 5). Table 5's other rows, "Cross Entropy" and
 "CE + ProtoDist", are FedAvg and FedProto: the paper's numbers for them equal those in Table 11.
+Global model: none. The server holds only prototypes; every client keeps its own projection network.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +62,8 @@ def supcon(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, tau) -> torch.T
 @register
 class FedPCL(FedAvg):
     name = "fedpcl"
-    paper = "Tan et al., NeurIPS 2022 — fedpcl.md §4 eq. 5–10, Alg. 1"
+    paper = "Tan et al., Federated Learning from Pre-Trained Models: A Contrastive Learning Approach, NeurIPS 2022, " \
+            "§4 eq. 5–10, Alg. 1"
     uploads = "local prototypes [K, proj_dim] + class counts [K]"
     defaults = {"proj_dim": 256, "bn": True, "normalize": False, "tau": 0.07, "terms": "both", "loss": "pcl",
                 "global_agg": "eq6", "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1}
@@ -160,7 +165,7 @@ LOSSES = {
 @register
 class FedPCLOfficial(FedPCL):
     name = "fedpcl-official"
-    paper = "FedPCL released code (yuetan031/FedPCL), DESIGN.md §3"
+    paper = "FedPCL released code (yuetan031/FedPCL, lib/losses.py ConLoss, lib/update.py)"
     defaults = FedPCL.defaults | {"bn": False, "normalize": True, "loss": "official", "global_agg": "mean"}
 
     def context(self, state, rnd):
@@ -176,3 +181,23 @@ class FedPCLOfficial(FedPCL):
         z, _ = self.embed(params, buffers, x)
         dist = ((z[:, None] - ctx["own"][None]) ** 2).sum(-1)  # [N, K] squared distance to own prototypes
         return (-dist).masked_fill(ctx["own_counts"] == 0, float("-inf"))
+
+
+# -- Figure 3: how much each backbone shapes the fused prototypes ---------------------------------------------------
+@torch.no_grad()
+def backbone_similarity(algo, state, data, dims: list[int]) -> torch.Tensor:
+    """FedPCL Figure 3 (Tan et al., NeurIPS 2022, §5.5) on one trained all-backbone model: per backbone k, each
+    client's prototypes computed from backbone k's feature columns alone (the others zeroed; `dims` = the backbones'
+    widths in concat order) against its fused prototypes: cosine, mean over the classes it holds. -> [H, C, B]."""
+    fused, counts = local_prototypes(algo, state, data)  # [H, C, K, d], [H, C, K]
+    held = (counts > 0).float()  # [H, C, K]
+    edges = [0, *torch.tensor(dims).cumsum(0).tolist()]
+    sims = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        keep = torch.zeros(data.features.shape[-1], device=data.features.device)  # [D]
+        keep[lo:hi] = 1
+        only_k = dataclasses.replace(data, features=data.features * keep)  # [C, N, D], other backbones zeroed
+        alone, _ = local_prototypes(algo, state, only_k)  # [H, C, K, d]
+        cos = F.cosine_similarity(alone, fused, dim=-1)  # [H, C, K]
+        sims.append((cos * held).sum(-1) / held.sum(-1).clamp(min=1))  # [H, C]
+    return torch.stack(sims, -1)  # [H, C, B]

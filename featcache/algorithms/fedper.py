@@ -4,6 +4,7 @@ Differs from FedAvg only in what is shared: the base layers (here the projection
 are averaged with FedAvg's n_k / n weights; the personalisation layers (here the classifier) stay on the client.
 Base and personalisation layers are trained together in every local epoch; each client is evaluated with its own
 classifier on the shared projection.
+Global model: none. The server holds only the base layers; every classifier is personal.
 """
 
 from __future__ import annotations

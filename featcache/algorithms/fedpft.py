@@ -12,8 +12,8 @@ in R^m); f' is the output at f's position. Its size follows App. N, Table 15: τ
 (m = 256) and 1.05M for ResNet-10 (m = 512), i.e. 4m² + 4m = the Q, K, V and output projections of
 torch.nn.MultiheadAttention and nothing else (an MLP block would add ≥ 2m² more). So: no MLP and no LayerNorm.
 The paper shows no formula for the rest; our choices: a residual connection (residual=True), because without it
-f' starts as W_o(v_f + Σ v_p)/(1 + n) and SGD at the paper's rates stalls (synthetic test data, 20 rounds at lr 0.1:
-0.59 accuracy without, 1.00 with); `heads` = 1 (App. H plots one attention row per sample). Initialised as
+f' starts as W_o(v_f + Σ v_p)/(1 + n) and SGD at the paper's rates stalls (on separable synthetic data at lr 0.1 it
+learns only with the residual); `heads` = 1 (App. H plots one attention row per sample). Initialised as
 nn.MultiheadAttention (Xavier-uniform Q/K/V, zero biases). Only the row of f is computed:
 f' = f + W_o softmax(q_f [k_f, k_p]ᵀ / √d_h) [v_f, v_p] + b_o, which equals row 0 of full self-attention.
 Prompts p_κ (n_κ = 10, App. D.3) are initialised N(0, 0.02²) like timm's learned tokens (the paper is silent).
@@ -46,6 +46,8 @@ FedAvg+Linear (App. F, Table 9): a personalised linear layer T_i (m x m, with bi
 place of τ and the prompts. The paper gives no schedule; we use FedPFT's alternating one with T_i in the prompts'
 role: R_f epochs train T_i (ϕ, h frozen), R_a epochs train ϕ and h (T_i frozen). T_i starts as the identity, so
 round 1 starts from FedAvg's model. ϕ and h are averaged; T_i stays local.
+
+Global model (all three): none. Inference needs the prompts (or T_i), which never leave the clients.
 """
 
 from __future__ import annotations

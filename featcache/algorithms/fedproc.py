@@ -1,5 +1,5 @@
 """FedProc (Mu et al., "FedProc: Prototypical Contrastive Federated Learning on Non-IID data", 2021;
-fedproc.md §3.3, eq. 2–5, Alg. 1). Official code: MuXutong/FedProc.
+arXiv:2109.12273; §3.3, eq. 2–5, Alg. 1). Official code: MuXutong/FedProc.
 
 Differences from FedAvg:
 - head = projection head (an MLP with one hidden layer, §3.3) + a linear output layer f_c. Adapted to cached
@@ -17,6 +17,9 @@ output layer frozen, then ℓ_ce only with the projection head frozen).
 `fedproc-official` matches the released code (MuXutong/FedProc train.py, train_net_fedproc): z L2-normalised before
 f_c, CE only in round 0, then CE weight min(t/100, 1) and ℓ_gpc weight 1 − min(t/100, 1) (the code's fixed 100
 rounds, whatever `rounds` is: after round 100 only CE trains), and sample-weighted prototype averaging.
+
+Global model: the averaged head (projection head + f_c) every client downloads; FedProc reports it on the global
+test set (§4, Tables 2–4: "the converged global model").
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def gpc(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Te
 @register
 class FedProc(FedAvg):
     name = "fedproc"
-    paper = "Mu et al., 2021 — fedproc.md §3.3 eq. 2–5, Alg. 1"
+    paper = "Mu et al., FedProc: Prototypical Contrastive FL on Non-IID data, arXiv:2109.12273, §3.3 eq. 2–5, Alg. 1"
     uploads = "all head parameters + local prototypes [K, proj_dim] + class counts [K]"
     defaults = {
         "proj_dim": 256,  # projection output size (§4.1)
@@ -123,5 +126,5 @@ class FedProc(FedAvg):
 @register
 class FedProcOfficial(FedProc):
     name = "fedproc-official"
-    paper = "FedProc released code (MuXutong/FedProc), DESIGN.md §4"
+    paper = "FedProc released code (MuXutong/FedProc, train.py train_net_fedproc)"
     defaults = FedProc.defaults | {"normalize": True, "alpha_schedule": "official", "proto_average": "samples"}

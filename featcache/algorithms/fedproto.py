@@ -1,5 +1,5 @@
 """FedProto (Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients", AAAI 2022; the
-"CE + ProtoDist" baseline [24] of fedpcl.md Tables 2–5). Official code: yuetan031/FedProto.
+"CE + ProtoDist" baseline [24] of Tan et al., FedPCL, NeurIPS 2022, Tables 2–5). Official code: yuetan031/FedProto.
 
 Differences from FedAvg:
 - no parameter is shared: every client keeps its own head (projection + classifier);
@@ -15,7 +15,8 @@ Differences from FedAvg:
   averaged over the dimensions); every other class sits at the code's fixed distance 100 (so it wins only when every
   candidate is farther than 100, as in the code); infer="proto-all" is PFLlib's reading: every class with a global
   prototype, by squared L2 distance.
-Prototype noise (proto_noise=laplace|gaussian) follows FedPCL's privacy study (fedpcl.md App. A.2.4).
+Prototype noise (proto_noise=laplace|gaussian) follows FedPCL's privacy study (NeurIPS 2022, App. A.2.4, Table 15).
+Global model: none. The server holds only the global prototypes; every client keeps its own head.
 
 Differs from the official code in one place: it averages the z of every training batch while the model moves; here
 the prototypes are the class means of the final local model's z (the definition FedPCL's eq. 5 uses).
@@ -45,12 +46,12 @@ def sq_distances(z: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
 @register
 class FedProto(FedAvg):
     name = "fedproto"
-    paper = "Tan et al., AAAI 2022 (fedpcl.md [24]); official code yuetan031/FedProto"
+    paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
     uploads = "local prototypes [K, proj_dim] + class counts [K] (no parameters)"
     defaults = FedAvg.defaults | {
         "lam": 1.0,  # λ, official default ld = 1
         "infer": "classifier",  # official evaluation uses each client's own model
-        "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1,  # as FedPCL (fedpcl.md Table 15)
+        "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1,  # as FedPCL (NeurIPS 2022, Table 15)
     }
     choices = {"infer": ("classifier", "proto", "proto-all"), "proto_noise": ("none", "laplace", "gaussian")}
     structural = ("proto_noise_scale", "proto_noise_p")

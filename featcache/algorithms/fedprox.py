@@ -4,6 +4,7 @@ Differs from FedAvg only in the local objective: client k minimises h_k(w; w^t) 
 where w^t is the global model the round started from and the norm runs over every trainable parameter.
 μ = 0.01 by default, a value from the paper's search set {0.001, 0.01, 0.1, 0.5, 1}; the paper picks μ per data set
 (§5), so tune it: μ is a continuous hyperparameter that a grid varies per configuration.
+Global model: FedAvg's, the w^t every client starts the next round from.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ client trains: first `head_epochs` epochs on the head with the body frozen, then
 with the head frozen (Alg. 1, client update). The paper's experiments use 10 head epochs and 1 body epoch (§5), the
 defaults here (the engine's local_epochs = 1). The server averages the bodies; FedRep's Alg. 1 averages uniformly,
 which equals FedAvg's n_k / n weighting (kept here) on equally sized clients.
+Global model: none. The server holds only the body; every head is personal.
 """
 
 from __future__ import annotations

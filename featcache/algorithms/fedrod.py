@@ -10,6 +10,8 @@ Differences from FedAvg:
 - the personal head p(z) learns with the cross-entropy of g(z) + p(z) with the body and g detached, so it only
   adapts the generic prediction to the client and does not change what is shared;
 - each client predicts with g(z) + p(z).
+Global model: the body with the generic head g, predicting with g(z) alone: the paper's generic-FL (G-FL)
+evaluation, beside the personalized one.
 """
 
 from __future__ import annotations
@@ -60,3 +62,11 @@ class FedRoD(FedAvg):
     def predict(self, params, buffers, x, ctx):
         z, _ = self.embed(params, buffers, x)
         return self.logits(params, z) + linear(params, "pcls0", z)
+
+    def global_model(self, state, rnd):
+        """Body and generic head (shared, so every client holds the server's copy after the download)."""
+        pick = lambda d: {k: v[:, 0] for k, v in d.items() if self.shared(k)}  # [H, ...]
+        return pick(state.params), pick(state.buffers)
+
+    def predict_global(self, params, buffers, x, ctx):
+        return FedAvg.predict(self, params, buffers, x, ctx)  # g(z): no personal head

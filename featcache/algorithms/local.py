@@ -1,7 +1,7 @@
 """Local training ("Solo" in FedPCL, Tan et al., NeurIPS 2022, §5.1; "Local" in FedPFT): no federation.
 
 Differs from FedAvg only in that nothing is shared: each client trains its own head on its own data, uploads
-nothing (communication 0) and is evaluated with that head.
+nothing (communication 0) and is evaluated with that head. Global model: none (there is no server).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ model buffer size 1). The two frozen models run in inference mode (BN running st
 τ = 0.5 and μ = 1 (§4.1; the paper tunes μ per data set and reports μ = 5 best on CIFAR-10). Before its first local
 training a client's previous model is the initial model; in round 1 that equals the global model, so ℓ_con is the
 constant log 2 with zero gradient there (plain FedAvg, as when there is no negative pair yet).
+Global model: FedAvg's; MOON reports the global model's test accuracy (§4).
 """
 
 from __future__ import annotations

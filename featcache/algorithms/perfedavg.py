@@ -15,6 +15,8 @@ client. Differences from FedAvg:
 - server (Alg. 1): w ← 1/|A| Σ_{i∈A} w_i, uniform over the participants A as in the paper;
 - evaluation: each client first takes one adaptation step w − α ∇f_i(w) on its training data (the full local
   training set, the deterministic step of eq. 3; the paper's experiments take one stochastic step), then predicts.
+Global model: the meta-model w, evaluated as the paper evaluates it: after each client's adaptation step on its own
+training data (its own `predict`), on that client's test rows.
 Default α = 0.005: Per-FedAvg's setting in pFedMe's MNIST comparison (Dinh et al. 2020, official README: α = 0.005,
 β = 0.001 with SGD). Both forward passes of a step update BN running statistics, as in pFedMe's Per-FedAvg code.
 """

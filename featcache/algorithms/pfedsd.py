@@ -9,7 +9,8 @@ Differences from FedAvg:
   before a client has trained once there is no teacher and the loss is the cross-entropy alone;
 - each client is evaluated with its personalized model θ̂_i (held in state.client["personal"], parameters and BN
   statistics), not with the global model it downloads.
-The server is FedAvg. Defaults T = 3 and λ = 1 are our choice (the paper's values were not available offline).
+The server is FedAvg. Global model: FedAvg's averaged model (the one clients start from), predicting by itself.
+Defaults T = 3 and λ = 1 are our choice (the paper's values were not available offline).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class PFedSD(FedAvg):
 
     def predict(self, params, buffers, x, ctx):
         return super().predict(ctx["personal"], ctx["personal"], x, ctx)
+
+    def predict_global(self, params, buffers, x, ctx):
+        return FedAvg.predict(self, params, buffers, x, ctx)  # the averaged model, not θ̂_i
 
     def after_local(self, state, rnd):
         for k, v in (state.params | state.buffers).items():  # participants' trained models become θ̂_i

@@ -1,6 +1,6 @@
 """Prototype helpers shared by the prototype methods (FedPCL, FedProto, FedProc): class means, eq. 6 aggregation,
 eq. 7 padding, the server's global prototypes (state.server["prototypes"] [H, K, d], "has" [H, K]), and the privacy
-noise on uploaded prototypes (fedpcl.md App. A.2.4)."""
+noise on uploaded prototypes (Tan et al., FedPCL, NeurIPS 2022, App. A.2.4)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ _NOISE = {
 
 
 def privatize(protos: torch.Tensor, rnd) -> torch.Tensor:
-    """C~ = (1 - p) C + e, e ~ Laplace/Gaussian(0, s) per entry, seeded by (seed, round) (fedpcl.md Table 15);
+    """C~ = (1 - p) C + e, e ~ Laplace/Gaussian(0, s) per entry, seeded by (seed, round) (FedPCL, Table 15);
     kind, s, p are the settings proto_noise, proto_noise_scale, proto_noise_p of rnd.cfg."""
     kind, scale, p = rnd.cfg["proto_noise"], rnd.cfg["proto_noise_scale"], rnd.cfg["proto_noise_p"]
     if kind == "none":

@@ -10,15 +10,15 @@ Differences from FedAvg:
 - the server averages uniformly over the participants S (line 16) and applies global learning rate 1:
   x ← x + mean Δy_i, c ← c + |S|/N · mean Δc_i (line 17); N = all clients. c and every c_i start at zero.
   BN running statistics (bn=True) are not parameters: they travel and are averaged over S as they are.
+Global model: the server's x, which every client downloads.
 
 Every optimizer: the local step is y ← y − η (d(y) + c − c_i), d = the optimizer's direction for the loss gradient
 (d = g with optimizer=sgd, momentum=0, weight_decay=0: Alg. 1 line 10 exactly). Option II then gives
 c_i⁺ = c_i − c + (x − y_i)/(K η) = the mean of d over the client's K steps, the same quantity the correction
 subtracts, so the control variates stay consistent under SGD with momentum and under Adam (FedPCL's protocol).
-Defaults: optimizer=sgd, momentum=0, lr=0.01 (the engine's other defaults, weight_decay=1e-4 included): on the demo
-cache (3,840-d) lr=0.01 reaches 65.6 % after 50 rounds, lr=0.1 is unstable (15.9 %). Before, the
-correction went into the gradient, where Adam rescaled it and momentum smeared it
-over later steps.
+Defaults: optimizer=sgd, momentum=0, lr=0.01 (the engine's other defaults, weight_decay=1e-4 included; the rate is
+explained beside `defaults`). The correction is applied after the optimizer's step rather than added to the gradient,
+where Adam would rescale it and momentum smear it over later steps.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ class Scaffold(FedAvg):
     name = "scaffold"
     paper = "Karimireddy et al., SCAFFOLD, ICML 2020, Alg. 1 with option II (eq. 4)"
     uploads = "model delta y_i − x + control delta c_i⁺ − c_i (2 × head parameters)"
-    # Plain SGD by default (Alg. 1 line 10 is an SGD step; weight decay only adds to the gradient) at lr 0.1, the SGD
-    # rate of FedPFT App. D.3 (the engine's 1e-3 is Adam's: SGD at 0.01 stays near chance for the first rounds on the
-    # offline digits; 0.1 beats Adam at 20 rounds there). Adam or momentum: --set optimizer=... --set momentum=...
+    # Plain SGD by default (Alg. 1 line 10 is an SGD step; weight decay only adds to the gradient) at lr 0.01 (the
+    # engine's 1e-3 is Adam's). Measured on the demo cache (3,840-d): lr 0.01 reached 65.6 % after 50 rounds, lr 0.1
+    # was unstable there (15.9 %). Adam or momentum: --set optimizer=... --set momentum=...
     defaults = FedAvg.defaults | {"optimizer": "sgd", "momentum": 0.0, "lr": 0.01}
     test_overrides = {"lr": 0.1}  # few-round tests: plain SGD at 0.01 moves too little in 3 rounds to show learning
 

@@ -1,0 +1,186 @@
+"""Running a pipeline: find it (a path, or NAME in ./pipelines/ or the checkout's pipelines/), extract each distinct
+extraction once (the content-keyed cache folder is shared by every pipeline), train each job through the library's
+own `train` (after `grid`'s validation selection when the run has a grid), compute what the job's metrics need, then
+write OUT/NAME.md, NAME.json and NAME.png (render.py).
+
+Each result is stored once: train() writes it to OUT/runs/. A job's memo, OUT/jobs/ALGO-HASH.json (named by what the
+job trains), holds only where that result is, where the grid's selection is (grid.json), and the outputs its metrics
+needed (probe, similarity, parameter counts); a re-run, or another target with the same job, reads these back
+instead of training. A memo that lacks an output of the trained state retrains (the same seeds give the same result).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from .. import __version__
+from .. import cache as C
+from ..atomic import check_folder, write_atomic
+from ..errors import UserError, suggest
+from ..extract import Noise, extract
+from ..provenance import library_call, provenance
+from .metrics import NEEDS, RESULT_KEYS
+from .plan import DEFAULT_PROFILE, Job, plan
+from .render import cell_values, command_line, figure_png, paper_cell, render, table_markdown
+from .schema import Pipeline, parse_pipeline
+
+PIPELINE_DIR = Path("pipelines")  # NAME is looked up here (relative to the working directory) first, then ...
+REPO_PIPELINE_DIR = Path(__file__).resolve().parents[2] / "pipelines"  # ... beside the package (a checkout)
+# Jobs are memoised under what they train, not where: every job trains on the CPU, so a memoised result never mixes
+# with one a GPU rounded differently (train and grid default to --device auto).
+TRAIN_DEVICE = "cpu"
+
+
+def reproduce(pipeline: str | Path, profile: str = DEFAULT_PROFILE, data_root: str | Path | None = None,
+              dataset: str | None = None, backbones: list[str] | None = None, out: str | Path = "results",
+              cache: str | Path = "cache", progress=None) -> dict:
+    """Run one pipeline: extract (shared cache folder), train every job, write OUT/NAME.md (+ NAME.png, NAME.json)."""
+    t0 = time.perf_counter()
+    pipe = load_pipeline(pipeline)
+    out, cache = Path(out), Path(cache)
+    check_folder(out)
+    cells = plan(pipe, profile, dataset, data_root, backbones)
+    jobs = list(dict.fromkeys(cells.values()))
+    caches, runs = {}, {}
+    for i, job in enumerate(sorted(jobs, key=lambda j: j.extract)):
+        if job.extract not in caches:
+            caches[job.extract] = _extract(job.extract_kwargs, cache, progress)
+        if progress:
+            progress(pipe.name, i, len(jobs))
+        runs[job.key()] = run_job(job, caches[job.extract], out)
+    if progress:
+        progress(pipe.name, len(jobs), len(jobs))
+    values = cell_values(pipe, cells, runs)
+    figures = [str(out / f"{pipe.name}.png")] if pipe.figure else []
+    if figures:
+        write_atomic(figures[0], figure_png(pipe, values))
+    command = command_line(pipe, profile, data_root, dataset, backbones, out, cache)
+    write_atomic(out / f"{pipe.name}.md", render(pipe, profile, command, cells, runs, caches, figures))
+    write_atomic(out / f"{pipe.name}.json", json.dumps(
+        {"pipeline": pipe.name, "profile": profile, "command": command,
+         "provenance": provenance(TRAIN_DEVICE, library_call(
+             "featcache.reproduce", pipeline=str(pipeline), profile=profile, data_root=data_root and str(data_root),
+             dataset=dataset, backbones=backbones, out=str(out), cache=str(cache))),
+         "cells": [{"row": r, "column": c, "ours": v, "paper": paper_cell(pipe, r, c)}
+                   for (r, c), v in values.items()]},
+        indent=1, sort_keys=True))
+    return {"pipeline": pipe.name, "markdown": str(out / f"{pipe.name}.md"), "figures": figures, "jobs": len(jobs),
+            "caches": [info["cache"] for info in caches.values()],
+            "table": table_markdown(pipe, values), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def pipeline_dirs() -> list[Path]:
+    """Where a bare NAME is looked up: ./pipelines/, then the pipelines/ folder of the checkout featcache runs from
+    (so `featcache reproduce NAME` works from any working directory)."""
+    dirs = [PIPELINE_DIR]
+    if REPO_PIPELINE_DIR.is_dir() and REPO_PIPELINE_DIR.resolve() != PIPELINE_DIR.resolve():
+        dirs.append(REPO_PIPELINE_DIR)
+    return dirs
+
+
+def pipeline_path(pipeline: str | Path) -> Path:
+    """A TOML path, or a bare name (NAME or NAME.toml) looked up in `pipeline_dirs()`."""
+    path = Path(pipeline)
+    if path.is_file():
+        return path
+    stem = path.name[: -len(".toml")] if path.name.endswith(".toml") else str(pipeline)
+    if path.parent == Path(".") or path.parent == PIPELINE_DIR:
+        for folder in pipeline_dirs():
+            named = folder / f"{stem}.toml"
+            if named.is_file():
+                return named
+    known = sorted({p.stem for folder in pipeline_dirs() for p in folder.glob("*.toml")})
+    raise UserError(f"no pipeline {str(pipeline)!r}{suggest(str(pipeline), known)}; known: {', '.join(known)}")
+
+
+def load_pipeline(pipeline: str | Path) -> Pipeline:
+    path = pipeline_path(pipeline)
+    return parse_pipeline(path.read_text(), str(path))
+
+
+def _extract(ex: dict, cache: Path, progress) -> dict:
+    """extract()'s summary of one extraction, plus what the needs read: backbone widths, client domains, classes."""
+    kwargs = dict(ex)
+    if "noise" in kwargs:
+        kwargs["noise"] = Noise(kwargs["noise"]["kind"], float(kwargs["noise"]["scale"]), float(kwargs["noise"]["p"]))
+    info = extract(**kwargs, out=cache, progress=progress)
+    with C.open_cache(info["cache"]) as f:
+        meta = C.read_meta(f)
+    info["dims"] = [int(meta["backbone_info"][k]["dim"]) for k in meta["backbones"]]  # [B] in concat order
+    info["client_domains"] = [c["domain"] for c in meta["counts"]["clients"]]
+    info["classes"] = len(meta["classes"])
+    return info
+
+
+def run_job(job: Job, info: dict, out: Path) -> dict:
+    """Train one job on its extraction `info` (or find it memoised) -> the run its cells read (metrics.py): train()'s
+    result restricted to metrics.RESULT_KEYS, `result_file`, `client_domains`, the needed outputs, and `grid` (the
+    selection) for a grid job."""
+    out = Path(out)
+    memo = _memo_path(job, info, out)
+    found = _read_memo(memo, out)
+    wanted = [NEEDS[name] for name in job.needs] + [need for need in NEEDS.values() if need.always]
+    if found and all(not need.state or need.name in found["outputs"] for need in wanted):
+        result_file, grid_file, outputs = found["result_file"], found["grid_file"], dict(found["outputs"])
+        result, trained = json.loads((out / result_file).read_text()), None
+    else:
+        result, grid_file = _train(job, info, out, keep_state=any(need.state for need in wanted))
+        result_file, trained = _relative(result["result_file"], out), result.pop("trained", None)
+        outputs = dict(found["outputs"]) if found else {}  # the same training: what it gave before still holds
+    missing = [need for need in wanted if need.name not in outputs]
+    for need in missing:
+        outputs[need.name] = need.compute(trained, job, info, result)
+    outputs = json.loads(json.dumps(outputs))  # as JSON holds it: lists, not tuples or tensors
+    if missing or not found:
+        write_atomic(memo, json.dumps({"result_file": result_file, "grid_file": grid_file, "outputs": outputs},
+                                      sort_keys=True))
+    run = {k: result[k] for k in RESULT_KEYS if k in result}
+    run |= {"result_file": str(out / result_file), "client_domains": info["client_domains"]} | outputs
+    if grid_file:
+        grid = json.loads((out / grid_file).read_text())
+        run["grid"] = {"best": grid["best"], "selection": grid["selection"]}
+    return json.loads(json.dumps(run))
+
+
+def _memo_path(job: Job, info: dict, out: Path) -> Path:
+    """Named by what the job trains (not by what it reads off the state): one training serves every metric."""
+    digest = hashlib.sha256(f"{job.trains().key()}|{info['key']}|{__version__}".encode()).hexdigest()[:16]
+    return out / "jobs" / f"{job.algo}-{digest}.json"
+
+
+def _read_memo(memo: Path, out: Path) -> dict | None:
+    """The memo, or None when there is none, it is from an older layout, or a file it points to is gone."""
+    try:
+        found = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(found, dict) or not isinstance(found.get("outputs"), dict):
+        return None
+    files = [found.get("result_file"), *([found["grid_file"]] if found.get("grid_file") else [])]
+    return found if all(isinstance(f, str) and (out / f).is_file() for f in files) else None
+
+
+def _relative(path: str | Path, out: Path) -> str:
+    """A file under OUT as the memo records it: relative to OUT, so the folder can move."""
+    return os.path.relpath(path, out)
+
+
+def _train(job: Job, info: dict, out: Path, keep_state: bool) -> tuple[dict, str | None]:
+    """train() the job (the settings a grid selects on validation first) -> (its result, the grid's grid.json)."""
+    from ..grid import grid
+    from ..train import train
+
+    settings, axes, grid_file = json.loads(job.settings), json.loads(job.grid), None
+    if axes:
+        found = grid(info["cache"], job.algo, [f"{k}={','.join(str(v) for v in values)}" for k, values in axes.items()],
+                     seeds=list(job.seeds), rounds=job.rounds, set=[f"{k}={v}" for k, v in settings.items()],
+                     out=out / "runs", device=TRAIN_DEVICE, retrain=False)
+        settings, grid_file = settings | found["best"], _relative(Path(found["run_folder"]) / "grid.json", out)
+    names = [info["backbones"][i] for i in job.backbones] if job.backbones is not None else None
+    result = train(info["cache"], job.algo, rounds=job.rounds, seeds=list(job.seeds), set=settings, out=out / "runs",
+                   device=TRAIN_DEVICE, backbones=names, keep_state=keep_state)
+    return result, grid_file

@@ -1,0 +1,224 @@
+"""The stacked optimizers of featcache/optim.py: the masked whole-stack ones (`MaskedAdam`, `MaskedSGD`) equal the
+fused per-configuration ones (`Adam`, `SGD`) and torch.optim run model by model; models that do not step are left
+bit-identical; a masked step reads nothing back from the device and dispatches a number of ops that does not grow
+with the number of configurations. `OpCount` is also the counter bench/grid.py reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from featcache.optim import MASKED, OPTIMIZERS, SGD, Adam, MaskedAdam, MaskedSGD, optimizer_for
+from tests.test_no_sync import HostReads
+
+H, C = 3, 4
+LR, WD, MOM = [1e-2, 3e-2, 1e-1], [1e-4, 0.0, 1e-2], [0.9, 0.0, 0.5]
+SCALE = {"b": 0.5}  # a per-name learning-rate factor
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (about one kernel launch each on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def stack(g: torch.Generator, H: int = H, C: int = C) -> dict[str, torch.Tensor]:
+    """A tiny head: a weight [H, C, 4, 5] and a bias [H, C, 4]."""
+    return {"w": torch.randn(H, C, 4, 5, generator=g), "b": torch.randn(H, C, 4, generator=g)}
+
+
+def schedule(g: torch.Generator, steps: int) -> list[tuple[torch.Tensor, set]]:
+    """Per step (active [H, C], frozen names): everyone steps, clients drop out (so they fall out of step with the
+    others of their configuration), a configuration sits out entirely, and the bias is frozen for some steps."""
+    out = []
+    for s in range(steps):
+        active = torch.ones(H, C, dtype=torch.bool) if s in (0, 4) else torch.rand(H, C, generator=g) > 0.35
+        if s == 2:
+            active[1] = False
+        out.append((active, {"b"} if s in (1, 3) else set()))
+    return out
+
+
+def torch_models(p0: dict) -> list[list[dict]]:
+    """One set of leaves per (h, c) model, torch.optim's view of the stack."""
+    return [[{k: v[h, c].clone().requires_grad_(True) for k, v in p0.items()} for c in range(C)] for h in range(H)]
+
+
+def torch_optimizers(leaves, opt_name: str):
+    """A fresh torch.optim optimizer per model: lr·scale per name, weight decay and momentum of its configuration."""
+    make = {"adam": lambda groups, h: torch.optim.Adam(groups, lr=LR[h], weight_decay=WD[h]),
+            "sgd": lambda groups, h: torch.optim.SGD(groups, lr=LR[h], weight_decay=WD[h], momentum=MOM[h])}[opt_name]
+    return [[make([{"params": [m[k]], "lr": LR[h] * SCALE.get(k, 1.0)} for k in m], h) for m in row]
+            for h, row in enumerate(leaves)]
+
+
+def torch_step(leaves, opts, grads: dict, active: torch.Tensor, frozen: set) -> None:
+    for h in range(H):
+        for c in range(C):
+            if active[h, c]:
+                for k, leaf in leaves[h][c].items():
+                    leaf.grad = None if k in frozen else grads[k][h, c].clone()  # None: torch.optim skips it
+                opts[h][c].step()
+
+
+def gather(leaves, k: str) -> torch.Tensor:
+    return torch.stack([torch.stack([m[k].detach() for m in row]) for row in leaves])  # [H, C, ...]
+
+
+def torch_state(leaves, opts, k: str, key: str) -> torch.Tensor:
+    """torch.optim's per-model state `key` of parameter k, stacked [H, C, ...] (zeros where a model has none)."""
+    def one(h, c):
+        leaf = leaves[h][c][k]
+        v = opts[h][c].state.get(leaf, {}).get(key)
+        return (torch.zeros(()) if key == "step" else torch.zeros_like(leaf)) if v is None else v.detach().float()
+    return torch.stack([torch.stack([one(h, c) for c in range(C)]) for h in range(H)])
+
+
+def counts(opt, k: str) -> torch.Tensor:
+    """Steps taken per model [H, C] of parameter k, from either optimizer's bookkeeping."""
+    return torch.as_tensor(opt.t[k] if isinstance(opt, (Adam, MaskedAdam, MaskedSGD)) else opt.count[k]).float()
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_masked_equals_fused_equals_torch(opt_name):
+    """Two rounds (the second optimizers reuse the first ones' buffers) of mixed masks, frozen names, per-config
+    hyperparameters, a name scale and gradients in a linear layer's transposed layout: parameters, moments and step
+    counts of the masked optimizer equal the fused one's and torch.optim's, model by model."""
+    g = torch.Generator().manual_seed(0)
+    p0 = stack(g)
+    leaves = torch_models(p0)
+    masked_p, fused_p = {k: v.clone() for k, v in p0.items()}, {k: v.clone() for k, v in p0.items()}
+    masked = fused = None
+    state_names = {"adam": (("m", "exp_avg"), ("v", "exp_avg_sq")), "sgd": (("buf", "momentum_buffer"),)}[opt_name]
+    hp = {"lr": torch.tensor(LR), "weight_decay": torch.tensor(WD), "momentum": torch.tensor(MOM), "scale": SCALE}
+    for rnd in range(2):
+        masked = MASKED[opt_name](masked_p, **hp, reuse=masked)
+        fused = OPTIMIZERS[opt_name](fused_p, **hp, reuse=fused)
+        opts = torch_optimizers(leaves, opt_name)
+        for active, frozen in schedule(g, 6):
+            grads = {k: torch.randn(v.shape, generator=g) for k, v in p0.items()}
+            grads["w"] = grads["w"].mT.contiguous().mT  # how autograd returns x @ W.T's weight gradient
+            masked_p = masked.step(masked_p, grads, active, frozen)
+            fused_p = fused.step(fused_p, grads, active.tolist(), frozen)
+            torch_step(leaves, opts, grads, active, frozen)
+        for k in p0:
+            torch.testing.assert_close(masked_p[k], fused_p[k])
+            torch.testing.assert_close(masked_p[k], gather(leaves, k))
+            torch.testing.assert_close(counts(masked, k), counts(fused, k), rtol=0, atol=0)
+            if opt_name == "adam":  # torch.optim.SGD keeps no step count
+                torch.testing.assert_close(counts(masked, k), torch_state(leaves, opts, k, "step"), rtol=0, atol=0)
+            for ours, theirs in state_names:
+                torch.testing.assert_close(getattr(masked, ours)[k], getattr(fused, ours)[k])
+                torch.testing.assert_close(getattr(masked, ours)[k], torch_state(leaves, opts, k, theirs))
+        assert masked_p["w"].stride() == grads["w"].stride()  # adopted the gradient's layout, as the fused one
+
+
+@pytest.mark.parametrize("make", [MaskedAdam, MaskedSGD])
+def test_models_that_do_not_step_are_bit_identical(make):
+    """Inactive models keep parameters, moments and counts bit for bit, even with a NaN/Inf gradient; a frozen
+    name is untouched everywhere."""
+    g = torch.Generator().manual_seed(1)
+    params = stack(g)
+    opt = make(params, lr=LR, weight_decay=WD, momentum=MOM, scale=SCALE)
+    for _ in range(3):  # some history first
+        params = opt.step(params, {k: torch.randn(v.shape, generator=g) for k, v in params.items()},
+                          torch.rand(H, C, generator=g) > 0.3)
+    active = torch.rand(H, C, generator=g) > 0.5
+    active[0, 0], active[0, 1] = True, False
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    grads["w"][~active] = float("nan")
+    grads["w"][~active, 0, 0] = float("inf")
+    names = ("params", "t", *make.state_names)
+    before = {name: {k: v.clone() for k, v in getattr(opt, name).items()} for name in names}
+    params = opt.step(params, grads, active, frozen={"b"})
+    for name, old in before.items():
+        new = getattr(opt, name)
+        assert torch.equal(new["b"], old["b"]), f"frozen {name} changed"
+        assert torch.equal(new["w"][~active], old["w"][~active]), f"inactive {name} changed"
+        assert not torch.equal(new["w"][active], old["w"][active]), f"active {name} unchanged"
+    assert torch.isfinite(params["w"]).all()
+
+
+@pytest.mark.parametrize("make", [MaskedAdam, MaskedSGD])
+def test_masked_step_never_reads_the_device(make, monkeypatch):
+    """A step with a device `active` reads no value back (item / local scalar / is_nonzero) and copies nothing to
+    the host (tolist / cpu / numpy)."""
+    g = torch.Generator().manual_seed(2)
+    params = stack(g)
+    opt = make(params, lr=torch.tensor(LR), weight_decay=torch.tensor(WD), momentum=torch.tensor(MOM), scale=SCALE)
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    copies: list[str] = []
+    for method in ("tolist", "cpu", "numpy"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda self, *a, _n=method, _o=original, **k: (copies.append(_n),
+                                                                                               _o(self, *a, **k))[1])
+    with HostReads() as mode:
+        for step in range(3):
+            params = opt.step(params, grads, torch.rand(H, C, generator=g) > 0.4, frozen={"b"} if step else ())
+    monkeypatch.undo()
+    assert mode.reads == [] and copies == [], mode.reads + copies
+
+
+def dispatched(make, H_: int, masked: bool) -> int:
+    """aten ops dispatched by one optimizer step on a stack of H_ configurations (a later step: the first one also
+    adopts the gradients' layout), half of the models active."""
+    g = torch.Generator().manual_seed(3)
+    params = stack(g, H_)
+    hp = dict(lr=torch.linspace(1e-3, 1e-1, H_), weight_decay=torch.full((H_,), 1e-4),
+              momentum=torch.full((H_,), 0.9))
+    opt = make(params, **hp)
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    active = torch.rand(H_, C, generator=g) > 0.5
+    active[:, 0] = True
+    act = active if masked else active.tolist()
+    opt.step(params, grads, act)
+    with OpCount() as mode:
+        opt.step(params, grads, act)
+    return len(mode.ops)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_masked_op_count_does_not_grow_with_the_grid(name):
+    assert dispatched(MASKED[name], 2, True) == dispatched(MASKED[name], 64, True)
+    assert dispatched(OPTIMIZERS[name], 64, False) > 8 * dispatched(OPTIMIZERS[name], 2, False)
+
+
+def test_optimizer_for_picks_masked_on_cuda_only():
+    assert optimizer_for("adam", "cuda") is MaskedAdam and optimizer_for("sgd", torch.device("cuda:0")) is MaskedSGD
+    assert optimizer_for("adam", "cpu") is Adam and optimizer_for("sgd", "cpu") is SGD
+
+
+@pytest.mark.parametrize("algo,extra", [("fedavg", {"optimizer": "adam"}),
+                                        ("scaffold", {"optimizer": "sgd", "momentum": 0.9}),
+                                        ("fedpft", {"optimizer": "sgd", "momentum": 0.9})])
+def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
+    """The engine's wiring: forced onto the masked optimizers (the CUDA choice) on the CPU, a run with uneven clients,
+    partial participation, a grid of learning rates and (FedPFT) frozen phases gives the fused run's parameters."""
+    from featcache import optim
+    from featcache.algorithms import create
+    from featcache.config import resolve
+    from featcache.engine import Engine
+    from tests.synthetic import synthetic_clients
+
+    train, test = synthetic_clients(C=3, n=(20, 45), seed=0), synthetic_clients(C=3, n=(10, 10), seed=1)
+    impl = create(algo)
+    base = resolve(impl, {"rounds": 2, "batch_size": 8, "participation": 0.67, "drop_last": False} | extra)
+    cfgs = [base | {"lr": lr, "seed": s} for lr, s in ((0.01, 0), (0.02, 1))]
+    runs = {}
+    for kind in ("fused", "masked"):
+        if kind == "masked":
+            monkeypatch.setitem(optim.BY_DEVICE, "cpu", optim.MASKED)
+        engine = Engine(impl, cfgs, train, test)
+        out = engine.run()
+        runs[kind] = (out["acc"], {k: v.clone() for k, v in engine.state.params.items()})
+        assert type(engine._opt).__name__.startswith("Masked") == (kind == "masked")
+    assert torch.allclose(runs["fused"][0], runs["masked"][0])
+    for k, v in runs["fused"][1].items():  # float32 defaults (a float32 bias correction 1 − 0.999^t failed this)
+        torch.testing.assert_close(v, runs["masked"][1][k], msg=lambda m: f"{k}: {m}")
