@@ -3,7 +3,7 @@ vs the official-FedPCL pattern that re-runs three frozen ResNet18s (64x64) on ev
 batch. Prints one JSON object. Run: `.venv/bin/python bench/train.py [--clients 20] [--rounds 5] [--repeats 3]`.
 The engine and the plain loop are timed alternately, `repeats` times each; the medians are compared.
 
-The plain loop is tests/reference.py (one Python iteration per client and minibatch, torch.optim). The official
+The plain loop is featcache.testing.plain_loop (one Python iteration per client and minibatch, torch.optim). The official
 pattern's round time = (images it pushes through the backbones per round) / (measured images/s of three ResNet18s on
 real 64x64 batches in this run) + the head's own time; backbone throughput is measured here, not assumed.
 """
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from featcache.algorithms import create  # noqa: E402
 from featcache.config import resolve  # noqa: E402
 from featcache.engine import Engine  # noqa: E402
-from tests.reference import plain_loop  # noqa: E402
+from featcache.testing import plain_loop  # noqa: E402
 from tests.synthetic import synthetic_clients  # noqa: E402
 
 

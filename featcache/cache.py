@@ -90,15 +90,21 @@ def read_meta(f: h5py.File) -> dict:
     return read_attrs(f) | {"backbone_info": {k: read_attrs(g) for k, g in f["backbones"].items()}}
 
 
+def _read_only(path: Path, missing_fix: str) -> h5py.File:
+    """`path` opened read-only with h5py; a missing file (`missing_fix` says what to do) or one that is not HDF5 is
+    one UserError line."""
+    if not path.is_file():
+        raise UserError(f"cache {path} does not exist: {missing_fix}")
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        raise UserError(f"cache {path} is not a readable HDF5 file ({e}); delete it and run `featcache extract` again")
+
+
 def open_cache(path: str | Path) -> h5py.File:
     """Open a finished cache read-only, refusing files that are not featcache caches of this format."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"cache {path} does not exist: run `featcache extract` first (it prints the cache path)")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as e:
-        raise UserError(f"cache {path} is not a readable HDF5 file ({e}); delete it and run `featcache extract` again")
+    f = _read_only(path, "run `featcache extract` first (it prints the cache path)")
     fmt = _plain(f.attrs.get("featcache_format"))
     if fmt != FORMAT:
         wrote = _plain(f.attrs.get("featcache_version", "an unknown version"))
@@ -647,12 +653,7 @@ def migrate(path: str | Path) -> dict:
     it only once complete and every array's checksum equals the stored one (the feature bytes are copied, not
     recomputed). Returns {path, from_format, to_format, bytes_before, bytes}."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"cache {path} does not exist: pass the path of a cache file")
-    try:
-        old = h5py.File(path, "r")
-    except OSError as e:
-        raise UserError(f"cache {path} is not a readable HDF5 file ({e}); delete it and run `featcache extract` again")
+    old = _read_only(path, "pass the path of a cache file")
     with old:
         fmt = _plain(old.attrs.get("featcache_format"))
         if fmt == FORMAT:

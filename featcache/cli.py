@@ -32,8 +32,9 @@ from .errors import UserError  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run frozen backbones once, cache embeddings in HDF5, train federated heads on them.")
-out = Console()
-err = Console(stderr=True)
+# Off a terminal (a pipe, a log file) rich would wrap tables at 80 columns and cut their cells: give it room.
+out = Console(width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
 PLAIN_EVERY_S = 30.0  # when stderr is not a terminal: a line per label at least every 30 s ...
@@ -345,6 +346,7 @@ def report(
     results: list[Path] = typer.Argument(..., help="result JSON files from `featcache train`, or folders holding them "
                                                    "(the *.json directly in each folder)"),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="write report.md, curves.png and clients.png here"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (the table, the notes, the files)"),
 ) -> None:
     """Render result files as a markdown table (and PNG curves and per-client bars with --out)."""
     from .report import report as render
@@ -352,7 +354,10 @@ def report(
     rendered = render(results, out_dir)
     for line in rendered["skipped"]:
         err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True)
-    print(rendered["table"])
+    if as_json:
+        _emit(rendered, True)
+    else:
+        print(rendered["table"])
 
 
 @app.command()
@@ -457,6 +462,13 @@ def _main() -> None:
     except Exception as e:
         if os.environ.get("FEATCACHE_DEBUG", "").strip() not in ("", "0"):
             raise
+        from .algorithms import plugin_failure
+
+        where = plugin_failure(e)
+        if where:  # a bug in the user's own algorithm: their input, so one `error:` line naming the file and hook
+            err.print(f"[red]error:[/red] plug-in failed at {escape(where)} (FEATCACHE_DEBUG=1 shows the traceback)",
+                      highlight=False, soft_wrap=True, emoji=False)
+            sys.exit(2)
         if _out_of_memory(e):  # the up-front estimate was too low: still the user's setting, still one line
             err.print(f"[red]error:[/red] out of memory ({escape(_first_line(e))}): lower batch_size or the widths "
                       "(proj_dim, ...), use fewer --seeds, or a smaller --chunk", highlight=False, soft_wrap=True)

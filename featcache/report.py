@@ -348,6 +348,15 @@ def _pyplot():
     return plt
 
 
+def _finish(fig, path: Path | None) -> bytes:
+    """Lay out `fig`, return its PNG bytes, and write them to `path` (atomically) when one is given."""
+    fig.tight_layout()
+    png = _png(fig)
+    if path is not None:
+        write_atomic(path, png)
+    return png
+
+
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
@@ -397,11 +406,7 @@ def curves_png(runs: list[Run], path: str | Path | None = None) -> bytes:
     band = ("shaded: ±1 std over seeds (ddof=1, from metrics.csv)" if banded else
             "mean over seeds (no per-seed metrics.csv: no band)")
     fig.suptitle(f"{title(results)}\n{band}", fontsize=9)
-    fig.tight_layout()
-    png = _png(fig)
-    if path is not None:
-        write_atomic(path, png)
-    return png
+    return _finish(fig, path)
 
 
 def per_client(r: dict) -> tuple[np.ndarray, np.ndarray | None] | None:
@@ -444,11 +449,7 @@ def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
     if groups:
         ax.legend(fontsize=7, ncol=1 + (C - 1) // 20, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title(f"{title(results)}\nerror bars: ±1 std over seeds (ddof=1)", fontsize=9)
-    fig.tight_layout()
-    png = _png(fig)
-    if path is not None:
-        write_atomic(path, png)
-    return png
+    return _finish(fig, path)
 
 
 # -- the command -----------------------------------------------------------------------------------------------------

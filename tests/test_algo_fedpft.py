@@ -1,5 +1,5 @@
-"""FedPFT, FedPFT+Con and FedAvg+Linear against transcriptions of fedpft.md: the FTM equals self-attention over
-[f, p] (eq. 2), the MoCo loss equals eq. 7, each phase trains only the parameters of eq. 4/5 (eq. 8/9 for +Con),
+"""FedPFT, FedPFT+Con and FedAvg+Linear against transcriptions of the FedPFT paper's equations (Wu et al., ICLR 2025
+submission): the FTM equals self-attention over [f, p] (eq. 2), the MoCo loss equals eq. 7, each phase trains only the parameters of eq. 4/5 (eq. 8/9 for +Con),
 prompts and the personal linear layer are never uploaded, the server averages like FedAvg, and Table 1's
 Origin / Probe / Match accuracies behave."""
 

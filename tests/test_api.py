@@ -30,7 +30,9 @@ def cache(tmp_path_factory):
 
 @pytest.fixture
 def registry():
-    """Plug-ins registered by a test are forgotten after it (other tests list the built-in algorithms)."""
+    """Plug-ins registered by a test are forgotten after it (other tests list the built-in algorithms). The built-ins
+    are imported first: a snapshot without them would drop them for good (their modules stay imported)."""
+    featcache.list_algorithms()
     before = dict(_ALGOS)
     yield
     _ALGOS.clear()
@@ -209,15 +211,27 @@ def test_algos_and_datasets_json():
 
 def test_readme_python_api_example_runs(tmp_path, monkeypatch, capsys):
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Python API", 1)[1]
+    section = readme.split("## Python API", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert len(code.strip().splitlines()) <= 10
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].split()[1].startswith("runs/fedavg-") and "fedavg" in printed[1]
+    assert printed[2] == "round,seed,client,split,loss,accuracy,global_accuracy"
     assert list(tmp_path.joinpath("cache").glob("offline-digits-*.h5"))
-    assert "--algo path/to/my_prox.py:MyProx" in readme
+    assert "--algo my_prox.py:MyProx" in readme
+
+
+def test_readme_plugin_example_passes_the_plain_loop_check(tmp_path, registry, monkeypatch):
+    """The README's "Write your own algorithm": its class saved as my_prox.py passes the check the README shows."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Write your own algorithm", 1)[1]
+    cls_code, check_code = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    (tmp_path / "my_prox.py").write_text(cls_code)
+    monkeypatch.chdir(tmp_path)
+    assert "assert_matches_plain_loop(\"my_prox.py:MyProx\"" in check_code
+    exec(compile(check_code, "README.md", "exec"), {})
 
 
 def test_installed_entry_point_algorithms_are_registered(tmp_path, registry, monkeypatch):
@@ -236,3 +250,64 @@ def test_installed_entry_point_algorithms_are_registered(tmp_path, registry, mon
     with pytest.warns(UserWarning, match="installed algorithm 'broken' skipped: .*is not an algorithm"):
         assert "myprox-installed" in featcache.list_algorithms()
     assert featcache.create("myprox-installed").paper == "a test plug-in"
+
+
+# --- checking and debugging a plug-in ---------------------------------------------------------------------------------
+
+FAILING = '''
+from featcache.algorithms.base import FedAvg
+
+
+class Failing(FedAvg):
+    name = "failing-plugin"
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        loss, new = super().local_loss(params, buffers, x, y, mask, ctx)
+        return loss / helper(), new
+
+
+def helper():
+    return 1 // 0
+'''
+
+MIXING = '''
+from featcache.algorithms.base import FedAvg
+
+
+class Mixing(FedAvg):
+    """Moves every client's weights towards the clients' mean after each step: a model that is not its own, which
+    a batched engine and a plain per-client loop disagree on."""
+
+    name = "mixing-plugin"
+
+    def after_step(self, params, ctx, active, rnd):
+        for v in params.values():
+            v.lerp_(v.mean(1, keepdim=True).expand_as(v), 0.5)
+'''
+
+
+def test_an_exception_inside_a_plugin_is_one_line_naming_file_line_and_hook(cache, tmp_path, registry):
+    plugin = write_plugin(tmp_path / "plugins", FAILING, "failing.py")
+    for command in (["train"], ["grid", "--grid", "lr=0.1,0.01"]):
+        line = one_line_error(run_cli(*command, "--cache", cache, "--algo", f"{plugin}:Failing", "--rounds", "1",
+                                      "--seeds", "0", "--out", tmp_path / "runs"), "ZeroDivisionError")
+        lineno = FAILING.splitlines().index("    return 1 // 0") + 1
+        assert f"{plugin}:{lineno}, in helper" in line  # the innermost frame of the plug-in's own code
+    # featcache's own failures stay internal errors: the same exception raised from a built-in is not a plug-in's
+    from featcache.algorithms import plugin_failure
+
+    try:
+        featcache.create("fedavg").local_loss(None, None, None, None, None, None)
+    except Exception as e:  # noqa: BLE001
+        assert plugin_failure(e) is None
+
+
+def test_assert_matches_plain_loop_checks_a_plugin(tmp_path, registry):
+    from featcache.testing import assert_matches_plain_loop
+
+    good = write_plugin(tmp_path, PLUGIN, "good.py")
+    diffs = assert_matches_plain_loop(f"{good}:MyProx", mu=0.5)
+    assert set(diffs) == {"proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias"} and max(diffs.values()) < 1e-5
+    bad = write_plugin(tmp_path, MIXING, "mixing.py")
+    with pytest.raises(AssertionError, match="mixing-plugin: (per-round test accuracy|parameter .*) differs"):
+        assert_matches_plain_loop(f"{bad}:Mixing")

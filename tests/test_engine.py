@@ -9,7 +9,7 @@ import torch
 from featcache.algorithms import create, list_algorithms
 from featcache.engine import ENGINE_DEFAULTS, Engine, batch_order, participation
 from featcache.optim import SGD, Adam
-from tests.reference import plain_loop
+from featcache.testing import plain_loop
 from tests.synthetic import synthetic_clients
 
 ALGOS = sorted(list_algorithms())

@@ -160,6 +160,10 @@ def test_cli_report_of_a_folder_prints_notes_and_the_table(runs, tmp_path):
     assert note.startswith("note: skipped 2 sidecar file(s)")
     assert "| fedavg |" in res.stdout and "| local |" in res.stdout
     assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["clients.png", "curves.png", "report.md"]
+    as_json = run_cli("report", runs, "--json")
+    assert as_json.code == 0, as_json.stderr
+    got = json.loads(as_json.stdout)
+    assert got["table"].rstrip("\n") == res.stdout.rstrip("\n") and got["skipped"] == [note.removeprefix("note: ")]
     (tmp_path / "empty").mkdir()
     one_line_error(run_cli("report", tmp_path / "empty"), "no .json files in")
 

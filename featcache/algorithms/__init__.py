@@ -5,6 +5,7 @@ Every algorithm is a subclass of `base.FedAvg` that overrides only the hooks whe
 A name may also be a plug-in spec, `path/to/my_algo.py:MyAlgo` or `package.module:MyAlgo`: `load(spec)` imports the
 class (a FedAvg subclass), registers it under its own `name` and returns that name; `create(spec)` does the same.
 Installed packages can declare theirs in the `featcache.algorithms` entry-point group (`name = "module:Class"`).
+An exception raised inside a plug-in's code is named by `plugin_failure` (file, line, hook) for the CLI's one line.
 """
 
 from __future__ import annotations
@@ -26,6 +27,27 @@ UNAVAILABLE = {
               "cached features come after the frozen backbone, so its prompts have nothing to act on. "
               "FedPFT's feature-space prompts (fedpft) are the cached-feature counterpart.",
 }
+
+
+def plugin_failure(exc: BaseException) -> str | None:
+    """'path/to/my_algo.py:42, in local_loss: ZeroDivisionError: division by zero' when `exc` was raised in (or below)
+    the code of an algorithm loaded from outside featcache (the innermost frame in a plug-in's file names the hook);
+    None when no plug-in's code is on its traceback."""
+    files = set()
+    for cls in _ALGOS.values():
+        module = sys.modules.get(cls.__module__)
+        if not cls.__module__.startswith(f"{__name__}.") and getattr(module, "__file__", None):
+            files.add(str(Path(module.__file__).resolve()))
+    hit, tb = None, exc.__traceback__
+    while tb is not None:
+        if str(Path(tb.tb_frame.f_code.co_filename).resolve()) in files:
+            hit = tb  # the innermost one wins
+        tb = tb.tb_next
+    if hit is None:
+        return None
+    text = " ".join(str(exc).split("\n")[0].split())[:200] or "(no message)"
+    return f"{hit.tb_frame.f_code.co_filename}:{hit.tb_lineno}, in {hit.tb_frame.f_code.co_name}: " \
+           f"{type(exc).__name__}: {text}"
 
 
 def register(cls):

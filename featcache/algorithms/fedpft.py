@@ -1,5 +1,5 @@
 """FedPFT, FedPFT+Con and FedAvg+Linear (Wu et al., "From Mismatch to Harmony: Resolving Feature-Classifier Mismatch
-in Federated Learning via Prompt-Driven Feature Transformation", ICLR 2025 submission; fedpft.md §3, Alg. 1, App. C-F),
+in Federated Learning via Prompt-Driven Feature Transformation", ICLR 2025 submission, §3, Alg. 1, App. C–F),
 plus the Origin / Probe / Match accuracies of its Table 1 (App. A).
 
 No public code exists; every choice below is derived from the paper, and marked where the paper is silent.
@@ -143,7 +143,7 @@ class Alternating(FedAvg):
 @register
 class FedPFT(Alternating):
     name = "fedpft"
-    paper = "Wu et al., ICLR 2025 submission — fedpft.md §3 eq. 2–5, Alg. 1, App. D.3"
+    paper = "Wu et al., FedPFT, ICLR 2025 submission, §3 eq. 2–5, Alg. 1, App. D.3"
     uploads = "extractor ϕ, FTM τ and classifier h_κ (prompts p_κ stay local)"
     defaults = {
         "proj_dim": 256, "bn": False,  # ϕ = FC(D, m) + ReLU; m = 256 is ResNet-8's width in Table 15
@@ -181,7 +181,7 @@ VIEWS_ERROR = "fedpft-con needs augmented views: extract with --views 2"
 @register
 class FedPFTCon(FedPFT):
     name = "fedpft-con"
-    paper = "Wu et al., ICLR 2025 submission — fedpft.md §3.6, App. C eq. 6–9, App. D.3"
+    paper = "Wu et al., FedPFT, ICLR 2025 submission, §3.6, App. C eq. 6–9, App. D.3"
     uploads = "extractor ϕ, FTM τ, classifier h_κ and projection head h_ρ (prompts p_κ, p_ρ stay local)"
     defaults = FedPFT.defaults | {
         "ftm_lr_scale": 0.1,  # "the learning rate for the FTM remains 0.01" (App. D.3) = 0.1 x 0.1
@@ -241,7 +241,7 @@ class FedPFTCon(FedPFT):
 @register
 class FedAvgLinear(Alternating):
     name = "fedavg-linear"
-    paper = "Wu et al., ICLR 2025 submission — fedpft.md App. F, Table 9"
+    paper = "Wu et al., FedPFT, ICLR 2025 submission, App. F, Table 9"
     uploads = "extractor ϕ and classifier h (the linear transform T_i stays local)"
     defaults = {k: v for k, v in FedPFT.defaults.items() if k not in ("n_prompts", "heads", "residual", "ftm_lr_scale")}
     phases = {"transform": ("lin.",), "model": ("proj", "cls")}
