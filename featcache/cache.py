@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from . import __version__
+from .atomic import output_errors
 from .errors import UserError
 
 FORMAT = 3  # 2: checksums (`sha256` on every dataset, `meta_sha256` on the root); 3: features stored once (`concat`)
@@ -376,7 +377,7 @@ def _check_structure(f: h5py.File, problems: list[str]) -> dict[str, h5py.Datase
         return {}
     meta = read_attrs(f)
     if meta["meta_sha256"] != _meta_sha256(f):
-        problems.append("metadata checksum mismatch: names, shapes, dtypes or attributes changed after writing")
+        problems.append("metadata checksum mismatch: names, shapes, dtypes, attributes or placement of arrays changed after writing")
     if cache_key(meta["manifest"]) != meta["key"]:
         problems.append("the stored key is not the hash of the stored manifest")
     dims = _column_problems(f, meta["backbones"], problems)
@@ -498,11 +499,15 @@ def _scan(ds: h5py.Dataset) -> tuple[str, bool]:
     return h.hexdigest(), finite
 
 
-def _meta_sha256(f: h5py.File) -> str:
-    """sha256 over every object's path, kind (dtype and shape for datasets) and attributes, checksums excepted."""
+def _meta_sha256(f: h5py.File, bind_data: bool = True) -> str:
+    """sha256 over every object's path, kind (dtype and shape for datasets) and attributes; with `bind_data` each
+    dataset's own `sha256` is part of its entry, so an array moved to another path (one client's features swapped
+    with another's of the same shape) no longer matches. (Format 2 hashed the entries without it.)"""
     entries = [["/", "group", _plain_attrs(f)]]
     for name, obj in _objects(f):
         kind = f"dataset {obj.dtype.str} {list(obj.shape)}" if isinstance(obj, h5py.Dataset) else "group"
+        if bind_data and isinstance(obj, h5py.Dataset):
+            kind += f" {_plain(obj.attrs.get('sha256'))}"
         entries.append([name, kind, _plain_attrs(obj)])
     return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
 
@@ -662,13 +667,14 @@ def migrate(path: str | Path) -> dict:
             known = ", ".join(map(str, _MIGRATIONS))
             raise UserError(f"{path} has cache format {fmt!r}; `featcache migrate` converts format {known}: re-run "
                             "`featcache extract` with the same options to rebuild it")
-        if old.attrs.get("meta_sha256") != _meta_sha256(old):
+        if old.attrs.get("meta_sha256") != _meta_sha256(old, bind_data=False):
             raise UserError(f"cache {path} is damaged (metadata checksum mismatch): delete it and re-run "
                             "`featcache extract`")
         staged = path.with_name(f".{path.name}.format{FORMAT}")
         before = os.path.getsize(path)
         try:
-            _MIGRATIONS[fmt](old, staged)  # `write` with replace=True: a staged file of a killed run is ours
+            with output_errors(staged):  # a full disk or a size limit: one line, the original untouched
+                _MIGRATIONS[fmt](old, staged)  # `write` with replace=True: a staged file of a killed run is ours
             _same_arrays(path, old, staged)
         except BaseException:
             staged.unlink(missing_ok=True)

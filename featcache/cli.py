@@ -365,7 +365,7 @@ def plot(
     state: Path = typer.Argument(..., help="saved state NAME.state.safetensors (`featcache train --save-state`)"),
     cache: Path = typer.Option(..., help="the cache the state was trained on"),
     method: str = typer.Option("tsne", help="tsne | pca"),
-    split: str = typer.Option("test", help="train | val | test: whose rows to embed"),
+    split: str = typer.Option("test", help="train | val | test: whose rows to embed (val: the validation rows of the train split, which the saved model also trained on)"),
     seed: Optional[int] = typer.Option(None, help="which trained seed to draw (default: the first); also seeds the "
                                                   "subsample and t-SNE"),
     max_points: int = typer.Option(2000, help="draw at most this many points (a seeded random subsample)"),

@@ -87,7 +87,7 @@ def learned_features(state: str | Path, cache: str | Path, split: str = "test", 
     of `split` in `cache`; refused when the state was trained on another cache."""
     import torch
 
-    from .algorithms import create
+    from .algorithms import create, load
     from .cache import load_clients
 
     _choose("split", split, SPLITS)
@@ -99,7 +99,7 @@ def learned_features(state: str | Path, cache: str | Path, split: str = "test", 
     seed = meta["seeds"][0] if seed is None else seed
     _choose("seed", seed, meta["seeds"])
     s = meta["seeds"].index(seed)
-    algo = create(meta["algo"], meta["config"])
+    algo = create(load(meta.get("algo_spec", meta["algo"])), meta["config"])  # a plug-in's file is imported first
     data = load_clients(cache, **SPLITS[split], backbones=meta["backbones"] or None)
     C = int(data.features.shape[0])
     if next(v for k, v in tensors.items() if k.startswith("params/")).shape[:2] != (len(meta["seeds"]), C):

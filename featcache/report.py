@@ -61,6 +61,8 @@ def result_problem(r) -> str | None:
         return "'params_uploaded_per_round' is missing or not a count"
     if not (isinstance(r.get("seeds"), list) and r["seeds"]):
         return "'seeds' is missing or empty"
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in r["seeds"]):
+        return "'seeds' is not a list of integers"
     curve = r.get("curve")
     if not isinstance(curve, dict):
         return "no accuracy 'curve'"
@@ -357,9 +359,26 @@ def _finish(fig, path: Path | None) -> bytes:
     return png
 
 
+MARK = "featcache report"  # in report.md's first line and the PNGs' Software text: files this command may replace
+
+
+def written_by_us(path: Path) -> bool:
+    """Whether the file at `path` is one `featcache report` wrote (so a new report may replace it)."""
+    try:
+        if path.suffix == ".md":
+            with open(path, encoding="utf-8") as f:
+                return f.readline().strip() == f"<!-- {MARK} -->"
+        from PIL import Image
+
+        with Image.open(path) as im:
+            return getattr(im, "text", {}).get("Software") == MARK
+    except Exception:  # unreadable, or not an image PIL can open: someone else's file
+        return False
+
+
 def _png(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
+    fig.savefig(buf, format="png", dpi=120, metadata={"Software": MARK})
     _pyplot().close(fig)
     return buf.getvalue()
 
@@ -484,7 +503,11 @@ def report(results: list[str | Path], out: str | Path | None = None, note=None) 
     written = {}
     if out:
         figures = {"curves.png": curves_png(inputs.runs), "clients.png": clients_png(inputs.runs)}  # before any write
-        markdown = table + "\n![accuracy curves](curves.png)\n\n![per-client accuracy](clients.png)\n"
+        markdown = f"<!-- {MARK} -->\n" + table + "\n![accuracy curves](curves.png)\n\n![per-client accuracy](clients.png)\n"
+        theirs = [n for n in (*figures, "report.md") if (Path(out) / n).exists() and not written_by_us(Path(out) / n)]
+        if theirs:
+            raise UserError(f"--out {out}: {theirs[0]} exists and was not written by `featcache report`: pass another "
+                            "--out or move it (a report never overwrites a file it did not write)")
         paths = write_together(Path(out), figures | {"report.md": markdown})
         written = {"markdown": paths["report.md"], "figure": paths["curves.png"],
                    "clients_figure": paths["clients.png"]}

@@ -8,7 +8,8 @@ Tensor names (S = seeds, C = clients; nested dicts flattened with "/"):
     client/<name>    [S, C, ...]  per-client algorithm state (local prototypes, control variates, ...)
     server/<name>    [S, ...]     per-seed server state (global prototypes, the global model, ...)
 
-Metadata: one key, `featcache`, a JSON object (sorted keys) with `algo`, `config`, `seeds`, `cache_key`, `backbones`,
+Metadata: one key, `featcache`, a JSON object (sorted keys) with `algo`, `algo_spec` (the algorithm's name, or for a
+plug-in its `file.py:Class`, so the state can be used without registering it first), `config`, `seeds`, `cache_key`, `backbones`,
 `result` (the result file's name) and `featcache_state` (the format version). One key, because safetensors writes
 several metadata keys in a random order, and the same run must give the same bytes. (Files with those fields as
 separate metadata keys, JSON-encoded where they are not strings, are read too.) safetensors is imported only here,
@@ -18,6 +19,7 @@ lazily.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -70,7 +72,10 @@ def state_bytes(trained, result: dict, result_name: str) -> bytes:
     tensors = {}
     for group in GROUPS:
         tensors |= flatten(getattr(trained.state, group), group)
-    meta = {"algo": result["algo"], "config": result["config"], "seeds": result["seeds"],
+    cls = type(trained.algo)
+    builtin = cls.__module__.startswith("featcache.algorithms.")
+    spec = result["algo"] if builtin else f"{Path(sys.modules[cls.__module__].__file__).resolve()}:{cls.__name__}"
+    meta = {"algo": result["algo"], "algo_spec": spec, "config": result["config"], "seeds": result["seeds"],
             "cache_key": result["cache"]["key"], "backbones": result["backbones"], "result": result_name,
             "featcache_state": FORMAT}
     return save(tensors, metadata={"featcache": json.dumps(meta, sort_keys=True)})

@@ -6,15 +6,16 @@ from __future__ import annotations
 from featcache.testing import synthetic_clients  # noqa: F401  (re-exported: the tests import it from here)
 
 
-def write_cache(path, C: int = 4, D: int = 16, K: int = 5, views: int = 0, val_fraction: float = 0.25) -> str:
+def write_cache(path, C: int = 4, D: int = 16, K: int = 5, views: int = 0, val_fraction: float = 0.25,
+                n: tuple[int, int] = (30, 60)) -> str:
     """A cache file holding synthetic features (one backbone, 'synth'), written by featcache's own cache writer as
-    extract writes its caches (for trainer and grid tests)."""
+    extract writes its caches (for trainer and grid tests); clients hold n[0]..n[1] rows per split."""
     import numpy as np
 
     from featcache import cache as fc
 
-    train = synthetic_clients(C=C, D=D, K=K, seed=0, views=views)
-    test = synthetic_clients(C=C, D=D, K=K, seed=1)
+    train = synthetic_clients(C=C, n=n, D=D, K=K, seed=0, views=views)
+    test = synthetic_clients(C=C, n=n, D=D, K=K, seed=1)
     manifest = {"dataset": {"name": "synthetic"}, "views": views, "versions": fc.versions()}
     rows, clients = [], []
     for c in range(C):
@@ -73,4 +74,5 @@ def write_format2(path, header: dict, backbones: list[dict], clients) -> str:
             g["train/val_index"] = np.asarray(client.val_index, np.int64)
         f.attrs["images"] = images
         fc.seal(f)
+        f.attrs["meta_sha256"] = fc._meta_sha256(f, bind_data=False)  # format 2's metadata checksum
     return str(path)

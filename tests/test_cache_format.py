@@ -15,7 +15,7 @@ from harness import run_cli
 
 from featcache import cache as C
 from featcache.errors import UserError
-from tests.synthetic import write_format2
+from tests.synthetic import write_cache, write_format2
 
 DIMS = {"alpha": 96, "beta": 160}  # two backbones of different widths
 
@@ -188,3 +188,17 @@ def test_write_never_replaces_a_file_and_leaves_nothing_when_it_fails(tmp_path):
     with pytest.raises(RuntimeError, match="blocks are gone"):
         C.write(tmp_path / "d.h5", header, backbones, broken())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5"]
+
+
+def test_an_array_moved_to_another_client_is_refused(tmp_path):
+    """Each array's checksum is bound to its path: two clients' features of the same shape swapped (every per-array
+    checksum still matches its bytes) fail the metadata checksum."""
+    path = write_cache(tmp_path / "swap.h5", C=2, n=(40, 40))
+    with h5py.File(path, "r+") as f:
+        a, b = "clients/000/test/features/concat", "clients/001/test/features/concat"
+        assert f[a].shape == f[b].shape and not np.array_equal(f[a][...], f[b][...])
+        f.move(a, "tmp"), f.move(b, a), f.move("tmp", b)
+    found = C.verify(path)
+    assert not found["ok"] and any("metadata checksum" in p for p in found["problems"]), found
+    with pytest.raises(UserError, match="failed verification: metadata checksum mismatch"):
+        C.load_clients(path, "test")

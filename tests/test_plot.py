@@ -198,3 +198,24 @@ def test_a_users_file_is_never_overwritten_but_its_own_figure_is(trained, tmp_pa
         plot(states["fedavg"], cache, method="pca", max_points=max_points, out=ours)
     with pytest.raises(UserError, match="is a folder"):
         plot(states["fedavg"], cache, method="pca", out=tmp_path)
+
+
+def test_a_plugin_state_plots_without_registering_the_plugin_first(tmp_path):
+    """The state names its plug-in's file (`algo_spec`), so `plot` in a fresh process imports it itself."""
+    import subprocess
+    import sys
+
+    from featcache.algorithms import _ALGOS
+    from featcache.train import train
+    from tests.synthetic import write_cache
+
+    cache = write_cache(tmp_path / "c.h5")
+    (tmp_path / "myalgo.py").write_text("from featcache.algorithms.base import FedAvg\n\n\n"
+                                        "class MyAvg(FedAvg):\n    name = 'myavg-plot'\n")
+    r = train(cache, f"{tmp_path / 'myalgo.py'}:MyAvg", rounds=1, seeds=[0], out=tmp_path / "runs", save_state=True)
+    code = (f"from featcache.plot import plot; print(plot({r['state_file']!r}, {str(cache)!r}, method='pca', "
+            f"out={str(tmp_path / 'f.png')!r})['algo'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "myavg-plot" and (tmp_path / "f.png").stat().st_size > 1000
+    _ALGOS.pop("myavg-plot", None)  # registered in this process by train: forgotten for the other tests

@@ -138,7 +138,7 @@ def test_a_folder_mixing_results_sidecars_and_other_json_reports_the_results(run
     assert len(rendered["skipped"]) == 2  # only *.json in a folder: the csv and safetensors files are not inputs
     for name in ("curves.png", "clients.png"):
         png_ok(tmp_path / "rep" / name)
-    assert (tmp_path / "rep" / "report.md").read_text().startswith(rendered["table"])
+    assert (tmp_path / "rep" / "report.md").read_text().startswith("<!-- featcache report -->\n" + rendered["table"])
     assert "![per-client accuracy](clients.png)" in (tmp_path / "rep" / "report.md").read_text()
 
 
@@ -297,3 +297,19 @@ def test_real_runs_get_bands_that_match_their_per_seed_results(runs):
         else:
             assert "global" not in got
     assert with_global == ["fedavg"]  # Local has no global model
+
+
+def test_report_never_overwrites_a_file_it_did_not_write(runs, tmp_path):
+    """A user's report.md (or PNG) in --out is refused in one line and left as it was; the report's own files are
+    replaced by the next report."""
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "report.md").write_text("my notes\n")
+    one_line_error(run_cli("report", runs, "--out", out), "report.md exists and was not written by `featcache report`")
+    assert (out / "report.md").read_text() == "my notes\n" and sorted(p.name for p in out.iterdir()) == ["report.md"]
+    (out / "report.md").unlink()
+    for _ in range(2):  # the second run replaces the first run's files
+        assert run_cli("report", runs, "--out", out).code == 0
+    assert (out / "report.md").read_text().startswith("<!-- featcache report -->")
+    (out / "curves.png").write_bytes((out / "clients.png").read_bytes()[:100])  # damaged: not provably ours
+    one_line_error(run_cli("report", runs, "--out", out), "curves.png exists and was not written")

@@ -161,6 +161,10 @@ def test_state_needs_merge_into_one_job():
      "[profiles.quick]: partition option clients has the wrong type"),
     (('title = "a toy table"', 'title = 7'), "title must be a str"),
     (('[extract]', '[extract]\nbackbone = ['), "not valid TOML"),
+    (('metric = "acc"', 'metric = "acc:final"'), "metric acc takes no argument"),
+    (('metric = "domain:mnist"', 'metric = "domain"'), "metric domain needs an argument"),
+    (('metric = "acc"', 'metric = "fair:worst10"'), "the argument must be one of average, worst_10"),
+    (('metric = "acc"', 'metric = "probe:best"'), "the argument must be one of origin, probe, match"),
 ])
 def test_bad_pipelines_are_one_line_errors(edit, message):
     text = PIPELINE.replace(*edit)
@@ -374,3 +378,31 @@ def test_backbone_similarity_equals_a_loop_over_models(tmp_path):
                 alone = protos(torch.cat([torch.zeros_like(x[:, :lo]), x[:, lo:hi], torch.zeros_like(x[:, hi:])], 1))
                 want = sum(F.cosine_similarity(alone[j], fused[j], dim=0) for j in fused) / len(fused)
                 assert abs(float(sim[h, c, k]) - want.item()) < 1e-5
+
+
+def test_an_extract_without_backbones_plans_with_extracts_default():
+    text = PIPELINE.replace('backbone = ["efficientnet_lite0", "efficientnet_lite1"]\n', "")
+    cells = plan(parse_pipeline(text.replace("backbones = [0]\n", ""), "toy.toml"), "quick")
+    from featcache.extract import extract
+    import inspect
+
+    default = list(inspect.signature(extract).parameters["backbone"].default)
+    assert {tuple(c.extract_kwargs["backbone"]) for c in cells.values()} == {tuple(default)}
+
+
+def test_a_plugin_job_is_memoised_by_its_name_and_its_source(tmp_path):
+    """A plug-in job's memo sits in OUT/jobs under the registered name, and an edited plug-in file trains again."""
+    from featcache.algorithms import _ALGOS
+    from featcache.reproduce.run import _memo_path
+
+    plugin = tmp_path / "plug.py"
+    plugin.write_text("from featcache.algorithms.base import FedAvg\n\n\nclass Mine(FedAvg):\n    name = 'mine-memo'\n")
+    job = synthetic_job(algo=f"{plugin}:Mine")
+    try:
+        first = _memo_path(job, {"key": "k"}, tmp_path / "out")
+        assert first.parent == tmp_path / "out" / "jobs" and first.name.startswith("mine-memo-")
+        plugin.write_text(plugin.read_text() + "    uploads = 'edited'\n")
+        _ALGOS.pop("mine-memo")
+        assert _memo_path(job, {"key": "k"}, tmp_path / "out") != first
+    finally:
+        _ALGOS.pop("mine-memo", None)

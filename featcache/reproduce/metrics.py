@@ -51,6 +51,7 @@ class Metric:
     per_domain: bool = False  # arg = 'a|b|c': clients of the first of these domains the data has
     picks_backbone: bool = False  # one backbone's share (the row's backbones = [k]) of an all-backbone run
     show: Callable[[Value], str] = _show
+    args: tuple[str, ...] | None = ()  # the allowed ARG of `metric:ARG`: () none, None any (required), else these
 
 
 # -- what the needs compute ---------------------------------------------------------------------------------------
@@ -137,14 +138,31 @@ METRICS = {
                         need=Need("trainable_params", _trainable, always=True)),
     "fixed": Metric("frozen backbone parameters", lambda r, arg, pick: int(r["fixed"]), need=Need("fixed", _fixed),
                     show=lambda v: f"{v / 1e6:.1f}M"),
-    "domain": Metric("domain", _domain, reads=("per_client_per_seed",), per_domain=True),
-    "fair": Metric("fairness", lambda r, arg, pick: tuple(r["fairness"][arg]), reads=("fairness",)),
-    "probe": Metric("probe_match", lambda r, arg, pick: mean_std(r["probe"][arg]), need=Need("probe", _probe, True)),
+    "domain": Metric("domain", _domain, reads=("per_client_per_seed",), per_domain=True, args=None),
+    "fair": Metric("fairness", lambda r, arg, pick: tuple(r["fairness"][arg]), reads=("fairness",),
+                   args=("average", "worst_10", "worst_20", "worst_40", "best_10", "variance", "std")),
+    "probe": Metric("probe_match", lambda r, arg, pick: mean_std(r["probe"][arg]), need=Need("probe", _probe, True),
+                    args=("origin", "probe", "match")),
     "protosim": Metric("prototype similarity", _protosim, need=Need("similarity", _similarity, True),
-                       per_domain=True, picks_backbone=True),
+                       per_domain=True, picks_backbone=True, args=None),
 }
 NEEDS = {m.need.name: m.need for m in METRICS.values() if m.need}  # need name -> Need
 RESULT_KEYS = ("algo", "config", "seeds", *dict.fromkeys(k for m in METRICS.values() for k in m.reads))
+
+
+def metric_problem(metric: str) -> str | None:
+    """What is wrong with a pipeline's `metric` (`kind` or `kind:ARG`), or None."""
+    kind, colon, arg = metric.partition(":")
+    if kind not in METRICS:
+        return f"unknown metric {metric!r}; known: {', '.join(METRICS)}"
+    allowed = METRICS[kind].args
+    if allowed == () and colon:
+        return f"metric {kind} takes no argument (got {metric!r})"
+    if allowed is None and not arg:
+        return f"metric {kind} needs an argument: {kind}:NAME"
+    if allowed and arg not in allowed:
+        return f"metric {metric!r}: the argument must be one of {', '.join(allowed)}"
+    return None
 
 
 def metric_value(run: dict, metric: str, pick: int | None = None) -> Value:

@@ -59,6 +59,12 @@ def resolve_extract(pipe: Pipeline, overrides: list[dict], dataset: str | None, 
         ex["dataset"] = pipe.paper_dataset
     if backbones:
         ex["backbone"] = list(backbones)
+    if "backbone" not in ex:  # extract()'s own default, spelled out: the plan names the backbones of every cell
+        import inspect
+
+        from ..extract import extract
+
+        ex["backbone"] = list(inspect.signature(extract).parameters["backbone"].default)
     for key in ("alpha", "val_fraction"):  # 1 and 1.0 are one setting: one job, one memo file
         if key in ex:
             ex[key] = float(ex[key])

@@ -147,9 +147,19 @@ def run_job(job: Job, info: dict, out: Path) -> dict:
 
 
 def _memo_path(job: Job, info: dict, out: Path) -> Path:
-    """Named by what the job trains (not by what it reads off the state): one training serves every metric."""
-    digest = hashlib.sha256(f"{job.trains().key()}|{info['key']}|{__version__}".encode()).hexdigest()[:16]
-    return out / "jobs" / f"{job.algo}-{digest}.json"
+    """Named by what the job trains (not by what it reads off the state): one training serves every metric. A
+    plug-in algorithm (`file.py:Class`) is named by its registered name, and its source file is part of the digest,
+    so an edited plug-in trains again."""
+    from ..algorithms import is_plugin, list_algorithms, load
+
+    name, source = job.algo, ""
+    if is_plugin(job.algo):
+        import inspect
+
+        name = load(job.algo)
+        source = hashlib.sha256(Path(inspect.getsourcefile(list_algorithms()[name])).read_bytes()).hexdigest()
+    digest = hashlib.sha256(f"{job.trains().key()}|{info['key']}|{__version__}|{source}".encode()).hexdigest()[:16]
+    return out / "jobs" / f"{name}-{digest}.json"
 
 
 def _read_memo(memo: Path, out: Path) -> dict | None:

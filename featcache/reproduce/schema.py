@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UserError, suggest
 from ..extract import Noise, extract
-from .metrics import METRICS
+from .metrics import METRICS, metric_problem
 
 PAPERS = ("fedpcl", "fedproc", "fedpft")
 FIGURES = ("lines", "heatmap")
@@ -197,6 +197,9 @@ def _columns(path: str, doc: dict, paper_columns: list[str]) -> list[Column]:
         if kind not in METRICS:
             raise UserError(f"{where}: unknown metric {spec['metric']!r}{suggest(kind, METRICS)}; "
                             f"known: {', '.join(METRICS)}")
+        problem = metric_problem(spec["metric"])
+        if problem:
+            raise UserError(f"{where}: {problem}")
         _check_extract(where, spec.get("extract", {}), doc["extract"])
         columns.append(Column(name, spec["metric"], spec.get("extract", {}), spec.get("set", {}),
                               _indices(where, spec.get("backbones")), spec.get("x")))
