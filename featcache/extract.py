@@ -172,7 +172,7 @@ def extract(
                 run = Settings(tuple(backbone), image_size, noise, seed, batch_size or P.default_batch_size(dev),
                                P.default_workers(data, views) if workers is None else workers, str(dev),
                                allow_partial)
-                metas = _embedded(work, runner, data, parts, views, run, progress, phases)
+                metas = _distinct_keys(_embedded(work, runner, data, parts, views, run, progress, phases))
                 t = time.perf_counter()
                 images = _assemble(path, work, data, parts, metas, manifest, key, views)
                 phases["assembly"] = time.perf_counter() - t
@@ -430,6 +430,17 @@ def _assemble(path: Path, work: Path, data, parts, metas, manifest, key, views) 
     with _writing(path):
         return C.write(path, header, metas, _clients(work, data, parts, len(metas), views),
                        partial=work / "cache.h5.partial")
+
+
+def _distinct_keys(metas: list[dict]) -> list[dict]:
+    """Backbones whose keys coincide (two checkpoints named alike in different folders) get '-2', '-3', ... in the
+    order given, so each has its own group and columns."""
+    seen: dict[str, int] = {}
+    out = []
+    for meta in metas:
+        n = seen[meta["key"]] = seen.get(meta["key"], 0) + 1
+        out.append(meta if n == 1 else meta | {"key": f"{meta['key']}-{n}"})
+    return out
 
 
 def _clients(work: Path, data, parts, backbones: int, views: int) -> Iterator[C.Client]:

@@ -11,8 +11,9 @@ result file.
 
 Beside the result `NAME.json`, every run writes `NAME.metrics.csv` (every evaluation round, seed and client: loss and
 accuracy on train and test rows, the global model's accuracy; featcache.metrics) and, when asked, the final trained
-state `NAME.state.safetensors` (featcache.states) and TensorBoard scalars in `TENSORBOARD/NAME/seed-S`. They are
-written together or not at all, the result file last.
+state `NAME.state.safetensors` (featcache.states) and TensorBoard scalars in `TENSORBOARD/NAME/seed-S`. The files
+are written together or not at all, the result file last; the TensorBoard folder is moved into place after them (a
+run killed in between keeps its result without the scalars: run it again to log them).
 """
 
 from __future__ import annotations

@@ -158,3 +158,15 @@ def test_cache_key_covers_featcache_preprocessing_code(monkeypatch, tmp_path):
     monkeypatch.undo()
     assert C.cache_key(before) != C.cache_key(after)
     assert "pipeline.py" in C.code_identity()["files"] and "backbones.py" in C.code_identity()["files"]
+
+
+def test_two_backbones_with_the_same_key_get_distinct_keys(tmp_path):
+    """Two checkpoints whose names give the same key (here: the same random model spelled twice) make one cache,
+    the second backbone keyed '-2', instead of failing after the whole embedding pass."""
+    import h5py
+
+    r = extract(dataset="offline-digits", backbone=["test_efficientnet=random", "test_efficientnet= random"],
+                domains=["mnist"], per_class=2, test_per_class=2, image_size=32, out=tmp_path)
+    assert len(r["backbones"]) == 2 and r["backbones"][1] == r["backbones"][0] + "-2"
+    with h5py.File(r["cache"]) as f:
+        assert sorted(f["backbones"]) == sorted(r["backbones"])
