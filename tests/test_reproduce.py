@@ -406,3 +406,17 @@ def test_a_plugin_job_is_memoised_by_its_name_and_its_source(tmp_path):
         assert _memo_path(job, {"key": "k"}, tmp_path / "out") != first
     finally:
         _ALGOS.pop("mine-memo", None)
+
+
+def test_a_protosim_cell_reads_its_runs_backbone_else_its_columns():
+    """FedPCL Figure 3's cells: the backbone a cell reads is its run's (`backbones = [k]` on the run), else its
+    column's; both come from the one all-backbone job."""
+    text = PIPELINE.replace('Avg = { metric = "acc" }', 'Avg = { metric = "protosim:mnist", backbones = [1] }')
+    pipe = parse_pipeline(text, "toy.toml")
+    cells = plan(pipe, "quick")
+    sims = [[[0.9, 0.1], [0.9, 0.1], [0.9, 0.1]], [[0.9, 0.1], [0.9, 0.1], [0.9, 0.1]]]  # [S, C, B]
+    runs = {job.key(): fake_result([[60.0, 70.0, 50.0], [62.0, 72.0, 52.0]], 1) | {"similarity": sims}
+            for job in set(cells.values())}
+    values = cell_values(pipe, cells, runs)
+    assert values[("s FedAvg", "Avg")][0] == pytest.approx(0.9)  # the run's backbone 0
+    assert values[("m Ours", "Avg")][0] == pytest.approx(0.1)  # no run backbones: the column's backbone 1

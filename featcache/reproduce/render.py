@@ -23,8 +23,10 @@ def cell_values(pipe: Pipeline, cells: dict, runs: dict) -> dict[tuple[str, str]
     """(row, column) -> our value (`runs`: job.key() -> run); a heatmap with normalize = column divides each column by
     its sum (as FedPCL's Figure 3)."""
     metric = {c.name: c.metric for c in pipe.columns}
-    pick = {r.row: r.backbones[0] for r in pipe.runs if r.backbones}
-    values = {(row, col): metric_value(runs[job.key()], metric[col], pick.get(row))
+    col_pick = {c.name: c.backbones[0] for c in pipe.columns if c.backbones}
+    row_pick = {r.row: r.backbones[0] for r in pipe.runs if r.backbones}
+    pick = lambda row, col: row_pick.get(row, col_pick.get(col))  # the backbone a cell reads: its run's, else column's
+    values = {(row, col): metric_value(runs[job.key()], metric[col], pick(row, col))
               for (row, col), job in cells.items()}
     if pipe.figure.get("normalize") == "column":
         for col in {c for _, c in values}:
