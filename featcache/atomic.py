@@ -96,6 +96,22 @@ def write_atomic(path: str | Path, text: str | bytes) -> None:
             raise
 
 
+def write_together(files: list[tuple[Path, str | bytes]]) -> None:
+    """Write every file atomically, in order (put last the one whose presence means the others are complete).
+    Should one fail, the files this call created are removed again: all of them or none."""
+    created = []
+    try:
+        for path, body in files:
+            existed = Path(path).exists()
+            write_atomic(path, body)
+            if not existed:
+                created.append(Path(path))
+    except BaseException:
+        for path in created:
+            path.unlink(missing_ok=True)
+        raise
+
+
 def _drop_orphans(path: Path) -> None:
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         pid = tmp.name[len(path.name) + 2 : -len(".tmp")]

@@ -12,7 +12,6 @@ as is t-SNE. An existing output file is replaced only when this command wrote it
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 
 from .atomic import check_folder, write_atomic
 from .errors import UserError, suggest
+from .report import png, png_mark, pyplot
 
 SOFTWARE = "featcache plot"  # the PNG's Software text: marks a file this command may overwrite
 # --split -> the `load_clients` arguments of those rows
@@ -73,6 +73,7 @@ class Features:
     seed: int
     clients: int
     classes: list
+    cache: dict  # the cache's attributes (`cache_facts`): its key, dataset and per-client counts and domains
 
 
 def _choose(name: str, value, choices) -> None:
@@ -114,7 +115,7 @@ def learned_features(state: str | Path, cache: str | Path, split: str = "test", 
             clients.append(np.full(n, c))
             labels.append(data.labels[c, :n].numpy())
     return Features(np.concatenate(zs), np.concatenate(clients), np.concatenate(labels), meta["algo"], seed, C,
-                    list(facts.get("classes") or range(data.num_classes)))
+                    list(facts.get("classes") or range(data.num_classes)), facts)
 
 
 def subsample(n: int, max_points: int, seed: int) -> np.ndarray:
@@ -170,29 +171,18 @@ def check_out(out: Path) -> None:
 
 
 def written_by_us(path: Path) -> bool:
-    try:
-        from PIL import Image
-
-        with Image.open(path) as im:
-            return getattr(im, "text", {}).get("Software") == SOFTWARE
-    except Exception:  # not an image PIL can open: someone else's file
-        return False
+    return png_mark(path) == SOFTWARE
 
 
 def _colours(K: int):
-    import matplotlib.pyplot as plt
-
-    cmap = plt.get_cmap("tab10" if K <= 10 else "tab20" if K <= 20 else "turbo")
+    cmap = pyplot().get_cmap("tab10" if K <= 10 else "tab20" if K <= 20 else "turbo")
     return [cmap(k if K <= 20 else k / max(K - 1, 1)) for k in range(K)]
 
 
 def figure_png(xy: np.ndarray, feats: Features, keep: np.ndarray, axes_labels: list[str], heading: str,
                domains: list) -> bytes:
     """One panel per client: that client's points coloured by class over every client's points in grey."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     client, label = feats.client[keep], feats.label[keep]  # [P], [P]
     C, K = feats.clients, len(feats.classes)
@@ -221,10 +211,7 @@ def figure_png(xy: np.ndarray, feats: Features, keep: np.ndarray, axes_labels: l
                fontsize=7, title_fontsize=8)
     fig.suptitle(heading, fontsize=9)
     fig.tight_layout(rect=(0, 0, 0.9, 1))
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, metadata={"Software": SOFTWARE})
-    plt.close(fig)
-    return buf.getvalue()
+    return png(fig, SOFTWARE, dpi=110)
 
 
 @dataclass
@@ -262,7 +249,7 @@ def plot(state: str | Path, cache: str | Path, method: str = "tsne", split: str 
     out = Path(out) if out is not None else default_out(state, method, split)
     check_out(out)
     p = project(state, cache, method, split, seed, max_points)
-    facts = cache_facts(cache)
+    facts = p.feats.cache
     domains = [row.get("domain") for row in (facts.get("counts") or {}).get("clients", [])]
     heading = (f"{p.feats.algo}: learned features (embed), {'PCA' if method == 'pca' else 't-SNE'}, seed "
                f"{p.feats.seed}, {split} split, {len(p.keep)} of {len(p.feats.z)} points — {facts.get('dataset')} "

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import check_folder, write_atomic
+from .atomic import check_folder, write_atomic, write_together
 from .errors import UserError
+from .metrics import CSV_COLUMNS
 
 _NUMBERS = ("mean_acc", "std_acc", "best_round_mean_acc", "best_round_std_acc")
 
@@ -276,8 +277,7 @@ def read_metrics(path: Path) -> list[dict] | None:
             rows = list(csv.DictReader(f))
     except (OSError, UnicodeDecodeError, csv.Error):
         return None
-    need = {"round", "seed", "client", "split", "loss", "accuracy", "global_accuracy"}
-    return rows if rows and need <= set(rows[0]) else None
+    return rows if rows and set(CSV_COLUMNS) <= set(rows[0]) else None
 
 
 def per_seed(rows: list[dict], split: str, column: str, rounds: list[int], seeds: list[int]) -> np.ndarray | None:
@@ -341,7 +341,8 @@ def series(run: Run) -> dict[str, Series]:
 
 # -- figures ---------------------------------------------------------------------------------------------------------
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -350,13 +351,32 @@ def _pyplot():
     return plt
 
 
+def png(fig, mark: str, dpi: int = 120) -> bytes:
+    """The PNG bytes of `fig` (then closed), its Software text `mark`: which command wrote it, and may replace it."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": mark})
+    pyplot().close(fig)
+    return buf.getvalue()
+
+
+def png_mark(path: Path) -> str | None:
+    """The Software text of the PNG at `path` (see `png`); None for a file that is not a PNG PIL can read."""
+    try:
+        from PIL import Image
+
+        with Image.open(path) as im:
+            return getattr(im, "text", {}).get("Software")
+    except Exception:  # unreadable, or not an image PIL can open: someone else's file
+        return None
+
+
 def _finish(fig, path: Path | None) -> bytes:
     """Lay out `fig`, return its PNG bytes, and write them to `path` (atomically) when one is given."""
     fig.tight_layout()
-    png = _png(fig)
+    data = png(fig, MARK)
     if path is not None:
-        write_atomic(path, png)
-    return png
+        write_atomic(path, data)
+    return data
 
 
 MARK = "featcache report"  # in report.md's first line and the PNGs' Software text: files this command may replace
@@ -364,23 +384,13 @@ MARK = "featcache report"  # in report.md's first line and the PNGs' Software te
 
 def written_by_us(path: Path) -> bool:
     """Whether the file at `path` is one `featcache report` wrote (so a new report may replace it)."""
+    if path.suffix != ".md":
+        return png_mark(path) == MARK
     try:
-        if path.suffix == ".md":
-            with open(path, encoding="utf-8") as f:
-                return f.readline().strip() == f"<!-- {MARK} -->"
-        from PIL import Image
-
-        with Image.open(path) as im:
-            return getattr(im, "text", {}).get("Software") == MARK
-    except Exception:  # unreadable, or not an image PIL can open: someone else's file
+        with open(path, encoding="utf-8") as f:
+            return f.readline().strip() == f"<!-- {MARK} -->"
+    except (OSError, UnicodeDecodeError):
         return False
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, metadata={"Software": MARK})
-    _pyplot().close(fig)
-    return buf.getvalue()
 
 
 def _draw(ax, s: Series, colour, label: str, style: str = "-") -> bool:
@@ -397,7 +407,7 @@ def curves_png(runs: list[Run], path: str | Path | None = None) -> bytes:
     metrics.csv sidecar holds the per-seed values. PNG bytes, also written atomically to `path` when given."""
     from matplotlib.ticker import MaxNLocator
 
-    plt = _pyplot()
+    plt = pyplot()
     results = [run.result for run in runs]
     curves = [series(run) for run in runs]
     with_loss = any("loss" in c for c in curves)
@@ -447,7 +457,7 @@ def per_client(r: dict) -> tuple[np.ndarray, np.ndarray | None] | None:
 def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
     """Final test accuracy per client: one group of bars per run, one bar (colour) per client, error bars ±1 std over
     seeds. PNG bytes, also written atomically to `path` when given."""
-    plt = _pyplot()
+    plt = pyplot()
     results = [run.result for run in runs]
     groups = [(label, per_client(r)) for r, label in zip(results, labels(results))]
     groups = [(label, g) for label, g in groups if g is not None]
@@ -473,21 +483,6 @@ def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
 
 # -- the command -----------------------------------------------------------------------------------------------------
 
-def write_together(out: Path, files: dict[str, bytes | str]) -> dict[str, str]:
-    """Write every file into `out` atomically, all or none: a failure removes the ones this call created."""
-    created = []
-    try:
-        for name, body in files.items():
-            if not (out / name).exists():
-                created.append(out / name)
-            write_atomic(out / name, body)
-    except BaseException:
-        for p in created:
-            p.unlink(missing_ok=True)
-        raise
-    return {name: str(out / name) for name in files}
-
-
 def report(results: list[str | Path], out: str | Path | None = None, note=None) -> dict:
     """Render result files and folders (see `load_inputs`) as a markdown table, returned under `table` with the
     skipped inputs' notes under `skipped` (also passed, one line each, to `note`). With `out`, also writes
@@ -508,7 +503,7 @@ def report(results: list[str | Path], out: str | Path | None = None, note=None) 
         if theirs:
             raise UserError(f"--out {out}: {theirs[0]} exists and was not written by `featcache report`: pass another "
                             "--out or move it (a report never overwrites a file it did not write)")
-        paths = write_together(Path(out), figures | {"report.md": markdown})
-        written = {"markdown": paths["report.md"], "figure": paths["curves.png"],
-                   "clients_figure": paths["clients.png"]}
+        write_together([(Path(out) / name, body) for name, body in (figures | {"report.md": markdown}).items()])
+        written = {"markdown": str(Path(out) / "report.md"), "figure": str(Path(out) / "curves.png"),
+                   "clients_figure": str(Path(out) / "clients.png")}
     return {"table": table, "skipped": inputs.notes(), **written}

@@ -30,7 +30,7 @@ import torch
 
 from . import cache as C
 from .algorithms import create
-from .atomic import check_folder, output_errors, write_atomic
+from .atomic import check_folder, output_errors, write_together
 from .config import check_clients, check_seeds, merge_rounds, resolve
 from .devices import resolve_device
 from .engine import Engine, State
@@ -133,22 +133,6 @@ def precheck(algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2),
         tensorboard_writer()
         check_folder(tensorboard, "--tensorboard")
     return dev, seeds, impl, cfg
-
-
-def write_together(files: list[tuple[Path, str | bytes]]) -> None:
-    """Write every file atomically, in order (the result file last: its presence means the others are complete).
-    Should one fail, the files this call created are removed again: all of them or none."""
-    created = []
-    try:
-        for path, body in files:
-            existed = path.exists()
-            write_atomic(path, body)
-            if not existed:
-                created.append(path)
-    except BaseException:
-        for path in created:
-            path.unlink(missing_ok=True)
-        raise
 
 
 def tensorboard_run(folder: Path, raw: dict, seeds: list[int]) -> Path:
