@@ -1,7 +1,9 @@
 """Benchmark: seconds per round of the vectorized engine vs a plain per-client loop on the same cached tensors, and
 vs the official-FedPCL pattern that re-runs three frozen ResNet18s (64x64) on every batch, prototype pass and test
 batch. Prints one JSON object. Run: `.venv/bin/python bench/train.py [--clients 20] [--rounds 5] [--repeats 3]`.
-The engine and the plain loop are timed alternately, `repeats` times each; the medians are compared.
+The engine and the plain loop are timed alternately, `repeats` times each; the medians are compared. On a GPU
+(`--device cuda`) the engine also runs with its local steps eager instead of captured as CUDA graphs, and a profiled
+run gives the share of the round the GPU is busy.
 
 The plain loop is featcache.testing.plain_loop (one Python iteration per client and minibatch, torch.optim). The official
 pattern's round time = (images it pushes through the backbones per round) / (measured images/s of three ResNet18s on
@@ -61,7 +63,8 @@ def main() -> None:
     cfg = resolve(algo, {"rounds": args.rounds})
 
     dev = args.device
-    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    cuda = dev.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     train, test = train.to(dev), test.to(dev)
 
     def timed(fn) -> float:
@@ -72,11 +75,15 @@ def main() -> None:
         return (time.perf_counter() - t0) / args.rounds
 
     Engine(algo, [resolve(algo, {"rounds": 1})], train, test, dev).run()  # warm-up: first-call dispatch, allocator
-    runs = {"vectorized": [], "plain_loop": []}
-    for _ in range(args.repeats):  # interleaved, so a noisy neighbour slows both alike; the median of each
-        # logs=False: test accuracy per round, as the plain loop computes (no train accuracy, loss or global model)
-        runs["vectorized"].append(timed(lambda: Engine(algo, [cfg], train, test, dev).run(logs=False)))
-        runs["plain_loop"].append(timed(lambda: plain_loop(create(args.algo), cfg, train, test, dev)))
+    # logs=False: test accuracy per round, as the plain loop computes (no train accuracy, loss or global model)
+    contenders = {"vectorized": lambda: Engine(algo, [cfg], train, test, dev).run(logs=False),
+                  "plain_loop": lambda: plain_loop(create(args.algo), cfg, train, test, dev)}
+    if cuda:  # the same engine with its local steps run eagerly, not replayed from CUDA graphs
+        contenders["vectorized_eager"] = lambda: Engine(algo, [cfg], train, test, dev, capture="off").run(logs=False)
+    runs = {k: [] for k in contenders}
+    for _ in range(args.repeats):  # interleaved, so a noisy neighbour slows all alike; the median of each
+        for k, fn in contenders.items():
+            runs[k].append(timed(fn))
     vec, loop = statistics.median(runs["vectorized"]), statistics.median(runs["plain_loop"])
 
     ips = backbone_images_per_second()
@@ -93,7 +100,29 @@ def main() -> None:
         "official_images_per_round": images_per_round,
         "ratio_plain_over_vectorized": round(loop / vec, 2), "target_plain_over_vectorized": 5,
         "ratio_official_over_cache": round(official / vec, 1), "target_official_over_cache": 200,
-    }, indent=1))
+    } | (gpu_figures(runs, lambda: Engine(algo, [cfg], train, test, dev).run(logs=False), args.rounds) if cuda
+         else {}), indent=1))
+
+
+def gpu_figures(runs: dict, run, rounds: int) -> dict:
+    """On a GPU: round time against its 5 ms target, captured vs eager local steps, and the share of a profiled run's
+    wall time the GPU spent executing kernels (summed kernel time / wall time; the profiler's own overhead lowers
+    it, so the figure errs low)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()  # graphs of this engine's kinds already captured by the timed runs; a fresh engine captures its own
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6  # seconds
+    vec, eager = statistics.median(runs["vectorized"]), statistics.median(runs["vectorized_eager"])
+    return {"round_ms": round(vec * 1e3, 3), "target_round_ms": 5, "round_ms_eager": round(eager * 1e3, 3),
+            "ratio_eager_over_captured": round(eager / vec, 2), "kernels_per_round": len(kernels) // rounds,
+            "gpu_busy_fraction": round(busy / wall, 3), "target_gpu_busy_fraction": 0.5}
 
 
 if __name__ == "__main__":

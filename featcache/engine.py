@@ -30,7 +30,8 @@ from torch.func import vmap
 from .cache import ClientData
 from .devices import resolve_device
 from .errors import UserError
-from .optim import optimizer_for
+from .capture import Graphs, Static, disarmed, resolve_mode, signature
+from .optim import copy_into, optimizer_for
 
 Params = dict[str, torch.Tensor]
 
@@ -170,7 +171,7 @@ class Engine:
     """Trains H configurations x C clients of one algorithm on cached features."""
 
     def __init__(self, algo, cfgs: list[dict], train: ClientData, test: ClientData,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", capture: str | None = "auto"):
         self.cfgs, self.device = cfgs, resolve_device(device)
         structural = structural_keys(cfgs[0], algo)
         for c in cfgs[1:]:
@@ -188,7 +189,13 @@ class Engine:
         self._hp_host = {k: [float(c[k]) for c in cfgs] for k in floats}  # the optimizer's per-config floats
         self._seeds = self.seeds.to(self.device)  # [H] for batch orders built on the device
         self._plan_steps()
-        self._opt = None  # the last round's optimizer, whose moment buffers the next round reuses
+        self._opt = None  # the run's optimizer, built in round 1; `load` starts every later round
+        self._buffers: Params | None = None  # the models' buffers during local steps (updated in place)
+        z = torch.zeros(self.H, self.C, device=self.device)
+        self._acc = {"bad": z.bool(), "loss": z.clone(), "steps": z.clone()}  # [H, C] each, summed over a round
+        mode = resolve_mode(capture, self.device) if self.algo.capturable else "off"
+        self.graphs = None if mode == "off" else Graphs(mode)  # the captured local steps (capture.py)
+        self._static: dict = {}  # slots the captured steps read: part, idx/valid per batch width, ctx per key
         self.last_round: Round | None = None  # the context of the last round run (evaluate's default)
         self.round_loss: torch.Tensor | None = None  # [H, C] the last local_train's mean loss per model (device)
 
@@ -239,51 +246,97 @@ class Engine:
         device. Nothing in here reads a device tensor back: returns the models whose loss was NaN/Inf at some step,
         [H, C] bool on the device, and leaves each model's mean loss over the local steps it took in
         `self.round_loss` ([H, C] on the device, NaN where a model took none), for the caller to read once per round
-        (`read_round`)."""
+        (`read_round`). Parameters and buffers are trained in tensors the engine keeps for the whole run (the
+        optimizer's and `_buffers`), which is what lets a captured step replay on the same memory every round."""
         cfg, algo, data = self.cfg, self.algo, self.train
         B = cfg["batch_size"]
         part_host = part.tolist() if torch.is_tensor(part) else part  # [H][C] host bools
         ctx_round = self.round_context(rnd, part_host)
-        part = ctx_round.part  # [H, C]
-        hp = self._hp_host
-        opt = optimizer_for(cfg["optimizer"], self.device)(state.params, lr=hp["lr"], weight_decay=hp["weight_decay"],
-                                                           momentum=hp.get("momentum"),
-                                                           scale={k: algo.lr_scale(k) for k in state.params},
-                                                           reuse=self._opt)
-        self._opt = opt
+        opt = self._optimizer(state)
+        state.params = opt.load(state.params)  # this round's starting models, in the optimizer's own tensors
+        if self._buffers is None:
+            self._buffers = {k: v.clone() for k, v in state.buffers.items()}
+        state.buffers = copy_into(self._buffers, state.buffers)
+        for t in self._acc.values():
+            t.zero_()
         loss_fn = vmap(vmap(algo.local_loss))  # [H, C] losses; summed, each model gets exactly its own gradient
-        c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1]
-        bad = torch.zeros(self.H, self.C, dtype=torch.bool, device=self.device)  # [H, C] NaN/Inf seen
-        loss_sum = torch.zeros(self.H, self.C, device=self.device)  # [H, C] summed over the steps a model took
-        n_steps = torch.zeros(self.H, self.C, device=self.device)  # [H, C]
         for epoch in range(algo.local_epochs()):
             at = replace(ctx_round, epoch=epoch)
-            frozen = {k for k in state.params if not algo.trainable(k, at)}
+            frozen = frozenset(k for k in state.params if not algo.trainable(k, at))
             ctx = algo.context(state, at)  # server and client state do not change during local steps
             order = batch_order(self._seeds, rnd, epoch, data.counts, data.features.shape[1])  # [H, C, N]
             for s in range(self.steps):
                 idx = order[..., s * B : (s + 1) * B]  # [H, C, B]
-                valid = self._valid[s].expand_as(idx)  # [H, C, B]
-                active = valid.any(-1) & part  # [H, C]
-                active_host = [[p and h for p, h in zip(row, self._has_batch[s])] for row in part_host]
-                x = data.features[c_idx, idx]  # [H, C, B, D]
-                y = data.labels[c_idx, idx]  # [H, C, B]
-                extra = {"views": data.views[c_idx, idx]} if data.views is not None else {}  # [H, C, B, V, D]
-                params = {k: v.detach().requires_grad_(True) for k, v in state.params.items()}
-                loss, new_buffers = loss_fn(params, state.buffers, x, y, valid, ctx | extra)  # [H, C]
-                grads = dict(zip(params, torch.autograd.grad(loss.sum(), list(params.values()), allow_unused=True)))
-                grads = {k: torch.zeros_like(params[k]) if g is None else g for k, g in grads.items()}
-                bad |= ~torch.isfinite(loss.detach()) & active  # [H, C] read once, after the round
-                loss_sum += torch.where(active, loss.detach(), 0.0)  # [H, C]
-                n_steps += active  # [H, C]
-                with torch.no_grad():
-                    state.params = opt.step(state.params, grads, active if opt.device_mask else active_host, frozen)
-                    algo.after_step(state.params, ctx, active, replace(at, step=s))
-                for k, v in new_buffers.items():
-                    state.buffers[k] = torch.where(active.reshape(*active.shape, *[1] * (v.dim() - 2)), v,
-                                                   state.buffers[k])
-        self.round_loss = loss_sum / n_steps  # [H, C], NaN where a model took no step
-        return bad
+                if self.graphs is None:
+                    active_host = [[p and h for p, h in zip(row, self._has_batch[s])] for row in part_host]
+                    self._step(opt, loss_fn, ctx, idx, self._valid[s], ctx_round.part, active_host,
+                               replace(at, step=s), frozen)
+                else:
+                    self._replay(opt, loss_fn, ctx, idx, self._valid[s], ctx_round.part, replace(at, step=s), frozen)
+        state.params = dict(opt.params)  # (the first step may have given a parameter its gradient's layout)
+        acc = self._acc
+        self.round_loss = acc["loss"] / acc["steps"]  # [H, C], NaN where a model took no step
+        return acc["bad"]
+
+    def _optimizer(self, state: State):
+        """The run's optimizer (built in round 1): masked whole-stack arithmetic where steps are captured or on a
+        GPU, torch's fused kernels on the CPU."""
+        if self._opt is None:
+            hp = self._hp_host
+            kind = optimizer_for(self.cfg["optimizer"], self.device, masked=self.graphs is not None)
+            self._opt = kind(state.params, lr=hp["lr"], weight_decay=hp["weight_decay"], momentum=hp.get("momentum"),
+                             scale={k: self.algo.lr_scale(k) for k in state.params})
+        return self._opt
+
+    def _step(self, opt, loss_fn, ctx: dict, idx, valid, part, active_host, at: Round, frozen) -> None:
+        """One local step of every model on the rows `idx` [H, C, B] (valid [C, B]: real rows; part [H, C]: the
+        round's participants), updating the optimizer's parameters, the buffers and the round's sums in place."""
+        data, params, buffers, acc = self.train, opt.params, self._buffers, self._acc
+        c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1]
+        valid = valid.expand_as(idx)  # [H, C, B]
+        active = valid.any(-1) & part  # [H, C]
+        x = data.features[c_idx, idx]  # [H, C, B, D]
+        y = data.labels[c_idx, idx]  # [H, C, B]
+        extra = {"views": data.views[c_idx, idx]} if data.views is not None else {}  # [H, C, B, V, D]
+        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        loss, new_buffers = loss_fn(leaves, buffers, x, y, valid, ctx | extra)  # [H, C]
+        grads = dict(zip(leaves, torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)))
+        grads = {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in grads.items()}
+        loss = loss.detach()
+        acc["bad"] |= ~torch.isfinite(loss) & active  # [H, C] read once, after the round
+        acc["loss"] += torch.where(active, loss, 0.0)  # [H, C]
+        acc["steps"] += active  # [H, C]
+        with torch.no_grad():
+            opt.step(params, grads, active if opt.device_mask else active_host, frozen)  # in place
+            self.algo.after_step(params, ctx, active, at)
+            for k, v in new_buffers.items():
+                buffers[k].copy_(torch.where(active.reshape(*active.shape, *[1] * (v.dim() - 2)), v, buffers[k]))
+
+    def _replay(self, opt, loss_fn, ctx: dict, idx, valid, part, at: Round, frozen) -> None:
+        """`_step` through its captured graph: this step's values go into the static slots, then the graph of its
+        kind (trained names, batch width, context structure) replays; a kind seen for the first time is captured."""
+        slots, width = self._static, idx.shape[-1]
+        if "part" not in slots:
+            slots["part"] = part.clone()
+        if slots.get("stamp") != at.round:  # first step of the round
+            slots["part"].copy_(part)  # [H, C]
+            slots["stamp"] = at.round
+        if ("idx", width) not in slots:
+            slots["idx", width], slots["valid", width] = idx.clone(), valid.clone()
+        slots["idx", width].copy_(idx)  # [H, C, B]
+        slots["valid", width].copy_(valid)  # [C, B]
+        key = (frozen, width, signature(ctx))
+        stamp = (at.round, at.epoch)  # the context changes between epochs and rounds only
+        if key not in self.graphs:
+            static_ctx = slots["ctx", key] = Static(ctx)
+            step = replace(at, part=slots["part"])  # the Round the captured hooks see (its step: the capture's)
+            fn = lambda: self._step(opt, loss_fn, static_ctx.tree, slots["idx", width], slots["valid", width],
+                                    slots["part"], None, step, frozen)
+            self.graphs.capture(key, fn, disarmed(slots["part"]))
+        elif slots["loaded", key] != stamp:
+            slots["ctx", key].load(ctx)
+        slots["loaded", key] = stamp
+        self.graphs.run(key)
 
     def read_round(self, bad: torch.Tensor, rnd: int) -> torch.Tensor:
         """One device read per round: refuse to go on when any model's loss was NaN/Inf (bad [H, C]); return the

@@ -12,9 +12,10 @@ weight gradient arrives from autograd as a transposed view ([d_in, d_out] in mem
 step, a parameter and its moments adopt the memory layout of their gradient at the first step (the forward
 `x @ W.T` is then a plain contiguous matmul as well). The kernels work on raw memory, so every tensor of one call
 is handed over in the same layout. When all clients of a configuration step at the same step count (the usual
-case) their C models go to the kernel as one slab [C, ...]. Parameters are updated in place (no copy per round);
-`reuse` hands over a previous optimizer's moment buffers (zeroed), so a fresh optimizer each round does not allocate
-and fault in new pages.
+case) their C models go to the kernel as one slab [C, ...]. Parameters are updated in place. One optimizer serves a
+whole run: `load` starts each round by copying that round's starting models into its own tensors and zeroing moments
+and step counts (what a fresh optimizer would hold), so a round allocates nothing and faults in no new pages (a fresh
+31 MB stack per round cost more than the copy on the 2-core CPU), and the tensors a CUDA graph captured stay put.
 
 No host synchronisation: `active` and the hyperparameters are host values (nested lists [H][C] / lists [H], a CPU
 tensor is accepted too), and the per-model step history that decides how models are grouped is mirrored on the host
@@ -63,26 +64,56 @@ def _host(v) -> list | None:
     return v.tolist() if torch.is_tensor(v) else (None if v is None else list(v))
 
 
-def _adopt(opt, params: Params, reuse) -> None:
+def _adopt(opt, params: Params) -> None:
     """Set opt.params (the engine's tensors, updated in place) and its zeroed per-element state opt.<state_name>."""
     # The engine's own parameter tensors are updated in place (an algorithm clones whatever it keeps from an earlier
     # round); views and broadcast tensors are copied first.
     opt.params = {k: v.detach() if v._base is None and _dense(v) else v.detach().clone() for k, v in params.items()}
-    for name in opt.state_names:  # zeroed moments, taken from `reuse` when it has one of the right shape
-        old = getattr(reuse, name, None) or {}
-        setattr(opt, name, {k: old[k].zero_() if k in old and old[k].shape == v.shape else torch.zeros_like(v)
-                            for k, v in opt.params.items()})
+    for name in opt.state_names:
+        setattr(opt, name, {k: torch.zeros_like(v) for k, v in opt.params.items()})
 
 
-class _Stacked:
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def copy_into(dst: Params, src: Params) -> Params:
+    """Copy src's values into dst's tensors in place (same names; views and broadcasts welcome); returns a new dict
+    of dst's tensors."""
+    for k, v in src.items():
+        p = dst[k]
+        if (v.data_ptr(), v.stride(), v.shape) != (p.data_ptr(), p.stride(), p.shape):  # not p itself
+            p.copy_(v.clone() if _same_memory(v, p) else v)  # a view of p itself is read before p is written
+    return dict(dst)
+
+
+class _Run:
+    """One optimizer for a whole run: `load` starts a round."""
+
+    def load(self, params: Params) -> Params:
+        """Start a round from `params` (name -> [H, C, ...], views and broadcasts welcome): copied into this
+        optimizer's own tensors in place (their layout kept), moments and step counts zeroed, as a freshly built
+        optimizer would hold them. Returns the parameters to train (this optimizer's tensors)."""
+        copy_into(self.params, params)
+        for name in self.state_names:
+            for t in getattr(self, name).values():
+                t.zero_()
+        self._restart()
+        return dict(self.params)
+
+
+class _Stacked(_Run):
     """Shared bookkeeping: which (h, c) models step now, their per-model hyperparameters, their state layout."""
 
     state_names: tuple[str, ...] = ()  # per-element state, shaped like the parameters
     device_mask = False  # `step` takes `active` as host lists [H][C] (the engine passes what each kind takes)
 
-    def __init__(self, params: Params, lr, weight_decay, scale=None, reuse=None):
+    def __init__(self, params: Params, lr, weight_decay, scale=None):
         self.lr, self.wd, self.scale = _host(lr), _host(weight_decay), scale or {}  # [H] host floats
-        _adopt(self, params, reuse)
+        _adopt(self, params)
+        self._restart()
+
+    def _restart(self) -> None:
         H, C = next(iter(self.params.values())).shape[:2]
         self.count = {k: [[0] * C for _ in range(H)] for k in self.params}  # host [H][C]: steps taken per model
 
@@ -121,11 +152,15 @@ class _Stacked:
 class Adam(_Stacked):
     state_names = ("m", "v")
 
-    def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None,
-                 reuse=None, **_):
-        super().__init__(params, lr, weight_decay, scale, reuse)
+    def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None, **_):
+        super().__init__(params, lr, weight_decay, scale)
         self.betas, self.eps = betas, eps
         self.t = {k: torch.zeros(v.shape[:2], device=v.device) for k, v in self.params.items()}  # [H, C] the kernel's
+
+    def _restart(self) -> None:
+        super()._restart()
+        for t in getattr(self, "t", {}).values():  # (absent while __init__ runs)
+            t.zero_()
 
     def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
         for h, k, models, views, grad in self.groups(grads, active, frozen):
@@ -141,8 +176,8 @@ class Adam(_Stacked):
 class SGD(_Stacked):
     state_names = ("buf",)
 
-    def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, reuse=None, **_):
-        super().__init__(params, lr, weight_decay, scale, reuse)
+    def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, **_):
+        super().__init__(params, lr, weight_decay, scale)
         self.mom = _host(momentum)  # [H] host floats or None
 
     def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
@@ -173,15 +208,15 @@ def _per_config(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return v.view(-1, *[1] * (p.dim() - 1))
 
 
-class _Masked:
+class _Masked(_Run):
     """Shared bookkeeping of the whole-stack optimizers: device hyperparameters [H], device step counts [H, C] per
     parameter (`t`), the parameters and their state in the gradient's memory layout."""
 
     state_names: tuple[str, ...] = ()
     device_mask = True  # `step` takes `active` as a device bool tensor [H, C]
 
-    def __init__(self, params: Params, lr, weight_decay, scale=None, reuse=None):
-        _adopt(self, params, reuse)
+    def __init__(self, params: Params, lr, weight_decay, scale=None):
+        _adopt(self, params)
         first = next(iter(self.params.values()))
         self.device, (H, C) = first.device, first.shape[:2]
         lr, wd = _device(lr, self.device), _device(weight_decay, self.device)  # [H]
@@ -190,7 +225,14 @@ class _Masked:
         self.wd = {k: _per_config(wd, p) for k, p in self.params.items()}  # [H, 1...]
         self.t = {k: torch.zeros(H, C, device=self.device) for k in self.params}  # [H, C] steps taken per model
 
-    _align = _Stacked._align  # parameter k and its state adopt the gradient's layout (a no-op after the first)
+    def _restart(self) -> None:
+        for t in self.t.values():
+            t.zero_()  # in place: a captured step keeps reading the same tensors
+
+    def _align(self, k: str, g: torch.Tensor) -> torch.Tensor:
+        """The gradient as it is: parameters keep their memory (a captured step must find them where it left them),
+        and elementwise arithmetic takes mixed layouts."""
+        return g
 
     def _stepping(self, grads: Params, active, frozen):
         """Yield (k, p, g, on, now) per trained parameter: p [H, C, ...] the parameter, g its gradient with L2 weight
@@ -211,9 +253,8 @@ class MaskedAdam(_Masked):
 
     state_names = ("m", "v")
 
-    def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None,
-                 reuse=None, **_):
-        super().__init__(params, lr, weight_decay, scale, reuse)
+    def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None, **_):
+        super().__init__(params, lr, weight_decay, scale)
         self.betas, self.eps = betas, eps
 
     def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
@@ -235,8 +276,8 @@ class MaskedSGD(_Masked):
 
     state_names = ("buf",)
 
-    def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, reuse=None, **_):
-        super().__init__(params, lr, weight_decay, scale, reuse)
+    def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, **_):
+        super().__init__(params, lr, weight_decay, scale)
         self.mom = None if momentum is None else _device(momentum, self.device)  # [H] or None
         self.moving = None if momentum is None else self.mom != 0  # [H] configurations that keep a buffer
 
@@ -255,8 +296,8 @@ MASKED = {"adam": MaskedAdam, "sgd": MaskedSGD}  # whole-stack arithmetic: the G
 BY_DEVICE = {"cuda": MASKED}  # device type -> registry; any other device uses OPTIMIZERS
 
 
-def optimizer_for(name: str, device) -> type:
+def optimizer_for(name: str, device, masked: bool = False) -> type:
     """The optimizer class for `name` on `device`. Rule: masked on CUDA (a GPU step is launch-bound: a fixed number
-    of kernels, no host data, capturable by a CUDA graph); fused on every other device (the CPU pays per memory
-    pass, not per launch, and the fused kernels make one pass per tensor)."""
-    return BY_DEVICE.get(torch.device(device).type, OPTIMIZERS)[name]
+    of kernels, no host data, capturable by a CUDA graph) and wherever steps are captured (`masked`); fused on every
+    other device (the CPU pays per memory pass, not per launch, and the fused kernels make one pass per tensor)."""
+    return (MASKED if masked else BY_DEVICE.get(torch.device(device).type, OPTIMIZERS))[name]

@@ -10,16 +10,21 @@ both; `assert_matches_plain_loop` says so, or names the first parameter that dif
     from featcache.testing import assert_matches_plain_loop
     assert_matches_plain_loop("path/to/my_algo.py:MyAlgo")     # or a registered name, a class, an instance
 
+`assert_capturable` checks the protocol of captured steps (CUDA graphs, featcache/capture.py) on the CPU: the engine
+run in "replay" mode must give the eager run's results bit for bit.
+
 `synthetic_clients` is the small separable federated feature set (Gaussian class centres, clients of different
 sizes, a little feature shift per client) it trains on by default; featcache's own tests use both.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 
+from . import optim
 from .cache import ClientData
 from .engine import Engine, batch_order, participation
 
@@ -141,3 +146,49 @@ def assert_matches_plain_loop(algo, rounds: int = 3, train: ClientData | None = 
         torch.testing.assert_close(v[0], ref_params[k],
                                    msg=lambda m: f"{algo.name}: parameter {k} differs from the plain loop: {m}")
     return {k: float((v[0] - ref_params[k]).abs().max()) for k, v in engine.state.params.items()}
+
+
+@contextmanager
+def masked_optimizers():
+    """Inside: the CPU trains on the masked whole-stack optimizers (a captured step's), not the fused ones."""
+    saved = dict(optim.BY_DEVICE)
+    optim.BY_DEVICE["cpu"] = optim.MASKED
+    try:
+        yield
+    finally:
+        optim.BY_DEVICE.clear()
+        optim.BY_DEVICE.update(saved)
+
+
+def assert_capturable(algo, rounds: int = 3, train: ClientData | None = None, test: ClientData | None = None,
+                      **settings) -> bool:
+    """Train `algo` (as in `assert_matches_plain_loop`) as two configurations (other rate, other seed) with captured
+    steps in "replay" mode and with eager steps, both on the masked optimizers, and assert equal accuracies, losses,
+    parameters and buffers, bit for bit. Fails when a hook's step depends on something the capture froze. Returns
+    False, comparing nothing, for an algorithm that opts out (`capturable = False`: its steps always run eagerly)."""
+    from .algorithms import create, register
+    from .config import resolve
+
+    if isinstance(algo, type):
+        algo = create(register(algo).name)
+    elif isinstance(algo, str):
+        algo = create(algo)
+    if train is None or test is None:
+        train, test = synthetic_clients(seed=0, views=2), synthetic_clients(seed=1, views=2)
+    cfg = resolve(algo, {"rounds": rounds, "batch_size": 16, "drop_last": False, "participation": 0.75,
+                         "proj_dim": 8} | dict(getattr(algo, "test_overrides", {})) | settings) | {"seed": 0}
+    if not algo.capturable:
+        return False
+    cfgs = [cfg, cfg | {"seed": 1, "lr": cfg["lr"] * 2}]
+    runs = {}
+    with masked_optimizers():
+        for mode in ("replay", "off"):
+            engine = Engine(algo, cfgs, train, test, capture=mode)
+            out = engine.run()
+            runs[mode] = {"accuracy": out["acc"], "training loss": out["train_loss"]} | {
+                f"parameter {k}": v for k, v in engine.state.params.items()} | {
+                f"buffer {k}": v for k, v in engine.state.buffers.items()}
+    for k, v in runs["off"].items():
+        torch.testing.assert_close(runs["replay"][k], v, rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m: f"{algo.name}: {k} of the captured steps differs from eager: {m}")
+    return True

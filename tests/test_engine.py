@@ -77,15 +77,19 @@ def test_participation_rate():
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_stacked_optimizer_matches_torch(opt_name, layout):
     """Slabs (all clients step), per-model views (some do), gradients in a linear layer's transposed layout, and a
-    second round's optimizer reusing the first one's buffers: all equal torch.optim, model by model."""
+    second round started by `load` from other models: all equal torch.optim, model by model."""
     g = torch.Generator().manual_seed(0)
     p0 = torch.randn(2, 3, 4, 5, generator=g)  # [H, C, d_out, d_in]
     lr, wd = torch.tensor([1e-2, 1e-1]), torch.tensor([1e-4, 1e-2])
     make = Adam if opt_name == "adam" else SGD
     ours, opt = {"w": p0.clone()}, None
     refs = [[p0[h, c].clone().requires_grad_(True) for c in range(3)] for h in range(2)]
-    for rnd in range(2):  # a fresh optimizer per round, as the engine makes them
-        opt = make(ours, lr=lr, weight_decay=wd, momentum=torch.tensor([0.9, 0.5]), reuse=opt)
+    for rnd in range(2):  # one optimizer for the run; `load` starts round 2 (moments and counts zeroed)
+        if opt is None:
+            opt = make(ours, lr=lr, weight_decay=wd, momentum=torch.tensor([0.9, 0.5]))
+        else:
+            ours = opt.load({"w": ours["w"] * 0.5})
+            refs = [[(r.detach() * 0.5).requires_grad_(True) for r in row] for row in refs]
         torch_opts = [[(torch.optim.Adam([refs[h][c]], lr=float(lr[h]), weight_decay=float(wd[h]))
                         if opt_name == "adam" else torch.optim.SGD([refs[h][c]], lr=float(lr[h]),
                                                                    weight_decay=float(wd[h]), momentum=[0.9, 0.5][h]))

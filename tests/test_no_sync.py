@@ -40,12 +40,15 @@ def data():
                                   "fedpft-con", "fedrep", "pfedme", "perfedavg", "fedamp",
                                   "fedcac", "pfedsd", "pfedgate"])
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_local_steps_never_read_the_device(name, optimizer, data, monkeypatch):
+@pytest.mark.parametrize("capture", ["off", "replay"])
+def test_local_steps_never_read_the_device(name, optimizer, capture, data, monkeypatch):
+    """Eager steps (the CPU's fused optimizers) and captured ones (masked optimizers, static slots, warm-up runs,
+    following the CUDA-graph protocol on the CPU)."""
     train, test = data
     algo = create(name)
     cfg = ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 8} | getattr(algo, "test_overrides", {}) | {
         "rounds": 2, "batch_size": 16, "drop_last": False, "optimizer": optimizer, "participation": 0.75}
-    eng = Engine(algo, [cfg, cfg | {"seed": 1}], train, test)
+    eng = Engine(algo, [cfg, cfg | {"seed": 1}], train, test, capture=capture)
     state = eng.init_state()
     part = [[c != 1 for c in range(eng.C)], [True] * eng.C]  # host [H][C]: a non-participant, clients of
     # different sizes (the masked paths) and a configuration where everyone steps (the slab path)

@@ -88,7 +88,7 @@ def counts(opt, k: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
 def test_masked_equals_fused_equals_torch(opt_name):
-    """Two rounds (the second optimizers reuse the first ones' buffers) of mixed masks, frozen names, per-config
+    """Two rounds (the second started with `load` from other models) of mixed masks, frozen names, per-config
     hyperparameters, a name scale and gradients in a linear layer's transposed layout: parameters, moments and step
     counts of the masked optimizer equal the fused one's and torch.optim's, model by model."""
     g = torch.Generator().manual_seed(0)
@@ -99,8 +99,12 @@ def test_masked_equals_fused_equals_torch(opt_name):
     state_names = {"adam": (("m", "exp_avg"), ("v", "exp_avg_sq")), "sgd": (("buf", "momentum_buffer"),)}[opt_name]
     hp = {"lr": torch.tensor(LR), "weight_decay": torch.tensor(WD), "momentum": torch.tensor(MOM), "scale": SCALE}
     for rnd in range(2):
-        masked = MASKED[opt_name](masked_p, **hp, reuse=masked)
-        fused = OPTIMIZERS[opt_name](fused_p, **hp, reuse=fused)
+        if rnd == 0:
+            masked, fused = MASKED[opt_name](masked_p, **hp), OPTIMIZERS[opt_name](fused_p, **hp)
+        else:  # a new round starts from other models, given as a broadcast view (as a download makes them)
+            start = {k: v[:, :1].expand_as(v) for k, v in p0.items()}
+            masked_p, fused_p = masked.load(start), fused.load(start)
+            leaves = torch_models(start)
         opts = torch_optimizers(leaves, opt_name)
         for active, frozen in schedule(g, 6):
             grads = {k: torch.randn(v.shape, generator=g) for k, v in p0.items()}
@@ -117,7 +121,8 @@ def test_masked_equals_fused_equals_torch(opt_name):
             for ours, theirs in state_names:
                 torch.testing.assert_close(getattr(masked, ours)[k], getattr(fused, ours)[k])
                 torch.testing.assert_close(getattr(masked, ours)[k], torch_state(leaves, opts, k, theirs))
-        assert masked_p["w"].stride() == grads["w"].stride()  # adopted the gradient's layout, as the fused one
+        assert fused_p["w"].stride() == grads["w"].stride()  # the fused one adopted the gradient's layout
+        assert masked_p["w"].stride() == p0["w"].stride()  # the masked one keeps its memory (captured steps find it)
 
 
 @pytest.mark.parametrize("make", [MaskedAdam, MaskedSGD])
@@ -220,5 +225,8 @@ def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
         runs[kind] = (out["acc"], {k: v.clone() for k, v in engine.state.params.items()})
         assert type(engine._opt).__name__.startswith("Masked") == (kind == "masked")
     assert torch.allclose(runs["fused"][0], runs["masked"][0])
-    for k, v in runs["fused"][1].items():  # float32 defaults (a float32 bias correction 1 − 0.999^t failed this)
-        torch.testing.assert_close(v, runs["masked"][1][k], msg=lambda m: f"{k}: {m}")
+    # Adam divides by √v: a last-bit difference in a near-zero gradient's moments grows to ~2e-5 over two rounds,
+    # while a wiring error (another configuration's rate, a model stepping out of turn) moves parameters by ~lr = 1e-2
+    # and a float32 bias correction 1 − 0.999^t (an earlier bug) by ~1e-3.
+    for k, v in runs["fused"][1].items():
+        torch.testing.assert_close(v, runs["masked"][1][k], rtol=1e-3, atol=1e-4, msg=lambda m: f"{k}: {m}")

@@ -108,6 +108,9 @@ class FedAvg:
     test_overrides: dict = {}  # settings the generic engine tests add (faster, every phase exercised)
     uses_views = False  # whether training needs the cached augmented views (train.py loads them)
     limitation = ""  # what differs from the paper on cached features (shown by `featcache algos`)
+    # Whether the engine may capture the local step (a CUDA graph): local_loss and after_step read their inputs
+    # only from tensors, never from the Round's step number or other host values that change from step to step.
+    capturable = True
     cfg = None  # the shared settings this instance is bound to (see bind)
 
     def bind(self, cfg) -> "FedAvg":
@@ -150,7 +153,8 @@ class FedAvg:
     def after_step(self, params: dict, ctx: dict, active: torch.Tensor, rnd) -> None:
         """Called after every optimizer step (under no_grad) with the stacked parameters name -> [H, C, ...], which it
         may change in place, the epoch's context and active [H, C] bool (the models that stepped; the others must
-        stay unchanged). Must not read device tensors back to the host."""
+        stay unchanged). Must not read device tensors back to the host; on CUDA it runs inside the captured step (see
+        `capturable`), whose `rnd.step` is the step it was captured at."""
 
     def local_epochs(self) -> int:
         return self.cfg["local_epochs"]

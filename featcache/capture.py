@@ -1,0 +1,132 @@
+"""Capture of the engine's local step: on CUDA, a step is recorded once as a CUDA graph and replayed for every later
+step of the same kind, so a round's hundreds of small kernels cost one launch per step instead of one each.
+
+A captured step reads and writes only *static* tensors, the same memory at every replay: the optimizer's parameters
+and moments (one optimizer per run, `load`ed each round), the engine's BN buffers and loss accumulators, and the
+`Static` slots below, into which the engine copies each step's batch indices and each epoch's context before the
+replay. One graph is kept per key (which parameters train, the batch width, the context's structure), so FedPFT's
+phases or a short last batch each get their own.
+
+Capturing runs the step a few times first (CUDA's warm-up, which lazily creates cuBLAS handles and workspaces).
+Those runs must not train: the engine hands `capture` a `disarm` context in which no model takes part (the
+participation slot is cleared), so every update is masked out, and restores it before the first replay. Where
+capture is impossible (an op that synchronises or copies from pageable host memory), the key falls back to running
+the same step function eagerly, and `failures` says why.
+
+Modes: "cuda" records CUDA graphs; "replay" (for tests on the CPU) follows the same protocol with a Python call in
+place of the graph: static slots, disarmed warm-up runs and one step function per key, so a tensor the engine forgets
+to copy into its slot, or a warm-up that changes a model, shows up as a difference from the eager run.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, contextmanager
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+MODES = ("off", "replay", "cuda")
+WARMUP = 2  # eager runs before capture (PyTorch's CUDA-graph recipe uses a few, on a side stream)
+
+
+def resolve_mode(capture: str | None, device: torch.device) -> str:
+    """`None`/"auto": "cuda" on a CUDA device, "off" elsewhere."""
+    if capture in (None, "auto"):
+        return "cuda" if device.type == "cuda" else "off"
+    if capture not in MODES:
+        raise ValueError(f"capture must be one of {MODES} or 'auto', not {capture!r}")
+    if capture == "cuda" and device.type != "cuda":
+        raise ValueError("capture='cuda' needs a CUDA device")
+    return capture
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """The distinct elements of t: every broadcast (stride-0) axis narrowed to length 1."""
+    for d, s in enumerate(t.stride()):
+        if s == 0 and t.shape[d] > 1:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
+def signature(tree) -> tuple:
+    """What a captured step bakes in about a (nested) context: its structure, each tensor's shape, dtype and
+    broadcast axes, and every non-tensor leaf's value."""
+    leaves, spec = tree_flatten(tree)
+    sig = tuple((tuple(v.shape), v.dtype, tuple(s == 0 for s in v.stride())) if torch.is_tensor(v) else ("py", v)
+                for v in leaves)
+    return (str(spec), sig)
+
+
+class Static:
+    """A static copy of a (nested) tree of tensors: `load(tree)` copies new values in, `tree` is what the captured
+    step reads. Broadcast tensors stay broadcast (an expanded [H, C, C, K, d] context costs its [H, K, d])."""
+
+    def __init__(self, tree):
+        leaves, self.spec = tree_flatten(tree)
+        self.leaves = [torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
+                       if torch.is_tensor(v) else v for v in leaves]
+        self.tree = tree_unflatten(self.leaves, self.spec)
+        self.load(tree)
+
+    def load(self, tree) -> None:
+        for slot, v in zip(self.leaves, tree_flatten(tree)[0]):
+            if torch.is_tensor(slot) and v is not slot:
+                _compact(slot).copy_(_compact(v))
+
+
+@contextmanager
+def disarmed(part: torch.Tensor):
+    """No model takes part while inside (part [H, C] bool cleared, then restored): a step run here changes nothing."""
+    saved = part.clone()
+    part.zero_()
+    try:
+        yield
+    finally:
+        part.copy_(saved)
+
+
+class Graphs:
+    """The captured step functions of one engine, by key."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.steps: dict = {}  # key -> callable running the step
+        self.failures: dict = {}  # key -> why it runs eagerly
+        self.pool = None  # one memory pool shared by all graphs (they never run at the same time)
+
+    def __contains__(self, key) -> bool:
+        return key in self.steps
+
+    def capture(self, key, fn, disarm: AbstractContextManager) -> None:
+        """Record `fn` (no arguments; reads and writes static tensors only) for `key`; inside `disarm` it must
+        change nothing."""
+        with disarm:
+            try:
+                self.steps[key] = self._cuda(fn) if self.mode == "cuda" else self._replay(fn)
+            except Exception as e:  # capture is impossible for this step: run it eagerly
+                if self.mode != "cuda":
+                    raise
+                torch.cuda.synchronize()
+                self.steps[key], self.failures[key] = fn, f"{type(e).__name__}: {e}".splitlines()[0]
+
+    def run(self, key) -> None:
+        self.steps[key]()
+
+    @staticmethod
+    def _replay(fn):
+        for _ in range(WARMUP):
+            fn()
+        return fn
+
+    def _cuda(self, fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        self.pool = graph.pool()
+        return graph.replay

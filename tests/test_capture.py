@@ -1,0 +1,132 @@
+"""Captured local steps (featcache/capture.py): on the CPU the "replay" mode follows the CUDA protocol (static slots,
+disarmed warm-up runs, one step function per key) and must give the eager run's results bit for bit, for every
+algorithm; the checks that this comparison can fail break the protocol on purpose. On a GPU, real CUDA graphs are
+compared with the eager GPU run."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from featcache.algorithms import create, list_algorithms
+from featcache.capture import Static, resolve_mode, signature
+from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.testing import assert_capturable, masked_optimizers
+from tests.synthetic import synthetic_clients
+
+ALGOS = sorted(list_algorithms())
+
+
+@pytest.fixture(scope="module")
+def data():
+    return synthetic_clients(seed=0, views=2), synthetic_clients(seed=1, views=2)
+
+
+def configs(name: str, **over) -> list[dict]:
+    """Two configurations (other rate, other seed), uneven clients with a short last batch, partial participation."""
+    algo = create(name)
+    cfg = ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 8} | getattr(algo, "test_overrides", {}) | {
+        "rounds": 3, "batch_size": 16, "drop_last": False, "participation": 0.75} | over
+    return [cfg, cfg | {"seed": 1, "lr": cfg["lr"] * 2}]
+
+
+def trained(name: str, data, capture_mode: str, device: str, **over) -> tuple[Engine, dict]:
+    """A run with `capture_mode` on `device`: the engine and its results."""
+    train, test = data
+    engine = Engine(create(name), configs(name, **over), train, test, device=device, capture=capture_mode)
+    out = engine.run()
+    return engine, {"acc": out["acc"], "train_loss": out["train_loss"]} | {
+        f"param {k}": v for k, v in engine.state.params.items()} | {
+        f"buffer {k}": v for k, v in engine.state.buffers.items()}
+
+
+def assert_close(a: dict, b: dict, name: str) -> None:
+    assert a.keys() == b.keys()
+    for k in a:  # float tolerance: graphs may pick other kernels than the eager run
+        torch.testing.assert_close(a[k].cpu(), b[k].cpu(), equal_nan=True, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{name} {k}: {m}")
+
+
+@pytest.mark.parametrize("name", ALGOS)
+def test_replayed_steps_equal_eager_steps(name, data):
+    assert assert_capturable(name, train=data[0], test=data[1])
+
+
+def test_two_epochs_and_phases_each_get_their_graph(data):
+    """FedPFT+Con trains two phases (other trained names) and the last batch is short: four step kinds, and the
+    context is loaded afresh in every epoch of every round."""
+    with masked_optimizers():
+        engine = Engine(create("fedpft-con"), configs("fedpft-con"), *data, capture="replay")
+        engine.run()
+    assert type(engine._opt).__name__.startswith("Masked") and not engine.graphs.failures
+    frozen_sets = {key[0] for key in engine.graphs.steps}
+    widths = {key[1] for key in engine.graphs.steps}
+    assert len(frozen_sets) == 2 and len(widths) == 2 and len(engine.graphs.steps) == 4
+
+
+@pytest.mark.parametrize("breakage", ["stale context", "armed warm-up", "stale batch"])
+def test_the_comparison_fails_when_the_protocol_is_broken(breakage, data, monkeypatch):
+    """The bit-for-bit comparison catches each way a captured step goes wrong on a GPU: a context not copied into
+    its slot (FedProto's prototypes change every round), warm-up runs that train, a batch not copied."""
+    if breakage == "stale context":
+        original_load = Static.load
+
+        def first_only(self, tree):  # the slot is filled when made, never again
+            if not getattr(self, "filled", False):
+                original_load(self, tree)
+                self.filled = True
+
+        monkeypatch.setattr(Static, "load", first_only)
+    elif breakage == "armed warm-up":
+        monkeypatch.setattr("featcache.engine.disarmed", lambda part: contextlib.nullcontext())
+    else:
+        original_replay = Engine._replay
+
+        def stale_batch(self, opt, loss_fn, ctx, idx, *rest):  # every step replays on round 1's first batch
+            first = self.__dict__.setdefault("first_idx", {}).setdefault(idx.shape, idx.clone())
+            return original_replay(self, opt, loss_fn, ctx, first, *rest)
+
+        monkeypatch.setattr(Engine, "_replay", stale_batch)
+    with pytest.raises(AssertionError, match="differs from eager"):
+        assert_capturable("fedproto", train=data[0], test=data[1])
+
+
+def test_an_algorithm_can_opt_out(data):
+    algo = create("fedavg")
+    algo.capturable = False
+    engine = Engine(algo, configs("fedavg"), *data, capture="replay")
+    assert engine.graphs is None
+
+
+def test_static_slots_keep_broadcasts_compact():
+    base = torch.randn(2, 5, 3)  # [H, K, d]
+    tree = {"padded": base[:, None, None].expand(2, 4, 4, 5, 3), "n": 7, "hp": {"lr": torch.ones(2)}}
+    slot = Static(tree)
+    assert slot.tree["padded"].untyped_storage().nbytes() == base.numel() * 4  # not 16x
+    newer = torch.randn(2, 5, 3)
+    slot.load(tree | {"padded": newer[:, None, None].expand(2, 4, 4, 5, 3)})
+    assert torch.equal(slot.tree["padded"][:, 3, 1], newer) and slot.tree["n"] == 7
+    assert signature(tree) != signature(tree | {"n": 8})  # a host value is baked into the graph: another key
+    assert signature(tree) != signature(tree | {"padded": torch.randn(2, 4, 4, 5, 3)})  # no longer a broadcast
+    assert signature(tree) == signature(tree | {"hp": {"lr": torch.zeros(2)}})  # values are not part of it
+
+
+def test_modes():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_mode("auto", cpu) == "off" and resolve_mode(None, gpu) == "cuda"
+    assert resolve_mode("replay", cpu) == "replay"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_mode("cuda", cpu)
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_mode("graphs", cpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ALGOS)
+def test_cuda_graphs_equal_eager_on_the_gpu(name, data):
+    engine, captured = trained(name, data, "cuda", device="cuda")
+    _, eager = trained(name, data, "off", device="cuda")
+    assert not engine.graphs.failures, engine.graphs.failures
+    assert_close(captured, eager, name)
