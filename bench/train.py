@@ -1,7 +1,9 @@
 """Benchmark: seconds per round of the vectorized engine vs a plain per-client loop on the same cached tensors, and
 vs the official-FedPCL pattern that re-runs three frozen ResNet18s (64x64) on every batch, prototype pass and test
 batch. Prints one JSON object. Run: `.venv/bin/python bench/train.py [--clients 20] [--rounds 5] [--repeats 3]`.
-The engine and the plain loop are timed alternately, `repeats` times each; the medians are compared. On a GPU
+The engine and the plain loop are timed alternately, `repeats` times each, each timed run right after an untimed one
+of the same contender (on the 2-core CPU a run that follows the other contender pays for its freed memory: fresh
+pages faulted in again, about a quarter of the engine's round); the medians are compared. On a GPU
 (`--device cuda`) the engine also runs with its local steps eager instead of captured as CUDA graphs, and a profiled
 run gives the share of the round the GPU is busy.
 
@@ -83,6 +85,7 @@ def main() -> None:
     runs = {k: [] for k in contenders}
     for _ in range(args.repeats):  # interleaved, so a noisy neighbour slows all alike; the median of each
         for k, fn in contenders.items():
+            fn()  # untimed, right before: neither contender pays for the memory the other one left behind
             runs[k].append(timed(fn))
     vec, loop = statistics.median(runs["vectorized"]), statistics.median(runs["plain_loop"])
 

@@ -20,23 +20,29 @@ to copy into its slot, or a warm-up that changes a model, shows up as a differen
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .errors import UserError
 
 MODES = ("off", "replay", "cuda")
 WARMUP = 2  # eager runs before capture (PyTorch's CUDA-graph recipe uses a few, on a side stream)
 
 
 def resolve_mode(capture: str | None, device: torch.device) -> str:
-    """`None`/"auto": "cuda" on a CUDA device, "off" elsewhere."""
+    """`None`/"auto": the environment's FEATCACHE_CAPTURE if set (e.g. "off", to run a GPU's steps eagerly from the
+    command line), else "cuda" on a CUDA device and "off" elsewhere."""
     if capture in (None, "auto"):
+        capture = os.environ.get("FEATCACHE_CAPTURE", "auto")
+    if capture == "auto":
         return "cuda" if device.type == "cuda" else "off"
     if capture not in MODES:
-        raise ValueError(f"capture must be one of {MODES} or 'auto', not {capture!r}")
+        raise UserError(f"capture (or FEATCACHE_CAPTURE) must be one of {', '.join(MODES)} or auto, not {capture!r}")
     if capture == "cuda" and device.type != "cuda":
-        raise ValueError("capture='cuda' needs a CUDA device")
+        raise UserError("capture=cuda needs a CUDA device: use --device cuda, or unset FEATCACHE_CAPTURE")
     return capture
 
 

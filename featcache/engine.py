@@ -14,6 +14,9 @@ test rows.
 Every hook gets a read-only `Round`: which round and local epoch it is, the participation mask, the per-configuration
 hyperparameters, the shared settings. Hooks never see the engine.
 
+On CUDA each kind of local step is captured once as a CUDA graph and replayed (capture.py); the step reads and
+writes only tensors the engine keeps for the whole run (the optimizer's, `_buffers`, `_acc`, the static slots).
+
 Minibatch order comes from a counter-based hash of (seed, round, epoch, client, row), so it needs no Python loop
 over clients, and a client sees the same batches whether it trains alone, in a plain loop, or inside a grid.
 """

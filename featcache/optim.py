@@ -14,8 +14,8 @@ step, a parameter and its moments adopt the memory layout of their gradient at t
 is handed over in the same layout. When all clients of a configuration step at the same step count (the usual
 case) their C models go to the kernel as one slab [C, ...]. Parameters are updated in place. One optimizer serves a
 whole run: `load` starts each round by copying that round's starting models into its own tensors and zeroing moments
-and step counts (what a fresh optimizer would hold), so a round allocates nothing and faults in no new pages (a fresh
-31 MB stack per round cost more than the copy on the 2-core CPU), and the tensors a CUDA graph captured stay put.
+and step counts (what a fresh optimizer would hold): one copy per parameter stack instead of a fresh optimizer's clone,
+layout copy and new zeroed moments, and the tensors a CUDA graph captured stay put.
 
 No host synchronisation: `active` and the hyperparameters are host values (nested lists [H][C] / lists [H], a CPU
 tensor is accepted too), and the per-model step history that decides how models are grouped is mirrored on the host
@@ -26,7 +26,8 @@ of step): H x P launches and a Python call each per step. That is right on a CPU
 grid, where a step is then all launch overhead. `MaskedAdam` and `MaskedSGD` compute the same update as whole-stack
 tensor arithmetic on [H, C, ...]: hyperparameters are device tensors [H] broadcast to [H, C, 1...], step counts a
 device tensor [H, C], `active` a device bool tensor [H, C] (host lists are still accepted, at the cost of a copy),
-and models that do not step keep their values through one `torch.where` per tensor. A step launches a fixed number
+and models that do not step keep their values through one `torch.where` per tensor. They keep each parameter in
+its own memory (no layout adoption), so a captured step finds it where it was captured. A step launches a fixed number
 of kernels per parameter, whatever H and C, and reads nothing back nor takes host data (a CUDA graph can capture
 it); the price is more memory passes per tensor (about 30 against the fused kernel's 7). `optimizer_for(name,
 device)` picks: masked on CUDA, fused elsewhere.

@@ -13,6 +13,7 @@ import torch
 from featcache.algorithms import create, list_algorithms
 from featcache.capture import Static, resolve_mode, signature
 from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.errors import UserError
 from featcache.testing import assert_capturable, masked_optimizers
 from tests.synthetic import synthetic_clients
 
@@ -113,13 +114,16 @@ def test_static_slots_keep_broadcasts_compact():
     assert signature(tree) == signature(tree | {"hp": {"lr": torch.zeros(2)}})  # values are not part of it
 
 
-def test_modes():
+def test_modes(monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setenv("FEATCACHE_CAPTURE", "off")
+    assert resolve_mode("auto", gpu) == "off" and resolve_mode("replay", gpu) == "replay"  # an argument wins
+    monkeypatch.delenv("FEATCACHE_CAPTURE")
     assert resolve_mode("auto", cpu) == "off" and resolve_mode(None, gpu) == "cuda"
     assert resolve_mode("replay", cpu) == "replay"
-    with pytest.raises(ValueError, match="needs a CUDA device"):
+    with pytest.raises(UserError, match="needs a CUDA device"):
         resolve_mode("cuda", cpu)
-    with pytest.raises(ValueError, match="must be one of"):
+    with pytest.raises(UserError, match="must be one of"):
         resolve_mode("graphs", cpu)
 
 
@@ -130,3 +134,71 @@ def test_cuda_graphs_equal_eager_on_the_gpu(name, data):
     _, eager = trained(name, data, "off", device="cuda")
     assert not engine.graphs.failures, engine.graphs.failures
     assert_close(captured, eager, name)
+
+
+class FakeCuda:
+    """Stands in for torch.cuda in Graphs._cuda: records the protocol (warm-up on a side stream, capture inside
+    torch.cuda.graph with the shared pool) and can fail the capture."""
+
+    def __init__(self, fail: bool = False):
+        self.log: list[str] = []
+        self.fail = fail
+        self.capturing = False
+        fake = self
+
+        class Stream:
+            def wait_stream(self, other):
+                fake.log.append("wait")
+
+        class CUDAGraph:
+            def pool(self):
+                return "pool"
+
+            def replay(self):
+                fake.log.append("replay")
+
+        @contextlib.contextmanager
+        def graph(g, pool=None):
+            fake.log.append(f"capture(pool={pool})")
+            fake.capturing = True
+            try:
+                yield
+                if fake.fail:
+                    raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+            finally:
+                fake.capturing = False
+
+        self.Stream, self.CUDAGraph, self.graph = Stream, CUDAGraph, graph
+        self.current_stream = lambda: Stream()
+        self.stream = lambda s: contextlib.nullcontext()
+        self.synchronize = lambda: fake.log.append("sync")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_cuda_protocol_with_a_fake_cuda(fail, monkeypatch):
+    """Warm-up runs and the capture happen disarmed; graphs share one pool; a capture that fails leaves the step
+    running eagerly, with one line saying why."""
+    from featcache import capture
+
+    fake = FakeCuda(fail)
+    monkeypatch.setattr(capture.torch, "cuda", fake)
+    part = torch.ones(2, 3, dtype=torch.bool)
+    seen = []
+
+    def fn():
+        seen.append(("captured" if fake.capturing else "eager", bool(part.any())))
+        fake.log.append("step")
+
+    graphs = capture.Graphs("cuda")
+    graphs.capture("a", fn, capture.disarmed(part))
+    graphs.capture("b", fn, capture.disarmed(part))
+    assert seen[: capture.WARMUP + 1] == [("eager", False)] * capture.WARMUP + [("captured", False)]
+    assert bool(part.all())  # re-armed after capture
+    graphs.run("a")
+    if fail:
+        assert set(graphs.failures) == {"a", "b"}
+        assert graphs.failures["a"] == "RuntimeError: operation not permitted when stream is capturing"
+        assert seen[-1] == ("eager", True) and graphs.pool is None  # the step itself, run eagerly
+    else:
+        assert not graphs.failures and fake.log[-1] == "replay"
+        assert "capture(pool=None)" in fake.log and "capture(pool=pool)" in fake.log  # the second graph shares it
