@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import featcache.cli  # noqa: E402, F401  (before torch: the CLI's allocator setting, as `featcache` runs)
+import featcache.cli  # noqa: E402, F401  (the CLI's allocator setting, as `featcache` runs)
 import torch  # noqa: E402
 
 from featcache.algorithms import create  # noqa: E402

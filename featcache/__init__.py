@@ -16,8 +16,8 @@ callable (calling it calls the function of the same name), so `from featcache im
 `featcache.train(...)`, `import featcache.train` and `from featcache.train import load_split` all work, whichever is
 imported first.
 
-Importing featcache changes nothing in the process's environment; the `featcache` command (featcache/cli.py) sets
-torch's allocator option THP_MEM_ALLOC_ENABLE=1 before torch loads (see the README, "Training").
+Importing featcache changes nothing in the process; the `featcache` command (featcache/cli.py) also keeps freed
+memory in its process for reuse (featcache/memory.py; see the README, "Training").
 """
 
 import sys as _sys

@@ -21,14 +21,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-# Transparent huge pages for torch's large CPU tensors, for the `featcache` command only (this module runs before torch
-# is imported; a user's own setting wins; library users may set it themselves before importing torch). A grid's
-# stacked gradients and moments are hundreds of MB allocated afresh every step; page by page, the first touch of them
-# costs more than the matmul that fills them (bench/grid.py, bench/train.py).
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+from . import provenance
+from .errors import UserError
+from .memory import keep_freed_memory
 
-from . import provenance  # noqa: E402
-from .errors import UserError  # noqa: E402
+# The command owns its process: freed tensors' pages stay in it for the next step to reuse (featcache/memory.py).
+keep_freed_memory()
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run frozen backbones once, cache embeddings in HDF5, train federated heads on them.")

@@ -1,0 +1,29 @@
+"""Keep freed memory in the process: the allocator setting of the `featcache` command.
+
+torch takes CPU tensors from the C library's malloc. glibc serves large blocks with mmap and gives them back to the
+kernel when they are freed, and trims the top of its heap the same way, so every training step that allocates its
+gradient stacks again (31 MB per parameter stack for 20 FedPCL clients, 126 MB in a grid of 16) faults every page
+of them in afresh: on the 2-core machine a 4 MB elementwise op cost 2.8 ms instead of 0.05 ms, and a round's system
+time was a quarter of its wall time. `keep_freed_memory` asks glibc to serve every block from its heap and never to
+trim it, so a step reuses the pages the previous step freed. The process keeps its peak memory until it exits, which
+suits a command that trains and ends.
+
+The `featcache` command calls it when it starts; importing featcache does not (a library user calls it, if wanted).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Serve every allocation from the heap and never give freed heap memory back (glibc's mallopt); returns whether
+    it applied (False where the C library has no mallopt, e.g. macOS or musl)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
