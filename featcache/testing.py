@@ -118,13 +118,10 @@ def _client_accuracy(algo, state, ctx, test, c: int) -> torch.Tensor:
     return (scores.argmax(-1) == test.labels[c, :n]).float().mean()
 
 
-def assert_matches_plain_loop(algo, rounds: int = 3, train: ClientData | None = None, test: ClientData | None = None,
-                              **settings) -> dict[str, float]:
-    """Train `algo` (a registered name, a plug-in spec `file.py:Class` / `module:Class`, a FedAvg subclass or an
-    instance) with the engine and with `plain_loop` on the same data (default: `synthetic_clients` with two cached
-    views, uneven clients, 75 % participation, a short last batch) and assert that both give the same test accuracy
-    every round (to 1e-6) and the same trained parameters (float32 tolerance). `settings` override the algorithm's
-    defaults. Returns the largest parameter difference per name."""
+def _setup(algo, rounds: int, train, test, settings: dict):
+    """(algorithm instance, train, test, configuration) of an assert_* check: `algo` a registered name, a plug-in
+    spec, a FedAvg subclass or an instance; default data `synthetic_clients` with two cached views; uneven clients,
+    75 % participation and a short last batch."""
     from .algorithms import create, register
     from .config import resolve
 
@@ -136,6 +133,17 @@ def assert_matches_plain_loop(algo, rounds: int = 3, train: ClientData | None = 
         train, test = synthetic_clients(seed=0, views=2), synthetic_clients(seed=1, views=2)
     cfg = resolve(algo, {"rounds": rounds, "batch_size": 16, "drop_last": False, "participation": 0.75,
                          "proj_dim": 8} | dict(getattr(algo, "test_overrides", {})) | settings) | {"seed": 0}
+    return algo, train, test, cfg
+
+
+def assert_matches_plain_loop(algo, rounds: int = 3, train: ClientData | None = None, test: ClientData | None = None,
+                              **settings) -> dict[str, float]:
+    """Train `algo` (a registered name, a plug-in spec `file.py:Class` / `module:Class`, a FedAvg subclass or an
+    instance) with the engine and with `plain_loop` on the same data (default: `synthetic_clients` with two cached
+    views, uneven clients, 75 % participation, a short last batch) and assert that both give the same test accuracy
+    every round (to 1e-6) and the same trained parameters (float32 tolerance). `settings` override the algorithm's
+    defaults. Returns the largest parameter difference per name."""
+    algo, train, test, cfg = _setup(algo, rounds, train, test, settings)
     engine = Engine(algo, [cfg], train, test)
     acc = engine.run()["acc"][:, 0]  # [R, C]
     ref_acc, ref_params = plain_loop(algo, cfg, train, test)
@@ -166,17 +174,7 @@ def assert_capturable(algo, rounds: int = 3, train: ClientData | None = None, te
     steps in "replay" mode and with eager steps, both on the masked optimizers, and assert equal accuracies, losses,
     parameters and buffers, bit for bit. Fails when a hook's step depends on something the capture froze. Returns
     False, comparing nothing, for an algorithm that opts out (`capturable = False`: its steps always run eagerly)."""
-    from .algorithms import create, register
-    from .config import resolve
-
-    if isinstance(algo, type):
-        algo = create(register(algo).name)
-    elif isinstance(algo, str):
-        algo = create(algo)
-    if train is None or test is None:
-        train, test = synthetic_clients(seed=0, views=2), synthetic_clients(seed=1, views=2)
-    cfg = resolve(algo, {"rounds": rounds, "batch_size": 16, "drop_last": False, "participation": 0.75,
-                         "proj_dim": 8} | dict(getattr(algo, "test_overrides", {})) | settings) | {"seed": 0}
+    algo, train, test, cfg = _setup(algo, rounds, train, test, settings)
     if not algo.capturable:
         return False
     cfgs = [cfg, cfg | {"seed": 1, "lr": cfg["lr"] * 2}]
