@@ -30,6 +30,8 @@ from .errors import UserError
 
 MODES = ("off", "replay", "cuda")
 WARMUP = 2  # eager runs before capture (PyTorch's CUDA-graph recipe uses a few, on a side stream)
+MAX_GRAPHS = 16  # kinds of step captured per engine; beyond, a context whose host values change every round (a
+# plug-in passing a Python float schedule in ctx) would capture a new graph each round: those steps run eagerly
 
 
 def resolve_mode(capture: str | None, device: torch.device) -> str:
@@ -106,6 +108,9 @@ class Graphs:
     def capture(self, key, fn, disarm: AbstractContextManager) -> None:
         """Record `fn` (no arguments; reads and writes static tensors only) for `key`; inside `disarm` it must
         change nothing."""
+        if len(self.steps) >= MAX_GRAPHS:
+            self.steps[key], self.failures[key] = fn, f"more than {MAX_GRAPHS} kinds of step: run eagerly"
+            return
         with disarm:
             try:
                 self.steps[key] = self._cuda(fn) if self.mode == "cuda" else self._replay(fn)

@@ -94,6 +94,33 @@ def test_the_comparison_fails_when_the_protocol_is_broken(breakage, data, monkey
         assert_capturable("fedproto", train=data[0], test=data[1])
 
 
+def test_a_context_that_changes_every_round_stops_capturing(data, monkeypatch):
+    """A plug-in whose context grows every round (here a schedule of all rounds so far) makes a new kind of step
+    every round: after MAX_GRAPHS kinds the engine runs such steps eagerly (still equal to eager) instead of
+    capturing without end."""
+    from featcache import capture
+    from featcache.algorithms.base import FedAvg
+
+    class Schedule(FedAvg):
+        name = "schedule-test"
+
+        def context(self, state, rnd):
+            past = 1.0 - torch.arange(max(rnd.round, 0) + 1, device=rnd.device) / rnd.rounds  # [r + 1]
+            return super().context(state, rnd) | {"schedule": past.expand(rnd.H, rnd.C, -1)}  # [H, C, r + 1]
+
+        def local_loss(self, params, buffers, x, y, mask, ctx):
+            loss, new = super().local_loss(params, buffers, x, y, mask, ctx)
+            return loss * ctx["schedule"][-1], new
+
+    monkeypatch.setattr(capture, "MAX_GRAPHS", 3)
+    with masked_optimizers():
+        engine = Engine(Schedule(), configs("fedavg", rounds=4, drop_last=True), *data, capture="replay")
+        engine.run()
+    assert len(engine.graphs.steps) == 4 and len(engine.graphs.failures) == 1  # rounds 1-3 captured, round 4 not
+    assert next(iter(engine.graphs.failures.values())) == "more than 3 kinds of step: run eagerly"
+    assert assert_capturable(Schedule(), rounds=4, train=data[0], test=data[1])
+
+
 def test_an_algorithm_can_opt_out(data):
     algo = create("fedavg")
     algo.capturable = False
