@@ -5,7 +5,7 @@ A captured step reads and writes only *static* tensors, the same memory at every
 and moments (one optimizer per run, `load`ed each round), the engine's BN buffers and loss accumulators, and the
 `Static` slots below, into which the engine copies each step's batch indices and each epoch's context before the
 replay. One graph is kept per key (which parameters train, the batch width, the context's structure), so FedPFT's
-phases or a short last batch each get their own.
+phases or a short last batch each get their own (at most MAX_GRAPHS kinds; later kinds run eagerly).
 
 Capturing runs the step a few times first (CUDA's warm-up, which lazily creates cuBLAS handles and workspaces).
 Those runs must not train: the engine hands `capture` a `disarm` context in which no model takes part (the
@@ -30,8 +30,8 @@ from .errors import UserError
 
 MODES = ("off", "replay", "cuda")
 WARMUP = 2  # eager runs before capture (PyTorch's CUDA-graph recipe uses a few, on a side stream)
-MAX_GRAPHS = 16  # kinds of step captured per engine; beyond, a context whose host values change every round (a
-# plug-in passing a Python float schedule in ctx) would capture a new graph each round: those steps run eagerly
+MAX_GRAPHS = 16  # kinds of step captured per engine; beyond, a context whose shapes change every round (a plug-in
+# keeping a growing history in ctx) would capture a new graph each round: those steps run eagerly
 
 
 def resolve_mode(capture: str | None, device: torch.device) -> str:
