@@ -21,7 +21,7 @@ to copy into its slot, or a warm-up that changes a model, shows up as a differen
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -31,7 +31,7 @@ from .errors import UserError
 MODES = ("off", "replay", "cuda")
 WARMUP = 2  # eager runs before capture (PyTorch's CUDA-graph recipe uses a few, on a side stream)
 MAX_GRAPHS = 16  # kinds of step captured per engine; beyond, a context whose shapes change every round (a plug-in
-# keeping a growing history in ctx) would capture a new graph each round: those steps run eagerly
+# keeping a growing history in ctx) would capture a new graph each round: the engine runs further kinds eagerly
 
 
 def resolve_mode(capture: str | None, device: torch.device) -> str:
@@ -60,25 +60,31 @@ def signature(tree) -> tuple:
     """What a captured step bakes in about a (nested) context: its structure, each tensor's shape, dtype and
     broadcast axes, and every non-tensor leaf's value."""
     leaves, spec = tree_flatten(tree)
-    sig = tuple((tuple(v.shape), v.dtype, tuple(s == 0 for s in v.stride())) if torch.is_tensor(v) else ("py", v)
-                for v in leaves)
+    sig = tuple((tuple(v.shape), v.dtype, v.device, tuple(s == 0 for s in v.stride())) if torch.is_tensor(v)
+                else ("py", v) for v in leaves)
     return (str(spec), sig)
 
 
 class Static:
     """A static copy of a (nested) tree of tensors: `load(tree)` copies new values in, `tree` is what the captured
-    step reads. Broadcast tensors stay broadcast (an expanded [H, C, C, K, d] context costs its [H, K, d])."""
+    step reads. Broadcast tensors stay broadcast (an expanded [H, C, C, K, d] context costs its [H, K, d]); a view of
+    memory that stays put for the run (`fixed`: data pointers of the training data) is used as it is, not copied."""
 
-    def __init__(self, tree):
+    def __init__(self, tree, fixed: frozenset = frozenset()):
         leaves, self.spec = tree_flatten(tree)
-        self.leaves = [torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
-                       if torch.is_tensor(v) else v for v in leaves]
+        self.fixed = fixed
+        self.leaves = [v if not torch.is_tensor(v) or self._fixed(v)
+                       else torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
+                       for v in leaves]
         self.tree = tree_unflatten(self.leaves, self.spec)
         self.load(tree)
 
+    def _fixed(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.fixed
+
     def load(self, tree) -> None:
         for slot, v in zip(self.leaves, tree_flatten(tree)[0]):
-            if torch.is_tensor(slot) and v is not slot:
+            if torch.is_tensor(slot) and v is not slot and not self._fixed(slot):
                 _compact(slot).copy_(_compact(v))
 
 
@@ -94,34 +100,42 @@ def disarmed(part: torch.Tensor):
 
 
 class Graphs:
-    """The captured step functions of one engine, by key."""
+    """The captured step functions of one engine, by key, on the engine's device."""
 
-    def __init__(self, mode: str):
-        self.mode = mode
+    def __init__(self, mode: str, device: torch.device | None = None):
+        self.mode, self.device = mode, device
         self.steps: dict = {}  # key -> callable running the step
-        self.failures: dict = {}  # key -> why it runs eagerly
+        self.failures: dict = {}  # why steps run eagerly: key -> one line
         self.pool = None  # one memory pool shared by all graphs (they never run at the same time)
 
     def __contains__(self, key) -> bool:
         return key in self.steps
 
+    @property
+    def full(self) -> bool:
+        """MAX_GRAPHS kinds captured: a new kind runs eagerly, with nothing kept for it."""
+        return len(self.steps) >= MAX_GRAPHS
+
     def capture(self, key, fn, disarm: AbstractContextManager) -> None:
         """Record `fn` (no arguments; reads and writes static tensors only) for `key`; inside `disarm` it must
         change nothing."""
-        if len(self.steps) >= MAX_GRAPHS:
-            self.steps[key], self.failures[key] = fn, f"more than {MAX_GRAPHS} kinds of step: run eagerly"
-            return
-        with disarm:
+        with disarm, self._on_device():
             try:
                 self.steps[key] = self._cuda(fn) if self.mode == "cuda" else self._replay(fn)
             except Exception as e:  # capture is impossible for this step: run it eagerly
                 if self.mode != "cuda":
                     raise
                 torch.cuda.synchronize()
-                self.steps[key], self.failures[key] = fn, f"{type(e).__name__}: {e}".splitlines()[0]
+                cause = e.__context__ or e  # capture_end's own error hides the op that invalidated the capture
+                self.steps[key], self.failures[key] = fn, f"{type(cause).__name__}: {cause}".splitlines()[0]
 
     def run(self, key) -> None:
-        self.steps[key]()
+        with self._on_device():
+            self.steps[key]()
+
+    def _on_device(self):
+        """Streams and graphs belong to the current CUDA device: make it the engine's (cuda:1 included)."""
+        return torch.cuda.device(self.device) if self.mode == "cuda" else nullcontext()
 
     @staticmethod
     def _replay(fn):
@@ -130,14 +144,18 @@ class Graphs:
         return fn
 
     def _cuda(self, fn):
+        caller = torch.cuda.current_stream()
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(caller)
         with torch.cuda.stream(side):
             for _ in range(WARMUP):
                 fn()
-        torch.cuda.current_stream().wait_stream(side)
+        caller.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            fn()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                fn()
+        finally:
+            torch.cuda.set_stream(caller)  # a failed capture_end skips torch.cuda.graph's own restore
         self.pool = graph.pool()
         return graph.replay

@@ -33,7 +33,7 @@ from torch.func import vmap
 from .cache import ClientData
 from .devices import resolve_device
 from .errors import UserError
-from .capture import Graphs, Static, disarmed, resolve_mode, signature
+from .capture import MAX_GRAPHS, Graphs, Static, disarmed, resolve_mode, signature
 from .optim import copy_into, optimizer_for
 
 Params = dict[str, torch.Tensor]
@@ -72,7 +72,7 @@ class State:
     """Everything that evolves over rounds; tensors lead with [H, C] (models) except `server` ([H, ...])."""
 
     params: Params  # updated in place by the optimizer during local training: clone what you keep across rounds
-    buffers: Params
+    buffers: Params  # likewise updated in place during local training (BN statistics): clone what you keep
     client: dict = field(default_factory=dict)  # per-model algorithm state, e.g. local prototypes [H, C, K, d]
     server: dict = field(default_factory=dict)  # per-config server state, e.g. global prototypes [H, K, d]
     hp: dict = field(default_factory=dict)  # per-config hyperparameters as tensors [H]
@@ -197,8 +197,11 @@ class Engine:
         z = torch.zeros(self.H, self.C, device=self.device)
         self._acc = {"bad": z.bool(), "loss": z.clone(), "steps": z.clone()}  # [H, C] each, summed over a round
         mode = resolve_mode(capture, self.device) if self.algo.capturable else "off"
-        self.graphs = None if mode == "off" else Graphs(mode)  # the captured local steps (capture.py)
+        self.graphs = None if mode == "off" else Graphs(mode, self.device)  # the captured local steps (capture.py)
         self._static: dict = {}  # slots the captured steps read: part, idx/valid per batch width, ctx per key
+        self._calls = 0  # local_train calls so far: when the participation and context slots were last filled
+        data = (self.train.features, self.train.labels, self.train.counts, self.train.views)
+        self._fixed = frozenset(t.untyped_storage().data_ptr() for t in data if t is not None)  # stays put
         self.last_round: Round | None = None  # the context of the last round run (evaluate's default)
         self.round_loss: torch.Tensor | None = None  # [H, C] the last local_train's mean loss per model (device)
 
@@ -262,6 +265,7 @@ class Engine:
         state.buffers = copy_into(self._buffers, state.buffers)
         for t in self._acc.values():
             t.zero_()
+        self._calls += 1
         loss_fn = vmap(vmap(algo.local_loss))  # [H, C] losses; summed, each model gets exactly its own gradient
         for epoch in range(algo.local_epochs()):
             at = replace(ctx_round, epoch=epoch)
@@ -272,14 +276,14 @@ class Engine:
                 idx = order[..., s * B : (s + 1) * B]  # [H, C, B]
                 if self.graphs is None:
                     active_host = [[p and h for p, h in zip(row, self._has_batch[s])] for row in part_host]
-                    self._step(opt, loss_fn, ctx, idx, self._valid[s], ctx_round.part, active_host,
-                               replace(at, step=s), frozen)
+                    self._step(opt.params, self._buffers, self._acc, opt, loss_fn, ctx, idx, self._valid[s],
+                               ctx_round.part, active_host, replace(at, step=s), frozen)
                 else:
                     self._replay(opt, loss_fn, ctx, idx, self._valid[s], ctx_round.part, replace(at, step=s), frozen)
         state.params = dict(opt.params)  # (the first step may have given a parameter its gradient's layout)
         acc = self._acc
         self.round_loss = acc["loss"] / acc["steps"]  # [H, C], NaN where a model took no step
-        return acc["bad"]
+        return acc["bad"].clone()  # (the sums are zeroed and refilled next round)
 
     def _optimizer(self, state: State):
         """The run's optimizer (built in round 1): masked whole-stack arithmetic where steps are captured or on a
@@ -291,10 +295,12 @@ class Engine:
                              scale={k: self.algo.lr_scale(k) for k in state.params})
         return self._opt
 
-    def _step(self, opt, loss_fn, ctx: dict, idx, valid, part, active_host, at: Round, frozen) -> None:
+    def _step(self, params: Params, buffers: Params, acc: dict, opt, loss_fn, ctx: dict, idx, valid, part, active_host,
+              at: Round, frozen) -> None:
         """One local step of every model on the rows `idx` [H, C, B] (valid [C, B]: real rows; part [H, C]: the
-        round's participants), updating the optimizer's parameters, the buffers and the round's sums in place."""
-        data, params, buffers, acc = self.train, opt.params, self._buffers, self._acc
+        round's participants), updating the parameters (the optimizer's), the buffers and the round's sums `acc` in
+        place."""
+        data = self.train
         c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1]
         valid = valid.expand_as(idx)  # [H, C, B]
         active = valid.any(-1) & part  # [H, C]
@@ -317,23 +323,30 @@ class Engine:
 
     def _replay(self, opt, loss_fn, ctx: dict, idx, valid, part, at: Round, frozen) -> None:
         """`_step` through its captured graph: this step's values go into the static slots, then the graph of its
-        kind (trained names, batch width, context structure) replays; a kind seen for the first time is captured."""
+        kind (trained names, batch width, context structure) replays; a kind seen for the first time is captured.
+        The graph's closure holds the tensors of the moment of capture: one replaced since (rather than updated in
+        place) shows up in replay mode as a difference from the eager run, as it would on a GPU."""
         slots, width = self._static, idx.shape[-1]
+        key = (frozen, width, signature(ctx))
+        if key not in self.graphs and self.graphs.full:  # no graph, no slots kept: this kind runs eagerly
+            self.graphs.failures["more"] = f"more than {MAX_GRAPHS} kinds of step: the others run eagerly"
+            return self._step(opt.params, self._buffers, self._acc, opt, loss_fn, ctx, idx, valid, part, None, at,
+                              frozen)
         if "part" not in slots:
             slots["part"] = part.clone()
-        if slots.get("stamp") != at.round:  # first step of the round
+        if slots.get("filled") != self._calls:  # first step of this local_train
             slots["part"].copy_(part)  # [H, C]
-            slots["stamp"] = at.round
+            slots["filled"] = self._calls
         if ("idx", width) not in slots:
             slots["idx", width], slots["valid", width] = idx.clone(), valid.clone()
         slots["idx", width].copy_(idx)  # [H, C, B]
         slots["valid", width].copy_(valid)  # [C, B]
-        key = (frozen, width, signature(ctx))
-        stamp = (at.round, at.epoch)  # the context changes between epochs and rounds only
+        stamp = (self._calls, at.epoch)  # the context changes between epochs and calls only
         if key not in self.graphs:
-            static_ctx = slots["ctx", key] = Static(ctx)
+            static_ctx = slots["ctx", key] = Static(ctx, self._fixed)
             step = replace(at, part=slots["part"])  # the Round the captured hooks see (its step: the capture's)
-            fn = lambda: self._step(opt, loss_fn, static_ctx.tree, slots["idx", width], slots["valid", width],
+            held = dict(opt.params), dict(self._buffers), dict(self._acc)  # what a CUDA graph would hold
+            fn = lambda: self._step(*held, opt, loss_fn, static_ctx.tree, slots["idx", width], slots["valid", width],
                                     slots["part"], None, step, frozen)
             self.graphs.capture(key, fn, disarmed(slots["part"]))
         elif slots["loaded", key] != stamp:

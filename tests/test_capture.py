@@ -67,10 +67,11 @@ def test_two_epochs_and_phases_each_get_their_graph(data):
     assert len(frozen_sets) == 2 and len(widths) == 2 and len(engine.graphs.steps) == 4
 
 
-@pytest.mark.parametrize("breakage", ["stale context", "armed warm-up", "stale batch"])
+@pytest.mark.parametrize("breakage", ["stale context", "armed warm-up", "stale batch", "replaced parameters"])
 def test_the_comparison_fails_when_the_protocol_is_broken(breakage, data, monkeypatch):
     """The bit-for-bit comparison catches each way a captured step goes wrong on a GPU: a context not copied into
-    its slot (FedProto's prototypes change every round), warm-up runs that train, a batch not copied."""
+    its slot (FedProto's prototypes change every round), warm-up runs that train, a batch not copied, parameters
+    replaced between rounds instead of updated in place."""
     if breakage == "stale context":
         original_load = Static.load
 
@@ -82,6 +83,16 @@ def test_the_comparison_fails_when_the_protocol_is_broken(breakage, data, monkey
         monkeypatch.setattr(Static, "load", first_only)
     elif breakage == "armed warm-up":
         monkeypatch.setattr("featcache.engine.disarmed", lambda part: contextlib.nullcontext())
+    elif breakage == "replaced parameters":  # a load() that makes new tensors: a graph keeps training the old ones
+        from featcache import optim
+
+        original_load = optim._Run.load
+
+        def replacing(self, params):
+            self.params = {k: v.clone() for k, v in self.params.items()}
+            return original_load(self, params)
+
+        monkeypatch.setattr(optim._Run, "load", replacing)
     else:
         original_replay = Engine._replay
 
@@ -113,12 +124,30 @@ def test_a_context_that_changes_every_round_stops_capturing(data, monkeypatch):
             return loss * ctx["schedule"][-1], new
 
     monkeypatch.setattr(capture, "MAX_GRAPHS", 3)
+    monkeypatch.setattr("featcache.engine.MAX_GRAPHS", 3)
     with masked_optimizers():
         engine = Engine(Schedule(), configs("fedavg", rounds=4, drop_last=True), *data, capture="replay")
         engine.run()
-    assert len(engine.graphs.steps) == 4 and len(engine.graphs.failures) == 1  # rounds 1-3 captured, round 4 not
-    assert next(iter(engine.graphs.failures.values())) == "more than 3 kinds of step: run eagerly"
+    kept = [k for k in engine._static if k[0] in ("ctx", "loaded")]
+    assert len(engine.graphs.steps) == 3 and len(kept) == 2 * 3  # round 4's kind: no graph, no slot kept
+    assert engine.graphs.failures == {"more": "more than 3 kinds of step: the others run eagerly"}
     assert assert_capturable(Schedule(), rounds=4, train=data[0], test=data[1])
+
+
+def test_local_train_called_again_for_the_same_round_reads_its_new_inputs(data):
+    """The slots are refilled per call of local_train, not per round number: the same round trained twice with other
+    participants and other prototypes gives the eager results."""
+    out = {}
+    with masked_optimizers():
+        for mode in ("replay", "off"):
+            engine = Engine(create("fedproto"), configs("fedproto"), *data, capture=mode)
+            state = engine.init_state()
+            engine.local_train(state, 0, [[True] * engine.C] * 2)
+            state.server["prototypes"] = state.server["prototypes"] + 1.0  # another context for the second call
+            engine.local_train(state, 0, [[c % 2 == 0 for c in range(engine.C)]] * 2)
+            out[mode] = {k: v.clone() for k, v in state.params.items()}
+    for k, v in out["off"].items():
+        torch.testing.assert_close(out["replay"][k], v, rtol=0, atol=0)
 
 
 def test_an_algorithm_can_opt_out(data):
@@ -199,6 +228,8 @@ class FakeCuda:
         self.current_stream = lambda: Stream()
         self.stream = lambda s: contextlib.nullcontext()
         self.synchronize = lambda: fake.log.append("sync")
+        self.device = lambda d: fake.log.append(f"device {d}") or contextlib.nullcontext()
+        self.set_stream = lambda s: fake.log.append("stream restored")
 
 
 @pytest.mark.parametrize("fail", [False, True])
@@ -216,12 +247,14 @@ def test_cuda_protocol_with_a_fake_cuda(fail, monkeypatch):
         seen.append(("captured" if fake.capturing else "eager", bool(part.any())))
         fake.log.append("step")
 
-    graphs = capture.Graphs("cuda")
+    graphs = capture.Graphs("cuda", torch.device("cuda", 1))
     graphs.capture("a", fn, capture.disarmed(part))
     graphs.capture("b", fn, capture.disarmed(part))
     assert seen[: capture.WARMUP + 1] == [("eager", False)] * capture.WARMUP + [("captured", False)]
     assert bool(part.all())  # re-armed after capture
     graphs.run("a")
+    assert fake.log[0] == "device cuda:1" and fake.log.count("device cuda:1") == 3  # two captures and the run
+    assert fake.log.count("stream restored") == 2  # after each capture, failed or not
     if fail:
         assert set(graphs.failures) == {"a", "b"}
         assert graphs.failures["a"] == "RuntimeError: operation not permitted when stream is capturing"

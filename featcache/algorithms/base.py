@@ -110,6 +110,8 @@ class FedAvg:
     limitation = ""  # what differs from the paper on cached features (shown by `featcache algos`)
     # Whether the engine may capture the local step (a CUDA graph): local_loss and after_step read their inputs
     # only from tensors, never from the Round's step number or other host values that change from step to step.
+    # (Capture first runs the step twice with every model masked out: a local_loss that draws random numbers gets
+    # other draws than an eager run, so `assert_capturable` reports it; set False for such an algorithm.)
     capturable = True
     cfg = None  # the shared settings this instance is bound to (see bind)
 
