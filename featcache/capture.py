@@ -111,10 +111,13 @@ class Graphs:
     def __contains__(self, key) -> bool:
         return key in self.steps
 
-    @property
-    def full(self) -> bool:
-        """MAX_GRAPHS kinds captured: a new kind runs eagerly, with nothing kept for it."""
-        return len(self.steps) >= MAX_GRAPHS
+    def admits(self, key) -> bool:
+        """Whether `key` has, or may get, a captured step: not once MAX_GRAPHS kinds are captured (a new kind then
+        runs eagerly, with nothing kept for it; `failures` says so once)."""
+        if key in self.steps or len(self.steps) < MAX_GRAPHS:
+            return True
+        self.failures.setdefault("more", f"more than {MAX_GRAPHS} kinds of step: the others run eagerly")
+        return False
 
     def capture(self, key, fn, disarm: AbstractContextManager) -> None:
         """Record `fn` (no arguments; reads and writes static tensors only) for `key`; inside `disarm` it must

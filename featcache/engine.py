@@ -33,7 +33,7 @@ from torch.func import vmap
 from .cache import ClientData
 from .devices import resolve_device
 from .errors import UserError
-from .capture import MAX_GRAPHS, Graphs, Static, disarmed, resolve_mode, signature
+from .capture import Graphs, Static, disarmed, resolve_mode, signature
 from .optim import copy_into, optimizer_for
 
 Params = dict[str, torch.Tensor]
@@ -198,8 +198,10 @@ class Engine:
         self._acc = {"bad": z.bool(), "loss": z.clone(), "steps": z.clone()}  # [H, C] each, summed over a round
         mode = resolve_mode(capture, self.device) if self.algo.capturable else "off"
         self.graphs = None if mode == "off" else Graphs(mode, self.device)  # the captured local steps (capture.py)
-        self._static: dict = {}  # slots the captured steps read: part, idx/valid per batch width, ctx per key
-        self._calls = 0  # local_train calls so far: when the participation and context slots were last filled
+        # slots the captured steps read: the round's participants [H, C], idx/valid per batch width, ctx per key
+        self._static: dict = {"part": torch.zeros(self.H, self.C, dtype=torch.bool, device=self.device)}
+        self._calls = 0  # local_train calls so far: when each context slot was last filled
+        self._c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1] gathers each client's rows
         data = (self.train.features, self.train.labels, self.train.counts, self.train.views)
         self._fixed = frozenset(t.untyped_storage().data_ptr() for t in data if t is not None)  # stays put
         self.last_round: Round | None = None  # the context of the last round run (evaluate's default)
@@ -266,6 +268,8 @@ class Engine:
         for t in self._acc.values():
             t.zero_()
         self._calls += 1
+        if self.graphs is not None:
+            self._static["part"].copy_(ctx_round.part)  # [H, C] what the captured steps read
         loss_fn = vmap(vmap(algo.local_loss))  # [H, C] losses; summed, each model gets exactly its own gradient
         for epoch in range(algo.local_epochs()):
             at = replace(ctx_round, epoch=epoch)
@@ -300,8 +304,7 @@ class Engine:
         """One local step of every model on the rows `idx` [H, C, B] (valid [C, B]: real rows; part [H, C]: the
         round's participants), updating the parameters (the optimizer's), the buffers and the round's sums `acc` in
         place."""
-        data = self.train
-        c_idx = torch.arange(self.C, device=self.device)[None, :, None]  # [1, C, 1]
+        data, c_idx = self.train, self._c_idx
         valid = valid.expand_as(idx)  # [H, C, B]
         active = valid.any(-1) & part  # [H, C]
         x = data.features[c_idx, idx]  # [H, C, B, D]
@@ -328,15 +331,9 @@ class Engine:
         place) shows up in replay mode as a difference from the eager run, as it would on a GPU."""
         slots, width = self._static, idx.shape[-1]
         key = (frozen, width, signature(ctx))
-        if key not in self.graphs and self.graphs.full:  # no graph, no slots kept: this kind runs eagerly
-            self.graphs.failures["more"] = f"more than {MAX_GRAPHS} kinds of step: the others run eagerly"
+        if not self.graphs.admits(key):  # no graph, no slots kept: this kind runs eagerly
             return self._step(opt.params, self._buffers, self._acc, opt, loss_fn, ctx, idx, valid, part, None, at,
                               frozen)
-        if "part" not in slots:
-            slots["part"] = part.clone()
-        if slots.get("filled") != self._calls:  # first step of this local_train
-            slots["part"].copy_(part)  # [H, C]
-            slots["filled"] = self._calls
         if ("idx", width) not in slots:
             slots["idx", width], slots["valid", width] = idx.clone(), valid.clone()
         slots["idx", width].copy_(idx)  # [H, C, B]

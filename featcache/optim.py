@@ -30,7 +30,7 @@ and models that do not step keep their values through one `torch.where` per tens
 its own memory (no layout adoption), so a captured step finds it where it was captured. A step launches a fixed number
 of kernels per parameter, whatever H and C, and reads nothing back nor takes host data (a CUDA graph can capture
 it); the price is more memory passes per tensor (about 30 against the fused kernel's 7). `optimizer_for(name,
-device)` picks: masked on CUDA, fused elsewhere.
+device, masked)` picks: masked on CUDA and wherever steps are captured, fused elsewhere.
 
 References: Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015 (Algorithm 1, with torch.optim.Adam's
 L2 weight decay); torch.optim.SGD's momentum (first step copies the gradient into the buffer, dampening 0).
@@ -156,12 +156,10 @@ class Adam(_Stacked):
     def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None, **_):
         super().__init__(params, lr, weight_decay, scale)
         self.betas, self.eps = betas, eps
-        self.t = {k: torch.zeros(v.shape[:2], device=v.device) for k, v in self.params.items()}  # [H, C] the kernel's
 
     def _restart(self) -> None:
         super()._restart()
-        for t in getattr(self, "t", {}).values():  # (absent while __init__ runs)
-            t.zero_()
+        self.t = {k: torch.zeros(v.shape[:2], device=v.device) for k, v in self.params.items()}  # [H, C] the kernel's
 
     def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
         for h, k, models, views, grad in self.groups(grads, active, frozen):
@@ -211,7 +209,8 @@ def _per_config(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 class _Masked(_Run):
     """Shared bookkeeping of the whole-stack optimizers: device hyperparameters [H], device step counts [H, C] per
-    parameter (`t`), the parameters and their state in the gradient's memory layout."""
+    parameter (`t`), the parameters and their state in their own memory (gradients of any layout are taken as they
+    come: elementwise arithmetic mixes layouts, and a captured step must find the parameters where it left them)."""
 
     state_names: tuple[str, ...] = ()
     device_mask = True  # `step` takes `active` as a device bool tensor [H, C]
@@ -230,11 +229,6 @@ class _Masked(_Run):
         for t in self.t.values():
             t.zero_()  # in place: a captured step keeps reading the same tensors
 
-    def _align(self, k: str, g: torch.Tensor) -> torch.Tensor:
-        """The gradient as it is: parameters keep their memory (a captured step must find them where it left them),
-        and elementwise arithmetic takes mixed layouts."""
-        return g
-
     def _stepping(self, grads: Params, active, frozen):
         """Yield (k, p, g, on, now) per trained parameter: p [H, C, ...] the parameter, g its gradient with L2 weight
         decay added, on [H, C, 1...] the models that step, now [H, C, 1...] their step count including this one."""
@@ -242,7 +236,7 @@ class _Masked(_Run):
         for k, g in grads.items():
             if k in frozen:
                 continue
-            g, p, t = self._align(k, g), self.params[k], self.t[k]
+            p, t = self.params[k], self.t[k]
             shape = (*act.shape, *[1] * (p.dim() - 2))
             t.add_(act)  # [H, C]
             yield k, p, torch.addcmul(g, p, self.wd[k]), act.view(shape), t.view(shape)  # g: [H, C, ...]

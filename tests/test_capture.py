@@ -124,7 +124,6 @@ def test_a_context_that_changes_every_round_stops_capturing(data, monkeypatch):
             return loss * ctx["schedule"][-1], new
 
     monkeypatch.setattr(capture, "MAX_GRAPHS", 3)
-    monkeypatch.setattr("featcache.engine.MAX_GRAPHS", 3)
     with masked_optimizers():
         engine = Engine(Schedule(), configs("fedavg", rounds=4, drop_last=True), *data, capture="replay")
         engine.run()
