@@ -49,12 +49,13 @@ import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from featcache.extraction.identity import content_key, versions
 from featcache import cache as C  # noqa: E402
-from featcache import pipeline as P  # noqa: E402
-from featcache.backbones import create_backbone  # noqa: E402
-from featcache.datasets import PathImages, load_dataset  # noqa: E402
-from featcache.extract import extract  # noqa: E402
-from featcache.partition import PartitionSpec, make_partition  # noqa: E402
+from featcache.extraction import pipeline as P  # noqa: E402
+from featcache.extraction.backbones import create_backbone  # noqa: E402
+from featcache.extraction.datasets import PathImages, load_dataset  # noqa: E402
+from featcache.extraction.plan import extract  # noqa: E402
+from featcache.extraction.partition import PartitionSpec, make_partition  # noqa: E402
 from tests.synthetic import write_format2  # noqa: E402
 
 CORES = len(os.sched_getaffinity(0))
@@ -227,8 +228,8 @@ def staged_blocks(folder: Path, clients: int, rows: int, dims: list[int]) -> tup
         made.append(C.Client("d0", splits["train"], splits["test"], np.arange(0, rows, 5)))
     counts = [{"client": c, "domain": "d0", "train": rows, "val": len(range(0, rows, 5)), "test": rows // 2}
               for c in range(clients)]
-    manifest = {"dataset": {"name": "bench"}, "views": 0, "versions": C.versions()}
-    header = {"key": C.cache_key(manifest), "manifest": manifest, "dataset": "bench", "domains": ["d0"],
+    manifest = {"dataset": {"name": "bench"}, "views": 0, "versions": versions()}
+    header = {"key": content_key(manifest), "manifest": manifest, "dataset": "bench", "domains": ["d0"],
               "classes": [str(k) for k in range(10)], "partition": {}, "counts": {"clients": counts}, "views": 0,
               "versions": manifest["versions"]}
     backbones = [{"key": f"b{j}", "name": f"b{j}", "weights": "random", "weights_sha256": "", "dim": d,

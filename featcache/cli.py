@@ -130,7 +130,7 @@ def extract(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Run each frozen backbone once over every client's images and write the embeddings to an HDF5 cache."""
-    from .extract import Noise, extract as run
+    from .extraction.plan import Noise, extract as run
 
     with progress_bar(not as_json) as progress:
         result = run(
@@ -386,7 +386,7 @@ def plot(
 @app.command()
 def datasets(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """List the dataset readers and the layout each expects."""
-    from .datasets import list_datasets
+    from .extraction.datasets import list_datasets
 
     if as_json:
         _emit({"datasets": dict(sorted(list_datasets().items()))}, True)

@@ -3,7 +3,7 @@
     python tests/crashpoint.py [--kill SPEC] [--pause SPEC:FILE] [--log FILE] -- featcache arguments...
 
 SPEC is WHEN:FUNCTION:N:PATTERN, e.g. `after:os.replace:3:b*.npy`: the N-th call of FUNCTION (a dotted path:
-`os.replace`, `featcache.extract._forward`, `h5py.Group.create_dataset`) that has an argument whose file name matches
+`os.replace`, `featcache.extraction.plan._forward`, `h5py.Group.create_dataset`) that has an argument whose file name matches
 PATTERN (`*` counts every call) triggers, `before` or `after` the call runs.
 
 --kill   the process sends itself SIGKILL: a real kill -9, no exception handler, finally block or atexit hook runs.
@@ -77,7 +77,7 @@ def log_to(path: str) -> None:
             f.write(json.dumps(record) + "\n")
 
     wrap("os.replace", lambda args: write({"replace": os.path.basename(os.fspath(args[1]))}))
-    wrap("featcache.extract._assemble", lambda args: write(
+    wrap("featcache.extraction.plan._assemble", lambda args: write(
         {"parts": {p.name: [p.stat().st_ino, p.stat().st_mtime_ns] for p in sorted(Path(args[1]).iterdir())}}),
         when="before")
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from featcache.extraction.identity import content_key, versions
 from featcache.testing import synthetic_clients  # noqa: F401  (re-exported: the tests import it from here)
 
 
@@ -16,7 +17,7 @@ def write_cache(path, C: int = 4, D: int = 16, K: int = 5, views: int = 0, val_f
 
     train = synthetic_clients(C=C, n=n, D=D, K=K, seed=0, views=views)
     test = synthetic_clients(C=C, n=n, D=D, K=K, seed=1)
-    manifest = {"dataset": {"name": "synthetic"}, "views": views, "versions": fc.versions()}
+    manifest = {"dataset": {"name": "synthetic"}, "views": views, "versions": versions()}
     rows, clients = [], []
     for c in range(C):
         n, m = int(train.counts[c]), int(test.counts[c])
@@ -28,7 +29,7 @@ def write_cache(path, C: int = 4, D: int = 16, K: int = 5, views: int = 0, val_f
             fc.Split(test.labels[c, :m].numpy(), np.arange(m), [test.features[c, :m].numpy()]),
             val))
         rows.append({"client": c, "domain": "synth", "train": n, "val": len(val), "test": m})
-    header = {"key": fc.cache_key(manifest), "manifest": manifest, "dataset": "synthetic",
+    header = {"key": content_key(manifest), "manifest": manifest, "dataset": "synthetic",
               "classes": [str(k) for k in range(K)], "domains": ["synth"], "partition": {},
               "counts": {"clients": rows}, "views": views, "versions": manifest["versions"]}
     backbone = {"key": "synth", "name": "synthetic", "weights": "synthetic", "weights_sha256": "", "dim": D,

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from PIL import Image
 from sklearn.datasets import load_sample_images
 
-from featcache import backbones
-from featcache.backbones import align_state_dicts, create_backbone, list_offline_backbones, packaged_model
+from featcache.extraction import backbones
+from featcache.extraction.backbones import align_state_dicts, create_backbone, list_offline_backbones, packaged_model
 from featcache.errors import UserError
 
 # ImageNet-1k indices that describe sklearn's photos (checked against timm.data.ImageNetInfo): china.jpg shows a
@@ -449,7 +449,7 @@ def test_extract_with_an_augreg_npz_embeds_as_the_same_weights_in_a_state_dict_d
     import h5py
 
     from featcache.cache import read_attrs
-    from featcache.extract import extract
+    from featcache.extraction.plan import extract
 
     source = _random_vit("test_vit", 32)
     npz = _write_augreg(source, tmp_path / AUGREG_FILE)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from harness import run_cli
 
+from featcache.extraction.identity import content_key, versions
 from featcache import cache as C
 from featcache.errors import UserError
 from tests.synthetic import write_cache, write_format2
@@ -35,8 +36,8 @@ def inputs(views: int = 0, rows=((40, 17), (25, 9), (33, 0))) -> tuple[dict, lis
         val = np.sort(rng.choice(n_train, n_train // 4, replace=False))
         clients.append(C.Client(f"d{c % 2}", splits["train"], splits["test"], val))
         counts.append({"client": c, "domain": f"d{c % 2}", "train": n_train, "val": len(val), "test": n_test})
-    manifest = {"dataset": {"name": "fake"}, "views": views, "versions": C.versions()}
-    header = {"key": C.cache_key(manifest), "manifest": manifest, "dataset": "fake", "classes": ["a", "b", "c"],
+    manifest = {"dataset": {"name": "fake"}, "views": views, "versions": versions()}
+    header = {"key": content_key(manifest), "manifest": manifest, "dataset": "fake", "classes": ["a", "b", "c"],
               "domains": ["d0", "d1"], "partition": {}, "counts": {"clients": counts}, "views": views,
               "versions": manifest["versions"]}
     backbones = [{"key": k, "name": k, "weights": "random", "weights_sha256": "", "dim": d, "preprocessing": {}}

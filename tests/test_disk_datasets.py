@@ -24,11 +24,11 @@ from fixtures_disk import (
     write_usps,
 )
 
-from featcache.datasets import load_dataset
-from featcache.datasets.disk import DOMAINNET_CLASSES, OFFICE10_CLASSES, PACS_CLASSES, stratified_split
-from featcache.datasets.safe_pickle import safe_load
+from featcache.extraction.datasets import load_dataset
+from featcache.extraction.datasets.disk import DOMAINNET_CLASSES, OFFICE10_CLASSES, PACS_CLASSES, stratified_split
+from featcache.extraction.datasets.safe_pickle import safe_load
 from featcache.errors import UserError
-from featcache.partition import PartitionSpec, make_partition
+from featcache.extraction.partition import PartitionSpec, make_partition
 
 
 def one_line_error(excinfo, *fragments: str) -> str:

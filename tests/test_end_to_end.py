@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from featcache.algorithms import list_algorithms
-from featcache.extract import extract
+from featcache.extraction.plan import extract
 from featcache.train import train
 
 

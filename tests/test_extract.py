@@ -11,9 +11,10 @@ import h5py
 import numpy as np
 import pytest
 
+from featcache.extraction.identity import content_key, versions
 from featcache import cache as C
 from featcache.errors import UserError
-from featcache.extract import Noise, extract
+from featcache.extraction.plan import Noise, extract
 
 SMALL = dict(dataset="offline-digits", backbone=["efficientnet_lite0"], partition="feature", per_class=3,
              test_per_class=2, image_size=32, domains=["mnist", "synth"])
@@ -156,7 +157,7 @@ def test_cache_key_covers_featcache_preprocessing_code(monkeypatch, tmp_path):
     assert before["code"] != after["code"] and {k: v for k, v in before.items() if k != "code"} == {
         k: v for k, v in after.items() if k != "code"}
     monkeypatch.undo()
-    assert C.cache_key(before) != C.cache_key(after)
+    assert content_key(before) != content_key(after)
     assert "pipeline.py" in C.code_identity()["files"] and "backbones.py" in C.code_identity()["files"]
 
 

@@ -23,7 +23,7 @@ import h5py
 import pytest
 from harness import BACKBONES, everything_in, folder_extract_args, lines, one_thread, sha256, write_folders
 
-from featcache.extract import DiskFullError, extract
+from featcache.extraction.plan import DiskFullError, extract
 from tests.synthetic import write_cache
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ KILLS = {
     "after-block-2": ["after:os.replace:2:b*.npy"],
     "after-block-3": ["after:os.replace:3:b*.npy"],
     "after-block-5-second-client": ["after:os.replace:5:b*.npy"],
-    "inside-block-3": ["after:featcache.extract._forward:8:*"],
+    "inside-block-3": ["after:featcache.extraction.plan._forward:8:*"],
     "inside-assembly": ["after:h5py.Group.create_dataset:13:*"],  # client 001's train features, not yet filled
     "before-final-rename": ["before:os.replace:1:*.h5"],
     "after-final-rename": ["after:os.replace:1:*.h5"],

@@ -20,10 +20,10 @@ import torch
 from fixtures_disk import dump, write_digit5, write_image
 from harness import edit_cache, everything_in, lines, one_line_error, one_thread, run_cli, write_folders
 
-from featcache.backbones import create_backbone
-from featcache.datasets.base import PathImages
+from featcache.extraction.backbones import create_backbone
+from featcache.extraction.datasets.base import PathImages
 from featcache.errors import UserError
-from featcache.extract import extract
+from featcache.extraction.plan import extract
 
 
 @pytest.fixture(autouse=True)

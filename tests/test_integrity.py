@@ -16,8 +16,9 @@ import timm
 import torch
 from harness import BACKBONES, lines, one_thread, run_cli, sha256, write_folders
 
+from featcache.extraction.identity import content_key, versions
 from featcache import cache as C
-from featcache.extract import extract
+from featcache.extraction.plan import extract
 
 FLIPS = 96  # single-bit flips spread evenly over a cache file
 
@@ -97,10 +98,10 @@ def test_cache_from_other_library_versions_is_used_with_one_warning_line(cache, 
         meta = C.read_attrs(f)
     versions = meta["versions"] | {"torch": "1.0.0", "featcache": "0.0.1"}
     manifest = meta["manifest"] | {"versions": versions}
-    rewrite(old, versions=versions, manifest=manifest, key=C.cache_key(manifest), featcache_version="0.0.1")
+    rewrite(old, versions=versions, manifest=manifest, key=content_key(manifest), featcache_version="0.0.1")
     report = C.verify(old)
-    assert report["ok"] and report["stale"] == [f"featcache 0.0.1 (now {C.versions()['featcache']})",
-                                                f"torch 1.0.0 (now {C.versions()['torch']})"]
+    assert report["ok"] and report["stale"] == [f"featcache 0.0.1 (now {versions()['featcache']})",
+                                                f"torch 1.0.0 (now {versions()['torch']})"]
     trained = run_cli("train", "--cache", str(old), "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--set",
                       "batch_size=8", "--out", str(tmp_path / "runs"), "--json")
     assert trained.code == 0, trained.stderr

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from featcache.datasets import load_dataset
-from featcache.datasets.offline_digits import DOMAINS, _domain, _synth, digit_fonts, sample_grid
+from featcache.extraction.datasets import load_dataset
+from featcache.extraction.datasets.offline_digits import DOMAINS, _domain, _synth, digit_fonts, sample_grid
 from featcache.errors import UserError
 
 

@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from featcache import partition
-from featcache.datasets.base import ArrayImages, Dataset
+from featcache.extraction import partition
+from featcache.extraction.datasets.base import ArrayImages, Dataset
 from featcache.errors import UserError
-from featcache.partition import ClientPart, PartitionSpec, list_schemes, make_partition, partition_counts
+from featcache.extraction.partition import ClientPart, PartitionSpec, list_schemes, make_partition, partition_counts
 
 DOMAINS = ("mnist", "svhn", "usps", "synth", "mnistm")
 

@@ -15,12 +15,12 @@ from harness import BACKBONES, one_thread, sha256
 from PIL import Image
 from sklearn.datasets import load_sample_images
 
-from featcache import pipeline as P
-from featcache.backbones import create_backbone
-from featcache.datasets import keep_dataset, load_dataset
-from featcache.datasets.base import ArrayImages, Dataset, PathImages
+from featcache.extraction import pipeline as P
+from featcache.extraction.backbones import create_backbone
+from featcache.extraction.datasets import keep_dataset, load_dataset
+from featcache.extraction.datasets.base import ArrayImages, Dataset, PathImages
 from featcache.errors import UserError
-from featcache.extract import Noise, extract
+from featcache.extraction.plan import Noise, extract
 
 
 def write_photos(root, sizes=((120, 90), (97, 131), (160, 100))):

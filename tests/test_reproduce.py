@@ -383,7 +383,7 @@ def test_backbone_similarity_equals_a_loop_over_models(tmp_path):
 def test_an_extract_without_backbones_plans_with_extracts_default():
     text = PIPELINE.replace('backbone = ["efficientnet_lite0", "efficientnet_lite1"]\n', "")
     cells = plan(parse_pipeline(text.replace("backbones = [0]\n", ""), "toy.toml"), "quick")
-    from featcache.extract import extract
+    from featcache.extraction.plan import extract
     import inspect
 
     default = list(inspect.signature(extract).parameters["backbone"].default)

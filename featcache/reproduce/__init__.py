@@ -8,7 +8,7 @@ A pipeline (pipelines/NAME.toml) holds:
     note                             how the paper's setting maps onto the data at hand (printed with the table)
     extra_rows                       rows we report that the paper's table does not have
     set                              settings for every run (a column's, a run's and the profile's set win, in order)
-    [extract]                        featcache.extract.extract keyword arguments (noise = {kind, scale, p};
+    [extract]                        featcache.extract keyword arguments (noise = {kind, scale, p};
                                      domains = [..] for every dataset, or {dataset = [..]} per dataset)
     [columns."PAPER COLUMN"]         metric (metrics.METRICS), and optional extract / set / backbones / x overrides for
                                      the cells of that column; a paper column without an entry is not reproduced

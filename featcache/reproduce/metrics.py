@@ -90,7 +90,7 @@ def _fixed(trained, job, info, result) -> int:
 
 @lru_cache(maxsize=None)
 def _backbone_params(spec: str, image_size: int | None) -> int:
-    from ..backbones import create_backbone
+    from ..extraction.backbones import create_backbone
 
     return int(sum(p.numel() for p in create_backbone(spec, image_size=image_size).model.parameters()))
 

@@ -62,7 +62,7 @@ def resolve_extract(pipe: Pipeline, overrides: list[dict], dataset: str | None, 
     if "backbone" not in ex:  # extract()'s own default, spelled out: the plan names the backbones of every cell
         import inspect
 
-        from ..extract import extract
+        from ..extraction.plan import extract
 
         ex["backbone"] = list(inspect.signature(extract).parameters["backbone"].default)
     for key in ("alpha", "val_fraction"):  # 1 and 1.0 are one setting: one job, one memo file

@@ -21,7 +21,7 @@ from .. import __version__
 from .. import cache as C
 from ..atomic import check_folder, write_atomic
 from ..errors import UserError, suggest
-from ..extract import Noise, extract
+from ..extraction.plan import Noise, extract
 from ..provenance import library_call, provenance
 from .metrics import NEEDS, RESULT_KEYS
 from .plan import DEFAULT_PROFILE, Job, plan

@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from ..errors import UserError, suggest
-from ..extract import Noise, extract
+from ..extraction.plan import Noise, extract
 from .metrics import METRICS, metric_problem
 
 PAPERS = ("fedpcl", "fedproc", "fedpft")
@@ -155,7 +155,7 @@ def _check_extract(where: str, overrides: dict, base: dict, *, base_table: bool 
         noise = overrides["noise"]
         _check(f"{where} noise", noise, {"kind": (str, True), "scale": ((int, float), True), "p": ((int, float), True)})
         Noise(noise["kind"], float(noise["scale"]), float(noise["p"]))
-    from ..partition import PartitionSpec
+    from ..extraction.partition import PartitionSpec
 
     options = {"scheme" if k == "partition" else k: v for k, v in (base | overrides).items()}  # extract's names
     options = {k: v for k, v in options.items() if k in PartitionSpec.__dataclass_fields__}

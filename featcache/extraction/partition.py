@@ -50,7 +50,7 @@ from typing import Callable
 import numpy as np
 
 from .datasets.base import Dataset
-from .errors import UserError, suggest
+from ..errors import UserError, suggest
 
 _DIRICHLET_TRIES = 100
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import UserError
+from ...errors import UserError
 from . import register_dataset
 from .base import ArrayImages, Dataset
 from .safe_pickle import safe_load

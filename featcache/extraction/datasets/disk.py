@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import UserError
+from ...errors import UserError
 from . import register_dataset
 from .base import ArrayImages, Dataset, PathImages
 from .safe_pickle import safe_load

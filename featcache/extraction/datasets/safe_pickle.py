@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UserError
+from ...errors import UserError
 
 try:  # numpy >= 2 (and the forward-compatibility shim in 1.26)
     from numpy._core import multiarray, numeric

@@ -47,9 +47,10 @@ import h5py
 import numpy as np
 import torch
 
-from . import __version__
-from .atomic import output_errors
-from .errors import UserError
+from .. import __version__
+from ..atomic import output_errors
+from ..errors import UserError
+from ..extraction.identity import content_key
 
 FORMAT = 3  # 2: checksums (`sha256` on every dataset, `meta_sha256` on the root); 3: features stored once (`concat`)
 _CHECKSUM_ATTRS = ("sha256", "meta_sha256")
@@ -60,11 +61,6 @@ _HEADER = ("key", "manifest", "dataset", "classes", "domains", "partition", "cou
 _ROOT_ATTRS = ("featcache_format", "featcache_version", *_HEADER, "backbones", "images", "meta_sha256")
 _BACKBONE_ATTRS = ("name", "weights", "weights_sha256", "dim", "columns", "preprocessing")
 _INDEX_DTYPES = {"labels": "int64", "source_index": "int64", "domain": "int16"}
-
-
-def cache_key(manifest: dict) -> str:
-    """sha256 of the canonical JSON of everything that determines the embeddings."""
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 def cache_path(out: Path, dataset: str, key: str) -> Path:
@@ -378,7 +374,7 @@ def _check_structure(f: h5py.File, problems: list[str]) -> dict[str, h5py.Datase
     meta = read_attrs(f)
     if meta["meta_sha256"] != _meta_sha256(f):
         problems.append("metadata checksum mismatch: names, shapes, dtypes, attributes or placement of arrays changed after writing")
-    if cache_key(meta["manifest"]) != meta["key"]:
+    if content_key(meta["manifest"]) != meta["key"]:
         problems.append("the stored key is not the hash of the stored manifest")
     dims = _column_problems(f, meta["backbones"], problems)
     if dims is None:
@@ -471,6 +467,8 @@ def _value_problems(f: h5py.File, rows: list[dict], classes: int, domains: int, 
 def _stale(stored: dict) -> list[str]:
     """'torch 2.14.1 (now 2.15.0)' for each library whose version differs from the one the cache was made with (the
     cache format is not one: `open_cache` refuses another format, and a migrated cache keeps its versions)."""
+    from ..extraction.identity import versions
+
     return [f"{k} {stored.get(k)} (now {v})" for k, v in versions().items()
             if stored.get(k) != v and k != "cache_format"]
 
@@ -712,47 +710,3 @@ def _same_arrays(path: Path, old: h5py.File, staged: Path) -> None:
 
 
 _MIGRATIONS = {2: _from_format_2}  # format -> converter(old file, new path)
-
-
-# -- the cache key's code and library identity ----------------------------------------------------------------------
-
-# featcache's own code that determines the embeddings (relative to the package): which images (dataset readers,
-# partition), how they are preprocessed (pipeline), how backbones are built and run, and how blocks are embedded and
-# written (extract). Its sha256 is part of every cache key, so a change of any of it gives new caches; `featcache
-# 0.1.0` alone could not tell two preprocessings apart.
-PREPROCESSING_CODE = ("pipeline.py", "backbones.py", "extract.py", "partition.py", "datasets/*.py")
-
-
-def _read_source(rel: str) -> bytes:
-    return (Path(__file__).resolve().parent / rel).read_bytes()
-
-
-def code_identity() -> dict:
-    """{"files": [...], "sha256": ...}: the sha256 over the names and bytes of `PREPROCESSING_CODE`, in order (a
-    file that cannot be read counts as empty, so the key still changes when it comes back)."""
-    root = Path(__file__).resolve().parent
-    files = []
-    for pattern in PREPROCESSING_CODE:
-        found = sorted(p.relative_to(root).as_posix() for p in root.glob(pattern)) if "*" in pattern else [pattern]
-        files += found
-    h = hashlib.sha256()
-    for rel in files:
-        try:
-            data = _read_source(rel)
-        except OSError:
-            data = b""
-        h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
-    return {"files": files, "sha256": h.hexdigest()}
-
-
-def versions() -> dict:
-    """Versions of the libraries whose numerics determine the embeddings."""
-    import importlib.metadata as md
-
-    out = {"featcache": __version__, "cache_format": FORMAT}
-    for dist in ("torch", "torchvision", "timm", "numpy", "pillow"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = None
-    return out

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..errors import UserError
+from ...errors import UserError
 
 
 class ImageSet:

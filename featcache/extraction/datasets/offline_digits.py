@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
-from ..errors import UserError, suggest
+from ...errors import UserError, suggest
 from . import register_dataset
 from .base import ArrayImages, Dataset
 

@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..atomic import write_atomic
-from ..errors import UserError, suggest
+from ...atomic import write_atomic
+from ...errors import UserError, suggest
 from .base import ArrayImages, Dataset, ImageSet, PathImages
 
 _READERS: dict[str, Callable[..., Dataset]] = {}

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .datasets.base import ArrayImages
-from .errors import UserError
+from ..errors import UserError
 
 DESCRIPTION = {
     "version": 2,  # bump on any change to what the operations below compute

@@ -38,11 +38,12 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from . import cache as C
+from .. import cache as C
+from .identity import code_identity, content_key, versions
 from . import pipeline as P
 from .datasets import dataset_identity, keep_dataset, load_dataset
-from .devices import resolve_device
-from .errors import UserError
+from ..devices import resolve_device
+from ..errors import UserError
 from .partition import PartitionSpec, make_partition, partition_counts
 
 Progress = Callable[[str, int, int], None]  # (task label, items done so far, total items)
@@ -144,12 +145,12 @@ def extract(
         "noise": asdict(noise) if noise else None,
         "seed": seed,
         "pipeline": P.DESCRIPTION,
-        "code": C.code_identity()["sha256"],  # featcache's own preprocessing code (cache.PREPROCESSING_CODE)
+        "code": code_identity()["sha256"],  # featcache's own preprocessing code (cache.PREPROCESSING_CODE)
         "precision": "float16" if dev.type == "cuda" else "float32",  # CUDA runs under fp16 autocast
         "allow_partial": allow_partial,
-        "versions": C.versions(),
+        "versions": versions(),
     }
-    key = C.cache_key(manifest)
+    key = content_key(manifest)
     path = C.cache_path(Path(out), dataset, key)
     work = path.with_name(f".{path.name}.parts")  # finished (backbone, client, split) blocks: the resume point
     if path.is_file():
