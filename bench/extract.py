@@ -51,6 +51,7 @@ import torch  # noqa: E402
 
 from featcache.extraction.identity import content_key, versions
 from featcache import cache as C  # noqa: E402
+from featcache.cache import h5, load  # noqa: E402
 from featcache.extraction import pipeline as P  # noqa: E402
 from featcache.extraction.backbones import create_backbone  # noqa: E402
 from featcache.extraction.datasets import PathImages, load_dataset  # noqa: E402
@@ -242,8 +243,8 @@ def format2_load(path: Path, split: str, verify: bool) -> torch.Tensor:
     by side, then `concat` read, rows picked, clients padded: [C, Nmax, D]."""
     with h5py.File(path, "r") as f:
         if verify:
-            for _, ds in C._objects(f, h5py.Dataset):
-                C._scan(ds)
+            for _, ds in h5.objects(f, h5py.Dataset):
+                h5.scan(ds)
             for c in f["clients"]:
                 for s in ("train", "test"):
                     g = f[f"clients/{c}/{s}/features"]
@@ -259,7 +260,7 @@ def format2_load(path: Path, split: str, verify: bool) -> torch.Tensor:
 
 def format3_load(path: Path, split: str, verify: bool) -> torch.Tensor:
     if verify:
-        C._VERIFIED.clear()  # a fresh process
+        load._VERIFIED.clear()  # a fresh process
     return C.load_clients(path, split).features
 
 

@@ -100,10 +100,10 @@ def edit_cache(path: Path, edit, reseal: bool = True) -> Path:
     content checks can tell."""
     import h5py
 
-    from featcache import cache as C
+    from featcache.cache import h5
 
     with h5py.File(path, "r+") as f:
         edit(f)
         if reseal:
-            C.seal(f)
+            h5.seal(f)
     return path

@@ -44,14 +44,14 @@ def write_format2(path, header: dict, backbones: list[dict], clients) -> str:
     `featcache.cache.write` takes; for the migration tests and bench/extract.py's before/after figures."""
     import numpy as np
 
-    from featcache import cache as fc
+    from featcache.cache import h5
 
     images = 0
-    with fc._create_h5(path) as f:  # the file extract created, concat assembled in slices of 4096 rows as it did
-        fc.write_attrs(f, header | {"featcache_format": 2, "featcache_version": "0.1.0",
+    with h5.create_h5(path) as f:  # the file extract created, concat assembled in slices of 4096 rows as it did
+        h5.write_attrs(f, header | {"featcache_format": 2, "featcache_version": "0.1.0",
                                     "backbones": [b["key"] for b in backbones]})
         for b in backbones:
-            fc.write_attrs(f.create_group(f"backbones/{b['key']}"), {k: v for k, v in b.items() if k != "key"})
+            h5.write_attrs(f.create_group(f"backbones/{b['key']}"), {k: v for k, v in b.items() if k != "key"})
         for c, client in enumerate(clients):
             g = f.create_group(f"clients/{c:03d}")
             g.attrs["domain"] = client.domain
@@ -74,6 +74,6 @@ def write_format2(path, header: dict, backbones: list[dict], clients) -> str:
                 images += len(s.labels)
             g["train/val_index"] = np.asarray(client.val_index, np.int64)
         f.attrs["images"] = images
-        fc.seal(f)
-        f.attrs["meta_sha256"] = fc._meta_sha256(f, bind_data=False)  # format 2's metadata checksum
+        h5.seal(f)
+        f.attrs["meta_sha256"] = h5.meta_sha256(f, bind_data=False)  # format 2's metadata checksum
     return str(path)

@@ -15,6 +15,7 @@ from harness import run_cli
 
 from featcache.extraction.identity import content_key, versions
 from featcache import cache as C
+from featcache.cache import h5
 from featcache.errors import UserError
 from tests.synthetic import write_cache, write_format2
 
@@ -58,11 +59,11 @@ def test_the_writer_hashes_what_it_writes_without_reading_anything_back(tmp_path
     with monkeypatch.context() as m:
         for name in ("__getitem__", "read_direct"):
             m.setattr(h5py.Dataset, name, no_reading)
-        m.setattr(C, "_scan", no_reading)
+        m.setattr(h5, "scan", no_reading)
         path, _ = written(tmp_path / "c.h5", views=2)
     assert [p.name for p in tmp_path.iterdir()] == ["c.h5"]  # no partial file left beside it
     with h5py.File(path) as f:
-        for _, ds in C._objects(f, h5py.Dataset):
+        for _, ds in h5.objects(f, h5py.Dataset):
             assert ds.attrs["sha256"] == hashlib.sha256(np.ascontiguousarray(ds[...]).tobytes()).hexdigest()
     assert C.verify(path)["ok"]
 
@@ -72,7 +73,7 @@ def test_features_are_stored_once_as_concat_with_column_ranges(tmp_path):
     with h5py.File(path) as f:
         assert json.loads(f.attrs["backbones"]) == list(DIMS) and f.attrs["featcache_format"] == 3
         assert [json.loads(f[f"backbones/{k}"].attrs["columns"]) for k in DIMS] == [[0, 96], [96, 256]]
-        floats = [name for name, ds in C._objects(f, h5py.Dataset) if ds.dtype == np.float32]
+        floats = [name for name, ds in h5.objects(f, h5py.Dataset) if ds.dtype == np.float32]
         assert all(name.endswith(("/features/concat", "/views/concat")) for name in floats)
         for c in range(3):
             for split, group in (("train", "features"), ("test", "features"), ("train", "views")):
@@ -131,7 +132,7 @@ def test_migrate_keeps_every_array_bitwise_and_halves_the_file(tmp_path, views):
     new, old = format2_copy(tmp_path, views)
     before = old.stat().st_size
     with h5py.File(old) as f:
-        arrays = {name: ds[...] for name, ds in C._objects(f, h5py.Dataset) if not name.endswith(tuple(DIMS))}
+        arrays = {name: ds[...] for name, ds in h5.objects(f, h5py.Dataset) if not name.endswith(tuple(DIMS))}
     result = run_cli("migrate", str(old), "--json")
     assert result.code == 0, result.stderr
     report = json.loads(result.stdout)
@@ -139,7 +140,7 @@ def test_migrate_keeps_every_array_bitwise_and_halves_the_file(tmp_path, views):
                       "bytes": old.stat().st_size}
     assert report["bytes"] < 0.6 * before  # two backbones: format 2 held every feature twice
     with h5py.File(old) as f, h5py.File(new) as g:
-        assert sorted(name for name, _ in C._objects(f, h5py.Dataset)) == sorted(arrays)
+        assert sorted(name for name, _ in h5.objects(f, h5py.Dataset)) == sorted(arrays)
         for name, value in arrays.items():
             assert f[name][...].tobytes() == value.tobytes() == g[name][...].tobytes(), name
         assert json.loads(f.attrs["migrated_from"]) == {"format": 2, "featcache": "0.1.0"}

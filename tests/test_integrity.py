@@ -18,6 +18,7 @@ from harness import BACKBONES, lines, one_thread, run_cli, sha256, write_folders
 
 from featcache.extraction.identity import content_key, versions
 from featcache import cache as C
+from featcache.cache import h5, load
 from featcache.extraction.plan import extract
 
 FLIPS = 96  # single-bit flips spread evenly over a cache file
@@ -45,16 +46,16 @@ def cache(images, tmp_path_factory) -> Path:
 def contents(path: Path) -> dict:
     """Every attribute and every array of a cache, as read back."""
     with h5py.File(path, "r") as f:
-        out = {"/": C._plain_attrs(f)}
-        for name, obj in C._objects(f):
+        out = {"/": h5.plain_attrs(f)}
+        for name, obj in h5.objects(f):
             data = obj[...].tobytes() if isinstance(obj, h5py.Dataset) else None
-            out[name] = (C._plain_attrs(obj), data)
+            out[name] = (h5.plain_attrs(obj), data)
     return out
 
 
 def test_each_dataset_carries_the_sha256_of_its_bytes_and_verify_passes(cache):
     with h5py.File(cache, "r") as f:
-        datasets = C._objects(f, h5py.Dataset)
+        datasets = h5.objects(f, h5py.Dataset)
         for _, ds in datasets:
             assert ds.attrs["sha256"] == hashlib.sha256(ds[...].tobytes()).hexdigest()
         assert len(f.attrs["meta_sha256"]) == 64
@@ -89,16 +90,16 @@ def rewrite(path: Path, **attrs) -> None:
     """Store other root attributes and re-seal, as if the cache had been written that way."""
     with h5py.File(path, "r+") as f:
         C.write_attrs(f, attrs)
-        C.seal(f)
+        h5.seal(f)
 
 
 def test_cache_from_other_library_versions_is_used_with_one_warning_line(cache, tmp_path):
     old = Path(shutil.copy(cache, tmp_path / "old.h5"))
     with h5py.File(old, "r") as f:
         meta = C.read_attrs(f)
-    versions = meta["versions"] | {"torch": "1.0.0", "featcache": "0.0.1"}
-    manifest = meta["manifest"] | {"versions": versions}
-    rewrite(old, versions=versions, manifest=manifest, key=content_key(manifest), featcache_version="0.0.1")
+    stored = meta["versions"] | {"torch": "1.0.0", "featcache": "0.0.1"}
+    manifest = meta["manifest"] | {"versions": stored}
+    rewrite(old, versions=stored, manifest=manifest, key=content_key(manifest), featcache_version="0.0.1")
     report = C.verify(old)
     assert report["ok"] and report["stale"] == [f"featcache 0.0.1 (now {versions()['featcache']})",
                                                 f"torch 1.0.0 (now {versions()['torch']})"]
@@ -121,7 +122,7 @@ def test_loads_check_each_file_version_once_reading_every_feature_byte_once(cach
     and a new version of the file (another mtime) is checked again."""
     copy = Path(shutil.copy(cache, tmp_path / "c.h5"))
     with h5py.File(copy, "r") as f:
-        sizes = {name: ds.nbytes for name, ds in C._objects(f, h5py.Dataset) if name.endswith("/concat")}
+        sizes = {name: ds.nbytes for name, ds in h5.objects(f, h5py.Dataset) if name.endswith("/concat")}
     read: dict[str, int] = {}
     real_getitem, real_direct = h5py.Dataset.__getitem__, h5py.Dataset.read_direct
 
@@ -133,9 +134,9 @@ def test_loads_check_each_file_version_once_reading_every_feature_byte_once(cach
     monkeypatch.setattr(h5py.Dataset, "read_direct",
                         lambda ds, dest, *a, **k: (real_direct(ds, dest, *a, **k), count(ds, dest)))  # all of dest
     structure, features = [], []
-    real_structure, real_features = C._check_structure, C._feature_problems
-    monkeypatch.setattr(C, "_check_structure", lambda f, p: structure.append(1) or real_structure(f, p))
-    monkeypatch.setattr(C, "_feature_problems", lambda name, *a: features.append(name) or real_features(name, *a))
+    real_structure, real_features = load._check_structure, load._feature_problems
+    monkeypatch.setattr(load, "_check_structure", lambda f, p: structure.append(1) or real_structure(f, p))
+    monkeypatch.setattr(load, "_feature_problems", lambda name, *a: features.append(name) or real_features(name, *a))
     train = C.load_clients(copy, "train")
     test = C.load_clients(copy, "test")
     assert read == sizes and len(structure) == 1 and sorted(features) == sorted(sizes)

@@ -1,0 +1,207 @@
+"""Checking a client cache: `verify` (schema, counts, column ranges, finite features, checksums, library versions)
+and `info` (its metadata, refused in one line when damaged). The problem finders are shared with the first-load
+check in `load`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ..errors import UserError
+from ..extraction.identity import content_key
+from .h5 import meta_sha256, objects, read_attrs, scan
+from .write import BACKBONE_ATTRS, FEATURE_GROUPS, INDEX_DTYPES, ROOT_ATTRS, SPLITS
+
+
+def verify(path: str | Path) -> dict:
+    """Check a cache: schema, dtypes, shapes and counts against the stored partition counts, label ranges, column
+    ranges, finite features, array and metadata checksums; and compare the library versions it was extracted with to
+    this environment's. Returns {path, ok, problems (one line each), stale (version differences: warnings, not
+    problems), arrays, bytes, seconds}."""
+    from .load import open_cache  # load checks with the finders below
+
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    stale: list[str] = []
+    arrays = 0
+    try:
+        with open_cache(path) as f:
+            found = _check_structure(f, problems)
+            for name, ds in found.items():
+                if _is_features(name):
+                    digest, finite = scan(ds)
+                    problems += _feature_problems(name, ds, digest, finite)
+            arrays = len(found)
+            stale = _stale(read_attrs(f)["versions"])
+    except UserError as e:
+        problems.append(str(e))
+    except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
+        problems.append(f"unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
+    size = os.path.getsize(path) if Path(path).is_file() else 0
+    return {"path": str(path), "ok": not problems, "problems": problems, "stale": stale, "arrays": arrays,
+            "bytes": size, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def info(path: str | Path) -> dict:
+    """Metadata and per-client counts of a cache, JSON-able. A cache whose metadata is damaged (no `backbones`
+    group, an attribute that is not JSON or is an array, counts of the wrong shape) is one UserError line."""
+    from .load import open_cache, read_meta  # load checks with the finders below
+
+    with open_cache(path) as f:
+        try:
+            if "backbones" not in f or not isinstance(f["backbones"], h5py.Group):
+                raise ValueError("it has no backbones group")
+            meta = read_meta(f)
+            problem = _info_problem(meta)
+        except json.JSONDecodeError as e:
+            problem = f"an attribute is not valid JSON ({e})"
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
+            problem = (str(e).splitlines() or [type(e).__name__])[0]
+        if problem:
+            raise UserError(f"cache {path} is damaged: {problem}; run `featcache verify {path}`, then delete it and "
+                            "re-run `featcache extract`")
+        meta["path"] = str(path)
+        meta["bytes"] = os.path.getsize(path)
+    return meta
+
+
+def _info_problem(meta: dict) -> str | None:
+    """What `featcache info` cannot render in a cache's metadata (None when nothing)."""
+    for k, v in meta.items():
+        if isinstance(v, (np.ndarray, np.generic)):
+            return f"attribute {k!r} is an array, not a number, string or JSON"
+        if k != "backbone_info":
+            try:
+                json.dumps(v)
+            except (TypeError, ValueError):
+                return f"attribute {k!r} is not JSON"
+    for k, b in meta["backbone_info"].items():
+        if not isinstance(b, dict) or any(not isinstance(b.get(a), t) for a, t in
+                                           (("name", str), ("dim", int), ("weights", str), ("weights_sha256", str))):
+            return f"backbones/{k} lacks one of name, dim, weights, weights_sha256"
+        if isinstance(b.get("dim"), bool):
+            return f"backbones/{k} has a dim that is not a number"
+        for a, v in b.items():
+            if isinstance(v, (np.ndarray, np.generic)):
+                return f"backbones/{k} attribute {a!r} is an array"
+    counts = meta.get("counts")
+    rows = counts.get("clients") if isinstance(counts, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(c in r for c in
+                                             ("client", "domain", "train", "val", "test")) for r in rows):
+        return "attribute 'counts' is not {clients: [{client, domain, train, val, test}, ...]}"
+    return None
+
+
+def _check_structure(f: h5py.File, problems: list[str]) -> dict[str, h5py.Dataset]:
+    """Append one line per problem of everything but the feature bytes: attributes, metadata checksum, key, column
+    ranges, the datasets the counts call for with their dtypes and shapes, the index arrays' checksums and values.
+    Returns the datasets found (path -> dataset) whose dtype and shape are right."""
+    missing = [a for a in ROOT_ATTRS if a not in f.attrs]
+    if missing:
+        problems.append(f"root attributes missing: {', '.join(missing)}")
+        return {}
+    meta = read_attrs(f)
+    if meta["meta_sha256"] != meta_sha256(f):
+        problems.append("metadata checksum mismatch: names, shapes, dtypes, attributes or placement of arrays changed after writing")
+    if content_key(meta["manifest"]) != meta["key"]:
+        problems.append("the stored key is not the hash of the stored manifest")
+    dims = _column_problems(f, meta["backbones"], problems)
+    if dims is None:
+        return {}
+    rows = meta["counts"]["clients"]
+    if not rows or "clients" not in f:
+        problems.append("no clients: the cache has no clients/ group or its counts list no client")
+        return {}
+    empty = [f"{c:03d}" for c, row in enumerate(rows) if int(row.get("train", 0)) - int(row.get("val", 0)) < 1]
+    if empty:
+        problems.append(f"client {empty[0]} has no training rows (outside validation)"
+                        + (f" (+{len(empty) - 1} more clients)" if len(empty) > 1 else ""))
+    expected = _expected_datasets(rows, sum(dims), int(meta["views"]))
+    found = dict(objects(f, h5py.Dataset))
+    problems += [f"{name}: missing" for name in sorted(set(expected) - set(found))]
+    problems += [f"{name}: not part of the schema" for name in sorted(set(found) - set(expected))]
+    good = {}
+    for name in sorted(set(expected) & set(found)):
+        ds, (dtype, shape) = found[name], expected[name]
+        if ds.dtype != np.dtype(dtype) or ds.shape != shape:
+            problems.append(f"{name}: {ds.dtype} {list(ds.shape)}, but the stored counts say {dtype} {list(shape)}")
+            continue
+        good[name] = ds
+        if not _is_features(name) and ds.attrs.get("sha256") != scan(ds)[0]:
+            problems.append(f"{name}: sha256 mismatch (the array bytes changed after writing)")
+    if not problems:
+        problems += _value_problems(f, rows, len(meta["classes"]), len(meta["domains"]), int(meta["images"]))
+    return good
+
+
+def _column_problems(f: h5py.File, order: list[str], problems: list[str]) -> list[int] | None:
+    """Each backbone's dim, in `backbones` order, after checking that their `columns` tile `concat` in that order;
+    None when a backbone is missing or lacks an attribute."""
+    dims, start = [], 0
+    for b in order:
+        g = f.get(f"backbones/{b}")
+        if g is None or any(a not in g.attrs for a in BACKBONE_ATTRS):
+            problems.append(f"backbones/{b} is missing or lacks one of {', '.join(BACKBONE_ATTRS)}")
+            return None
+        dims.append(int(g.attrs["dim"]))
+        columns = read_attrs(g)["columns"]
+        if columns != [start, start + dims[-1]]:
+            problems.append(f"backbones/{b}: columns {columns} do not follow the backbones before it in `backbones` "
+                            f"order (expected {[start, start + dims[-1]]})")
+        start += dims[-1]
+    return dims
+
+
+def _is_features(name: str) -> bool:
+    return name.rsplit("/", 2)[-2] in FEATURE_GROUPS
+
+
+def _feature_problems(name: str, ds: h5py.Dataset, digest: str, finite: bool) -> list[str]:
+    return ([f"{name}: sha256 mismatch (the array bytes changed after writing)"] if ds.attrs.get("sha256") != digest
+            else []) + ([] if finite else [f"{name}: NaN or Inf values"])
+
+
+def _expected_datasets(rows: list[dict], width: int, views: int) -> dict[str, tuple[str, tuple]]:
+    """Path -> (dtype, shape) of every dataset the schema and the stored per-client counts call for."""
+    out = {}
+    for c, row in enumerate(rows):
+        for split in SPLITS:
+            base, n = f"clients/{c:03d}/{split}", row[split]
+            out |= {f"{base}/{k}": (dtype, (n,)) for k, dtype in INDEX_DTYPES.items()}
+            out[f"{base}/features/concat"] = ("float32", (n, width))
+            if views and split == "train":
+                out[f"{base}/views/concat"] = ("float32", (n, views, width))
+        out[f"clients/{c:03d}/train/val_index"] = ("int64", (row["val"],))
+    return out
+
+
+def _value_problems(f: h5py.File, rows: list[dict], classes: int, domains: int, images: int) -> list[str]:
+    """Labels and domain indices in range, validation positions increasing inside train, the image total."""
+    problems = []
+    for c in range(len(rows)):
+        for split in SPLITS:
+            for name, bound in (("labels", classes), ("domain", domains)):
+                v = f[f"clients/{c:03d}/{split}/{name}"][...]  # [n]
+                if v.size and not 0 <= v.min() <= v.max() < bound:
+                    problems.append(f"clients/{c:03d}/{split}/{name}: values outside 0..{bound - 1}")
+        val = f[f"clients/{c:03d}/train/val_index"][...]  # [v]
+        if val.size and not (np.all(np.diff(val) > 0) and 0 <= val[0] and val[-1] < rows[c]["train"]):
+            problems.append(f"clients/{c:03d}/train/val_index: not increasing positions inside train")
+    total = sum(row[split] for row in rows for split in SPLITS)
+    if total != images:
+        problems.append(f"images attribute says {images}, the clients hold {total}")
+    return problems
+
+
+def _stale(stored: dict) -> list[str]:
+    """'torch 2.14.1 (now 2.15.0)' for each library whose version differs from the one the cache was made with (the
+    cache format is not one: `open_cache` refuses another format, and a migrated cache keeps its versions)."""
+    from ..extraction.identity import versions
+
+    return [f"{k} {stored.get(k)} (now {v})" for k, v in versions().items()
+            if stored.get(k) != v and k != "cache_format"]

@@ -1,0 +1,209 @@
+"""Reading a client cache: `open_cache` (refusing other formats), `read_meta`, and `load_clients`, one split of
+every client as padded tensors. The first load of a file version in a process checks it as `verify` does, the feature
+arrays on the very read that fills the tensors, so every feature byte is read once."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from .. import __version__
+from ..errors import UserError
+from .check import _check_structure, _feature_problems, _stale
+from .h5 import plain, read_attrs, rows_per_slice
+from .write import FORMAT, SPLITS
+
+# (path, size, mtime, inode) of each cache file version whose structure passed the checks in this process -> the
+# feature arrays of it checked since (each on the read that loaded it)
+_VERIFIED: dict[tuple, set[str]] = {}
+
+
+def read_meta(f: h5py.File) -> dict:
+    """The root attributes, plus `backbone_info`: each backbone's attributes by key."""
+    return read_attrs(f) | {"backbone_info": {k: read_attrs(g) for k, g in f["backbones"].items()}}
+
+
+def _read_only(path: Path, missing_fix: str) -> h5py.File:
+    """`path` opened read-only with h5py; a missing file (`missing_fix` says what to do) or one that is not HDF5 is
+    one UserError line."""
+    if not path.is_file():
+        raise UserError(f"cache {path} does not exist: {missing_fix}")
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        raise UserError(f"cache {path} is not a readable HDF5 file ({e}); delete it and run `featcache extract` again")
+
+
+def open_cache(path: str | Path) -> h5py.File:
+    """Open a finished cache read-only, refusing files that are not featcache caches of this format."""
+    path = Path(path)
+    f = _read_only(path, "run `featcache extract` first (it prints the cache path)")
+    fmt = plain(f.attrs.get("featcache_format"))
+    if fmt != FORMAT:
+        from .migrate import _MIGRATIONS  # migrate opens caches with `_read_only`
+
+        wrote = plain(f.attrs.get("featcache_version", "an unknown version"))
+        f.close()
+        how = f"run `featcache migrate {path}` to convert it in place, or " if fmt in _MIGRATIONS else ""
+        raise UserError(f"{path} has cache format {fmt!r} (written by featcache {wrote}), this featcache {__version__} "
+                        f"reads format {FORMAT}: {how}re-run `featcache extract` with the same options to rebuild it")
+    return f
+
+
+@dataclass
+class ClientData:
+    """All clients of one split as padded tensors, with a leading client axis C, and the cache's metadata."""
+
+    features: torch.Tensor  # [C, Nmax, D] float32 (zeros past counts)
+    labels: torch.Tensor  # [C, Nmax] int64 (-1 past counts)
+    counts: torch.Tensor  # [C] int64
+    num_classes: int
+    views: torch.Tensor | None = None  # [C, Nmax, V, D] float32 augmented views, when cached and asked for
+    meta: dict = field(default_factory=dict)  # root attributes and backbone_info (`read_meta`); {} when not loaded
+
+    def to(self, device) -> "ClientData":
+        move = lambda t: None if t is None else t.to(device)
+        return ClientData(move(self.features), move(self.labels), move(self.counts), self.num_classes,
+                          move(self.views), self.meta)
+
+    @property
+    def mask(self) -> torch.Tensor:  # [C, Nmax] bool
+        return torch.arange(self.features.shape[1], device=self.counts.device) < self.counts[:, None]
+
+
+def load_clients(
+    path: str | Path, split: str = "train", backbones: list[str] | None = None, views: bool = False, holdout: str = "none"
+) -> ClientData:
+    """Read one split of every client as padded tensors, with the cache's metadata in `.meta`.
+
+    `backbones` picks a subset of cached backbones, in the order given (default: all, i.e. the stored `concat`).
+    `holdout` uses the validation positions of the train split: 'none' = all of train, 'fit' = train without the
+    validation rows, 'val' = only the validation rows (split must be 'train' for the last two). The first load of a
+    file in a process checks it as `verify` does (the feature arrays on the read that fills the tensors), and refuses
+    a damaged cache in one line.
+    """
+    path = Path(path)
+    if split not in SPLITS:
+        raise UserError(f"split must be one of {', '.join(SPLITS)} (got {split!r})")
+    with open_cache(path) as f:
+        checked = _checked(path, f)
+        meta = read_meta(f)
+        ranges = _column_ranges(meta, backbones, path)
+        groups = [f["clients"][name][split] for name in sorted(f["clients"])]
+        if views and any("views" not in g for g in groups):
+            raise UserError(f"cache {path} has no augmented views: re-extract with --views 2")
+        rows = [_rows(g, holdout, split) for g in groups]  # C x [n_c] increasing positions
+        counts = [len(r) for r in rows]
+        labels = np.full((len(groups), max(counts, default=0)), -1, np.int64)  # [C, Nmax]
+        for c, (g, r) in enumerate(zip(groups, rows)):
+            labels[c, : len(r)] = g["labels"][...][r]
+        read = lambda group: _read_padded(path, [g[f"{group}/concat"] for g in groups], rows, ranges, checked)
+        return ClientData(features=read("features"), labels=torch.from_numpy(labels),
+                          counts=torch.tensor(counts, dtype=torch.int64),
+                          num_classes=len(meta["classes"]), views=read("views") if views else None, meta=meta)
+
+
+def _refused(path: Path, problems: list[str]) -> UserError:
+    more = f" (+{len(problems) - 1} more: run `featcache verify {path}`)" if len(problems) > 1 else ""
+    return UserError(f"cache {path} failed verification: {problems[0]}{more}; delete it and re-run `featcache extract`")
+
+
+def _checked(path: Path, f: h5py.File) -> set[str]:
+    """The feature arrays of this version of the file (path, size, mtime, inode) already checked in this process.
+    A version not seen before has its structure checked first (everything `verify` checks but the feature bytes):
+    one UserError line when it fails, one warning when it was extracted with other library versions."""
+    st = path.stat()
+    ident = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if ident not in _VERIFIED:
+        problems: list[str] = []
+        try:
+            _check_structure(f, problems)
+            stale = _stale(read_attrs(f)["versions"])
+        except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
+            problems.append(f"unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
+        if problems:
+            raise _refused(path, problems)
+        if stale:
+            warnings.warn(f"cache {path} was extracted with {', '.join(stale)}: a fresh `featcache extract` "
+                          "may give other features", UserWarning, stacklevel=3)
+        _VERIFIED[ident] = set()
+    return _VERIFIED[ident]
+
+
+def _column_ranges(meta: dict, wanted: list[str] | None, path: Path) -> list[tuple[int, int]] | None:
+    """The [start, stop) column ranges of the `wanted` backbones, in that order; None for all in stored order."""
+    order = meta["backbones"]
+    if not wanted or list(wanted) == order:
+        return None
+    unknown = [b for b in wanted if b not in order]
+    if unknown:
+        raise UserError(f"cache {path} has no backbone {unknown[0]!r}; it holds {', '.join(order)}")
+    return [tuple(meta["backbone_info"][b]["columns"]) for b in wanted]
+
+
+def _read_padded(path: Path, datasets: list[h5py.Dataset], rows: list[np.ndarray],
+                 ranges: list[tuple[int, int]] | None, checked: set[str]) -> torch.Tensor:
+    """[C, Nmax, ..., D'] float32, zeros past each client's rows: client c's `rows[c]` of `datasets[c]`, the columns
+    of `ranges` side by side (all when None)."""
+    width = datasets[0].shape[-1] if ranges is None else sum(b - a for a, b in ranges)
+    n = max((len(r) for r in rows), default=0)
+    out = np.zeros((len(datasets), n, *datasets[0].shape[1:-1], width), np.float32)  # [C, Nmax, ..., D']
+    for c, (ds, r) in enumerate(zip(datasets, rows)):
+        _read_into(path, ds, r, ranges, out[c, : len(r)], checked)
+    return torch.from_numpy(out)
+
+
+def _read_into(path: Path, ds: h5py.Dataset, rows: np.ndarray, ranges: list[tuple[int, int]] | None,
+               out: np.ndarray, checked: set[str]) -> None:
+    """out[:] = ds[rows] (the columns of `ranges` side by side, all when None), reading `ds` once, in slices of
+    rows. Unless `checked` already holds it, the same read checks `ds`: its sha256 against the stored one, and that
+    every value is finite."""
+    name = ds.name.lstrip("/")
+    check = name not in checked
+    whole = ranges is None and len(rows) == ds.shape[0]  # rows are increasing: all of them, in order
+    digest, finite = hashlib.sha256(), True
+    step = rows_per_slice(ds)
+    for r in range(0, ds.shape[0], step):
+        stop = min(r + step, ds.shape[0])
+        lo, hi = np.searchsorted(rows, (r, stop))  # rows[lo:hi] fall in this slice
+        if whole:
+            block = out[r:stop]  # [k, ..., D] filled in place
+            ds.read_direct(block, np.s_[r:stop])
+        elif not check and lo == hi:
+            continue  # already checked, and none of its rows is asked for
+        elif check or ranges is None:
+            block = ds[r:stop]  # [k, ..., D]
+        else:  # already checked: read only the columns asked for
+            block = np.concatenate([ds[r:stop, ..., a:b] for a, b in ranges], -1)  # [k, ..., D']
+        if check:
+            digest.update(block)
+            finite = finite and bool(np.isfinite(block).all())
+        if not whole:
+            picked = block[rows[lo:hi] - r]  # [m, ..., D or D']
+            cut = check and ranges is not None
+            out[lo:hi] = np.concatenate([picked[..., a:b] for a, b in ranges], -1) if cut else picked
+    if check:
+        problems = _feature_problems(name, ds, digest.hexdigest(), finite)
+        if problems:
+            raise _refused(path, problems)
+        checked.add(name)
+
+
+def _rows(g, holdout: str, split: str) -> np.ndarray:
+    n = g["labels"].shape[0]
+    if holdout == "none":
+        return np.arange(n)
+    if split != "train":
+        raise UserError(f"holdout={holdout!r} needs split 'train', got {split!r}")
+    val = g["val_index"][...]
+    if holdout == "val":
+        return np.sort(val)
+    if holdout == "fit":
+        return np.setdiff1d(np.arange(n), val)
+    raise UserError(f"holdout must be one of none, fit, val (got {holdout!r})")

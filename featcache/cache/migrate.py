@@ -1,0 +1,76 @@
+"""Converting a cache of an older format to this one in place (`featcache migrate`). Format 2 stored every
+backbone's features twice, as a dataset of its own and inside `concat`; format 3 keeps only `concat`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import h5py
+
+from ..atomic import output_errors
+from ..errors import UserError
+from .h5 import meta_sha256, objects, plain, read_attrs, sync_folder
+from .load import _read_only
+from .write import FORMAT, HEADER, Client, Split, write
+
+
+def migrate(path: str | Path) -> dict:
+    """Convert a cache of an older format to this one, in place: the new file is written beside it and renamed over
+    it only once complete and every array's checksum equals the stored one (the feature bytes are copied, not
+    recomputed). Returns {path, from_format, to_format, bytes_before, bytes}."""
+    path = Path(path)
+    old = _read_only(path, "pass the path of a cache file")
+    with old:
+        fmt = plain(old.attrs.get("featcache_format"))
+        if fmt == FORMAT:
+            raise UserError(f"{path} is already cache format {FORMAT}: nothing to migrate")
+        if fmt not in _MIGRATIONS:
+            known = ", ".join(map(str, _MIGRATIONS))
+            raise UserError(f"{path} has cache format {fmt!r}; `featcache migrate` converts format {known}: re-run "
+                            "`featcache extract` with the same options to rebuild it")
+        if old.attrs.get("meta_sha256") != meta_sha256(old, bind_data=False):
+            raise UserError(f"cache {path} is damaged (metadata checksum mismatch): delete it and re-run "
+                            "`featcache extract`")
+        staged = path.with_name(f".{path.name}.format{FORMAT}")
+        before = os.path.getsize(path)
+        try:
+            with output_errors(staged):  # a full disk or a size limit: one line, the original untouched
+                _MIGRATIONS[fmt](old, staged)  # `write` with replace=True: a staged file of a killed run is ours
+            _same_arrays(path, old, staged)
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+    os.replace(staged, path)
+    sync_folder(path.parent)
+    return {"path": str(path), "from_format": fmt, "to_format": FORMAT, "bytes_before": before,
+            "bytes": os.path.getsize(path)}
+
+
+def _from_format_2(old: h5py.File, staged: Path) -> None:
+    """Format 2 held each backbone's features twice: as a dataset of its own and inside `concat`; keep `concat`."""
+    meta = read_attrs(old)
+    header = {k: meta[k] for k in HEADER} | {"migrated_from": {"format": 2, "featcache": meta["featcache_version"]}}
+    backbones = [{"key": b} | read_attrs(old[f"backbones/{b}"]) for b in meta["backbones"]]
+    views = int(meta["views"])
+
+    def split(g: h5py.Group, name: str) -> Split:
+        s = g[name]
+        return Split(s["labels"][...], s["source_index"][...], [s["features/concat"]],
+                     [s["views/concat"]] if views and name == "train" else None)
+
+    clients = (Client(plain(g.attrs["domain"]), split(g, "train"), split(g, "test"), g["train/val_index"][...])
+               for g in (old["clients"][name] for name in sorted(old["clients"])))
+    write(staged, header, backbones, clients, replace=True)
+
+
+def _same_arrays(path: Path, old: h5py.File, staged: Path) -> None:
+    """Refuse the migration when an array copied into `staged` differs from the bytes `old` says it holds."""
+    with h5py.File(staged, "r") as new:
+        for name, ds in objects(new, h5py.Dataset):
+            if old[name].attrs.get("sha256") != ds.attrs["sha256"]:
+                raise UserError(f"cache {path} is damaged ({name}: sha256 mismatch), nothing was changed: delete it "
+                                "and re-run `featcache extract`")
+
+
+_MIGRATIONS = {2: _from_format_2}  # format -> converter(old file, new path)

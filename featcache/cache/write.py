@@ -1,0 +1,131 @@
+"""Writing a client cache (`write`, used by `extract` and the test fixtures), and its schema.
+
+Schema (format 3; every attribute that is not a number or string is a JSON string):
+
+    /                                   attrs: featcache_format, featcache_version, key, manifest (JSON: everything
+                                               that determines the embeddings), backbones (JSON list = column order),
+                                               classes, domains, dataset, partition, counts, views, versions, images,
+                                               meta_sha256
+    /backbones/<bkey>                   attrs: name, weights, weights_sha256, dim, columns ([start, stop) of its
+                                               features in `concat`), preprocessing (JSON)
+    /clients/<c:03d>                    attrs: domain
+    /clients/<c>/<split>/labels         [n] int64           split is 'train' or 'test'
+    /clients/<c>/<split>/source_index   [n] int64           index into the dataset's domain split
+    /clients/<c>/<split>/domain         [n] int16           index into root attr `domains`
+    /clients/<c>/<split>/features/concat  [n, sum D_b] float32  every backbone's features side by side
+    /clients/<c>/train/views/concat     [n, V, sum D_b] float32  only with --views V (augmented training views)
+    /clients/<c>/train/val_index        [v] int64            positions in train held out for validation
+
+The features exist once, as `concat`; backbone b is its columns `columns` (`x[..., start:stop]`). Reading all
+backbones, what training does by default, is then one contiguous read per client and no copy; one backbone's columns
+are a strided read, still faster than reading every column (bench/extract.py, figure 5, compares the layouts).
+
+Every dataset carries `sha256`, the sha256 of its array bytes (C order), computed by the writer from the bytes it
+writes, and the root `meta_sha256` covers the rest: every object's path, kind, dtype, shape and attributes (`h5`).
+`check.verify` recomputes both and checks the schema; `load.load_clients` checks the same on a file's first load.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import h5py
+import numpy as np
+
+from .. import __version__
+from ..errors import UserError
+from .h5 import create_h5, meta_sha256, sync_folder, write_array, write_attrs, write_columns
+
+FORMAT = 3  # 2: checksums (`sha256` on every dataset, `meta_sha256` on the root); 3: features stored once (`concat`)
+SPLITS = ("train", "test")
+FEATURE_GROUPS = ("features", "views")  # each holds one dataset, `concat`
+HEADER = ("key", "manifest", "dataset", "classes", "domains", "partition", "counts", "views", "versions")
+ROOT_ATTRS = ("featcache_format", "featcache_version", *HEADER, "backbones", "images", "meta_sha256")
+BACKBONE_ATTRS = ("name", "weights", "weights_sha256", "dim", "columns", "preprocessing")
+INDEX_DTYPES = {"labels": "int64", "source_index": "int64", "domain": "int16"}
+
+
+def cache_path(out: Path, dataset: str, key: str) -> Path:
+    return Path(out) / f"{dataset}-{key[:16]}.h5"
+
+
+@dataclass
+class Split:
+    """One client's split as `write` takes it. `features` are column blocks that `write` puts side by side into
+    `concat`: one per backbone (extract), or one holding every column (fixtures, `migrate`). Each is anything sliced
+    by rows into a numpy array: an array, a memory map, an h5py dataset."""
+
+    labels: np.ndarray  # [n] int
+    source_index: np.ndarray  # [n] int
+    features: Sequence  # each [n, D_j] float32, sum D_j = the backbones' dims
+    views: Sequence | None = None  # each [n, V, D_j] float32 (train, with --views V)
+
+
+@dataclass
+class Client:
+    domain: str
+    train: Split
+    test: Split
+    val_index: np.ndarray  # [v] int: positions in train held out for validation
+
+
+def write(path: str | Path, header: dict, backbones: list[dict], clients: Iterable[Client],
+          partial: str | Path | None = None, replace: bool = False) -> int:
+    """Write a cache: into `partial` (default `.NAME.partial` beside `path`), hashing every array from the bytes it
+    writes, then synced and renamed to `path`, so `path` exists only complete; returns the number of images.
+
+    `header` holds the root attributes `HEADER` (and may add others); `backbones` each backbone's `key`, `name`,
+    `weights`, `weights_sha256`, `dim` and `preprocessing`, in column order; `clients` may be a generator, consumed
+    once in client order. An existing `path` is refused unless `replace`. No timestamps: the same inputs give a
+    byte-identical file."""
+    path = Path(path)
+    partial = Path(partial) if partial else path.with_name(f".{path.name}.partial")
+    if path.exists() and not replace:
+        raise UserError(f"{path} already exists: delete it or write the cache elsewhere")
+    missing = [k for k in HEADER if k not in header]
+    if missing:
+        raise ValueError(f"cache header lacks {', '.join(missing)}")
+    try:
+        with create_h5(partial) as f:
+            images = _write_file(f, header, backbones, clients)
+        with open(partial, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    sync_folder(path.parent)
+    return images
+
+
+def _write_file(f: h5py.File, header: dict, backbones: list[dict], clients: Iterable[Client]) -> int:
+    width = sum(int(b["dim"]) for b in backbones)
+    write_attrs(f, header | {"featcache_format": FORMAT, "featcache_version": __version__,
+                             "backbones": [b["key"] for b in backbones]})
+    start = 0
+    for b in backbones:
+        attrs = {k: v for k, v in b.items() if k != "key"} | {"columns": [start, start + int(b["dim"])]}
+        write_attrs(f.create_group(f"backbones/{b['key']}"), attrs)
+        start += int(b["dim"])
+    domains, images = list(header["domains"]), 0
+    for c, client in enumerate(clients):
+        g = f.create_group(f"clients/{c:03d}")
+        g.attrs["domain"] = client.domain
+        for split in SPLITS:
+            s = getattr(client, split)
+            n = len(s.labels)
+            index = {"labels": s.labels, "source_index": s.source_index,
+                     "domain": np.full(n, domains.index(client.domain))}
+            for name, dtype in INDEX_DTYPES.items():
+                write_array(g, f"{split}/{name}", np.asarray(index[name], dtype))
+            write_columns(g, f"{split}/features/concat", s.features, (n,), width)
+            if s.views is not None:
+                write_columns(g, f"{split}/views/concat", s.views, (n, int(header["views"])), width)
+            images += n
+        write_array(g, "train/val_index", np.asarray(client.val_index, np.int64))
+    f.attrs["images"] = images
+    f.attrs["meta_sha256"] = meta_sha256(f)
+    return images
