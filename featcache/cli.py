@@ -103,9 +103,11 @@ def extract(
     dataset: str = typer.Option("offline-digits", help="dataset name (see `featcache datasets`)"),
     backbone: list[str] = typer.Option(["efficientnet_lite0"], help="timm name, NAME=CHECKPOINT or NAME=random; repeat for several"),
     partition: str = typer.Option("feature", help="feature | label | feature-label | pathological | iid"),
-    clients: Optional[int] = typer.Option(None, help="number of clients (default: one per domain / 5)"),
-    alpha: float = typer.Option(0.5, help="Dirichlet concentration for label skew"),
-    per_class: Optional[int] = typer.Option(None, help="train images per class per client (FedPCL: 10)"),
+    clients: Optional[str] = typer.Option(None, help="number of clients (default: one per domain / 5); a comma list "
+                                                     "(5,10,20) writes one cache per value"),
+    alpha: str = typer.Option("0.5", help="Dirichlet concentration for label skew; a comma list sweeps"),
+    per_class: Optional[str] = typer.Option(None, help="train images per class per client (FedPCL: 10); a comma "
+                                                       "list sweeps"),
     test_per_class: Optional[int] = typer.Option(None, help="test images per class per client (FedPCL: 200)"),
     classes_per_client: int = typer.Option(2, help="classes per client for the pathological partition"),
     domain: Optional[list[str]] = typer.Option(None, help="use only these domains (repeat)"),
@@ -121,6 +123,8 @@ def extract(
     data_root: Optional[Path] = typer.Option(None, help="folder holding the dataset"),
     download: bool = typer.Option(False, help="let torchvision datasets download (online users)"),
     out_dir: Path = typer.Option(Path("cache"), "--out", help="folder for caches"),
+    store: Optional[Path] = typer.Option(None, help="folder of the embedding stores (default: OUT/store); share one "
+                                                    "between projects or machines"),
     batch_size: Optional[int] = typer.Option(None, help="images per forward pass (default: 256 on CUDA, 64 on CPU)"),
     workers: Optional[int] = typer.Option(None, help="input worker processes (default: 0 for in-memory arrays, "
                                                      "else one per core)"),
@@ -134,27 +138,47 @@ def extract(
 
     with progress_bar(not as_json) as progress:
         result = run(
-            dataset=dataset, backbone=backbone, partition=partition, clients=clients, alpha=alpha,
-            per_class=per_class, test_per_class=test_per_class, classes_per_client=classes_per_client,
+            dataset=dataset, backbone=backbone, partition=partition, clients=_sweep(clients, int, "--clients"),
+            alpha=_sweep(alpha, float, "--alpha"), per_class=_sweep(per_class, int, "--per-class"),
+            test_per_class=test_per_class, classes_per_client=classes_per_client,
             domains=domain, val_fraction=val_fraction, order=order, image_size=image_size, views=views,
             noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
-            download=download, out=out_dir, batch_size=batch_size, workers=workers, device=device, backend=backend,
+            download=download, out=out_dir, store=store, batch_size=batch_size, workers=workers, device=device, backend=backend,
             allow_partial=allow_partial, progress=progress,
         )
     table = Table(title="featcache extract")
-    for k in ("cache", "cache_hit", "images", "backbones", "seconds"):
-        table.add_row(k, str(result[k]))
+    for r in result.get("caches", [result]):
+        table.add_row("cache", f"{r['cache']} ({'hit' if r['cache_hit'] else 'written'}, {r['images']} images)")
+    table.add_row("backbones", ", ".join(result.get("backbones") or result["caches"][0]["backbones"]))
+    table.add_row("embedded", ", ".join(f"{k} {n} images" for k, n in result["embedded"].items()) or "nothing")
+    table.add_row("seconds", str(result["seconds"]))
     if "phases" in result:  # a miss: where the seconds went
         table.add_row("phases", " · ".join(f"{k} {v:.1f} s" for k, v in result["phases"].items()))
     table.show_header = False
     _emit(result, as_json, table)
 
 
-@app.command()
-def info(cache: Path = typer.Argument(..., help="cache file"), as_json: bool = typer.Option(False, "--json")) -> None:
-    """Show a cache's metadata and per-client counts."""
-    from .cache import info as read
+def _sweep(text: str | None, kind: type, flag: str):
+    """'0.1,0.5,1' -> [0.1, 0.5, 1.0]; one value -> that value; None -> None."""
+    if text is None:
+        return None
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} takes a {kind.__name__} or a comma list of them (got {text!r})") from None
+    return values if len(values) > 1 else values[0]
 
+
+@app.command()
+def info(cache: Path = typer.Argument(..., help="cache file, store file or folder of stores"),
+         as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show a cache's metadata and per-client counts, or what a store (or a folder of them) holds."""
+    from .cache import info as read
+    from .extraction.stores import info as read_store, is_store
+
+    if is_store(cache):
+        _show_stores(read_store(cache), as_json)
+        return
     meta = read(cache)
     if as_json:
         _emit(meta, True)
@@ -171,6 +195,34 @@ def info(cache: Path = typer.Argument(..., help="cache file"), as_json: bool = t
     for c in meta["counts"]["clients"]:
         counts.add_row(*(str(c[col]) for col in ("client", "domain", "train", "val", "test")))
     out.print(counts)
+
+
+def _show_stores(found: dict, as_json: bool) -> None:
+    table = Table(title=f"stores in {found['path']}")
+    for col in ("backbone", "dim", "views", "images", "held", "MB"):
+        table.add_column(col)
+    for st in found["stores"]:
+        held = " · ".join(f"{k} {n}" for k, n in st["held"].items())
+        table.add_row(st["backbone"], str(st["dim"]), str(st["views"]), str(st["images"]), held,
+                      f"{st['bytes'] / 2**20:.1f}")
+    _emit(found, as_json, table)
+
+
+@app.command()
+def gc(store: Path = typer.Argument(..., help="folder of embedding stores (default of extract: CACHE/store)"),
+       dry_run: bool = typer.Option(False, help="say what would be removed, remove nothing"),
+       as_json: bool = typer.Option(False, "--json")) -> None:
+    """Check every store in a folder and remove the ones no command can use (damaged, or made by other code or
+    library versions), with their leftover parts folders."""
+    from .extraction.stores import gc as collect
+
+    report = collect(store, dry_run=dry_run)
+    table = Table(title=f"featcache gc {store}" + (" (dry run)" if dry_run else ""), show_header=False)
+    for entry in report["removed"]:
+        table.add_row("would remove" if dry_run else "removed", entry["file"], entry["reason"])
+    for entry in report["kept"]:
+        table.add_row("kept", entry["file"], "checksums match")
+    _emit(report, as_json, table)
 
 
 @app.command()

@@ -127,13 +127,10 @@ BACKENDS["local"] = _local_backend
 
 
 def _ray_backend(jobs, progress):
-    """Chunks as Ray tasks: `ray.init()` joins RAY_ADDRESS when set (a real cluster), else starts a local one."""
-    try:
-        import ray
-    except ImportError:
-        raise UserError("--backend ray needs Ray: pip install 'featcache[ray]'") from None
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
+    """Chunks as Ray tasks on the cluster of `cluster.ray_module`."""
+    from .cluster import ray_module
+
+    ray = ray_module()
     remote = ray.remote(_run_chunk)
     pending = {remote.remote(*job["args"]): job for job in jobs}
     while pending:

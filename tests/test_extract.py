@@ -134,31 +134,27 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, args, needle)
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
 
 
-def test_cache_key_covers_featcache_preprocessing_code(monkeypatch, tmp_path):
-    """A change of featcache's own preprocessing code (here: pipeline.py's text) gives another cache key."""
-    manifests = []
+def test_keys_cover_featcache_embedding_code_but_not_its_comments(monkeypatch):
+    """A change of what pipeline.py computes gives other store and cache keys; a comment or docstring does not."""
+    from featcache.extraction import identity
 
-    class Stop(Exception):
-        pass
-
-    def spy(manifest):
-        manifests.append(manifest)
-        raise Stop
-
-    monkeypatch.setattr(C, "cache_key", spy)
-    for patched in (False, True):
-        if patched:
-            real = C._read_source
-            monkeypatch.setattr(C, "_read_source", lambda rel: real(rel) + (b"\n# edited" if rel == "pipeline.py"
-                                                                            else b""))
-        with pytest.raises(Stop):
-            extract(**SMALL, out=tmp_path)
-    before, after = manifests
-    assert before["code"] != after["code"] and {k: v for k, v in before.items() if k != "code"} == {
-        k: v for k, v in after.items() if k != "code"}
-    monkeypatch.undo()
-    assert content_key(before) != content_key(after)
-    assert "pipeline.py" in C.code_identity()["files"] and "backbones.py" in C.code_identity()["files"]
+    real = identity._read_source
+    before = identity.code_identity()
+    edits = {"comment": b"\n# a comment\n", "docstring": b'\ndef f():\n    """A docstring."""\n',
+             "code": b"\nEXTRA = 1\n"}
+    after = {}
+    for name, text in edits.items():
+        baseline = b'\ndef f():\n    """Another."""\n' if name == "docstring" else b""
+        monkeypatch.setattr(identity, "_read_source", lambda rel, t=text: real(rel) + (t if rel == "pipeline.py" else b""))
+        after[name] = identity.code_identity()["sha256"]
+        if baseline:
+            monkeypatch.setattr(identity, "_read_source",
+                                lambda rel: real(rel) + (baseline if rel == "pipeline.py" else b""))
+            assert identity.code_identity()["sha256"] == after[name]  # two docstrings, one key
+    assert after["comment"] == before["sha256"] and after["code"] != before["sha256"]
+    assert {"pipeline.py", "embed.py", "backbones/__init__.py"} <= set(before["files"])
+    assert "partition.py" not in before["files"]  # a partition never changes an embedding: stores ignore it
+    assert "partition.py" in identity.code_identity(identity.EMBEDDING_CODE + identity.PARTITION_CODE)["files"]
 
 
 def test_two_backbones_with_the_same_key_get_distinct_keys(tmp_path):

@@ -45,6 +45,34 @@ DESCRIPTION = {
 
 
 @dataclass(frozen=True)
+class Noise:
+    """Image-space privacy noise x~ = (1 - p) x + e, e ~ Laplace/Gaussian(0, scale) on [0, 1] pixels (Tan et al.,
+    FedPCL, NeurIPS 2022, App. A.2.4)."""
+
+    kind: str  # 'laplace' | 'gaussian'
+    scale: float
+    p: float
+
+    def __post_init__(self):
+        if self.kind not in _NOISE:
+            raise UserError(f"unknown noise {self.kind!r}: use laplace or gaussian")
+        if not 0 <= self.p < 1 or self.scale < 0:
+            raise UserError(f"noise needs 0 <= p < 1 and scale >= 0 (got p={self.p}, scale={self.scale})")
+
+    def apply(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """uint8 [H, W, 3] -> uint8 [H, W, 3], noised on [0, 1] pixels and rounded."""
+        x = image.astype(np.float32) / 255.0  # [H, W, 3]
+        x = (1 - self.p) * x + _NOISE[self.kind](rng, self.scale, x.shape)
+        return (np.clip(x, 0, 1) * 255 + 0.5).astype(np.uint8)
+
+
+_NOISE = {
+    "laplace": lambda rng, s, shape: rng.laplace(0.0, s, shape).astype(np.float32),
+    "gaussian": lambda rng, s, shape: rng.normal(0.0, s, shape).astype(np.float32),
+}
+
+
+@dataclass(frozen=True)
 class Geometry:
     """What a backbone's input size and resampling make of an image: backbones that share one share the pixels."""
 

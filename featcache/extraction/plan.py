@@ -1,95 +1,51 @@
-"""`featcache extract`: run each frozen backbone once over every client's images and stream the embeddings to HDF5.
+"""`featcache extract`: partition the images, embed the ones no store holds yet, write one client cache per setting.
 
-The cache key is computed before any model or image is touched, from everything that determines the embeddings
-(dataset identity, partition, backbone weights, preprocessing options and pipeline, views, noise, seed, precision,
-library versions), so a repeated command is a cache hit that costs a hash and a file lookup.
-
-A miss builds every backbone once and makes one pass over the images (`pipeline.py`: each image decoded once, resized
-and normalised for each backbone as batched tensor ops, per-image work in worker processes): each (client, split)
-block's chunks are embedded by every backbone that still needs the block, and each backbone's rows of the block are
-streamed to `.<cache>.parts/b{j}.*.npy.partial`, synced and renamed into place only when complete, so a killed
-extraction resumes from its finished blocks (`--backend ray` runs shares of the blocks as Ray tasks, one per GPU, into
-the same folder). Each backbone's metadata `b{j}.json` follows its blocks. `cache.write` then assembles the HDF5
-file inside the parts folder, each backbone's blocks becoming its columns of the one `concat` array (hashed as they
-are written), syncs it and renames it into place. An exclusive lock on the parts folder keeps two extractions of the
-same cache from writing at once (the second waits, then finds the cache); readers only ever see finished caches.
+Everything that determines an embedding is hashed before any model or image is touched into each backbone's store
+key (`identity.py`), and with the partition into the cache key, so a repeated command is a cache hit that costs a
+hash and a file lookup. On a miss the partitions are computed (index lists), each backbone's store (`store.py`) is
+filled with the images they need and it does not hold (`embed.py`: one decode per image for all backbones), and each
+client cache is gathered from the stores' rows (`featcache.cache.write`). A new α, client count or seed therefore
+embeds nothing; a sweep (`alpha=[0.1, 0.5, 1]`) writes one cache per setting from one pass of the backbones.
 
 When a run fails: a kill or Ctrl-C keeps the finished blocks (the same command resumes); a full disk keeps them too
-and says so in one line (free space, run the same command again); any other error (bad input) removes the parts
-folder when this run created it. Partial files never survive a failure that Python sees.
+and says so in one line; any other error (bad input) removes what this run created. Partial files never survive a
+failure that Python sees.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import itertools
-import json
-import os
-import re
 import shutil
 import time
-from collections import deque
-from contextlib import ExitStack, contextmanager, suppress
-from dataclasses import asdict, dataclass, replace
+from contextlib import ExitStack, suppress
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
-import torch
 
 from .. import cache as C
-from .identity import code_identity, content_key, versions
+from ..errors import UserError
 from . import pipeline as P
 from .datasets import dataset_identity, keep_dataset, load_dataset
-from ..devices import resolve_device
-from ..errors import UserError
+from .embed import BACKENDS, Block, Progress, Settings
+from .files import DiskFullError, locked, remove_partials, writing
+from .identity import EMBEDDING_CODE, PARTITION_CODE, code_identity, content_key, versions
 from .partition import PartitionSpec, make_partition, partition_counts
+from .pipeline import Noise
+from .store import Need, Store, store_path
 
-Progress = Callable[[str, int, int], None]  # (task label, items done so far, total items)
+__all__ = ["extract", "Noise", "DiskFullError"]
 SPLITS = ("train", "test")
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # no space, quota, file size limit
-
-
-class DiskFullError(UserError):
-    """The disk filled up while writing; finished blocks are kept so the same command resumes."""
-
-
-@dataclass(frozen=True)
-class Noise:
-    """Image-space privacy noise x~ = (1 - p) x + e, e ~ Laplace/Gaussian(0, scale) on [0, 1] pixels (Tan et al.,
-    FedPCL, NeurIPS 2022, App. A.2.4)."""
-
-    kind: str  # 'laplace' | 'gaussian'
-    scale: float
-    p: float
-
-    def __post_init__(self):
-        if self.kind not in _NOISE:
-            raise UserError(f"unknown noise {self.kind!r}: use laplace or gaussian")
-        if not 0 <= self.p < 1 or self.scale < 0:
-            raise UserError(f"noise needs 0 <= p < 1 and scale >= 0 (got p={self.p}, scale={self.scale})")
-
-    def apply(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """uint8 [H, W, 3] -> uint8 [H, W, 3], noised on [0, 1] pixels and rounded."""
-        x = image.astype(np.float32) / 255.0  # [H, W, 3]
-        x = (1 - self.p) * x + _NOISE[self.kind](rng, self.scale, x.shape)
-        return (np.clip(x, 0, 1) * 255 + 0.5).astype(np.uint8)
-
-
-_NOISE = {
-    "laplace": lambda rng, s, shape: rng.laplace(0.0, s, shape).astype(np.float32),
-    "gaussian": lambda rng, s, shape: rng.normal(0.0, s, shape).astype(np.float32),
-}
+BLOCK_BATCHES = 16  # a block (the unit of resume) is 16 batches of images
 
 
 def extract(
     dataset: str = "offline-digits",
     backbone: list[str] = ("efficientnet_lite0",),
     partition: str = "feature",
-    clients: int | None = None,
-    alpha: float = 0.5,
-    per_class: int | None = None,
+    clients: int | list[int] | None = None,
+    alpha: float | list[float] = 0.5,
+    per_class: int | list[int] | None = None,
     test_per_class: int | None = None,
     classes_per_client: int = 2,
     domains: list[str] | None = None,
@@ -102,6 +58,7 @@ def extract(
     data_root: str | Path | None = None,
     download: bool = False,
     out: str | Path = "cache",
+    store: str | Path | None = None,
     batch_size: int | None = None,
     workers: int | None = None,
     device: str = "auto",
@@ -109,12 +66,13 @@ def extract(
     allow_partial: bool = False,
     progress: Progress | None = None,
 ) -> dict:
-    """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, seconds}.
+    """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, embedded, seconds}.
 
-    `batch_size` (images per forward) and `workers` (input worker processes) default from the device and the
-    dataset (`pipeline.default_batch_size`, `pipeline.default_workers`); neither changes the cache's bytes on one
-    machine. `backend` 'ray' runs the blocks as Ray tasks. `allow_partial` loads checkpoints whose keys do not all
-    match (the rest keeps a seeded random init)."""
+    A list for `clients`, `alpha` or `per_class` is a sweep: one cache per combination, all from one fill of the
+    stores; the result then lists each cache's summary under `caches`. `store` is the folder of the embedding
+    stores (default `out/store`; a shared folder lets a lab share one). `batch_size` (images per forward) and
+    `workers` (input worker processes) default from the device and the dataset. `backend` 'ray' runs the blocks as
+    Ray tasks. `allow_partial` loads checkpoints whose keys do not all match (the rest keeps a seeded random init)."""
     t0 = time.perf_counter()
     backbone = list(backbone)
     if not backbone:
@@ -126,68 +84,69 @@ def extract(
             raise UserError(f"{flag} must be >= {least} (got {value})")
     if backend not in BACKENDS:
         raise UserError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
-    spec = PartitionSpec(
-        scheme=partition, clients=clients, alpha=alpha, per_class=per_class, test_per_class=test_per_class,
-        classes_per_client=classes_per_client, domains=tuple(domains) if domains else None,
-        val_fraction=val_fraction, order=order, seed=seed,
-    )
+    specs = [PartitionSpec(scheme=partition, clients=c, alpha=a, per_class=n, test_per_class=test_per_class,
+                           classes_per_client=classes_per_client, domains=tuple(domains) if domains else None,
+                           val_fraction=val_fraction, order=order, seed=seed)
+             for c, a, n in itertools.product(*(_values(v) for v in (clients, alpha, per_class)))]
     from .backbones import weights_identity
 
     runner = BACKENDS[backend]()
     dev = runner.device(device)
     identity, data = dataset_identity(dataset, data_root, download)
-    manifest = {
-        "dataset": identity,
-        "partition": spec.to_dict(),
-        "backbones": [weights_identity(b) for b in backbone],
-        "image_size": image_size,
-        "views": views,
-        "noise": asdict(noise) if noise else None,
-        "seed": seed,
-        "pipeline": P.DESCRIPTION,
-        "code": code_identity()["sha256"],  # featcache's own preprocessing code (cache.PREPROCESSING_CODE)
+    embedding = {  # what determines one image's embedding by one backbone, but the backbone itself
+        "dataset": identity, "image_size": image_size, "views": views, "noise": asdict(noise) if noise else None,
+        "seed": seed if noise or views else None,  # the seed of the noise and the views, else of nothing embedded
+        "pipeline": P.DESCRIPTION, "code": code_identity(EMBEDDING_CODE)["sha256"],
         "precision": "float16" if dev.type == "cuda" else "float32",  # CUDA runs under fp16 autocast
-        "allow_partial": allow_partial,
-        "versions": versions(),
-    }
-    key = content_key(manifest)
-    path = C.cache_path(Path(out), dataset, key)
-    work = path.with_name(f".{path.name}.parts")  # finished (backbone, client, split) blocks: the resume point
-    if path.is_file():
-        _drop_leftover(work)
-        return _hit(path, key, t0)
+        "allow_partial": allow_partial, "versions": versions()}
+    weights = [weights_identity(b) for b in backbone]
+    by_path: dict[Path, Store] = {}  # two specs of the same weights share one store
+    stores = [by_path.setdefault(path, Store(path, key)) for w in weights
+              for key in [content_key(embedding | {"backbone": w})]
+              for path in [store_path(Path(store or Path(out) / "store"), dataset, w["name"], key)]]
+    manifests = [embedding | {"partition": spec.to_dict(), "seed": seed, "backbones": weights,
+                              "code": code_identity(EMBEDDING_CODE + PARTITION_CODE)["sha256"]} for spec in specs]
+    keys = [content_key(m) for m in manifests]
+    paths = [C.cache_path(Path(out), dataset, key) for key in keys]
+    if all(p.is_file() for p in paths):
+        return _summary([_hit(p, k, t0) for p, k in zip(paths, keys)], {}, t0)
 
     phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
     t = time.perf_counter()
     data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
     _refuse_empty_classes(data)
-    parts = make_partition(data, spec)
+    parts = [make_partition(data, spec) for spec in specs]
     phases["dataset"] = time.perf_counter() - t
-    with _writing(work):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(work) as resuming:
-            if path.is_file():  # another process finished it while we waited for the lock
-                shutil.rmtree(work)
-                return _hit(path, key, t0)
-            try:
-                run = Settings(tuple(backbone), image_size, noise, seed, batch_size or P.default_batch_size(dev),
-                               P.default_workers(data, views) if workers is None else workers, str(dev),
-                               allow_partial)
-                metas = _distinct_keys(_embedded(work, runner, data, parts, views, run, progress, phases))
-                t = time.perf_counter()
-                images = _assemble(path, work, data, parts, metas, manifest, key, views)
-                phases["assembly"] = time.perf_counter() - t
-            except BaseException as e:
-                for partial in work.glob("*.partial"):
-                    partial.unlink()
-                if not (resuming or isinstance(e, (KeyboardInterrupt, DiskFullError))):
-                    shutil.rmtree(work, ignore_errors=True)  # bad input: nothing of this run is worth keeping
-                raise
-            shutil.rmtree(work)
+    run = Settings(tuple(backbone), image_size, noise, seed, batch_size or P.default_batch_size(dev),
+                   P.default_workers(data, views) if workers is None else workers, str(dev), allow_partial,
+                   tuple(s.work / "meta.json" for s in stores))
+    with _made(Path(out), *(s.path.parent for s in stores)), ExitStack() as held:
+        resumable = {s.path: (s.work / "plan.json").is_file() for s in by_path.values()}
+        for s in sorted(by_path.values(), key=lambda s: s.path):  # one lock order: two extractions never deadlock
+            held.enter_context(locked(s.work))
+        try:
+            embedded = _fill(stores, embedding, weights, _needs(parts, views), data, run, runner, progress, phases)
+            metas = _distinct_keys([s.backbone() for s in stores])
+            t = time.perf_counter()
+            results = [_hit(p, k, t0) if p.is_file() else _write(p, k, m, data, spec_parts, stores, metas, views, t0)
+                       for p, k, m, spec_parts in zip(paths, keys, manifests, parts)]
+            phases["assembly"] = time.perf_counter() - t
+        except BaseException as e:
+            for s in by_path.values():
+                remove_partials(s.work)
+                if not (resumable[s.path] or isinstance(e, (KeyboardInterrupt, DiskFullError))):
+                    shutil.rmtree(s.work, ignore_errors=True)  # bad input: nothing of this run is worth keeping
+            raise
+        for s in by_path.values():
+            shutil.rmtree(s.work)
     with suppress(OSError):  # a built-in dataset's next miss reads its arrays instead of building them
         keep_dataset(data, out)
-    return _result(path, False, key, images, [m["key"] for m in metas], t0) | {
-        "phases": {k: round(v, 3) for k, v in phases.items()}}
+    embedded = {m["key"]: n for m, n in zip(metas, embedded)}
+    return _summary(results, embedded, t0) | {"phases": {k: round(v, 3) for k, v in phases.items()}}
+
+
+def _values(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _refuse_empty_classes(data) -> None:
@@ -200,237 +159,61 @@ def _refuse_empty_classes(data) -> None:
                         "add images of it or remove it")
 
 
-@contextmanager
-def _writing(target: Path) -> Iterator[None]:
-    """Turn a full disk (or quota, or file size limit) while writing `target` into one `DiskFullError` line."""
-    try:
-        yield
-    except (OSError, RuntimeError) as e:  # HDF5 reports a failed write as a RuntimeError naming the errno
-        found = re.search(r"errno = (\d+)", str(e))
-        code = getattr(e, "errno", None) or (int(found.group(1)) if found else None)
-        if code not in _DISK_FULL:
-            raise
-        raise DiskFullError(f"disk full while writing {target} ({os.strerror(code)}): free space and run the same "
-                            "command again; finished blocks are kept and resumed") from None
+class _made:
+    """Remove the folders in `paths` that this run created when it fails on bad input (not on a kill, Ctrl-C or
+    full disk, which keep their resume point)."""
+
+    def __init__(self, *paths: Path) -> None:
+        self.fresh = [p for p in dict.fromkeys(paths) if not p.exists()]
+        for p in paths:
+            p.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        if error is not None and not isinstance(error, (KeyboardInterrupt, DiskFullError)):
+            for p in reversed(self.fresh):
+                with suppress(OSError):
+                    p.rmdir()  # only when empty: never a user's file
 
 
-@contextmanager
-def _locked(work: Path) -> Iterator[bool]:
-    """Hold the exclusive lock of the work folder; yields whether it holds finished blocks to resume from.
-    The holder may delete the folder: a waiter then finds its lock file unlinked, and locks the new folder instead."""
-    while True:
-        work.mkdir(exist_ok=True)
-        try:
-            lock = open(work / "lock", "a")
-        except FileNotFoundError:  # the holder removed the folder between our mkdir and open
-            continue
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if _same_file(lock, work / "lock"):
-                yield any(work.glob("b*.npy")) or any(work.glob("b*.json"))
-                return
+def _needs(parts_by_setting, views: int) -> dict[Need, np.ndarray]:
+    """(domain, split, views) -> the source indices any setting's clients hold (sorted, unique)."""
+    rows: dict[Need, list] = {}
+    for parts in parts_by_setting:
+        for part in parts:
+            for split in SPLITS:
+                kinds = (0, views) if views and split == "train" else (0,)
+                for v in kinds:
+                    rows.setdefault((part.domain, split, v), []).append(getattr(part, split))
+    return {need: np.unique(np.concatenate(r)).astype(np.int64) for need, r in rows.items()}
 
 
-def _same_file(handle, path: Path) -> bool:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(handle.fileno())
-    return (st.st_ino, st.st_dev) == (held.st_ino, held.st_dev)
-
-
-def _drop_leftover(work: Path) -> None:
-    """Remove a parts folder left behind by an extraction killed after its final rename (when nobody holds it)."""
-    try:
-        with open(work / "lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if _same_file(lock, work / "lock"):
-                shutil.rmtree(work)
-    except (FileNotFoundError, BlockingIOError):
-        pass
-
-
-@contextmanager
-def _synced(path: Path) -> Iterator:
-    """A file handle on `path.partial`; when the block ends without error the file is synced and renamed to `path`,
-    so `path` exists only complete. Plain writes, not a memory map: a full disk is an OSError, never a SIGBUS."""
-    partial = path.with_name(path.name + ".partial")
-    with _writing(path), open(partial, "wb") as fh:
-        yield fh
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(partial, path)
-
-
-@dataclass(frozen=True)
-class Block:
-    """One client's split, as plain features or as augmented views, for every backbone: the unit of resume."""
-
-    client: int
-    domain: str
-    split: str
-    views: int  # 0: features [n, D]; V: views [n, V, D]
-    rows: np.ndarray  # [n] indices into data.domains[domain][split]
-
-    def file(self, j: int) -> str:
-        return f"b{j}.{self.client:03d}.{self.split}.{'views' if self.views else 'features'}.npy"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What the embedding pass needs besides the images: the same for the local and the Ray backend."""
-
-    specs: tuple[str, ...]
-    image_size: int | None
-    noise: Noise | None
-    seed: int
-    batch_size: int
-    workers: int
-    device: str
-    allow_partial: bool
-
-
-def _embedded(work: Path, runner, data, parts, views: int, run: Settings, progress, phases: dict) -> list[dict]:
-    """Every block of every backbone in `work` (finished ones kept), then each backbone's `b{j}.json` metadata;
-    returns the metadata in backbone order."""
-    blocks, meta_files = _blocks(parts, views), [work / f"b{j}.json" for j in range(len(run.specs))]
-    jobs = [(block, todo) for block in blocks
-            if (todo := [j for j in range(len(run.specs)) if not (work / block.file(j)).is_file()])]
-    metas = runner.embed(work, jobs, data, run, progress, phases) if jobs else {}
-    for j, file in enumerate(meta_files):
-        if not file.is_file():
-            meta = metas.get(j) or _metadata(_build(run, j))  # all its blocks survived a kill, its metadata did not
-            with _synced(file) as fh:
-                fh.write(json.dumps(meta).encode())
-    return [json.loads(file.read_text()) for file in meta_files]
-
-
-def _build(run: Settings, j: int):
-    from .backbones import create_backbone
-
-    return create_backbone(run.specs[j], image_size=run.image_size, allow_partial=run.allow_partial)
-
-
-def _metadata(bb) -> dict:
-    return {"key": bb.key, "name": bb.name, "weights": bb.weights, "weights_sha256": bb.weights_sha256,
-            "dim": bb.dim, "preprocessing": bb.preprocessing | {"pipeline": P.DESCRIPTION}}
-
-
-def _rows_to_embed(jobs: list[tuple[Block, list[int]]]) -> dict[int, int]:
-    """Backbone index -> the rows `jobs` embed with it (the progress total)."""
-    total: dict[int, int] = {}
-    for block, js in jobs:
-        for j in js:
-            total[j] = total.get(j, 0) + len(block.rows)
-    return total
-
-
-def _blocks(parts, views: int) -> list[Block]:
-    return [Block(c, part.domain, split, v, getattr(part, split)) for c, part in enumerate(parts) for split in SPLITS
-            for v in ((0, views) if views and split == "train" else (0,))]
-
-
-def _embed(work: Path, jobs: list[tuple[Block, list[int]]], data, run: Settings, progress: Progress | None = None,
-           phases: dict | None = None) -> dict[int, dict]:
-    """One pass over the images of `jobs` (block, the backbones that still need it): each chunk of images is decoded
-    once and embedded by every backbone that needs it; each block's rows are streamed to `work/b{j}.*.npy.partial`,
-    renamed into place when the block is complete. Builds each backbone once; returns their metadata by index."""
-    t = time.perf_counter()
-    dev = torch.device(run.device)
-    needed = sorted({j for _, js in jobs for j in js})
-    built = {j: _build(run, j) for j in needed}
-    models = {j: bb.model.to(dev, memory_format=torch.channels_last) for j, bb in built.items()}
-    inputs = {j: (P.Geometry.of(bb.preprocessing), tuple(bb.preprocessing["mean"]), tuple(bb.preprocessing["std"]))
-              for j, bb in built.items()}  # backbones with the same (geometry, mean, std) share one float input
-    chunks = [P.Chunk(b, block.domain, block.split, block.rows[r : r + run.batch_size], block.views)
-              for b, (block, _) in enumerate(jobs) for r in range(0, len(block.rows), run.batch_size)]
-    source = P.Chunks(data, chunks, list(dict.fromkeys(g for g, _, _ in inputs.values())), run.noise, run.seed)
-    total, done = _rows_to_embed(jobs), dict.fromkeys(needed, 0)
-    if phases is not None:
-        phases["models"] += (t1 := time.perf_counter()) - t
-    for block, js in jobs:  # a client with no rows in a split (no chunk will visit it): empty blocks
-        if len(block.rows) == 0:
-            for j in js:
-                with _block_file(work / block.file(j), 0, block.views, built[j].dim):
-                    pass
-    writer = _Writer(dev, lag=len(needed))
-    with torch.inference_mode():
-        for b, prepared in itertools.groupby(P.loader(source, run.workers, dev), key=lambda item: item[0]):
-            block, js = jobs[b]
-            with ExitStack() as files:
-                fh = {j: files.enter_context(_block_file(work / block.file(j), len(block.rows), block.views,
-                                                         built[j].dim)) for j in js}
-                for _, images in prepared:
-                    x = P.to_device(images, source.geometries, dev)  # {geometry: [B*V, 3, H, W] uint8}
-                    floats = {}  # (geometry, mean, std) -> [B*V, 3, H, W] float32
-                    for j in js:
-                        if (key := inputs[j]) not in floats:
-                            floats[key] = P.normalise(x[key[0]], key[1], key[2])
-                        z = _forward(models[j], floats[key], dev)  # [B*V, D]
-                        writer.put(fh[j], z)
-                        done[j] += len(z) // max(block.views, 1)
-                        if progress:
-                            progress(built[j].key, done[j], total[j])
-                writer.flush()
-    if phases is not None:
-        phases["embedding"] += time.perf_counter() - t1
-    return {j: _metadata(bb) for j, bb in built.items()}
-
-
-@contextmanager
-def _block_file(path: Path, rows: int, views: int, dim: int) -> Iterator:
-    """An open `.npy` of float32 [rows, dim] (or [rows, views, dim]) filled by plain writes, complete or absent."""
-    with _synced(path) as fh:
-        shape = (rows, views, dim) if views else (rows, dim)
-        np.lib.format.write_array_header_1_0(fh, {"descr": "<f4", "fortran_order": False, "shape": shape})
-        yield fh
-
-
-class _Writer:
-    """Writes embedded rows to their block files. On CUDA a batch's device-to-host copy is started at once and
-    written `lag` batches later, so the copy and the disk write overlap the next forward passes."""
-
-    def __init__(self, dev: torch.device, lag: int) -> None:
-        self.cuda, self.lag, self.pending = dev.type == "cuda", lag, deque()
-
-    def put(self, fh, z: torch.Tensor) -> None:
-        if not self.cuda:
-            fh.write(z.numpy().astype("<f4", copy=False).tobytes())
-            return
-        host = z.to("cpu", non_blocking=True)  # into pinned memory
-        done = torch.cuda.Event()
-        done.record()
-        self.pending.append((fh, host, done))
-        while len(self.pending) > self.lag:
-            self._write_oldest()
-
-    def flush(self) -> None:
-        while self.pending:
-            self._write_oldest()
-
-    def _write_oldest(self) -> None:
-        fh, host, done = self.pending.popleft()
-        done.synchronize()
-        fh.write(host.numpy().astype("<f4", copy=False).tobytes())
-
-
-def _forward(model, x: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """[B, 3, H, W] float32 on the device -> [B, D] float32 on the device (fp16 autocast on CUDA)."""
-    with torch.autocast(dev.type, dtype=torch.float16, enabled=dev.type == "cuda"):
-        return model(x).float()
-
-
-def _assemble(path: Path, work: Path, data, parts, metas, manifest, key, views) -> int:
-    """Write the HDF5 cache from the finished blocks inside `work` (`cache.write`: each backbone's block becomes its
-    columns of `concat`, hashed as written, synced and renamed into place); returns the number of images."""
-    domains = list(dict.fromkeys(p.domain for p in parts))  # the domains clients hold, in client order
-    header = {"key": key, "manifest": manifest, "dataset": data.name, "classes": list(data.classes),
-              "domains": domains, "partition": manifest["partition"], "counts": partition_counts(data, parts),
-              "views": manifest["views"], "versions": manifest["versions"]}
-    with _writing(path):
-        return C.write(path, header, metas, _clients(work, data, parts, len(metas), views),
-                       partial=work / "cache.h5.partial")
+def _fill(stores: list[Store], embedding: dict, weights: list[dict], needs: dict[Need, np.ndarray], data,
+          run: Settings, runner, progress, phases) -> list[int]:
+    """Embed what `needs` asks for and the stores do not hold, one decode per image for all backbones; returns the
+    images each backbone's store gained (a killed fill's finished blocks are committed first)."""
+    first: dict[Store, int] = {}  # each store is filled by its first backbone
+    for j, s in enumerate(stores):
+        first.setdefault(s, j)
+    identities = {s: embedding | {"backbone": weights[j]} for s, j in first.items()}
+    added = {s: s.commit(identities[s]) for s in first}
+    held = [s.held() for s in first]
+    blocks: list[tuple[Need, np.ndarray, tuple[int, ...]]] = []
+    rows_per_block = BLOCK_BATCHES * run.batch_size
+    for need, rows in needs.items():
+        missing = np.stack([~np.isin(rows, h.get(need, ())) for h in held], 1)  # [n, stores]
+        for pattern in sorted({tuple(m) for m in missing if m.any()}, reverse=True):
+            mine = rows[(missing == pattern).all(1)]  # the rows exactly these stores need
+            js = tuple(j for j, m in zip(first.values(), pattern) if m)
+            blocks += [(need, mine[r : r + rows_per_block], js) for r in range(0, len(mine), rows_per_block)]
+    if blocks:
+        files = {j: iter(s.plan([(need, rows) for need, rows, js in blocks if j in js])) for s, j in first.items()}
+        jobs = [Block(d, sp, v, rows, {j: next(files[j]) for j in js}) for (d, sp, v), rows, js in blocks]
+        runner.embed(jobs, data, run, progress, phases)
+    added = {s: n + s.commit(identities[s]) for s, n in added.items()}
+    return [added[s] for s in stores]
 
 
 def _distinct_keys(metas: list[dict]) -> list[dict]:
@@ -444,16 +227,28 @@ def _distinct_keys(metas: list[dict]) -> list[dict]:
     return out
 
 
-def _clients(work: Path, data, parts, backbones: int, views: int) -> Iterator[C.Client]:
-    """Each client as `cache.write` takes it, its features the block files of every backbone (memory-mapped)."""
-    for c, part in enumerate(parts):
-        blocks = lambda split, group: [np.load(work / f"b{j}.{c:03d}.{split}.{group}.npy", mmap_mode="r")
-                                       for j in range(backbones)]  # each [n, D_j] or [n, V, D_j]
-        splits = {split: C.Split(data.domains[part.domain][split].labels[getattr(part, split)], getattr(part, split),
-                                 blocks(split, "features"), blocks(split, "views") if views and split == "train"
-                                 else None)
-                  for split in SPLITS}
-        yield C.Client(part.domain, splits["train"], splits["test"], part.val)
+def _write(path: Path, key: str, manifest: dict, data, parts, stores: list[Store], metas: list[dict], views: int,
+           t0: float) -> dict:
+    """One client cache gathered from the stores' rows (`cache.write`: hashed as written, synced, renamed)."""
+    domains = list(dict.fromkeys(p.domain for p in parts))  # the domains clients hold, in client order
+    header = {"key": key, "manifest": manifest, "dataset": data.name, "classes": list(data.classes),
+              "domains": domains, "partition": manifest["partition"], "counts": partition_counts(data, parts),
+              "views": views, "versions": manifest["versions"]}
+
+    def clients():
+        for part in parts:
+            def split(name: str) -> C.Split:
+                rows = getattr(part, name)
+                return C.Split(data.domains[part.domain][name].labels[rows], rows,
+                               [s.gather((part.domain, name, 0), rows) for s in stores],
+                               [s.gather((part.domain, name, views), rows) for s in stores]
+                               if views and name == "train" else None)
+
+            yield C.Client(part.domain, split("train"), split("test"), part.val)
+
+    with writing(path):
+        images = C.write(path, header, metas, clients())
+    return _result(path, False, key, images, [m["key"] for m in metas], t0)
 
 
 def _hit(path: Path, key: str, t0: float) -> dict:
@@ -466,63 +261,10 @@ def _result(path: Path, hit: bool, key: str, images: int, keys: list[str], t0: f
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
-class Local:
-    """Blocks embedded in this process (input workers as child processes)."""
-
-    def device(self, name: str) -> torch.device:
-        return resolve_device(name)
-
-    def embed(self, work, jobs, data, run, progress, phases) -> dict[int, dict]:
-        return _embed(work, jobs, data, run, progress, phases)
-
-
-class Ray:
-    """Blocks as Ray tasks: one per GPU of the cluster, each building the backbones once and embedding its share of
-    the blocks into the parts folder (which must be the same path on every node: a shared filesystem), or one per CPU
-    where the cluster has no GPU. `ray.init()` joins RAY_ADDRESS when set, else starts a local Ray. This process
-    keeps the lock, resumes and assembles exactly as the local backend does, so the cache bytes are the same."""
-
-    def __init__(self) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise UserError("--backend ray needs Ray: pip install 'featcache[ray]'") from None
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
-        resources = ray.cluster_resources()
-        self.ray, self.gpus, self.cpus = ray, int(resources.get("GPU", 0)), max(1, int(resources.get("CPU", 1)))
-
-    def device(self, name: str) -> torch.device:
-        if name not in ("auto", "cpu", "cuda"):
-            raise UserError(f"--device {name} with --backend ray: use auto, cpu or cuda (Ray assigns the GPUs)")
-        if name == "cuda" and not self.gpus:
-            raise UserError("--device cuda asked for but the Ray cluster has no GPU: use --device cpu")
-        return torch.device("cuda" if name != "cpu" and self.gpus else "cpu")
-
-    def embed(self, work, jobs, data, run, progress, phases) -> dict[int, dict]:
-        t = time.perf_counter()
-        cuda = run.device == "cuda"
-        tasks = min(len(jobs), self.gpus if cuda else self.cpus)
-        cpus = max(1, self.cpus // self.gpus) if cuda else 1
-        task = self.ray.remote(num_gpus=1 if cuda else 0, num_cpus=cpus)(_embed)
-        run = replace(run, workers=min(run.workers, cpus if cuda else 0))
-        shared = self.ray.put(data)
-        pending = {task.remote(work, jobs[i::tasks], shared, run): jobs[i::tasks] for i in range(tasks)}
-        metas, done, total = {}, {}, _rows_to_embed(jobs)
-        while pending:
-            (finished,), _ = self.ray.wait(list(pending), num_returns=1)
-            share = pending.pop(finished)
-            try:
-                metas |= self.ray.get(finished)
-            except self.ray.exceptions.RayTaskError as e:  # keep a user error one line, not the task's traceback
-                raise (e.cause if isinstance(e.cause, UserError) else e) from None
-            for block, todo in share:
-                for j in todo:
-                    done[j] = done.get(j, 0) + len(block.rows)
-                    if progress:
-                        progress(metas[j]["key"], done[j], total[j])
-        phases["embedding"] += time.perf_counter() - t
-        return metas
-
-
-BACKENDS = {"local": Local, "ray": Ray}
+def _summary(results: list[dict], embedded: dict, t0: float) -> dict:
+    """One setting: its result; a sweep: every setting's under `caches`. Both say what each backbone embedded."""
+    seconds = round(time.perf_counter() - t0, 3)
+    if len(results) == 1:
+        return results[0] | {"embedded": embedded, "seconds": seconds}
+    return {"caches": results, "cache_hit": all(r["cache_hit"] for r in results), "embedded": embedded,
+            "seconds": seconds}
