@@ -49,9 +49,11 @@ $(PIPELINES): install
 
 reproduce-quick: install
 	OMP_NUM_THREADS=$(THREADS) $(MAKE) --no-print-directory -k -j$(JOBS) --output-sync=target $(PIPELINES) PROFILE=quick
+	$(BIN)/featcache info $(CACHE)/store
 
 reproduce: install
 	OMP_NUM_THREADS=$(THREADS) $(MAKE) --no-print-directory -k -j$(JOBS) --output-sync=target $(PIPELINES) PROFILE=full
+	$(BIN)/featcache info $(CACHE)/store
 
 bench: install
 	$(BIN)/python bench/extract.py

@@ -472,6 +472,8 @@ def reproduce(
         return
     print(result["table"])
     out.print(f"[dim]{result['markdown']} ({result['jobs']} jobs, {result['seconds']} s)[/dim]")
+    embedded = ", ".join(f"{k} {n} of {result['images'][k]}" for k, n in result["embedded"].items())
+    out.print(f"[dim]images embedded (of the caches' images): {embedded or 'none, every cache was found'}[/dim]")
 
 
 def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:

@@ -69,8 +69,20 @@ def reproduce(pipeline: str | Path, profile: str = DEFAULT_PROFILE, data_root: s
                    for (r, c), v in values.items()]},
         indent=1, sort_keys=True))
     return {"pipeline": pipe.name, "markdown": str(out / f"{pipe.name}.md"), "figures": figures, "jobs": len(jobs),
-            "caches": [info["cache"] for info in caches.values()],
+            "caches": [info["cache"] for info in caches.values()], "embedded": _embedded(caches.values()),
+            "images": _embedded(caches.values(), "images"),
             "table": table_markdown(pipe, values), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _embedded(infos, field: str = "embedded") -> dict[str, int]:
+    """Images each backbone embedded for this pipeline (the stores' new rows), or, with field 'images', the images
+    of the caches it wrote: what embedding once per extraction would have cost."""
+    total: dict[str, int] = {}
+    for info in (i for i in infos if field == "embedded" or not i["cache_hit"]):
+        counts = info["embedded"] if field == "embedded" else dict.fromkeys(info["backbones"], info["images"])
+        for key, n in counts.items():
+            total[key] = total.get(key, 0) + n
+    return total
 
 
 def pipeline_dirs() -> list[Path]:
