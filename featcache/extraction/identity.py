@@ -20,7 +20,7 @@ _ROOT = Path(__file__).resolve().parent  # featcache/extraction
 # the code whose output is an embedding (which pixels, how they are prepared, how a backbone is built and run) ...
 EMBEDDING_CODE = ("pipeline.py", "embed.py", "backbones/*.py", "datasets/*.py")
 # ... and the code that decides which images a client holds
-PARTITION_CODE = ("partition.py",)
+PARTITION_CODE = ("partition/*.py",)
 
 
 def content_key(manifest: dict) -> str:

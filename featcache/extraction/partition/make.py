@@ -1,0 +1,109 @@
+"""`make_partition`: choose the domains, run the scheme, then the shared steps; `ClientPart`, `partition_counts`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import UserError, suggest
+from ..datasets.base import Dataset
+from .schemes import _SCHEMES
+from .spec import PartitionSpec
+from .steps import _class_pools, _stream, _test_indices, _val_positions
+
+
+@dataclass
+class ClientPart:
+    """One client's share: indices into its domain's train and test ImageSets, val = positions into `train`."""
+
+    domain: str
+    train: np.ndarray  # [n] int64 indices into dataset.domains[domain]['train'], ascending
+    test: np.ndarray  # [m] int64 indices into dataset.domains[domain]['test'], ascending
+    val: np.ndarray  # [v] int64 positions into `train` held out for validation, ascending
+
+
+def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
+    """Every client's train, test and validation indices, as `spec` describes (deterministic given spec.seed)."""
+    scheme = _SCHEMES[spec.scheme]
+    domains = _chosen_domains(dataset, spec, scheme.multi_domain)
+    clients = spec.clients or (len(domains) if scheme.multi_domain else 5)
+    owners = [domains[i % len(domains)] for i in range(clients)]
+    used = list(dict.fromkeys(owners))
+    available = sum(len(dataset.domains[d]["train"]) for d in used)
+    if clients > available:
+        raise UserError(
+            f"{clients} clients but only {available} training images in {', '.join(used)}: use fewer clients"
+        )
+
+    n_classes = len(dataset.classes)
+    pools = {d: _class_pools(dataset.domains[d]["train"].labels, n_classes, spec.order,
+                             _stream(spec.seed, f"pools/train/{d}")) for d in used}
+    train = [np.sort(t) for t in scheme.split(owners, pools, spec, _stream(spec.seed, "split"))]
+    for i, (d, t) in enumerate(zip(owners, train)):
+        if len(t) == 0:
+            raise UserError(
+                f"client {i} (domain {d!r}) got no training images: use fewer clients or a larger per_class"
+            )
+    test = _test_indices(dataset, owners, train, spec)
+    return [
+        ClientPart(d, tr, te, _val_positions(dataset.domains[d]["train"].labels[tr], spec.val_fraction,
+                                             _stream(spec.seed, f"val/{i}")))
+        for i, (d, tr, te) in enumerate(zip(owners, train, test))
+    ]
+
+
+def _chosen_domains(dataset: Dataset, spec: PartitionSpec, multi_domain: bool) -> list[str]:
+    _refuse_missing_domains(dataset, spec, multi_domain)
+    known = list(dataset.domains)
+    chosen = list(spec.domains) if spec.domains else (known if multi_domain else known[:1])
+    for d in chosen:
+        if d not in dataset.domains:
+            raise UserError(
+                f"unknown domain {d!r} in dataset {dataset.name}{suggest(d, known)}; known: {', '.join(known)}"
+            )
+    if not multi_domain and len(chosen) != 1:
+        raise UserError(
+            f"scheme {spec.scheme!r} splits one domain but got {len(chosen)} ({', '.join(chosen)}): pass one"
+        )
+    return chosen
+
+
+def _refuse_missing_domains(dataset: Dataset, spec: PartitionSpec, multi_domain: bool) -> None:
+    """Refuse when the domains the partition would use include one whose files are absent (a reader records them in
+    `dataset.extra["missing_domains"]`): without `--domain` that is any of the dataset's domains (the first one for
+    single-domain schemes), so a run never silently uses fewer domains than the dataset has."""
+    missing: dict[str, str] = dataset.extra.get("missing_domains") or {}
+    if not missing:
+        return
+    order = dataset.extra.get("domain_order") or [*dataset.domains, *missing]
+    wanted = list(spec.domains) if spec.domains else (order if multi_domain else order[:1])
+    absent = [d for d in wanted if d in missing]
+    if absent:
+        where = "; ".join(f"{d}: {missing[d]}" for d in absent)
+        raise UserError(
+            f"{dataset.name}: domain{'s' if len(absent) > 1 else ''} {', '.join(absent)} not found (expected {where}); "
+            f"put {'them' if len(absent) > 1 else 'it'} there, or pick present domains with --domain "
+            f"(present: {', '.join(dataset.domains)})"
+        )
+
+
+def partition_counts(dataset: Dataset, parts: list[ClientPart]) -> dict:
+    """JSON-able sizes per client ("train" counts the whole train array, validation images included)."""
+    n_classes = len(dataset.classes)
+    rows = []
+    for i, part in enumerate(parts):
+        splits = dataset.domains[part.domain]
+        rows.append(
+            {
+                "client": i,
+                "domain": part.domain,
+                "train": int(len(part.train)),
+                "val": int(len(part.val)),
+                "test": int(len(part.test)),
+                "train_per_class": np.bincount(splits["train"].labels[part.train], minlength=n_classes).tolist(),
+                "test_per_class": np.bincount(splits["test"].labels[part.test], minlength=n_classes).tolist(),
+            }
+        )
+    total = {key: sum(r[key] for r in rows) for key in ("train", "val", "test")}
+    return {"classes": list(dataset.classes), "clients": rows, "total": total}
