@@ -8,8 +8,9 @@ PATTERN (`*` counts every call) triggers, `before` or `after` the call runs.
 
 --kill   the process sends itself SIGKILL: a real kill -9, no exception handler, finally block or atexit hook runs.
 --pause  the process waits until FILE exists (holding whatever locks it holds), then goes on.
---log    appends JSON lines to FILE: {"replace": name} for every os.replace destination, and {"parts": {name:
-         [inode, mtime_ns]}} of the parts folder just before extract assembles the cache.
+--log    appends JSON lines to FILE: {"replace": "folder/name"} for every os.replace destination, {"forward": rows}
+         for every forward pass, and {"parts": {"folder/name": [inode, mtime_ns]}} of a store's finished blocks each
+         time a fill commits them.
 """
 
 from __future__ import annotations
@@ -76,9 +77,14 @@ def log_to(path: str) -> None:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    wrap("os.replace", lambda args: write({"replace": os.path.basename(os.fspath(args[1]))}))
-    wrap("featcache.extraction.plan._assemble", lambda args: write(
-        {"parts": {p.name: [p.stat().st_ino, p.stat().st_mtime_ns] for p in sorted(Path(args[1]).iterdir())}}),
+    def where(file) -> str:
+        file = Path(os.fspath(file))
+        return f"{file.parent.name}/{file.name}"
+
+    wrap("os.replace", lambda args: write({"replace": where(args[1])}))
+    wrap("featcache.extraction.embed._forward", lambda args: write({"forward": len(args[1])}))
+    wrap("featcache.extraction.store.Store.commit", lambda args: write(
+        {"parts": {where(p): [p.stat().st_ino, p.stat().st_mtime_ns] for p in sorted(args[0].work.glob("*.npy"))}}),
         when="before")
 
 

@@ -9,6 +9,7 @@ the same place every time. One test kills from outside instead, at whatever mome
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 from harness import BACKBONES, everything_in, folder_extract_args, lines, one_thread, sha256, write_folders
 
@@ -29,24 +31,25 @@ from tests.synthetic import write_cache
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).with_name("crashpoint.py")
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}  # on a busy 2-core machine, two OpenMP threads spin and crawl
-BLOCKS = {f"b{j}.{c:03d}.{s}.features.npy" for j in range(2) for c in range(2) for s in ("train", "test")}
-FINISHED = BLOCKS | {"b0.json", "b1.json"}  # what a backbone leaves in the parts folder once done
+STORE_H5, CACHE_H5 = "*.*.*.h5", "*-*.h5"  # imagefolder.<backbone>.<key>.h5 and imagefolder-<key>.h5
 
-# Each case: the kill -9 of each interrupted run, in order (then one clean run). One pass embeds each (client, split)
-# block for both backbones, so the blocks are renamed into place in the order b0.000.train, b1.000.train, b0.000.test,
-# b1.000.test, b0.001.train, ...; batch size 4 gives 5 + 2 batches per client, each a forward pass per backbone.
-# The assembly (`cache.write`) creates 9 datasets per client: labels, source_index, domain and features/concat for
-# train, then for test, then val_index.
+# Each case: the kill -9 of each interrupted run, in order (then one clean run). Two domains, one client each; batch
+# size 4, so each (domain, split) is one block per backbone, renamed into place as its last batch is written, both
+# backbones' together (d1 train, d1 test, d2 train, d2 test). Then each store's commit writes its file (an index and
+# rows dataset per block) and renames it, then the cache is written (features/concat per client and split), renamed.
 KILLS = {
-    "after-block-1": ["after:os.replace:1:b*.npy"],
-    "after-block-2": ["after:os.replace:2:b*.npy"],
-    "after-block-3": ["after:os.replace:3:b*.npy"],
-    "after-block-5-second-client": ["after:os.replace:5:b*.npy"],
-    "inside-block-3": ["after:featcache.extraction.plan._forward:8:*"],
-    "inside-assembly": ["after:h5py.Group.create_dataset:13:*"],  # client 001's train features, not yet filled
-    "before-final-rename": ["before:os.replace:1:*.h5"],
-    "after-final-rename": ["after:os.replace:1:*.h5"],
-    "killed-twice": ["after:os.replace:2:b*.npy", "after:os.replace:3:b*.npy"],
+    "after-block-1": ["after:os.replace:1:*.npy"],
+    "after-block-2": ["after:os.replace:2:*.npy"],
+    "after-block-3": ["after:os.replace:3:*.npy"],
+    "after-block-5-second-client": ["after:os.replace:5:*.npy"],
+    "inside-block-3": ["after:featcache.extraction.embed._forward:8:*"],
+    "inside-store-commit": ["after:h5py.Group.create_dataset:3:*"],
+    "before-store-rename": [f"before:os.replace:1:{STORE_H5}"],
+    "between-store-renames": [f"after:os.replace:1:{STORE_H5}"],
+    "inside-assembly": ["after:h5py.Group.create_dataset:2:concat"],  # client 0's test features, not yet filled
+    "before-final-rename": [f"before:os.replace:1:{CACHE_H5}"],
+    "after-final-rename": [f"after:os.replace:1:{CACHE_H5}"],
+    "killed-twice": ["after:os.replace:2:*.npy", "after:os.replace:3:*.npy"],
 }
 
 
@@ -67,23 +70,48 @@ def driver(args: list[str], kill: str | None = None, pause: str | None = None, l
     return subprocess.run(command, **kwargs, timeout=300)
 
 
-def parts_folder(out: Path) -> Path | None:
-    found = list(out.glob(".*.parts"))
-    return found[0] if found else None
+def parts_folders(out: Path) -> list[Path]:
+    return sorted((out / "store").glob(".*.parts"))
 
 
 def finished_blocks(out: Path) -> dict[str, list[int]]:
-    """(inode, mtime_ns) of the finished blocks in the parts folder."""
-    parts = parts_folder(out)
-    return {p.name: [p.stat().st_ino, p.stat().st_mtime_ns] for p in parts.iterdir() if p.name in FINISHED} \
-        if parts else {}
+    """(inode, mtime_ns) of the finished blocks in the stores' parts folders, by 'folder/name'."""
+    return {f"{w.name}/{p.name}": [p.stat().st_ino, p.stat().st_mtime_ns] for w in parts_folders(out)
+            for p in w.glob("*.npy")}
 
 
-def read_log(log: Path) -> tuple[set[str], dict | None]:
+def held_rows(out: Path) -> int:
+    """Images embedded so far, summed over backbones: rows in the store files or in finished blocks (a block that
+    a killed commit already merged counts once)."""
+    rows = 0
+    stores = {*(out / "store").glob("*.h5"), *(w.with_name(w.name[1 : -len(".parts")]) for w in parts_folders(out))}
+    for store in stores:
+        work = store.with_name(f".{store.name}.parts")
+        held = set()
+        if store.exists():
+            with h5py.File(store, "r") as f:
+                held = {(d, s, int(i)) for d in f for s in f[d] for i in f[f"{d}/{s}/features/index"][...]}
+        plan = json.loads((work / "plan.json").read_text()) if (work / "plan.json").exists() else []
+        held |= {(b["domain"], b["split"], i) for b in plan if (work / b["file"]).exists() for i in b["rows"]}
+        rows += len(held)
+    return rows
+
+
+def read_log(log: Path) -> tuple[set[str], dict, int]:
+    """(every renamed destination, the finished blocks seen at each store's first commit, rows forwarded)."""
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     rewritten = {r["replace"] for r in records if "replace" in r}
-    snapshot = next((r["parts"] for r in records if "parts" in r), None)
-    return rewritten, snapshot
+    snapshot: dict = {}
+    for r in records:
+        for name, stamp in r.get("parts", {}).items():
+            snapshot.setdefault(name, stamp)
+    return rewritten, snapshot, sum(r.get("forward", 0) for r in records)
+
+
+def visible(out: Path) -> dict[str, str]:
+    """What a reader sees in --out and its store folder (hidden files aside): relative path -> sha256."""
+    files = [p for p in [*out.glob("*.h5"), *(out / "store").glob("*.h5")] if not p.name.startswith(".")]
+    return {str(p.relative_to(out)): sha256(p) for p in files}
 
 
 def wait_until(condition, what: str, timeout: float = 120.0) -> None:
@@ -99,28 +127,30 @@ def data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(data, tmp_path_factory) -> tuple[str, str]:
-    """(file name, sha256) of the cache an undisturbed run writes."""
-    run = driver(folder_extract_args(data, tmp_path_factory.mktemp("reference")))
+def reference(data, tmp_path_factory) -> dict:
+    """What an undisturbed run leaves: the cache's name, every file with its sha256, the rows it forwarded."""
+    out, log = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("log") / "log.jsonl"
+    run = driver(folder_extract_args(data, out), log=log)
     assert run.returncode == 0, run.stderr
-    path = Path(json.loads(run.stdout)["cache"])
-    return path.name, sha256(path)
+    _, _, forwarded = read_log(log)
+    return {"cache": Path(json.loads(run.stdout)["cache"]).name, "files": visible(out), "layout": everything_in(out),
+            "forwarded": forwarded}
 
 
-def assert_resumes_to_reference(data: Path, out: Path, reference, before: dict, log: Path) -> dict:
-    """Run the command again: the cache must equal the reference byte for byte, the blocks finished before must be
-    neither rewritten nor touched, and nothing but the cache may be left in --out."""
-    name, digest = reference
+def assert_resumes_to_reference(data: Path, out: Path, reference: dict, before: dict, log: Path) -> dict:
+    """Run the command again: the cache and the stores must equal the reference byte for byte, no image embedded
+    before may be embedded again, the finished blocks must be neither rewritten nor touched, and nothing but the
+    cache and the stores may be left in --out."""
+    held = held_rows(out)
     again = driver(folder_extract_args(data, out), log=log)
     assert again.returncode == 0, again.stderr
     result = json.loads(again.stdout)
-    assert Path(result["cache"]).name == name and sha256(result["cache"]) == digest
-    rewritten, snapshot = read_log(log)
+    assert Path(result["cache"]).name == reference["cache"] and visible(out) == reference["files"]
+    rewritten, snapshot, forwarded = read_log(log)
+    assert forwarded == reference["forwarded"] - held, "images were embedded again, or some not at all"
     assert not rewritten & set(before), "finished blocks were computed again"
-    if not result["cache_hit"]:
-        assert rewritten & FINISHED == FINISHED - set(before), "the resumed run must compute exactly what was missing"
-        assert {k: snapshot[k] for k in before} == before, "finished blocks were touched"
-    assert everything_in(out) == [name]
+    assert {k: snapshot[k] for k in before} == before, "finished blocks were touched"
+    assert everything_in(out) == reference["layout"]
     return result
 
 
@@ -131,19 +161,18 @@ def test_extract_killed_anywhere_resumes_to_the_same_bytes(data, reference, tmp_
     for kill in kills:
         killed = driver(folder_extract_args(data, out), kill=kill)
         assert killed.returncode == -signal.SIGKILL, killed.stderr
-        for visible in (p for p in out.iterdir() if not p.name.startswith(".")):  # only ever the finished cache
-            assert (visible.name, sha256(visible)) == reference
+        for name, digest in visible(out).items():  # only ever finished files
+            assert reference["files"][name] == digest
     before = finished_blocks(out)
     result = assert_resumes_to_reference(data, out, reference, before, tmp_path / "log.jsonl")
-    assert result["cache_hit"] == (kills[-1] == "after:os.replace:1:*.h5")  # renamed: a hit that tidies up
+    assert result["cache_hit"] == (kills[-1] == f"after:os.replace:1:{CACHE_H5}")  # renamed: a hit that tidies up
 
 
 @pytest.mark.slow
 def test_extract_killed_from_outside_when_a_poll_sees_the_first_block(data, reference, tmp_path):
     out = tmp_path / "out"
     proc = driver(folder_extract_args(data, out), wait=False)
-    wait_until(lambda: (p := parts_folder(out)) is not None and any(p.glob("b*.npy")) or proc.poll() is not None,
-               "the first finished block")
+    wait_until(lambda: finished_blocks(out) or proc.poll() is not None, "the first finished block")
     proc.kill()  # SIGKILL
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL, "the extraction ended before the kill: make it longer"
@@ -153,28 +182,28 @@ def test_extract_killed_from_outside_when_a_poll_sees_the_first_block(data, refe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["first-block", "assembly"])
+@pytest.mark.parametrize("stage", ["first-block", "store"])
 def test_full_disk_is_one_line_keeps_finished_blocks_and_resumes(data, reference, tmp_path, stage):
-    """A real write failure from the kernel (RLIMIT_FSIZE: EFBIG), below the first block's size or below the
-    cache's. Decision: finished blocks stay (hidden parts folder) so the same command resumes; partial files go."""
+    """A real write failure from the kernel (RLIMIT_FSIZE: EFBIG), below the first block's size or below a store's.
+    Decision: finished blocks stay (hidden parts folders) so the same command resumes; partial files go."""
     out = tmp_path / "out"
-    limit = 2_000 if stage == "first-block" else 60_000  # a block is 7-19 kB, the cache ~100 kB
+    limit = 2_000 if stage == "first-block" else 60_000  # a block is 7-19 kB, a store ~100 kB
     full = driver(folder_extract_args(data, out), file_limit=limit)
     assert full.returncode == 2 and "Traceback" not in full.stderr
     (line,) = [x for x in lines(full.stderr) if x.startswith("error:")]
     assert "disk full while writing" in line and "File too large" in line
-    assert [p for p in everything_in(out) if not p.startswith(".")] == []
+    assert visible(out) == {}
     assert not [p for p in everything_in(out) if p.endswith(".partial")]
     before = finished_blocks(out)
-    assert set(before) == (set() if stage == "first-block" else FINISHED)
+    assert len(before) == (0 if stage == "first-block" else 8)  # 4 blocks per backbone
     assert_resumes_to_reference(data, out, reference, before, tmp_path / "log.jsonl")
 
 
 @pytest.mark.slow
 def test_second_extract_waits_on_the_lock_then_finds_the_cache(data, reference, tmp_path):
     out, go = tmp_path / "out", tmp_path / "go"
-    first = driver(folder_extract_args(data, out), pause=f"after:os.replace:1:b*.npy:{go}", wait=False)
-    wait_until(lambda: (p := parts_folder(out)) is not None and any(p.glob("b*.npy")), "the first block")
+    first = driver(folder_extract_args(data, out), pause=f"after:os.replace:1:*.npy:{go}", wait=False)
+    wait_until(lambda: finished_blocks(out), "the first block")
     second = driver(folder_extract_args(data, out), wait=False)
 
     def second_waits_on_the_lock() -> bool:
@@ -182,12 +211,12 @@ def test_second_extract_waits_on_the_lock_then_finds_the_cache(data, reference, 
                    .splitlines())
 
     wait_until(second_waits_on_the_lock, "the second extraction to block on the lock")
-    assert first.poll() is None and not list(out.glob("*.h5"))
+    assert first.poll() is None and visible(out) == {}
     go.touch()
     results = [json.loads(p.communicate(timeout=300)[0]) for p in (first, second)]
     assert [r["cache_hit"] for r in results] == [False, True]
-    assert {Path(r["cache"]).name for r in results} == {reference[0]} and sha256(results[1]["cache"]) == reference[1]
-    assert everything_in(out) == [reference[0]]
+    assert {Path(r["cache"]).name for r in results} == {reference["cache"]} and visible(out) == reference["files"]
+    assert everything_in(out) == reference["layout"]
 
 
 @pytest.mark.slow
@@ -195,21 +224,17 @@ def test_two_extracts_at_once_compute_once_and_no_reader_sees_a_partial_cache(da
     out = tmp_path / "out"
     out.mkdir()
     procs = [driver(folder_extract_args(data, out), wait=False) for _ in range(2)]
-    seen: set[str] = set()  # the visible names, and the sha256 of the cache each time a poll finds it
+    seen: dict[str, str] = {}  # what a poll finds: name -> sha256, each time
     while any(p.poll() is None for p in procs):
-        for p in out.iterdir():
-            if not p.name.startswith("."):
-                seen.add(p.name)
-                seen.add(sha256(p))
+        with contextlib.suppress(FileNotFoundError):
+            for name, digest in visible(out).items():
+                assert reference["files"][name] == digest
+                seen[name] = digest
         time.sleep(0.002)
     results = [json.loads(p.communicate()[0]) for p in procs]
     assert sorted(r["cache_hit"] for r in results) == [False, True]
-    assert seen <= set(reference) and everything_in(out) == [reference[0]]
-    assert sha256(out / reference[0]) == reference[1]
-
-
-GRID = ["grid", "--algo", "fedavg", "--grid", "lr=0.1,0.01,0.001", "--grid", "weight_decay=0,0.0001", "--seeds", "0",
-        "--rounds", "2", "--chunk", "1", "--set", "batch_size=8", "--json"]
+    assert sum(sum(r["embedded"].values()) for r in results) == reference["forwarded"]  # each image embedded once
+    assert visible(out) == reference["files"] and everything_in(out) == reference["layout"]
 
 
 @pytest.mark.slow
@@ -243,7 +268,7 @@ def test_grid_killed_after_two_chunks_resumes_without_retraining_them(tmp_path):
 # -- in-process: a full disk simulated at the two places extract writes -----------------------------------------
 
 
-@pytest.mark.parametrize("where", ["block", "assembly"])
+@pytest.mark.parametrize("where", ["block", "store"])
 def test_enospc_is_disk_full_error_and_leaves_no_partial_file(data, tmp_path, monkeypatch, where):
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -255,7 +280,5 @@ def test_enospc_is_disk_full_error_and_leaves_no_partial_file(data, tmp_path, mo
     out = tmp_path / "out"
     with one_thread(), pytest.raises(DiskFullError, match="disk full while writing .*No space left on device"):
         extract(dataset="imagefolder", data_root=data, backbone=BACKBONES, image_size=32, batch_size=4, out=out)
-    left = everything_in(out)
-    assert not [p for p in left if p.endswith(".partial") or not p.startswith(".")]
-    kept = {Path(p).name for p in left} & FINISHED
-    assert kept == (set() if where == "block" else FINISHED)
+    assert visible(out) == {} and not [p for p in everything_in(out) if p.endswith(".partial")]
+    assert len(finished_blocks(out)) == (0 if where == "block" else 8)

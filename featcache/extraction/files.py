@@ -79,6 +79,18 @@ def unlocked(work: Path) -> bool:
         return True
 
 
+def drop_leftover(work: Path) -> None:
+    """Remove a parts folder that a fill killed after its commit left without finished blocks (when nobody holds
+    it); one that holds blocks is a resume point, kept for the next fill of its store."""
+    try:
+        with open(work / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(lock, work / "lock") and not any(work.glob("*.npy")):
+                shutil.rmtree(work)
+    except (FileNotFoundError, BlockingIOError):
+        pass
+
+
 @contextmanager
 def synced(path: Path) -> Iterator:
     """A file handle on `path.partial`; when the block ends without error the file is synced and renamed to `path`,

@@ -28,7 +28,7 @@ from ..errors import UserError
 from . import pipeline as P
 from .datasets import dataset_identity, keep_dataset, load_dataset
 from .embed import BACKENDS, Block, Progress, Settings
-from .files import DiskFullError, locked, remove_partials, writing
+from .files import DiskFullError, drop_leftover, locked, remove_partials, writing
 from .identity import EMBEDDING_CODE, PARTITION_CODE, code_identity, content_key, versions
 from .partition import PartitionSpec, make_partition, partition_counts
 from .pipeline import Noise
@@ -109,6 +109,8 @@ def extract(
     keys = [content_key(m) for m in manifests]
     paths = [C.cache_path(Path(out), dataset, key) for key in keys]
     if all(p.is_file() for p in paths):
+        for s in by_path.values():
+            drop_leftover(s.work)
         return _summary([_hit(p, k, t0) for p, k in zip(paths, keys)], {}, t0)
 
     phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
