@@ -1,5 +1,5 @@
 """Benchmark `featcache extract`, every figure measured side by side in one run; prints one JSON object.
-Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figures 1,2,3,4,5] [--quick]`.
+Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figures 1,2,3,4,5,6] [--quick]`.
 
 1. vs_loop: featcache vs the loop researchers write: torchvision `ImageFolder(root/domain, transform=bb.transform())`
    (PIL decode, resize, ToTensor, Normalize per image; for arrays a `Dataset` doing the same per item),
@@ -26,6 +26,18 @@ Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figure
    per-backbone datasets concatenated at load, from an HDF5 virtual dataset over them; and one backbone's columns
    of `concat` vs its own dataset. Target: format 3 about half the bytes of format 2 with 3 backbones, identical
    features. All files are read just after being written (a warm page cache).
+6. vs_script: `extract` itself (a fresh out folder each run, on the CPU) vs the first script researchers write:
+   the raw timm model (`packaged_model`), timm's eval transform (`resolve_data_config` + `create_transform` at the
+   same input size: PIL resize, centre crop, ToTensor, Normalize), one `DataLoader(num_workers=cores,
+   batch_size=--script-batch)` per domain, `model(x)` under `torch.no_grad()`, `np.save` of each domain's features;
+   whole calls, model build included. (a) `jpeg`: `--script-images` JPEGs of `--script-side` px (64, or a range
+   such as 250-350; crops of the same photos), torchvision `ImageFolder` per domain; (b) `arrays`: as many
+   offline-digits images (32 px, 3 domains) held as a uint8 numpy array per domain, a `Dataset` returning
+   `transform(Image.fromarray(x[i]))`. Up to `--script-repeat` pairs per case taking turns (ABBA...; no new pair
+   once a case has run `--script-budget` / 2 seconds); medians of wall seconds and of CPU seconds (getrusage of this
+   process and its reaped children: the loaders' workers), `ratio` = the script's median wall / extract's (extract's
+   speed over the script's), `cpu_ratio` = extract's median CPU seconds / the script's; `runs` keeps every run with
+   the load before it. Target: ratio >= 1.0.
 Timings are the best of `--repeat` interleaved runs (on a shared machine the other runs only lose time); `load_1min`
 is the load average before and after: far above `cores`, the CPU figures measure contention.
 """
@@ -35,6 +47,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,9 +83,9 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def write_jpegs(root: Path, n: int, seed: int = 0) -> int:
+def write_jpegs(root: Path, n: int, seed: int = 0, sides: tuple[int, int] = (250, 350)) -> int:
     """root/d{0..2}/c{00..09}/*.jpg, n images rounded to whole classes (equal per class, so extract's partition
-    keeps every one): random crops of the sample photos rescaled to 250-350 px sides, one look per domain."""
+    keeps every one): random crops of the sample photos rescaled to sides[0]-sides[1] px, one look per domain."""
     from matplotlib import cbook
     from PIL import Image, ImageOps
     from sklearn.datasets import load_sample_images
@@ -88,7 +102,7 @@ def write_jpegs(root: Path, n: int, seed: int = 0) -> int:
                 p = photos[rng.integers(len(photos))]
                 side = int(min(p.size) * rng.uniform(0.35, 1.0))
                 x, y = rng.integers(0, p.size[0] - side + 1), rng.integers(0, p.size[1] - side + 1)
-                size = tuple(int(s) for s in rng.integers(250, 351, 2))
+                size = tuple(int(s) for s in rng.integers(sides[0], sides[1] + 1, 2))
                 im = looks[d](p.crop((x, y, x + side, y + side)).resize(size, Image.BICUBIC))
                 im.save(folder / f"{j:05d}.jpg", quality=90)
     return per * DOMAINS * CLASSES
@@ -132,6 +146,111 @@ def researcher_loop(backbone: str, size: int, dev: torch.device, make_dataset) -
     z = np.concatenate(feats)
     t2 = time.perf_counter()
     return {"images": len(z), "wall": t2 - t0, "embedding": t2 - t1}
+
+
+def cpu_seconds() -> float:
+    """User + system seconds of this process and of its children that have ended (a DataLoader joins its workers
+    when its last batch is out)."""
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+
+
+class ArrayDataset(torch.utils.data.Dataset):
+    """What researchers write for images held in a numpy array: item i -> (transform(PIL image), label)."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform) -> None:
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.images[i])), int(self.labels[i])
+
+
+def researcher_script(backbone: str, size: int, batch: int, domains: dict, out: Path) -> int:
+    """The first script researchers write, as they write it; `domains`: name -> (transform -> Dataset). Returns the
+    images embedded."""
+    import timm
+    from featcache.extraction.backbones import packaged_model
+
+    model = packaged_model(backbone).eval()
+    config = timm.data.resolve_data_config({"input_size": (3, size, size)}, model=model)
+    transform = timm.data.create_transform(**config)
+    images = 0
+    for name, dataset in domains.items():
+        loader = torch.utils.data.DataLoader(dataset(transform), batch_size=batch, num_workers=CORES)
+        features = []
+        with torch.no_grad():
+            for x, _ in loader:
+                features.append(model(x).numpy())
+        np.save(out / f"{name}.npy", np.concatenate(features))
+        images += sum(len(f) for f in features)
+    return images
+
+
+def measured(run) -> dict:
+    """run(fresh folder) -> images, with its wall and CPU seconds and the 1-minute load before it."""
+    load, cpu, t = os.getloadavg()[0], cpu_seconds(), time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        images = run(Path(out))
+    return {"images": images, "wall": time.perf_counter() - t, "cpu": cpu_seconds() - cpu, "load_1min": load}
+
+
+def vs_script_case(repeat: int, budget: float, featcache_run, script_run) -> dict:
+    """One case of figure 6: up to `repeat` pairs, the two taking turns (featcache first in even pairs), no new pair
+    after `budget` seconds; medians."""
+    runs, t0 = {"featcache": [], "script": []}, time.perf_counter()
+    for k in range(repeat):
+        if k and time.perf_counter() - t0 > budget:
+            break
+        for name in ("featcache", "script") if k % 2 == 0 else ("script", "featcache"):
+            runs[name].append(measured(featcache_run if name == "featcache" else script_run))
+    images = {r["images"] for rs in runs.values() for r in rs}
+    assert len(images) == 1, f"the two embedded different numbers of images: {images}"
+    med = {name: {m: statistics.median(r[m] for r in rs) for m in ("wall", "cpu")} for name, rs in runs.items()}
+    return {"images": images.pop(), "pairs": len(runs["script"]),
+            "ratio": med["script"]["wall"] / med["featcache"]["wall"],
+            "best_ratio": min(r["wall"] for r in runs["script"]) / min(r["wall"] for r in runs["featcache"]),
+            "cpu_ratio": med["featcache"]["cpu"] / med["script"]["cpu"],
+            **{f"{name}_{m}_seconds": med[name][m] for name in runs for m in ("wall", "cpu")},
+            "runs": {name: {key: [r[key] for r in rs] for key in ("wall", "cpu", "load_1min")}
+                     for name, rs in runs.items()}}
+
+
+def script_figure(args) -> dict:
+    """Figure 6 (see the module docstring): extract vs the researcher's script on JPEGs and on arrays, CPU."""
+    from torchvision.datasets import ImageFolder
+
+    b, size, n, R, budget = args.backbone, args.image_size, args.script_images, args.script_repeat, args.script_budget
+    low, _, high = args.script_side.partition("-")  # "64" or "250-350"
+    create_backbone(b, image_size=size)  # timm imported, the weights read once, before any timer
+    __import__("timm.data")
+    names = ["mnist", "synth", "mnistm"]
+    per = max(1, n // (len(names) * CLASSES * 2))  # per class and split
+    data = load_dataset("offline-digits")  # built in memory once (memoised): neither side pays for it
+    arrays = {}  # domain -> (uint8 images [N, 32, 32, 3], labels [N]): the same images extract embeds
+    for part in make_partition(data, PartitionSpec(per_class=per, test_per_class=per, domains=tuple(names))):
+        sets = [(data.domains[part.domain][s], getattr(part, s)) for s in ("train", "test")]
+        arrays[part.domain] = (np.concatenate([images.images[rows] for images, rows in sets]),
+                               np.concatenate([images.labels[rows] for images, rows in sets]))
+    cpu = dict(device="cpu", partition="feature", backbone=[b], image_size=size)
+    out = {"script_batch_size": args.script_batch, "target_ratio": 1.0}
+    with tempfile.TemporaryDirectory() as tmp:
+        images = write_jpegs(root := Path(tmp) / "jpegs", n, sides=(int(low), int(high or low)))
+        folders = {d.name: lambda tf, d=d: ImageFolder(str(d), transform=tf) for d in sorted(root.iterdir())}
+        out["jpeg"] = {"side": args.script_side, **vs_script_case(
+            R, budget / 2, lambda o: extract(out=o, dataset="imagefolder", data_root=root, **cpu)["images"],
+            lambda o: researcher_script(b, size, args.script_batch, folders, o))}
+        assert out["jpeg"]["images"] == images, f"{out['jpeg']['images']} of the folder's {images} images embedded"
+    datasets = {d: lambda tf, d=d: ArrayDataset(*arrays[d], tf) for d in names}
+    out["arrays"] = {"side": int(arrays[names[0]][0].shape[1]), **vs_script_case(
+        R, budget / 2, lambda o: extract(out=o, dataset="offline-digits", domains=names, per_class=per,
+                                         test_per_class=per, **cpu)["images"],
+        lambda o: researcher_script(b, size, args.script_batch, datasets, o))}
+    return out
 
 
 def best(runs: list[dict]) -> dict:
@@ -415,7 +534,12 @@ def main() -> None:
     ap.add_argument("--format-dims", default="1280,1280,1280", help="fig. 5: backbone widths (EfficientNet-Lite0-2)")
     ap.add_argument("--format-clients", type=int, default=5, help="fig. 5: clients")
     ap.add_argument("--format-rows", type=int, default=2000, help="fig. 5: train rows per client (test: half)")
-    ap.add_argument("--figures", default="1,2,3,4,5", help="figures to measure (1, 2 and 3 run together)")
+    ap.add_argument("--script-images", type=int, default=600, help="fig. 6: JPEGs, and array images")
+    ap.add_argument("--script-side", default="64", help="fig. 6: the JPEGs' side in pixels, or a range: 250-350")
+    ap.add_argument("--script-batch", type=int, default=64, help="fig. 6: the script's DataLoader batch size")
+    ap.add_argument("--script-repeat", type=int, default=3, help="fig. 6: runs of each contender (medians)")
+    ap.add_argument("--script-budget", type=float, default=100, help="fig. 6: seconds after which no pair starts")
+    ap.add_argument("--figures", default="1,2,3,4,5,6", help="figures to measure (1, 2 and 3 run together)")
     ap.add_argument("--repeat", type=int, default=2, help="best of R interleaved runs of each timing")
     ap.add_argument("--quick", action="store_true", help="small sizes, one run each: a smoke run")
     ap.add_argument("--child", action="store_true")
@@ -425,6 +549,7 @@ def main() -> None:
         return child(args)
     if args.quick:
         args.jpegs, args.digits, args.sizes, args.repeat, args.format_rows = 120, 5, "5,20", 1, 200
+        args.script_images, args.script_repeat = 120, 1
     dev, figures, load = torch.device(args.device), set(args.figures.split(",")), [os.getloadavg()[0]]
     report = {"device": str(dev), "cores": CORES, "torch_threads": torch.get_num_threads(), "backbone": args.backbone,
               "image_size": args.image_size}
@@ -437,6 +562,8 @@ def main() -> None:
             dims = [int(d) for d in args.format_dims.split(",")]
             report["cache_format"] = cache_formats(Path(tmp), args.format_clients, args.format_rows, dims,
                                                    3 * args.repeat)  # cheap timings: more runs
+    if "6" in figures:
+        report["vs_script"] = script_figure(args)
     report["load_1min"] = load + [os.getloadavg()[0]]
     print(json.dumps(rounded(report), indent=1))
 

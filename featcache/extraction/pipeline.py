@@ -15,6 +15,8 @@ there is per-image work to spread, or in this process when a chunk is one array 
 way: every operation is per image or per chunk, and chunks are fixed by the batch size alone. `normalise` turns a
 uint8 batch into the backbone's float input on the device.
 
+`forward_threads` sets the CPU's intra-op threads for the forward passes: one core is left to everything else.
+
 Resizing is torchvision's `resize` on uint8 tensors with antialiasing (within one grey level of PIL's), rounded to
 uint8 as PIL's is; `DESCRIPTION` records the exact operations in each backbone's metadata and in the cache key.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,12 +187,35 @@ def image_seed(seed: int, domain: str, split: str, index: int, view: int) -> int
     return int.from_bytes(h[:8], "little") & (2**63 - 1)
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_workers(data, views: int) -> int:
     """Worker processes for `loader`: none when every chunk is one array slice (nothing per image to spread), else
     one per core this process may run on."""
     if not views and all(isinstance(s, ArrayImages) for splits in data.domains.values() for s in splits.values()):
         return 0
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores()
+
+
+@contextmanager
+def forward_threads(device: torch.device):
+    """torch's intra-op threads while the CPU runs the forward passes: one fewer than the cores this process may use
+    (at least 1, never more than were set), restored on exit; a GPU's forward is left alone. torch's OpenMP threads
+    spin at the end of every op until all of them are done: when one loses its core (to an input worker, to this
+    process's own decoding and resizing, to another program on a shared machine), every op waits until it is
+    scheduled again, and the forward on two threads of a loaded 2-core machine ran several times slower than on one
+    thread, burning the difference in CPU time. The core left over takes those. The count does not depend on the
+    worker count, so neither do the features' bytes."""
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(min(before, max(1, cores() - 1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def default_batch_size(device: torch.device) -> int:
