@@ -1,5 +1,5 @@
 """Benchmark `featcache extract`, every figure measured side by side in one run; prints one JSON object.
-Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figures 1,2,3,4,5,6] [--quick]`.
+Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figures 1,2,3,4,5,6,7] [--quick]`.
 
 1. vs_loop: featcache vs the loop researchers write: torchvision `ImageFolder(root/domain, transform=bb.transform())`
    (PIL decode, resize, ToTensor, Normalize per image; for arrays a `Dataset` doing the same per item),
@@ -38,6 +38,10 @@ Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figure
    process and its reaped children: the loaders' workers), `ratio` = the script's median wall / extract's (extract's
    speed over the script's), `cpu_ratio` = extract's median CPU seconds / the script's; `runs` keeps every run with
    the load before it. Target: ratio >= 1.0.
+7. store: the embedding store (bench/store_figures.py): re-partitioning through a filled store vs a fresh
+   extraction (target <= 0.05 x, 0 images embedded), α and client sweeps of 5 values vs one extraction (target
+   <= 1.2 x), the demo's store and cache bytes, the images each backbone embeds in every quick reproduction vs the
+   images of the caches written. `--quick` skips the reproduction.
 Timings are the best of `--repeat` interleaved runs (on a shared machine the other runs only lose time); `load_1min`
 is the load average before and after: far above `cores`, the CPU figures measure contention.
 """
@@ -539,7 +543,7 @@ def main() -> None:
     ap.add_argument("--script-batch", type=int, default=64, help="fig. 6: the script's DataLoader batch size")
     ap.add_argument("--script-repeat", type=int, default=3, help="fig. 6: runs of each contender (medians)")
     ap.add_argument("--script-budget", type=float, default=100, help="fig. 6: seconds after which no pair starts")
-    ap.add_argument("--figures", default="1,2,3,4,5,6", help="figures to measure (1, 2 and 3 run together)")
+    ap.add_argument("--figures", default="1,2,3,4,5,6,7", help="figures to measure (1, 2 and 3 run together)")
     ap.add_argument("--repeat", type=int, default=2, help="best of R interleaved runs of each timing")
     ap.add_argument("--quick", action="store_true", help="small sizes, one run each: a smoke run")
     ap.add_argument("--child", action="store_true")
@@ -564,6 +568,10 @@ def main() -> None:
                                                    3 * args.repeat)  # cheap timings: more runs
     if "6" in figures:
         report["vs_script"] = script_figure(args)
+    if "7" in figures:
+        from store_figures import store_figures
+
+        report["store"] = store_figures(args.backbone, 32, "mnist", reproduce=not args.quick)
     report["load_1min"] = load + [os.getloadavg()[0]]
     print(json.dumps(rounded(report), indent=1))
 
