@@ -97,7 +97,7 @@ def embed(blocks: list[Block], data, run: Settings, progress: Progress | None = 
     if phases is not None:
         phases["models"] += (t1 := time.perf_counter()) - t
     writer = _Writer(dev, lag=len(built))
-    with torch.inference_mode():
+    with torch.inference_mode(), P.forward_threads(dev):
         for b, prepared in itertools.groupby(P.loader(source, run.workers, dev), key=lambda item: item[0]):
             block = blocks[b]
             with ExitStack() as files:
