@@ -162,11 +162,14 @@ def _refuse_empty_classes(data) -> None:
 
 
 class _made:
-    """Remove the folders in `paths` that this run created when it fails on bad input (not on a kill, Ctrl-C or
-    full disk, which keep their resume point)."""
+    """Remove the folders in `paths` that this run created, their missing parents included, when it fails on bad
+    input (not on a kill, Ctrl-C or full disk, which keep their resume point)."""
 
     def __init__(self, *paths: Path) -> None:
-        self.fresh = [p for p in dict.fromkeys(paths) if not p.exists()]
+        self.fresh: list[Path] = []  # parents before their children
+        for p in paths:
+            missing = [q for q in (p, *p.parents) if not q.exists()]
+            self.fresh += [q for q in reversed(missing) if q not in self.fresh]
         for p in paths:
             p.mkdir(parents=True, exist_ok=True)
 
