@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from harness import BACKBONES, one_thread, sha256
+from harness import BACKBONES, everything_in, one_thread, sha256
 from PIL import Image
 from sklearn.datasets import load_sample_images
 
@@ -181,7 +181,13 @@ def test_ray_backend_writes_the_same_bytes_as_the_local_one(tmp_path, photos):
         ray.shutdown()
     assert Path(remote["cache"]).name == Path(local["cache"]).name and sha256(remote["cache"]) == sha256(local["cache"])
     assert not remote["cache_hit"] and again["cache_hit"]
-    assert sorted(p.name for p in (tmp_path / "ray").iterdir()) == [Path(local["cache"]).name]
+    stores = sorted(p.name for p in (tmp_path / "local" / "store").iterdir())  # one store per backbone
+    assert len(stores) == 2 and all(name.endswith(".h5") for name in stores)
+    # the cache, the store folder and its two stores: no parts folder, no partial file left
+    assert everything_in(tmp_path / "ray") == sorted([Path(local["cache"]).name, "store",
+                                                      *(f"store/{name}" for name in stores)])
+    for name in stores:  # the stores the Ray tasks filled hold the bytes the local pass wrote
+        assert sha256(tmp_path / "ray" / "store" / name) == sha256(tmp_path / "local" / "store" / name)
 
 
 def test_a_client_without_test_images_gets_empty_blocks(tmp_path):

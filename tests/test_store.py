@@ -1,0 +1,329 @@
+"""The embedding store (`featcache/extraction/store.py`): each backbone embeds an image once, however often the images
+are re-partitioned. A new partition embeds nothing and builds no backbone, a larger `per_class` embeds exactly the new
+images, a cache gathered through a store is the cache an empty store gives byte for byte, sweeps write one cache per
+setting from one pass, stores are shared between --out folders, and `featcache info` / `featcache gc` show and prune
+a store folder; a damaged store is one line.
+
+Image folders, two tiny random-weight timm models (`harness.BACKBONES`), 32 px, batches of 4 (of 1 where caches of
+different fills are compared byte for byte), one torch thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from harness import BACKBONES, Result, everything_in, folder_extract_args, one_line_error, one_thread, run_cli, sha256, \
+    write_folders
+
+from featcache import cache as C
+from featcache.extraction import embed
+from featcache.extraction.datasets.base import PathImages
+from featcache.extraction.plan import extract
+from featcache.extraction.stores import info as store_info
+
+REPO = Path(__file__).resolve().parent.parent
+SPLITS = ("train", "test")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """d1, d2 x classes a, b, c x 8 images (each domain split 70/30 into train and test by the reader)."""
+    return write_folders(tmp_path_factory.mktemp("images"))
+
+
+def run(images: Path, out: Path, **options) -> dict:
+    args = dict(dataset="imagefolder", data_root=images, backbone=BACKBONES, image_size=32, batch_size=4, out=out)
+    return extract(**(args | options))
+
+
+def no_backbone_built(monkeypatch) -> None:
+    """From here on, building a backbone fails the test: whatever this extraction needs must come from the stores."""
+    def refuse(*a, **k):
+        raise AssertionError("a backbone was built: the store should have held every image")
+
+    monkeypatch.setattr(embed, "build", refuse)
+
+
+def held(cache: str | Path) -> set[tuple[str, str, int]]:
+    """The (domain, split, source index) of every image a cache holds."""
+    with h5py.File(cache, "r") as f:
+        return {(g.attrs["domain"], split, int(i)) for g in f["clients"].values() for split in SPLITS
+                for i in g[f"{split}/source_index"][...]}
+
+
+def stores(out: Path) -> list[Path]:
+    return sorted((out / "store").glob("*.h5"))
+
+
+def files(folder: Path) -> dict[str, str]:
+    """Every file below `folder` (hidden ones too) with its sha256."""
+    return {p: sha256(folder / p) for p in everything_in(folder) if (folder / p).is_file()}
+
+
+def warned_random(result: Result) -> Result:
+    """The result less the warning lines of random-weight backbones (`harness.BACKBONES` are random; Python shows
+    each warning once per process)."""
+    kept = [line for line in result.stderr.splitlines() if "has RANDOM weights" not in line]
+    return Result(result.code, result.stdout, "\n".join(kept))
+
+
+def valid(cache: str | Path) -> bool:
+    report = C.verify(cache)
+    assert report["ok"], report["problems"]
+    return True
+
+
+def test_a_new_partition_embeds_nothing_and_builds_no_backbone(images, tmp_path, monkeypatch):
+    first = run(images, tmp_path)  # feature partition over d1 and d2: every image
+    assert not first["cache_hit"] and len(first["embedded"]) == 2
+    assert all(n == first["images"] for n in first["embedded"].values()), first["embedded"]
+    nothing = dict.fromkeys(first["embedded"], 0)
+    no_backbone_built(monkeypatch)
+    caches = {first["cache"]}
+    for options in (dict(partition="label", clients=2, alpha=0.5, domains=["d1"]),
+                    dict(partition="label", clients=2, alpha=1.0, domains=["d1"]),
+                    dict(partition="label", clients=3, alpha=1.0, domains=["d1"]),
+                    dict(partition="iid", clients=2, domains=["d2"]),
+                    dict(val_fraction=0.5),
+                    dict(seed=1)):
+        again = run(images, tmp_path, **options)
+        assert not again["cache_hit"] and again["embedded"] == nothing, (options, again["embedded"])
+        assert again["cache"] not in caches, options  # a different cache ...
+        caches.add(again["cache"])
+        assert valid(again["cache"])  # ... and a valid one
+        with h5py.File(again["cache"], "r") as f:
+            assert C.read_attrs(f)["partition"]["scheme"] == options.get("partition", "feature")
+    assert len(stores(tmp_path)) == 2  # still one store per backbone
+
+
+def test_a_larger_per_class_embeds_exactly_the_new_images(images, tmp_path):
+    small = run(images, tmp_path, per_class=2)
+    large = run(images, tmp_path, per_class=4)
+    before, after = held(small["cache"]), held(large["cache"])
+    new = after - before
+    assert 0 < len(new) < len(after) and all(n == len(before) for n in small["embedded"].values())
+    assert large["embedded"] == dict.fromkeys(small["embedded"], len(new))
+    between = run(images, tmp_path, per_class=3)  # (its images are among per_class=4's: nothing new)
+    third = held(between["cache"]) - before - after
+    assert between["embedded"] == dict.fromkeys(small["embedded"], len(third))
+    for store in store_info(tmp_path / "store")["stores"]:
+        assert store["images"] == len(before | after | third)
+
+
+def test_a_cache_through_a_filled_store_equals_the_cache_from_an_empty_store(images, tmp_path):
+    """The store already holds images two other partitions needed, and the new command embeds only the missing ones:
+    its cache is still the one an empty store gives, byte for byte.
+
+    One image per forward (batch_size=1): on the CPU an image's embedding depends, by an ulp or so, on the size of the
+    batch it was forwarded in (not on its neighbours' content), and a store filled by other partitions forwarded its
+    images in batches of other sizes. Seen with these two models: batches of 4 on 2 threads, 1 row of 36 differed
+    (by 4.5e-8); batches of 64 on 1 thread, 12 rows of 36 (by up to 6e-8)."""
+    shared = tmp_path / "shared"
+    one = dict(batch_size=1)
+    run(images, shared, partition="label", clients=2, domains=["d1"], per_class=3, **one)
+    run(images, shared, partition="iid", clients=2, domains=["d2"], per_class=2, seed=5, **one)
+    through = run(images, shared, per_class=4, **one)
+    assert all(0 < n < through["images"] for n in through["embedded"].values()), through["embedded"]
+    fresh = run(images, tmp_path / "fresh", per_class=4, **one)
+    assert all(n == fresh["images"] for n in fresh["embedded"].values())
+    assert Path(through["cache"]).name == Path(fresh["cache"]).name
+    assert sha256(through["cache"]) == sha256(fresh["cache"])
+
+
+def test_the_same_command_in_fresh_folders_gives_identical_caches_and_stores(images, tmp_path):
+    a = run(images, tmp_path / "a", partition="label", clients=2, domains=["d1"])
+    b = run(images, tmp_path / "b", partition="label", clients=2, domains=["d1"])
+    layout = sorted([Path(a["cache"]).name, "store", *(f"store/{p.name}" for p in stores(tmp_path / "a"))])
+    assert everything_in(tmp_path / "a") == layout and len(stores(tmp_path / "a")) == 2  # no parts folder left
+    assert files(tmp_path / "a") == files(tmp_path / "b")
+
+
+def test_a_sweep_writes_each_settings_cache_from_one_pass(images, tmp_path, monkeypatch):
+    decoded = []
+    original = PathImages.image
+    monkeypatch.setattr(PathImages, "image", lambda self, i: decoded.append((id(self), i)) or original(self, i))
+    # per_class cuts each class pool to per_class * clients images: the 3-client caches hold images the 2-client
+    # ones do not. Batches of one image: see the test above.
+    label = dict(partition="label", domains=["d1"], per_class=1, workers=0, batch_size=1)
+    sweep = run(images, tmp_path / "sweep", alpha=[0.5, 1.0], clients=[2, 3], **label)
+    caches = sweep["caches"]
+    assert len(caches) == 4 and len({c["cache"] for c in caches}) == 4 and not sweep["cache_hit"]
+    images_of = [held(c["cache"]) for c in caches]
+    union = set().union(*images_of)
+    assert all(len(one) < len(union) for one in images_of[:2])  # the union is more than a 2-client cache's images
+    assert len(decoded) == len(set(decoded)) == len(union)  # each image decoded once for both backbones
+    assert sweep["embedded"] == dict.fromkeys(caches[0]["backbones"], len(union))
+    settings = [(c, a) for c in (2, 3) for a in (0.5, 1.0)]  # the sweep's order: clients, then alpha
+    for (clients, alpha), swept in zip(settings, caches):
+        single = run(images, tmp_path / f"c{clients}-a{alpha}", alpha=alpha, clients=clients, **label)
+        assert "caches" not in single and Path(single["cache"]).name == Path(swept["cache"]).name
+        assert sha256(single["cache"]) == sha256(swept["cache"]), (clients, alpha)
+        with h5py.File(swept["cache"], "r") as f:
+            partition = C.read_attrs(f)["partition"]
+            assert (partition["clients"], partition["alpha"]) == (clients, alpha)
+    again = run(images, tmp_path / "sweep", alpha=[0.5, 1.0], clients=[2, 3], **label)
+    assert again["cache_hit"] and [c["cache"] for c in again["caches"]] == [c["cache"] for c in caches]
+
+
+def test_a_shared_store_folder_outside_out_serves_two_outs(images, tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    a = run(images, tmp_path / "a", store=shared)
+    assert all(n == a["images"] for n in a["embedded"].values())
+    assert everything_in(tmp_path / "a") == [Path(a["cache"]).name]  # no store folder in --out
+    assert len(list(shared.glob("*.h5"))) == 2 and everything_in(shared) == sorted(p.name for p in shared.glob("*.h5"))
+    no_backbone_built(monkeypatch)
+    b = run(images, tmp_path / "b", store=shared)
+    assert b["embedded"] == dict.fromkeys(a["embedded"], 0) and not b["cache_hit"]
+    assert sha256(a["cache"]) == sha256(b["cache"]) and everything_in(tmp_path / "b") == [Path(b["cache"]).name]
+
+
+def test_a_failed_first_run_leaves_no_store_folder(images, tmp_path):
+    """Bad input found while embedding (a damaged image): neither --out nor a --store folder it created is left, nor
+    the parents of either that it created."""
+    import shutil
+
+    root = shutil.copytree(images, tmp_path / "images")
+    (root / "d2" / "b" / "img_001.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(64))
+    for out, store in ((tmp_path / "out", []), (tmp_path / "out", ["--store", str(tmp_path / "shared")]),
+                       (tmp_path / "o" / "deep" / "out", ["--store", str(tmp_path / "s" / "deep" / "store")])):
+        result = run_cli(*folder_extract_args(root, out, *store))
+        one_line_error(warned_random(result), "cannot read image")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["images"], store
+
+
+# -- featcache info, featcache gc, a damaged store ---------------------------------------------------------------
+
+
+@pytest.fixture
+def filled(images, tmp_path) -> tuple[Path, dict]:
+    out = tmp_path / "out"
+    res = run_cli(*folder_extract_args(images, out, "--partition", "iid", "--domain", "d1", "--clients", "2"))
+    assert res.code == 0, res.stderr
+    return out, json.loads(res.stdout)
+
+
+def damage(store: Path) -> None:
+    """Flip bytes of a `rows` dataset in place; the metadata checksum stays as it is (it does not cover the data),
+    so only the dataset's own sha256 can tell."""
+    with h5py.File(store, "r+") as f:
+        ds = f["d1/train/features/rows"]
+        row = ds[0]
+        row.view(np.uint32)[:4] ^= 0x00FF0000
+        ds[0] = row
+
+
+def test_info_lists_each_store_with_its_images_per_domain_and_split(filled):
+    out, res = filled
+    expected: dict[str, int] = {}
+    for domain, split, _ in held(res["cache"]):
+        expected[f"{domain}/{split}/features"] = expected.get(f"{domain}/{split}/features", 0) + 1
+    shown = run_cli("info", str(out / "store"), "--json")
+    assert shown.code == 0, shown.stderr
+    folder = json.loads(shown.stdout)
+    assert [s["file"] for s in folder["stores"]] == [str(p) for p in stores(out)]
+    assert sorted(s["backbone"] for s in folder["stores"]) == sorted(res["backbones"])
+    for s in folder["stores"]:
+        assert s["held"] == expected and s["images"] == res["images"] and s["dim"] > 0 and s["views"] == 0
+        assert s["bytes"] == os.path.getsize(s["file"])
+    assert folder["bytes"] == sum(os.path.getsize(p) for p in stores(out))
+    one = run_cli("info", str(stores(out)[0]), "--json")
+    assert one.code == 0 and json.loads(one.stdout)["stores"] == folder["stores"][:1]
+    for target in (out / "store", stores(out)[0]):
+        table = run_cli("info", str(target))
+        assert table.code == 0, table.stderr
+        text = " ".join(table.stdout.split())
+        shown = folder["stores"] if target == out / "store" else folder["stores"][:1]
+        for s in shown:
+            assert s["backbone"] in text and str(s["images"]) in text and f"{s['bytes'] / 2**20:.1f}" in text
+            for name, n in s["held"].items():
+                assert name in text and f"{name} {n}" in text
+        assert all(s["backbone"] not in text for s in folder["stores"] if s not in shown)
+
+
+def test_gc_keeps_good_stores_and_removes_a_damaged_one(filled):
+    out, _ = filled
+    good, bad = stores(out)
+    damage(bad)
+    before = files(out)
+    dry = run_cli("gc", str(out / "store"), "--dry-run", "--json")
+    assert dry.code == 0, dry.stderr
+    report = json.loads(dry.stdout)
+    assert report["dry_run"] and [k["file"] for k in report["kept"]] == [str(good)]
+    (removed,) = report["removed"]
+    assert removed["file"] == str(bad) and "sha256 mismatch" in removed["reason"]
+    assert files(out) == before  # a dry run removes nothing
+    table = run_cli("gc", str(out / "store"), "--dry-run")
+    assert table.code == 0 and "would remove" in table.stdout and files(out) == before
+    done = run_cli("gc", str(out / "store"), "--json")
+    assert done.code == 0, done.stderr
+    assert json.loads(done.stdout)["removed"][0]["file"] == str(bad)
+    assert stores(out) == [good] and sha256(good) == before[f"store/{good.name}"]
+    again = json.loads(run_cli("gc", str(out / "store"), "--json").stdout)
+    assert again["removed"] == [] and [k["file"] for k in again["kept"]] == [str(good)]
+
+
+def test_extract_through_a_damaged_store_is_one_line_and_writes_nothing(images, filled):
+    out, _ = filled
+    bad = stores(out)[1]
+    damage(bad)
+    before = files(out)
+    result = run_cli(*folder_extract_args(images, out, "--partition", "iid", "--domain", "d1", "--clients", "3"))
+    line = one_line_error(result, "is damaged")
+    assert f"store {bad} is damaged" in line and "featcache gc" in line
+    assert files(out) == before and everything_in(out) == sorted([*before, "store"])  # no parts folder, no cache
+
+
+# -- the command line ---------------------------------------------------------------------------------------------
+
+
+def test_a_sweep_value_that_is_no_number_is_one_line(images, tmp_path):
+    out = tmp_path / "out"
+    one_line_error(run_cli(*folder_extract_args(images, out, "--alpha", "0.1,x")), "--alpha")
+    one_line_error(run_cli(*folder_extract_args(images, out, "--clients", "2,three")), "--clients")
+    assert everything_in(out) == []
+
+
+def test_a_clients_list_prints_a_row_per_cache(images, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a short --out: the table cuts cells wider than its 120 columns off a terminal
+    out = Path("out")
+    args = [a for a in folder_extract_args(images, out, "--partition", "iid", "--domain", "d1", "--clients", "2,3")
+            if a != "--json"]
+    shown = run_cli(*args)
+    assert shown.code == 0, shown.stderr
+    caches = sorted(p.name for p in out.glob("*.h5"))
+    assert len(caches) == 2 and shown.stdout.count("(written,") == 2
+    rows = [line for line in shown.stdout.splitlines() if "(written," in line]
+    assert sorted(name for name in caches for row in rows if name in row) == caches  # a row per cache
+    again = run_cli(*args)
+    assert again.stdout.count("(hit,") == 2 and "nothing" in again.stdout
+
+
+def test_the_same_weights_spelled_twice_share_one_store_without_deadlock(images, tmp_path):
+    out = tmp_path / "out"
+    args = ["extract", "--dataset", "imagefolder", "--data-root", str(images), "--backbone", "test_efficientnet=random",
+            "--backbone", "test_efficientnet= random", "--image-size", "32", "--batch-size", "4", "--domain", "d1",
+            "--partition", "iid", "--clients", "2", "--out", str(out), "--json"]
+    done = subprocess.run([sys.executable, "-m", "featcache.cli", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=180, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    res = json.loads(done.stdout)
+    assert len(res["backbones"]) == 2 and res["backbones"][1] == res["backbones"][0] + "-2"
+    (store,) = stores(out)
+    assert store_info(store)["stores"][0]["images"] == res["images"]
+    with h5py.File(res["cache"], "r") as f:
+        (a, b), (c, d) = [json.loads(f[f"backbones/{k}"].attrs["columns"]) for k in res["backbones"]]
+        x = f["clients/000/train/features/concat"][...]
+        np.testing.assert_array_equal(x[:, a:b], x[:, c:d])  # the same weights: the same rows, read twice
