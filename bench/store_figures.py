@@ -1,8 +1,8 @@
 """Figure 6 of bench/extract.py: the embedding store (embed once, partition many), measured side by side in one run.
 
 - repartition: an extraction into an empty store (`first`), then a new α and a new client count on the same images
-  through the filled store (`alpha`, `clients`), each beside the same extraction into a fresh --out (an empty store:
-  what every new partition cost when a cache was keyed by its partition). Target: <= 0.05 x the time, 0 images
+  through the filled store (`alpha`, `clients`), each beside the same extraction into a fresh --out (an empty store: what a new partition costs
+  when nothing is embedded yet). Target: <= 0.05 x the time, 0 images
   embedded.
 - sweeps: `--alpha` with 5 values and `--clients` with 5 values, each one command into an empty store, against one
   extraction of one setting. Target: <= 1.2 x.

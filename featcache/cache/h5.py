@@ -8,8 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import h5py
 import numpy as np
@@ -71,6 +72,22 @@ def sync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def written(path: Path, partial: Path) -> Iterator[h5py.File]:
+    """A new file (`create_h5`) at `partial`; when the block ends without error it is synced and renamed to `path`,
+    so `path` exists only complete; on any error `partial` is removed."""
+    try:
+        with create_h5(partial) as f:
+            yield f
+        with open(partial, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    sync_folder(path.parent)
 
 
 def write_array(group: h5py.Group, name: str, data: np.ndarray) -> None:

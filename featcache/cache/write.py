@@ -27,7 +27,6 @@ writes, and the root `meta_sha256` covers the rest: every object's path, kind, d
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -37,7 +36,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import UserError
-from .h5 import create_h5, meta_sha256, sync_folder, write_array, write_attrs, write_columns
+from .h5 import meta_sha256, write_array, write_attrs, write_columns, written
 
 FORMAT = 3  # 2: checksums (`sha256` on every dataset, `meta_sha256` on the root); 3: features stored once (`concat`)
 SPLITS = ("train", "test")
@@ -88,16 +87,8 @@ def write(path: str | Path, header: dict, backbones: list[dict], clients: Iterab
     missing = [k for k in HEADER if k not in header]
     if missing:
         raise ValueError(f"cache header lacks {', '.join(missing)}")
-    try:
-        with create_h5(partial) as f:
-            images = _write_file(f, header, backbones, clients)
-        with open(partial, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    sync_folder(path.parent)
+    with written(path, partial) as f:
+        images = _write_file(f, header, backbones, clients)
     return images
 
 

@@ -114,7 +114,3 @@ def npy_file(path: Path, shape: tuple[int, ...]) -> Iterator:
 def remove_partials(work: Path) -> None:
     for partial in work.glob("*.partial"):
         partial.unlink()
-
-
-def remove(work: Path) -> None:
-    shutil.rmtree(work, ignore_errors=True)

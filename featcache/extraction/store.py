@@ -74,7 +74,7 @@ class Store:
         if not self.path.is_file():
             return {}
         with self._open() as f:
-            return {need: _checked(self.path, g["index"]) for need, g in _groups(f)}
+            return {need: checked(self.path, g["index"]) for need, g in groups(f)}
 
     def backbone(self) -> dict | None:
         """The backbone's metadata as a cache records it (None while the store is empty)."""
@@ -84,8 +84,16 @@ class Store:
             return json.loads(f.attrs["backbone"])
 
     def gather(self, need: Need, wanted: np.ndarray) -> np.ndarray:
-        """The rows of the source indices `wanted` ([n, D] or [n, V, D] float32), each array's checksum checked on
-        its first read in this process."""
+        """The rows of the source indices `wanted` ([n, D] or [n, V, D] float32)."""
+        index, rows = self._read(need)
+        at = np.searchsorted(index, wanted)
+        if len(wanted) and (at.max() >= len(index) or not np.array_equal(index[at], wanted)):
+            raise UserError(f"store {self.path} lacks images of {need[0]}/{need[1]} it was filled with: delete it "
+                            "and run the same command again")
+        return rows[at]
+
+    def _read(self, need: Need) -> tuple[np.ndarray, np.ndarray]:
+        """(index [n], rows [n, ...]) held for `need`, read once per process with each array's checksum checked."""
         if need not in self._rows:
             with self._open() as f:
                 g = f.get(f"{need[0]}/{need[1]}/{kind(need[2])}")
@@ -94,13 +102,8 @@ class Store:
                     empty = np.zeros((0, *((need[2],) if need[2] else ()), dim), np.float32)  # [0, (V,) D]
                     self._rows[need] = (np.zeros(0, np.int64), empty)
                 else:
-                    self._rows[need] = (_checked(self.path, g["index"]), _checked(self.path, g["rows"]))
-        index, rows = self._rows[need]
-        at = np.searchsorted(index, wanted)
-        if len(wanted) and (at.max() >= len(index) or not np.array_equal(index[at], wanted)):
-            raise UserError(f"store {self.path} lacks images of {need[0]}/{need[1]} it was filled with: delete it "
-                            "and run the same command again")
-        return rows[at]
+                    self._rows[need] = (checked(self.path, g["index"]), checked(self.path, g["rows"]))
+        return self._rows[need]
 
     def _open(self) -> h5py.File:
         return open_store(self.path, self.key)
@@ -139,8 +142,7 @@ class Store:
         parts: dict[Need, list] = {}
         if self.path.is_file():
             for need in self.held():
-                self.gather(need, np.zeros(0, np.int64))  # reads and checks the held rows
-                parts[need] = [self._rows[need]]
+                parts[need] = [self._read(need)]
         for b in done:
             rows = np.load(self.work / b["file"], mmap_mode="r")  # [n, D] or [n, V, D]
             parts.setdefault((b["domain"], b["split"], b["views"]), []).append((np.asarray(b["rows"], np.int64), rows))
@@ -173,12 +175,20 @@ def open_store(path: Path, key: str | None = None) -> h5py.File:
     return f
 
 
-def _damaged(path: Path, problem: str) -> UserError:
-    return UserError(f"store {path} is damaged ({problem}): delete it (`featcache gc {path.parent}` removes damaged "
-                     "stores) and run the same command again")
+class DamagedStore(UserError):
+    """A store file that fails its checks; `problem` says which."""
+
+    def __init__(self, message: str, problem: str) -> None:
+        super().__init__(message)
+        self.problem = problem
 
 
-def _groups(f: h5py.File):
+def _damaged(path: Path, problem: str) -> DamagedStore:
+    return DamagedStore(f"store {path} is damaged ({problem}): delete it (`featcache gc {path.parent}` removes damaged "
+                     "stores) and run the same command again", problem)
+
+
+def groups(f: h5py.File):
     """(Need, group) of every kind held, in file order."""
     for domain, splits in f.items():
         for split, kinds in splits.items():
@@ -186,7 +196,8 @@ def _groups(f: h5py.File):
                 yield (domain, split, int(f.attrs["views"]) if name == "views" else 0), g
 
 
-def _checked(path: Path, ds: h5py.Dataset) -> np.ndarray:
+def checked(path: Path, ds: h5py.Dataset) -> np.ndarray:
+    """The array of `ds`, refused in one line when its bytes do not match its stored sha256."""
     data = ds[...]
     if h5.plain(ds.attrs.get("sha256")) != hashlib.sha256(np.ascontiguousarray(data)).hexdigest():
         raise _damaged(path, f"{ds.name}: sha256 mismatch")
@@ -195,22 +206,13 @@ def _checked(path: Path, ds: h5py.Dataset) -> np.ndarray:
 
 def _write(path: Path, key: str, identity: dict, backbone: dict, merged: dict) -> None:
     """A new store file holding `merged` (Need -> (index, rows)), written beside `path` and renamed over it."""
-    partial = path.with_name(path.name + ".partial")
     views = max((v for _, _, v in merged), default=0)
-    try:
-        with h5.create_h5(partial) as f:
-            h5.write_attrs(f, {"featcache_store": FORMAT, "featcache_version": __version__, "key": key,
-                               "identity": identity, "backbone": backbone, "views": views,
-                               "images": sum(len(index) for (_, _, v), (index, _) in merged.items() if not v)})
-            for (domain, split, v), (index, rows) in sorted(merged.items()):
-                g = f.require_group(f"{domain}/{split}/{kind(v)}")
-                h5.write_array(g, "index", index)
-                h5.write_array(g, "rows", np.asarray(rows, "<f4"))
-            f.attrs["meta_sha256"] = h5.meta_sha256(f)
-        with open(partial, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    h5.sync_folder(path.parent)
+    with h5.written(path, path.with_name(path.name + ".partial")) as f:
+        h5.write_attrs(f, {"featcache_store": FORMAT, "featcache_version": __version__, "key": key,
+                           "identity": identity, "backbone": backbone, "views": views,
+                           "images": sum(len(index) for (_, _, v), (index, _) in merged.items() if not v)})
+        for (domain, split, v), (index, rows) in sorted(merged.items()):
+            g = f.require_group(f"{domain}/{split}/{kind(v)}")
+            h5.write_array(g, "index", index)
+            h5.write_array(g, "rows", np.asarray(rows, "<f4"))
+        f.attrs["meta_sha256"] = h5.meta_sha256(f)

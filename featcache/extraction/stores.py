@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import UserError
 from .files import unlocked
 from .identity import EMBEDDING_CODE, code_identity, versions
-from .store import _groups, _checked, kind, open_store
+from .store import DamagedStore, checked, groups, kind, open_store
 
 
 def is_store(path: Path) -> bool:
@@ -40,7 +40,7 @@ def info(path: str | Path) -> dict:
     for file in _files(Path(path)):
         with open_store(file) as f:
             backbone = json.loads(f.attrs["backbone"])
-            held = {f"{d}/{s}/{kind(v)}": int(g["index"].shape[0]) for (d, s, v), g in _groups(f)}
+            held = {f"{d}/{s}/{kind(v)}": int(g["index"].shape[0]) for (d, s, v), g in groups(f)}
             stores.append({"file": str(file), "backbone": backbone["key"], "weights": backbone["weights"],
                            "dim": int(backbone["dim"]), "views": int(f.attrs["views"]),
                            "images": int(f.attrs["images"]), "held": held, "bytes": os.path.getsize(file)})
@@ -79,11 +79,11 @@ def _unusable(file: Path, now: dict) -> str | None:
     try:
         with open_store(file) as f:
             identity = json.loads(f.attrs["identity"])
-            for _, g in _groups(f):
-                _checked(file, g["index"])
-                _checked(file, g["rows"])
-    except UserError as e:
-        return str(e).split(" (", 1)[-1].split("):", 1)[0] if "damaged" in str(e) else str(e)
+            for _, g in groups(f):
+                checked(file, g["index"])
+                checked(file, g["rows"])
+    except DamagedStore as e:
+        return e.problem
     if identity.get("code") != now["code"]:
         return "made by other embedding code"
     if identity.get("versions") != now["versions"]:
