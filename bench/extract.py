@@ -571,7 +571,7 @@ def main() -> None:
     if "7" in figures:
         from store_figures import store_figures
 
-        report["store"] = store_figures(args.backbone, 32, "mnist", reproduce=not args.quick)
+        report["store"] = store_figures(args.backbone, args.image_size, "mnist", reproduce=not args.quick)
     report["load_1min"] = load + [os.getloadavg()[0]]
     print(json.dumps(rounded(report), indent=1))
 

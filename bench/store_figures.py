@@ -88,7 +88,7 @@ def reproduce_quick(root: Path) -> dict:
             "seconds": time.perf_counter() - t}
 
 
-def store_figures(backbone: str = "efficientnet_lite0", size: int = 32, domain: str = "mnist",
+def store_figures(backbone: str = "efficientnet_lite0", size: int = 64, domain: str = "mnist",
                   reproduce: bool = True) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

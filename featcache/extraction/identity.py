@@ -9,6 +9,7 @@ keeps every key.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.metadata as md
 import json
@@ -30,6 +31,12 @@ def content_key(manifest: dict) -> str:
 
 def _read_source(rel: str) -> bytes:
     return (_ROOT / rel).read_bytes()
+
+
+@functools.lru_cache(maxsize=256)
+def _syntax_sha256(source: bytes) -> bytes:
+    """sha256 of `_syntax(source)`, remembered by source: every extraction asks for the same files' keys."""
+    return hashlib.sha256(_syntax(source)).digest()
 
 
 def _syntax(source: bytes) -> bytes:
@@ -55,15 +62,20 @@ def code_identity(patterns: tuple[str, ...] = EMBEDDING_CODE) -> dict:
     h = hashlib.sha256()
     for rel in files:
         try:
-            data = _syntax(_read_source(rel))
+            digest = _syntax_sha256(_read_source(rel))
         except OSError:
-            data = b""
-        h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+            digest = hashlib.sha256(b"").digest()
+        h.update(rel.encode() + b"\0" + digest)
     return {"files": files, "sha256": h.hexdigest()}
 
 
 def versions() -> dict:
     """Versions of the libraries whose numerics determine the embeddings, and of featcache and its cache format."""
+    return dict(_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict:
     from ..cache import FORMAT
 
     out = {"featcache": __version__, "cache_format": FORMAT}
