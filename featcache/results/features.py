@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import check_folder, write_atomic
-from .errors import UserError, suggest
-from .report import png, png_mark, pyplot
+from ..atomic import check_folder, write_atomic
+from ..errors import UserError, suggest
+from .render import png, png_mark, pyplot
 
 SOFTWARE = "featcache plot"  # the PNG's Software text: marks a file this command may overwrite
 # --split -> the `load_clients` arguments of those rows
@@ -33,7 +33,7 @@ MIN_POINTS = 5  # fewer rows than this make no picture (and no t-SNE)
 def load_state(path: str | Path) -> tuple[dict, dict]:
     """(tensors by name, metadata) of a saved state (`featcache.states.load_state`), refused in one line unless it
     holds the trained heads (`params/` tensors) and metadata of the expected types."""
-    from .states import load_state as read
+    from ..states import load_state as read
 
     tensors, meta = read(path)
     if not (isinstance(meta["config"], dict) and isinstance(meta["seeds"], list) and meta["seeds"]
@@ -54,7 +54,7 @@ def part(tensors: dict, prefix: str, s: int, c: int) -> dict:
 
 def cache_facts(cache: str | Path) -> dict:
     """The cache's attributes (key, dataset, classes, per-client counts and domains)."""
-    from . import cache as C
+    from .. import cache as C
 
     with C.open_cache(cache) as f:
         return C.read_attrs(f)
@@ -88,8 +88,8 @@ def learned_features(state: str | Path, cache: str | Path, split: str = "test", 
     of `split` in `cache`; refused when the state was trained on another cache."""
     import torch
 
-    from .algorithms import create, load
-    from .cache import load_clients
+    from ..algorithms import create, load
+    from ..cache import load_clients
 
     _choose("split", split, SPLITS)
     tensors, meta = load_state(state)
@@ -152,7 +152,7 @@ METHODS = {"tsne": tsne, "pca": pca}
 
 def default_out(state: str | Path, method: str, split: str) -> Path:
     """NAME.state.safetensors -> NAME.METHOD-SPLIT.png beside it."""
-    from .states import SUFFIX
+    from ..states import SUFFIX
 
     state = Path(state)
     stem = state.name.removesuffix(SUFFIX) if state.name.endswith(SUFFIX) else state.stem

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import check_folder, write_atomic, write_together
-from .errors import UserError
-from .metrics import CSV_COLUMNS
+from ..atomic import check_folder, write_atomic, write_together
+from ..errors import UserError
+from ..metrics import CSV_COLUMNS
 
 _NUMBERS = ("mean_acc", "std_acc", "best_round_mean_acc", "best_round_std_acc")
 
@@ -208,8 +208,8 @@ def _settings(r: dict) -> dict:
 def _defaults(algo: str) -> dict:
     """The resolved default settings of a registered algorithm ({} for one this featcache does not know)."""
     try:
-        from .algorithms import create
-        from .config import resolve
+        from ..algorithms import create
+        from ..config import resolve
 
         return resolve(create(algo))
     except Exception:
