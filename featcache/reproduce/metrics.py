@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ..metrics import mean_std
-from ..results.render import fmt
+from ..results.tables import fmt
 
 Value = tuple[float, float] | int | None  # mean(std), a count, or None (no counterpart in this data)
 
