@@ -11,7 +11,7 @@ The Python API, timm style (imported lazily: `import featcache` loads neither to
     featcache.load_state(path)                            -> (tensors, metadata) of `train(..., save_state=True)`
     featcache.list_algorithms(), featcache.create(name), @featcache.register
 
-`train`, `grid`, `report` and `plot` are also the submodules that hold those functions: the package makes each of them
+`train` and `grid` are also the submodules that hold those functions: the package makes each of them
 callable (calling it calls the function of the same name), so `from featcache import train; train(...)`,
 `featcache.train(...)`, `import featcache.train` and `from featcache.train import load_split` all work, whichever is
 imported first.
@@ -28,13 +28,15 @@ __version__ = "0.1.0"
 # name -> (submodule, attribute) for the lazily imported API; the callable submodules are listed in _CALLABLE.
 _LAZY = {
     "extract": ("extraction.plan", "extract"),
+    "report": ("results", "report"),
+    "plot": ("results", "plot"),
     "load_cache": ("cache", "load_clients"),
     "load_state": ("states", "load_state"),
     "list_algorithms": ("algorithms", "list_algorithms"),
     "register": ("algorithms", "register"),
     "create": ("algorithms", "create"),
 }
-_CALLABLE = ("train", "grid", "report", "plot")
+_CALLABLE = ("train", "grid")
 
 __all__ = ["__version__", *_CALLABLE, *_LAZY]
 

@@ -399,7 +399,7 @@ def report(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the table, the notes, the files)"),
 ) -> None:
     """Render result files as a markdown table (and PNG curves and per-client bars with --out)."""
-    from .report import report as render
+    from .results import report as render
 
     rendered = render(results, out_dir)
     for line in rendered["skipped"]:
@@ -424,7 +424,7 @@ def plot(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Draw a t-SNE or PCA of the learned features (the head's embedding) per client and class."""
-    from .plot import plot as draw
+    from .results import plot as draw
 
     result = draw(state, cache, method=method, split=split, seed=seed, max_points=max_points, out=out_file)
     if as_json:

@@ -18,22 +18,22 @@ import hashlib
 import io
 import itertools
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .algorithms import create
-from .atomic import check_folder, make_folder, output_errors, write_atomic
+from .atomic import check_folder, make_folder, write_atomic
 from .cache import load_clients
 from .config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
 from .devices import resolve_device
 from .engine import structural_keys
 from .errors import UserError
+from .memory import available_bytes
 from .metrics import mean_std
 from .provenance import library_call, provenance
-from .train import available_bytes, check_memory, load_split, run_configs, train
+from .train import check_memory, load_split, run_configs, train
 
 BACKENDS = {}
 
@@ -69,20 +69,14 @@ def plan_chunk(n_models: int, per_model_bytes: int, budget_bytes: int) -> int:
     return max(1, min(n_models, budget_bytes // max(per_model_bytes, 1)))
 
 
+# A grid chunk plans for 1/N of the available memory: the rest is headroom for the loaded data, evaluation and the
+# per-model estimate's error.
+BUDGET_DIVISOR = {"cuda": 2, "cpu": 4}
+
+
 def memory_budget(device: torch.device) -> int:
-    """Half of the free memory of the (resolved) CUDA device, or a quarter of the available RAM."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
-    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return avail // 4
-
-
-def _per_model_bytes(algo, cfg: dict, train, C: int) -> int:
-    """Parameters + gradients + optimizer moments + activations of one configuration across its C clients."""
-    from .train import per_model_bytes
-
-    return per_model_bytes(algo, cfg, train.features.shape[-1], train.num_classes, train.features.shape[1], C)
+    """The memory one chunk of a grid may plan for: 1/BUDGET_DIVISOR of the device's available memory."""
+    return available_bytes(device) // BUDGET_DIVISOR["cuda" if device.type == "cuda" else "cpu"]
 
 
 def _bucket_key(cfg: dict, algo) -> str:

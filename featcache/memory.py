@@ -1,4 +1,5 @@
-"""Keep freed memory in the process: the allocator setting of the `featcache` command.
+"""Memory of the process and its device: how much is available (the one measure the memory checks of train and grid
+use), and the allocator setting of the `featcache` command that keeps freed memory in the process.
 
 torch takes CPU tensors from the C library's malloc. glibc serves large blocks with mmap and gives them back to the
 kernel when they are freed, and trims the top of its heap the same way, so every training step that allocates its
@@ -14,6 +15,7 @@ The `featcache` command calls it when it starts; importing featcache does not (a
 from __future__ import annotations
 
 import ctypes
+import os
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
@@ -27,3 +29,21 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def available_bytes(device) -> int:
+    """Free memory of the (resolved) torch.device when it is a CUDA device, else the RAM the kernel reports as
+    available (MemAvailable: free pages plus the cache it can reclaim), or the free pages where /proc/meminfo is
+    missing."""
+    if device.type == "cuda":
+        import torch  # loaded already where a torch.device exists; the command imports this module before torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -35,6 +35,7 @@ from .config import check_clients, check_seeds, merge_rounds, resolve
 from .devices import resolve_device
 from .engine import Engine, State
 from .errors import UserError
+from .memory import available_bytes
 from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from .provenance import library_call, provenance
 
@@ -66,20 +67,6 @@ def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
 
 # Size settings a memory refusal may name, in the order they are considered when several grew.
 SIZE_SETTINGS = ("proj_dim", "con_dim", "n_prompts", "queue", "heads", "batch_size")
-
-
-def available_bytes(device: torch.device) -> int:
-    """Free memory of the (resolved) CUDA device, or the RAM the kernel reports as available."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def per_model_bytes(algo, cfg: dict, d_in: int, num_classes: int, n_max: int, clients: int) -> int:

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from featcache.algorithms import create
-from featcache.algorithms.fedpft import VIEWS_ERROR, enqueue, ftm, info_nce, probe_match
+from featcache.algorithms.fedpft import VIEWS_ERROR, enqueue, ftm, info_nce
 from featcache.engine import ENGINE_DEFAULTS, Engine
 from featcache.errors import UserError
+from featcache.reproduce.analyses import probe_match
 from tests.synthetic import synthetic_clients
 
 NAMES = ["fedpft", "fedpft-con", "fedavg-linear"]

@@ -54,7 +54,7 @@ def test_import_featcache_is_cheap():
 @pytest.mark.parametrize("first", ["function", "module"])
 def test_extract_train_grid_are_functions_and_modules_whichever_is_imported_first(first):
     function = "from featcache import extract, train, grid, report, plot; fns = (extract, train, grid, report, plot)"
-    module = ("import featcache.train, featcache.grid, featcache.report, featcache.plot; "
+    module = ("import featcache.train, featcache.grid, featcache.results; "
               "from featcache.extraction.plan import Noise")
     code = "\n".join([function, module] if first == "function" else [module, function]) + textwrap.dedent("""
         import inspect, featcache
@@ -65,7 +65,8 @@ def test_extract_train_grid_are_functions_and_modules_whichever_is_imported_firs
         assert all(callable(f) for f in fns) and featcache.extract is fns[0] and Noise
         assert list(inspect.signature(featcache.train).parameters)[:2] == ["cache", "algo"]
         assert list(inspect.signature(featcache.extract).parameters)[:2] == ["dataset", "backbone"]
-        assert featcache.report.report is fns[3].report and featcache.plot is fns[4] and featcache.load_state
+        assert featcache.report is fns[3] is featcache.results.report and featcache.plot is fns[4]
+        assert featcache.load_state
         print("ok")
     """)
     assert python(code) == "ok"

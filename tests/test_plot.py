@@ -20,7 +20,7 @@ from harness import one_line_error, run_cli  # noqa: E402
 from synthetic import write_cache  # noqa: E402
 
 from featcache.errors import UserError  # noqa: E402
-from featcache.plot import plot, project  # noqa: E402
+from featcache.results.features import plot, project  # noqa: E402
 
 SEEDS = [0, 3]
 
@@ -213,7 +213,7 @@ def test_a_plugin_state_plots_without_registering_the_plugin_first(tmp_path):
     (tmp_path / "myalgo.py").write_text("from featcache.algorithms.base import FedAvg\n\n\n"
                                         "class MyAvg(FedAvg):\n    name = 'myavg-plot'\n")
     r = train(cache, f"{tmp_path / 'myalgo.py'}:MyAvg", rounds=1, seeds=[0], out=tmp_path / "runs", save_state=True)
-    code = (f"from featcache.plot import plot; print(plot({r['state_file']!r}, {str(cache)!r}, method='pca', "
+    code = (f"from featcache.results import plot; print(plot({r['state_file']!r}, {str(cache)!r}, method='pca', "
             f"out={str(tmp_path / 'f.png')!r})['algo'])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from featcache.errors import UserError
-from featcache.report import labels, markdown_table, report
+from featcache.results import report
+from featcache.results.tables import labels, markdown_table
 
 
 def result(algo="fedpcl", key="a" * 64, seeds=(0, 1, 2), **config) -> dict:
@@ -88,7 +89,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import lines, one_line_error, run_cli  # noqa: E402
 from synthetic import write_cache  # noqa: E402
 
-from featcache.report import Run, clients_png, curves_png, load_inputs, series  # noqa: E402
+from featcache.results.figures import clients_png, curves_png  # noqa: E402
+from featcache.results.load import Run, load_inputs  # noqa: E402
+from featcache.results.tables import series  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -356,7 +356,7 @@ def test_backbone_similarity_equals_a_loop_over_models(tmp_path):
     import torch
     import torch.nn.functional as F
 
-    from featcache.algorithms.fedpcl import backbone_similarity
+    from featcache.reproduce.analyses import backbone_similarity
     from featcache.train import train
 
     trained = train(write_cache(tmp_path / "synthetic.h5"), "fedpcl", rounds=2, seeds=[0, 1], out=tmp_path / "runs",

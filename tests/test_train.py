@@ -291,3 +291,20 @@ def test_the_cli_keeps_freed_memory_and_importing_featcache_does_not():
     assert plain > 10 * 16_384 // 2 and cli < plain // 20, (plain, cli)  # 16,384 pages of 4 KB per tensor
     start = "import sys, featcache.cli; print('torch' in sys.modules)"  # the command still starts without torch
     assert subprocess.run([sys.executable, "-c", start], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_available_memory_is_mem_available_and_a_grid_chunk_plans_for_a_share_of_it(monkeypatch):
+    """One measure of available memory (featcache/memory.py): the kernel's MemAvailable, not its free pages; train's
+    check uses it as is, grid's chunk budget takes 1/2 of it on CUDA and 1/4 on the CPU."""
+    import io
+
+    from featcache import memory
+    from featcache.train import available_bytes as train_available
+
+    meminfo = "MemTotal: 900 kB\nMemFree: 10 kB\nMemAvailable: 300 kB\n"
+    monkeypatch.setattr(memory, "open", lambda path: io.StringIO(meminfo), raising=False)
+    assert memory.available_bytes(torch.device("cpu")) == 300 * 1024
+    assert train_available is memory.available_bytes is grid_mod.available_bytes
+    assert grid_mod.memory_budget(torch.device("cpu")) == 300 * 1024 // 4
+    monkeypatch.setattr(grid_mod, "available_bytes", lambda device: 4096)
+    assert grid_mod.memory_budget(torch.device("cuda")) == 2048

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import register
-from .base import FedAvg, bcast, weighted_mean
+from .base import FedAvg, bcast
 
 CRIT = "critical."  # upload prefix of the critical-parameter masks
 

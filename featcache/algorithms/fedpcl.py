@@ -26,8 +26,6 @@ Global model: none. The server holds only prototypes; every client keeps its own
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
@@ -181,23 +179,3 @@ class FedPCLOfficial(FedPCL):
         z, _ = self.embed(params, buffers, x)
         dist = ((z[:, None] - ctx["own"][None]) ** 2).sum(-1)  # [N, K] squared distance to own prototypes
         return (-dist).masked_fill(ctx["own_counts"] == 0, float("-inf"))
-
-
-# -- Figure 3: how much each backbone shapes the fused prototypes ---------------------------------------------------
-@torch.no_grad()
-def backbone_similarity(algo, state, data, dims: list[int]) -> torch.Tensor:
-    """FedPCL Figure 3 (Tan et al., NeurIPS 2022, §5.5) on one trained all-backbone model: per backbone k, each
-    client's prototypes computed from backbone k's feature columns alone (the others zeroed; `dims` = the backbones'
-    widths in concat order) against its fused prototypes: cosine, mean over the classes it holds. -> [H, C, B]."""
-    fused, counts = local_prototypes(algo, state, data)  # [H, C, K, d], [H, C, K]
-    held = (counts > 0).float()  # [H, C, K]
-    edges = [0, *torch.tensor(dims).cumsum(0).tolist()]
-    sims = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        keep = torch.zeros(data.features.shape[-1], device=data.features.device)  # [D]
-        keep[lo:hi] = 1
-        only_k = dataclasses.replace(data, features=data.features * keep)  # [C, N, D], other backbones zeroed
-        alone, _ = local_prototypes(algo, state, only_k)  # [H, C, K, d]
-        cos = F.cosine_similarity(alone, fused, dim=-1)  # [H, C, K]
-        sims.append((cos * held).sum(-1) / held.sum(-1).clamp(min=1))  # [H, C]
-    return torch.stack(sims, -1)  # [H, C, B]

@@ -1,6 +1,5 @@
 """FedPFT, FedPFT+Con and FedAvg+Linear (Wu et al., "From Mismatch to Harmony: Resolving Feature-Classifier Mismatch
-in Federated Learning via Prompt-Driven Feature Transformation", ICLR 2025 submission, §3, Alg. 1, App. C–F),
-plus the Origin / Probe / Match accuracies of its Table 1 (App. A).
+in Federated Learning via Prompt-Driven Feature Transformation", ICLR 2025 submission, §3, Alg. 1, App. C–F).
 
 No public code exists; every choice below is derived from the paper, and marked where the paper is silent.
 
@@ -57,10 +56,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..engine import map_models
 from ..errors import UserError
 from ..heads import linear, linear_init
-from ..optim import Adam
 from . import register
 from .base import FedAvg, logsumexp, masked_ce, masked_mean
 
@@ -256,54 +253,3 @@ class FedAvgLinear(Alternating):
     def embed(self, params, buffers, x, mask=None, train=False):
         f, new = super().embed(params, buffers, x, mask, train)  # ϕ(x) [N, m]
         return linear(params, "lin", f), new
-
-
-# -- Table 1: Origin / Probe / Match accuracy (App. A, Fig. 6) ------------------------------------------------------
-def probe_match(algo, state, train, test, steps: int = 200, lr: float = 1e-2) -> dict[str, torch.Tensor]:
-    """Per-model accuracies [H, C] on each client's test data, for algorithms that predict logits(embed(x)):
-
-    origin: the trained model as it is (Fig. 6a);
-    probe:  a fresh linear classifier (zero init) trained on the client's train data on top of the classifier's
-            input features (Fig. 6b; for FedPFT that is f' = τ([ϕ(x), p_κ]), as Table 6's 'p_κ' row);
-    match:  the model's own classifier, frozen, behind a linear layer (identity init) trained on the client's train
-            data (Fig. 6c). Both are fitted full-batch with Adam (`steps`, `lr`: the paper gives neither).
-    """
-    embed = lambda p, b, x: algo.embed(p, b, x)[0]
-    z_train = map_models(embed, (state.params, state.buffers), (train.features,))  # [H, C, N, m]
-    z_test = map_models(embed, (state.params, state.buffers), (test.features,))  # [H, C, N', m]
-    H, C, _, m = z_train.shape
-    K = train.num_classes
-    eye = torch.eye(m, device=z_train.device)
-    heads = {
-        "probe": ({"w.weight": torch.zeros(H, C, K, m), "w.bias": torch.zeros(H, C, K)},
-                  lambda w, p, z: linear(w, "w", z)),
-        "match": ({"w.weight": eye.expand(H, C, m, m).clone(), "w.bias": torch.zeros(H, C, m)},
-                  lambda w, p, z: algo.logits(p, linear(w, "w", z))),
-    }
-    out = {"origin": _accuracy(map_models(algo.logits, (state.params, z_test)), test)}
-    for kind, (w, head) in heads.items():
-        w = {k: v.to(z_train) for k, v in w.items()}
-        w = _fit(w, lambda w_, p, z, y, mask: masked_ce(head(w_, p, z), y, mask), state.params, z_train, train,
-                 steps, lr)
-        out[kind] = _accuracy(map_models(head, (w, state.params, z_test)), test)
-    return out
-
-
-def _fit(w: Params, loss, params: Params, z: torch.Tensor, data, steps: int, lr: float) -> Params:
-    """Full-batch Adam on `w` (leaves [H, C, ...]), every model on its own client's rows."""
-    H, C = z.shape[:2]
-    opt = Adam(w, lr=torch.full((H,), lr, device=z.device), weight_decay=torch.zeros(H, device=z.device))
-    active = torch.ones(H, C, dtype=torch.bool, device=z.device)
-    for _ in range(steps):
-        leaves = {k: v.detach().requires_grad_(True) for k, v in w.items()}
-        total = map_models(loss, (leaves, params, z), (data.labels, data.mask)).sum()
-        grads = dict(zip(leaves, torch.autograd.grad(total, list(leaves.values()))))
-        with torch.no_grad():
-            w = opt.step(w, grads, active)
-    return w
-
-
-def _accuracy(scores: torch.Tensor, data) -> torch.Tensor:
-    """scores [H, C, N, K] -> accuracy [H, C] over each client's valid rows."""
-    hit = (scores.argmax(-1) == data.labels) & data.mask  # [H, C, N]
-    return hit.sum(-1) / data.counts.clamp(min=1)

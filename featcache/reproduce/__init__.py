@@ -24,13 +24,13 @@ Metrics (metrics.py): acc (final round: mean(std) over seeds of the unweighted c
 seed), global (the server's aggregated model on the union of the clients' test splits; n/a without a server model),
 params (floats uploaded per client per round), trainable (trainable head parameters per client), fixed (frozen
 backbone parameters), domain:NAME[|ALT..] (clients of the first of these domains the data has), fair:KEY
-(metrics.fairness; fair:std is FedPCL's "Variance"), probe:origin|probe|match (FedPFT Table 1,
-algorithms.fedpft.probe_match on the trained state), protosim:DOMAIN (FedPCL Figure 3,
-algorithms.fedpcl.backbone_similarity: the row's backbone's share of the all-backbone model's prototypes).
+(metrics.fairness; fair:std is FedPCL's "Variance"), probe:origin|probe|match (FedPFT Table 1, analyses.probe_match
+on the trained state), protosim:DOMAIN (FedPCL Figure 3, analyses.backbone_similarity: the row's backbone's share of
+the all-backbone model's prototypes).
 
 The modules, in the order a run goes through them: schema (read and validate the file), plan (cells -> shared jobs),
 run (find the file, extract, train through featcache.train / featcache.grid, memoise), render (values, table,
-markdown, figure).
+markdown, figure); analyses holds the paper analyses of a trained state that metrics compute.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ..metrics import mean_std
-from ..report import fmt
+from ..results.tables import fmt
 
 Value = tuple[float, float] | int | None  # mean(std), a count, or None (no counterpart in this data)
 
@@ -57,7 +57,7 @@ class Metric:
 # -- what the needs compute ---------------------------------------------------------------------------------------
 def _probe(trained, job, info, result) -> dict:
     """FedPFT Table 1 (Wu et al., FedPFT, App. A): origin / probe / match accuracy per seed, client mean, in %."""
-    from ..algorithms.fedpft import probe_match
+    from .analyses import probe_match
 
     accs = probe_match(trained.algo, trained.state, trained.train, trained.test)  # kind -> [S, C]
     return {k: (100 * v.mean(1)).tolist() for k, v in accs.items()}
@@ -65,7 +65,7 @@ def _probe(trained, job, info, result) -> dict:
 
 def _similarity(trained, job, info, result) -> list:
     """FedPCL Figure 3 (Tan et al., NeurIPS 2022): per seed, client and backbone, [S, C, B]."""
-    from ..algorithms.fedpcl import backbone_similarity
+    from .analyses import backbone_similarity
 
     return backbone_similarity(trained.algo, trained.state, trained.train, info["dims"]).tolist()
 

@@ -12,17 +12,15 @@ as is t-SNE. An existing output file is replaced only when this command wrote it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .atomic import check_folder, write_atomic
-from .errors import UserError, suggest
-from .report import png, png_mark, pyplot
+from ..atomic import check_folder, write_atomic
+from ..errors import UserError, suggest
+from .figures import PLOT_MARK, figure_png, png_mark
 
-SOFTWARE = "featcache plot"  # the PNG's Software text: marks a file this command may overwrite
 # --split -> the `load_clients` arguments of those rows
 SPLITS = {"train": {"split": "train"}, "val": {"split": "train", "holdout": "val"}, "test": {"split": "test"}}
 MIN_POINTS = 5  # fewer rows than this make no picture (and no t-SNE)
@@ -33,7 +31,7 @@ MIN_POINTS = 5  # fewer rows than this make no picture (and no t-SNE)
 def load_state(path: str | Path) -> tuple[dict, dict]:
     """(tensors by name, metadata) of a saved state (`featcache.states.load_state`), refused in one line unless it
     holds the trained heads (`params/` tensors) and metadata of the expected types."""
-    from .states import load_state as read
+    from ..states import load_state as read
 
     tensors, meta = read(path)
     if not (isinstance(meta["config"], dict) and isinstance(meta["seeds"], list) and meta["seeds"]
@@ -54,7 +52,7 @@ def part(tensors: dict, prefix: str, s: int, c: int) -> dict:
 
 def cache_facts(cache: str | Path) -> dict:
     """The cache's attributes (key, dataset, classes, per-client counts and domains)."""
-    from . import cache as C
+    from .. import cache as C
 
     with C.open_cache(cache) as f:
         return C.read_attrs(f)
@@ -88,8 +86,8 @@ def learned_features(state: str | Path, cache: str | Path, split: str = "test", 
     of `split` in `cache`; refused when the state was trained on another cache."""
     import torch
 
-    from .algorithms import create, load
-    from .cache import load_clients
+    from ..algorithms import create, load
+    from ..cache import load_clients
 
     _choose("split", split, SPLITS)
     tensors, meta = load_state(state)
@@ -148,11 +146,11 @@ def tsne(z: np.ndarray, seed: int) -> tuple[np.ndarray, list[str]]:
 METHODS = {"tsne": tsne, "pca": pca}
 
 
-# -- the figure ------------------------------------------------------------------------------------------------------
+# -- the output file -------------------------------------------------------------------------------------------------
 
 def default_out(state: str | Path, method: str, split: str) -> Path:
     """NAME.state.safetensors -> NAME.METHOD-SPLIT.png beside it."""
-    from .states import SUFFIX
+    from ..states import SUFFIX
 
     state = Path(state)
     stem = state.name.removesuffix(SUFFIX) if state.name.endswith(SUFFIX) else state.stem
@@ -171,47 +169,7 @@ def check_out(out: Path) -> None:
 
 
 def written_by_us(path: Path) -> bool:
-    return png_mark(path) == SOFTWARE
-
-
-def _colours(K: int):
-    cmap = pyplot().get_cmap("tab10" if K <= 10 else "tab20" if K <= 20 else "turbo")
-    return [cmap(k if K <= 20 else k / max(K - 1, 1)) for k in range(K)]
-
-
-def figure_png(xy: np.ndarray, feats: Features, keep: np.ndarray, axes_labels: list[str], heading: str,
-               domains: list) -> bytes:
-    """One panel per client: that client's points coloured by class over every client's points in grey."""
-    plt = pyplot()
-
-    client, label = feats.client[keep], feats.label[keep]  # [P], [P]
-    C, K = feats.clients, len(feats.classes)
-    cols = math.ceil(math.sqrt(C))
-    rows = math.ceil(C / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.1 * cols, 2.9 * rows + 0.9), sharex=True, sharey=True,
-                             squeeze=False)
-    colours = np.asarray(_colours(K))  # [K, 4]
-    for c, ax in enumerate(axes.flat):
-        if c >= C:
-            ax.set_visible(False)
-            continue
-        mine = client == c  # [P]
-        ax.scatter(xy[~mine, 0], xy[~mine, 1], s=3, color="0.85", linewidths=0, rasterized=True)
-        ax.scatter(xy[mine, 0], xy[mine, 1], s=9, c=colours[label[mine]], linewidths=0)
-        ax.set_title(f"client {c}" + (f" ({domains[c]})" if c < len(domains) and domains[c] else ""), fontsize=8)
-        if c % cols == 0:
-            ax.set_ylabel(axes_labels[1], fontsize=8)
-        if c + cols >= C:
-            ax.set_xlabel(axes_labels[0], fontsize=8)
-        ax.tick_params(labelsize=7)
-    handles = [plt.Line2D([], [], marker="o", linestyle="", color=colours[k], label=str(name))
-               for k, name in enumerate(feats.classes)][:20]
-    handles.append(plt.Line2D([], [], marker="o", linestyle="", color="0.85", label="other clients"))
-    fig.legend(handles=handles, title="class" + (f" (first 20 of {K})" if K > 20 else ""), loc="center right",
-               fontsize=7, title_fontsize=8)
-    fig.suptitle(heading, fontsize=9)
-    fig.tight_layout(rect=(0, 0, 0.9, 1))
-    return png(fig, SOFTWARE, dpi=110)
+    return png_mark(path) == PLOT_MARK
 
 
 @dataclass

@@ -1,0 +1,169 @@
+"""Result files of `featcache train`, found and checked: which inputs are results, and that they share one cache.
+
+Inputs are any mix of result files and folders. A folder stands for the `*.json` files directly in it (one level:
+a grid's run folder inside `runs/` holds chunk files, not results; pass that folder itself to report its retrained
+result). Files that are not results are skipped with one note each; the sidecars `train` writes beside a result
+(`.timing.json`, `.metrics.csv`, `.state.safetensors`) share one note. Results from different caches are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+
+_NUMBERS = ("mean_acc", "std_acc", "best_round_mean_acc", "best_round_std_acc")
+
+# What `train` writes beside a result `NAME.json`: never results themselves, skipped together in one note.
+SIDECARS = {".timing.json": "a .timing.json sidecar", ".metrics.csv": "a .metrics.csv sidecar",
+            ".state.safetensors": "a saved state (.state.safetensors): draw it with `featcache plot`"}
+MAX_RESULT_BYTES = 64 * 2**20  # a result file is a few kB; a larger input is some other file, not read
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def result_problem(r) -> str | None:
+    """Why a parsed JSON value is not a `featcache train` result file (None when it is one)."""
+    if not isinstance(r, dict):
+        kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(r), "null")
+        return f"a JSON {kind}, not an object"
+    if "curve" not in r and "seconds_per_round" in r:
+        return "a .timing.json sidecar"
+    if "selection" in r and "axes" in r:
+        return "a grid summary (grid.json): report its retrained result file instead"
+    if not isinstance(r.get("algo"), str) or not r["algo"]:
+        return "no algorithm name ('algo')"
+    for k in _NUMBERS:
+        if not is_number(r.get(k)):
+            return f"'{k}' is missing or not a finite number"
+    w20 = (r.get("fairness") or {}).get("worst_20") if isinstance(r.get("fairness"), dict) else None
+    if not (isinstance(w20, list) and len(w20) == 2 and all(is_number(v) for v in w20)):
+        return "'fairness.worst_20' is missing or not [mean, std]"
+    if not (isinstance(r.get("params_uploaded_per_round"), int) and not isinstance(r["params_uploaded_per_round"], bool)
+            and r["params_uploaded_per_round"] >= 0):
+        return "'params_uploaded_per_round' is missing or not a count"
+    if not (isinstance(r.get("seeds"), list) and r["seeds"]):
+        return "'seeds' is missing or empty"
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in r["seeds"]):
+        return "'seeds' is not a list of integers"
+    curve = r.get("curve")
+    if not isinstance(curve, dict):
+        return "no accuracy 'curve'"
+    rounds, acc = curve.get("rounds"), curve.get("mean_acc")
+    if not (isinstance(rounds, list) and isinstance(acc, list) and rounds and len(rounds) == len(acc)
+            and all(is_number(v) for v in rounds + acc)):
+        return "'curve' needs lists 'rounds' and 'mean_acc' of numbers, of the same length"
+    return None
+
+
+@dataclass
+class Run:
+    """One result file: where it is and what it holds."""
+
+    path: Path
+    result: dict
+
+
+@dataclass
+class Inputs:
+    """The inputs sorted out: results, sidecar files (one note for all of them), other files skipped (one note each)."""
+
+    runs: list[Run] = field(default_factory=list)
+    sidecars: list[Path] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        """One line per skipped input, sidecars in one line."""
+        lines = []
+        if self.sidecars:
+            kinds = {}
+            for p in self.sidecars:
+                kinds[_sidecar(p)] = kinds.get(_sidecar(p), 0) + 1
+            lines.append(f"skipped {len(self.sidecars)} sidecar file(s) beside the results ("
+                         f"{', '.join(f'{k} x{n}' for k, n in kinds.items())}): not result files")
+        return lines + [f"skipped {line}" for line in self.skipped]
+
+
+def _sidecar(p: Path) -> str | None:
+    return next((suffix for suffix in SIDECARS if p.name.endswith(suffix)), None)
+
+
+def expand(paths) -> tuple[list[Path], list[Path]]:
+    """(files, folders' files): each folder replaced by the `*.json` files directly in it, sorted by name; a path
+    given twice (directly or through its folder) is kept once. A path that does not exist is refused."""
+    given, found, seen = [], [], set()
+    for p in map(Path, paths):
+        if not (p.is_file() or p.is_dir()):
+            raise UserError(f"result file {p} does not exist: pass result files or folders holding them")
+        files = [p] if p.is_file() else [f for f in sorted(p.glob("*.json")) if f.is_file()]
+        for f in files:
+            if f.resolve() not in seen:
+                seen.add(f.resolve())
+                (given if p.is_file() else found).append(f)
+    return given, found
+
+
+def _parse(p: Path) -> tuple[dict | None, str | None]:
+    """(result, None) for a result file, else (None, why it is not one)."""
+    try:
+        if p.stat().st_size > MAX_RESULT_BYTES:
+            return None, f"{p.stat().st_size / 2**20:.0f} MB, too large for a result file"
+        parsed = json.loads(p.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read result file {p}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        kind = p.suffix.lower() if p.suffix.lower() not in ("", ".json") else "binary"
+        return None, f"not JSON (a {kind} file?)"
+    why = result_problem(parsed)
+    return (parsed, None) if why is None else (None, why)
+
+
+def load_inputs(paths) -> Inputs:
+    """Sort result files from the rest. A single file that is not a result file is refused (the user named it); among
+    several inputs, or in a folder, it is skipped (a glob such as runs/* picks up the sidecars)."""
+    paths = list(paths)
+    given, found = expand(paths)
+    if not given and not found:
+        raise UserError(f"no .json files in {', '.join(map(str, paths))}: pass the result JSON files of "
+                        "`featcache train` or the folder holding them, e.g. runs/")
+    single = len(given) == 1 and not found and len(paths) == 1
+    inputs = Inputs()
+    for p in given + found:
+        kind = _sidecar(p)
+        result, why = (None, SIDECARS[kind]) if kind else _parse(p)
+        if result is not None:
+            inputs.runs.append(Run(p, result))
+        elif single:
+            raise UserError(f"{p} is not a featcache result file: {why}")
+        elif kind:
+            inputs.sidecars.append(p)
+        else:
+            inputs.skipped.append(f"{p}: not a result file ({why})")
+    if not inputs.runs:
+        first = inputs.notes()[0]
+        raise UserError(f"none of the {len(given) + len(found)} inputs is a featcache result file ({first}): pass the "
+                        "result JSON files of `featcache train` or their folder, e.g. runs/*.json or runs/")
+    return inputs
+
+
+def cache_of(r: dict) -> dict:
+    c = r.get("cache")
+    return c if isinstance(c, dict) else {}
+
+
+def check_one_cache(results: list[dict], names: list[str] | None = None) -> None:
+    """Refuse, in one line, results trained on different caches (their numbers are not comparable in one table)."""
+    keys = {}
+    for i, r in enumerate(results):
+        key = cache_of(r).get("key")
+        if isinstance(key, str):
+            keys.setdefault(key, names[i] if names else r["algo"])
+    if len(keys) > 1:
+        (a, fa), (b, fb) = list(keys.items())[:2]
+        raise UserError(f"the results come from {len(keys)} different caches ({fa}: {a[:16]}, {fb}: {b[:16]}): report "
+                        "the files of each cache separately")

@@ -1,0 +1,183 @@
+"""What a report says about its runs: labels and a title, the markdown table, and the numbers its figures draw (the
+result's curves with their std over seeds from its `.metrics.csv` sidecar, the per-client accuracies). std is always
+the sample std (ddof=1)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..metrics import CSV_COLUMNS
+from .load import Run, cache_of, is_number
+
+CSV_TOLERANCE = 0.05  # percentage points: a metrics.csv whose seed means differ more from its result's curve is stale
+
+
+def fmt(mean: float, std: float) -> str:
+    return f"{mean:.2f}({std:.2f})"
+
+
+def fmt_global(r: dict) -> str:
+    """The global model's test accuracy mean(std), or "n/a" (no global model, or a result from before the metric)."""
+    mean, std = r.get("global_mean_acc"), r.get("global_std_acc")
+    return fmt(mean, std) if is_number(mean) and is_number(std) else "n/a"
+
+
+def _settings(r: dict) -> dict:
+    cfg = r.get("config") if isinstance(r.get("config"), dict) else {}
+    return {"algo": r["algo"], **cfg, "seeds": ",".join(map(str, r["seeds"]))}
+
+
+def _defaults(algo: str) -> dict:
+    """The resolved default settings of a registered algorithm ({} for one this featcache does not know)."""
+    try:
+        from ..algorithms import create
+        from ..config import resolve
+
+        return resolve(create(algo))
+    except Exception:
+        return {}
+
+
+def labels(results: list[dict]) -> list[str]:
+    """Each run named by the settings that differ between the files: the algorithm when only it differs
+    (`fedpcl`), else `fedpcl terms=global` / `lr=0.01 seeds=0,1`; runs that differ in nothing get #1, #2, ...
+    A setting that differs only because the algorithms' defaults differ (every file at its algorithm's default) does
+    not name a run."""
+    every = [_settings(r) for r in results]
+    defaults = {a: _defaults(a) for a in {r["algo"] for r in results}}
+    keys = list(dict.fromkeys(k for s in every for k in s))
+    text = lambda v: json.dumps(v, sort_keys=True)
+    differ = [k for k in keys if len({text(s.get(k)) for s in every}) > 1 and (
+        k in ("algo", "seeds") or any(k in s and (k not in defaults[s["algo"]] or text(s[k]) != text(
+            defaults[s["algo"]][k])) for s in every))]
+    out = []
+    for s in every:
+        parts = [s["algo"]] if "algo" in differ or not differ else []
+        parts += [f"{k}={s.get(k, '—')}" for k in differ if k != "algo"]
+        out.append(" ".join(parts))
+    if len(set(out)) < len(out):  # identical settings: tell the rows apart by position
+        out = [f"{label} #{i + 1}" for i, label in enumerate(out)]
+    return out
+
+
+def title(results: list[dict]) -> str:
+    """`offline-digits cache 4aca237fe6b6d7b8, seeds 0,1,2`: what the whole table is about."""
+    caches = {(cache_of(r).get("dataset"), cache_of(r).get("key")) for r in results}
+    names = ", ".join(f"{d or '?'} cache {k[:16]}" if isinstance(k, str) else "cache not recorded"
+                      for d, k in sorted(caches, key=str))
+    seeds = sorted({",".join(map(str, r["seeds"])) for r in results})
+    return f"{names}; seeds {' / '.join(seeds)}"
+
+
+def markdown_table(results: list[dict]) -> str:
+    """A title (cache, seeds), then one row per run: its label (the settings that differ between the runs), final
+    mean(std) over seeds, best-round mean(std), the global model's accuracy ("n/a" without one), worst-20 %, uploads.
+    std is the sample std over seeds (ddof=1; 0 with one seed)."""
+    rows = [f"**{title(results)}** — mean(std) over seeds, std = sample std (ddof=1; 0 with one seed)", "",
+            "| run | final acc % | best-round acc % | global acc % | worst 20 % | params up / client / round | seeds |",
+            "|---|---|---|---|---|---|---|"]
+    for r, label in zip(results, labels(results)):
+        w20 = r["fairness"]["worst_20"]
+        rows.append(f"| {label} | {fmt(r['mean_acc'], r['std_acc'])} | "
+                    f"{fmt(r['best_round_mean_acc'], r['best_round_std_acc'])} | {fmt_global(r)} | {fmt(*w20)} | "
+                    f"{r['params_uploaded_per_round']:,} | {len(r['seeds'])} |")
+    return "\n".join(rows) + "\n"
+
+
+# -- per-seed curves from metrics.csv ----------------------------------------------------------------------------------
+
+def metrics_csv(result_file: Path) -> Path:
+    """The `.metrics.csv` sidecar `train` writes beside `result_file` (NAME.json -> NAME.metrics.csv)."""
+    return result_file.with_suffix(".metrics.csv")
+
+
+def read_metrics(path: Path) -> list[dict] | None:
+    """The rows of a metrics.csv (round, seed, client, split, loss, accuracy, global_accuracy), or None when there
+    is none or it cannot be read as one."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return None
+    return rows if rows and set(CSV_COLUMNS) <= set(rows[0]) else None
+
+
+def per_seed(rows: list[dict], split: str, column: str, rounds: list[int], seeds: list[int]) -> np.ndarray | None:
+    """[R, S]: `column` of the `split` rows averaged over the clients that have a value, per evaluation round and
+    seed; None when a round or seed has no value (the file does not cover the curve)."""
+    sums, counts = np.zeros((len(rounds), len(seeds))), np.zeros((len(rounds), len(seeds)))
+    at_round, at_seed = {r: i for i, r in enumerate(rounds)}, {s: j for j, s in enumerate(seeds)}
+    for row in rows:
+        try:
+            i, j = at_round.get(int(row["round"])), at_seed.get(int(row["seed"]))
+            value = float(row[column]) if row["split"] == split and row[column] not in ("", None) else None
+        except (TypeError, ValueError):
+            return None
+        if i is not None and j is not None and value is not None and math.isfinite(value):
+            sums[i, j] += value
+            counts[i, j] += 1
+    return sums / counts if counts.all() else None
+
+
+def _in_percent(values: np.ndarray, curve: list) -> np.ndarray | None:
+    """values [R, S] (fractions or %) in %, when their mean over seeds is the result's own curve [R] (in %); None
+    when it is not (a stale or foreign metrics.csv)."""
+    target = np.asarray(curve, dtype=np.float64)
+    for scale in (100.0, 1.0):
+        if np.abs(values.mean(1) * scale - target).max() <= CSV_TOLERANCE:
+            return values * scale
+    return None
+
+
+@dataclass
+class Series:
+    """One line of a figure: mean [R] over seeds, and std [R] over seeds (ddof=1) when the per-seed values are known."""
+
+    rounds: list
+    mean: np.ndarray
+    std: np.ndarray | None = None
+
+
+def series(run: Run) -> dict[str, Series]:
+    """A run's curves by name (`accuracy`, `global`, `loss`): the result's own means, with the std over seeds from
+    its metrics.csv when that file exists, covers every evaluation round and seed, and agrees with the means."""
+    r, curve = run.result, run.result["curve"]
+    rounds, seeds = [int(v) for v in curve["rounds"]], [int(s) for s in r["seeds"]]
+    rows = read_metrics(metrics_csv(run.path))
+    out = {}
+    for name, key, split, column, percent in (("accuracy", "mean_acc", "test", "accuracy", True),
+                                              ("global", "global_acc", "test", "global_accuracy", True),
+                                              ("loss", "train_loss", "train", "loss", False)):
+        mean = curve.get(key)
+        if not (isinstance(mean, list) and len(mean) == len(rounds) and all(is_number(v) for v in mean)):
+            continue
+        values = per_seed(rows, split, column, rounds, seeds) if rows and len(seeds) > 1 else None
+        if values is not None:
+            values = _in_percent(values, mean) if percent else (
+                values if np.abs(values.mean(1) - np.asarray(mean)).max() <= 1e-3 * max(1.0, max(map(abs, mean)))
+                else None)
+        std = values.std(1, ddof=1) if values is not None else None
+        out[name] = Series(rounds, np.asarray(mean, dtype=np.float64), std)
+    return out
+
+
+def per_client(r: dict) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """Final test accuracy per client: (mean [C], std [C] over seeds, ddof=1, None with one seed), or None when the
+    result holds no per-client numbers."""
+    rows = r.get("per_client_per_seed")
+    try:
+        acc = np.asarray(rows, dtype=np.float64)  # [S, C]
+    except (TypeError, ValueError):
+        acc = None
+    if acc is not None and acc.ndim == 2 and acc.size and np.isfinite(acc).all():
+        return acc.mean(0), acc.std(0, ddof=1) if acc.shape[0] > 1 else None
+    flat = r.get("per_client")
+    if isinstance(flat, list) and flat and all(is_number(v) for v in flat):
+        return np.asarray(flat, dtype=np.float64), None
+    return None
