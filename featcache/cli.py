@@ -286,7 +286,7 @@ def train(
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded)."""
     from .algorithms import load
-    from .train import precheck, train as run
+    from .training.train import precheck, train as run
 
     algo = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
     twice = sorted({a for a in algo if algo.count(a) > 1})
@@ -337,7 +337,7 @@ def grid(
 ) -> None:
     """Train a hyperparameter grid batched, select on validation, retrain the best, report test accuracy."""
     from .algorithms import load
-    from .grid import grid as run
+    from .training.grid import grid as run
 
     algo = load(algo)  # a plug-in spec: registered here, shown by its name
     seed_list = _seeds(seeds)

@@ -59,8 +59,8 @@ def test_extract_train_grid_are_functions_and_modules_whichever_is_imported_firs
     code = "\n".join([function, module] if first == "function" else [module, function]) + textwrap.dedent("""
         import inspect, featcache
         import featcache.train as T
-        from featcache.train import load_split, train as train_fn
-        from featcache.grid import to_csv
+        from featcache.training.train import load_split, train as train_fn
+        from featcache.training.grid import to_csv
         assert T is featcache.train is fns[1] and callable(T) and T.train is train_fn
         assert all(callable(f) for f in fns) and featcache.extract is fns[0] and Noise
         assert list(inspect.signature(featcache.train).parameters)[:2] == ["cache", "algo"]

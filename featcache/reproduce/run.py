@@ -193,8 +193,8 @@ def _relative(path: str | Path, out: Path) -> str:
 
 def _train(job: Job, info: dict, out: Path, keep_state: bool) -> tuple[dict, str | None]:
     """train() the job (the settings a grid selects on validation first) -> (its result, the grid's grid.json)."""
-    from ..grid import grid
-    from ..train import train
+    from ..training.grid import grid
+    from ..training.train import train
 
     settings, axes, grid_file = json.loads(job.settings), json.loads(job.grid), None
     if axes:

@@ -253,7 +253,7 @@ def _check_settings(where: str, algo: str, settings: dict, grid: dict) -> None:
     """Unknown algorithm or setting, wrong type -> one line, before anything is extracted or trained."""
     from ..algorithms import create
     from ..config import resolve
-    from ..grid import parse_grid
+    from ..training.grid import parse_grid
 
     if "rounds" in settings:
         raise UserError(f"{where}: rounds comes from [profiles.*], not from set")

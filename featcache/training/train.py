@@ -28,15 +28,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import cache as C
-from .algorithms import create
-from .atomic import check_folder, output_errors, write_together
-from .config import check_clients, check_seeds, merge_rounds, resolve
-from .devices import resolve_device
-from .engine import Engine, State
-from .errors import UserError
-from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
-from .provenance import library_call, provenance
+from .. import cache as C
+from ..algorithms import create
+from ..atomic import check_folder, output_errors, write_together
+from ..config import check_clients, check_seeds, merge_rounds, resolve
+from ..devices import resolve_device
+from ..engine import Engine, State
+from ..errors import UserError
+from ..metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
+from ..provenance import library_call, provenance
 
 
 def load_split(path, algo, holdout: str = "none", split: str = "train", backbones=None) -> C.ClientData:
@@ -213,7 +213,7 @@ def write_run(path: Path, body: str, timing: dict, raw: dict, result: dict, save
     files = [(path.with_suffix(".timing.json"), json.dumps(timing)),
              (path.with_suffix(".metrics.csv"), metrics_csv(raw, result["seeds"]))]
     if save_state:
-        from .states import SUFFIX, state_bytes
+        from ..states import SUFFIX, state_bytes
 
         files.append((path.with_suffix(SUFFIX), state_bytes(raw["trained"], result, path.name)))
     board = Path(tensorboard) / path.stem if tensorboard is not None else None
