@@ -72,7 +72,7 @@ def gpu_name(device) -> str | None:
 
 
 def library_call(func: str, **kwargs) -> str:
-    """`featcache.train.train(cache='c.h5', algo='fedavg', ...)`: how a library user made the result."""
+    """`featcache.train(cache='c.h5', algo='fedavg', ...)`: how a library user made the result."""
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     return f"{func}({args})"
 

@@ -1,5 +1,5 @@
 """What a pipeline column can show: one table, metric name -> how it reads its value from a run and what it needs
-from the run beyond `featcache.train.train`'s result.
+from the run beyond `featcache.train`'s result.
 
 A metric is written `kind` or `kind:arg` in a [columns] entry. A *run* (what `run.run_job` returns) is train()'s
 result restricted to the keys the metrics read (`RESULT_KEYS`), plus `client_domains` (from the cache) and the
