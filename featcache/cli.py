@@ -22,7 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from . import provenance
-from .errors import UserError
+from .errors import UserError, first_line
 from .memory import keep_freed_memory
 
 # The command owns its process: freed tensors' pages stay in it for the next step to reuse (featcache/memory.py).
@@ -480,11 +480,6 @@ def _warn_one_line(message, category, filename, lineno, file=None, line=None) ->
     err.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
 
 
-def _first_line(e: BaseException) -> str:
-    text = " ".join(str(e).split("\n")[0].split()) or "(no message)"
-    return f"{type(e).__name__}: {text[:300]}"
-
-
 def _out_of_memory(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
@@ -512,6 +507,7 @@ def _main() -> None:
                   emoji=False)  # `--algo file.py:X: ...` is no :x: emoji
         sys.exit(2)
     except Exception as e:
+        detail = escape(f"{type(e).__name__}: {first_line(e)}")
         if os.environ.get("FEATCACHE_DEBUG", "").strip() not in ("", "0"):
             raise
         from .algorithms import plugin_failure
@@ -522,10 +518,10 @@ def _main() -> None:
                       highlight=False, soft_wrap=True, emoji=False)
             sys.exit(2)
         if _out_of_memory(e):  # the up-front estimate was too low: still the user's setting, still one line
-            err.print(f"[red]error:[/red] out of memory ({escape(_first_line(e))}): lower batch_size or the widths "
+            err.print(f"[red]error:[/red] out of memory ({detail}): lower batch_size or the widths "
                       "(proj_dim, ...), use fewer --seeds, or a smaller --chunk", highlight=False, soft_wrap=True)
             sys.exit(2)
-        err.print(f"[red]internal error:[/red] {escape(_first_line(e))}; run with FEATCACHE_DEBUG=1 for the "
+        err.print(f"[red]internal error:[/red] {detail}; run with FEATCACHE_DEBUG=1 for the "
                   "traceback, and please report it", highlight=False, soft_wrap=True)
         sys.exit(1)
 

@@ -17,7 +17,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
-from ..errors import UserError, suggest
+from ..errors import UserError, first_line, suggest
 
 _ALGOS: dict[str, type] = {}
 
@@ -45,9 +45,8 @@ def plugin_failure(exc: BaseException) -> str | None:
         tb = tb.tb_next
     if hit is None:
         return None
-    text = " ".join(str(exc).split("\n")[0].split())[:200] or "(no message)"
     return f"{hit.tb_frame.f_code.co_filename}:{hit.tb_lineno}, in {hit.tb_frame.f_code.co_name}: " \
-           f"{type(exc).__name__}: {text}"
+           f"{type(exc).__name__}: {first_line(exc, 200)}"
 
 
 def register(cls):
@@ -120,12 +119,8 @@ def _import_file(path: Path, spec: str):
         sys.modules.pop(name, None)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise UserError(f"--algo {spec}: importing {path} failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise UserError(f"--algo {spec}: importing {path} failed: {type(e).__name__}: {first_line(e)}") from e
     return module
-
-
-def _first_line(e: BaseException) -> str:
-    return " ".join(str(e).split("\n")[0].split())[:300] or "(no message)"
 
 
 def _import_module(module_name: str, spec: str):
@@ -134,11 +129,11 @@ def _import_module(module_name: str, spec: str):
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise UserError(f"--algo {spec}: no module {module_name!r} (write file.py:Class for a file)") from e
-        raise UserError(f"--algo {spec}: importing {module_name} failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise UserError(f"--algo {spec}: importing {module_name} failed: {type(e).__name__}: {first_line(e)}") from e
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"--algo {spec}: importing {module_name} failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise UserError(f"--algo {spec}: importing {module_name} failed: {type(e).__name__}: {first_line(e)}") from e
 
 
 def load(spec: str) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 from ..extraction.identity import content_key
 from .h5 import meta_sha256, objects, read_attrs, scan
 from .write import BACKBONE_ATTRS, FEATURE_GROUPS, INDEX_DTYPES, ROOT_ATTRS, SPLITS
@@ -41,7 +41,7 @@ def verify(path: str | Path) -> dict:
     except UserError as e:
         problems.append(str(e))
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
-        problems.append(f"unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
+        problems.append(f"unreadable ({type(e).__name__}: {first_line(e)})")
     size = os.path.getsize(path) if Path(path).is_file() else 0
     return {"path": str(path), "ok": not problems, "problems": problems, "stale": stale, "arrays": arrays,
             "bytes": size, "seconds": round(time.perf_counter() - t0, 3)}
@@ -61,7 +61,7 @@ def info(path: str | Path) -> dict:
         except json.JSONDecodeError as e:
             problem = f"an attribute is not valid JSON ({e})"
         except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
-            problem = (str(e).splitlines() or [type(e).__name__])[0]
+            problem = first_line(e)
         if problem:
             raise UserError(f"cache {path} is damaged: {problem}; run `featcache verify {path}`, then delete it and "
                             "re-run `featcache extract`")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..errors import UserError
+from ..errors import UserError, first_line
 from .check import _check_structure, _feature_problems, _stale
 from .h5 import plain, read_attrs, rows_per_slice
 from .write import FORMAT, SPLITS
@@ -126,7 +126,7 @@ def _checked(path: Path, f: h5py.File) -> set[str]:
             _check_structure(f, problems)
             stale = _stale(read_attrs(f)["versions"])
         except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
-            problems.append(f"unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
+            problems.append(f"unreadable ({type(e).__name__}: {first_line(e)})")
         if problems:
             raise _refused(path, problems)
         if stale:
