@@ -235,7 +235,7 @@ def test_result_file_records_provenance_and_its_name_ignores_it(cache, tmp_path)
 
 
 def test_progress_off_a_terminal_is_plain_periodic_lines():
-    from featcache.cli import plain_progress
+    from featcache.cli.app import plain_progress
 
     lines, now = [], [0.0]
     tick = plain_progress(lines.append, clock=lambda: now[0])
