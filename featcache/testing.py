@@ -25,7 +25,9 @@ from dataclasses import replace
 import torch
 
 from . import optim
+from .algorithms import create, register
 from .cache import ClientData
+from .config import resolve
 from .engine import Engine, batch_order, participation
 
 
@@ -122,9 +124,6 @@ def _setup(algo, rounds: int, train, test, settings: dict):
     """(algorithm instance, train, test, configuration) of an assert_* check: `algo` a registered name, a plug-in
     spec, a FedAvg subclass or an instance; default data `synthetic_clients` with two cached views; uneven clients,
     75 % participation and a short last batch."""
-    from .algorithms import create, register
-    from .config import resolve
-
     if isinstance(algo, type):
         algo = create(register(algo).name)
     elif isinstance(algo, str):

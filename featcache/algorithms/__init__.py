@@ -15,8 +15,11 @@ import importlib
 import importlib.util
 import pkgutil
 import sys
+import warnings
+from importlib.metadata import entry_points
 from pathlib import Path
 
+from ..engine import shared_settings
 from ..errors import UserError, first_line, suggest
 
 _ALGOS: dict[str, type] = {}
@@ -76,9 +79,6 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    import warnings
-    from importlib.metadata import entry_points
-
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             load(ep.value)
@@ -150,7 +150,7 @@ def load(spec: str) -> str:
     cls = getattr(module, cls_name, None)
     if cls is None:
         raise UserError(f"--algo {spec}: {where} has no class {cls_name!r}")
-    from .base import FedAvg
+    from .base import FedAvg  # cycle: base imports `register` from here
 
     if not (isinstance(cls, type) and issubclass(cls, FedAvg)):
         raise UserError(f"--algo {spec}: {cls_name} is not an algorithm (a subclass of featcache.algorithms.base.FedAvg)")
@@ -176,6 +176,4 @@ def create(name: str, cfg: dict | None = None):
     algo = _ALGOS[name]()
     if cfg is None:
         return algo
-    from ..engine import shared_settings
-
     return algo.bind(shared_settings(cfg, algo))

@@ -46,7 +46,7 @@ def open_cache(path: str | Path) -> h5py.File:
     f = _read_only(path, "run `featcache extract` first (it prints the cache path)")
     fmt = plain(f.attrs.get("featcache_format"))
     if fmt != FORMAT:
-        from .migrate import _MIGRATIONS  # migrate opens caches with `_read_only`
+        from .migrate import _MIGRATIONS  # cycle: migrate imports `_read_only` from here
 
         wrote = plain(f.attrs.get("featcache_version", "an unknown version"))
         f.close()

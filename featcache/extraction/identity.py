@@ -64,7 +64,7 @@ def code_identity(patterns: tuple[str, ...] = EMBEDDING_CODE) -> dict:
 
 def versions() -> dict:
     """Versions of the libraries whose numerics determine the embeddings, and of featcache and its cache format."""
-    from ..cache import FORMAT
+    from ..cache import FORMAT  # cycle: featcache.cache imports this module
 
     out = {"featcache": __version__, "cache_format": FORMAT}
     for dist in ("torch", "torchvision", "timm", "numpy", "pillow"):

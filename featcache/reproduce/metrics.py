@@ -18,7 +18,12 @@ from functools import lru_cache
 from typing import Callable
 
 import numpy as np
+import torch
 
+from ..algorithms import create
+from ..algorithms.fedpcl import backbone_similarity
+from ..algorithms.fedpft import probe_match
+from ..extraction.backbones import create_backbone
 from ..metrics import mean_std
 from ..report import fmt
 
@@ -57,25 +62,17 @@ class Metric:
 # -- what the needs compute ---------------------------------------------------------------------------------------
 def _probe(trained, job, info, result) -> dict:
     """FedPFT Table 1 (Wu et al., FedPFT, App. A): origin / probe / match accuracy per seed, client mean, in %."""
-    from ..algorithms.fedpft import probe_match
-
     accs = probe_match(trained.algo, trained.state, trained.train, trained.test)  # kind -> [S, C]
     return {k: (100 * v.mean(1)).tolist() for k, v in accs.items()}
 
 
 def _similarity(trained, job, info, result) -> list:
     """FedPCL Figure 3 (Tan et al., NeurIPS 2022): per seed, client and backbone, [S, C, B]."""
-    from ..algorithms.fedpcl import backbone_similarity
-
     return backbone_similarity(trained.algo, trained.state, trained.train, info["dims"]).tolist()
 
 
 def _trainable(trained, job, info, result) -> int:
     """Parameters one client trains (the head on top of the frozen backbones)."""
-    import torch
-
-    from ..algorithms import create
-
     d_in = sum(info["dims"][i] for i in job.chosen(len(info["dims"])))
     params, _ = create(job.algo, result["config"]).init(result["config"], d_in, info["classes"],
                                                         torch.Generator().manual_seed(0))
@@ -90,8 +87,6 @@ def _fixed(trained, job, info, result) -> int:
 
 @lru_cache(maxsize=None)
 def _backbone_params(spec: str, image_size: int | None) -> int:
-    from ..extraction.backbones import create_backbone
-
     return int(sum(p.numel() for p in create_backbone(spec, image_size=image_size).model.parameters()))
 
 

@@ -27,6 +27,7 @@ import torch
 from ..algorithms import create
 from ..atomic import check_folder, make_folder, output_errors, write_atomic
 from ..cache import load_clients
+from ..cluster import ray_module
 from ..config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
 from ..devices import resolve_device
 from ..engine import structural_keys
@@ -78,13 +79,6 @@ def memory_budget(device: torch.device) -> int:
     return avail // 4
 
 
-def _per_model_bytes(algo, cfg: dict, train, C: int) -> int:
-    """Parameters + gradients + optimizer moments + activations of one configuration across its C clients."""
-    from .train import per_model_bytes
-
-    return per_model_bytes(algo, cfg, train.features.shape[-1], train.num_classes, train.features.shape[1], C)
-
-
 def _bucket_key(cfg: dict, algo) -> str:
     return json.dumps({k: cfg[k] for k in structural_keys(cfg, algo)}, sort_keys=True)
 
@@ -128,8 +122,6 @@ BACKENDS["local"] = _local_backend
 
 def _ray_backend(jobs, progress):
     """Chunks as Ray tasks on the cluster of `cluster.ray_module`."""
-    from ..cluster import ray_module
-
     ray = ray_module()
     remote = ray.remote(_run_chunk)
     pending = {remote.remote(*job["args"]): job for job in jobs}

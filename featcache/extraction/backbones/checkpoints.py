@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from featcache.errors import UserError, first_line
 
@@ -69,8 +70,6 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     require_file(path)
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             loaded = load_file(path)
         else:
             with torch.serialization.safe_globals(_NUMPY_SAFE):
