@@ -9,7 +9,7 @@ RUNS    ?= runs
 DEMO_BACKBONES := --backbone efficientnet_lite0 --backbone efficientnet_lite1 --backbone efficientnet_lite2
 DEMO_EXTRACT   := --dataset offline-digits $(DEMO_BACKBONES) --partition feature --per-class 10 --test-per-class 50 --image-size 64 --out $(CACHE)
 
-.PHONY: install demo test test-fast bench clean reproduce reproduce-quick
+.PHONY: install demo test test-fast bench gpu-check clean reproduce reproduce-quick
 
 install: $(BIN)/featcache
 
@@ -59,6 +59,18 @@ bench: install
 	$(BIN)/python bench/extract.py
 	$(BIN)/python bench/train.py
 	$(BIN)/python bench/grid.py
+
+# For a GPU owner: every test marked `gpu` and the three benchmarks on CUDA, their JSON printed; one line and
+# success where no CUDA GPU is present.
+gpu-check: install
+	@if $(BIN)/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then \
+		$(BIN)/python -m pytest -q -m gpu && \
+		$(BIN)/python bench/extract.py --device cuda && \
+		$(BIN)/python bench/train.py --device cuda && \
+		$(BIN)/python bench/grid.py --device cuda; \
+	else \
+		echo "gpu-check: no CUDA GPU here (torch.cuda.is_available() is False): nothing checked"; \
+	fi
 
 clean:
 	rm -rf $(CACHE) $(RUNS) $(RESULTS) .pytest_cache

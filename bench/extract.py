@@ -60,22 +60,20 @@ import time
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import featcache  # noqa: F401  (before torch: its allocator settings)
+import h5py
+import numpy as np
+import torch
 
-import featcache  # noqa: E402, F401  (before torch: its allocator settings)
-import h5py  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
+from featcache import cache as C
+from featcache.cache import h5, load
+from featcache.extraction import pipeline as P
+from featcache.extraction.backbones import create_backbone
+from featcache.extraction.datasets import PathImages, load_dataset
 from featcache.extraction.identity import content_key, versions
-from featcache import cache as C  # noqa: E402
-from featcache.cache import h5, load  # noqa: E402
-from featcache.extraction import pipeline as P  # noqa: E402
-from featcache.extraction.backbones import create_backbone  # noqa: E402
-from featcache.extraction.datasets import PathImages, load_dataset  # noqa: E402
-from featcache.extraction.plan import extract  # noqa: E402
-from featcache.extraction.partition import PartitionSpec, make_partition  # noqa: E402
-from tests.synthetic import write_format2  # noqa: E402
+from featcache.extraction.partition import PartitionSpec, make_partition
+from featcache.extraction.plan import extract
+from featcache.testing import write_format2
 
 CORES = len(os.sched_getaffinity(0))
 DOMAINS, CLASSES = 3, 10

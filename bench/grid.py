@@ -9,7 +9,7 @@ forward and backward passes of local training plus evaluation (2·m·n·k per pr
 
 `optimizer_step` sets the fused per-configuration optimizer (featcache.optim.OPTIMIZERS) beside the masked
 whole-stack one (featcache.optim.MASKED) on the grid's parameter stack [H, C, ...], every client stepping (FedAvg's
-usual step): aten ops dispatched per step (about one kernel launch each on a GPU; counted by tests/test_optim.py's
+usual step): aten ops dispatched per step (about one kernel launch each on a GPU; counted by featcache.testing's
 OpCount) and seconds per step on the bench's device.
 """
 
@@ -18,21 +18,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache` runs)
+import torch
 
-import featcache.cli  # noqa: E402, F401  (the CLI's allocator setting, as `featcache` runs)
-import torch  # noqa: E402
-
-from featcache.algorithms import create  # noqa: E402
-from featcache.config import resolve  # noqa: E402
-from featcache.engine import Engine  # noqa: E402
-from featcache.optim import MASKED, OPTIMIZERS  # noqa: E402
-from tests.synthetic import synthetic_clients  # noqa: E402
-from tests.test_optim import OpCount  # noqa: E402
+from featcache.algorithms import create
+from featcache.config import resolve
+from featcache.engine import Engine
+from featcache.optim import MASKED, OPTIMIZERS
+from featcache.testing import OpCount, synthetic_clients
 
 
 def mm_gflops(device: str, n: int = 1024, repeats: int = 10) -> float:

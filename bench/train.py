@@ -17,20 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache` runs)
+import torch
 
-import featcache.cli  # noqa: E402, F401  (the CLI's allocator setting, as `featcache` runs)
-import torch  # noqa: E402
-
-from featcache.algorithms import create  # noqa: E402
-from featcache.config import resolve  # noqa: E402
-from featcache.engine import Engine  # noqa: E402
-from featcache.testing import plain_loop  # noqa: E402
-from tests.synthetic import synthetic_clients  # noqa: E402
+from featcache.algorithms import create
+from featcache.config import resolve
+from featcache.engine import Engine
+from featcache.testing import plain_loop, synthetic_clients
 
 
 def backbone_images_per_second(batch: int = 32, size: int = 64, repeats: int = 3) -> float:

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 MODES = ("off", "replay", "cuda")
 WARMUP = 2  # eager runs before capture (PyTorch's CUDA-graph recipe uses a few, on a side stream)
@@ -130,7 +130,7 @@ class Graphs:
                     raise
                 torch.cuda.synchronize()
                 cause = e.__context__ or e  # capture_end's own error hides the op that invalidated the capture
-                self.steps[key], self.failures[key] = fn, f"{type(cause).__name__}: {cause}".splitlines()[0]
+                self.steps[key], self.failures[key] = fn, f"{type(cause).__name__}: {first_line(cause)}"
 
     def run(self, key) -> None:
         with self._on_device():

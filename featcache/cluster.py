@@ -11,7 +11,7 @@ def ray_module():
     """The `ray` module, initialised: `ray.init()` joins RAY_ADDRESS when set (a real cluster), else starts a local
     Ray; a missing Ray is one line."""
     try:
-        import ray
+        import ray  # optional: only a Ray backend needs it
     except ImportError:
         raise UserError("--backend ray needs Ray: pip install 'featcache[ray]'") from None
     if not ray.is_initialized():

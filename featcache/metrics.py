@@ -131,7 +131,7 @@ def metrics_csv(raw: dict, seeds: list[int]) -> str:
 def tensorboard_writer():
     """torch's SummaryWriter class, or one UserError line when TensorBoard is not installed."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: only --tensorboard needs it
     except ImportError:
         raise UserError(TENSORBOARD_MISSING) from None
     return SummaryWriter

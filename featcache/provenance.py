@@ -61,7 +61,7 @@ def git_commit() -> str | None:
 def gpu_name(device) -> str | None:
     """The CUDA device's name when `device` is a CUDA device, else None."""
     try:
-        import torch
+        import torch  # lazy: the CLI imports this module at start-up
 
         device = torch.device(device)
         if device.type == "cuda":
@@ -72,7 +72,7 @@ def gpu_name(device) -> str | None:
 
 
 def library_call(func: str, **kwargs) -> str:
-    """`featcache.train.train(cache='c.h5', algo='fedavg', ...)`: how a library user made the result."""
+    """`featcache.train(cache='c.h5', algo='fedavg', ...)`: how a library user made the result."""
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     return f"{func}({args})"
 
@@ -80,7 +80,7 @@ def library_call(func: str, **kwargs) -> str:
 def provenance(device="cpu", call: str | None = None) -> dict:
     """The provenance block of a result file. `call` describes the library call; the CLI's command line, when this
     process is the `featcache` command, is recorded instead."""
-    import torch
+    import torch  # lazy: the CLI imports this module at start-up
 
     return {
         "featcache": __version__,

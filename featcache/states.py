@@ -12,8 +12,7 @@ Metadata: one key, `featcache`, a JSON object (sorted keys) with `algo`, `algo_s
 plug-in its `file.py:Class`, so the state can be used without registering it first), `config`, `seeds`, `cache_key`, `backbones`,
 `result` (the result file's name) and `featcache_state` (the format version). One key, because safetensors writes
 several metadata keys in a random order, and the same run must give the same bytes. (Files with those fields as
-separate metadata keys, JSON-encoded where they are not strings, are read too.) safetensors is imported only here,
-lazily.
+separate metadata keys, JSON-encoded where they are not strings, are read too.)
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
 from .atomic import write_atomic
 from .errors import UserError
@@ -67,8 +68,6 @@ def unflatten(tensors: dict[str, torch.Tensor], group: str) -> dict:
 def state_bytes(trained, result: dict, result_name: str) -> bytes:
     """The safetensors bytes of `trained` (a `train.Trained`: its state has H = seeds) with the metadata of
     `result` (the result dict `train` writes, in the file named `result_name`)."""
-    from safetensors.torch import save
-
     tensors = {}
     for group in GROUPS:
         tensors |= flatten(getattr(trained.state, group), group)
@@ -92,8 +91,6 @@ def save_state(path: str | Path, trained, result: dict) -> Path:
 def load_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors name -> Tensor, metadata) of a saved state; config, seeds and backbones are decoded from JSON. A
     file that is missing, not safetensors or not a featcache state is one UserError line."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such state file (write one with `featcache train --save-state`)")

@@ -14,7 +14,8 @@ both; `assert_matches_plain_loop` says so, or names the first parameter that dif
 run in "replay" mode must give the eager run's results bit for bit.
 
 `synthetic_clients` is the small separable federated feature set (Gaussian class centres, clients of different
-sizes, a little feature shift per client) it trains on by default; featcache's own tests use both.
+sizes, a little feature shift per client) it trains on by default; featcache's own tests use both. `OpCount` counts
+the ops a step dispatches and `write_format2` writes a cache in the format-2 layout: the tests and bench/ share them.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import replace
 
+import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import optim
-from .cache import ClientData
+from .algorithms import create, register
+from .cache import ClientData, h5
+from .config import resolve
 from .engine import Engine, batch_order, participation
 
 
@@ -122,9 +127,6 @@ def _setup(algo, rounds: int, train, test, settings: dict):
     """(algorithm instance, train, test, configuration) of an assert_* check: `algo` a registered name, a plug-in
     spec, a FedAvg subclass or an instance; default data `synthetic_clients` with two cached views; uneven clients,
     75 % participation and a short last batch."""
-    from .algorithms import create, register
-    from .config import resolve
-
     if isinstance(algo, type):
         algo = create(register(algo).name)
     elif isinstance(algo, str):
@@ -190,3 +192,52 @@ def assert_capturable(algo, rounds: int = 3, train: ClientData | None = None, te
         torch.testing.assert_close(runs["replay"][k], v, rtol=0, atol=0, equal_nan=True,
                                    msg=lambda m: f"{algo.name}: {k} of the captured steps differs from eager: {m}")
     return True
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (about one kernel launch each on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def write_format2(path, header: dict, backbones: list[dict], clients) -> str:
+    """A cache in the format-2 layout (featcache 0.1 before the format-3 writer: each backbone's features as a dataset
+    of its own and again inside `concat`, checksums computed by re-reading the file), from the arguments
+    `featcache.cache.write` takes; for the migration tests and bench/extract.py's before/after figures."""
+    images = 0
+    with h5.create_h5(path) as f:  # the file extract created, concat assembled in slices of 4096 rows as it did
+        h5.write_attrs(f, header | {"featcache_format": 2, "featcache_version": "0.1.0",
+                                    "backbones": [b["key"] for b in backbones]})
+        for b in backbones:
+            h5.write_attrs(f.create_group(f"backbones/{b['key']}"), {k: v for k, v in b.items() if k != "key"})
+        for c, client in enumerate(clients):
+            g = f.create_group(f"clients/{c:03d}")
+            g.attrs["domain"] = client.domain
+            for split in ("train", "test"):
+                s = getattr(client, split)
+                g[f"{split}/labels"] = np.asarray(s.labels, np.int64)
+                g[f"{split}/source_index"] = np.asarray(s.source_index, np.int64)
+                g[f"{split}/domain"] = np.full(len(s.labels), header["domains"].index(client.domain), np.int16)
+                for group, blocks in (("features", s.features), ("views", s.views)):
+                    if blocks is None:
+                        continue
+                    for b, block in zip(backbones, blocks):
+                        g.create_dataset(f"{split}/{group}/{b['key']}", data=np.asarray(block, np.float32),
+                                         track_times=False)
+                    shape = (*blocks[0].shape[:-1], sum(x.shape[-1] for x in blocks))
+                    cat = g.create_dataset(f"{split}/{group}/concat", shape, "f4", track_times=False)
+                    for r in range(0, shape[0], 4096):
+                        rows = [np.asarray(x[r : r + 4096], np.float32) for x in blocks]  # each [k, ..., D_b]
+                        cat[r : r + 4096] = np.concatenate(rows, -1)
+                images += len(s.labels)
+            g["train/val_index"] = np.asarray(client.val_index, np.int64)
+        f.attrs["images"] = images
+        h5.seal(f)
+        f.attrs["meta_sha256"] = h5.meta_sha256(f, bind_data=False)  # format 2's metadata checksum
+    return str(path)

@@ -182,6 +182,7 @@ def test_modes(monkeypatch):
         resolve_mode("graphs", cpu)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ALGOS)
 def test_cuda_graphs_equal_eager_on_the_gpu(name, data):

@@ -340,7 +340,7 @@ def test_unexpected_exception_is_one_internal_error_line_exit_1(good_cache, tmp_
     def boom(*a, **k):
         raise RuntimeError("simulated bug\nsecond line")
 
-    monkeypatch.setattr("featcache.train.run_configs", boom)
+    monkeypatch.setattr("featcache.training.train.run_configs", boom)
     args = ["train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--out", tmp_path]
     monkeypatch.delenv("FEATCACHE_DEBUG", raising=False)
     res = run_cli(*args)
@@ -372,7 +372,7 @@ def test_out_of_memory_at_run_time_is_one_line_exit_2(good_cache, tmp_path, monk
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you "
                            "tried to allocate 43000000000 bytes")
 
-    monkeypatch.setattr("featcache.train.run_configs", oom)
+    monkeypatch.setattr("featcache.training.train.run_configs", oom)
     res = run_cli("train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--out",
                   tmp_path)
     one_line_error(res, "out of memory")

@@ -1,32 +1,20 @@
 """The stacked optimizers of featcache/optim.py: the masked whole-stack ones (`MaskedAdam`, `MaskedSGD`) equal the
 fused per-configuration ones (`Adam`, `SGD`) and torch.optim run model by model; models that do not step are left
 bit-identical; a masked step reads nothing back from the device and dispatches a number of ops that does not grow
-with the number of configurations. `OpCount` is also the counter bench/grid.py reports."""
+with the number of configurations (`featcache.testing.OpCount`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from featcache.optim import MASKED, OPTIMIZERS, SGD, Adam, MaskedAdam, MaskedSGD, optimizer_for
+from featcache.testing import OpCount
 from tests.test_no_sync import HostReads
 
 H, C = 3, 4
 LR, WD, MOM = [1e-2, 3e-2, 1e-1], [1e-4, 0.0, 1e-2], [0.9, 0.0, 0.5]
 SCALE = {"b": 0.5}  # a per-name learning-rate factor
-
-
-class OpCount(TorchDispatchMode):
-    """Counts the aten ops dispatched while active (about one kernel launch each on a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def stack(g: torch.Generator, H: int = H, C: int = C) -> dict[str, torch.Tensor]:

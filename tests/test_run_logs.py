@@ -19,7 +19,7 @@ from featcache.engine import ENGINE_DEFAULTS, Engine, batch_order, participation
 from featcache.errors import UserError
 from featcache.metrics import CSV_COLUMNS, TENSORBOARD_MISSING
 from featcache.states import load_state, unflatten
-from featcache.train import train
+from featcache.training.train import train
 from tests.synthetic import synthetic_clients, write_cache
 
 

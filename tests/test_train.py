@@ -13,11 +13,11 @@ import pytest
 import torch
 from harness import one_line_error, run_cli
 
-from featcache import grid as grid_mod
+from featcache.training import grid as grid_mod
 from featcache.devices import resolve_device
 from featcache.errors import UserError
-from featcache.grid import grid
-from featcache.train import train
+from featcache.training.grid import grid
+from featcache.training.train import train
 from tests.synthetic import write_cache
 
 
@@ -235,7 +235,7 @@ def test_result_file_records_provenance_and_its_name_ignores_it(cache, tmp_path)
 
 
 def test_progress_off_a_terminal_is_plain_periodic_lines():
-    from featcache.cli import plain_progress
+    from featcache.cli.app import plain_progress
 
     lines, now = [], [0.0]
     tick = plain_progress(lines.append, clock=lambda: now[0])
@@ -287,7 +287,7 @@ def test_the_cli_keeps_freed_memory_and_importing_featcache_does_not():
         assert done.returncode == 0, done.stderr
         return int(done.stdout)
 
-    plain, cli = faults("featcache.train"), faults("featcache.cli")
+    plain, cli = faults("featcache.training.train"), faults("featcache.cli")
     assert plain > 10 * 16_384 // 2 and cli < plain // 20, (plain, cli)  # 16,384 pages of 4 KB per tensor
     start = "import sys, featcache.cli; print('torch' in sys.modules)"  # the command still starts without torch
     assert subprocess.run([sys.executable, "-c", start], capture_output=True, text=True).stdout.strip() == "False"
@@ -299,7 +299,7 @@ def test_available_memory_is_mem_available_and_a_grid_chunk_plans_for_a_share_of
     import io
 
     from featcache import memory
-    from featcache.train import available_bytes as train_available
+    from featcache.training.train import available_bytes as train_available
 
     meminfo = "MemTotal: 900 kB\nMemFree: 10 kB\nMemAvailable: 300 kB\n"
     monkeypatch.setattr(memory, "open", lambda path: io.StringIO(meminfo), raising=False)

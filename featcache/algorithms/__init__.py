@@ -15,9 +15,12 @@ import importlib
 import importlib.util
 import pkgutil
 import sys
+import warnings
+from importlib.metadata import entry_points
 from pathlib import Path
 
-from ..errors import UserError, suggest
+from ..engine import shared_settings
+from ..errors import UserError, first_line, suggest
 
 _ALGOS: dict[str, type] = {}
 
@@ -45,9 +48,8 @@ def plugin_failure(exc: BaseException) -> str | None:
         tb = tb.tb_next
     if hit is None:
         return None
-    text = " ".join(str(exc).split("\n")[0].split())[:200] or "(no message)"
     return f"{hit.tb_frame.f_code.co_filename}:{hit.tb_lineno}, in {hit.tb_frame.f_code.co_name}: " \
-           f"{type(exc).__name__}: {text}"
+           f"{type(exc).__name__}: {first_line(exc, 200)}"
 
 
 def register(cls):
@@ -77,9 +79,6 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    import warnings
-    from importlib.metadata import entry_points
-
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             load(ep.value)
@@ -120,12 +119,8 @@ def _import_file(path: Path, spec: str):
         sys.modules.pop(name, None)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise UserError(f"--algo {spec}: importing {path} failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise UserError(f"--algo {spec}: importing {path} failed: {type(e).__name__}: {first_line(e)}") from e
     return module
-
-
-def _first_line(e: BaseException) -> str:
-    return " ".join(str(e).split("\n")[0].split())[:300] or "(no message)"
 
 
 def _import_module(module_name: str, spec: str):
@@ -134,11 +129,11 @@ def _import_module(module_name: str, spec: str):
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise UserError(f"--algo {spec}: no module {module_name!r} (write file.py:Class for a file)") from e
-        raise UserError(f"--algo {spec}: importing {module_name} failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise UserError(f"--algo {spec}: importing {module_name} failed: {type(e).__name__}: {first_line(e)}") from e
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"--algo {spec}: importing {module_name} failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise UserError(f"--algo {spec}: importing {module_name} failed: {type(e).__name__}: {first_line(e)}") from e
 
 
 def load(spec: str) -> str:
@@ -155,7 +150,7 @@ def load(spec: str) -> str:
     cls = getattr(module, cls_name, None)
     if cls is None:
         raise UserError(f"--algo {spec}: {where} has no class {cls_name!r}")
-    from .base import FedAvg
+    from .base import FedAvg  # cycle: base imports `register` from here
 
     if not (isinstance(cls, type) and issubclass(cls, FedAvg)):
         raise UserError(f"--algo {spec}: {cls_name} is not an algorithm (a subclass of featcache.algorithms.base.FedAvg)")
@@ -181,6 +176,4 @@ def create(name: str, cfg: dict | None = None):
     algo = _ALGOS[name]()
     if cfg is None:
         return algo
-    from ..engine import shared_settings
-
     return algo.bind(shared_settings(cfg, algo))

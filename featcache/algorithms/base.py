@@ -39,7 +39,7 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
-from ..heads import linear, mlp, mlp_init
+from ..heads import bn_init, linear, mlp, mlp_init
 from . import register
 
 
@@ -125,8 +125,6 @@ class FedAvg:
     def init(self, cfg: dict, d_in: int, num_classes: int, gen: torch.Generator):
         params, buffers = mlp_init([d_in, cfg["proj_dim"]], gen, prefix="proj", bn=False)
         if cfg["bn"]:
-            from ..heads import bn_init
-
             bn_init(params, buffers, "proj0.bn", cfg["proj_dim"])
         head, _ = mlp_init([cfg["proj_dim"], num_classes], gen, prefix="cls")
         return params | head, buffers

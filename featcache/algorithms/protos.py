@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..engine import map_models
+from ..errors import UserError
 from .base import one_hot
 
 
@@ -80,8 +81,6 @@ def privatize(protos: torch.Tensor, rnd) -> torch.Tensor:
     if kind == "none":
         return protos
     if kind not in _NOISE:
-        from ..errors import UserError
-
         raise UserError(f"proto_noise must be none, laplace or gaussian (got {kind!r})")
     gens = [torch.Generator().manual_seed(s * 100_003 + rnd.round) for s in rnd.seeds.tolist()]  # same seed, noise
     noise = torch.stack([_NOISE[kind](protos.shape[1:], scale, g) for g in gens])  # [H, C, K, d]

@@ -12,8 +12,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..errors import UserError
-from ..extraction.identity import content_key
+from ..errors import UserError, first_line
+from ..extraction.identity import content_key, versions
 from .h5 import meta_sha256, objects, read_attrs, scan
 from .write import BACKBONE_ATTRS, FEATURE_GROUPS, INDEX_DTYPES, ROOT_ATTRS, SPLITS
 
@@ -23,7 +23,7 @@ def verify(path: str | Path) -> dict:
     ranges, finite features, array and metadata checksums; and compare the library versions it was extracted with to
     this environment's. Returns {path, ok, problems (one line each), stale (version differences: warnings, not
     problems), arrays, bytes, seconds}."""
-    from .load import open_cache  # load checks with the finders below
+    from .load import open_cache  # cycle: load imports this module's finders
 
     t0 = time.perf_counter()
     problems: list[str] = []
@@ -41,7 +41,7 @@ def verify(path: str | Path) -> dict:
     except UserError as e:
         problems.append(str(e))
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
-        problems.append(f"unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
+        problems.append(f"unreadable ({type(e).__name__}: {first_line(e)})")
     size = os.path.getsize(path) if Path(path).is_file() else 0
     return {"path": str(path), "ok": not problems, "problems": problems, "stale": stale, "arrays": arrays,
             "bytes": size, "seconds": round(time.perf_counter() - t0, 3)}
@@ -50,7 +50,7 @@ def verify(path: str | Path) -> dict:
 def info(path: str | Path) -> dict:
     """Metadata and per-client counts of a cache, JSON-able. A cache whose metadata is damaged (no `backbones`
     group, an attribute that is not JSON or is an array, counts of the wrong shape) is one UserError line."""
-    from .load import open_cache, read_meta  # load checks with the finders below
+    from .load import open_cache, read_meta  # cycle: load imports this module's finders
 
     with open_cache(path) as f:
         try:
@@ -61,7 +61,7 @@ def info(path: str | Path) -> dict:
         except json.JSONDecodeError as e:
             problem = f"an attribute is not valid JSON ({e})"
         except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
-            problem = (str(e).splitlines() or [type(e).__name__])[0]
+            problem = first_line(e)
         if problem:
             raise UserError(f"cache {path} is damaged: {problem}; run `featcache verify {path}`, then delete it and "
                             "re-run `featcache extract`")
@@ -201,7 +201,5 @@ def _value_problems(f: h5py.File, rows: list[dict], classes: int, domains: int, 
 def _stale(stored: dict) -> list[str]:
     """'torch 2.14.1 (now 2.15.0)' for each library whose version differs from the one the cache was made with (the
     cache format is not one: `open_cache` refuses another format, and a migrated cache keeps its versions)."""
-    from ..extraction.identity import versions
-
     return [f"{k} {stored.get(k)} (now {v})" for k, v in versions().items()
             if stored.get(k) != v and k != "cache_format"]

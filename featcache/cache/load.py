@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..errors import UserError
+from ..errors import UserError, first_line
 from .check import _check_structure, _feature_problems, _stale
 from .h5 import plain, read_attrs, rows_per_slice
 from .write import FORMAT, SPLITS
@@ -46,7 +46,7 @@ def open_cache(path: str | Path) -> h5py.File:
     f = _read_only(path, "run `featcache extract` first (it prints the cache path)")
     fmt = plain(f.attrs.get("featcache_format"))
     if fmt != FORMAT:
-        from .migrate import _MIGRATIONS  # migrate opens caches with `_read_only`
+        from .migrate import _MIGRATIONS  # cycle: migrate imports `_read_only` from here
 
         wrote = plain(f.attrs.get("featcache_version", "an unknown version"))
         f.close()
@@ -126,7 +126,7 @@ def _checked(path: Path, f: h5py.File) -> set[str]:
             _check_structure(f, problems)
             stale = _stale(read_attrs(f)["versions"])
         except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
-            problems.append(f"unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
+            problems.append(f"unreadable ({type(e).__name__}: {first_line(e)})")
         if problems:
             raise _refused(path, problems)
         if stale:

@@ -20,9 +20,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..cluster import ray_module
 from ..devices import resolve_device
 from ..errors import UserError
 from . import pipeline as P
+from .backbones import create_backbone
 from .files import npy_file, synced
 
 Progress = Callable[[str, int, int], None]  # (task label, items done so far, total items)
@@ -56,8 +58,6 @@ class Settings:
 
 
 def build(run: Settings, j: int):
-    from .backbones import create_backbone
-
     return create_backbone(run.specs[j], image_size=run.image_size, allow_partial=run.allow_partial)
 
 
@@ -175,8 +175,6 @@ class Ray:
     local backend does, so their bytes are the same."""
 
     def __init__(self) -> None:
-        from ..cluster import ray_module
-
         self.ray = ray_module()
         resources = self.ray.cluster_resources()
         self.gpus, self.cpus = int(resources.get("GPU", 0)), max(1, int(resources.get("CPU", 1)))

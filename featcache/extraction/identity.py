@@ -76,7 +76,7 @@ def versions() -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _versions() -> dict:
-    from ..cache import FORMAT
+    from ..cache import FORMAT  # cycle: featcache.cache imports this module
 
     out = {"featcache": __version__, "cache_format": FORMAT}
     for dist in ("torch", "torchvision", "timm", "numpy", "pillow"):

@@ -26,6 +26,7 @@ import numpy as np
 from .. import cache as C
 from ..errors import UserError
 from . import pipeline as P
+from .backbones import weights_identity
 from .datasets import dataset_identity, keep_dataset, load_dataset
 from .embed import BACKENDS, Block, Progress, Settings
 from .files import DiskFullError, drop_leftover, locked, remove_partials, writing
@@ -88,8 +89,6 @@ def extract(
                            classes_per_client=classes_per_client, domains=tuple(domains) if domains else None,
                            val_fraction=val_fraction, order=order, seed=seed)
              for c, a, n in itertools.product(*(_values(v) for v in (clients, alpha, per_class)))]
-    from .backbones import weights_identity
-
     runner = BACKENDS[backend]()
     dev = runner.device(device)
     identity, data = dataset_identity(dataset, data_root, download)

@@ -7,6 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
+import h5py
+
 from ..errors import UserError
 from .files import unlocked
 from .identity import EMBEDDING_CODE, code_identity, versions
@@ -18,8 +20,6 @@ def is_store(path: Path) -> bool:
     path = Path(path)
     if path.is_dir():
         return True
-    import h5py
-
     try:
         with h5py.File(path, "r") as f:
             return "featcache_store" in f.attrs

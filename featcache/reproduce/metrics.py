@@ -1,5 +1,5 @@
 """What a pipeline column can show: one table, metric name -> how it reads its value from a run and what it needs
-from the run beyond `featcache.train.train`'s result.
+from the run beyond `featcache.train`'s result.
 
 A metric is written `kind` or `kind:arg` in a [columns] entry. A *run* (what `run.run_job` returns) is train()'s
 result restricted to the keys the metrics read (`RESULT_KEYS`), plus `client_domains` (from the cache) and the
@@ -18,9 +18,13 @@ from functools import lru_cache
 from typing import Callable
 
 import numpy as np
+import torch
 
+from ..algorithms import create
+from ..extraction.backbones import create_backbone
 from ..metrics import mean_std
 from ..results.tables import fmt
+from .analyses import backbone_similarity, probe_match
 
 Value = tuple[float, float] | int | None  # mean(std), a count, or None (no counterpart in this data)
 
@@ -57,25 +61,17 @@ class Metric:
 # -- what the needs compute ---------------------------------------------------------------------------------------
 def _probe(trained, job, info, result) -> dict:
     """FedPFT Table 1 (Wu et al., FedPFT, App. A): origin / probe / match accuracy per seed, client mean, in %."""
-    from .analyses import probe_match
-
     accs = probe_match(trained.algo, trained.state, trained.train, trained.test)  # kind -> [S, C]
     return {k: (100 * v.mean(1)).tolist() for k, v in accs.items()}
 
 
 def _similarity(trained, job, info, result) -> list:
     """FedPCL Figure 3 (Tan et al., NeurIPS 2022): per seed, client and backbone, [S, C, B]."""
-    from .analyses import backbone_similarity
-
     return backbone_similarity(trained.algo, trained.state, trained.train, info["dims"]).tolist()
 
 
 def _trainable(trained, job, info, result) -> int:
     """Parameters one client trains (the head on top of the frozen backbones)."""
-    import torch
-
-    from ..algorithms import create
-
     d_in = sum(info["dims"][i] for i in job.chosen(len(info["dims"])))
     params, _ = create(job.algo, result["config"]).init(result["config"], d_in, info["classes"],
                                                         torch.Generator().manual_seed(0))
@@ -90,8 +86,6 @@ def _fixed(trained, job, info, result) -> int:
 
 @lru_cache(maxsize=None)
 def _backbone_params(spec: str, image_size: int | None) -> int:
-    from ..extraction.backbones import create_backbone
-
     return int(sum(p.numel() for p in create_backbone(spec, image_size=image_size).model.parameters()))
 
 

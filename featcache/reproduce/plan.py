@@ -8,11 +8,13 @@ in what they read share one job with the union of their needs.
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import UserError, suggest
+from ..extraction.plan import extract
 from .metrics import METRICS
 from .schema import Pipeline, Run
 
@@ -60,10 +62,6 @@ def resolve_extract(pipe: Pipeline, overrides: list[dict], dataset: str | None, 
     if backbones:
         ex["backbone"] = list(backbones)
     if "backbone" not in ex:  # extract()'s own default, spelled out: the plan names the backbones of every cell
-        import inspect
-
-        from ..extraction.plan import extract
-
         ex["backbone"] = list(inspect.signature(extract).parameters["backbone"].default)
     for key in ("alpha", "val_fraction"):  # 1 and 1.0 are one setting: one job, one memo file
         if key in ex:

@@ -12,6 +12,7 @@ instead of training. A memo that lacks an output of the trained state retrains (
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import time
@@ -19,10 +20,13 @@ from pathlib import Path
 
 from .. import __version__
 from .. import cache as C
+from ..algorithms import is_plugin, list_algorithms, load
 from ..atomic import check_folder, write_atomic
 from ..errors import UserError, suggest
 from ..extraction.plan import Noise, extract
 from ..provenance import library_call, provenance
+from ..training.grid import grid
+from ..training.train import train
 from .metrics import NEEDS, RESULT_KEYS
 from .plan import DEFAULT_PROFILE, Job, plan
 from .render import cell_values, command_line, figure_png, paper_cell, render, table_markdown
@@ -162,12 +166,8 @@ def _memo_path(job: Job, info: dict, out: Path) -> Path:
     """Named by what the job trains (not by what it reads off the state): one training serves every metric. A
     plug-in algorithm (`file.py:Class`) is named by its registered name, and its source file is part of the digest,
     so an edited plug-in trains again."""
-    from ..algorithms import is_plugin, list_algorithms, load
-
     name, source = job.algo, ""
     if is_plugin(job.algo):
-        import inspect
-
         name = load(job.algo)
         source = hashlib.sha256(Path(inspect.getsourcefile(list_algorithms()[name])).read_bytes()).hexdigest()
     digest = hashlib.sha256(f"{job.trains().key()}|{info['key']}|{__version__}|{source}".encode()).hexdigest()[:16]
@@ -193,9 +193,6 @@ def _relative(path: str | Path, out: Path) -> str:
 
 def _train(job: Job, info: dict, out: Path, keep_state: bool) -> tuple[dict, str | None]:
     """train() the job (the settings a grid selects on validation first) -> (its result, the grid's grid.json)."""
-    from ..grid import grid
-    from ..train import train
-
     settings, axes, grid_file = json.loads(job.settings), json.loads(job.grid), None
     if axes:
         found = grid(info["cache"], job.algo, [f"{k}={','.join(str(v) for v in values)}" for k, values in axes.items()],

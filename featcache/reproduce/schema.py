@@ -12,8 +12,12 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
+from ..algorithms import create
+from ..config import resolve
 from ..errors import UserError, suggest
+from ..extraction.partition import PartitionSpec
 from ..extraction.plan import Noise, extract
+from ..training.grid import parse_grid
 from .metrics import METRICS, metric_problem
 
 PAPERS = ("fedpcl", "fedproc", "fedpft")
@@ -155,8 +159,6 @@ def _check_extract(where: str, overrides: dict, base: dict, *, base_table: bool 
         noise = overrides["noise"]
         _check(f"{where} noise", noise, {"kind": (str, True), "scale": ((int, float), True), "p": ((int, float), True)})
         Noise(noise["kind"], float(noise["scale"]), float(noise["p"]))
-    from ..extraction.partition import PartitionSpec
-
     options = {"scheme" if k == "partition" else k: v for k, v in (base | overrides).items()}  # extract's names
     options = {k: v for k, v in options.items() if k in PartitionSpec.__dataclass_fields__}
     if isinstance(options.get("domains"), dict):
@@ -251,10 +253,6 @@ def _figure(where: str, figure: dict, columns: list[Column]) -> None:
 
 def _check_settings(where: str, algo: str, settings: dict, grid: dict) -> None:
     """Unknown algorithm or setting, wrong type -> one line, before anything is extracted or trained."""
-    from ..algorithms import create
-    from ..config import resolve
-    from ..grid import parse_grid
-
     if "rounds" in settings:
         raise UserError(f"{where}: rounds comes from [profiles.*], not from set")
     try:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
-from featcache.errors import UserError
+from featcache.errors import UserError, first_line
 
 from .models import seeded_model
 
@@ -69,8 +70,6 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     require_file(path)
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             loaded = load_file(path)
         else:
             with torch.serialization.safe_globals(_NUMPY_SAFE):
@@ -84,7 +83,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         reason = str(err).partition("WeightsUnpickler error:")[2] or str(err)
         raise UserError(f"cannot read checkpoint {path}: {first_line(reason)}") from err
     except Exception as err:  # a damaged file trips the (weights-only) unpickler in many ways: IndexError, KeyError...
-        raise UserError(f"cannot read checkpoint {path}: {first_line(str(err))}") from err
+        raise UserError(f"cannot read checkpoint {path}: {first_line(err)}") from err
     state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(
@@ -130,11 +129,6 @@ def listing(keys: list[str], shown: int = 6) -> str:
     """The first `shown` keys, comma-separated, and how many more there are."""
     more = f" (+{len(keys) - shown} more)" if len(keys) > shown else ""
     return ", ".join(keys[:shown]) + more
-
-
-def first_line(text: str) -> str:
-    """The first line of an error's text, so that a UserError stays one line."""
-    return (text.strip().splitlines() or ["no detail"])[0]
 
 
 def _as_tuple(value) -> tuple:

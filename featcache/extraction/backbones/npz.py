@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from featcache.errors import UserError
+from featcache.errors import UserError, first_line
 
-from .checkpoints import first_line, listing, require_file
+from .checkpoints import listing, require_file
 from .models import seeded_model
 
 
@@ -45,7 +45,7 @@ def npz_model(name: str, path: Path, image_size: int | None, allow_partial: bool
             f"check that {name} is its architecture"
         ) from err
     except (RuntimeError, ValueError) as err:  # a tensor of the wrong shape; a layout timm does not know
-        raise UserError(f"checkpoint {path} does not fit {name} ({first_line(str(err))}): "
+        raise UserError(f"checkpoint {path} does not fit {name} ({first_line(err)}): "
                         "name the ViT the checkpoint belongs to") from err
     _check_npz_complete(name, model, path, seeded, allow_partial)
     return model
@@ -66,9 +66,9 @@ def _read_npz(path: Path) -> dict[str, tuple[int, ...]]:
                 f"checkpoint {path} pickles objects other than arrays and was not loaded, as that could run code: "
                 "re-save it with numpy.savez from plain arrays"
             ) from err
-        raise UserError(f"cannot read checkpoint {path}: {first_line(str(err))}") from err
+        raise UserError(f"cannot read checkpoint {path}: {first_line(err)}") from err
     except Exception as err:  # a damaged member: zipfile.BadZipFile (CRC), EOFError, zlib.error, OSError
-        raise UserError(f"cannot read checkpoint {path}: {first_line(str(err))}") from err
+        raise UserError(f"cannot read checkpoint {path}: {first_line(err)}") from err
     if not any(key.endswith("embedding/kernel") for key in shapes):
         raise UserError(f"checkpoint {path} lacks embedding/kernel: it is not a JAX ViT checkpoint in the AugReg "
                         "layout (embedding/kernel, cls, Transformer/encoderblock_N/...)")

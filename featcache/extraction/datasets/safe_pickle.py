@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import UserError
+from ...errors import UserError, first_line
 
 try:  # numpy >= 2 (and the forward-compatibility shim in 1.26)
     from numpy._core import multiarray, numeric
@@ -75,5 +75,4 @@ def safe_load(path: str | Path) -> Any:
     except FileNotFoundError:
         raise UserError(f"{path} not found") from None
     except Exception as e:  # a truncated or foreign file fails in many ways; all mean "not a readable pickle"
-        first_line = (str(e).splitlines() or [""])[0]
-        raise UserError(f"cannot unpickle {path}: {type(e).__name__}: {first_line}") from None
+        raise UserError(f"cannot unpickle {path}: {type(e).__name__}: {first_line(e)}") from None

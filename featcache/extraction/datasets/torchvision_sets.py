@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from ...errors import UserError
+from ...errors import UserError, first_line
 from . import register_dataset
 from .base import ArrayImages, Dataset
 from .safe_pickle import safe_load
@@ -188,10 +188,9 @@ def _download(name: str, source: _Source, root: Path) -> None:
         try:
             cls(str(root), download=True, **kwargs)
         except Exception as e:  # network and checksum failures come in many types; all mean "no files"
-            first_line = (str(e).splitlines() or [""])[0]
             raise UserError(
                 f"downloading {name} with torchvision.datasets.{source.torchvision_class} failed "
-                f"({type(e).__name__}: {first_line}); put the files in place by hand: {source.layout}"
+                f"({type(e).__name__}: {first_line(e)}); put the files in place by hand: {source.layout}"
             ) from None
 
 

@@ -11,7 +11,7 @@ from ...errors import UserError
 from .steps import Pools, _chunks, _gather, _members
 
 if TYPE_CHECKING:
-    from .spec import PartitionSpec
+    from .spec import PartitionSpec  # type only: spec imports this module
 
 _DIRICHLET_TRIES = 100
 

@@ -10,7 +10,7 @@ import numpy as np
 from ..datasets.base import Dataset
 
 if TYPE_CHECKING:
-    from .spec import PartitionSpec
+    from .spec import PartitionSpec  # type only: spec imports this module
 
 _ORDERS: dict[str, Callable[[np.ndarray, np.random.Generator], np.ndarray]] = {
     "shuffled": lambda idx, rng: rng.permutation(idx),

@@ -28,16 +28,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import cache as C
-from .algorithms import create
-from .atomic import check_folder, output_errors, write_together
-from .config import check_clients, check_seeds, merge_rounds, resolve
-from .devices import resolve_device
-from .engine import Engine, State
-from .errors import UserError
-from .memory import available_bytes
-from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
-from .provenance import library_call, provenance
+from .. import cache as C
+from ..algorithms import create
+from ..atomic import check_folder, output_errors, write_together
+from ..config import check_clients, check_seeds, merge_rounds, resolve
+from ..devices import resolve_device
+from ..engine import Engine, State
+from ..errors import UserError
+from ..memory import available_bytes
+from ..metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
+from ..provenance import library_call, provenance
+from ..states import SUFFIX, state_bytes
 
 
 def load_split(path, algo, holdout: str = "none", split: str = "train", backbones=None) -> C.ClientData:
@@ -200,8 +201,6 @@ def write_run(path: Path, body: str, timing: dict, raw: dict, result: dict, save
     files = [(path.with_suffix(".timing.json"), json.dumps(timing)),
              (path.with_suffix(".metrics.csv"), metrics_csv(raw, result["seeds"]))]
     if save_state:
-        from .states import SUFFIX, state_bytes
-
         files.append((path.with_suffix(SUFFIX), state_bytes(raw["trained"], result, path.name)))
     board = Path(tensorboard) / path.stem if tensorboard is not None else None
     tmp = tensorboard_run(board, raw, result["seeds"]) if board else None

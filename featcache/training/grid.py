@@ -23,16 +23,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .algorithms import create
-from .atomic import check_folder, make_folder, write_atomic
-from .cache import load_clients
-from .config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
-from .devices import resolve_device
-from .engine import structural_keys
-from .errors import UserError
-from .memory import available_bytes
-from .metrics import mean_std
-from .provenance import library_call, provenance
+from ..algorithms import create
+from ..atomic import check_folder, make_folder, write_atomic
+from ..cache import load_clients
+from ..cluster import ray_module
+from ..config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
+from ..devices import resolve_device
+from ..engine import structural_keys
+from ..errors import UserError
+from ..memory import available_bytes
+from ..metrics import mean_std
+from ..provenance import library_call, provenance
 from .train import check_memory, load_split, run_configs, train
 
 BACKENDS = {}
@@ -122,8 +123,6 @@ BACKENDS["local"] = _local_backend
 
 def _ray_backend(jobs, progress):
     """Chunks as Ray tasks on the cluster of `cluster.ray_module`."""
-    from .cluster import ray_module
-
     ray = ray_module()
     remote = ray.remote(_run_chunk)
     pending = {remote.remote(*job["args"]): job for job in jobs}

@@ -1,0 +1,5 @@
+"""`python -m featcache.cli ARGS`: the `featcache` command."""
+
+from . import main
+
+main()

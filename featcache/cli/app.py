@@ -1,0 +1,83 @@
+"""The typer app, its two consoles and what every command shares: progress on stderr, one JSON object or a table
+on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import contextmanager
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run frozen backbones once, cache embeddings in HDF5, train federated heads on them.")
+# Off a terminal (a pipe, a log file) rich would wrap tables at 80 columns and cut their cells: give it room.
+out = Console(width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+
+
+PLAIN_EVERY_S = 30.0  # when stderr is not a terminal: a line per label at least every 30 s ...
+PLAIN_STEP = 0.1  # ... and at every 10 % of its total
+
+
+def plain_progress(write=None, clock=time.monotonic):
+    """A `(label, done, total)` callback for logs (stderr not a terminal: nohup, SLURM, CI): plain lines such as
+    `progress: fedavg 10/50 (20 %) 12 s` at every 10 % of a label's total, at least every 30 s while it advances,
+    and at its end; nothing before the first update."""
+    write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+    start, last = {}, {}  # label -> first update time; label -> (time, fraction) of the last line
+
+    def update(label: str, done: int, total: int) -> None:
+        now = clock()
+        start.setdefault(label, now)
+        frac = done / total if total else 1.0
+        t, f = last.get(label, (None, None))
+        if (t is None or frac >= 1.0 and f < 1.0 or int(frac / PLAIN_STEP) > int(f / PLAIN_STEP)
+                or now - t >= PLAIN_EVERY_S and frac > f):
+            last[label] = (now, frac)
+            write(f"progress: {label} {done}/{total} ({100 * frac:.0f} %) {now - start[label]:.0f} s")
+
+    return update
+
+
+@contextmanager
+def progress_bar(enabled: bool = True):
+    """Yield a `(label, done, total)` callback that drives one rich bar per label (on stderr), or, when stderr is not
+    a terminal, prints plain periodic lines (`plain_progress`). The bars appear with the first update, so a command
+    refused before any work prints its one error line and nothing else."""
+    if not enabled:
+        yield None
+        return
+    if not err.is_terminal:
+        yield plain_progress()
+        return
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
+    tasks: dict[str, int] = {}
+
+    def update(label: str, done: int, total: int) -> None:
+        if not tasks:
+            bar.start()
+        if label not in tasks:
+            tasks[label] = bar.add_task(label, total=total)
+        bar.update(tasks[label], completed=done, total=total)
+
+    try:
+        yield update
+    except BaseException:
+        bar.live.transient = True  # on an error, its one-line message is all that stays on screen
+        raise
+    finally:
+        if tasks:
+            bar.stop()
+
+
+def emit(result: dict, as_json: bool, table: Table | None = None) -> None:
+    if as_json:
+        print(json.dumps(result, sort_keys=True))
+    elif table is not None:
+        out.print(table)

@@ -1,0 +1,180 @@
+"""The extraction commands: extract, info, gc, verify, migrate, datasets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..errors import UserError
+from .app import emit, err, out, progress_bar
+
+
+def extract(
+    dataset: str = typer.Option("offline-digits", help="dataset name (see `featcache datasets`)"),
+    backbone: list[str] = typer.Option(["efficientnet_lite0"], help="timm name, NAME=CHECKPOINT or NAME=random; repeat for several"),
+    partition: str = typer.Option("feature", help="feature | label | feature-label | pathological | iid"),
+    clients: Optional[str] = typer.Option(None, help="number of clients (default: one per domain / 5); a comma list "
+                                                     "(5,10,20) writes one cache per value"),
+    alpha: str = typer.Option("0.5", help="Dirichlet concentration for label skew; a comma list sweeps"),
+    per_class: Optional[str] = typer.Option(None, help="train images per class per client (FedPCL: 10); a comma "
+                                                       "list sweeps"),
+    test_per_class: Optional[int] = typer.Option(None, help="test images per class per client (FedPCL: 200)"),
+    classes_per_client: int = typer.Option(2, help="classes per client for the pathological partition"),
+    domain: Optional[list[str]] = typer.Option(None, help="use only these domains (repeat)"),
+    val_fraction: float = typer.Option(0.2, help="share of train held out for validation (grid search)"),
+    order: str = typer.Option("shuffled", help="which images of a class a client takes: shuffled (seeded) | first "
+                                               "(the dataset's order, FedPCL's first 10 per class)"),
+    image_size: Optional[int] = typer.Option(None, help="input size override (FedPCL: 64 for ResNet18)"),
+    views: int = typer.Option(0, help="augmented views per training image (FedPCL two-crop, FedPFT+Con)"),
+    noise: Optional[str] = typer.Option(None, help="image noise: laplace or gaussian (FedPCL A.2.4)"),
+    noise_scale: float = typer.Option(0.2, help="noise scale s"),
+    noise_p: float = typer.Option(0.1, help="perturbation coefficient p: x~ = (1-p) x + e"),
+    seed: int = typer.Option(0, help="seed of partition, views and noise"),
+    data_root: Optional[Path] = typer.Option(None, help="folder holding the dataset"),
+    download: bool = typer.Option(False, help="let torchvision datasets download (online users)"),
+    out_dir: Path = typer.Option(Path("cache"), "--out", help="folder for caches"),
+    store: Optional[Path] = typer.Option(None, help="folder of the embedding stores (default: OUT/store); share one "
+                                                    "between projects or machines"),
+    batch_size: Optional[int] = typer.Option(None, help="images per forward pass (default: 256 on CUDA, 64 on CPU)"),
+    workers: Optional[int] = typer.Option(None, help="input worker processes (default: 0 for in-memory arrays, "
+                                                     "else one per core)"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    backend: str = typer.Option("local", help="local (this process) | ray (RAY_ADDRESS or a local Ray)"),
+    allow_partial: bool = typer.Option(False, help="load checkpoints whose keys do not all match (rest: random)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Run each frozen backbone once over every client's images and write the embeddings to an HDF5 cache."""
+    from ..extraction.plan import Noise, extract as run  # lazy: `featcache --help` loads no torch
+
+    with progress_bar(not as_json) as progress:
+        result = run(
+            dataset=dataset, backbone=backbone, partition=partition, clients=_sweep(clients, int, "--clients"),
+            alpha=_sweep(alpha, float, "--alpha"), per_class=_sweep(per_class, int, "--per-class"),
+            test_per_class=test_per_class, classes_per_client=classes_per_client,
+            domains=domain, val_fraction=val_fraction, order=order, image_size=image_size, views=views,
+            noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
+            download=download, out=out_dir, store=store, batch_size=batch_size, workers=workers, device=device, backend=backend,
+            allow_partial=allow_partial, progress=progress,
+        )
+    table = Table(title="featcache extract")
+    for r in result.get("caches", [result]):
+        table.add_row("cache", f"{r['cache']} ({'hit' if r['cache_hit'] else 'written'}, {r['images']} images)")
+    table.add_row("backbones", ", ".join(result.get("backbones") or result["caches"][0]["backbones"]))
+    table.add_row("embedded", ", ".join(f"{k} {n} images" for k, n in result["embedded"].items()) or "nothing")
+    table.add_row("seconds", str(result["seconds"]))
+    if "phases" in result:  # a miss: where the seconds went
+        table.add_row("phases", " · ".join(f"{k} {v:.1f} s" for k, v in result["phases"].items()))
+    table.show_header = False
+    emit(result, as_json, table)
+
+
+def _sweep(text: str | None, kind: type, flag: str):
+    """'0.1,0.5,1' -> [0.1, 0.5, 1.0]; one value -> that value; None -> None."""
+    if text is None:
+        return None
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} takes a {kind.__name__} or a comma list of them (got {text!r})") from None
+    return values if len(values) > 1 else values[0]
+
+
+def info(cache: Path = typer.Argument(..., help="cache file, store file or folder of stores"),
+         as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show a cache's metadata and per-client counts, or what a store (or a folder of them) holds."""
+    from ..cache import info as read  # lazy: `featcache --help` loads no torch
+    from ..extraction.stores import info as read_store, is_store  # lazy: `featcache --help` loads no torch
+
+    if is_store(cache):
+        _show_stores(read_store(cache), as_json)
+        return
+    meta = read(cache)
+    if as_json:
+        emit(meta, True)
+        return
+    head = Table(title=str(cache), show_header=False)
+    for k in ("dataset", "backbones", "classes", "domains", "partition", "views", "images", "bytes", "created", "key"):
+        head.add_row(k, json.dumps(meta.get(k)))
+    for k, b in meta["backbone_info"].items():
+        head.add_row(f"backbone {k}", f"{b['name']} dim={b['dim']} weights={b['weights']} sha256={b['weights_sha256'][:12]}")
+    out.print(head)
+    counts = Table(title="clients")
+    for col in ("client", "domain", "train", "val", "test"):
+        counts.add_column(col)
+    for c in meta["counts"]["clients"]:
+        counts.add_row(*(str(c[col]) for col in ("client", "domain", "train", "val", "test")))
+    out.print(counts)
+
+
+def _show_stores(found: dict, as_json: bool) -> None:
+    table = Table(title=f"stores in {found['path']}")
+    for col in ("backbone", "dim", "views", "images", "held", "MB"):
+        table.add_column(col)
+    for st in found["stores"]:
+        held = " · ".join(f"{k} {n}" for k, n in st["held"].items())
+        table.add_row(st["backbone"], str(st["dim"]), str(st["views"]), str(st["images"]), held,
+                      f"{st['bytes'] / 2**20:.1f}")
+    emit(found, as_json, table)
+
+
+def gc(store: Path = typer.Argument(..., help="folder of embedding stores (default of extract: CACHE/store)"),
+       dry_run: bool = typer.Option(False, help="say what would be removed, remove nothing"),
+       as_json: bool = typer.Option(False, "--json")) -> None:
+    """Check every store in a folder and remove the ones no command can use (damaged, or made by other code or
+    library versions), with their leftover parts folders."""
+    from ..extraction.stores import gc as collect  # lazy: `featcache --help` loads no torch
+
+    report = collect(store, dry_run=dry_run)
+    table = Table(title=f"featcache gc {store}" + (" (dry run)" if dry_run else ""), show_header=False)
+    for entry in report["removed"]:
+        table.add_row("would remove" if dry_run else "removed", entry["file"], entry["reason"])
+    for entry in report["kept"]:
+        table.add_row("kept", entry["file"], "checksums match")
+    emit(report, as_json, table)
+
+
+def verify(cache: Path = typer.Argument(..., help="cache file"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Check a cache: schema, counts, finite features, checksums; report library versions that changed since."""
+    from ..cache import verify as check  # lazy: `featcache --help` loads no torch
+
+    report = check(cache)
+    if as_json:
+        emit(report, True)
+    elif report["ok"]:
+        out.print(f"ok: {cache} ({report['arrays']} arrays, checksums match, {report['seconds']} s)", soft_wrap=True)
+    for line in report["stale"]:
+        err.print(f"[yellow]warning:[/yellow] extracted with {line}", highlight=False, soft_wrap=True)
+    if not report["ok"]:
+        first = report["problems"][0]
+        more = f" (+{len(report['problems']) - 1} more, see --json)" if len(report["problems"]) > 1 else ""
+        raise UserError(f"{first}{more}" if str(cache) in first else f"{cache}: {first}{more}")
+
+
+def migrate(cache: Path = typer.Argument(..., help="cache file of an older format"),
+            as_json: bool = typer.Option(False, "--json")) -> None:
+    """Convert a cache of an older format to the current one, in place (its feature bytes are kept and checked)."""
+    from ..cache import migrate as convert  # lazy: `featcache --help` loads no torch
+
+    report = convert(cache)
+    if as_json:
+        emit(report, True)
+    else:
+        out.print(f"migrated: {cache} (format {report['from_format']} -> {report['to_format']}, "
+                  f"{report['bytes_before']} -> {report['bytes']} bytes)", soft_wrap=True)
+
+
+def datasets(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+    """List the dataset readers and the layout each expects."""
+    from ..extraction.datasets import list_datasets  # lazy: `featcache --help` loads no numpy
+
+    if as_json:
+        emit({"datasets": dict(sorted(list_datasets().items()))}, True)
+        return
+    table = Table("dataset", "expected layout")
+    for name, layout in sorted(list_datasets().items()):
+        table.add_row(name, layout)
+    out.print(table)
