@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from featcache.algorithms import create  # noqa: E402
 from featcache.config import resolve  # noqa: E402
-from featcache.engine import Engine  # noqa: E402
+from featcache.training.engine import Engine  # noqa: E402
 from featcache.testing import plain_loop  # noqa: E402
 from tests.synthetic import synthetic_clients  # noqa: E402
 

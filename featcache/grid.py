@@ -29,7 +29,7 @@ from .atomic import check_folder, make_folder, output_errors, write_atomic
 from .cache import load_clients
 from .config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
 from .devices import resolve_device
-from .engine import structural_keys
+from .training.engine import structural_keys
 from .errors import UserError
 from .metrics import mean_std
 from .provenance import library_call, provenance

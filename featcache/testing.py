@@ -10,7 +10,7 @@ both; `assert_matches_plain_loop` says so, or names the first parameter that dif
     from featcache.testing import assert_matches_plain_loop
     assert_matches_plain_loop("path/to/my_algo.py:MyAlgo")     # or a registered name, a class, an instance
 
-`assert_capturable` checks the protocol of captured steps (CUDA graphs, featcache/capture.py) on the CPU: the engine
+`assert_capturable` checks the protocol of captured steps (CUDA graphs, featcache/training/capture.py) on the CPU: the engine
 run in "replay" mode must give the eager run's results bit for bit.
 
 `synthetic_clients` is the small separable federated feature set (Gaussian class centres, clients of different
@@ -24,9 +24,9 @@ from dataclasses import replace
 
 import torch
 
-from . import optim
+from .training import optim
 from .cache import ClientData
-from .engine import Engine, batch_order, participation
+from .training.engine import Engine, batch_order, participation
 
 
 def synthetic_clients(C: int = 4, n: tuple[int, int] = (30, 60), D: int = 16, K: int = 5, seed: int = 0,

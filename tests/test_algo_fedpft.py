@@ -12,7 +12,7 @@ import torch
 
 from featcache.algorithms import create
 from featcache.algorithms.fedpft import VIEWS_ERROR, enqueue, ftm, info_nce, probe_match
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
 

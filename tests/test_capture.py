@@ -1,4 +1,4 @@
-"""Captured local steps (featcache/capture.py): on the CPU the "replay" mode follows the CUDA protocol (static slots,
+"""Captured local steps (featcache/training/capture.py): on the CPU the "replay" mode follows the CUDA protocol (static slots,
 disarmed warm-up runs, one step function per key) and must give the eager run's results bit for bit, for every
 algorithm; the checks that this comparison can fail break the protocol on purpose. On a GPU, real CUDA graphs are
 compared with the eager GPU run."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from featcache.algorithms import create, list_algorithms
-from featcache.capture import Static, resolve_mode, signature
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.capture import Static, resolve_mode, signature
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
 from featcache.errors import UserError
 from featcache.testing import assert_capturable, masked_optimizers
 from tests.synthetic import synthetic_clients
@@ -82,9 +82,9 @@ def test_the_comparison_fails_when_the_protocol_is_broken(breakage, data, monkey
 
         monkeypatch.setattr(Static, "load", first_only)
     elif breakage == "armed warm-up":
-        monkeypatch.setattr("featcache.engine.disarmed", lambda part: contextlib.nullcontext())
+        monkeypatch.setattr("featcache.training.engine.disarmed", lambda part: contextlib.nullcontext())
     elif breakage == "replaced parameters":  # a load() that makes new tensors: a graph keeps training the old ones
-        from featcache import optim
+        from featcache.training import optim
 
         original_load = optim._Run.load
 
@@ -109,7 +109,7 @@ def test_a_context_that_changes_every_round_stops_capturing(data, monkeypatch):
     """A plug-in whose context grows every round (here a schedule of all rounds so far) makes a new kind of step
     every round: after MAX_GRAPHS kinds the engine runs such steps eagerly (still equal to eager) instead of
     capturing without end."""
-    from featcache import capture
+    from featcache.training import capture
     from featcache.algorithms.base import FedAvg
 
     class Schedule(FedAvg):
@@ -235,7 +235,7 @@ class FakeCuda:
 def test_cuda_protocol_with_a_fake_cuda(fail, monkeypatch):
     """Warm-up runs and the capture happen disarmed; graphs share one pool; a capture that fails leaves the step
     running eagerly, with one line saying why."""
-    from featcache import capture
+    from featcache.training import capture
 
     fake = FakeCuda(fail)
     monkeypatch.setattr(capture.torch, "cuda", fake)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from featcache.algorithms import create, list_algorithms
-from featcache.engine import ENGINE_DEFAULTS, Engine, batch_order, participation
-from featcache.optim import SGD, Adam
+from featcache.training.engine import ENGINE_DEFAULTS, Engine, batch_order, participation
+from featcache.training.optim import SGD, Adam
 from featcache.testing import plain_loop
 from tests.synthetic import synthetic_clients
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from featcache.algorithms import create, list_algorithms
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
 from tests.synthetic import synthetic_clients
 
 # Which algorithms have a server model to evaluate (each states why in its module docstring).

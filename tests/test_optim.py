@@ -1,4 +1,4 @@
-"""The stacked optimizers of featcache/optim.py: the masked whole-stack ones (`MaskedAdam`, `MaskedSGD`) equal the
+"""The stacked optimizers of featcache/training/optim.py: the masked whole-stack ones (`MaskedAdam`, `MaskedSGD`) equal the
 fused per-configuration ones (`Adam`, `SGD`) and torch.optim run model by model; models that do not step are left
 bit-identical; a masked step reads nothing back from the device and dispatches a number of ops that does not grow
 with the number of configurations. `OpCount` is also the counter bench/grid.py reports."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from featcache.optim import MASKED, OPTIMIZERS, SGD, Adam, MaskedAdam, MaskedSGD, optimizer_for
+from featcache.training.optim import MASKED, OPTIMIZERS, SGD, Adam, MaskedAdam, MaskedSGD, optimizer_for
 from tests.test_no_sync import HostReads
 
 H, C = 3, 4
@@ -206,10 +206,10 @@ def test_optimizer_for_picks_masked_on_cuda_only():
 def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
     """The engine's wiring: forced onto the masked optimizers (the CUDA choice) on the CPU, a run with uneven clients,
     partial participation, a grid of learning rates and (FedPFT) frozen phases gives the fused run's parameters."""
-    from featcache import optim
+    from featcache.training import optim
     from featcache.algorithms import create
     from featcache.config import resolve
-    from featcache.engine import Engine
+    from featcache.training.engine import Engine
     from tests.synthetic import synthetic_clients
 
     train, test = synthetic_clients(C=3, n=(20, 45), seed=0), synthetic_clients(C=3, n=(10, 10), seed=1)

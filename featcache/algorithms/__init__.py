@@ -181,6 +181,6 @@ def create(name: str, cfg: dict | None = None):
     algo = _ALGOS[name]()
     if cfg is None:
         return algo
-    from ..engine import shared_settings
+    from ..training.engine import shared_settings
 
     return algo.bind(shared_settings(cfg, algo))

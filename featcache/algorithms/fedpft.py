@@ -57,10 +57,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..engine import map_models
+from ..training.engine import map_models
 from ..errors import UserError
 from ..heads import linear, linear_init
-from ..optim import Adam
+from ..training.optim import Adam
 from . import register
 from .base import FedAvg, logsumexp, masked_ce, masked_mean
 

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import UserError
+from ..errors import UserError
 
 MODES = ("off", "replay", "cuda")
 WARMUP = 2  # eager runs before capture (PyTorch's CUDA-graph recipe uses a few, on a side stream)

@@ -30,9 +30,9 @@ from types import MappingProxyType
 import torch
 from torch.func import vmap
 
-from .cache import ClientData
-from .devices import resolve_device
-from .errors import UserError
+from ..cache import ClientData
+from ..devices import resolve_device
+from ..errors import UserError
 from .capture import Graphs, Static, disarmed, resolve_mode, signature
 from .optim import copy_into, optimizer_for
 
