@@ -26,7 +26,8 @@ import torch
 
 from .training import optim
 from .cache import ClientData
-from .training.engine import Engine, batch_order, participation
+from .training.engine import Engine
+from .training.schedule import batch_order, participation
 
 
 def synthetic_clients(C: int = 4, n: tuple[int, int] = (30, 60), D: int = 16, K: int = 5, seed: int = 0,

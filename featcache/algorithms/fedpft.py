@@ -57,9 +57,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..training.engine import map_models
 from ..errors import UserError
 from ..heads import linear, linear_init
+from ..training.hparams import HParams
+from ..training.models import map_models
 from ..training.optim import Adam
 from . import register
 from .base import FedAvg, logsumexp, masked_ce, masked_mean
@@ -292,14 +293,14 @@ def probe_match(algo, state, train, test, steps: int = 200, lr: float = 1e-2) ->
 def _fit(w: Params, loss, params: Params, z: torch.Tensor, data, steps: int, lr: float) -> Params:
     """Full-batch Adam on `w` (leaves [H, C, ...]), every model on its own client's rows."""
     H, C = z.shape[:2]
-    opt = Adam(w, lr=torch.full((H,), lr, device=z.device), weight_decay=torch.zeros(H, device=z.device))
+    opt = Adam(w, HParams.of({"lr": torch.full((H,), lr), "weight_decay": torch.zeros(H)}, z.device))
     active = torch.ones(H, C, dtype=torch.bool, device=z.device)
     for _ in range(steps):
         leaves = {k: v.detach().requires_grad_(True) for k, v in w.items()}
         total = map_models(loss, (leaves, params, z), (data.labels, data.mask)).sum()
         grads = dict(zip(leaves, torch.autograd.grad(total, list(leaves.values()))))
         with torch.no_grad():
-            w = opt.step(w, grads, active)
+            w = opt.step(grads, active)
     return w
 
 

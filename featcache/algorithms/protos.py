@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..training.engine import map_models
+from ..training.models import map_models
 from .base import one_hot
 
 
