@@ -7,10 +7,10 @@ Setting: FedPCL's feature-shift shape (5 clients x 100 training images, 3 x ResN
 and scaled linearly to H (each configuration is an independent run of the same cost). FLOPs count the matmuls of the
 forward and backward passes of local training plus evaluation (2·m·n·k per product).
 
-`optimizer_step` sets the fused per-configuration optimizer (featcache.training.optim.OPTIMIZERS) beside the masked
-whole-stack one (featcache.training.optim.MASKED) on the grid's parameter stack [H, C, ...], every client stepping (FedAvg's
-usual step): aten ops dispatched per step (about one kernel launch each on a GPU; counted by tests/test_optim.py's
-OpCount) and seconds per step on the bench's device.
+`optimizer_step` sets the fused per-configuration optimizer (featcache.training.optim.OPTIMIZERS) beside the
+masked whole-stack one (featcache.training.optim.MASKED) on the grid's parameter stack [H, C, ...], every client
+stepping (FedAvg's usual step): aten ops dispatched per step (about one kernel launch each on a GPU; counted by
+tests/test_optim.py's OpCount) and seconds per step on the bench's device.
 """
 
 from __future__ import annotations

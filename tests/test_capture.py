@@ -1,7 +1,7 @@
-"""Captured local steps (featcache/training/capture.py): on the CPU the "replay" mode follows the CUDA protocol (static slots,
-disarmed warm-up runs, one step function per key) and must give the eager run's results bit for bit, for every
-algorithm; the checks that this comparison can fail break the protocol on purpose. On a GPU, real CUDA graphs are
-compared with the eager GPU run."""
+"""Captured local steps (featcache/training/capture.py, steps.py): on the CPU the "replay" mode follows the CUDA
+protocol (static slots, disarmed warm-up runs, one step function per key) and must give the eager run's results bit
+for bit, for every algorithm; the checks that this comparison can fail break the protocol on purpose. On a GPU, real
+CUDA graphs are compared with the eager GPU run."""
 
 from __future__ import annotations
 

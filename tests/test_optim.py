@@ -1,7 +1,7 @@
-"""The stacked optimizers of featcache/training/optim.py: the masked whole-stack ones (`MaskedAdam`, `MaskedSGD`) equal the
-fused per-configuration ones (`Adam`, `SGD`) and torch.optim run model by model; models that do not step are left
-bit-identical; a masked step reads nothing back from the device and dispatches a number of ops that does not grow
-with the number of configurations. `OpCount` is also the counter bench/grid.py reports."""
+"""The stacked optimizers of featcache/training/optim.py: the masked whole-stack ones (`MaskedAdam`, `MaskedSGD`)
+equal the fused per-configuration ones (`Adam`, `SGD`) and torch.optim run model by model; models that do not step
+are left bit-identical; a masked step reads nothing back from the device and dispatches a number of ops that does not
+grow with the number of configurations. `OpCount` is also the counter bench/grid.py reports."""
 
 from __future__ import annotations
 
