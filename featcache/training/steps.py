@@ -95,6 +95,7 @@ class LocalSteps:
         if key is not None and self.graphs.admits(key):
             return self._replay(key, idx, ctx, at, frozen)
         host = [[p and h for p, h in zip(row, self.plan.has_batch[at.step])] for row in self.part_host]
+        # the live dicts: a fused optimizer's first step may give a parameter a new tensor that after_step must see
         self._step(Held(self.opt.params, self.buffers, self.acc), Batch(idx, self.plan.valid[at.step], host), ctx,
                    at, frozen)
 
