@@ -7,10 +7,10 @@ Setting: FedPCL's feature-shift shape (5 clients x 100 training images, 3 x ResN
 and scaled linearly to H (each configuration is an independent run of the same cost). FLOPs count the matmuls of the
 forward and backward passes of local training plus evaluation (2·m·n·k per product).
 
-`optimizer_step` sets the fused per-configuration optimizer (featcache.optim.OPTIMIZERS) beside the masked
-whole-stack one (featcache.optim.MASKED) on the grid's parameter stack [H, C, ...], every client stepping (FedAvg's
-usual step): aten ops dispatched per step (about one kernel launch each on a GPU; counted by featcache.testing's
-OpCount) and seconds per step on the bench's device.
+`optimizer_step` sets the fused per-configuration optimizer (featcache.training.optim.OPTIMIZERS) beside the
+masked whole-stack one (featcache.training.optim.MASKED) on the grid's parameter stack [H, C, ...], every client
+stepping (FedAvg's usual step): aten ops dispatched per step (about one kernel launch each on a GPU; counted by
+featcache.testing's OpCount) and seconds per step on the bench's device.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 
 from featcache.algorithms import create
 from featcache.config import resolve
-from featcache.engine import Engine
-from featcache.optim import MASKED, OPTIMIZERS
+from featcache.training.engine import Engine
+from featcache.training.optim import MASKED, OPTIMIZERS
 from featcache.testing import OpCount, synthetic_clients
 
 
@@ -45,22 +45,22 @@ def mm_gflops(device: str, n: int = 1024, repeats: int = 10) -> float:
 
 def optimizer_step(algo: str, cfgs: list[dict], train, test, device: str, repeats: int = 5) -> dict:
     """Dispatched ops and seconds per optimizer step, fused vs masked, on the grid's parameter stack; the fused one
-    gets `active` as host lists (as the engine passes it today), the masked one as a device tensor."""
+    gets the models that step as host lists too (as eager steps pass them), the masked one only the device tensor."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    params = Engine(create(algo), cfgs, train, test, device).init_state().params  # name -> [H, C, ...]
+    engine = Engine(create(algo), cfgs, train, test, device)
+    params, hp = engine.state.params, engine.hp  # name -> [H, C, ...]; name -> [H]
     grads = {k: torch.randn_like(v) for k, v in params.items()}
-    hp = {k: [float(c[k]) for c in cfgs] for k in ("lr", "weight_decay", "momentum")}  # [H] each
     active = torch.ones(*next(iter(params.values())).shape[:2], dtype=torch.bool, device=device)  # [H, C]
     out = {}
-    for kind, table, act in (("fused", OPTIMIZERS, active.tolist()), ("masked", MASKED, active)):
-        opt = table[cfgs[0]["optimizer"]]({k: v.clone() for k, v in params.items()}, **hp)
-        opt.step(opt.params, grads, act)  # the first step also adopts the gradients' layout
+    for kind, table, host in (("fused", OPTIMIZERS, active.tolist()), ("masked", MASKED, None)):
+        opt = table[cfgs[0]["optimizer"]]({k: v.clone() for k, v in params.items()}, hp)
+        opt.step(grads, active, host=host)  # the first step also adopts the gradients' layout
         with OpCount() as count:
-            opt.step(opt.params, grads, act)
+            opt.step(grads, active, host=host)
         sync()
         t0 = time.perf_counter()
         for _ in range(repeats):
-            opt.step(opt.params, grads, act)
+            opt.step(grads, active, host=host)
         sync()
         out[kind] = {"ops_per_step": len(count.ops), "step_ms": round((time.perf_counter() - t0) / repeats * 1e3, 3)}
         del opt

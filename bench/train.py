@@ -24,7 +24,7 @@ import torch
 
 from featcache.algorithms import create
 from featcache.config import resolve
-from featcache.engine import Engine
+from featcache.training.engine import Engine
 from featcache.testing import plain_loop, synthetic_clients
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .engine import ENGINE_DEFAULTS
+from .training.engine import ENGINE_DEFAULTS
 from .errors import UserError, suggest
 
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}

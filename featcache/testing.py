@@ -10,8 +10,8 @@ both; `assert_matches_plain_loop` says so, or names the first parameter that dif
     from featcache.testing import assert_matches_plain_loop
     assert_matches_plain_loop("path/to/my_algo.py:MyAlgo")     # or a registered name, a class, an instance
 
-`assert_capturable` checks the protocol of captured steps (CUDA graphs, featcache/capture.py) on the CPU: the engine
-run in "replay" mode must give the eager run's results bit for bit.
+`assert_capturable` checks the protocol of captured steps (CUDA graphs, featcache/training/capture.py) on the CPU:
+the engine run in "replay" mode must give the eager run's results bit for bit.
 
 `synthetic_clients` is the small separable federated feature set (Gaussian class centres, clients of different
 sizes, a little feature shift per client) it trains on by default; featcache's own tests use both. `OpCount` counts
@@ -27,11 +27,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import optim
 from .algorithms import create, register
 from .cache import ClientData, h5
 from .config import resolve
-from .engine import Engine, batch_order, participation
+from .training import optim
+from .training.engine import Engine
+from .training.schedule import batch_order, participation
 
 
 def synthetic_clients(C: int = 4, n: tuple[int, int] = (30, 60), D: int = 16, K: int = 5, seed: int = 0,

@@ -12,7 +12,7 @@ from torch.func import grad
 
 from featcache.algorithms import create
 from featcache.cache import ClientData
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
 from tests.synthetic import synthetic_clients
 
 D, P, K = 3, 4, 3  # input features, projection width, classes of the tiny hand-checked heads

@@ -12,7 +12,8 @@ import torch
 
 from featcache.algorithms import create
 from featcache.algorithms.fedpft import VIEWS_ERROR, enqueue, ftm, info_nce
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.evaluate import evaluate
 from featcache.errors import UserError
 from featcache.reproduce.analyses import probe_match
 from tests.synthetic import synthetic_clients
@@ -107,7 +108,7 @@ def con_setup(data):
     buffers = {k: v[0, 0] for k, v in state.buffers.items()}
     x, y, views = train.features[0, :6], train.labels[0, :6], train.views[0, :6]  # [6, D], [6], [6, 2, D]
     mask = torch.tensor([True, True, True, True, True, False])
-    ctx = {"hp": {k: v[0] for k, v in state.hp.items()}, "views": views, "transform": torch.tensor(True)}
+    ctx = {"hp": {k: v[0] for k, v in eng.hp.items()}, "views": views, "transform": torch.tensor(True)}
     return eng.algo, params, buffers, x, y, mask, ctx
 
 
@@ -265,7 +266,7 @@ def test_probe_match(name, data):
     eng.run()
     algo = eng.algo
     untrained = probe_match(algo, eng.state, *data, steps=0)
-    torch.testing.assert_close(untrained["origin"], eng.evaluate(eng.state, data[1]))  # Fig. 6a = the model
+    torch.testing.assert_close(untrained["origin"], evaluate(eng.algo, eng.state, data[1], eng.last_round))  # Fig. 6a = the model
     torch.testing.assert_close(untrained["match"], untrained["origin"])  # identity transform = the model
     trained = probe_match(algo, eng.state, *data, steps=100, lr=0.05)
     assert trained["probe"].shape == (1, eng.C)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from featcache.algorithms import create
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
 from tests.synthetic import synthetic_clients
 
 

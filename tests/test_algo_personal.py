@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from featcache.algorithms import create
-from featcache.engine import ENGINE_DEFAULTS, Engine, Round, State
+from featcache.training.engine import ENGINE_DEFAULTS, Engine, Round, State
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
 

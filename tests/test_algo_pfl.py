@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from featcache.algorithms import create
-from featcache.engine import ENGINE_DEFAULTS, Engine, State
+from featcache.training.engine import ENGINE_DEFAULTS, Engine, State
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
 from tests.test_algo_personal import (D_IN, HID, K, KEYS, assert_batched_equals_alone, assert_dicts_close, batch, ce,

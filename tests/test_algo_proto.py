@@ -11,7 +11,7 @@ import torch
 
 from featcache.algorithms import create
 from featcache.config import resolve
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
 

@@ -1,7 +1,7 @@
-"""Captured local steps (featcache/capture.py): on the CPU the "replay" mode follows the CUDA protocol (static slots,
-disarmed warm-up runs, one step function per key) and must give the eager run's results bit for bit, for every
-algorithm; the checks that this comparison can fail break the protocol on purpose. On a GPU, real CUDA graphs are
-compared with the eager GPU run."""
+"""Captured local steps (featcache/training/capture.py, steps.py): on the CPU the "replay" mode follows the CUDA
+protocol (static slots, disarmed warm-up runs, one step function per key) and must give the eager run's results bit
+for bit, for every algorithm; the checks that this comparison can fail break the protocol on purpose. On a GPU, real
+CUDA graphs are compared with the eager GPU run."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from featcache.algorithms import create, list_algorithms
-from featcache.capture import Static, resolve_mode, signature
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.capture import Static, resolve_mode, signature
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.steps import LocalSteps
 from featcache.errors import UserError
 from featcache.testing import assert_capturable, masked_optimizers
 from tests.synthetic import synthetic_clients
@@ -61,10 +62,11 @@ def test_two_epochs_and_phases_each_get_their_graph(data):
     with masked_optimizers():
         engine = Engine(create("fedpft-con"), configs("fedpft-con"), *data, capture="replay")
         engine.run()
-    assert type(engine._opt).__name__.startswith("Masked") and not engine.graphs.failures
-    frozen_sets = {key[0] for key in engine.graphs.steps}
-    widths = {key[1] for key in engine.graphs.steps}
-    assert len(frozen_sets) == 2 and len(widths) == 2 and len(engine.graphs.steps) == 4
+    graphs = engine.runner.graphs
+    assert type(engine.runner.opt).__name__.startswith("Masked") and not graphs.failures
+    frozen_sets = {key[0] for key in graphs.steps}
+    widths = {key[1] for key in graphs.steps}
+    assert len(frozen_sets) == 2 and len(widths) == 2 and len(graphs.steps) == 4
 
 
 @pytest.mark.parametrize("breakage", ["stale context", "armed warm-up", "stale batch", "replaced parameters"])
@@ -82,9 +84,9 @@ def test_the_comparison_fails_when_the_protocol_is_broken(breakage, data, monkey
 
         monkeypatch.setattr(Static, "load", first_only)
     elif breakage == "armed warm-up":
-        monkeypatch.setattr("featcache.engine.disarmed", lambda part: contextlib.nullcontext())
+        monkeypatch.setattr("featcache.training.steps.disarmed", lambda part: contextlib.nullcontext())
     elif breakage == "replaced parameters":  # a load() that makes new tensors: a graph keeps training the old ones
-        from featcache import optim
+        from featcache.training import optim
 
         original_load = optim._Run.load
 
@@ -94,13 +96,13 @@ def test_the_comparison_fails_when_the_protocol_is_broken(breakage, data, monkey
 
         monkeypatch.setattr(optim._Run, "load", replacing)
     else:
-        original_replay = Engine._replay
+        original_replay = LocalSteps._replay
 
-        def stale_batch(self, opt, loss_fn, ctx, idx, *rest):  # every step replays on round 1's first batch
+        def stale_batch(self, key, idx, *rest):  # every step replays on round 1's first batch
             first = self.__dict__.setdefault("first_idx", {}).setdefault(idx.shape, idx.clone())
-            return original_replay(self, opt, loss_fn, ctx, first, *rest)
+            return original_replay(self, key, first, *rest)
 
-        monkeypatch.setattr(Engine, "_replay", stale_batch)
+        monkeypatch.setattr(LocalSteps, "_replay", stale_batch)
     with pytest.raises(AssertionError, match="differs from eager"):
         assert_capturable("fedproto", train=data[0], test=data[1])
 
@@ -109,7 +111,7 @@ def test_a_context_that_changes_every_round_stops_capturing(data, monkeypatch):
     """A plug-in whose context grows every round (here a schedule of all rounds so far) makes a new kind of step
     every round: after MAX_GRAPHS kinds the engine runs such steps eagerly (still equal to eager) instead of
     capturing without end."""
-    from featcache import capture
+    from featcache.training import capture
     from featcache.algorithms.base import FedAvg
 
     class Schedule(FedAvg):
@@ -127,9 +129,9 @@ def test_a_context_that_changes_every_round_stops_capturing(data, monkeypatch):
     with masked_optimizers():
         engine = Engine(Schedule(), configs("fedavg", rounds=4, drop_last=True), *data, capture="replay")
         engine.run()
-    kept = [k for k in engine._static if k[0] in ("ctx", "loaded")]
-    assert len(engine.graphs.steps) == 3 and len(kept) == 2 * 3  # round 4's kind: no graph, no slot kept
-    assert engine.graphs.failures == {"more": "more than 3 kinds of step: the others run eagerly"}
+    graphs = engine.runner.graphs
+    assert len(graphs.steps) == 3 and len(engine.runner.contexts) == 3  # round 4's kind: no graph, no slot kept
+    assert graphs.failures == {"more": "more than 3 kinds of step: the others run eagerly"}
     assert assert_capturable(Schedule(), rounds=4, train=data[0], test=data[1])
 
 
@@ -153,7 +155,7 @@ def test_an_algorithm_can_opt_out(data):
     algo = create("fedavg")
     algo.capturable = False
     engine = Engine(algo, configs("fedavg"), *data, capture="replay")
-    assert engine.graphs is None
+    assert engine.runner.graphs is None
 
 
 def test_static_slots_keep_broadcasts_compact():
@@ -188,7 +190,7 @@ def test_modes(monkeypatch):
 def test_cuda_graphs_equal_eager_on_the_gpu(name, data):
     engine, captured = trained(name, data, "cuda", device="cuda")
     _, eager = trained(name, data, "off", device="cuda")
-    assert not engine.graphs.failures, engine.graphs.failures
+    assert not engine.runner.graphs.failures, engine.runner.graphs.failures
     assert_close(captured, eager, name)
 
 
@@ -236,7 +238,7 @@ class FakeCuda:
 def test_cuda_protocol_with_a_fake_cuda(fail, monkeypatch):
     """Warm-up runs and the capture happen disarmed; graphs share one pool; a capture that fails leaves the step
     running eagerly, with one line saying why."""
-    from featcache import capture
+    from featcache.training import capture
 
     fake = FakeCuda(fail)
     monkeypatch.setattr(capture.torch, "cuda", fake)

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from featcache.algorithms import create, list_algorithms
-from featcache.engine import ENGINE_DEFAULTS, Engine, batch_order, participation
-from featcache.optim import SGD, Adam
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.hparams import HParams
+from featcache.training.optim import SGD, Adam
+from featcache.training.schedule import batch_order, participation
 from featcache.testing import plain_loop
 from tests.synthetic import synthetic_clients
 
@@ -86,7 +88,7 @@ def test_stacked_optimizer_matches_torch(opt_name, layout):
     refs = [[p0[h, c].clone().requires_grad_(True) for c in range(3)] for h in range(2)]
     for rnd in range(2):  # one optimizer for the run; `load` starts round 2 (moments and counts zeroed)
         if opt is None:
-            opt = make(ours, lr=lr, weight_decay=wd, momentum=torch.tensor([0.9, 0.5]))
+            opt = make(ours, HParams.of({"lr": lr, "weight_decay": wd, "momentum": torch.tensor([0.9, 0.5])}))
         else:
             ours = opt.load({"w": ours["w"] * 0.5})
             refs = [[(r.detach() * 0.5).requires_grad_(True) for r in row] for row in refs]
@@ -98,7 +100,7 @@ def test_stacked_optimizer_matches_torch(opt_name, layout):
             grad = torch.randn(2, 3, 4, 5, generator=g)
             grad = grad.mT.contiguous().mT if layout == "transposed" else grad  # how autograd returns x @ W.T's
             active = torch.ones(2, 3, dtype=torch.bool) if step < 2 else torch.rand(2, 3, generator=g) > 0.3
-            ours = opt.step(ours, {"w": grad}, active)
+            ours = opt.step({"w": grad}, active)
             for h in range(2):
                 for c in range(3):
                     if active[h, c]:

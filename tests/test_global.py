@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from featcache.algorithms import create, list_algorithms
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.evaluate import evaluate, evaluate_global
 from tests.synthetic import synthetic_clients
 
 # Which algorithms have a server model to evaluate (each states why in its module docstring).
@@ -76,12 +77,12 @@ def test_global_accuracy_is_the_weighted_mean_model_on_all_test_rows(name, data)
     before = scramble(state, seed=7)
     part = [[True, False, True], [True, True, True]]  # configuration 0: client 1 sits the round out
     now = server_step(eng, state, part)
-    got = eng.evaluate_global(state, test, now)  # [H]
+    got = evaluate_global(eng.algo, state, test, now)  # [H]
     for h in range(2):
         weights = train.counts * torch.tensor(part[h])  # n_k, 0 for absent clients
         w = mean_over({k: v[h] for k, v in before.items()}, weights)
         assert got[h].item() == pytest.approx(by_hand(w, test), abs=1e-6)
-    per_client = eng.evaluate(state, test, now)[0]  # pooled, not the unweighted mean of the clients' accuracies
+    per_client = evaluate(eng.algo, state, test, now)[0]  # pooled, not the unweighted mean of the clients' accuracies
     if name == "fedavg":
         assert got[0].item() != pytest.approx(per_client.mean().item(), abs=1e-6)
 
@@ -95,7 +96,7 @@ def test_fedrod_global_model_is_the_generic_head(data):
     before = scramble(state, seed=3)
     now = server_step(eng, state, [[True] * 3])
     w = mean_over({k: v[0] for k, v in before.items() if not k.startswith("pcls")}, train.counts)
-    assert eng.evaluate_global(state, test, now)[0].item() == pytest.approx(by_hand(w, test), abs=1e-6)
+    assert evaluate_global(eng.algo, state, test, now)[0].item() == pytest.approx(by_hand(w, test), abs=1e-6)
 
 
 def test_pfedme_global_model_is_the_servers_w(data):
@@ -111,7 +112,7 @@ def test_pfedme_global_model_is_the_servers_w(data):
     now = server_step(eng, state, part)
     mean = mean_over({k: v[0] for k, v in before.items()}, torch.tensor(part[0]).double())
     w = {k: 0.5 * old[k] + 0.5 * mean[k] for k in mean}
-    assert eng.evaluate_global(state, test, now)[0].item() == pytest.approx(by_hand(w, test), abs=1e-6)
+    assert evaluate_global(eng.algo, state, test, now)[0].item() == pytest.approx(by_hand(w, test), abs=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(list_algorithms()))
@@ -126,4 +127,4 @@ def test_which_algorithms_have_a_global_model(name, data):
         assert out["global_acc"] is None and eng.algo.global_model(eng.state, eng.last_round) is None
         return
     assert out["global_acc"].shape == (2, 1)
-    torch.testing.assert_close(out["global_acc"][-1], eng.evaluate_global(eng.state, eng.test))
+    torch.testing.assert_close(out["global_acc"][-1], evaluate_global(eng.algo, eng.state, eng.test, eng.last_round))

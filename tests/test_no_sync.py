@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from featcache.algorithms import create
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
 from tests.synthetic import synthetic_clients
 
 READS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default"}

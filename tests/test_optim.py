@@ -1,15 +1,16 @@
-"""The stacked optimizers of featcache/optim.py: the masked whole-stack ones (`MaskedAdam`, `MaskedSGD`) equal the
-fused per-configuration ones (`Adam`, `SGD`) and torch.optim run model by model; models that do not step are left
-bit-identical; a masked step reads nothing back from the device and dispatches a number of ops that does not grow
-with the number of configurations (`featcache.testing.OpCount`)."""
+"""The stacked optimizers of featcache/training/optim.py: the masked whole-stack ones (`MaskedAdam`, `MaskedSGD`)
+equal the fused per-configuration ones (`Adam`, `SGD`) and torch.optim run model by model; models that do not step
+are left bit-identical; a masked step reads nothing back from the device and dispatches a number of ops that does not
+grow with the number of configurations (`featcache.testing.OpCount`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from featcache.optim import MASKED, OPTIMIZERS, SGD, Adam, MaskedAdam, MaskedSGD, optimizer_for
 from featcache.testing import OpCount
+from featcache.training.hparams import HParams
+from featcache.training.optim import MASKED, OPTIMIZERS, SGD, Adam, MaskedAdam, MaskedSGD, optimizer_for
 from tests.test_no_sync import HostReads
 
 H, C = 3, 4
@@ -85,10 +86,10 @@ def test_masked_equals_fused_equals_torch(opt_name):
     masked_p, fused_p = {k: v.clone() for k, v in p0.items()}, {k: v.clone() for k, v in p0.items()}
     masked = fused = None
     state_names = {"adam": (("m", "exp_avg"), ("v", "exp_avg_sq")), "sgd": (("buf", "momentum_buffer"),)}[opt_name]
-    hp = {"lr": torch.tensor(LR), "weight_decay": torch.tensor(WD), "momentum": torch.tensor(MOM), "scale": SCALE}
+    hp = HParams.of({"lr": torch.tensor(LR), "weight_decay": torch.tensor(WD), "momentum": torch.tensor(MOM)})
     for rnd in range(2):
         if rnd == 0:
-            masked, fused = MASKED[opt_name](masked_p, **hp), OPTIMIZERS[opt_name](fused_p, **hp)
+            masked, fused = MASKED[opt_name](masked_p, hp, SCALE), OPTIMIZERS[opt_name](fused_p, hp, SCALE)
         else:  # a new round starts from other models, given as a broadcast view (as a download makes them)
             start = {k: v[:, :1].expand_as(v) for k, v in p0.items()}
             masked_p, fused_p = masked.load(start), fused.load(start)
@@ -97,8 +98,8 @@ def test_masked_equals_fused_equals_torch(opt_name):
         for active, frozen in schedule(g, 6):
             grads = {k: torch.randn(v.shape, generator=g) for k, v in p0.items()}
             grads["w"] = grads["w"].mT.contiguous().mT  # how autograd returns x @ W.T's weight gradient
-            masked_p = masked.step(masked_p, grads, active, frozen)
-            fused_p = fused.step(fused_p, grads, active.tolist(), frozen)
+            masked_p = masked.step(grads, active, frozen)
+            fused_p = fused.step(grads, active, frozen, host=active.tolist())
             torch_step(leaves, opts, grads, active, frozen)
         for k in p0:
             torch.testing.assert_close(masked_p[k], fused_p[k])
@@ -119,9 +120,9 @@ def test_models_that_do_not_step_are_bit_identical(make):
     name is untouched everywhere."""
     g = torch.Generator().manual_seed(1)
     params = stack(g)
-    opt = make(params, lr=LR, weight_decay=WD, momentum=MOM, scale=SCALE)
+    opt = make(params, HParams.of({"lr": LR, "weight_decay": WD, "momentum": MOM}), scale=SCALE)
     for _ in range(3):  # some history first
-        params = opt.step(params, {k: torch.randn(v.shape, generator=g) for k, v in params.items()},
+        params = opt.step({k: torch.randn(v.shape, generator=g) for k, v in params.items()},
                           torch.rand(H, C, generator=g) > 0.3)
     active = torch.rand(H, C, generator=g) > 0.5
     active[0, 0], active[0, 1] = True, False
@@ -130,7 +131,7 @@ def test_models_that_do_not_step_are_bit_identical(make):
     grads["w"][~active, 0, 0] = float("inf")
     names = ("params", "t", *make.state_names)
     before = {name: {k: v.clone() for k, v in getattr(opt, name).items()} for name in names}
-    params = opt.step(params, grads, active, frozen={"b"})
+    params = opt.step(grads, active, frozen={"b"})
     for name, old in before.items():
         new = getattr(opt, name)
         assert torch.equal(new["b"], old["b"]), f"frozen {name} changed"
@@ -145,7 +146,8 @@ def test_masked_step_never_reads_the_device(make, monkeypatch):
     the host (tolist / cpu / numpy)."""
     g = torch.Generator().manual_seed(2)
     params = stack(g)
-    opt = make(params, lr=torch.tensor(LR), weight_decay=torch.tensor(WD), momentum=torch.tensor(MOM), scale=SCALE)
+    hp = HParams.of({"lr": torch.tensor(LR), "weight_decay": torch.tensor(WD), "momentum": torch.tensor(MOM)})
+    opt = make(params, hp, scale=SCALE)
     grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
     copies: list[str] = []
     for method in ("tolist", "cpu", "numpy"):
@@ -154,7 +156,7 @@ def test_masked_step_never_reads_the_device(make, monkeypatch):
                                                                                                _o(self, *a, **k))[1])
     with HostReads() as mode:
         for step in range(3):
-            params = opt.step(params, grads, torch.rand(H, C, generator=g) > 0.4, frozen={"b"} if step else ())
+            params = opt.step(grads, torch.rand(H, C, generator=g) > 0.4, frozen={"b"} if step else ())
     monkeypatch.undo()
     assert mode.reads == [] and copies == [], mode.reads + copies
 
@@ -164,16 +166,16 @@ def dispatched(make, H_: int, masked: bool) -> int:
     adopts the gradients' layout), half of the models active."""
     g = torch.Generator().manual_seed(3)
     params = stack(g, H_)
-    hp = dict(lr=torch.linspace(1e-3, 1e-1, H_), weight_decay=torch.full((H_,), 1e-4),
-              momentum=torch.full((H_,), 0.9))
-    opt = make(params, **hp)
+    hp = HParams.of({"lr": torch.linspace(1e-3, 1e-1, H_), "weight_decay": torch.full((H_,), 1e-4),
+                     "momentum": torch.full((H_,), 0.9)})
+    opt = make(params, hp)
     grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
     active = torch.rand(H_, C, generator=g) > 0.5
     active[:, 0] = True
-    act = active if masked else active.tolist()
-    opt.step(params, grads, act)
+    host = None if masked else active.tolist()
+    opt.step(grads, active, host=host)
     with OpCount() as mode:
-        opt.step(params, grads, act)
+        opt.step(grads, active, host=host)
     return len(mode.ops)
 
 
@@ -194,10 +196,10 @@ def test_optimizer_for_picks_masked_on_cuda_only():
 def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
     """The engine's wiring: forced onto the masked optimizers (the CUDA choice) on the CPU, a run with uneven clients,
     partial participation, a grid of learning rates and (FedPFT) frozen phases gives the fused run's parameters."""
-    from featcache import optim
+    from featcache.training import optim
     from featcache.algorithms import create
     from featcache.config import resolve
-    from featcache.engine import Engine
+    from featcache.training.engine import Engine
     from tests.synthetic import synthetic_clients
 
     train, test = synthetic_clients(C=3, n=(20, 45), seed=0), synthetic_clients(C=3, n=(10, 10), seed=1)
@@ -211,7 +213,7 @@ def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
         engine = Engine(impl, cfgs, train, test)
         out = engine.run()
         runs[kind] = (out["acc"], {k: v.clone() for k, v in engine.state.params.items()})
-        assert type(engine._opt).__name__.startswith("Masked") == (kind == "masked")
+        assert type(engine.runner.opt).__name__.startswith("Masked") == (kind == "masked")
     assert torch.allclose(runs["fused"][0], runs["masked"][0])
     # Adam divides by √v: a last-bit difference in a near-zero gradient's moments grows to ~2e-5 over two rounds,
     # while a wiring error (another configuration's rate, a model stepping out of turn) moves parameters by ~lr = 1e-2

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from harness import everything_in, one_line_error, run_cli
 
 from featcache.algorithms import create
-from featcache.engine import ENGINE_DEFAULTS, Engine, batch_order, participation
+from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.schedule import batch_order, participation
 from featcache.errors import UserError
 from featcache.metrics import CSV_COLUMNS, TENSORBOARD_MISSING
 from featcache.states import load_state, unflatten

@@ -19,7 +19,7 @@ import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from ..engine import shared_settings
+from ..training.engine import shared_settings
 from ..errors import UserError, first_line, suggest
 
 _ALGOS: dict[str, type] = {}

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import map_models
 from ..errors import UserError
+from ..training.models import map_models
 from .base import one_hot
 
 

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 from ..algorithms.base import masked_ce
 from ..algorithms.protos import local_prototypes
-from ..engine import map_models
 from ..heads import linear
-from ..optim import Adam
+from ..training.hparams import HParams
+from ..training.models import map_models
+from ..training.optim import Adam
 
 Params = dict[str, torch.Tensor]
 
@@ -56,14 +57,14 @@ def probe_match(algo, state, train, test, steps: int = 200, lr: float = 1e-2) ->
 def _fit(w: Params, loss, params: Params, z: torch.Tensor, data, steps: int, lr: float) -> Params:
     """Full-batch Adam on `w` (leaves [H, C, ...]), every model on its own client's rows."""
     H, C = z.shape[:2]
-    opt = Adam(w, lr=torch.full((H,), lr, device=z.device), weight_decay=torch.zeros(H, device=z.device))
+    opt = Adam(w, HParams.of({"lr": torch.full((H,), lr), "weight_decay": torch.zeros(H)}, z.device))
     active = torch.ones(H, C, dtype=torch.bool, device=z.device)
     for _ in range(steps):
         leaves = {k: v.detach().requires_grad_(True) for k, v in w.items()}
         total = map_models(loss, (leaves, params, z), (data.labels, data.mask)).sum()
         grads = dict(zip(leaves, torch.autograd.grad(total, list(leaves.values()))))
         with torch.no_grad():
-            w = opt.step(w, grads, active)
+            w = opt.step(grads, active)
     return w
 
 

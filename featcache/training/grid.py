@@ -29,11 +29,11 @@ from ..cache import load_clients
 from ..cluster import ray_module
 from ..config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
 from ..devices import resolve_device
-from ..engine import structural_keys
 from ..errors import UserError
 from ..memory import available_bytes
 from ..metrics import mean_std
 from ..provenance import library_call, provenance
+from .engine import structural_keys
 from .train import check_memory, load_split, run_configs, train
 
 BACKENDS = {}

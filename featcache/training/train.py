@@ -33,7 +33,7 @@ from ..algorithms import create
 from ..atomic import check_folder, output_errors, write_together
 from ..config import check_clients, check_seeds, merge_rounds, resolve
 from ..devices import resolve_device
-from ..engine import Engine, State
+from .engine import Engine, State
 from ..errors import UserError
 from ..memory import available_bytes
 from ..metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard

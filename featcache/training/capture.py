@@ -1,20 +1,20 @@
-"""Capture of the engine's local step: on CUDA, a step is recorded once as a CUDA graph and replayed for every later
+"""Capture of a local step (steps.py): on CUDA, a step is recorded once as a CUDA graph and replayed for every later
 step of the same kind, so a round's hundreds of small kernels cost one launch per step instead of one each.
 
 A captured step reads and writes only *static* tensors, the same memory at every replay: the optimizer's parameters
-and moments (one optimizer per run, `load`ed each round), the engine's BN buffers and loss accumulators, and the
-`Static` slots below, into which the engine copies each step's batch indices and each epoch's context before the
+and moments (one optimizer per run, `load`ed each round), the runner's BN buffers and loss accumulators, and the
+`Static` slots below, into which the runner copies each step's batch indices and each epoch's context before the
 replay. One graph is kept per key (which parameters train, the batch width, the context's structure), so FedPFT's
 phases or a short last batch each get their own (at most MAX_GRAPHS kinds; later kinds run eagerly).
 
 Capturing runs the step a few times first (CUDA's warm-up, which lazily creates cuBLAS handles and workspaces).
-Those runs must not train: the engine hands `capture` a `disarm` context in which no model takes part (the
+Those runs must not train: the runner hands `capture` a `disarm` context in which no model takes part (the
 participation slot is cleared), so every update is masked out, and restores it before the first replay. Where
 capture is impossible (an op that synchronises or copies from pageable host memory), the key falls back to running
 the same step function eagerly, and `failures` says why.
 
 Modes: "cuda" records CUDA graphs; "replay" (for tests on the CPU) follows the same protocol with a Python call in
-place of the graph: static slots, disarmed warm-up runs and one step function per key, so a tensor the engine forgets
+place of the graph: static slots, disarmed warm-up runs and one step function per key, so a tensor the runner forgets
 to copy into its slot, or a warm-up that changes a model, shows up as a difference from the eager run.
 """
 
@@ -26,12 +26,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import UserError, first_line
+from ..errors import UserError, first_line
 
 MODES = ("off", "replay", "cuda")
 WARMUP = 2  # eager runs before capture (PyTorch's CUDA-graph recipe uses a few, on a side stream)
 MAX_GRAPHS = 16  # kinds of step captured per engine; beyond, a context whose shapes change every round (a plug-in
-# keeping a growing history in ctx) would capture a new graph each round: the engine runs further kinds eagerly
+# keeping a growing history in ctx) would capture a new graph each round: the runner runs further kinds eagerly
 
 
 def resolve_mode(capture: str | None, device: torch.device) -> str:

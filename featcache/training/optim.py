@@ -1,6 +1,7 @@
 """Adam and SGD(momentum) over stacked parameters [H, C, ...], one independent optimizer per model.
 
-Learning rate, weight decay and momentum are per-config tensors [H] (a grid trains many of them at once); `scale`
+Learning rate, weight decay and momentum come from the run's `HParams` (per configuration [H]: a grid trains many
+of them at once); `scale`
 multiplies the learning rate per parameter name (FedPFT's own rate for its FTM); `frozen` names are left untouched
 for a step (a phase that trains only some parameters). `active` [H, C] marks the models that have a batch in this
 step: the others (clients with fewer steps, non-participants) keep parameters, moments and step counts exactly as
@@ -17,15 +18,16 @@ whole run: `load` starts each round by copying that round's starting models into
 and step counts (what a fresh optimizer would hold): one copy per parameter stack instead of a fresh optimizer's clone,
 layout copy and new zeroed moments, and the tensors a CUDA graph captured stay put.
 
-No host synchronisation: `active` and the hyperparameters are host values (nested lists [H][C] / lists [H], a CPU
-tensor is accepted too), and the per-model step history that decides how models are grouped is mirrored on the host
-(`count`), so a step never reads a device tensor back.
+No host synchronisation: they take the hyperparameters' host values (`HParams.host`) and the models that step as
+host lists [H][C] (`step`'s `host`; without it they read `active` back), and the per-model step history that decides
+how models are grouped is mirrored on the host (`count`), so a step never reads a device tensor back.
 
 `Adam` and `SGD` call a fused kernel once per configuration and parameter (and per client subset when clients are out
 of step): H x P launches and a Python call each per step. That is right on a CPU and wrong on a GPU with a large
 grid, where a step is then all launch overhead. `MaskedAdam` and `MaskedSGD` compute the same update as whole-stack
 tensor arithmetic on [H, C, ...]: hyperparameters are device tensors [H] broadcast to [H, C, 1...], step counts a
-device tensor [H, C], `active` a device bool tensor [H, C] (host lists are still accepted, at the cost of a copy),
+device tensor [H, C], `active` a device bool tensor [H, C] (host lists are still accepted, at the cost of a copy;
+`host` is ignored),
 and models that do not step keep their values through one `torch.where` per tensor. They keep each parameter in
 its own memory (no layout adoption), so a captured step finds it where it was captured. A step launches a fixed number
 of kernels per parameter, whatever H and C, and reads nothing back nor takes host data (a CUDA graph can capture
@@ -60,9 +62,9 @@ def _like(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
                                                                         dtype=t.dtype, device=t.device).copy_(t)
 
 
-def _host(v) -> list | None:
-    """A host list from a list or a tensor (a tensor on a device is read once, at construction)."""
-    return v.tolist() if torch.is_tensor(v) else (None if v is None else list(v))
+def _host(v) -> list:
+    """A host list from a list or a tensor (a tensor is read back)."""
+    return v.tolist() if torch.is_tensor(v) else list(v)
 
 
 def _adopt(opt, params: Params) -> None:
@@ -107,10 +109,9 @@ class _Stacked(_Run):
     """Shared bookkeeping: which (h, c) models step now, their per-model hyperparameters, their state layout."""
 
     state_names: tuple[str, ...] = ()  # per-element state, shaped like the parameters
-    device_mask = False  # `step` takes `active` as host lists [H][C] (the engine passes what each kind takes)
 
-    def __init__(self, params: Params, lr, weight_decay, scale=None):
-        self.lr, self.wd, self.scale = _host(lr), _host(weight_decay), scale or {}  # [H] host floats
+    def __init__(self, params: Params, hp, scale=None):
+        self.lr, self.wd, self.scale = hp.host["lr"], hp.host["weight_decay"], scale or {}  # [H] host floats
         _adopt(self, params)
         self._restart()
 
@@ -131,11 +132,11 @@ class _Stacked(_Run):
         past = self.count[k][h]  # [C] host ints
         return all(n == past[0] for n in past)
 
-    def groups(self, grads: Params, active, frozen):
+    def groups(self, grads: Params, active, frozen, host):
         """Yield (h, name, models, views, grad) per configuration and parameter: `grad` is the parameter's gradient
         in its layout, `views(t)` lists the contiguous views of t's [H, C, ...] entries this call updates (one slab
         [C, ...] when models is None)."""
-        act = _host(active)  # [H][C] host bools
+        act = _host(active if host is None else host)  # [H][C] host bools
         grads = {k: self._align(k, g) for k, g in grads.items() if k not in frozen}
         for h, row in enumerate(act):
             models = [c for c, a in enumerate(row) if a]
@@ -153,16 +154,16 @@ class _Stacked(_Run):
 class Adam(_Stacked):
     state_names = ("m", "v")
 
-    def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None, **_):
-        super().__init__(params, lr, weight_decay, scale)
+    def __init__(self, params: Params, hp, scale=None, betas=(0.9, 0.999), eps: float = 1e-8):
+        super().__init__(params, hp, scale)
         self.betas, self.eps = betas, eps
 
     def _restart(self) -> None:
         super()._restart()
         self.t = {k: torch.zeros(v.shape[:2], device=v.device) for k, v in self.params.items()}  # [H, C] the kernel's
 
-    def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
-        for h, k, models, views, grad in self.groups(grads, active, frozen):
+    def step(self, grads: Params, active, frozen=(), host=None) -> Params:
+        for h, k, models, views, grad in self.groups(grads, active, frozen, host):
             steps = [self.t[k][h, 0]] if models is None else [self.t[k][h, c] for c in models]  # 0-d views
             adam(views(self.params[k]), views(grad), views(self.m[k]), views(self.v[k]), [], steps, fused=True,
                  amsgrad=False, lr=self.lr[h] * self.scale.get(k, 1.0), beta1=self.betas[0], beta2=self.betas[1],
@@ -175,12 +176,12 @@ class Adam(_Stacked):
 class SGD(_Stacked):
     state_names = ("buf",)
 
-    def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, **_):
-        super().__init__(params, lr, weight_decay, scale)
-        self.mom = _host(momentum)  # [H] host floats or None
+    def __init__(self, params: Params, hp, scale=None):
+        super().__init__(params, hp, scale)
+        self.mom = hp.host.get("momentum")  # [H] host floats or None
 
-    def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
-        for h, k, models, views, grad in self.groups(grads, active, frozen):
+    def step(self, grads: Params, active, frozen=(), host=None) -> Params:
+        for h, k, models, views, grad in self.groups(grads, active, frozen, host):
             mom = self.mom[h] if self.mom else 0.0
             p, g, b = views(self.params[k]), views(grad), views(self.buf[k])
             counts = self.count[k][h]  # host step counts before this step (groups() counts after the yield)
@@ -213,13 +214,12 @@ class _Masked(_Run):
     come: elementwise arithmetic mixes layouts, and a captured step must find the parameters where it left them)."""
 
     state_names: tuple[str, ...] = ()
-    device_mask = True  # `step` takes `active` as a device bool tensor [H, C]
 
-    def __init__(self, params: Params, lr, weight_decay, scale=None):
+    def __init__(self, params: Params, hp, scale=None):
         _adopt(self, params)
         first = next(iter(self.params.values()))
         self.device, (H, C) = first.device, first.shape[:2]
-        lr, wd = _device(lr, self.device), _device(weight_decay, self.device)  # [H]
+        lr, wd = hp["lr"], hp["weight_decay"]  # [H]
         scale = scale or {}
         self.lr = {k: _per_config(lr * scale.get(k, 1.0), p) for k, p in self.params.items()}  # [H, 1...] per name
         self.wd = {k: _per_config(wd, p) for k, p in self.params.items()}  # [H, 1...]
@@ -248,11 +248,11 @@ class MaskedAdam(_Masked):
 
     state_names = ("m", "v")
 
-    def __init__(self, params: Params, lr, weight_decay, betas=(0.9, 0.999), eps: float = 1e-8, scale=None, **_):
-        super().__init__(params, lr, weight_decay, scale)
+    def __init__(self, params: Params, hp, scale=None, betas=(0.9, 0.999), eps: float = 1e-8):
+        super().__init__(params, hp, scale)
         self.betas, self.eps = betas, eps
 
-    def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
+    def step(self, grads: Params, active, frozen=(), host=None) -> Params:
         b1, b2 = self.betas
         for k, p, g, on, now in self._stepping(grads, active, frozen):
             m, v = self.m[k], self.v[k]  # [H, C, ...]
@@ -271,12 +271,12 @@ class MaskedSGD(_Masked):
 
     state_names = ("buf",)
 
-    def __init__(self, params: Params, lr, weight_decay, momentum=None, scale=None, **_):
-        super().__init__(params, lr, weight_decay, scale)
-        self.mom = None if momentum is None else _device(momentum, self.device)  # [H] or None
-        self.moving = None if momentum is None else self.mom != 0  # [H] configurations that keep a buffer
+    def __init__(self, params: Params, hp, scale=None):
+        super().__init__(params, hp, scale)
+        self.mom = hp.get("momentum")  # [H] or None
+        self.moving = None if self.mom is None else self.mom != 0  # [H] configurations that keep a buffer
 
-    def step(self, params: Params, grads: Params, active, frozen=()) -> Params:
+    def step(self, grads: Params, active, frozen=(), host=None) -> Params:
         for k, p, g, on, _ in self._stepping(grads, active, frozen):
             if self.mom is not None:  # structural (fixed at construction), not a value read
                 buf, mom, moving = self.buf[k], _per_config(self.mom, p), _per_config(self.moving, p)

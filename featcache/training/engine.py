@@ -1,0 +1,197 @@
+"""The one round loop. Every algorithm runs here; algorithms only supply hooks (see algorithms/base.py).
+
+Models carry two leading axes [H, C]: H configurations (hyperparameter settings x seeds) and C clients. One round:
+
+    broadcast context -> local epochs (all H*C models in one vmapped step per minibatch) -> after_local
+    -> upload -> aggregate over clients of each configuration -> download -> evaluate
+
+The local steps run in `LocalSteps` (steps.py: eager or captured as CUDA graphs), the minibatch plan comes from
+schedule.py, evaluation (every `eval_every` rounds and after the last) from evaluate.py; the round's mean local
+training loss is accumulated on the device and read back once per round with the NaN check.
+
+Every hook gets a read-only `Round`: which round and local epoch it is, the participation mask, the per-configuration
+hyperparameters, the shared settings. Hooks never see the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+import torch
+
+from ..cache import ClientData
+from ..devices import resolve_device
+from ..errors import UserError
+from .evaluate import record
+from .hparams import HParams
+from .models import Params, expand_hc
+from .schedule import batch_order, participation, plan_steps
+from .steps import LocalSteps
+
+ENGINE_DEFAULTS = {
+    "rounds": 50,
+    "local_epochs": 1,
+    "batch_size": 32,
+    "drop_last": True,
+    "optimizer": "adam",
+    "lr": 1e-3,
+    "weight_decay": 1e-4,
+    "momentum": 0.9,
+    "participation": 1.0,
+    "eval_every": 1,
+    "seed": 0,
+}
+ENGINE_STRUCTURAL = ("participation",)  # floats the engine reads once per run, not per model
+
+
+def structural_keys(cfg: dict, algo) -> list[str]:
+    """Settings that must be equal inside one batched run (shapes, options, per-run floats); every other float is a
+    per-configuration tensor [H]. (The seed is not structural: it is a per-configuration value, `Round.seeds`.)"""
+    return [k for k, v in cfg.items()
+            if k != "seed" and (not isinstance(v, float) or k in algo.structural or k in ENGINE_STRUCTURAL)]
+
+
+def shared_settings(cfg: dict, algo) -> MappingProxyType:
+    """The settings an algorithm is bound to: the structural ones, read-only (per-configuration floats are absent,
+    so a hook cannot read configuration 0's value by mistake: they are tensors in `Round.hp`)."""
+    return MappingProxyType({k: cfg[k] for k in structural_keys(cfg, algo)})
+
+
+@dataclass
+class State:
+    """Everything that evolves over rounds; tensors lead with [H, C] (models) except `server` ([H, ...])."""
+
+    params: Params  # updated in place by the optimizer during local training: clone what you keep across rounds
+    buffers: Params  # likewise updated in place during local training (BN statistics): clone what you keep
+    client: dict = field(default_factory=dict)  # per-model algorithm state, e.g. local prototypes [H, C, K, d]
+    server: dict = field(default_factory=dict)  # per-config server state, e.g. global prototypes [H, K, d]
+
+
+@dataclass(frozen=True)
+class Round:
+    """Read-only facts of the moment a hook runs; the engine hands a fresh one to every hook (hooks never see the
+    engine). Tensors are on `device` unless noted."""
+
+    round: int  # 0-based round; -1 in init_state (before round 1)
+    rounds: int  # R, the run's number of rounds
+    epoch: int  # local epoch (0 outside local training)
+    step: int  # step within the local epoch (0 outside local training)
+    steps_per_epoch: int  # minibatches per local epoch (the largest client's; smaller clients sit the rest out)
+    client_steps: torch.Tensor  # [C] minibatches each client takes per local epoch
+    part: torch.Tensor  # [H, C] bool: the clients taking part in this round (all of them in init_state)
+    H: int  # configurations
+    C: int  # clients
+    seeds: torch.Tensor  # [H] int64, on the host (they seed torch.Generators)
+    hp: HParams  # per-configuration hyperparameters, name -> [H] float32
+    cfg: MappingProxyType  # the run's shared (structural) settings, read-only
+    data: ClientData  # the clients' training data (padded [C, Nmax, ...] + counts [C])
+    device: torch.device
+
+    def expand(self, t: torch.Tensor) -> torch.Tensor:
+        """[H, ...] -> [H, C, ...] (a view): a per-configuration value for every client."""
+        return expand_hc(t, self.C)
+
+
+class Engine:
+    """Trains H configurations x C clients of one algorithm on cached features."""
+
+    def __init__(self, algo, cfgs: list[dict], train: ClientData, test: ClientData,
+                 device: str | torch.device = "cpu", capture: str | None = "auto"):
+        self.cfgs, self.device = cfgs, resolve_device(device)
+        structural = structural_keys(cfgs[0], algo)
+        for c in cfgs[1:]:
+            diff = [k for k in structural if c[k] != cfgs[0][k]]
+            if diff:
+                raise UserError(f"configurations of one batched run must share {diff}: run them as separate buckets")
+        self.cfg = shared_settings(cfgs[0], algo)  # the engine's own and every hook's shared settings
+        self.algo = algo.bind(self.cfg)  # a bound copy; the caller's object is left as it was
+        self.train, self.test = train.to(self.device), test.to(self.device)
+        self.H, self.C = len(cfgs), train.features.shape[0]
+        self.seeds = torch.tensor([c["seed"] for c in cfgs])  # [H] on the host
+        self._seeds = self.seeds.to(self.device)  # [H] for batch orders built on the device
+        floats = [k for k in cfgs[0] if k not in structural and k != "seed"]
+        self.hp = HParams.of({k: [float(c[k]) for c in cfgs] for k in floats}, self.device)  # name -> [H]
+        self.plan = plan_steps(self.train, self.cfg["batch_size"], self.cfg["drop_last"])
+        self.state = self.init_state()  # trained in place by `run`
+        self.runner = LocalSteps(self.algo, self.cfg["optimizer"], self.hp, self.train, self.plan, self.state, capture)
+        self.last_round: Round | None = None  # the context of the last round run
+        self.round_loss: torch.Tensor | None = None  # [H, C] the last local_train's mean loss per model (device)
+
+    def round_context(self, rnd: int, part=None, epoch: int = 0, step: int = 0) -> Round:
+        """The `Round` of round `rnd` (-1: before round 1); part [H, C] bool (default: every client)."""
+        if part is None:
+            part = torch.ones(self.H, self.C, dtype=torch.bool, device=self.device)
+        elif not torch.is_tensor(part):
+            part = torch.tensor(part, dtype=torch.bool)
+        return Round(round=rnd, rounds=self.cfg["rounds"], epoch=epoch, step=step, steps_per_epoch=self.plan.steps,
+                     client_steps=self.plan.client_steps, part=part.to(self.device), H=self.H, C=self.C,
+                     seeds=self.seeds, hp=self.hp, cfg=self.cfg, data=self.train, device=self.device)
+
+    def init_state(self) -> State:
+        """The models of round 1, each configuration from its own seed, and the algorithm's initial state."""
+        d_in, K = self.train.features.shape[-1], self.train.num_classes
+        per_h = [self.algo.init(self.cfg, d_in, K, torch.Generator().manual_seed(int(s))) for s in self.seeds]
+        stack = lambda dicts: {k: expand_hc(torch.stack([d[k] for d in dicts]), self.C).clone().to(self.device)
+                               for k in dicts[0]}
+        state = State(params=stack([p for p, _ in per_h]), buffers=stack([b for _, b in per_h]))
+        self.algo.init_state(state, self.round_context(-1))
+        return state
+
+    def local_train(self, state: State, rnd: int, part) -> torch.Tensor:
+        """The round's local epochs for every model. `part` [H][C] bool is host data (nested lists, or a CPU tensor),
+        so nothing in here reads a device tensor back: returns the models whose loss was NaN/Inf at some step, [H, C]
+        bool on the device, and leaves each model's mean loss in `self.round_loss` ([H, C] on the device, NaN where a
+        model took no step), for the caller to read once per round (`read_round`)."""
+        algo, data, part_host = self.algo, self.train, part.tolist() if torch.is_tensor(part) else part
+        now = self.round_context(rnd, part_host)
+        self.runner.start(state, now, part_host)
+        for epoch in range(algo.local_epochs()):
+            at = replace(now, epoch=epoch)
+            frozen = frozenset(k for k in state.params if not algo.trainable(k, at))
+            ctx = algo.context(state, at)  # server and client state do not change during local steps
+            order = batch_order(self._seeds, rnd, epoch, data.counts, data.features.shape[1])  # [H, C, N]
+            for s in range(self.plan.steps):
+                self.runner.step(self.plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, C, B]
+        bad, self.round_loss = self.runner.finish(state)  # [H, C] each
+        return bad
+
+    def read_round(self, bad: torch.Tensor, rnd: int) -> torch.Tensor:
+        """One device read per round: refuse to go on when any model's loss was NaN/Inf (bad [H, C]); return the
+        round's mean local training loss [H, C] on the host (NaN for models that sat the round out)."""
+        both = torch.stack([bad.to(self.round_loss.dtype), self.round_loss]).cpu()  # [2, H, C]
+        if bool(both[0].any()):
+            raise UserError(f"{self.algo.name}: loss became NaN/Inf in round {rnd + 1}: lower --set lr=... "
+                            "or check the cache with `featcache info`")
+        return both[1]
+
+    def run(self, progress=None, logs: bool = True) -> dict:
+        """Train all rounds; returns, stacked over the evaluation rounds, the records of `evaluate.record` (acc =
+        test_acc [R_eval, H, C], test_loss, train_acc, train_loss [R_eval, H, C], global_acc [R_eval, H] or None),
+        the evaluation rounds, upload sizes and timings. logs=False records test accuracy only: a grid's selection
+        needs nothing else, and the other records add a forward pass over every training row per evaluation."""
+        state, algo, R = self.state, self.algo, self.cfg["rounds"]
+        records, rounds, upload_floats, times = [], [], [], []
+        for rnd in range(R):
+            t0 = time.perf_counter()
+            part_host = participation(self.seeds, rnd, self.C, self.cfg["participation"]).tolist()  # [H][C] host
+            round_loss = self.read_round(self.local_train(state, rnd, part_host), rnd)  # [H, C] host
+            now = self.last_round = self.round_context(rnd, part_host)
+            algo.after_local(state, now)
+            uploads = algo.upload(state, now)  # name -> [H, C, ...]
+            weights = self.train.counts[None].float() * now.part  # [H, C]
+            server = algo.aggregate(uploads, weights, state, now)
+            algo.download(state, server, now)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            upload_floats.append(sum(v[0, 0].numel() for v in uploads.values()))
+            if (rnd + 1) % self.cfg["eval_every"] == 0 or rnd == R - 1:
+                records.append(record(algo, state, self.train, self.test, now, round_loss, logs))
+                rounds.append(rnd + 1)
+            if progress:
+                progress(rnd + 1, R)
+        stacked = {k: None if records[0][k] is None else torch.stack([r[k] for r in records]) for k in records[0]}
+        return stacked | {"acc": stacked["test_acc"], "eval_rounds": rounds, "upload_floats": upload_floats,
+                          "round_seconds": times}

@@ -1,0 +1,99 @@
+"""The minibatch plan: which rows each model trains on, in which order, and which clients take part.
+
+Minibatch order comes from a counter-based hash of (seed, round, epoch, client, row), so it needs no Python loop
+over clients, and a client sees the same batches whether it trains alone, in a plain loop, or inside a grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import ClientData
+from ..errors import UserError
+
+_MASK63 = (1 << 63) - 1
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors (wrapping multiply, logical shifts)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * -4658895280553007687  # 0xbf58476d1ce4e5b9
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * -7723592293110705685  # 0x94d049bb133111eb
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def hash_keys(seeds: torch.Tensor, *ids: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Pseudo-random int64 keys [H, *shape] from (seed_h, ids..., position); same inputs, same keys, anywhere (on the
+    device of `seeds`: integer arithmetic only, so CPU and GPU give the same bits)."""
+    x = seeds.long().reshape(-1, *([1] * len(shape)))
+    for i in ids:
+        x = _mix(x * 1_000_003 + i)
+    for d, n in enumerate(shape):  # each axis position enters separately: client c, row n
+        coord = torch.arange(n, device=x.device).reshape(*([1] * (d + 1)), n, *([1] * (len(shape) - d - 1)))
+        x = _mix(x * 1_000_003 + coord)
+    return x & _MASK63
+
+
+def batch_order(seeds: torch.Tensor, rnd: int, epoch: int, counts: torch.Tensor, n_max: int) -> torch.Tensor:
+    """Per model, a random permutation of its client's valid rows, padding rows last: [H, C, Nmax] int64, on the
+    device of `seeds` (`counts` [C] on the same device); no host synchronisation."""
+    keys = hash_keys(seeds, rnd, epoch, shape=(len(counts), n_max))  # [H, C, Nmax]
+    valid = torch.arange(n_max, device=keys.device) < counts[:, None]  # [C, Nmax]
+    keys = torch.where(valid, keys >> 1, torch.full_like(keys, _MASK63))  # [H, C, Nmax]
+    return torch.argsort(keys, dim=-1, stable=True)
+
+
+def participation(seeds: torch.Tensor, rnd: int, C: int, rate: float) -> torch.Tensor:
+    """[H, C] bool: which clients take part in this round (at least one per configuration)."""
+    if rate >= 1:
+        return torch.ones(len(seeds), C, dtype=torch.bool)
+    k = max(1, round(rate * C))
+    keys = hash_keys(seeds, rnd, 1 << 20, shape=(C,))  # [H, C]
+    ranks = torch.argsort(torch.argsort(keys, dim=-1), dim=-1)
+    return ranks < k
+
+
+def trained_rows(counts, batch_size: int, drop_last: bool) -> list[int]:
+    """Rows each client trains on per local epoch (drop_last drops a short last batch)."""
+    return [int(n) // batch_size * batch_size if drop_last else int(n) for n in counts]
+
+
+def client_steps(counts, batch_size: int, drop_last: bool) -> list[int]:
+    """Minibatches each client takes per local epoch (the one place this is computed; see `Round.client_steps`)."""
+    return [(n + batch_size - 1) // batch_size for n in trained_rows(counts, batch_size, drop_last)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run's minibatch plan, fixed for the run: steps per local epoch and, per step, its rows' validity."""
+
+    batch_size: int
+    steps: int  # minibatches per local epoch (the largest client's; smaller clients sit the rest out)
+    client_steps: torch.Tensor  # [C] minibatches each client takes per local epoch
+    has_batch: list  # host [steps][C] bool: which clients still have a batch at each step
+    valid: list  # [C, B_s] bool per step: the rows of a step that are real samples
+
+    def rows(self, order: torch.Tensor, step: int) -> torch.Tensor:
+        """The rows of step `step` from a batch order [H, C, N]: [H, C, B_s]."""
+        B = self.batch_size
+        return order[..., step * B : (step + 1) * B]
+
+
+def plan_steps(data: ClientData, batch_size: int, drop_last: bool) -> Plan:
+    """The plan of `data` (read from the host once, before training). Refuses clients that would never train."""
+    B, device = batch_size, data.features.device
+    counts = data.counts.tolist()  # once, before training
+    n_eff = trained_rows(counts, B, drop_last)
+    small = sum(n == 0 for n in n_eff)
+    if small:
+        raise UserError(f"{small} client(s) have fewer than batch_size={B} training rows and would never train "
+                        "with drop_last: use --set drop_last=false or a smaller --set batch_size")
+    per_client = client_steps(counts, B, drop_last)
+    steps, N = max(per_client), data.features.shape[1]
+    n_eff_t = torch.tensor(n_eff, device=device)  # [C]
+    valid = [(s * B + torch.arange(min(B, N - s * B), device=device)) < n_eff_t[:, None] for s in range(steps)]
+    return Plan(B, steps, torch.tensor(per_client, device=device), [[s * B < n for n in n_eff] for s in range(steps)],
+                valid)

@@ -1,0 +1,152 @@
+"""The local steps of a run, the one place that runs them: eager, or captured once per kind and replayed (capture.py).
+
+A step trains every model on its next minibatch in one vmapped forward and backward, then the optimizer's masked
+update (models without a batch or outside the round keep their values) and the algorithm's `after_step`. It reads
+and writes only tensors kept for the whole run: the optimizer's (built once, `load`ed each round), the buffers, the
+round's sums and the static slots below, which is what lets a captured step replay on the same memory every round.
+The slots: the round's participants `part` [H, C], each batch width's rows and validity, each kind's context
+(refilled once per epoch of each round). A kind beyond the graph limit, or every step where nothing is captured,
+runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+from torch.func import vmap
+
+from ..cache import ClientData
+from .capture import Graphs, Static, disarmed, resolve_mode, signature
+from .hparams import HParams
+from .optim import copy_into, optimizer_for
+from .schedule import Plan
+
+Params = dict[str, torch.Tensor]
+
+
+class Held(NamedTuple):
+    """The tensors a step updates in place: the current ones for an eager step, those of the moment of capture for
+    a captured one (what a CUDA graph holds: one replaced since, rather than updated, shows up as a difference)."""
+
+    params: Params  # name -> [H, C, ...] the optimizer's
+    buffers: Params  # name -> [H, C, ...]
+    acc: dict  # bad, loss, steps: [H, C] each, summed over a round
+
+
+class Batch(NamedTuple):
+    """One step's rows: the fresh ones of an eager step, or a batch width's static slots."""
+
+    idx: torch.Tensor  # [H, C, B] rows of each model's client
+    valid: torch.Tensor  # [C, B] rows that are real samples
+    host: list | None  # [H][C] host bools: the models that step (eager steps; the fused optimizers group by it)
+
+
+@dataclass
+class _Context:
+    """The static slot of one kind's context and the (call, epoch) it was last filled for."""
+
+    slot: Static
+    loaded: tuple
+
+
+class LocalSteps:
+    """Runs every local step of one engine: `start` a round, `step` per minibatch, `finish` the round."""
+
+    def __init__(self, algo, optimizer: str, hp: HParams, data: ClientData, plan: Plan, state,
+                 capture: str | None = "auto"):
+        device = data.features.device
+        self.algo, self.data, self.plan = algo, data, plan
+        self.loss_fn = vmap(vmap(algo.local_loss))  # [H, C] losses; summed, each model gets exactly its own gradient
+        mode = resolve_mode(capture, device) if algo.capturable else "off"
+        self.graphs = None if mode == "off" else Graphs(mode, device)  # the captured steps, by kind
+        kind = optimizer_for(optimizer, device, masked=self.graphs is not None)
+        self.opt = kind(state.params, hp, scale={k: algo.lr_scale(k) for k in state.params})
+        self.buffers = {k: v.clone() for k, v in state.buffers.items()}  # the models' buffers during local steps
+        H, C = next(iter(state.params.values())).shape[:2]
+        z = torch.zeros(H, C, device=device)
+        self.acc = {"bad": z.bool(), "loss": z.clone(), "steps": z.clone()}  # [H, C] each, summed over a round
+        self.part = torch.zeros(H, C, dtype=torch.bool, device=device)  # the round's participants
+        self.part_host: list = []  # [H][C] host bools: the same
+        self.batches: dict[int, Batch] = {}  # batch width -> its slots
+        self.contexts: dict[tuple, _Context] = {}  # kind -> its context slot
+        self.calls = 0  # rounds started so far: when each context slot was last filled
+        self._c_idx = torch.arange(C, device=device)[None, :, None]  # [1, C, 1] gathers each client's rows
+        tensors = (data.features, data.labels, data.counts, data.views)
+        self._fixed = frozenset(t.untyped_storage().data_ptr() for t in tensors if t is not None)  # stays put
+
+    def start(self, state, now, part_host: list) -> None:
+        """Begin round `now`'s local steps (now.part [H, C]; part_host the same, host bools [H][C]): the round's
+        starting models are copied into the optimizer's and the buffers' tensors, which `state` then holds; moments,
+        step counts and sums start from zero."""
+        state.params = self.opt.load(state.params)
+        state.buffers = copy_into(self.buffers, state.buffers)
+        for t in self.acc.values():
+            t.zero_()
+        self.calls += 1
+        self.part.copy_(now.part)  # [H, C]
+        self.part_host = part_host
+
+    def step(self, idx: torch.Tensor, ctx: dict, at, frozen: frozenset) -> None:
+        """One local step of every model on the rows idx [H, C, B] (step at.step of its epoch), with the epoch's
+        context and `frozen` the names not trained: replayed where its kind is captured, else eager."""
+        key = None if self.graphs is None else (frozen, idx.shape[-1], signature(ctx))
+        if key is not None and self.graphs.admits(key):
+            return self._replay(key, idx, ctx, at, frozen)
+        host = [[p and h for p, h in zip(row, self.plan.has_batch[at.step])] for row in self.part_host]
+        # the live dicts: a fused optimizer's first step may give a parameter a new tensor that after_step must see
+        self._step(Held(self.opt.params, self.buffers, self.acc), Batch(idx, self.plan.valid[at.step], host), ctx,
+                   at, frozen)
+
+    def finish(self, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """End the round: the trained models into `state`; returns which models' loss was NaN/Inf at some step and
+        each model's mean loss over the steps it took (NaN where it took none), [H, C] each, on the device."""
+        state.params = dict(self.opt.params)  # (the first step may have given a parameter its gradient's layout)
+        acc = self.acc
+        return acc["bad"].clone(), acc["loss"] / acc["steps"]  # (the sums are zeroed and refilled next round)
+
+    def _step(self, held: Held, batch: Batch, ctx: dict, at, frozen) -> None:
+        """The step itself (eager, or the function a graph captures), updating `held` in place."""
+        params, buffers, acc = held
+        data, c_idx, idx = self.data, self._c_idx, batch.idx
+        valid = batch.valid.expand_as(idx)  # [H, C, B]
+        active = valid.any(-1) & self.part  # [H, C]
+        x = data.features[c_idx, idx]  # [H, C, B, D]
+        y = data.labels[c_idx, idx]  # [H, C, B]
+        extra = {"views": data.views[c_idx, idx]} if data.views is not None else {}  # [H, C, B, V, D]
+        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        loss, new_buffers = self.loss_fn(leaves, buffers, x, y, valid, ctx | extra)  # [H, C]
+        grads = dict(zip(leaves, torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)))
+        grads = {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in grads.items()}
+        loss = loss.detach()
+        acc["bad"] |= ~torch.isfinite(loss) & active  # [H, C] read once, after the round
+        acc["loss"] += torch.where(active, loss, 0.0)  # [H, C]
+        acc["steps"] += active  # [H, C]
+        with torch.no_grad():
+            self.opt.step(grads, active, frozen, batch.host)  # in place
+            self.algo.after_step(params, ctx, active, at)
+            for k, v in new_buffers.items():
+                buffers[k].copy_(torch.where(active.reshape(*active.shape, *[1] * (v.dim() - 2)), v, buffers[k]))
+
+    def _replay(self, key: tuple, idx: torch.Tensor, ctx: dict, at, frozen) -> None:
+        """The step through the graph of its kind (trained names, batch width, context structure): this step's rows
+        and, once per epoch, its context go into the static slots, then the graph replays; a kind seen for the
+        first time is captured (warm-up disarmed: no model takes part)."""
+        width, valid = idx.shape[-1], self.plan.valid[at.step]
+        if width not in self.batches:
+            self.batches[width] = Batch(idx.clone(), valid.clone(), None)
+        slot = self.batches[width]
+        slot.idx.copy_(idx)  # [H, C, B]
+        slot.valid.copy_(valid)  # [C, B]
+        stamp = (self.calls, at.epoch)  # the context changes between epochs and rounds only
+        if key not in self.graphs:
+            context = self.contexts[key] = _Context(Static(ctx, self._fixed), stamp)
+            held = Held(dict(self.opt.params), dict(self.buffers), dict(self.acc))
+            now = replace(at, part=self.part)  # the Round the captured hooks see (its step: the capture's)
+            fn = lambda: self._step(held, slot, context.slot.tree, now, frozen)
+            self.graphs.capture(key, fn, disarmed(self.part))
+        elif self.contexts[key].loaded != stamp:
+            self.contexts[key].slot.load(ctx)
+            self.contexts[key].loaded = stamp
+        self.graphs.run(key)
