@@ -27,7 +27,7 @@ import featcache.cli  # noqa: E402, F401  (the CLI's allocator setting, as `feat
 import torch  # noqa: E402
 
 from featcache.algorithms import create  # noqa: E402
-from featcache.config import resolve  # noqa: E402
+from featcache.training.config import resolve  # noqa: E402
 from featcache.engine import Engine  # noqa: E402
 from featcache.testing import plain_loop  # noqa: E402
 from tests.synthetic import synthetic_clients  # noqa: E402

@@ -258,7 +258,7 @@ def migrate(cache: Path = typer.Argument(..., help="cache file of an older forma
 
 
 def _seeds(text: str) -> list[int]:
-    from .config import check_seeds
+    from .training.config import check_seeds
 
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
@@ -364,7 +364,7 @@ def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's 
           as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
     """List the registered algorithms with their paper reference and what a client uploads."""
     from .algorithms import UNAVAILABLE, create, list_algorithms
-    from .config import resolve
+    from .training.config import resolve
 
     if as_json:
         if name:

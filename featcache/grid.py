@@ -27,7 +27,7 @@ import torch
 from .algorithms import create
 from .atomic import check_folder, make_folder, output_errors, write_atomic
 from .cache import load_clients
-from .config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
+from .training.config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
 from .devices import resolve_device
 from .engine import structural_keys
 from .errors import UserError

@@ -123,7 +123,7 @@ def _setup(algo, rounds: int, train, test, settings: dict):
     spec, a FedAvg subclass or an instance; default data `synthetic_clients` with two cached views; uneven clients,
     75 % participation and a short last batch."""
     from .algorithms import create, register
-    from .config import resolve
+    from .training.config import resolve
 
     if isinstance(algo, type):
         algo = create(register(algo).name)

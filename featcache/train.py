@@ -31,7 +31,7 @@ import torch
 from . import cache as C
 from .algorithms import create
 from .atomic import check_folder, output_errors, write_together
-from .config import check_clients, check_seeds, merge_rounds, resolve
+from .training.config import check_clients, check_seeds, merge_rounds, resolve
 from .devices import resolve_device
 from .engine import Engine, State
 from .errors import UserError

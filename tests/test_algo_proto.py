@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from featcache.algorithms import create
-from featcache.config import resolve
+from featcache.training.config import resolve
 from featcache.engine import ENGINE_DEFAULTS, Engine
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients

@@ -208,7 +208,7 @@ def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
     partial participation, a grid of learning rates and (FedPFT) frozen phases gives the fused run's parameters."""
     from featcache import optim
     from featcache.algorithms import create
-    from featcache.config import resolve
+    from featcache.training.config import resolve
     from featcache.engine import Engine
     from tests.synthetic import synthetic_clients
 

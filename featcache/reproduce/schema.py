@@ -252,7 +252,7 @@ def _figure(where: str, figure: dict, columns: list[Column]) -> None:
 def _check_settings(where: str, algo: str, settings: dict, grid: dict) -> None:
     """Unknown algorithm or setting, wrong type -> one line, before anything is extracted or trained."""
     from ..algorithms import create
-    from ..config import resolve
+    from ..training.config import resolve
     from ..grid import parse_grid
 
     if "rounds" in settings:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .engine import ENGINE_DEFAULTS
-from .errors import UserError, suggest
+from ..engine import ENGINE_DEFAULTS
+from ..errors import UserError, suggest
 
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 MAX_INT = 2**31 - 1  # an integer setting above this is a typo (and overflows the engine's index arithmetic)
