@@ -35,36 +35,9 @@ from .devices import resolve_device
 from .errors import UserError
 from .capture import Graphs, Static, disarmed, resolve_mode, signature
 from .optim import copy_into, optimizer_for
+from .training.config import shared_settings, structural_keys
 
 Params = dict[str, torch.Tensor]
-
-ENGINE_DEFAULTS = {
-    "rounds": 50,
-    "local_epochs": 1,
-    "batch_size": 32,
-    "drop_last": True,
-    "optimizer": "adam",
-    "lr": 1e-3,
-    "weight_decay": 1e-4,
-    "momentum": 0.9,
-    "participation": 1.0,
-    "eval_every": 1,
-    "seed": 0,
-}
-ENGINE_STRUCTURAL = ("participation",)  # floats the engine reads once per run, not per model
-
-
-def structural_keys(cfg: dict, algo) -> list[str]:
-    """Settings that must be equal inside one batched run (shapes, options, per-run floats); every other float is a
-    per-configuration tensor [H]. (The seed is not structural: it is a per-configuration value, `Round.seeds`.)"""
-    return [k for k, v in cfg.items()
-            if k != "seed" and (not isinstance(v, float) or k in algo.structural or k in ENGINE_STRUCTURAL)]
-
-
-def shared_settings(cfg: dict, algo) -> MappingProxyType:
-    """The settings an algorithm is bound to: the structural ones, read-only (per-configuration floats are absent,
-    so a hook cannot read configuration 0's value by mistake: they are tensors in `Round.hp`)."""
-    return MappingProxyType({k: cfg[k] for k in structural_keys(cfg, algo)})
 
 
 @dataclass

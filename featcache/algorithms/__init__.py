@@ -165,6 +165,12 @@ def load(spec: str) -> str:
                         f"{cls_name.lower()!r}); it would otherwise run as {getattr(cls, 'name', None)!r}")
     if name in UNAVAILABLE:
         raise UserError(f"--algo {spec}: {cls_name}.name {name!r} is a reserved algorithm name: pick another")
+    from ..training.config import settings_of
+
+    try:
+        settings_of(cls)
+    except UserError as e:
+        raise UserError(f"--algo {spec}: {e}") from None
     register(cls)
     return name
 
@@ -181,6 +187,6 @@ def create(name: str, cfg: dict | None = None):
     algo = _ALGOS[name]()
     if cfg is None:
         return algo
-    from ..engine import shared_settings
+    from ..training.config import shared_settings
 
     return algo.bind(shared_settings(cfg, algo))

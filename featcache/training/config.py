@@ -1,17 +1,20 @@
-"""Run configurations are data: engine defaults + the algorithm's defaults + strict `key=value` overrides.
+"""Run configurations are data: each setting is declared once, as a `Setting`, by its owner (the engine's here in
+`ENGINE_SETTINGS`, an algorithm's in its class's `settings`), and resolved with strict `key=value` overrides.
 
-Every setting has a type (that of its default) and, where it has one, a valid range declared once here in `RANGES`,
-keyed by setting name: the engine's settings and the settings algorithms share by name (mu, tau, proj_dim, ...).
-`resolve` checks one configuration; `check` checks an already resolved one, so a grid checks every configuration (all
-values of every axis) before anything trains. A float setting must also be finite, and an integer one below 2^31.
+A declaration gives the default (whose type is the setting's type), the valid range or choices, a one-line help and
+whether a grid may batch its values. An algorithm's table is the engine's, then each class's `settings` along its
+MRO from FedAvg down: a class declares only what it adds or changes (a bare value changes the inherited default, None
+removes a setting its model does not have). `resolve` checks one configuration; `check` an already resolved one, so a
+grid checks every configuration (all values of every axis) before anything trains. A float setting must also be
+finite, and an integer one below 2^31.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 
-from ..engine import ENGINE_DEFAULTS
 from ..errors import UserError, suggest
 
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -20,46 +23,130 @@ MAX_SEED = 2**32 - 1  # seeds seed torch.Generators and the engine's int64 hash
 
 
 @dataclass(frozen=True)
-class Range:
-    """lo / hi bounds (None: unbounded), each inclusive or not; `why` is added to the message."""
+class Setting:
+    """One setting: its default (and so its type: bool, int, float or str), the valid range (lo / hi, None for
+    unbounded, each end closed unless `lo_open` / `hi_open`) or `choices`, a one-line `help`, and `batched`: whether
+    one batched run may hold a different value per configuration (a float tensor [H] on the configuration axis).
+    `batched=False` marks a float the run reads once (a shape, a per-run schedule); ints, bools and strings never
+    batch (a grid over them runs one bucket per value)."""
 
+    default: bool | int | float | str
+    help: str = ""
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
     hi_open: bool = False
-    why: str = ""
+    choices: tuple = ()
+    batched: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.default, float):
+            object.__setattr__(self, "batched", False)
+        object.__setattr__(self, "choices", tuple(self.choices))
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
 
     def holds(self, v) -> bool:
+        """Whether `v` (already of this setting's type) is inside the range and among the choices."""
+        if self.choices:
+            return v in self.choices
         if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
             return False
         return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
 
-    def text(self) -> str:
+    def range_text(self, name: str = "x") -> str:
+        """'0 <= tau <= 1', 'lr > 0', 'one of adam, sgd'; '' when any value of the type is valid."""
+        if self.choices:
+            return f"one of {', '.join(map(str, self.choices))}"
         lo = "" if self.lo is None else f"{self.lo:g} {'<' if self.lo_open else '<='} "
         hi = "" if self.hi is None else f" {'<' if self.hi_open else '<='} {self.hi:g}"
-        return f"{lo}x{hi}" if lo and hi else (f"x {'>' if self.lo_open else '>='} {self.lo:g}" if lo else f"x{hi}")
+        if lo and hi:
+            return f"{lo}{name}{hi}"
+        if lo:
+            return f"{name} {'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"{name}{hi}" if hi else ""
 
 
-AT_LEAST_1 = Range(1)
-POSITIVE = Range(0, lo_open=True)
-NON_NEGATIVE = Range(0)
-FRACTION = Range(0, 1, hi_open=True)  # [0, 1)
+AT_LEAST_1 = dict(lo=1)
+POSITIVE = dict(lo=0, lo_open=True)
+NON_NEGATIVE = dict(lo=0)
+FRACTION = dict(lo=0, hi=1, hi_open=True)  # [0, 1)
+UNIT = dict(lo=0, hi=1)  # [0, 1]
 
-# Valid ranges by setting name. A name not listed has only its type checked (and finiteness for floats).
-RANGES: dict[str, Range] = {
-    # engine
-    "rounds": AT_LEAST_1, "local_epochs": AT_LEAST_1, "batch_size": AT_LEAST_1, "eval_every": AT_LEAST_1,
-    "lr": POSITIVE, "weight_decay": NON_NEGATIVE, "momentum": FRACTION,
-    "participation": Range(0, 1, lo_open=True, why="the share of clients per round"),
-    # widths and counts shared by algorithms
-    "proj_dim": AT_LEAST_1, "con_dim": AT_LEAST_1, "heads": AT_LEAST_1, "n_prompts": AT_LEAST_1, "queue": AT_LEAST_1,
-    "inner_steps": AT_LEAST_1, "head_epochs": NON_NEGATIVE, "r_f": NON_NEGATIVE, "r_a": NON_NEGATIVE,
-    # regularisation weights, temperatures, rates
-    "mu": NON_NEGATIVE, "lam": NON_NEGATIVE, "tau": POSITIVE, "beta": POSITIVE, "sigma": POSITIVE,
-    "alpha": POSITIVE, "alpha_k": POSITIVE, "personal_lr": POSITIVE, "ftm_lr_scale": NON_NEGATIVE,
-    "moco_m": Range(0, 1), "self_attention": Range(0, 1), "proto_noise_scale": NON_NEGATIVE,
-    "proto_noise_p": FRACTION,
+ENGINE_SETTINGS: dict[str, Setting] = {
+    "rounds": Setting(50, "communication rounds", **AT_LEAST_1),
+    "local_epochs": Setting(1, "local epochs per round", **AT_LEAST_1),
+    "batch_size": Setting(32, "rows per local minibatch", **AT_LEAST_1),
+    "drop_last": Setting(True, "drop each client's last partial minibatch of an epoch"),
+    "optimizer": Setting("adam", "the local optimizer", choices=("adam", "sgd")),
+    "lr": Setting(1e-3, "local learning rate", **POSITIVE),
+    "weight_decay": Setting(1e-4, "L2 weight decay added to the gradient", **NON_NEGATIVE),
+    "momentum": Setting(0.9, "SGD momentum (Adam: beta1)", **FRACTION),
+    "participation": Setting(1.0, "the share of clients per round", lo=0, hi=1, lo_open=True, batched=False),
+    "eval_every": Setting(1, "evaluate every this many rounds (and after the last)", **AT_LEAST_1),
+    "seed": Setting(0, "set by --seeds, not --set", lo=0, hi=MAX_SEED),
 }
+
+
+def settings_of(algo) -> MappingProxyType:
+    """The full, ordered table of an algorithm's settings (a class or an instance): the engine's, then each class's
+    `settings` along the MRO, base first. A bare value changes an inherited default (same type); None removes one."""
+    cls = algo if isinstance(algo, type) else type(algo)
+    cached = cls.__dict__.get("_settings_table")
+    if cached is not None:
+        return cached
+    table = dict(ENGINE_SETTINGS)
+    for klass in reversed(cls.__mro__):
+        for k, s in klass.__dict__.get("settings", {}).items():
+            where = f"{klass.__qualname__}.settings[{k!r}]"
+            if s is None:
+                table.pop(k, None)
+            elif isinstance(s, Setting):
+                table[k] = s
+            elif k not in table:
+                raise UserError(f"{where} = {s!r}: a new setting needs a declaration, Setting({s!r}, help=...)")
+            elif type(s) is not table[k].type:
+                raise UserError(f"{where} = {s!r}: {k} is a {table[k].type.__name__}: give a default like "
+                                f"{table[k].default!r}")
+            else:
+                table[k] = replace(table[k], default=s)
+    for k, s in table.items():
+        if k != "seed" and not s.holds(s.default):
+            raise UserError(f"{cls.__qualname__}: the default {k}={s.default!r} is outside its own range: "
+                            f"{s.range_text(k)}")
+    out = MappingProxyType(table)
+    setattr(cls, "_settings_table", out)
+    return out
+
+
+def defaults(algo) -> dict:
+    """Every setting of `algo` at its default, in declaration order (the engine's first)."""
+    return {k: s.default for k, s in settings_of(algo).items()}
+
+
+def describe(algo) -> dict[str, dict]:
+    """Every --set setting of `algo` as plain data: default, type, range (or choices), batched, help."""
+    out = {}
+    for k, s in settings_of(algo).items():
+        if k != "seed":
+            out[k] = {"default": s.default, "type": s.type.__name__, "range": s.range_text(k),
+                      "batched": s.batched, "help": s.help} | ({"choices": list(s.choices)} if s.choices else {})
+    return out
+
+
+def structural_keys(cfg: dict, algo) -> list[str]:
+    """Settings that must be equal inside one batched run (shapes, options, per-run floats); every other float is a
+    per-configuration tensor [H]. (The seed is not structural: it is a per-configuration value, `Round.seeds`.)"""
+    table = settings_of(algo)
+    return [k for k in cfg if k != "seed" and not table[k].batched]
+
+
+def shared_settings(cfg: dict, algo) -> MappingProxyType:
+    """The settings an algorithm is bound to: the structural ones, read-only (per-configuration floats are absent,
+    so a hook cannot read configuration 0's value by mistake: they are tensors in `Round.hp`)."""
+    return MappingProxyType({k: cfg[k] for k in structural_keys(cfg, algo)})
 
 
 def parse_value(key: str, text: str, default):
@@ -110,7 +197,7 @@ def pairs(overrides: list[str] | tuple, flag: str = "--set") -> dict[str, str]:
 
 def resolve(algo, overrides: dict | list[str] | None = None) -> dict:
     """The fully resolved and checked configuration of one run. Overrides are a dict or `key=value` strings."""
-    cfg = ENGINE_DEFAULTS | algo.defaults
+    cfg = defaults(algo)
     if isinstance(overrides, (list, tuple)):
         overrides = pairs(overrides)
     for k, v in (overrides or {}).items():
@@ -124,26 +211,26 @@ def resolve(algo, overrides: dict | list[str] | None = None) -> dict:
 
 
 def check(algo, cfg: dict) -> None:
-    """Refuse a resolved configuration with a value outside its type's or its setting's range, in one line."""
-    if cfg["optimizer"] not in ("adam", "sgd"):
-        got = cfg["optimizer"]
-        raise UserError(f"optimizer must be adam or sgd (got {got!r}){suggest(str(got), ('adam', 'sgd'))}")
+    """Refuse a resolved configuration with a value outside its type's or its declared range or choices, in one
+    line."""
+    table = settings_of(algo)
     for k, v in cfg.items():
-        if k == "seed" or isinstance(v, (bool, str)):
+        s = table[k]
+        if k == "seed":
+            continue
+        if s.choices and v not in s.choices:
+            raise UserError(f"{algo.name}: {k} must be one of {', '.join(map(str, s.choices))} (got {v!r})"
+                            f"{suggest(str(v), s.choices)}: fix --set {k}=...")
+        if isinstance(v, (bool, str)):
             continue
         if isinstance(v, float) and not math.isfinite(v):
             raise UserError(f"{algo.name}: {k}={v} is not a finite number: fix --set {k}=...")
         if isinstance(v, int) and abs(v) > MAX_INT:
             raise UserError(f"{algo.name}: {k}={v} is too large (at most {MAX_INT}): fix --set {k}=...")
-        rng = RANGES.get(k)
-        if rng is not None and not rng.holds(v):
-            why = f" ({rng.why})" if rng.why else ""
-            raise UserError(f"{algo.name}: {k}={v!r} out of range: {k} must satisfy {rng.text().replace('x', k, 1)}"
-                            f"{why}: fix --set {k}=...")
-    for k, allowed in getattr(algo, "choices", {}).items():
-        if cfg[k] not in allowed:
-            raise UserError(f"{algo.name}: {k} must be one of {', '.join(allowed)} (got {cfg[k]!r})"
-                            f"{suggest(str(cfg[k]), allowed)}: fix --set {k}=...")
+        if not s.holds(v):
+            why = f" ({s.help})" if s.help else ""
+            raise UserError(f"{algo.name}: {k}={v!r} out of range: {k} must satisfy {s.range_text(k)}{why}: "
+                            f"fix --set {k}=...")
 
 
 def check_clients(cfg: dict, clients: int) -> None:
