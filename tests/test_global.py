@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import configure
 
 from featcache.algorithms import create, list_algorithms
-from featcache.engine import ENGINE_DEFAULTS, Engine
+from featcache.engine import Engine
 from tests.synthetic import synthetic_clients
 
 # Which algorithms have a server model to evaluate (each states why in its module docstring).
@@ -19,8 +20,7 @@ WITH_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "fedproc", "fedproc-offi
 
 
 def config(algo, **over) -> dict:
-    return (ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 6, "batch_size": 8, "drop_last": False}
-            | getattr(algo, "test_overrides", {}) | over)
+    return configure(algo, fast=True, **{"proj_dim": 6, "batch_size": 8, "drop_last": False} | over)
 
 
 @pytest.fixture(scope="module")
