@@ -69,23 +69,17 @@ class Setting:
         return f"{name}{hi}" if hi else ""
 
 
-AT_LEAST_1 = dict(lo=1)
-POSITIVE = dict(lo=0, lo_open=True)
-NON_NEGATIVE = dict(lo=0)
-FRACTION = dict(lo=0, hi=1, hi_open=True)  # [0, 1)
-UNIT = dict(lo=0, hi=1)  # [0, 1]
-
 ENGINE_SETTINGS: dict[str, Setting] = {
-    "rounds": Setting(50, "communication rounds", **AT_LEAST_1),
-    "local_epochs": Setting(1, "local epochs per round", **AT_LEAST_1),
-    "batch_size": Setting(32, "rows per local minibatch", **AT_LEAST_1),
+    "rounds": Setting(50, "communication rounds", lo=1),
+    "local_epochs": Setting(1, "local epochs per round", lo=1),
+    "batch_size": Setting(32, "rows per local minibatch", lo=1),
     "drop_last": Setting(True, "drop each client's last partial minibatch of an epoch"),
     "optimizer": Setting("adam", "the local optimizer", choices=("adam", "sgd")),
-    "lr": Setting(1e-3, "local learning rate", **POSITIVE),
-    "weight_decay": Setting(1e-4, "L2 weight decay added to the gradient", **NON_NEGATIVE),
-    "momentum": Setting(0.9, "SGD momentum (Adam: beta1)", **FRACTION),
+    "lr": Setting(1e-3, "local learning rate", lo=0, lo_open=True),
+    "weight_decay": Setting(1e-4, "L2 weight decay added to the gradient", lo=0),
+    "momentum": Setting(0.9, "SGD momentum (Adam ignores it)", lo=0, hi=1, hi_open=True),
     "participation": Setting(1.0, "the share of clients per round", lo=0, hi=1, lo_open=True, batched=False),
-    "eval_every": Setting(1, "evaluate every this many rounds (and after the last)", **AT_LEAST_1),
+    "eval_every": Setting(1, "evaluate every this many rounds (and after the last)", lo=1),
     "seed": Setting(0, "set by --seeds, not --set", lo=0, hi=MAX_SEED),
 }
 
@@ -94,9 +88,6 @@ def settings_of(algo) -> MappingProxyType:
     """The full, ordered table of an algorithm's settings (a class or an instance): the engine's, then each class's
     `settings` along the MRO, base first. A bare value changes an inherited default (same type); None removes one."""
     cls = algo if isinstance(algo, type) else type(algo)
-    cached = cls.__dict__.get("_settings_table")
-    if cached is not None:
-        return cached
     table = dict(ENGINE_SETTINGS)
     for klass in reversed(cls.__mro__):
         for k, s in klass.__dict__.get("settings", {}).items():
@@ -116,9 +107,7 @@ def settings_of(algo) -> MappingProxyType:
         if k != "seed" and not s.holds(s.default):
             raise UserError(f"{cls.__qualname__}: the default {k}={s.default!r} is outside its own range: "
                             f"{s.range_text(k)}")
-    out = MappingProxyType(table)
-    setattr(cls, "_settings_table", out)
-    return out
+    return MappingProxyType(table)
 
 
 def defaults(algo) -> dict:
