@@ -230,7 +230,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "grid-batch-size-0": (grid(axis="batch_size=32,0"), "batch_size=0 out of range"),
     "grid-rounds-0": (grid(axis="rounds=2,0"), "rounds=0 out of range"),
     "grid-proj-dim-0": (grid(algo="fedpcl", axis="proj_dim=16,0"), "proj_dim=0 out of range"),
-    "grid-optimizer-bogus": (grid(axis="optimizer=adam,bogus"), "optimizer must be adam or sgd"),
+    "grid-optimizer-bogus": (grid(axis="optimizer=adam,bogus"), "optimizer must be one of adam, sgd (got 'bogus')"),
     "grid-participation-2": (grid(axis="participation=0.5,2"), "participation=2.0 out of range"),
     "grid-chunk-0": (grid("--chunk", "0"), "--chunk 0"),
     "grid-chunk-negative": (grid("--chunk", "-1"), "--chunk -1"),
