@@ -24,7 +24,7 @@ import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache`
 import torch
 
 from featcache.algorithms import create
-from featcache.config import resolve
+from featcache.training.config import resolve
 from featcache.training.engine import Engine
 from featcache.training.optim import MASKED, OPTIMIZERS
 from featcache.testing import OpCount, synthetic_clients

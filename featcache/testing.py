@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .algorithms import create, register
 from .cache import ClientData, h5
-from .config import resolve
 from .training import optim
+from .training.config import resolve
 from .training.engine import Engine
 from .training.schedule import batch_order, participation
 
@@ -135,7 +135,7 @@ def _setup(algo, rounds: int, train, test, settings: dict):
     if train is None or test is None:
         train, test = synthetic_clients(seed=0, views=2), synthetic_clients(seed=1, views=2)
     cfg = resolve(algo, {"rounds": rounds, "batch_size": 16, "drop_last": False, "participation": 0.75,
-                         "proj_dim": 8} | dict(getattr(algo, "test_overrides", {})) | settings) | {"seed": 0}
+                         "proj_dim": 8} | settings) | {"seed": 0}
     return algo, train, test, cfg
 
 

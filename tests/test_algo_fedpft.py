@@ -9,13 +9,15 @@ import math
 
 import pytest
 import torch
+from conftest import configure
 
 from featcache.algorithms import create
 from featcache.algorithms.fedpft import VIEWS_ERROR, enqueue, ftm, info_nce
-from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import Engine
 from featcache.training.evaluate import evaluate
 from featcache.errors import UserError
 from featcache.reproduce.analyses import probe_match
+from featcache.training.config import settings_of
 from tests.synthetic import synthetic_clients
 
 NAMES = ["fedpft", "fedpft-con", "fedavg-linear"]
@@ -25,12 +27,7 @@ PERSONAL = {"fedpft": {"prompt.kappa"}, "fedpft-con": {"prompt.kappa", "prompt.r
 
 def config(algo, **over) -> dict:
     small = {"proj_dim": 8, "n_prompts": 3, "queue": 16, "con_dim": 4}
-    return ENGINE_DEFAULTS | algo.defaults | {k: v for k, v in small.items() if k in algo.defaults} | over
-
-
-@pytest.fixture(scope="module")
-def data():
-    return synthetic_clients(seed=0, views=2), synthetic_clients(seed=1, views=2)
+    return configure(algo, **{k: v for k, v in small.items() if k in settings_of(algo)} | over)
 
 
 def engine(name, data, **over) -> Engine:

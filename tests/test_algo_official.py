@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import configure
 import torch.nn.functional as F
 
 from featcache.algorithms import create
-from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import Engine
 from tests.synthetic import synthetic_clients
 
 
@@ -67,7 +68,7 @@ def test_fedpcl_official_loss_equals_the_released_two_view_conloss():
     local = F.normalize(torch.randn(P, K, d, generator=g), dim=-1)
     padded = torch.stack([torch.stack([local[p, k] if k in owned[p] else glob[k] for k in range(K)]) for p in range(P)])
     client_protos = [{k: local[p, k] for k in owned[p]} for p in range(P)]
-    cfg = ENGINE_DEFAULTS | create("fedpcl-official").defaults | {"proj_dim": d}
+    cfg = configure("fedpcl-official", proj_dim=d)
     algo = create("fedpcl-official", cfg)
     ctx = {"hp": {"tau": torch.tensor(0.07)}, "padded": padded, "prototypes": glob, "started": torch.tensor(1.0)}
     leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
@@ -87,8 +88,8 @@ def test_fedpcl_official_round_zero_only_decays():
     """Round 0 has no global prototypes in the released code: zero loss, so plain SGD leaves the model as it was."""
     train = synthetic_clients(C=3, n=(10, 16), D=6, K=4, seed=0)
     algo = create("fedpcl-official")
-    cfg = ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 5, "rounds": 2, "batch_size": 4, "optimizer": "sgd",
-                                             "momentum": 0.0, "weight_decay": 0.0, "lr": 0.1}
+    cfg = configure(algo, proj_dim=5, rounds=2, batch_size=4, optimizer="sgd",
+                    momentum=0.0, weight_decay=0.0, lr=0.1)
     eng = Engine(algo, [cfg], train, train)
     state = eng.init_state()
     before = {k: v.clone() for k, v in state.params.items()}
@@ -117,7 +118,7 @@ def released_proto_predictions(protos, global_protos, classes_list, num_classes)
 def test_fedproto_proto_inference_follows_the_released_code():
     train = synthetic_clients(C=3, n=(10, 16), D=6, K=4, seed=0)
     algo = create("fedproto")
-    cfg = ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 5, "rounds": 1, "batch_size": 4, "infer": "proto"}
+    cfg = configure(algo, proj_dim=5, rounds=1, batch_size=4, infer="proto")
     eng = Engine(algo, [cfg], train, train)
     state = eng.init_state()
     g = torch.Generator().manual_seed(1)
@@ -145,7 +146,7 @@ def test_fedproto_proto_inference_follows_the_released_code():
 def test_fedproto_own_classes_are_the_training_split_classes():
     train = synthetic_clients(C=3, n=(10, 16), D=6, K=4, seed=0)
     algo = create("fedproto")
-    eng = Engine(algo, [ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 5, "batch_size": 4}], train, train)
+    eng = Engine(algo, [configure(algo, proj_dim=5, batch_size=4)], train, train)
     own = eng.init_state().client["own_classes"][0]
     for c in range(3):
         labels = set(train.labels[c, : int(train.counts[c])].tolist())
@@ -168,7 +169,7 @@ def released_weights(round: int) -> tuple[float, float]:
 def test_fedproc_official_alpha_is_the_released_fixed_100_round_schedule(rounds):
     train = synthetic_clients(C=3, n=(10, 16), D=6, K=4, seed=0)
     algo = create("fedproc-official")
-    eng = Engine(algo, [ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 5, "batch_size": 4, "rounds": rounds}],
+    eng = Engine(algo, [configure(algo, proj_dim=5, batch_size=4, rounds=rounds)],
                  train, train)
     state = eng.init_state()
     for t in [0, 1, 5, 9, 50, 99, 100, 101, 249]:

@@ -11,9 +11,10 @@ from types import MappingProxyType
 
 import pytest
 import torch
+from conftest import configure
 
 from featcache.algorithms import create
-from featcache.training.engine import ENGINE_DEFAULTS, Engine, Round, State
+from featcache.training.engine import Engine, Round, State
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
 
@@ -23,7 +24,7 @@ KEYS = ("proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias")
 
 def setup(name: str, **over):
     """Algorithm `name` bound to its defaults plus `over`; `.full` holds the whole configuration."""
-    full = ENGINE_DEFAULTS | create(name).defaults | {"proj_dim": HID} | over
+    full = configure(name, **{"proj_dim": HID} | over)
     algo = create(name, full)
     algo.full = full
     return algo
@@ -143,8 +144,8 @@ def test_pfedme_engine_sgd_step_equals_paper():
     """One round, one minibatch per client, SGD without momentum: the engine's update is exactly Alg. 1's."""
     train = synthetic_clients(C=3, n=(8, 8), D=D_IN, K=K, seed=0)
     algo = create("pfedme")
-    cfg = ENGINE_DEFAULTS | algo.defaults | {"proj_dim": HID, "rounds": 1, "batch_size": 8, "optimizer": "sgd",
-                                             "momentum": 0.0, "weight_decay": 0.0, "lr": 0.005}
+    cfg = configure(algo, proj_dim=HID, rounds=1, batch_size=8, optimizer="sgd",
+                    momentum=0.0, weight_decay=0.0, lr=0.005)
     eng = Engine(algo, [cfg], train, train)
     w = {k: v[0, 0].clone() for k, v in eng.init_state().params.items()}
     eng.run()
@@ -232,8 +233,8 @@ def test_perfedavg_server_averages_participants_uniformly():
 
 
 def test_perfedavg_rejects_unknown_order():
-    with pytest.raises(UserError, match="order"):
-        create("perfedavg").init(setup("perfedavg").full | {"order": "hf"}, D_IN, K, torch.Generator())
+    with pytest.raises(UserError, match="perfedavg: order must be one of first, second .got 'hf'."):
+        configure("perfedavg", order="hf")
 
 
 # -- FedAMP ----------------------------------------------------------------------------------------------------
@@ -302,8 +303,8 @@ def test_fedamp_download_keeps_personal_models():
 
 
 def test_fedamp_rejects_unknown_attention():
-    with pytest.raises(UserError, match="attention"):
-        create("fedamp").init(setup("fedamp").full | {"attention": "dot"}, D_IN, K, torch.Generator())
+    with pytest.raises(UserError, match="fedamp: attention must be one of cosine, distance .got 'softmax'."):
+        configure("fedamp", attention="softmax")
 
 
 # -- all three ---------------------------------------------------------------------------------------------------
@@ -319,8 +320,8 @@ def assert_batched_equals_alone(name: str, over: dict, rounds: int) -> None:
     """Two configurations (the defaults, and `over` with another seed) trained as one batched run end with each
     configuration's own accuracies and parameters, as when it is trained alone."""
     train, test = synthetic_clients(C=3, n=(10, 20), seed=0), synthetic_clients(C=3, n=(10, 20), seed=1)
-    base = ENGINE_DEFAULTS | create(name).defaults | {"proj_dim": HID, "rounds": rounds, "batch_size": 8, "lr": 1e-2,
-                                                      "participation": 0.67}
+    base = configure(name, proj_dim=HID, rounds=rounds, batch_size=8, lr=1e-2,
+                     participation=0.67)
     cfgs = [base, base | over | {"seed": 1}]
     batched = Engine(create(name), cfgs, train, test)
     acc = batched.run()["acc"]  # [R, H, C]

@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from conftest import configure
 
 from featcache.algorithms import create
-from featcache.training.engine import ENGINE_DEFAULTS, Engine, State
+from featcache.training.engine import Engine, State
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
 from tests.test_algo_personal import (D_IN, HID, K, KEYS, assert_batched_equals_alone, assert_dicts_close, batch, ce,
@@ -128,8 +129,8 @@ def test_pfedsd_evaluates_and_distils_from_the_personalized_model():
 
 def test_pfedsd_first_round_equals_fedavg():
     train, test = synthetic_clients(C=3, n=(10, 20), seed=0), synthetic_clients(C=3, n=(10, 20), seed=1)
-    cfg = ENGINE_DEFAULTS | create("pfedsd").defaults | {"proj_dim": HID, "rounds": 1, "batch_size": 8}
-    sd, avg = Engine(create("pfedsd"), [cfg], train, test), Engine(create("fedavg"), [cfg], train, test)
+    sd, avg = (Engine(create(name), [configure(name, proj_dim=HID, rounds=1, batch_size=8)], train, test)
+               for name in ("pfedsd", "fedavg"))
     sd.run(), avg.run()
     assert_dicts_close(sd.state.params, avg.state.params)
 

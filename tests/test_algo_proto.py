@@ -8,10 +8,11 @@ import math
 
 import pytest
 import torch
+from conftest import configure
 
 from featcache.algorithms import create
-from featcache.config import resolve
-from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.config import resolve
+from featcache.training.engine import Engine
 from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
 
@@ -20,7 +21,7 @@ TRAIN, TEST = synthetic_clients(C=3, n=(10, 16), D=6, K=4, seed=0), synthetic_cl
 
 def make(name: str, seeds=(0,), **over):
     """An engine on the small synthetic clients, its (bound) algorithm and its initial state."""
-    base = ENGINE_DEFAULTS | create(name).defaults | {"proj_dim": 5, "rounds": 4, "batch_size": 4} | over
+    base = configure(name, **{"proj_dim": 5, "rounds": 4, "batch_size": 4} | over)
     cfgs = [base | {"seed": s} for s in seeds]
     eng = Engine(create(name), cfgs, TRAIN, TEST)
     return eng.algo, eng, eng.init_state()
@@ -28,7 +29,7 @@ def make(name: str, seeds=(0,), **over):
 
 def bound(name: str, **over):
     """Algorithm `name` bound to the defaults plus `over`, and that configuration."""
-    cfg = ENGINE_DEFAULTS | create(name).defaults | over
+    cfg = configure(name, **over)
     return create(name, cfg), cfg
 
 
@@ -76,7 +77,7 @@ def test_fedproto_round_one_is_plain_cross_entropy():
     params = {k: v[0, 0] for k, v in state.params.items()}
     x, y = TRAIN.features[0], TRAIN.labels[0]
     with_reg, _ = algo.local_loss(params, {}, x, y, TRAIN.mask[0], ctx)
-    fedavg = create("fedavg", dict(algo.cfg))
+    fedavg = create("fedavg", configure("fedavg", **{k: v for k, v in algo.cfg.items() if k in ("proj_dim", "bn")}))
     plain, _ = fedavg.local_loss(params, {}, x, y, TRAIN.mask[0], {})
     torch.testing.assert_close(with_reg, plain)
 

@@ -195,9 +195,12 @@ def test_algos_and_datasets_json():
     assert algos.code == 0, algos.stderr
     listed = json.loads(algos.stdout)
     assert {"fedavg", "fedprox", "fedpcl"} <= set(listed["algorithms"]) and "pfedpt" in listed["unavailable"]
-    assert set(listed["algorithms"]["fedavg"]) == {"paper", "uploads", "limitation"}
+    assert set(listed["algorithms"]["fedavg"]) == {"paper", "uploads", "limitation", "settings"}
+    assert listed["algorithms"]["fedcac"]["settings"]["tau"]["range"] == "0 <= tau <= 1"
     one = json.loads(run_cli("algos", "fedprox", "--json").stdout)
-    assert one["algo"] == "fedprox" and one["settings"]["mu"] == 0.01
+    mu = one["settings"]["mu"]
+    assert one["algo"] == "fedprox" and (mu["default"], mu["type"], mu["range"], mu["batched"]) == (
+        0.01, "float", "mu >= 0", True) and mu["help"]
     data = run_cli("datasets", "--json")
     assert data.code == 0, data.stderr
     assert "offline-digits" in json.loads(data.stdout)["datasets"]

@@ -9,28 +9,23 @@ import contextlib
 
 import pytest
 import torch
+from conftest import configure, fast_settings
 
 from featcache.algorithms import create, list_algorithms
 from featcache.training.capture import Static, resolve_mode, signature
-from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import Engine
 from featcache.training.steps import LocalSteps
 from featcache.errors import UserError
 from featcache.testing import assert_capturable, masked_optimizers
-from tests.synthetic import synthetic_clients
 
 ALGOS = sorted(list_algorithms())
-
-
-@pytest.fixture(scope="module")
-def data():
-    return synthetic_clients(seed=0, views=2), synthetic_clients(seed=1, views=2)
 
 
 def configs(name: str, **over) -> list[dict]:
     """Two configurations (other rate, other seed), uneven clients with a short last batch, partial participation."""
     algo = create(name)
-    cfg = ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 8} | getattr(algo, "test_overrides", {}) | {
-        "rounds": 3, "batch_size": 16, "drop_last": False, "participation": 0.75} | over
+    cfg = configure(algo, fast=True, **{"proj_dim": 8, "rounds": 3, "batch_size": 16, "drop_last": False,
+                                        "participation": 0.75} | over)
     return [cfg, cfg | {"seed": 1, "lr": cfg["lr"] * 2}]
 
 
@@ -53,7 +48,7 @@ def assert_close(a: dict, b: dict, name: str) -> None:
 
 @pytest.mark.parametrize("name", ALGOS)
 def test_replayed_steps_equal_eager_steps(name, data):
-    assert assert_capturable(name, train=data[0], test=data[1])
+    assert assert_capturable(name, train=data[0], test=data[1], **fast_settings(name))
 
 
 def test_two_epochs_and_phases_each_get_their_graph(data):

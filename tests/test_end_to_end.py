@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import fast_settings
 
 from featcache.algorithms import list_algorithms
 from featcache.extraction.plan import extract
@@ -26,7 +27,7 @@ def digits_cache(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", sorted(list_algorithms()))
 def test_every_algorithm_trains_on_extracted_digits(digits_cache, tmp_path, algo):
-    fast = [f"{k}={v}" for k, v in getattr(list_algorithms()[algo], "test_overrides", {}).items()]
+    fast = [f"{k}={v}" for k, v in fast_settings(algo).items()]
     res = train(digits_cache, algo, rounds=3, seeds=[0], set=["batch_size=16", *fast], out=tmp_path)
     assert len(res["per_client"]) == 4 and 0 <= res["mean_acc"] <= 100
     assert res["mean_acc"] > CHANCE, f"{algo} does not beat chance on real digits: {res['mean_acc']:.1f} %"

@@ -5,26 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import configure
 
 from featcache.algorithms import create, list_algorithms
-from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import Engine
 from featcache.training.hparams import HParams
 from featcache.training.optim import SGD, Adam
 from featcache.training.schedule import batch_order, participation
 from featcache.testing import plain_loop
-from tests.synthetic import synthetic_clients
 
 ALGOS = sorted(list_algorithms())
 
 
 def config(algo, **over) -> dict:
-    return ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 8} | getattr(algo, "test_overrides", {}) | over
-
-
-@pytest.fixture(scope="module")
-def data():
-    views = 2
-    return synthetic_clients(seed=0, views=views), synthetic_clients(seed=1, views=views)
+    return configure(algo, fast=True, proj_dim=8, **over)
 
 
 @pytest.mark.parametrize("name", ALGOS)

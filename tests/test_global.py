@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import configure
 
 from featcache.algorithms import create, list_algorithms
-from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import Engine
 from featcache.training.evaluate import evaluate, evaluate_global
 from tests.synthetic import synthetic_clients
 
@@ -20,8 +21,7 @@ WITH_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "fedproc", "fedproc-offi
 
 
 def config(algo, **over) -> dict:
-    return (ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 6, "batch_size": 8, "drop_last": False}
-            | getattr(algo, "test_overrides", {}) | over)
+    return configure(algo, fast=True, **{"proj_dim": 6, "batch_size": 8, "drop_last": False} | over)
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,7 @@ from featcache.errors import UserError
 from featcache.extraction.plan import extract
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class RunsCommand:

@@ -24,15 +24,7 @@ from featcache.extraction.plan import extract
 FLIPS = 96  # single-bit flips spread evenly over a cache file
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    return write_folders(tmp_path_factory.mktemp("images"))
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import torch
 from featcache.testing import OpCount
 from featcache.training.hparams import HParams
 from featcache.training.optim import MASKED, OPTIMIZERS, SGD, Adam, MaskedAdam, MaskedSGD, optimizer_for
-from tests.test_no_sync import HostReads
 
 H, C = 3, 4
 LR, WD, MOM = [1e-2, 3e-2, 1e-1], [1e-4, 0.0, 1e-2], [0.9, 0.0, 0.5]
@@ -141,7 +140,7 @@ def test_models_that_do_not_step_are_bit_identical(make):
 
 
 @pytest.mark.parametrize("make", [MaskedAdam, MaskedSGD])
-def test_masked_step_never_reads_the_device(make, monkeypatch):
+def test_masked_step_never_reads_the_device(make, host_reads):
     """A step with a device `active` reads no value back (item / local scalar / is_nonzero) and copies nothing to
     the host (tolist / cpu / numpy)."""
     g = torch.Generator().manual_seed(2)
@@ -149,16 +148,10 @@ def test_masked_step_never_reads_the_device(make, monkeypatch):
     hp = HParams.of({"lr": torch.tensor(LR), "weight_decay": torch.tensor(WD), "momentum": torch.tensor(MOM)})
     opt = make(params, hp, scale=SCALE)
     grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
-    copies: list[str] = []
-    for method in ("tolist", "cpu", "numpy"):
-        original = getattr(torch.Tensor, method)
-        monkeypatch.setattr(torch.Tensor, method, lambda self, *a, _n=method, _o=original, **k: (copies.append(_n),
-                                                                                               _o(self, *a, **k))[1])
-    with HostReads() as mode:
+    with host_reads() as reads:
         for step in range(3):
             params = opt.step(grads, torch.rand(H, C, generator=g) > 0.4, frozen={"b"} if step else ())
-    monkeypatch.undo()
-    assert mode.reads == [] and copies == [], mode.reads + copies
+    assert reads == [], reads
 
 
 def dispatched(make, H_: int, masked: bool) -> int:
@@ -198,7 +191,7 @@ def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
     partial participation, a grid of learning rates and (FedPFT) frozen phases gives the fused run's parameters."""
     from featcache.training import optim
     from featcache.algorithms import create
-    from featcache.config import resolve
+    from featcache.training.config import resolve
     from featcache.training.engine import Engine
     from tests.synthetic import synthetic_clients
 

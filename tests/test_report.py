@@ -70,7 +70,7 @@ def test_curves_have_integer_round_ticks(tmp_path):
 def test_algorithm_defaults_do_not_name_runs():
     """fedpcl and fedavg at their defaults differ in bn, tau, ...: only the algorithm names them."""
     from featcache.algorithms import create
-    from featcache.config import resolve
+    from featcache.training.config import resolve
 
     runs = [result(a) | {"config": resolve(create(a))} for a in ("fedpcl", "fedavg", "fedproto")]
     assert labels(runs) == ["fedpcl", "fedavg", "fedproto"]

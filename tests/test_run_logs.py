@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import configure
 import torch.nn.functional as F
 from harness import everything_in, one_line_error, run_cli
 
 from featcache.algorithms import create
-from featcache.training.engine import ENGINE_DEFAULTS, Engine
+from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
 from featcache.errors import UserError
 from featcache.metrics import CSV_COLUMNS, TENSORBOARD_MISSING
@@ -54,7 +55,7 @@ def test_round_loss_is_the_mean_minibatch_loss_of_the_steps_each_model_took():
     its minibatch losses; clients that sit the round out have none (NaN)."""
     train_data, test = synthetic_clients(seed=0), synthetic_clients(seed=1)
     algo = create("fedavg")
-    cfg = ENGINE_DEFAULTS | algo.defaults | {"proj_dim": 8, "batch_size": 16, "drop_last": False, "lr": 0.01}
+    cfg = configure(algo, proj_dim=8, batch_size=16, drop_last=False, lr=0.01)
     eng = Engine(algo, [cfg, cfg | {"seed": 3}], train_data, test)
     state = eng.init_state()
     start = {k: v.clone() for k, v in state.params.items()}

@@ -19,8 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from harness import BACKBONES, Result, everything_in, folder_extract_args, one_line_error, one_thread, run_cli, sha256, \
-    write_folders
+from harness import BACKBONES, Result, everything_in, folder_extract_args, one_line_error, run_cli, sha256
 
 from featcache import cache as C
 from featcache.extraction import embed
@@ -32,16 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 SPLITS = ("train", "test")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    """d1, d2 x classes a, b, c x 8 images (each domain split 70/30 into train and test by the reader)."""
-    return write_folders(tmp_path_factory.mktemp("images"))
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def run(images: Path, out: Path, **options) -> dict:

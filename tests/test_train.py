@@ -265,7 +265,7 @@ def test_cli_train_under_a_pipe_prints_plain_progress_lines(cache, tmp_path):
 
 def test_scaffold_defaults_to_plain_sgd():
     from featcache.algorithms import create
-    from featcache.config import resolve
+    from featcache.training.config import resolve
 
     cfg = resolve(create("scaffold"))
     assert cfg["optimizer"] == "sgd" and cfg["momentum"] == 0.0 and cfg["lr"] == 0.01

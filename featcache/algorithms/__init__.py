@@ -19,7 +19,7 @@ import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from ..training.engine import shared_settings
+from ..training.config import shared_settings
 from ..errors import UserError, first_line, suggest
 
 _ALGOS: dict[str, type] = {}
@@ -160,6 +160,12 @@ def load(spec: str) -> str:
                         f"{cls_name.lower()!r}); it would otherwise run as {getattr(cls, 'name', None)!r}")
     if name in UNAVAILABLE:
         raise UserError(f"--algo {spec}: {cls_name}.name {name!r} is a reserved algorithm name: pick another")
+    from ..training.config import settings_of
+
+    try:
+        settings_of(cls)
+    except UserError as e:
+        raise UserError(f"--algo {spec}: {e}") from None
     register(cls)
     return name
 

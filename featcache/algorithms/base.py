@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..heads import bn_init, linear, mlp, mlp_init
+from ..training.config import Setting
 from . import register
 
 
@@ -102,10 +103,11 @@ class FedAvg:
     name = "fedavg"
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
     uploads = "all head parameters"
-    defaults: dict = {"proj_dim": 256, "bn": False}
-    structural: tuple = ()  # float hyperparameters that cannot vary inside one batched run
-    choices: dict = {}  # setting -> allowed values (checked by config.resolve)
-    test_overrides: dict = {}  # settings the generic engine tests add (faster, every phase exercised)
+    # Declared settings (training/config.py `Setting`): a subclass lists only what it adds or changes.
+    settings = {
+        "proj_dim": Setting(256, "width of the projection layer", lo=1),
+        "bn": Setting(False, "BatchNorm after the projection layer"),
+    }
     uses_views = False  # whether training needs the cached augmented views (train.py loads them)
     limitation = ""  # what differs from the paper on cached features (shown by `featcache algos`)
     # Whether the engine may capture the local step (a CUDA graph): local_loss and after_step read their inputs

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..errors import UserError
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, proximal
 
@@ -62,13 +62,14 @@ class FedAMP(FedAvg):
     paper = "Huang et al., Personalized Cross-Silo Federated Learning on Non-IID Data, AAAI 2021 (HeurFedAMP default)"
     uploads = "all head parameters (the personalized model w_i)"
     # λ, α_k, σ: PFLlib's FedAMP defaults; ξ_ii: our choice (see the module docstring)
-    defaults = FedAvg.defaults | {"attention": "cosine", "lam": 1.0, "alpha_k": 1.0, "sigma": 1.0,
-                                  "self_attention": 0.5}
-
-    def init(self, cfg, d_in, num_classes, gen):
-        if cfg["attention"] not in ATTENTION:
-            raise UserError(f"fedamp: attention must be cosine or distance (got {cfg['attention']!r})")
-        return super().init(cfg, d_in, num_classes, gen)
+    settings = {
+        "attention": Setting("cosine", "HeurFedAMP's cosine attention or FedAMP's distance attention",
+                             choices=tuple(ATTENTION)),
+        "lam": Setting(1.0, "λ, weight of the attentive proximal term", lo=0),
+        "alpha_k": Setting(1.0, "α_k, the server's message-passing step", lo=0, lo_open=True),
+        "sigma": Setting(1.0, "σ, the attention's scale", lo=0, lo_open=True),
+        "self_attention": Setting(0.5, "ξ_ii, the weight of a client's own model in its cloud model", lo=0, hi=1),
+    }
 
     def init_state(self, state, rnd):
         state.client["cloud"] = {k: v.clone() for k, v in state.params.items()}  # u_i before round 1 = w_i

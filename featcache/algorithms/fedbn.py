@@ -20,7 +20,7 @@ class FedBN(FedAvg):
     name = "fedbn"
     paper = "Li et al., FedBN, ICLR 2021, Alg. 1"
     uploads = "head parameters except BatchNorm (projection and classifier weights and biases)"
-    defaults = FedAvg.defaults | {"bn": True}
+    settings = {"bn": True}
 
     def shared(self, name):
         return ".bn." not in name

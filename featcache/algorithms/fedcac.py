@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, bcast
 
@@ -69,8 +70,11 @@ class FedCAC(FedAvg):
     paper = "Wu et al., Bold but Cautious: Unlocking the Potential of Personalized FL through Cautiously Aggressive " \
             "Collaboration, ICCV 2023"
     uploads = "all head parameters + their critical-parameter masks"
-    defaults = FedAvg.defaults | {"tau": 0.5, "beta": 100.0}  # our choice (see the module docstring)
-    structural = ("tau",)  # the number of critical parameters per layer is a shape
+    settings = {  # defaults: our choice (see the module docstring)
+        "tau": Setting(0.5, "the fraction of each layer's parameters a client marks critical", lo=0, hi=1,
+                       batched=False),  # the number of critical parameters per layer is a shape
+        "beta": Setting(100.0, "β: from round β on, critical parameters collaborate with no one", lo=0, lo_open=True),
+    }
     limitation = "critical parameters are chosen per head tensor (the head's layers)"
 
     def init_state(self, state, rnd):

@@ -29,9 +29,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
-from .protos import global_prototypes, local_prototypes, mean_prototypes, pad_prototypes, privatize
+from .protos import NOISE_SETTINGS, global_prototypes, local_prototypes, mean_prototypes, pad_prototypes, privatize
 
 
 def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Tensor:
@@ -63,11 +64,17 @@ class FedPCL(FedAvg):
     paper = "Tan et al., Federated Learning from Pre-Trained Models: A Contrastive Learning Approach, NeurIPS 2022, " \
             "§4 eq. 5–10, Alg. 1"
     uploads = "local prototypes [K, proj_dim] + class counts [K]"
-    defaults = {"proj_dim": 256, "bn": True, "normalize": False, "tau": 0.07, "terms": "both", "loss": "pcl",
-                "global_agg": "eq6", "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1}
-    choices = {"terms": ("both", "global", "local"), "loss": ("pcl", "supcon", "official"),
-               "global_agg": ("eq6", "mean"), "proto_noise": ("none", "laplace", "gaussian")}
-    structural = ("proto_noise_scale", "proto_noise_p")
+    settings = {
+        "bn": True,  # Table 7: FC + ReLU + BN
+        "normalize": Setting(False, "L2-normalise the projection output z"),
+        "tau": Setting(0.07, "τ, the contrastive temperature (eq. 8-9)", lo=0, lo_open=True),
+        "terms": Setting("both", "which prototype terms the loss has (Table 6)", choices=("both", "global", "local")),
+        "loss": Setting("pcl", "pcl (eq. 10), supcon (Table 5) or the released code's", choices=("pcl", "supcon",
+                                                                                                  "official")),
+        "global_agg": Setting("eq6", "global prototypes by eq. 6 as written, or the plain mean", choices=("eq6",
+                                                                                                        "mean")),
+        **NOISE_SETTINGS,
+    }
 
     def init(self, cfg, d_in, num_classes, gen):
         params, buffers = super().init(cfg, d_in, num_classes, gen)
@@ -164,7 +171,7 @@ LOSSES = {
 class FedPCLOfficial(FedPCL):
     name = "fedpcl-official"
     paper = "FedPCL released code (yuetan031/FedPCL, lib/losses.py ConLoss, lib/update.py)"
-    defaults = FedPCL.defaults | {"bn": False, "normalize": True, "loss": "official", "global_agg": "mean"}
+    settings = {"bn": False, "normalize": True, "loss": "official", "global_agg": "mean"}
 
     def context(self, state, rnd):
         started = torch.full((rnd.H, rnd.C), float(rnd.round > 0), device=rnd.device)  # [H, C]

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from ..heads import linear, linear_init
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, logsumexp, masked_ce, masked_mean
 
@@ -110,15 +111,20 @@ def enqueue(queue: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torc
 
 
 # -- the alternating schedule shared by FedPFT and FedAvg+Linear (§3.5, Alg. 1) -----------------------------------
+SCHEDULE = {  # the settings of the schedule and its optimizer (App. D.3), in each algorithm's `settings`
+    "r_f": Setting(4, "R_f, local epochs of the feature transformation phase (App. D.3)", lo=0),
+    "r_a": Setting(1, "R_a, local epochs of the model training phase (App. D.3)", lo=0),
+    "local_epochs": 5,  # R = R_f + R_a (§4.1)
+    "optimizer": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0,  # SGD lr 0.1 (App. D.3), SGD's 0, 0
+}
+
+
 class Alternating(FedAvg):
     """R_f epochs of the feature transformation phase, then R_a epochs of the model training phase; parameters named
-    by `personal` stay on the client, the rest is FedAvg-averaged."""
+    by `personal` stay on the client, the rest is FedAvg-averaged. A subclass declares SCHEDULE's settings."""
 
     phases: dict[str, tuple[str, ...]] = {}  # phase -> prefixes of the parameter names it trains
     personal: tuple[str, ...] = ()
-    # The generic 20-round test runs at lr 1e-2 (an Adam rate); SGD with momentum 0.9 there takes steps like the
-    # paper's plain SGD at lr 0.1.
-    test_overrides = {"momentum": 0.9, "r_f": 1, "r_a": 1, "local_epochs": 2}  # both phases, fewer epochs: fast tests
 
     def init_state(self, state, rnd):
         r_f, r_a, r = self.cfg["r_f"], self.cfg["r_a"], self.cfg["local_epochs"]
@@ -142,14 +148,14 @@ class FedPFT(Alternating):
     name = "fedpft"
     paper = "Wu et al., FedPFT, ICLR 2025 submission, §3 eq. 2–5, Alg. 1, App. D.3"
     uploads = "extractor ϕ, FTM τ and classifier h_κ (prompts p_κ stay local)"
-    defaults = {
-        "proj_dim": 256, "bn": False,  # ϕ = FC(D, m) + ReLU; m = 256 is ResNet-8's width in Table 15
-        "n_prompts": 10, "heads": 1, "residual": True,  # n_κ = 10 (App. D.3); heads, residual: ours (docstring)
-        "r_f": 4, "r_a": 1, "local_epochs": 5,  # (R_f, R_a) = (4, 1) (App. D.3), R = R_f + R_a = 5 (§4.1)
-        "optimizer": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0,  # SGD lr 0.1 (App. D.3)
-        "ftm_lr_scale": 0.5,  # FTM lr 0.05 = 0.5 x 0.1 (App. D.3)
+    settings = {  # ϕ = FC(D, m) + ReLU: FedAvg's proj_dim m = 256 is ResNet-8's width in Table 15
+        "n_prompts": Setting(10, "n_κ, prompts per client (App. D.3)", lo=1),
+        "heads": Setting(1, "attention heads of the FTM (ours; divides proj_dim)", lo=1),
+        "residual": Setting(True, "residual connection around the FTM (ours, see the docstring)"),
+        **SCHEDULE,
+        "ftm_lr_scale": Setting(0.5, "the FTM's learning rate as a multiple of lr (App. D.3)", lo=0,
+                                batched=False),  # a per-parameter-group rate, fixed at construction
     }
-    structural = ("ftm_lr_scale",)
     phases = {"transform": ("prompt.kappa", "ftm."), "model": ("proj", "ftm.", "cls")}  # eq. 4, eq. 5
     personal = ("prompt.",)
 
@@ -180,9 +186,12 @@ class FedPFTCon(FedPFT):
     name = "fedpft-con"
     paper = "Wu et al., FedPFT, ICLR 2025 submission, §3.6, App. C eq. 6–9, App. D.3"
     uploads = "extractor ϕ, FTM τ, classifier h_κ and projection head h_ρ (prompts p_κ, p_ρ stay local)"
-    defaults = FedPFT.defaults | {
+    settings = {
         "ftm_lr_scale": 0.1,  # "the learning rate for the FTM remains 0.01" (App. D.3) = 0.1 x 0.1
-        "con_dim": 128, "queue": 1024, "beta": 0.07, "moco_m": 0.999,  # MoCo v1's head dim, τ and m; queue: ours
+        "con_dim": Setting(128, "width of the projection head h_ρ (MoCo v1's)", lo=1),
+        "queue": Setting(1024, "negative keys in each client's MoCo queue (ours)", lo=1),
+        "beta": Setting(0.07, "β, the MoCo temperature (MoCo v1's τ)", lo=0, lo_open=True),
+        "moco_m": Setting(0.999, "m, the momentum encoder's update (MoCo v1's)", lo=0, hi=1),
     }
     phases = {"transform": ("prompt.kappa", "ftm.", "proj", "rho"),  # eq. 8
               "model": ("proj", "ftm.", "cls", "prompt.rho")}  # eq. 9
@@ -240,7 +249,7 @@ class FedAvgLinear(Alternating):
     name = "fedavg-linear"
     paper = "Wu et al., FedPFT, ICLR 2025 submission, App. F, Table 9"
     uploads = "extractor ϕ and classifier h (the linear transform T_i stays local)"
-    defaults = {k: v for k, v in FedPFT.defaults.items() if k not in ("n_prompts", "heads", "residual", "ftm_lr_scale")}
+    settings = SCHEDULE
     phases = {"transform": ("lin.",), "model": ("proj", "cls")}
     personal = ("lin.",)
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..heads import mlp, mlp_init
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
 from .protos import empty_global, local_prototypes, mean_prototypes, update_global
@@ -60,14 +61,15 @@ class FedProc(FedAvg):
     name = "fedproc"
     paper = "Mu et al., FedProc: Prototypical Contrastive FL on Non-IID data, arXiv:2109.12273, §3.3 eq. 2–5, Alg. 1"
     uploads = "all head parameters + local prototypes [K, proj_dim] + class counts [K]"
-    defaults = {
-        "proj_dim": 256,  # projection output size (§4.1)
-        "tau": 1.0,  # eq. 4 has no temperature
-        "alpha_schedule": "linear",  # eq. 2
-        "normalize": False,  # official code: True
-        "proto_average": "clients",  # Alg. 1 line 9; official code: "samples"
+    settings = {
+        "bn": None,  # the projection head has no BatchNorm
+        "tau": Setting(1.0, "τ, temperature of ℓ_gpc (eq. 4 has none: 1)", lo=0, lo_open=True),
+        "alpha_schedule": Setting("linear", "the weight α of ℓ_gpc over the rounds (eq. 2, Table 4)",
+                                  choices=tuple(ALPHA)),
+        "normalize": Setting(False, "L2-normalise z before f_c (official code: True)"),
+        "proto_average": Setting("clients", "average prototypes over clients (Alg. 1) or samples (official code)",
+                                 choices=tuple(AVERAGE)),
     }
-    choices = {"alpha_schedule": tuple(ALPHA), "proto_average": tuple(AVERAGE)}
 
     # -- model ------------------------------------------------------------------------------------------------
     def init(self, cfg, d_in, num_classes, gen):
@@ -127,4 +129,4 @@ class FedProc(FedAvg):
 class FedProcOfficial(FedProc):
     name = "fedproc-official"
     paper = "FedProc released code (MuXutong/FedProc, train.py train_net_fedproc)"
-    defaults = FedProc.defaults | {"normalize": True, "alpha_schedule": "official", "proto_average": "samples"}
+    settings = {"normalize": True, "alpha_schedule": "official", "proto_average": "samples"}

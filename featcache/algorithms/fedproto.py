@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import torch
 
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, masked_ce, masked_mean, one_hot
-from .protos import empty_global, local_prototypes, privatize, update_global
+from .protos import NOISE_SETTINGS, empty_global, local_prototypes, privatize, update_global
 
 
 def proto_distance(z: torch.Tensor, y: torch.Tensor, glob: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
@@ -48,13 +49,12 @@ class FedProto(FedAvg):
     name = "fedproto"
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
     uploads = "local prototypes [K, proj_dim] + class counts [K] (no parameters)"
-    defaults = FedAvg.defaults | {
-        "lam": 1.0,  # λ, official default ld = 1
-        "infer": "classifier",  # official evaluation uses each client's own model
-        "proto_noise": "none", "proto_noise_scale": 0.05, "proto_noise_p": 0.1,  # as FedPCL (NeurIPS 2022, Table 15)
+    settings = {
+        "lam": Setting(1.0, "λ, weight of the prototype distance (official ld = 1)", lo=0),
+        "infer": Setting("classifier", "predict with the own classifier (official) or the nearest global prototype",
+                         choices=("classifier", "proto", "proto-all")),
+        **NOISE_SETTINGS,  # as FedPCL (NeurIPS 2022, Table 15)
     }
-    choices = {"infer": ("classifier", "proto", "proto-all"), "proto_noise": ("none", "laplace", "gaussian")}
-    structural = ("proto_noise_scale", "proto_noise_p")
 
     def shared(self, name):
         return False

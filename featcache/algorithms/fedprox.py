@@ -9,6 +9,7 @@ Global model: FedAvg's, the w^t every client starts the next round from.
 
 from __future__ import annotations
 
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, global_context, proximal, remember_global
 
@@ -18,7 +19,7 @@ class FedProx(FedAvg):
     name = "fedprox"
     paper = "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020, eq. 2"
     uploads = "all head parameters"
-    defaults = FedAvg.defaults | {"mu": 0.01}  # from the paper's μ search set (§5); tune per data set
+    settings = {"mu": Setting(0.01, "μ, weight of the proximal term (the paper's search set; tune per data set)", lo=0)}
 
     def init_state(self, state, rnd):
         remember_global(state)  # w^t: state.server["global"]

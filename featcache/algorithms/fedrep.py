@@ -11,6 +11,7 @@ Global model: none. The server holds only the body; every head is personal.
 
 from __future__ import annotations
 
+from ..training.config import Setting
 from . import register
 from .base import FedAvg
 
@@ -20,8 +21,7 @@ class FedRep(FedAvg):
     name = "fedrep"
     paper = "Collins et al., Exploiting Shared Representations for Personalized FL, ICML 2021, Alg. 1"
     uploads = "projection parameters (the body)"
-    defaults = FedAvg.defaults | {"head_epochs": 10}  # §5: 10 local epochs for the head, then 1 for the body
-    test_overrides = {"head_epochs": 2}  # generic engine tests: both phases and the switch, at a fifth of the cost
+    settings = {"head_epochs": Setting(10, "local epochs on the head before the body's (§5: 10)", lo=0)}
 
     def local_epochs(self):
         return self.cfg["head_epochs"] + self.cfg["local_epochs"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, bcast, global_context, masked_ce, masked_mean, remember_global
 
@@ -35,7 +36,10 @@ class Moon(FedAvg):
     name = "moon"
     paper = "Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021, eq. 3–4"
     uploads = "all head parameters"
-    defaults = FedAvg.defaults | {"mu": 1.0, "tau": 0.5}  # §4.1 / released code defaults
+    settings = {  # §4.1 / released code defaults
+        "mu": Setting(1.0, "μ, weight of the model-contrastive loss", lo=0),
+        "tau": Setting(0.5, "τ, the contrastive temperature", lo=0, lo_open=True),
+    }
 
     def init_state(self, state, rnd):
         remember_global(state)

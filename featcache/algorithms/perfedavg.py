@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from torch.func import grad
 
-from ..errors import UserError
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, weighted_mean
 
@@ -39,12 +39,10 @@ class PerFedAvg(FedAvg):
     paper = ("Fallah, Mokhtari & Ozdaglar, Personalized Federated Learning with Theoretical Guarantees: "
              "A Model-Agnostic Meta-Learning Approach, NeurIPS 2020, eq. 3, Alg. 1")
     uploads = "all head parameters"
-    defaults = FedAvg.defaults | {"alpha": 0.005, "order": "first"}  # α: pFedMe's Per-FedAvg setting (README)
-
-    def init(self, cfg, d_in, num_classes, gen):
-        if cfg["order"] not in ORDERS:
-            raise UserError(f"perfedavg: order must be first or second (got {cfg['order']!r})")
-        return super().init(cfg, d_in, num_classes, gen)
+    settings = {
+        "alpha": Setting(0.005, "α, the adaptation step (pFedMe's Per-FedAvg setting)", lo=0, lo_open=True),
+        "order": Setting("first", "first: Per-FedAvg (FO); second: the exact MAML gradient", choices=ORDERS),
+    }
 
     def step(self, params: dict, at: dict, buffers: dict, x, y, mask, ctx) -> tuple[dict, dict]:
         """params − α ∇f(at; x, y) and the BN statistics of that forward pass."""

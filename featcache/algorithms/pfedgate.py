@@ -29,6 +29,7 @@ import torch
 
 from ..errors import UserError
 from ..heads import linear, linear_init
+from ..training.config import Setting
 from . import register
 from .base import FedAvg
 
@@ -51,8 +52,10 @@ class PFedGate(FedAvg):
     name = "pfedgate"
     paper = "Chen et al., Efficient Personalized Federated Learning via Sparse Model-Adaptation, ICML 2023"
     uploads = "projection + classifier parameters (the gating network stays on the client)"
-    defaults = FedAvg.defaults | {"sparsity": 0.5}  # our choice (see the module docstring)
-    structural = ("sparsity",)  # the number of kept blocks is a shape
+    settings = {  # our choice (see the module docstring)
+        "sparsity": Setting(0.5, "s, the share of projection units each gate keeps", lo=0, hi=1, lo_open=True,
+                            batched=False),  # the number of kept blocks is a shape
+    }
     limitation = "the gated blocks are the projection's hidden units; gates are computed per cached feature"
 
     def init(self, cfg, d_in, num_classes, gen):

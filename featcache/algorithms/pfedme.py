@@ -29,6 +29,7 @@ import torch
 from torch.func import grad
 
 from ..errors import UserError
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, proximal, remember_global, weighted_mean
 
@@ -46,7 +47,12 @@ class PFedMe(FedAvg):
     paper = "Dinh, Tran & Nguyen, Personalized Federated Learning with Moreau Envelopes, NeurIPS 2020, eq. 2–3, Alg. 1"
     uploads = "all head parameters (the local model w; θ̃ stays on the client)"
     # personal_lr: measured on offline-digits (3 backbones), 0.09 reached 11 % after 10 rounds, 0.01 60.5 %
-    defaults = FedAvg.defaults | {"lam": 15.0, "inner_steps": 5, "personal_lr": 0.01, "beta": 1.0}
+    settings = {
+        "lam": Setting(15.0, "λ, weight of the Moreau envelope's proximal term", lo=0),
+        "inner_steps": Setting(5, "K, gradient steps on the personalized problem per minibatch", lo=1),
+        "personal_lr": Setting(0.01, "the inner loop's step size", lo=0, lo_open=True),
+        "beta": Setting(1.0, "β, the server's update weight (1: plain averaging)", lo=0, lo_open=True),
+    }
 
     def init(self, cfg, d_in, num_classes, gen):
         if cfg["inner_steps"] < 1:

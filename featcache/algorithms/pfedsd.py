@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..training.config import Setting
 from . import register
 from .base import FedAvg, bcast, masked_ce, masked_mean
 
@@ -34,7 +35,10 @@ class PFedSD(FedAvg):
     name = "pfedsd"
     paper = "Jin et al., Personalized Edge Intelligence via Federated Self-Knowledge Distillation, IEEE TPDS 2022"
     uploads = "all head parameters"
-    defaults = FedAvg.defaults | {"temperature": 3.0, "lam": 1.0}  # our choice (see the module docstring)
+    settings = {  # our choice (see the module docstring)
+        "temperature": Setting(3.0, "T, the distillation temperature", lo=0, lo_open=True),
+        "lam": Setting(1.0, "λ, weight of the self-distillation term", lo=0),
+    }
 
     def init_state(self, state, rnd):
         state.client["personal"] = {k: v.clone() for k, v in (state.params | state.buffers).items()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
+from ..training.config import Setting
 from ..training.models import map_models
 from .base import one_hot
 
@@ -71,6 +72,13 @@ def _laplace(shape, scale: float, gen: torch.Generator) -> torch.Tensor:
 _NOISE = {
     "laplace": _laplace,
     "gaussian": lambda shape, scale, gen: scale * torch.randn(shape, generator=gen),
+}
+
+NOISE_SETTINGS = {  # the settings `privatize` reads (FedPCL, NeurIPS 2022, Table 15); per run: one noise draw per seed
+    "proto_noise": Setting("none", "noise on uploaded prototypes", choices=("none", *_NOISE)),
+    "proto_noise_scale": Setting(0.05, "s, the noise's scale", lo=0, batched=False),
+    "proto_noise_p": Setting(0.1, "p, the prototypes' shrink: (1 - p) C + noise", lo=0, hi=1, hi_open=True,
+                             batched=False),
 }
 
 

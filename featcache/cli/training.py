@@ -14,7 +14,7 @@ from .app import emit, out, progress_bar
 
 
 def _seeds(text: str) -> list[int]:
-    from ..config import check_seeds  # lazy: `featcache --help` loads no torch
+    from ..training.config import check_seeds  # lazy: `featcache --help` loads no torch
 
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
@@ -115,26 +115,29 @@ def grid(
 
 def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's settings (a name or file.py:Class)"),
           as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
-    """List the registered algorithms with their paper reference and what a client uploads."""
+    """List the registered algorithms with their paper reference and what a client uploads; with a NAME, its
+    settings as the algorithm declares them."""
     from ..algorithms import UNAVAILABLE, create, list_algorithms  # lazy: `featcache --help` skips the registry
-    from ..config import resolve  # lazy: `featcache --help` loads no torch
+    from ..training.config import describe  # lazy: `featcache --help` loads no torch
 
     if as_json:
         if name:
             algo = create(name)
             emit({"algo": algo.name, "paper": algo.paper, "uploads": algo.uploads,
-                   "limitation": getattr(algo, "limitation", ""), "settings": resolve(algo)}, True)
+                  "limitation": getattr(algo, "limitation", ""), "settings": describe(algo)}, True)
             return
         emit({"algorithms": {key: {"paper": cls.paper, "uploads": cls.uploads,
-                                    "limitation": getattr(cls, "limitation", "")}
-                              for key, cls in list_algorithms().items()},
-               "unavailable": dict(UNAVAILABLE)}, True)
+                                   "limitation": getattr(cls, "limitation", ""), "settings": describe(cls)}
+                             for key, cls in list_algorithms().items()},
+              "unavailable": dict(UNAVAILABLE)}, True)
         return
     if name:
-        table = Table("setting", "default", title=f"{name} — {create(name).paper}")
-        for k, v in sorted(resolve(create(name)).items()):
-            table.add_row(k, repr(v))
+        algo = create(name)
+        table = Table("setting", "default", "type", "range", "batched", "help", title=f"{algo.name} — {algo.paper}")
+        for k, s in describe(algo).items():
+            table.add_row(k, repr(s["default"]), s["type"], s["range"], "yes" if s["batched"] else "no", s["help"])
         out.print(table)
+        out.print("batched: a grid over it trains its values as one batched run (other settings: one run per value)")
         return
     table = Table("algorithm", "reference", "uploads", "limitation")
     for key, cls in list_algorithms().items():

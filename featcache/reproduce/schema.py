@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from ..algorithms import create
-from ..config import resolve
+from ..training.config import resolve
 from ..errors import UserError, suggest
 from ..extraction.partition import PartitionSpec
 from ..extraction.plan import Noise, extract

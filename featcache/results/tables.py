@@ -37,7 +37,7 @@ def _defaults(algo: str) -> dict:
     """The resolved default settings of a registered algorithm ({} for one this featcache does not know)."""
     try:
         from ..algorithms import create
-        from ..config import resolve
+        from ..training.config import resolve
 
         return resolve(create(algo))
     except Exception:

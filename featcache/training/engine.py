@@ -24,40 +24,12 @@ import torch
 from ..cache import ClientData
 from ..devices import resolve_device
 from ..errors import UserError
+from .config import shared_settings, structural_keys
 from .evaluate import record
 from .hparams import HParams
 from .models import Params, expand_hc
 from .schedule import batch_order, participation, plan_steps
 from .steps import LocalSteps
-
-ENGINE_DEFAULTS = {
-    "rounds": 50,
-    "local_epochs": 1,
-    "batch_size": 32,
-    "drop_last": True,
-    "optimizer": "adam",
-    "lr": 1e-3,
-    "weight_decay": 1e-4,
-    "momentum": 0.9,
-    "participation": 1.0,
-    "eval_every": 1,
-    "seed": 0,
-}
-ENGINE_STRUCTURAL = ("participation",)  # floats the engine reads once per run, not per model
-
-
-def structural_keys(cfg: dict, algo) -> list[str]:
-    """Settings that must be equal inside one batched run (shapes, options, per-run floats); every other float is a
-    per-configuration tensor [H]. (The seed is not structural: it is a per-configuration value, `Round.seeds`.)"""
-    return [k for k, v in cfg.items()
-            if k != "seed" and (not isinstance(v, float) or k in algo.structural or k in ENGINE_STRUCTURAL)]
-
-
-def shared_settings(cfg: dict, algo) -> MappingProxyType:
-    """The settings an algorithm is bound to: the structural ones, read-only (per-configuration floats are absent,
-    so a hook cannot read configuration 0's value by mistake: they are tensors in `Round.hp`)."""
-    return MappingProxyType({k: cfg[k] for k in structural_keys(cfg, algo)})
-
 
 @dataclass
 class State:

@@ -27,12 +27,12 @@ from ..algorithms import create
 from ..atomic import check_folder, make_folder, write_atomic
 from ..cache import load_clients
 from ..cluster import ray_module
-from ..config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
 from ..devices import resolve_device
 from ..errors import UserError
 from ..memory import available_bytes
 from ..metrics import mean_std
 from ..provenance import library_call, provenance
+from .config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
 from .engine import structural_keys
 from .train import check_memory, load_split, run_configs, train
 

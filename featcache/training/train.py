@@ -31,14 +31,14 @@ import torch
 from .. import cache as C
 from ..algorithms import create
 from ..atomic import check_folder, output_errors, write_together
-from ..config import check_clients, check_seeds, merge_rounds, resolve
 from ..devices import resolve_device
-from .engine import Engine, State
 from ..errors import UserError
 from ..memory import available_bytes
 from ..metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from ..provenance import library_call, provenance
 from ..states import SUFFIX, state_bytes
+from .config import check_clients, check_seeds, merge_rounds, resolve
+from .engine import Engine, State
 
 
 def load_split(path, algo, holdout: str = "none", split: str = "train", backbones=None) -> C.ClientData:

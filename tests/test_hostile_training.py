@@ -1,4 +1,4 @@
-"""Hostile and careless input, round two (issue 12): train / grid / report / info / verify. Each bad input is one line
+"""Hostile and careless input to train / grid / report / info / verify. Each bad input is one line
 on stderr starting with `error:`, exit code 2, no traceback, and no file created or changed anywhere in the test's
 folder (no result, no run folder, no temporary). The table `CASES` is grouped as the issue is: output locations, grid
 values after the first, setting ranges, devices, report inputs, malformed caches, memory. A bug that is not a user
@@ -230,7 +230,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "grid-batch-size-0": (grid(axis="batch_size=32,0"), "batch_size=0 out of range"),
     "grid-rounds-0": (grid(axis="rounds=2,0"), "rounds=0 out of range"),
     "grid-proj-dim-0": (grid(algo="fedpcl", axis="proj_dim=16,0"), "proj_dim=0 out of range"),
-    "grid-optimizer-bogus": (grid(axis="optimizer=adam,bogus"), "optimizer must be adam or sgd"),
+    "grid-optimizer-bogus": (grid(axis="optimizer=adam,bogus"), "optimizer must be one of adam, sgd (got 'bogus')"),
     "grid-participation-2": (grid(axis="participation=0.5,2"), "participation=2.0 out of range"),
     "grid-chunk-0": (grid("--chunk", "0"), "--chunk 0"),
     "grid-chunk-negative": (grid("--chunk", "-1"), "--chunk -1"),
@@ -240,11 +240,12 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "grid-axis-and-rounds": (grid(axis="rounds=1,2"), "rounds is both a --grid axis and --rounds"),
     "grid-empty-value": (grid(axis="lr=0.1,"), "empty value"),
     "grid-fedpft-heads": (grid(algo="fedpft", axis="heads=1,3"), "must be a multiple of heads=3"),
-    # 3. settings without ranges, conflicts, seeds
+    # 3. settings out of their declared ranges, conflicts, seeds
     "lr-negative": (train("--set", "lr=-1"), "lr=-1.0 out of range"),
     "lr-nan": (train("--set", "lr=nan"), "lr=nan is not a finite number"),
     "fedprox-mu-negative": (train("--set", "mu=-100", algo="fedprox"), "mu=-100.0 out of range"),
     "fedpcl-tau-negative": (train("--set", "tau=-1", algo="fedpcl"), "tau=-1.0 out of range"),
+    "fedcac-tau-above-one": (train("--set", "tau=2", algo="fedcac"), "tau=2.0 out of range: tau must satisfy 0 <= tau"),
     "momentum-negative": (train("--set", "momentum=-5"), "momentum=-5.0 out of range"),
     "momentum-one": (train("--set", "momentum=1"), "momentum=1.0 out of range"),
     "participation-selects-nobody": (train("--set", "participation=1e-9"), "selects no client"),

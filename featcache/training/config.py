@@ -1,0 +1,255 @@
+"""Run configurations are data: each setting is declared once, as a `Setting`, by its owner (the engine's here in
+`ENGINE_SETTINGS`, an algorithm's in its class's `settings`), and resolved with strict `key=value` overrides.
+
+A declaration gives the default (whose type is the setting's type), the valid range or choices, a one-line help and
+whether a grid may batch its values. An algorithm's table is the engine's, then each class's `settings` along its
+MRO from FedAvg down: a class declares only what it adds or changes (a bare value changes the inherited default, None
+removes a setting its model does not have). `resolve` checks one configuration; `check` an already resolved one, so a
+grid checks every configuration (all values of every axis) before anything trains. A float setting must also be
+finite, and an integer one below 2^31.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+from ..errors import UserError, suggest
+
+_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+MAX_INT = 2**31 - 1  # an integer setting above this is a typo (and overflows the engine's index arithmetic)
+MAX_SEED = 2**32 - 1  # seeds seed torch.Generators and the engine's int64 hash
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its default (and so its type: bool, int, float or str), the valid range (lo / hi, None for
+    unbounded, each end closed unless `lo_open` / `hi_open`) or `choices`, a one-line `help`, and `batched`: whether
+    one batched run may hold a different value per configuration (a float tensor [H] on the configuration axis).
+    `batched=False` marks a float the run reads once (a shape, a per-run schedule); ints, bools and strings never
+    batch (a grid over them runs one bucket per value)."""
+
+    default: bool | int | float | str
+    help: str = ""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple = ()
+    batched: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.default, float):
+            object.__setattr__(self, "batched", False)
+        object.__setattr__(self, "choices", tuple(self.choices))
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+    def holds(self, v) -> bool:
+        """Whether `v` (already of this setting's type) is inside the range and among the choices."""
+        if self.choices:
+            return v in self.choices
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+
+    def range_text(self, name: str = "x") -> str:
+        """'0 <= tau <= 1', 'lr > 0', 'one of adam, sgd'; '' when any value of the type is valid."""
+        if self.choices:
+            return f"one of {', '.join(map(str, self.choices))}"
+        lo = "" if self.lo is None else f"{self.lo:g} {'<' if self.lo_open else '<='} "
+        hi = "" if self.hi is None else f" {'<' if self.hi_open else '<='} {self.hi:g}"
+        if lo and hi:
+            return f"{lo}{name}{hi}"
+        if lo:
+            return f"{name} {'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"{name}{hi}" if hi else ""
+
+
+ENGINE_SETTINGS: dict[str, Setting] = {
+    "rounds": Setting(50, "communication rounds", lo=1),
+    "local_epochs": Setting(1, "local epochs per round", lo=1),
+    "batch_size": Setting(32, "rows per local minibatch", lo=1),
+    "drop_last": Setting(True, "drop each client's last partial minibatch of an epoch"),
+    "optimizer": Setting("adam", "the local optimizer", choices=("adam", "sgd")),
+    "lr": Setting(1e-3, "local learning rate", lo=0, lo_open=True),
+    "weight_decay": Setting(1e-4, "L2 weight decay added to the gradient", lo=0),
+    "momentum": Setting(0.9, "SGD momentum (Adam ignores it)", lo=0, hi=1, hi_open=True),
+    "participation": Setting(1.0, "the share of clients per round", lo=0, hi=1, lo_open=True, batched=False),
+    "eval_every": Setting(1, "evaluate every this many rounds (and after the last)", lo=1),
+    "seed": Setting(0, "set by --seeds, not --set", lo=0, hi=MAX_SEED),
+}
+
+
+def settings_of(algo) -> MappingProxyType:
+    """The full, ordered table of an algorithm's settings (a class or an instance): the engine's, then each class's
+    `settings` along the MRO, base first. A bare value changes an inherited default (same type); None removes one."""
+    cls = algo if isinstance(algo, type) else type(algo)
+    table = dict(ENGINE_SETTINGS)
+    for klass in reversed(cls.__mro__):
+        for k, s in klass.__dict__.get("settings", {}).items():
+            where = f"{klass.__qualname__}.settings[{k!r}]"
+            if s is None:
+                table.pop(k, None)
+            elif isinstance(s, Setting):
+                table[k] = s
+            elif k not in table:
+                raise UserError(f"{where} = {s!r}: a new setting needs a declaration, Setting({s!r}, help=...)")
+            elif type(s) is not table[k].type:
+                raise UserError(f"{where} = {s!r}: {k} is a {table[k].type.__name__}: give a default like "
+                                f"{table[k].default!r}")
+            else:
+                table[k] = replace(table[k], default=s)
+    for k, s in table.items():
+        if k != "seed" and not s.holds(s.default):
+            raise UserError(f"{cls.__qualname__}: the default {k}={s.default!r} is outside its own range: "
+                            f"{s.range_text(k)}")
+    return MappingProxyType(table)
+
+
+def defaults(algo) -> dict:
+    """Every setting of `algo` at its default, in declaration order (the engine's first)."""
+    return {k: s.default for k, s in settings_of(algo).items()}
+
+
+def describe(algo) -> dict[str, dict]:
+    """Every --set setting of `algo` as plain data: default, type, range (or choices), batched, help."""
+    out = {}
+    for k, s in settings_of(algo).items():
+        if k != "seed":
+            out[k] = {"default": s.default, "type": s.type.__name__, "range": s.range_text(k),
+                      "batched": s.batched, "help": s.help} | ({"choices": list(s.choices)} if s.choices else {})
+    return out
+
+
+def structural_keys(cfg: dict, algo) -> list[str]:
+    """Settings that must be equal inside one batched run (shapes, options, per-run floats); every other float is a
+    per-configuration tensor [H]. (The seed is not structural: it is a per-configuration value, `Round.seeds`.)"""
+    table = settings_of(algo)
+    return [k for k in cfg if k != "seed" and not table[k].batched]
+
+
+def shared_settings(cfg: dict, algo) -> MappingProxyType:
+    """The settings an algorithm is bound to: the structural ones, read-only (per-configuration floats are absent,
+    so a hook cannot read configuration 0's value by mistake: they are tensors in `Round.hp`)."""
+    return MappingProxyType({k: cfg[k] for k in structural_keys(cfg, algo)})
+
+
+def parse_value(key: str, text: str, default):
+    """Cast `text` to the type of `default` (bool, int, float, str); a wrong type is a one-line error."""
+    try:
+        if isinstance(default, bool):
+            return _BOOL[str(text).lower()]
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+        return str(text)
+    except (ValueError, KeyError, OverflowError):
+        raise UserError(f"--set {key}={text}: expected a {type(default).__name__} like {default!r}") from None
+
+
+def _cast(key: str, value, default):
+    """A non-string override (the Python API) converted to the default's type, strictly."""
+    if isinstance(value, str):
+        return parse_value(key, value, default)
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+    elif isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    else:
+        return str(value)
+    raise UserError(f"--set {key}={value!r}: expected a {type(default).__name__} like {default!r}")
+
+
+def pairs(overrides: list[str] | tuple, flag: str = "--set") -> dict[str, str]:
+    """['lr=0.1', 'mu=1'] -> {'lr': '0.1', 'mu': '1'}; a key given twice is refused (which one would win?)."""
+    out: dict[str, str] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"{flag} {item!r}: write key=value, e.g. {flag} lr=0.01")
+        k, v = item.split("=", 1)
+        k = k.strip()
+        if k in out:
+            raise UserError(f"{flag} {k} is given twice ({k}={out[k]} and {k}={v.strip()}): give it once")
+        out[k] = v.strip()
+    return out
+
+
+def resolve(algo, overrides: dict | list[str] | None = None) -> dict:
+    """The fully resolved and checked configuration of one run. Overrides are a dict or `key=value` strings."""
+    cfg = defaults(algo)
+    if isinstance(overrides, (list, tuple)):
+        overrides = pairs(overrides)
+    for k, v in (overrides or {}).items():
+        if k == "seed":
+            raise UserError("seed is not a setting: pass --seeds 0,1,2")
+        if k not in cfg:
+            raise UserError(f"unknown setting {k!r} for {algo.name}{suggest(k, cfg)}; known: {', '.join(sorted(cfg))}")
+        cfg[k] = _cast(k, v, cfg[k])
+    check(algo, cfg)
+    return cfg
+
+
+def check(algo, cfg: dict) -> None:
+    """Refuse a resolved configuration with a value outside its type's or its declared range or choices, in one
+    line."""
+    table = settings_of(algo)
+    for k, v in cfg.items():
+        s = table[k]
+        if k == "seed":
+            continue
+        if s.choices and v not in s.choices:
+            raise UserError(f"{algo.name}: {k} must be one of {', '.join(map(str, s.choices))} (got {v!r})"
+                            f"{suggest(str(v), s.choices)}: fix --set {k}=...")
+        if isinstance(v, (bool, str)):
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserError(f"{algo.name}: {k}={v} is not a finite number: fix --set {k}=...")
+        if isinstance(v, int) and abs(v) > MAX_INT:
+            raise UserError(f"{algo.name}: {k}={v} is too large (at most {MAX_INT}): fix --set {k}=...")
+        if not s.holds(v):
+            why = f" ({s.help})" if s.help else ""
+            raise UserError(f"{algo.name}: {k}={v!r} out of range: {k} must satisfy {s.range_text(k)}{why}: "
+                            f"fix --set {k}=...")
+
+
+def check_clients(cfg: dict, clients: int) -> None:
+    """Participation must pick at least one of `clients` clients per round (the engine would round it up silently)."""
+    p = cfg["participation"]
+    if p < 1 and round(p * clients) < 1:
+        raise UserError(f"participation={p:g} selects no client of {clients} per round: use participation >= "
+                        f"{0.5 / clients:g} (one client) or 1.0 (all)")
+
+
+def check_seeds(seeds) -> list[int]:
+    """Seeds as ints in 0..2^32-1, at least one, none twice (a repeated seed would make mean(std) lie)."""
+    seeds = list(seeds)
+    if not seeds:
+        raise UserError("--seeds needs at least one seed, e.g. --seeds 0,1,2")
+    for s in seeds:
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED:
+            raise UserError(f"--seeds: seed {s} is out of range: seeds are integers 0..{MAX_SEED}")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise UserError(f"--seeds lists seed {twice[0]} twice: each seed once (mean(std) is over distinct seeds)")
+    return [int(s) for s in seeds]
+
+
+def merge_rounds(overrides: list[str] | dict | None, rounds: int | None) -> list[str] | dict:
+    """`--rounds N` added to the --set overrides; refused when --set rounds=... is given too."""
+    overrides = dict(overrides) if isinstance(overrides, dict) else list(overrides or [])
+    if rounds is None:
+        return overrides
+    given = overrides if isinstance(overrides, dict) else pairs(overrides)
+    if "rounds" in given:
+        raise UserError(f"--rounds {rounds} and --set rounds={given['rounds']} both given: pass only one")
+    return overrides | {"rounds": rounds} if isinstance(overrides, dict) else overrides + [f"rounds={rounds}"]

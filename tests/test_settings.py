@@ -1,0 +1,134 @@
+"""Settings are declared by their owner (`Setting`: the engine's in training/config.py, an algorithm's in its file):
+every registered algorithm's settings come from declarations whose defaults lie in their own ranges, a subclass
+inherits and changes them, values are checked against the declaration (FedCAC's tau is a fraction, FedPCL's a
+temperature), plug-ins declare theirs the same way, and `featcache algos NAME` prints them."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import configure
+from harness import one_line_error, run_cli
+
+from featcache.algorithms import create, list_algorithms
+from featcache.algorithms.base import FedAvg
+from featcache.errors import UserError
+from featcache.training.config import ENGINE_SETTINGS, Setting, defaults, resolve, settings_of, structural_keys
+
+ALGOS = sorted(list_algorithms())
+
+
+@pytest.mark.parametrize("name", ALGOS)
+def test_every_setting_is_declared_with_a_default_in_its_own_range(name):
+    table = settings_of(create(name))
+    assert list(table)[: len(ENGINE_SETTINGS)] == list(ENGINE_SETTINGS)  # the engine's first, in their order
+    for k, s in table.items():
+        assert isinstance(s, Setting) and s.help, f"{name}: {k} has no declaration with a help line"
+        assert isinstance(s.default, (bool, int, float, str)), f"{name}: {k}"
+        assert k == "seed" or s.holds(s.default), f"{name}: default {k}={s.default!r} outside {s.range_text(k)}"
+        assert not s.batched or isinstance(s.default, float), f"{name}: {k} batches but is not a float"
+        assert not s.choices or isinstance(s.default, str), f"{name}: {k} has choices but is not a string"
+    assert resolve(create(name)) == defaults(create(name))
+
+
+def test_structural_settings_follow_the_declarations():
+    """Floats batch unless declared otherwise; ints, bools and strings never do."""
+    cfg = resolve(create("fedcac"))
+    shared = structural_keys(cfg, create("fedcac"))
+    assert "tau" in shared and "participation" in shared and "proj_dim" in shared and "optimizer" in shared
+    assert "beta" not in shared and "lr" not in shared and "seed" not in shared
+    assert "sparsity" in structural_keys(resolve(create("pfedgate")), create("pfedgate"))
+    pcl = structural_keys(resolve(create("fedpcl")), create("fedpcl"))
+    assert {"proto_noise_scale", "proto_noise_p"} <= set(pcl) and "tau" not in pcl
+
+
+@pytest.mark.parametrize("algo,bad,needle", [
+    ("fedcac", "tau=2", "tau=2.0 out of range: tau must satisfy 0 <= tau <= 1"),
+    ("fedcac", "tau=-0.5", "tau=-0.5 out of range"),
+    ("fedpcl", "tau=0", "tau=0.0 out of range: tau must satisfy tau > 0"),
+    ("pfedgate", "sparsity=0", "sparsity=0.0 out of range: sparsity must satisfy 0 < sparsity <= 1"),
+    ("pfedsd", "temperature=0", "temperature=0.0 out of range"),
+    ("fedamp", "attention=cosin", "attention must be one of cosine, distance (got 'cosin') (did you mean: cosine?)"),
+    ("perfedavg", "order=third", "order must be one of first, second"),
+    ("fedavg", "optimizer=rmsprop", "optimizer must be one of adam, sgd"),
+])
+def test_values_are_checked_against_their_algorithms_declaration(algo, bad, needle):
+    with pytest.raises(UserError, match="^" + algo + ": .*fix --set") as e:
+        resolve(create(algo), [bad])
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fedcac_tau_two_is_one_line_exit_2(tmp_path):
+    from tests.synthetic import write_cache
+
+    cache = write_cache(tmp_path / "c.h5")
+    res = run_cli("train", "--cache", cache, "--algo", "fedcac", "--set", "tau=2", "--rounds", "1", "--out",
+                  tmp_path / "runs")
+    one_line_error(res, "fedcac: tau=2.0 out of range")
+    assert res.code == 2 and not (tmp_path / "runs").exists()
+
+
+def test_subclasses_inherit_change_and_remove_settings():
+    class Child(FedAvg):
+        settings = {"bn": True, "gamma": Setting(0.5, "a weight", lo=0, hi=1)}
+
+    class Grandchild(Child):
+        settings = {"gamma": 0.25, "lr": 0.01, "bn": None}
+
+    child, grand = defaults(Child), defaults(Grandchild)
+    assert child["bn"] is True and child["gamma"] == 0.5 and list(child)[-2:] == ["bn", "gamma"]
+    assert grand["gamma"] == 0.25 and grand["lr"] == 0.01 and "bn" not in grand
+    assert settings_of(Grandchild)["gamma"].hi == 1  # the inherited declaration, another default
+    assert defaults(FedAvg)["bn"] is False  # the parent is unchanged
+
+
+@pytest.mark.parametrize("settings,needle", [
+    ({"gamma": 0.5}, "a new setting needs a declaration"),
+    ({"lr": 1}, "lr is a float: give a default like 0.001"),
+    ({"gamma": Setting(2.0, "a weight", lo=0, hi=1)}, "the default gamma=2.0 is outside its own range"),
+    ({"mode": Setting("a", "a mode", choices=("b", "c"))}, "the default mode='a' is outside its own range"),
+])
+def test_bad_declarations_are_refused(settings, needle):
+    bad = type("Bad", (FedAvg,), {"settings": settings, "name": "bad"})
+    with pytest.raises(UserError, match=needle):
+        settings_of(bad)
+
+
+PLUGIN = '''
+from featcache.algorithms.fedprox import FedProx
+from featcache.training.config import Setting
+
+
+class Damped(FedProx):
+    name = "damped-plugin"
+    paper = "a test plug-in"
+    settings = {"mu": 0.5, "damping": Setting(0.9, "a fraction", lo=0, hi=1, hi_open=True)}
+
+
+class Broken(FedProx):
+    name = "broken-plugin"
+    paper = "a test plug-in"
+    settings = {"damping": 0.9}
+'''
+
+
+def test_plugins_declare_settings_the_same_way(tmp_path, monkeypatch):
+    monkeypatch.setattr("featcache.algorithms._ALGOS", dict(list_algorithms()))  # the plug-in is forgotten after
+    path = tmp_path / "plug.py"
+    path.write_text(PLUGIN)
+    algo = create(f"{path}:Damped")
+    cfg = configure(algo, damping=0.5)
+    assert cfg["mu"] == 0.5 and cfg["damping"] == 0.5
+    with pytest.raises(UserError, match="damping=1.0 out of range: damping must satisfy 0 <= damping < 1"):
+        resolve(algo, ["damping=1"])
+    with pytest.raises(UserError, match="Broken.settings.'damping'. = 0.9: a new setting needs a declaration"):
+        create(f"{path}:Broken")
+    shown = run_cli("algos", f"{path}:Damped")
+    assert shown.code == 0, shown.stderr
+    assert "damping" in shown.stdout and "0 <= damping < 1" in shown.stdout
+
+
+def test_algos_name_prints_the_declarations():
+    res = run_cli("algos", "fedcac")
+    assert res.code == 0, res.stderr
+    row = next(line for line in res.stdout.splitlines() if " tau " in line)
+    assert "0.5" in row and "float" in row and "0 <= tau <= 1" in row and " no " in row
