@@ -29,7 +29,7 @@ _LAZY = {
     "report": ("results", "report"),
     "plot": ("results", "plot"),
     "load_cache": ("cache", "load_clients"),
-    "load_state": ("states", "load_state"),
+    "load_state": ("training.states", "load_state"),
     "list_algorithms": ("algorithms", "list_algorithms"),
     "register": ("algorithms", "register"),
     "create": ("algorithms", "create"),

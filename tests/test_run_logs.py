@@ -19,8 +19,8 @@ from featcache.algorithms import create
 from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
 from featcache.errors import UserError
-from featcache.metrics import CSV_COLUMNS, TENSORBOARD_MISSING
-from featcache.states import load_state, unflatten
+from featcache.training.metrics import CSV_COLUMNS, TENSORBOARD_MISSING
+from featcache.training.states import load_state, unflatten
 from featcache.training.train import train
 from tests.synthetic import synthetic_clients, write_cache
 

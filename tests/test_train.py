@@ -210,7 +210,7 @@ def test_cli_bad_device_is_one_line_exit_2_before_any_work(cache, tmp_path, comm
 
 
 def test_std_over_seeds_is_the_sample_std_and_zero_for_one_seed():
-    from featcache.metrics import mean_std
+    from featcache.training.metrics import mean_std
 
     assert mean_std([1.0, 3.0]) == (2.0, 2**0.5)  # ddof=1, as pandas: not the population std 1.0
     assert mean_std([5.0]) == (5.0, 0.0)

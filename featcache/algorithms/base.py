@@ -39,7 +39,7 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
-from ..heads import bn_init, linear, mlp, mlp_init
+from .heads import bn_init, linear, mlp, mlp_init
 from ..training.config import Setting
 from . import register
 

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..heads import linear, linear_init
+from .heads import linear, linear_init
 from ..training.config import Setting
 from . import register
 from .base import FedAvg, logsumexp, masked_ce, masked_mean

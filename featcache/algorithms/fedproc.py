@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..heads import mlp, mlp_init
+from .heads import mlp, mlp_init
 from ..training.config import Setting
 from . import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot

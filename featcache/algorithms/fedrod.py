@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..heads import linear
+from .heads import linear
 from . import register
 from .base import FedAvg, masked_ce, masked_mean, one_hot
 

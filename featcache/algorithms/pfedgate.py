@@ -28,7 +28,7 @@ import math
 import torch
 
 from ..errors import UserError
-from ..heads import linear, linear_init
+from .heads import linear, linear_init
 from ..training.config import Setting
 from . import register
 from .base import FedAvg

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..algorithms.base import masked_ce
 from ..algorithms.protos import local_prototypes
-from ..heads import linear
+from ..algorithms.heads import linear
 from ..training.hparams import HParams
 from ..training.models import map_models
 from ..training.optim import Adam

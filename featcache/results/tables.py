@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..metrics import CSV_COLUMNS
+from ..training.metrics import CSV_COLUMNS
 from .load import Run, cache_of, is_number
 
 CSV_TOLERANCE = 0.05  # percentage points: a metrics.csv whose seed means differ more from its result's curve is stale

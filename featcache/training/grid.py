@@ -30,7 +30,7 @@ from ..cluster import ray_module
 from ..devices import resolve_device
 from ..errors import UserError
 from ..memory import available_bytes
-from ..metrics import mean_std
+from .metrics import mean_std
 from ..provenance import library_call, provenance
 from .config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
 from .engine import structural_keys

@@ -10,8 +10,8 @@ timings, and the device they were taken on, go to the printed summary and a `.ti
 result file.
 
 Beside the result `NAME.json`, every run writes `NAME.metrics.csv` (every evaluation round, seed and client: loss and
-accuracy on train and test rows, the global model's accuracy; featcache.metrics) and, when asked, the final trained
-state `NAME.state.safetensors` (featcache.states) and TensorBoard scalars in `TENSORBOARD/NAME/seed-S`. The files
+accuracy on train and test rows, the global model's accuracy; featcache.training.metrics) and, when asked, the final trained
+state `NAME.state.safetensors` (featcache.training.states) and TensorBoard scalars in `TENSORBOARD/NAME/seed-S`. The files
 are written together or not at all, the result file last; the TensorBoard folder is moved into place after them (a
 run killed in between keeps its result without the scalars: run it again to log them).
 """
@@ -34,9 +34,9 @@ from ..atomic import check_folder, output_errors, write_together
 from ..devices import resolve_device
 from ..errors import UserError
 from ..memory import available_bytes
-from ..metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
+from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from ..provenance import library_call, provenance
-from ..states import SUFFIX, state_bytes
+from .states import SUFFIX, state_bytes
 from .config import check_clients, check_seeds, merge_rounds, resolve
 from .engine import Engine, State
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
+from ..errors import UserError
 
 CSV_COLUMNS = ("round", "seed", "client", "split", "loss", "accuracy", "global_accuracy")
 TENSORBOARD_MISSING = "--tensorboard needs TensorBoard: pip install 'featcache[tensorboard]'"

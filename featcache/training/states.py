@@ -25,8 +25,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from .atomic import write_atomic
-from .errors import UserError
+from ..atomic import write_atomic
+from ..errors import UserError
 
 FORMAT = "1"
 GROUPS = ("params", "buffers", "client", "server")
