@@ -165,6 +165,10 @@ def test_state_needs_merge_into_one_job():
     (('metric = "domain:mnist"', 'metric = "domain"'), "metric domain needs an argument"),
     (('metric = "acc"', 'metric = "fair:worst10"'), "the argument must be one of average, worst_10"),
     (('metric = "acc"', 'metric = "probe:best"'), "the argument must be one of origin, probe, match"),
+    (('name = "toy"', 'name = "../victim"'), "name '../victim' names the output files"),
+    (('name = "toy"', 'name = "/tmp/victim"'), "name '/tmp/victim' names the output files"),
+    (('name = "toy"', 'name = ""'), "name '' names the output files"),
+    (('name = "toy"', 'name = ".hidden"'), "name '.hidden' names the output files"),
 ])
 def test_bad_pipelines_are_one_line_errors(edit, message):
     text = PIPELINE.replace(*edit)

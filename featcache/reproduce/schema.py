@@ -100,6 +100,9 @@ class Pipeline:
         return list(self.paper_rows) + [r for r in self.extra_rows if r not in self.paper_rows]
 
 
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a file stem: no separator, no '..' prefix, not empty
+
+
 def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
     """Parse and validate a pipeline; every problem is a one-line UserError naming the file and the table."""
     try:
@@ -107,6 +110,9 @@ def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path}: not valid TOML ({e})") from None
     _check(path, doc, _TOP)
+    if not _NAME.fullmatch(doc["name"]):
+        raise UserError(f"{path}: name {doc['name']!r} names the output files NAME.md and NAME.json inside --out: use "
+                        "letters, digits, '.', '_' and '-' only, starting with a letter or digit (e.g. fedpcl-table3)")
     paper = doc["paper"]
     _check(f"{path} [paper]", paper, _PAPER)
     if paper["name"] not in PAPERS:
