@@ -168,3 +168,12 @@ def test_two_backbones_with_the_same_key_get_distinct_keys(tmp_path):
     assert len(r["backbones"]) == 2 and r["backbones"][1] == r["backbones"][0] + "-2"
     with h5py.File(r["cache"]) as f:
         assert sorted(f["backbones"]) == sorted(r["backbones"])
+
+
+@pytest.mark.parametrize("size", [32.7, 0, -32, True, "64"])
+def test_api_refuses_an_image_size_that_is_not_a_whole_number_of_pixels(tmp_path, size):
+    from featcache.extraction.plan import extract
+
+    with pytest.raises(UserError, match="--image-size must be a whole number of pixels >= 1"):
+        extract(image_size=size, out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()

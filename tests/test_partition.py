@@ -217,14 +217,14 @@ def test_spec_round_trips_and_normalises_numbers():
 
 
 ERRORS = [
-    (lambda: PartitionSpec("label", alpha=-1), "alpha must be > 0 (got -1)"),
-    (lambda: PartitionSpec("label", alpha=0), "alpha must be > 0"),
+    (lambda: PartitionSpec("label", alpha=-1), "alpha must be a finite number > 0 (got -1)"),
+    (lambda: PartitionSpec("label", alpha=0), "alpha must be a finite number > 0"),
     (lambda: PartitionSpec("lable"), "did you mean: label"),
     (lambda: PartitionSpec(clients=0), "clients must be >= 1"),
     (lambda: PartitionSpec(val_fraction=1.0), "val_fraction must be in [0, 1)"),
     (lambda: PartitionSpec(val_fraction=-0.1), "val_fraction must be in [0, 1)"),
     (lambda: PartitionSpec(per_class=0), "per_class must be >= 1"),
-    (lambda: PartitionSpec(seed=-1), "seed must be >= 0 (got -1)"),
+    (lambda: PartitionSpec(seed=-1), "seed must be in 0..4294967295 (got -1)"),
     (lambda: PartitionSpec(order="frist"), "did you mean: first"),
     (lambda: PartitionSpec(clients="5"), "clients has the wrong type"),
     (lambda: PartitionSpec(domains=[]), "domains must name each domain once"),

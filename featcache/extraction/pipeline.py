@@ -59,7 +59,7 @@ class Noise:
     def __post_init__(self):
         if self.kind not in _NOISE:
             raise UserError(f"unknown noise {self.kind!r}: use laplace or gaussian")
-        if not 0 <= self.p < 1 or self.scale < 0:
+        if not 0 <= self.p < 1 or not 0 <= self.scale < float("inf"):  # NaN fails too
             raise UserError(f"noise needs 0 <= p < 1 and scale >= 0 (got p={self.p}, scale={self.scale})")
 
     def apply(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:

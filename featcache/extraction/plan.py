@@ -83,6 +83,9 @@ def extract(
     for flag, value, least in (("--views", views, 0), ("--workers", workers, 0), ("--batch-size", batch_size, 1)):
         if value is not None and value < least:
             raise UserError(f"{flag} must be >= {least} (got {value})")
+    if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1):
+        raise UserError(f"--image-size must be a whole number of pixels >= 1 (got {image_size!r}); omit it for the "
+                        "backbone's own size")
     if backend not in BACKENDS:
         raise UserError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
     specs = [PartitionSpec(scheme=partition, clients=c, alpha=a, per_class=n, test_per_class=test_per_class,

@@ -11,6 +11,8 @@ from ...errors import UserError, suggest
 from .schemes import _SCHEMES
 from .steps import _ORDERS
 
+MAX_SEED = 2**32 - 1  # numpy's SeedSequence takes more, but the seed also seeds torch and the noise generators
+
 
 @dataclass(frozen=True)
 class PartitionSpec:
@@ -86,10 +88,10 @@ def _check_values(spec: PartitionSpec) -> None:
         raise UserError(
             f"unknown partition order {spec.order!r}{suggest(spec.order, _ORDERS)}; known: {', '.join(_ORDERS)}"
         )
-    if spec.alpha <= 0:
-        raise UserError(f"alpha must be > 0 (got {spec.alpha:g})")
-    if spec.seed < 0:
-        raise UserError(f"seed must be >= 0 (got {spec.seed})")
+    if not 0 < spec.alpha < float("inf"):  # NaN fails too
+        raise UserError(f"alpha must be a finite number > 0 (got {spec.alpha:g})")
+    if not 0 <= spec.seed <= MAX_SEED:
+        raise UserError(f"seed must be in 0..{MAX_SEED} (got {spec.seed})")
     if spec.clients is not None and spec.clients < 1:
         raise UserError(f"clients must be >= 1 (got {spec.clients})")
     if not 0 <= spec.val_fraction < 1:
