@@ -16,6 +16,8 @@ def resolve_device(name: str | torch.device) -> torch.device:
     """'auto' -> cuda when CUDA is available, else cpu; 'cpu'; 'cuda' / 'cuda:N' only where that GPU exists."""
     if isinstance(name, torch.device):
         name = str(name)
+    if not isinstance(name, str):
+        raise UserError(f"--device must be one of {DEVICES}, not {type(name).__name__} {name!r}")
     text = name.strip().lower()
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

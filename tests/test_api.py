@@ -311,3 +311,21 @@ def test_assert_matches_plain_loop_checks_a_plugin(tmp_path, registry):
     bad = write_plugin(tmp_path, MIXING, "mixing.py")
     with pytest.raises(AssertionError, match="mixing-plugin: (per-round test accuracy|parameter .*) differs"):
         assert_matches_plain_loop(f"{bad}:Mixing")
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"cache": 123}, "cache must be a path (a str or os.PathLike), not int 123"),
+    ({"out": 123}, "out must be a path (a str or os.PathLike), not int 123"),
+    ({"device": None}, "--device must be one of auto | cpu | cuda[:N], not NoneType None"),
+    ({"algo": ["fedavg"]},
+     "algo must be one algorithm name or plug-in spec, not list ['fedavg']: call once per algorithm"),
+    ({"seeds": None}, "--seeds must be a list of integers such as [0, 1, 2] (got None)"),
+])
+def test_api_arguments_of_the_wrong_kind_raise_the_one_line_error(cache, tmp_path, bad, message):
+    args = {"cache": cache, "algo": "fedavg", "rounds": 1, "out": tmp_path / "runs"} | bad
+    with pytest.raises(UserError) as e:
+        featcache.train(**args)
+    assert str(e.value) == message
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(UserError, match="cache must be a path"):
+        featcache.load_cache(123)

@@ -139,6 +139,9 @@ def _import_module(module_name: str, spec: str):
 def load(spec: str) -> str:
     """Import the plug-in class of `spec` (`path/to/file.py:Class` or `package.module:Class`), register it under its
     `name` and return that name. A registered name is returned as it is."""
+    if not isinstance(spec, str):
+        raise UserError(f"algo must be one algorithm name or plug-in spec, not {type(spec).__name__} {spec!r}: "
+                        "call once per algorithm")
     if not is_plugin(spec):
         return spec
     _import_all()

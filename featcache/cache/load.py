@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..errors import UserError, first_line
+from ..errors import UserError, as_path, first_line
 from .check import _check_structure, _feature_problems, _stale
 from .h5 import plain, read_attrs, rows_per_slice
 from .write import FORMAT, SPLITS
@@ -88,7 +88,7 @@ def load_clients(
     file in a process checks it as `verify` does (the feature arrays on the read that fills the tensors), and refuses
     a damaged cache in one line.
     """
-    path = Path(path)
+    path = as_path(path, "cache")
     if split not in SPLITS:
         raise UserError(f"split must be one of {', '.join(SPLITS)} (got {split!r})")
     with open_cache(path) as f:

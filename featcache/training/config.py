@@ -232,6 +232,8 @@ def check_clients(cfg: dict, clients: int) -> None:
 
 def check_seeds(seeds) -> list[int]:
     """Seeds as ints in 0..2^32-1, at least one, none twice (a repeated seed would make mean(std) lie)."""
+    if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__iter__"):
+        raise UserError(f"--seeds must be a list of integers such as [0, 1, 2] (got {seeds!r})")
     seeds = list(seeds)
     if not seeds:
         raise UserError("--seeds needs at least one seed, e.g. --seeds 0,1,2")

@@ -32,7 +32,7 @@ from .. import cache as C
 from ..algorithms import create
 from ..atomic import check_folder, output_errors, write_together
 from ..devices import resolve_device
-from ..errors import UserError
+from ..errors import UserError, as_path
 from ..memory import available_bytes
 from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from ..provenance import library_call, provenance
@@ -116,10 +116,10 @@ def precheck(algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2),
     seeds = check_seeds(seeds)
     impl = create(algo)
     cfg = resolve(impl, merge_rounds(set, rounds))
-    check_folder(out)
+    check_folder(as_path(out, "out"))
     if tensorboard is not None:
         tensorboard_writer()
-        check_folder(tensorboard, "--tensorboard")
+        check_folder(as_path(tensorboard, "tensorboard"), "--tensorboard")
     return dev, seeds, impl, cfg
 
 
@@ -161,6 +161,7 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     TENSORBOARD/NAME."""
     dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device, tensorboard)
     spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
+    cache = as_path(cache, "cache")
     train_data = load_split(cache, impl, backbones=backbones)
     check_clients(cfg, int(train_data.features.shape[0]))
     check_memory(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")
