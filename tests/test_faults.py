@@ -260,6 +260,8 @@ def test_grid_killed_after_two_chunks_resumes_without_retraining_them(tmp_path):
     assert not read_log(log)[0] & set(chunks)
     after = {p.name: [p.stat().st_ino, p.stat().st_mtime_ns] for p in folder.glob("chunk-*.json")}
     assert len(after) == 6 and all(after[name] == stamp for name, stamp in chunks.items())
+    assert json.loads((folder / "grid.timing.json").read_text()) == {"chunks_resumed": 2}
+    assert "chunks_resumed" not in json.loads((folder / "grid.json").read_text())  # same bytes as undisturbed
     moved = ("run_folder", "chunks_resumed", "retrain", "provenance")  # provenance names each run's own --out
     assert {k: v for k, v in result.items() if k not in moved} == {k: v for k, v in expected.items() if k not in moved}
     ours, theirs = result.pop("retrain"), expected.pop("retrain")

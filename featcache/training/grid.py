@@ -210,7 +210,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
                         for i, v in scores.items()), key=lambda r: -r["val_mean"])
         result = {"algo": algo, "cache": str(cache), "axes": axes, "seeds": list(seeds), "configs": len(cfgs),
                   "models": len(cfgs) * len(seeds) * C, "chunks": len(jobs), "chunk_size": max(chunk_sizes),
-                  "chunks_resumed": len(jobs) - len(todo), "backend": backend, "device": str(dev),
+                  "backend": backend, "device": str(dev),
                   "run_folder": str(folder), "selection": table, "best": table[0]["config"]}
         if retrain:
             final = train(cache, spec, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
@@ -223,12 +223,14 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
             "featcache.grid", cache=str(cache), algo=spec, grid=list(grid), seeds=list(seeds), rounds=rounds,
             set=list(set or []), device=str(device), backend=backend, chunk=chunk, retrain=retrain))
         write_atomic(folder / "grid.csv", to_csv(table))
+        resumed = {"chunks_resumed": len(jobs) - len(todo)}  # how this run went, not what it found: beside the result
+        _write_json(folder / "grid.timing.json", resumed)
         _write_json(folder / "grid.json", result)  # last: its presence means the run folder is complete
     except BaseException:
         if created and folder.is_dir() and not any(folder.iterdir()):  # a run folder that got nothing: not left behind
             folder.rmdir()
         raise
-    return result
+    return result | resumed
 
 
 def to_csv(table: list[dict]) -> str:
