@@ -5,12 +5,18 @@ Differences from FedAvg:
 - every client keeps its personalized model, the model it holds after its last local training (θ̂_i);
 - local loss: a client starts from the global model and trains on
   CE(y, f(x; θ)) + λ·T²·KL(softmax(f(x; θ̂_i)/T) ‖ softmax(f(x; θ)/T)),
-  the teacher θ̂_i being its personalized model of the previous round it took part in (detached, inference mode);
-  before a client has trained once there is no teacher and the loss is the cross-entropy alone;
+  the teacher θ̂_i being its personalized model of the previous round it took part in (detached); with bn=True the
+  teacher normalises with the minibatch's statistics, as the released teacher, a copy of the trained model left in
+  train mode (the paper is silent); before a client has trained once there is no teacher and the loss is the
+  cross-entropy alone;
 - each client is evaluated with its personalized model θ̂_i (held in state.client["personal"], parameters and BN
-  statistics), not with the global model it downloads.
-The server is FedAvg. Global model: FedAvg's averaged model (the one clients start from), predicting by itself.
-Defaults T = 3 and λ = 1 are our choice (the paper's values were not available offline).
+  running statistics), not with the global model it downloads.
+The server is FedAvg: the n_k / n mean of the participants, BN statistics included. Partial participation is our
+choice between the two released codes, which disagree: FLAIR-Community/Fling (fling/component/group/base_group.py)
+averages every client, size-weighted; CGCL-codes/pFedSD (pcode/masters/master_pFedSD.py) the selected ones,
+unweighted. Global model: FedAvg's averaged model (the one clients start from), predicting by itself.
+Defaults λ = 0.5, T = 3 are Fling's (flzoo/cifar10/cifar10_pfedsd_resnet_config.py; the same in its CIFAR-100 and
+Tiny-ImageNet configs); CGCL-codes/pFedSD's README runs leave parameters.py's λ = 1 (--lamda), T = 1 (--KL_T).
 """
 
 from __future__ import annotations
@@ -35,9 +41,9 @@ class PFedSD(FedAvg):
     name = "pfedsd"
     paper = "Jin et al., Personalized Edge Intelligence via Federated Self-Knowledge Distillation, IEEE TPDS 2022"
     uploads = "all head parameters"
-    settings = {  # our choice (see the module docstring)
-        "temperature": Setting(3.0, "T, the distillation temperature", lo=0, lo_open=True),
-        "lam": Setting(1.0, "λ, weight of the self-distillation term", lo=0),
+    settings = {  # Fling's configs (see the module docstring)
+        "temperature": Setting(3.0, "T, the distillation temperature (Fling: 3; CGCL-codes: 1)", lo=0, lo_open=True),
+        "lam": Setting(0.5, "λ, weight of the self-distillation term (Fling: 0.5; CGCL-codes: 1)", lo=0),
     }
 
     def init_state(self, state, rnd):
@@ -51,8 +57,9 @@ class PFedSD(FedAvg):
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)
         logits = self.logits(params, z)
-        with torch.no_grad():
-            teacher = FedAvg.predict(self, ctx["personal"], ctx["personal"], x, ctx)
+        with torch.no_grad():  # the teacher normalises with the minibatch's statistics (train mode)
+            zt, _ = self.embed(ctx["personal"], ctx["personal"], x, mask, train=True)
+            teacher = self.logits(ctx["personal"], zt)
         kd = self_distillation(logits, teacher, ctx["hp"]["temperature"])  # [B]
         reg = ctx["hp"]["lam"] * ctx["has_teacher"] * masked_mean(kd, mask)
         return masked_ce(logits, y, mask) + reg, new_buffers
