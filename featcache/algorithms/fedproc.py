@@ -130,7 +130,7 @@ class FedProc(FedAvg):
 @register
 class FedProcOfficial(FedProc):
     name = "fedproc-official"
-    paper = "FedProc released code (MuXutong/FedProc, train.py train_net_fedproc)"
+    paper = "FedProc released code (MuXutong/FedProc, train.py train_net_fedproc, get_global_class_center)"
     settings = {"normalize": True, "alpha_schedule": "official", "proto_average": "samples"}
 
     def after_local(self, state, rnd):

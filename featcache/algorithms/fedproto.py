@@ -125,9 +125,8 @@ class FedProtoOfficial(FedProto):
 
     name = "fedproto-official"
     paper = "FedProto released code (yuetan031/FedProto, lib/update.py update_weights_het, lib/utils.py)"
-    settings = {  # update_weights_het's SGD(momentum=0.5), no weight decay; lib/options.py's lr
-        "optimizer": "sgd", "momentum": 0.5, "weight_decay": 0.0, "lr": 0.01,
-    }
+    settings = {}  # FedProto's (λ = ld = 1); the released SGD (momentum 0.5, lr 0.01) is a run setting, as for the
+    # other -official variants: --set optimizer=sgd momentum=0.5 weight_decay=0 lr=0.01
 
     def init(self, cfg, d_in, num_classes, gen):
         params, buffers = super().init(cfg, d_in, num_classes, gen)
