@@ -14,7 +14,8 @@ clients' sets) on the code's two-view batch (update_weights_lg concatenates imag
 Digit-5/Office-10 the two crops are identical, so the cached batch is duplicated: every anchor has its own copy as a
 positive and the denominator doubles), zero loss in round 0 (the code trains only once global prototypes exist; in
 round 0 only weight decay acts), global prototypes as the unweighted mean over owning clients, inference by the
-smallest squared distance to the client's own prototypes. (Contrasting two different cached views instead would need
+smallest squared distance to the client's own prototypes, and local prototypes from one pass of the reshuffled
+drop_last training loader (⌊n/B⌋·B random rows, seeded from the run's seed: `protos.loader_rows`), not all rows. (Contrasting two different cached views instead would need
 the trainer to load views for this algorithm; it does not.)
 
 Eq. 6 is implemented literally (`global_agg="eq6"`): the size-weighted mean is divided once more by |N_j|, so global
@@ -32,7 +33,8 @@ import torch.nn.functional as F
 from ..training.config import Setting
 from . import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
-from .protos import NOISE_SETTINGS, global_prototypes, local_prototypes, mean_prototypes, pad_prototypes, privatize
+from .protos import (NOISE_SETTINGS, global_prototypes, loader_prototypes, local_prototypes, mean_prototypes,
+                     pad_prototypes, privatize)
 
 
 def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Tensor:
@@ -181,6 +183,9 @@ class FedPCLOfficial(FedPCL):
         """Zero in round 0 (the released code has no global prototypes yet: loss2 = 0, only weight decay acts)."""
         loss, new_buffers = super().local_loss(params, buffers, x, y, mask, ctx)
         return loss * ctx["started"], new_buffers
+
+    def after_local(self, state, rnd):
+        state.client["protos"], state.client["counts"] = loader_prototypes(self, state, rnd)
 
     def predict(self, params, buffers, x, ctx):
         z, _ = self.embed(params, buffers, x)

@@ -16,7 +16,9 @@ output layer frozen, then ℓ_ce only with the projection head frozen).
 
 `fedproc-official` matches the released code (MuXutong/FedProc train.py, train_net_fedproc): z L2-normalised before
 f_c, CE only in round 0, then CE weight min(t/100, 1) and ℓ_gpc weight 1 − min(t/100, 1) (the code's fixed 100
-rounds, whatever `rounds` is: after round 100 only CE trains), and sample-weighted prototype averaging.
+rounds, whatever `rounds` is: after round 100 only CE trains), sample-weighted prototype averaging, and class
+centres (c^0 included) from one pass of the reshuffled drop_last training loader (get_global_class_center: ⌊n/B⌋·B
+random rows, seeded from the run's seed: `protos.loader_rows`), not all rows.
 
 Global model: the averaged head (projection head + f_c) every client downloads; FedProc reports it on the global
 test set (§4, Tables 2–4: "the converged global model").
@@ -31,7 +33,7 @@ from .heads import mlp, mlp_init
 from ..training.config import Setting
 from . import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
-from .protos import empty_global, local_prototypes, mean_prototypes, update_global
+from .protos import empty_global, loader_prototypes, local_prototypes, mean_prototypes, update_global
 
 ALPHA = {  # weight of ℓ_gpc in round t of T (eq. 2; ℓ_ce gets 1 − α)
     "linear": lambda t, T: 1 - t / T,  # eq. 2
@@ -128,5 +130,8 @@ class FedProc(FedAvg):
 @register
 class FedProcOfficial(FedProc):
     name = "fedproc-official"
-    paper = "FedProc released code (MuXutong/FedProc, train.py train_net_fedproc)"
+    paper = "FedProc released code (MuXutong/FedProc, train.py train_net_fedproc, get_global_class_center)"
     settings = {"normalize": True, "alpha_schedule": "official", "proto_average": "samples"}
+
+    def after_local(self, state, rnd):
+        state.client["protos"], state.client["counts"] = loader_prototypes(self, state, rnd)

@@ -20,6 +20,8 @@ Global model: none. The server holds only the global prototypes; every client ke
 
 Differs from the official code in one place: it averages the z of every training batch while the model moves; here
 the prototypes are the class means of the final local model's z (the definition FedPCL's eq. 5 uses).
+`fedproto-official` does what the released code (lib/update.py update_weights_het) does: prototypes are the class
+means of z over the last local epoch's training batches, each z from the model as it was at that step.
 """
 
 from __future__ import annotations
@@ -69,8 +71,12 @@ class FedProto(FedAvg):
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)
+        return self.proto_loss(params, z, y, mask, ctx), new_buffers
+
+    def proto_loss(self, params, z, y, mask, ctx):
+        """CE + λ·d(z, C̄^y), the batch's mean, from its embeddings z [B, d]."""
         reg = masked_mean(proto_distance(z, y, ctx["prototypes"], ctx["has"]), mask)
-        return masked_ce(self.logits(params, z), y, mask) + ctx["hp"]["lam"] * reg, new_buffers
+        return masked_ce(self.logits(params, z), y, mask) + ctx["hp"]["lam"] * reg
 
     def predict(self, params, buffers, x, ctx):
         return INFER[self.cfg["infer"]](self, params, buffers, x, ctx)
@@ -106,3 +112,43 @@ class FedProto(FedAvg):
 
 
 INFER = {"classifier": FedAvg.predict, "proto": FedProto.nearest_prototype, "proto-all": FedProto.nearest_prototype_all}
+
+
+@register
+class FedProtoOfficial(FedProto):
+    """FedProto as released: prototypes from the last local epoch's training batches while the model trains.
+
+    Each step adds its batch's z (from the model before that step's update) to the running class sums in the buffers
+    proto_sum [K, d] and proto_count [K], in the last local epoch only (ctx["collect"]); after_local turns them into
+    the uploaded prototypes and zeroes them. The server rebuilds the global set from the round's prototypes alone
+    (proto_aggregation): a class no participant sent this round has no global prototype in the next."""
+
+    name = "fedproto-official"
+    paper = "FedProto released code (yuetan031/FedProto, lib/update.py update_weights_het, lib/utils.py)"
+    settings = {}  # FedProto's (λ = ld = 1); the released SGD (momentum 0.5, lr 0.01) is a run setting, as for the
+    # other -official variants: --set optimizer=sgd momentum=0.5 weight_decay=0 lr=0.01
+
+    def init(self, cfg, d_in, num_classes, gen):
+        params, buffers = super().init(cfg, d_in, num_classes, gen)
+        sums = {"proto_sum": torch.zeros(num_classes, cfg["proj_dim"]), "proto_count": torch.zeros(num_classes)}
+        return params, buffers | sums
+
+    def context(self, state, rnd):
+        last = float(rnd.epoch == self.local_epochs() - 1)  # agg_protos_label is reset at every epoch's start
+        return super().context(state, rnd) | {"collect": torch.full((rnd.H, rnd.C), last, device=rnd.device)}
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        z, new_buffers = self.embed(params, buffers, x, mask, train=True)
+        rows = (one_hot(y, buffers["proto_count"].shape[0]) & mask[:, None]).float() * ctx["collect"]  # [B, K]
+        sums = {"proto_sum": buffers["proto_sum"] + rows.T @ z.detach(),  # [K, d]
+                "proto_count": buffers["proto_count"] + rows.sum(0)}  # [K]
+        return self.proto_loss(params, z, y, mask, ctx), new_buffers | sums
+
+    def after_local(self, state, rnd):
+        counts = state.buffers["proto_count"]  # [H, C, K]
+        state.client["protos"] = state.buffers["proto_sum"] / counts.clamp(min=1)[..., None]  # [H, C, K, d]
+        state.client["counts"] = counts.clone()  # the buffers are the step runner's, refilled next round
+        state.buffers = state.buffers | {k: torch.zeros_like(state.buffers[k]) for k in ("proto_sum", "proto_count")}
+
+    def aggregate(self, uploads, weights, state, rnd):
+        return update_global(uploads["protos"], uploads["counts"], rnd.part, empty_global(rnd, self.cfg["proj_dim"]))

@@ -9,7 +9,10 @@ import torch
 from ..errors import UserError
 from ..training.config import Setting
 from ..training.models import map_models
+from ..training.schedule import batch_order
 from .base import one_hot
+
+PASS_EPOCH = 1 << 21  # batch_order's epoch id of the prototype pass: a shuffle of its own, no training epoch's
 
 
 def class_means(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,15 +22,37 @@ def class_means(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, K: int) ->
     return onehot.T @ z / counts.clamp(min=1)[:, None], counts
 
 
-def local_prototypes(algo, state, data) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every model's prototypes of its own training data in eval mode: ([H, C, K, d], counts [H, C, K])."""
+def local_prototypes(algo, state, data, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every model's prototypes of its own training data in eval mode: ([H, C, K, d], counts [H, C, K]); `rows`
+    [H, C, N] bool picks each model's rows (default: all of its client's rows)."""
     K = data.num_classes
 
     def one(params, buffers, x, y, mask):
         z, _ = algo.embed(params, buffers, x)
         return class_means(z, y, mask, K)
 
-    return map_models(one, (state.params, state.buffers), (data.features, data.labels, data.mask))
+    if rows is None:
+        return map_models(one, (state.params, state.buffers), (data.features, data.labels, data.mask))
+    return map_models(lambda p, b, m, x, y: one(p, b, x, y, m), (state.params, state.buffers, rows),
+                      (data.features, data.labels))
+
+
+def loader_rows(rnd) -> torch.Tensor:
+    """[H, C, N] bool: the rows one pass of a reshuffled training loader yields (the released codes' prototype pass,
+    DataLoader(shuffle=True, drop_last=True)): ⌊n/B⌋·B rows of each client drawn by batch_order from (seed, round,
+    PASS_EPOCH), all n with drop_last=false. On the device, no host read."""
+    data, B = rnd.data, rnd.cfg["batch_size"]
+    N = data.features.shape[1]
+    n = data.counts // B * B if rnd.cfg["drop_last"] else data.counts  # [C]
+    order = batch_order(rnd.seeds.to(rnd.device), rnd.round, PASS_EPOCH, data.counts, N)  # [H, C, N]
+    taken = (torch.arange(N, device=rnd.device) < n[:, None]).expand_as(order)  # [H, C, N] by position in the order
+    return torch.zeros_like(taken).scatter_(-1, order, taken)
+
+
+def loader_prototypes(algo, state, rnd) -> tuple[torch.Tensor, torch.Tensor]:
+    """`local_prototypes` over the rows of one reshuffled loader pass (`loader_rows`), as the released codes take
+    them: ([H, C, K, d], counts [H, C, K])."""
+    return local_prototypes(algo, state, rnd.data, loader_rows(rnd))
 
 
 def global_prototypes(protos: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
