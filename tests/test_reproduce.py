@@ -156,7 +156,7 @@ def test_state_needs_merge_into_one_job():
     (('[profiles.full]', '[profiles.full]\ncolumns = ["Nope"]'), "columns names 'Nope'"),
     (('partition = "feature"', 'partition = 3'), "toy.toml [extract]: partition option scheme has the wrong type"),
     (('Avg = { metric = "acc" }', 'Avg = { metric = "acc", extract = { alpha = 0 } }'),
-     "[columns.'Avg']: alpha must be > 0"),
+     "[columns.'Avg']: alpha must be a finite number > 0 (got 0)"),
     (('seeds = [0, 1]', 'seeds = [0, 1]\nextract = { clients = "ten" }'),
      "[profiles.quick]: partition option clients has the wrong type"),
     (('title = "a toy table"', 'title = 7'), "title must be a str"),
