@@ -15,8 +15,9 @@ Nothing else differs from FedAvg except that w_i is never overwritten: it is the
 evaluated with, and what it uploads. The server keeps every client's latest upload; clients that sit a round out
 still enter the attention with their last model (the initial model before their first round), and every client gets
 a fresh u_i each round (the paper's cross-silo setting has all clients take part). α_k is constant over rounds.
-Defaults λ = α_k = σ = 1 follow PFLlib's FedAMP; ξ_ii = 0.5 (equal weight to the own model and the attended others)
-is our choice: the paper's experimental values were not available offline, so tune them.
+Defaults λ = α_k = σ = 1 follow PFLlib's FedAMP (TsingZ0/PFLlib `system/main.py`, `flcore/servers/serveramp.py`,
+which implements the distance attention only); ξ_ii = 0.5 (equal weight to the own model and the attended others) is
+our choice, fixed by no released code: tune it.
 Global model: none. The server holds one personalized cloud model u_i per client and no shared model; the paper
 evaluates the personalized models only.
 """
