@@ -128,3 +128,24 @@ def test_which_algorithms_have_a_global_model(name, data):
         return
     assert out["global_acc"].shape == (2, 1)
     torch.testing.assert_close(out["global_acc"][-1], evaluate_global(eng.algo, eng.state, eng.test, eng.last_round))
+
+
+# The algorithms whose clients all predict with the server's model after download: their global metric is pooled.
+HOLD_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "fedproc", "fedproc-official", "perfedavg"}
+
+
+@pytest.mark.parametrize("name", sorted(list_algorithms()))
+def test_the_global_metric_is_pooled_from_the_clients_only_where_they_hold_the_global_model(name, data):
+    """Where every client holds the server's model, the pooled client hits are exactly the separately evaluated
+    global accuracy (partial participation, two configurations); elsewhere the engine evaluates it apart."""
+    train, test = data
+    algo = create(name)
+    if name not in WITH_GLOBAL:
+        return
+    assert create(name).clients_hold_global == (name in HOLD_GLOBAL)
+    if name not in HOLD_GLOBAL:
+        return
+    eng = Engine(algo, [config(algo, rounds=2, participation=0.5), config(algo, rounds=2, participation=0.5, seed=1)], train, test)
+    out = eng.run()
+    apart = evaluate_global(eng.algo, eng.state, eng.test, eng.last_round)  # [H] its own forward pass
+    assert torch.equal(out["global_acc"][-1], apart)

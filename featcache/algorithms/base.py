@@ -206,3 +206,11 @@ class FedAvg:
         """Scores [N, K] of the global model on one client's rows (vmapped like `predict`, which it is by default;
         an algorithm whose `predict` reads a personal model from `ctx` predicts with `params` here)."""
         return self.predict(params, buffers, x, ctx)
+
+    @property
+    def clients_hold_global(self) -> bool:
+        """Whether every client predicts with the global model after `download`, as `predict_global` would: then the
+        global metric is the clients' pooled one and is not evaluated again. True exactly where the default
+        `global_model` and `predict_global` apply (their contract is FedAvg's download); overriding either opts out."""
+        cls = type(self)
+        return cls.global_model is FedAvg.global_model and cls.predict_global is FedAvg.predict_global

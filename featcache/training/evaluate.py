@@ -29,24 +29,28 @@ def evaluate(algo, state, data: ClientData, rnd) -> torch.Tensor:
     return accuracy_loss(scores(algo, state, data, rnd), data)[0]
 
 
-def evaluate_global(algo, state, data: ClientData, rnd) -> torch.Tensor | None:
+def evaluate_global(algo, state, data: ClientData, rnd, client_hits: torch.Tensor | None = None) -> torch.Tensor | None:
     """The server's global model's accuracy on the union of all clients' rows of `data`: [H] (one correct count
-    over every row of every client / all rows), or None when the algorithm has no global model."""
+    over every row of every client / all rows), or None when the algorithm has no global model. `client_hits`
+    [H, C, N], the clients' own hits on `data`, is that count already where every client holds the global model
+    (`algo.clients_hold_global`): then nothing is evaluated twice."""
     model = algo.global_model(state, rnd)
     if model is None:
         return None
-    hit = hits(scores(algo, state, data, rnd, model), data)  # [H, C, N]
-    return hit.sum((1, 2)) / data.counts.sum().clamp(min=1)
+    if client_hits is None or not algo.clients_hold_global:
+        client_hits = hits(scores(algo, state, data, rnd, model), data)  # [H, C, N]
+    return client_hits.sum((1, 2)) / data.counts.sum().clamp(min=1)
 
 
 def record(algo, state, train: ClientData, test: ClientData, rnd, round_loss: torch.Tensor, logs: bool = True) -> dict:
     """What an evaluation round records, on the host: test_acc, test_loss, train_acc, train_loss [H, C] and
     global_acc [H] (None without a global model); only test_acc without `logs`."""
-    test_acc, test_loss = accuracy_loss(scores(algo, state, test, rnd), test)  # [H, C] each
+    test_scores = scores(algo, state, test, rnd)  # [H, C, N, K]
+    test_acc, test_loss = accuracy_loss(test_scores, test)  # [H, C] each
     if not logs:
         return {"test_acc": test_acc.cpu()}
     train_acc, _ = accuracy_loss(scores(algo, state, train, rnd), train)  # [H, C]
-    glob = evaluate_global(algo, state, test, rnd)  # [H] or None
+    glob = evaluate_global(algo, state, test, rnd, hits(test_scores, test))  # [H] or None
     return {"test_acc": test_acc.cpu(), "test_loss": test_loss.cpu(), "train_acc": train_acc.cpu(),
             "train_loss": round_loss, "global_acc": None if glob is None else glob.cpu()}
 
