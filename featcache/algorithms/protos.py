@@ -17,7 +17,7 @@ PASS_EPOCH = 1 << 21  # batch_order's epoch id of the prototype pass: a shuffle 
 
 def class_means(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 5 for one client: prototypes [K, d] (zero for absent classes) and class counts [K]."""
-    onehot = (one_hot(y, K) & mask[:, None]).float()  # [N, K]
+    onehot = (one_hot(y, K) & mask[:, None]).to(z.dtype)  # [N, K]
     counts = onehot.sum(0)  # [K]
     return onehot.T @ z / counts.clamp(min=1)[:, None], counts
 
