@@ -210,7 +210,8 @@ def test_moon_loss_is_eq3_eq4():
     params["proj0.bias"] = params["proj0.bias"] + 2  # no all-zero projection, where the cosine is undefined
     x, y, mask = batch()
     glob, prev = perturbed(params, seed=6), perturbed(params, seed=7)
-    loss, _ = algo.local_loss(params, buffers, x, y, mask, hp(mu=2.0, tau=0.5) | {"global": glob, "prev": prev})
+    frozen = {"global": glob, "prev": prev, "global_buffers": buffers, "prev_buffers": buffers}  # no BN: empty
+    loss, _ = algo.local_loss(params, buffers, x, y, mask, hp(mu=2.0, tau=0.5) | frozen)
     rows = [n for n in range(len(y)) if mask[n]]
     con = 0
     for n in rows:
@@ -239,6 +240,31 @@ def test_moon_keeps_the_trained_model_of_participants_as_previous(data):
             expected = trained[k][0, i] if part[0, i] else old_prev[k][0, i]
             torch.testing.assert_close(state.client["prev"][k][0, i], expected)
         torch.testing.assert_close(state.server["global"][k][0], server[k][0])
+
+
+def test_moon_frozen_models_normalise_with_their_own_bn_statistics(data):
+    """With bn=True the global model runs with the downloaded running statistics and the previous model with those
+    its training left, not with the training model's drifting ones: the loss does not depend on the latter."""
+    train, test = data
+    algo = create("moon")
+    eng = Engine(algo, [config(algo, bn=True, rounds=1)], train, test)
+    eng.run()
+    state, algo = eng.state, eng.algo
+    for k, v in state.buffers.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(state.server["global_buffers"][k], v[:, 0])  # the downloaded statistics
+            prev = state.client["prev_buffers"][k][0]  # [C, ...] each client's own, from its training
+            assert not torch.allclose(prev[0], prev[1]) and not torch.allclose(prev[0], v[0, 0])
+    ctx = torch.utils._pytree.tree_map(lambda t: t[0, 1], algo.context(state, eng.round_context(1)))
+    params = {k: v[0, 1] for k, v in state.params.items()}
+    buffers = {k: v[0, 1] for k, v in state.buffers.items()}
+    drifted = {k: v * 3 + 1 if v.is_floating_point() else v for k, v in buffers.items()}
+    x, y = train.features[1, :16], train.labels[1, :16]
+    first, _ = algo.local_loss(params, buffers, x, y, y >= 0, ctx)
+    second, _ = algo.local_loss(params, drifted, x, y, y >= 0, ctx)
+    assert float(first) == float(second)
+    ctx["global_buffers"] = drifted  # the control: the frozen models' statistics do move the loss
+    assert float(algo.local_loss(params, buffers, x, y, y >= 0, ctx)[0]) != float(first)
 
 
 def test_moon_first_round_equals_fedavg(data):

@@ -7,7 +7,8 @@ Differs from FedAvg only in the local objective: ℓ = ℓ_sup + μ ℓ_con (eq.
 
 sim = cosine similarity, z / z_glob / z_prev = the projection output of the model being trained, of the round's
 global model and of the client's own model after its previous local training (one previous model: the paper's
-model buffer size 1). The two frozen models run in inference mode (BN running statistics; matters only with bn=True).
+model buffer size 1). The two frozen models run in inference mode, each with its own BN running statistics (the
+global model's as downloaded, the previous model's as its training left them; matters only with bn=True).
 τ = 0.5 and μ = 1 (§4.1; the paper tunes μ per data set and reports μ = 5 best on CIFAR-10). Before its first local
 training a client's previous model is the initial model; in round 1 that equals the global model, so ℓ_con is the
 constant log 2 with zero gradient there (plain FedAvg, as when there is no negative pair yet).
@@ -42,21 +43,29 @@ class Moon(FedAvg):
     }
 
     def init_state(self, state, rnd):
-        remember_global(state)
+        self.remember(state)
         state.client["prev"] = {k: v.clone() for k, v in state.params.items()}  # [H, C, ...]
+        state.client["prev_buffers"] = {k: v.clone() for k, v in state.buffers.items()}  # [H, C, ...]
 
     def download(self, state, server, rnd):
-        prev = state.client["prev"]  # participants' previous model := their model after this round's training
-        state.client["prev"] = {k: torch.where(bcast(rnd.part, v), state.params[k], v) for k, v in prev.items()}
+        # participants' previous model := their model after this round's training, BN statistics included
+        for key, now in (("prev", state.params), ("prev_buffers", state.buffers)):
+            state.client[key] = {k: torch.where(bcast(rnd.part, v), now[k], v) for k, v in state.client[key].items()}
         super().download(state, server, rnd)
+        self.remember(state)
+
+    def remember(self, state):
         remember_global(state)
+        state.server["global_buffers"] = {k: v[:, 0].clone() for k, v in state.buffers.items()}  # [H, ...]
 
     def context(self, state, rnd):
-        return super().context(state, rnd) | {"global": global_context(state, rnd), "prev": state.client["prev"]}
+        glob = {k: rnd.expand(v) for k, v in state.server["global_buffers"].items()}  # [H, C, ...] views
+        return super().context(state, rnd) | {"global": global_context(state, rnd), "global_buffers": glob,
+                                              "prev": state.client["prev"], "prev_buffers": state.client["prev_buffers"]}
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)
-        z_glob, _ = self.embed(ctx["global"], buffers, x)
-        z_prev, _ = self.embed(ctx["prev"], buffers, x)
+        z_glob, _ = self.embed(ctx["global"], ctx["global_buffers"], x)
+        z_prev, _ = self.embed(ctx["prev"], ctx["prev_buffers"], x)
         con = masked_mean(model_contrast(z, z_glob, z_prev, ctx["hp"]["tau"]), mask)
         return masked_ce(self.logits(params, z), y, mask) + ctx["hp"]["mu"] * con, new_buffers
