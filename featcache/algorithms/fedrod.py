@@ -2,8 +2,9 @@
 ICLR 2022, §4; linear personalized head).
 
 Differences from FedAvg:
-- a second, personal classifier ("pcls", starting as a copy of the generic one, as common implementations do) next
-  to the generic one; body (projection) and generic head are averaged, the personal head stays on the client;
+- a second, personal classifier ("pcls", starting as a copy of the generic one, as PFLlib's
+  `system/flcore/clients/clientrod.py` does) next to the generic one; body (projection) and generic head are
+  averaged, the personal head stays on the client;
 - the body and the generic head g(z) learn with the balanced softmax (Ren et al., NeurIPS 2020), the class-count
   adjusted cross-entropy  L_BSM = −log( n_y exp(g_y) / Σ_c n_c exp(g_c) ),  n_c = the client's training samples of
   class c (classes it lacks get zero probability);

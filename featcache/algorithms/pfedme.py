@@ -9,7 +9,8 @@ minimiser θ̂_i(w) is client i's personalized model. Differences from FedAvg:
   the loss with torch.func.grad and detached); with optimizer=sgd, momentum=0, weight_decay=0 it is exactly the
   paper's step, with Adam it is Adam on the same gradient;
 - server (Alg. 1, global update): w ← (1 − β) w + β · (1/S) Σ_{i∈S} w_i, uniform over the S participants as in the
-  paper (the released code weights by sample counts); β = 1 gives plain averaging;
+  paper (the released code, CharlieDinh/pFedMe `FLAlgorithms/servers/serverbase.py`, weights by sample counts);
+  β = 1 gives plain averaging;
 - evaluation uses the personalized model θ̃ of the client's last minibatch, as the released code reports
   (`persionalized_model_bar`). θ̃ is held in the client's buffers under "personal.<name>" (returned by the loss like
   BN statistics, so it is per model and kept while a client sits a round out); before a client first trains,
