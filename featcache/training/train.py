@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import cache as C
-from ..algorithms import create
+from ..algorithms import create, plugin_exits
 from ..atomic import check_folder, output_errors, write_together
 from ..devices import resolve_device
 from ..errors import UserError, as_path
@@ -61,8 +61,9 @@ def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
                 device: str | torch.device = "cpu", progress=None, logs: bool = True) -> dict:
     """Train H configurations batched; returns the engine's raw output (acc [R_eval, H, C], with `logs` the other
     records of `Engine.run`, uploads, timings) and `trained` (a `Trained`)."""
-    engine = Engine(algo, cfgs, train, test, device=device)
-    raw = engine.run(progress, logs)
+    with plugin_exits():
+        engine = Engine(algo, cfgs, train, test, device=device)
+        raw = engine.run(progress, logs)
     return raw | {"trained": Trained(engine.algo, engine.state, engine.train, engine.test)}
 
 
