@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
 from ..training.metrics import CSV_COLUMNS
 from .load import Run, cache_of, is_number
 
@@ -98,14 +99,38 @@ def metrics_csv(result_file: Path) -> Path:
 
 
 def read_metrics(path: Path) -> list[dict] | None:
-    """The rows of a metrics.csv (round, seed, client, split, loss, accuracy, global_accuracy), or None when there
-    is none or it cannot be read as one."""
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except (OSError, UnicodeDecodeError, csv.Error):
+    """The rows of a metrics.csv (round, seed, client, split, loss, accuracy, global_accuracy), None when there is
+    none; one UserError line when there is one that is not a metrics.csv of `featcache train` (its columns or a
+    cell of the wrong type): a figure is drawn from what a run wrote, or not at all."""
+    if not path.is_file():
         return None
-    return rows if rows and set(CSV_COLUMNS) <= set(rows[0]) else None
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        why = f"unreadable ({type(e).__name__})"
+    else:
+        why = _metrics_problem(rows)
+    if why is None:
+        return rows
+    raise UserError(f"{path} is not a metrics.csv of `featcache train` ({why}): delete it (the figures then draw "
+                    "no std band) or re-run the training that wrote its result")
+
+
+def _metrics_problem(rows: list[dict]) -> str | None:
+    """Why parsed metrics.csv rows are not `train`'s (None when they are): the columns, then each cell's type."""
+    if not rows or list(rows[0]) != list(CSV_COLUMNS):
+        return f"its columns are not {','.join(CSV_COLUMNS)}" if rows else "no rows"
+    for i, row in enumerate(rows, start=2):
+        try:
+            ok = all(int(row[k]) >= 0 for k in ("round", "seed", "client")) and row["split"] in ("train", "test")
+            ok = ok and all(row[k] == "" or not math.isnan(float(row[k])) for k in ("loss", "accuracy",
+                                                                                       "global_accuracy"))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return f"line {i} is not round,seed,client as integers, split train/test and numbers"
+    return None
 
 
 def per_seed(rows: list[dict], split: str, column: str, rounds: list[int], seeds: list[int]) -> np.ndarray | None:

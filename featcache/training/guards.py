@@ -14,6 +14,9 @@ from ..errors import UserError
 MAX_FEATURE = 1e6
 # A float setting (other than lr) this much above its default, and above this size, is named as a NaN's likely cause.
 HUGE_RATIO, HUGE_VALUE = 100.0, 100.0
+# How to fix a client without rows to score on, by the split it lacks.
+NO_TEST_ROWS = "re-extract with more images per client (fewer clients, a milder partition)"
+NO_VAL_ROWS = "re-extract with a larger --val-fraction (the grid selects on each client's validation rows)"
 
 
 def check_features(data, cache) -> None:
@@ -35,6 +38,12 @@ def check_rows(counts, split: str, cache, fix: str) -> None:
         more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
         raise UserError(f"client {empty[0]:03d}{more} of cache {cache} has no {split} rows, so it cannot be scored: "
                         f"{fix}")
+
+
+def check_split(data, split: str, cache, fix: str) -> None:
+    """A loaded split that models are scored on: features of sane size (`check_features`), rows in every client."""
+    check_features(data, cache)
+    check_rows(data.counts.tolist(), split, cache, fix)
 
 
 def check_loss(algo, loss: torch.Tensor, models: torch.Size) -> None:

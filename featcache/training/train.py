@@ -39,6 +39,7 @@ from ..provenance import library_call, provenance
 from .states import SUFFIX, state_bytes
 from .config import check_clients, check_seeds, merge_rounds, resolve
 from .engine import Engine, State
+from .guards import NO_TEST_ROWS, check_features, check_split
 
 
 def load_split(path, algo, holdout: str = "none", split: str = "train", backbones=None) -> C.ClientData:
@@ -164,9 +165,11 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
     cache = as_path(cache, "cache")
     train_data = load_split(cache, impl, backbones=backbones)
+    check_features(train_data, cache)
     check_clients(cfg, int(train_data.features.shape[0]))
     check_memory(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")
     test_data = C.load_clients(cache, "test", backbones=backbones)
+    check_split(test_data, "test", cache, NO_TEST_ROWS)
     raw = run_configs(impl, [cfg | {"seed": int(s)} for s in seeds], train_data, test_data, dev, progress)
     meta = test_data.meta
     floats = raw["upload_floats"][0]
