@@ -106,22 +106,25 @@ def read_metrics(path: Path) -> list[dict] | None:
         return None
     try:
         with open(path, newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
+            reader = csv.DictReader(f)
+            rows = list(reader)
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         why = f"unreadable ({type(e).__name__})"
     else:
-        why = _metrics_problem(rows)
+        why = _metrics_problem(reader.fieldnames, rows)
     if why is None:
-        return rows
+        return rows or None
     raise UserError(f"{path} is not a metrics.csv of `featcache train` ({why}): delete it (the figures then draw "
                     "no std band) or re-run the training that wrote its result")
 
 
-def _metrics_problem(rows: list[dict]) -> str | None:
-    """Why parsed metrics.csv rows are not `train`'s (None when they are): the columns, then each cell's type."""
-    if not rows or list(rows[0]) != list(CSV_COLUMNS):
-        return f"its columns are not {','.join(CSV_COLUMNS)}" if rows else "no rows"
+def _metrics_problem(columns, rows: list[dict]) -> str | None:
+    """Why a parsed metrics.csv is not `train`'s (None when it is): its header, then each row's cells."""
+    if list(columns or ()) != list(CSV_COLUMNS):
+        return f"its columns are not {','.join(CSV_COLUMNS)}"
     for i, row in enumerate(rows, start=2):
+        if None in row or None in row.values():  # more or fewer cells than columns
+            return f"line {i} does not have {len(CSV_COLUMNS)} cells"
         try:
             ok = all(int(row[k]) >= 0 for k in ("round", "seed", "client")) and row["split"] in ("train", "test")
             ok = ok and all(row[k] == "" or not math.isnan(float(row[k])) for k in ("loss", "accuracy",

@@ -24,7 +24,8 @@ def check_features(data, cache) -> None:
     for name, t in (("features", data.features), ("views", data.views)):
         if t is None or t.numel() == 0:
             continue
-        top = float(t.abs().max())
+        low, high = torch.aminmax(t)  # no |t| copy of a large tensor
+        top = max(-float(low), float(high)) if not bool(torch.isnan(high) | torch.isnan(low)) else float("nan")
         if top != top or top > MAX_FEATURE:  # NaN fails every comparison but this one
             size = "non-finite values" if top != top or top == float("inf") else f"values of magnitude {top:.3g}"
             raise UserError(f"cache {cache} holds {name} with {size} (a backbone's features stay far below "
