@@ -72,7 +72,10 @@ def _main() -> None:
         _error(str(e))
         sys.exit(2)
     except SystemExit as e:
-        from ..algorithms import plugin_exit, plugin_failure  # lazy: `featcache --help` skips the algorithm registry
+        if "featcache.algorithms" not in sys.modules:  # no algorithm, no plug-in was loaded (`featcache --help`)
+            plugin_exit = plugin_failure = lambda _: None
+        else:
+            from ..algorithms import plugin_exit, plugin_failure
 
         interrupt = _interrupt(e)
         if interrupt is not None:  # Ctrl-C, or a KeyboardInterrupt raised in a plug-in's hook: one line, exit 130
