@@ -80,16 +80,46 @@ def make_folder(folder: str | Path) -> Path:
     return folder
 
 
-def write_atomic(path: str | Path, text: str | bytes) -> None:
-    """Write `path` atomically; an OS error of the output (see `output_errors`) is one UserError line and leaves no
-    temporary behind."""
-    path = Path(path)
+def missing_folders(folder: str | Path) -> list[Path]:
+    """The folders of `folder`'s path that do not exist yet, deepest first: what `make_folder` would create."""
+    missing, folder = [], Path(folder)
+    while not folder.exists() and not folder.is_symlink() and folder.parent != folder:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove the folders of `missing_folders` again, deepest first, as long as they are empty (a refused command
+    leaves the file system as it found it)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or gone): what is in it stays
+            return
+
+
+def _stage(path: Path, text: str | bytes) -> Path:
+    """Write `text` to the temporary `.NAME.PID.tmp` beside `path` (removed again should the write fail)."""
     make_folder(path.parent)
     with output_errors(path):
         _drop_orphans(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return tmp
+
+
+def write_atomic(path: str | Path, text: str | bytes) -> None:
+    """Write `path` atomically; an OS error of the output (see `output_errors`) is one UserError line and leaves no
+    temporary behind."""
+    path = Path(path)
+    tmp = _stage(path, text)
+    with output_errors(path):
+        try:
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -97,18 +127,26 @@ def write_atomic(path: str | Path, text: str | bytes) -> None:
 
 
 def write_together(files: list[tuple[Path, str | bytes]]) -> None:
-    """Write every file atomically, in order (put last the one whose presence means the others are complete).
-    Should one fail, the files this call created are removed again: all of them or none."""
-    created = []
+    """Write every file atomically: first all their temporaries, then the renames in order (put last the one whose
+    presence means the others are complete), so a process killed while writing leaves temporaries (removed by the
+    next writer of those names), not some of the files. Should one fail, the files this call created are removed
+    again, and the folders it created when they are empty: all of them or none."""
+    files = [(Path(path), body) for path, body in files]
+    made = missing_folders(files[0][0].parent) if files else []
+    staged, created = [], []
     try:
         for path, body in files:
-            existed = Path(path).exists()
-            write_atomic(path, body)
+            staged.append(_stage(path, body))
+        for (path, _), tmp in zip(files, staged):
+            existed = path.exists()
+            with output_errors(path):
+                os.replace(tmp, path)
             if not existed:
-                created.append(Path(path))
+                created.append(path)
     except BaseException:
-        for path in created:
+        for path in [*staged, *created]:
             path.unlink(missing_ok=True)
+        remove_empty(made)
         raise
 
 

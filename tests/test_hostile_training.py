@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Callable
 
@@ -24,6 +25,7 @@ import torch
 from harness import edit_cache, everything_in, lines, one_line_error, run_cli
 
 from featcache import cache as C
+from featcache.errors import UserError
 from tests.synthetic import write_cache
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,7 +40,7 @@ def good_cache(tmp_path_factory) -> Path:
 def good_result(good_cache, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("result")
     res = run_cli("train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "2", "--seeds", "0",
-                  "--set", "batch_size=8", "--out", out, "--json")
+                  "--set", "batch_size=8", "--out", out, "--json", "--save-state")
     assert res.code == 0, res.stderr
     return Path(json.loads(res.stdout)["result_file"])
 
@@ -150,6 +152,17 @@ def tampered(edit: Callable[[h5py.File], None], reseal: bool = True) -> Callable
     return lambda x: edit_cache(x.cache(), edit, reseal)
 
 
+def with_cache(make: Callable[[Ctx], list], cache: Callable[[Ctx], Path]) -> Callable[[Ctx], list]:
+    """A command whose --cache is replaced by cache(ctx)."""
+
+    def build(x: Ctx) -> list:
+        args = make(x)
+        args[args.index("--cache") + 1] = cache(x)
+        return args
+
+    return build
+
+
 def cmd(command: str, make_cache: Callable[[Ctx], Path], *extra: str) -> Callable[[Ctx], list]:
     def build(x: Ctx) -> list:
         path = make_cache(x)
@@ -205,6 +218,119 @@ def concat_differs(f: h5py.File) -> None:
 
 def label_out_of_range(f: h5py.File) -> None:
     f["clients/000/train/labels"][0] = 99
+
+
+def feature_value(value: float) -> Callable[[h5py.File], None]:
+    """One training feature of client 0 set to `value` (resealed: only the content checks can tell)."""
+
+    def edit(f: h5py.File) -> None:
+        f["clients/000/train/features/concat"][0, 0] = value
+
+    return edit
+
+
+def no_test_rows(f: h5py.File) -> None:
+    """Client 1 keeps no test rows; the counts are rewritten to agree."""
+    meta = C.read_attrs(f)
+    g = f["clients/001/test"]
+    for name in ("domain", "labels", "source_index", "features/concat"):
+        ds = g[name]
+        del g[name]
+        g[name] = np.zeros((0, *ds.shape[1:]), ds.dtype)
+    rows = meta["counts"]["clients"]
+    f.attrs["images"] = meta["images"] - rows[1]["test"]
+    rows[1]["test"] = 0
+    f.attrs["counts"] = json.dumps({"clients": rows}, sort_keys=True)
+
+
+def damaged_test_features(f: h5py.File) -> None:
+    f["clients/002/test/features/concat"][0, 0] += 1.0  # not resealed: the checksum tells
+
+
+def no_val_rows(x: Ctx) -> Path:
+    return Path(write_cache(x.tmp / "noval.h5", val_fraction=0.0))
+
+
+def plugin(name: str, body: str) -> Callable[[Ctx], str]:
+    """A plug-in file in the test's folder: a FedAvg subclass `name` with the methods of `body`."""
+    head = "import sys\nimport torch\nfrom featcache.algorithms.base import FedAvg\nfrom featcache.training.config " \
+           f"import Setting\n\n\nclass P(FedAvg):\n    name = {name!r}\n"
+    return lambda x: f"{x.file(name + '.py', head + textwrap.indent(textwrap.dedent(body), '    '))}:P"
+
+
+PREDICT = "def predict(self, params, buffers, x, ctx):\n    s = super().predict(params, buffers, x, ctx)\n"
+PLUGINS = {
+    "predict-nan": PREDICT + "    return s * float('nan')\n",
+    "predict-all-minus-inf": PREDICT + "    return torch.full_like(s, float('-inf'))\n",
+    "predict-classes": PREDICT + "    return s[:, :2]\n",
+    "loss-not-scalar": "def local_loss(self, params, buffers, x, y, mask, ctx):\n"
+                       "    loss, new = super().local_loss(params, buffers, x, y, mask, ctx)\n"
+                       "    return loss * torch.ones(3), new\n",
+    "lr-fast": "settings = {'lr': Setting('fast', 'a rate')}\n",
+    "exits": "def after_local(self, state, rnd):\n    sys.exit(0)\n",
+    "interrupts": "def after_local(self, state, rnd):\n    raise KeyboardInterrupt\n",
+    "raises": "def after_local(self, state, rnd):\n    raise ValueError('boom')\n",
+}
+
+
+def with_plugin(make: Callable, key: str, command: str = "train") -> Callable[[Ctx], list]:
+    """`make` (train or grid) with --algo the plug-in PLUGINS[key] (registered under a name of its own per command)."""
+    spec = plugin(f"{key}-{command}", PLUGINS[key])
+
+    def build(x: Ctx) -> list:
+        args = make(x)
+        args[args.index("--algo") + 1] = spec(x)
+        return args
+
+    return build
+
+
+def result_copy(x: Ctx, edit: Callable[[dict], None] | None = None, metrics: str | None = None) -> Path:
+    """The good result (edited) in the test's folder, with `metrics` as its metrics.csv when given."""
+    r = json.loads(x.result.read_text())
+    if edit:
+        edit(r)
+    path = x.file("copy.json", json.dumps(r))
+    if metrics is not None:
+        x.file("copy.metrics.csv", metrics)
+    return path
+
+
+def set_curve(key: str, value) -> Callable[[dict], None]:
+    return lambda r: r["curve"].__setitem__(key, value)
+
+
+def state_edited(edit: Callable[[dict, dict], None]) -> Callable[[Ctx], Path]:
+    """A copy of the good saved state with its tensors and metadata edited by edit(tensors, meta)."""
+
+    def make(x: Ctx) -> Path:
+        from safetensors.torch import save_file
+
+        from featcache.training.states import load_state
+
+        tensors, meta = load_state(x.result.with_suffix("").with_suffix(".state.safetensors"))
+        edit(tensors, meta)
+        path = x.tmp / "edited.state.safetensors"
+        save_file(tensors, str(path), metadata={"featcache": json.dumps(meta, sort_keys=True)})
+        return path
+
+    return make
+
+
+def wider(tensors: dict, meta: dict) -> None:
+    tensors["params/cls0.bias"] = torch.zeros(*tensors["params/cls0.bias"].shape[:2], 7)
+
+
+def other_algo(tensors: dict, meta: dict) -> None:
+    meta["algo"] = meta["algo_spec"] = "fedpcl"
+
+
+def nan_params(tensors: dict, meta: dict) -> None:
+    tensors["params/proj0.weight"][0, 0, 0, 0] = float("nan")
+
+
+def plot(state: Callable[[Ctx], Path]) -> Callable[[Ctx], list]:
+    return lambda x: ["plot", state(x), "--cache", x.good_cache, "--method", "pca", "--out", x.out / "f.png"]
 
 
 HUGE = str(2**63)
@@ -289,7 +415,43 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "verify-concat-differs": (cmd("verify", tampered(concat_differs)),
                               "backbones/synth: columns [1, 17] do not follow the backbones before it"),
     "verify-label-out-of-range": (cmd("verify", tampered(label_out_of_range)), "labels: values outside 0..4"),
-    # 7. memory
+    "train-features-huge": (cmd("train", tampered(feature_value(1e36))), "values of magnitude 1e+36"),
+    "train-features-inf": (cmd("train", tampered(feature_value(float("inf")))), "NaN or Inf values"),
+    "train-client-without-test-rows": (cmd("train", tampered(no_test_rows)),
+                                       "client 001 of cache"),
+    "grid-without-validation-rows": (with_cache(grid(), no_val_rows), "has no validation rows"),
+    "grid-test-split-damaged": (with_cache(grid(), tampered(damaged_test_features, reseal=False)),
+                                "failed verification"),
+    # 7. plug-ins: outputs checked at the first round, exits and exceptions in a hook
+    "plugin-predict-nan": (with_plugin(train(), "predict-nan"), "predict returned NaN scores"),
+    "plugin-predict-all-minus-inf": (with_plugin(train(), "predict-all-minus-inf"), "predict returned -inf"),
+    "plugin-predict-classes": (with_plugin(train(), "predict-classes"), "not [N, 5]"),
+    "plugin-loss-not-scalar": (with_plugin(train(), "loss-not-scalar"), "local_loss returned a loss of shape [3]"),
+    "plugin-lr-fast": (with_plugin(train(), "lr-fast"), "lr is a float"),
+    "plugin-sys-exit": (with_plugin(train(), "exits"), "in after_local (sys.exit(0))"),
+    "grid-plugin-sys-exit": (with_plugin(grid(), "exits", "grid"), "in after_local (sys.exit(0))"),
+    "grid-plugin-raises": (with_plugin(grid(), "raises", "grid"), "in after_local: ValueError: boom"),
+    # 8. a loss that diverges names the setting
+    "huge-weight-decay": (lambda x: train("--set", "weight_decay=1e8", "--set", "optimizer=sgd")(x)
+                          + ["--rounds", "5"], "weight_decay=1e+08 (default 0.0001) is the likely cause"),
+    "huge-mu": (train("--set", "mu=1e15", "--set", "optimizer=sgd", algo="fedprox"),
+                "mu=1e+15 (default 0.01) is the likely cause"),
+    # 9. what report and plot read
+    "report-metrics-garbage": (report(lambda x: result_copy(x, metrics="a,b\n1,2\n"), out=True),
+                               "copy.metrics.csv is not a metrics.csv"),
+    "report-metrics-types": (report(lambda x: result_copy(x, metrics=x.result.with_suffix(".metrics.csv").read_text()
+                                                          .replace("\n2,", "\ntwo,", 1)), out=True),
+                             "is not round,seed,client as integers"),
+    "report-global-curve-length": (report(lambda x: result_copy(x, set_curve("global_acc", [50.0] * 9)), out=True),
+                                   "'curve.global_acc' is not null or a list of 2 numbers"),
+    "report-loss-curve-length": (report(lambda x: result_copy(x, set_curve("train_loss", [1.0])), out=True),
+                                 "'curve.train_loss' is not null or a list of 2 numbers"),
+    "report-mean-acc-1e308": (report(lambda x: result_copy(x, lambda r: r.__setitem__("mean_acc", 1e308))),
+                              "'mean_acc' is 1e+308, not an accuracy in %"),
+    "plot-state-shapes": (plot(state_edited(wider)), "params/cls0.bias has shape [1, 4, 7]"),
+    "plot-state-other-algo": (plot(state_edited(other_algo)), "does not hold fedpcl's model"),
+    "plot-state-nan": (plot(state_edited(nan_params)), "params/proj0.weight holds NaN"),
+    # 10. memory
     "train-memory-proj-dim": (train("--set", "proj_dim=10000000", algo="fedpcl"), "lower proj_dim"),
     "grid-memory-proj-dim": (grid(algo="fedpcl", axis="proj_dim=16,10000000"), "lower proj_dim"),
 }
@@ -312,7 +474,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(good_cache, good_resul
     one_line_error(run_cli(*args), needle)
     after = snapshot(tmp_path)
     created = sorted(set(after) - set(before))
-    assert created in ([], ["out"]) and everything_in(x.out) == [], created  # an empty --out folder at most
+    assert created == [], created  # not even an empty --out folder
     assert {k: v for k, v in after.items() if k in before} == before
     assert snapshot(good_result.parent) == result_before
 
@@ -364,7 +526,7 @@ def test_real_file_size_limit_in_a_subprocess(good_cache, tmp_path):
     assert proc.returncode == 2, proc.stderr
     (line,) = lines(proc.stderr)
     assert line.startswith("error:") and "file size limit" in line, line
-    assert everything_in(out) == []
+    assert not out.exists()  # the --out folder it made is removed again
 
 
 def test_out_of_memory_at_run_time_is_one_line_exit_2(good_cache, tmp_path, monkeypatch):
@@ -378,3 +540,89 @@ def test_out_of_memory_at_run_time_is_one_line_exit_2(good_cache, tmp_path, monk
                   tmp_path)
     one_line_error(res, "out of memory")
     assert everything_in(tmp_path) == []
+
+
+def test_a_keyboard_interrupt_in_a_hook_is_one_line_exit_130(good_cache, tmp_path):
+    x = Ctx(tmp_path, good_cache, Path(), None)
+    args = with_plugin(train(), "interrupts")(x)
+    before = snapshot(tmp_path)
+    res = run_cli(*args)
+    assert res.code == 130 and "Traceback" not in res.stderr
+    (line,) = lines(res.stderr)
+    assert line.startswith("error: interrupted (KeyboardInterrupt raised at") and ", in after_local)" in line, line
+    assert snapshot(tmp_path) == before
+
+
+# name -> (a train or grid command, the Python call with the same arguments)
+API_CASES = {
+    "features-huge": (cmd("train", tampered(feature_value(1e36))), {}),
+    "no-test-rows": (cmd("train", tampered(no_test_rows)), {}),
+    "plugin-predict-nan": (with_plugin(train(), "predict-nan", "api"), {}),
+    "plugin-loss-not-scalar": (with_plugin(train(), "loss-not-scalar", "api"), {}),
+    "plugin-sys-exit": (with_plugin(train(), "exits", "api"), {}),
+    "huge-mu": (train("--set", "mu=1e15", "--set", "optimizer=sgd", algo="fedprox"), {}),
+}
+
+
+def api_call(args: list) -> Callable[[], object]:
+    """`featcache train ...` (the options API_CASES use) as the call of featcache.train with the same arguments."""
+    import featcache
+
+    opts, sets = {}, []
+    for flag, value in zip(args[1::2], args[2::2]):
+        if flag == "--set":
+            sets.append(str(value))
+        else:
+            opts[flag.lstrip("-")] = value
+    return lambda: featcache.train(cache=opts["cache"], algo=str(opts["algo"]), rounds=int(opts["rounds"]),
+                                   seeds=[int(opts["seeds"])], set=sets, out=opts["out"])
+
+
+@pytest.mark.parametrize("case", API_CASES.values(), ids=API_CASES.keys())
+def test_the_python_api_raises_the_same_line(good_cache, tmp_path, monkeypatch, case):
+    make, _ = case
+    x = Ctx(tmp_path, good_cache, Path(), monkeypatch)
+    args = make(x)
+    line = one_line_error(run_cli(*args), "")
+    before = snapshot(tmp_path)
+    with pytest.raises(UserError) as e:
+        api_call(args)()
+    assert f"error: {e.value}" == line
+    assert snapshot(tmp_path) == before
+
+
+def test_report_and_plot_api_raise_the_same_line(good_cache, good_result, tmp_path, monkeypatch):
+    import featcache
+
+    x = Ctx(tmp_path, good_cache, good_result, monkeypatch)
+    bad = result_copy(x, lambda r: r.__setitem__("mean_acc", 1e308))
+    line = one_line_error(run_cli("report", bad), "not an accuracy")
+    with pytest.raises(UserError) as e:
+        featcache.report([bad])
+    assert f"error: {e.value}" == line
+    state = state_edited(nan_params)(x)
+    line = one_line_error(run_cli(*plot(lambda _: state)(x)), "holds NaN")
+    with pytest.raises(UserError) as e:
+        featcache.plot(state, good_cache, method="pca", out=x.out / "f.png")
+    assert f"error: {e.value}" == line and not x.out.exists()
+
+
+def test_train_killed_while_writing_its_outputs_leaves_no_finished_looking_file(good_cache, tmp_path):
+    """kill -9 once every output is staged (the state's temporary written): no result, metrics or timing file
+    appears, only hidden temporaries; the rerun writes all of them and removes those temporaries."""
+    out = tmp_path / "runs"
+    args = ["train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--set",
+            "batch_size=8", "--out", out, "--save-state"]
+    crash = [sys.executable, str(REPO / "tests" / "crashpoint.py"), "--kill",
+             "after:pathlib.Path.write_bytes:1:*.state.safetensors.*.tmp", "--", *map(str, args)]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    killed = subprocess.run(crash, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    left = everything_in(out)
+    assert left and all(name.startswith(".") and name.endswith(".tmp") for name in left), left
+    again = run_cli(*args)
+    assert again.code == 0, again.stderr
+    names = everything_in(out)
+    assert not [n for n in names if n.endswith(".tmp")], names
+    assert sorted(Path(n).name.split(".", 1)[1] for n in names) == ["json", "metrics.csv", "state.safetensors",
+                                                                    "timing.json"]

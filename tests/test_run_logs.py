@@ -153,14 +153,14 @@ def test_files_are_written_together_or_not_at_all(cache, tmp_path, monkeypatch):
     """The result file is written last; when it fails, the sidecars and the TensorBoard run already written go."""
     import featcache.atomic as A
 
-    real = A.write_atomic
+    real = A._stage
 
     def full_disk(path, body):
         if Path(path).name.endswith(".json") and not Path(path).name.endswith(".timing.json"):
             raise UserError(f"cannot write {path}: No space left on device")
-        real(path, body)
+        return real(path, body)
 
-    monkeypatch.setattr(A, "write_atomic", full_disk)  # under write_together, which train writes its files with
+    monkeypatch.setattr(A, "_stage", full_disk)  # under write_together, which train writes its files with
     with pytest.raises(UserError, match="No space left"):
         train(cache, "fedavg", rounds=1, seeds=[0], out=tmp_path / "runs", tensorboard=tmp_path / "tb",
               save_state=True)

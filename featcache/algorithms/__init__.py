@@ -16,6 +16,7 @@ import importlib.util
 import pkgutil
 import sys
 import warnings
+from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -50,6 +51,28 @@ def plugin_failure(exc: BaseException) -> str | None:
         return None
     return f"{hit.tb_frame.f_code.co_filename}:{hit.tb_lineno}, in {hit.tb_frame.f_code.co_name}: " \
            f"{type(exc).__name__}: {first_line(exc, 200)}"
+
+
+def plugin_exit(e: SystemExit) -> UserError | None:
+    """The one line for a plug-in hook's `sys.exit()` (a run that quietly stops with exit code 0 and no result would
+    look like a success), or None when the exit is not a plug-in's."""
+    where = plugin_failure(e)
+    if where is None:
+        return None
+    return UserError(f"plug-in exited at {where.rpartition(': SystemExit')[0]} (sys.exit({e.code!r})): a hook must "
+                     "return its value or raise an exception")
+
+
+@contextmanager
+def plugin_exits():
+    """Inside: a plug-in hook's `sys.exit()` becomes its UserError line (`plugin_exit`); other exits pass through."""
+    try:
+        yield
+    except SystemExit as e:
+        error = plugin_exit(e)
+        if error is None:
+            raise
+        raise error from None
 
 
 def register(cls):

@@ -52,12 +52,41 @@ def main() -> None:
         provenance.COMMAND = None
 
 
+def _error(message: str) -> None:
+    err.print(f"[red]error:[/red] {escape(' '.join(message.splitlines()))}", highlight=False, soft_wrap=True,
+              emoji=False)  # `--algo file.py:X: ...` is no :x: emoji
+
+
+def _interrupt(e: SystemExit) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt behind typer's exit code 130, if that is what `e` is."""
+    seen = e.__context__ or e.__cause__
+    while seen is not None and not isinstance(seen, KeyboardInterrupt):
+        seen = seen.__cause__ or seen.__context__
+    return seen if e.code == 130 else None
+
+
 def _main() -> None:
     try:
         app()
     except UserError as e:
-        err.print(f"[red]error:[/red] {escape(' '.join(str(e).splitlines()))}", highlight=False, soft_wrap=True,
-                  emoji=False)  # `--algo file.py:X: ...` is no :x: emoji
+        _error(str(e))
+        sys.exit(2)
+    except SystemExit as e:
+        if "featcache.algorithms" not in sys.modules:  # no algorithm, no plug-in was loaded (`featcache --help`)
+            plugin_exit = plugin_failure = lambda _: None
+        else:
+            from ..algorithms import plugin_exit, plugin_failure
+
+        interrupt = _interrupt(e)
+        if interrupt is not None:  # Ctrl-C, or a KeyboardInterrupt raised in a plug-in's hook: one line, exit 130
+            where = plugin_failure(interrupt)
+            at = f" (KeyboardInterrupt raised at {where.partition(': KeyboardInterrupt')[0]})" if where else ""
+            _error(f"interrupted{at}: run the same command again")
+            sys.exit(130)
+        error = plugin_exit(e)
+        if error is None:
+            raise
+        _error(str(error))
         sys.exit(2)
     except Exception as e:
         detail = escape(f"{type(e).__name__}: {first_line(e)}")

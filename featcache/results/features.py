@@ -45,6 +45,40 @@ def load_state(path: str | Path) -> tuple[dict, dict]:
                     "`featcache train --save-state` writes")
 
 
+def check_state(path, tensors: dict, meta: dict, name: str, d_in: int, K: int, C: int):
+    """The algorithm `name` bound to the state's config, once the state is known to be one it trained: its config
+    resolves for that algorithm, its params/ and buffers/ tensors have the names and shapes [S, C, ...] of the
+    algorithm's `init` on this cache (D features, K classes), and every parameter is finite. Else one UserError."""
+    import torch
+
+    from ..algorithms import create
+    from ..training.config import resolve, shared_settings
+
+    fix = "pass the NAME.state.safetensors file `featcache train --save-state` wrote, unchanged"
+    impl = create(name)
+    try:
+        cfg = resolve(impl, meta["config"])
+    except UserError as e:
+        raise UserError(f"state {path}: its config does not fit algorithm {name} ({e}): {fix}") from None
+    with torch.device("meta"):
+        params, buffers = impl.init(cfg, d_in, K, torch.Generator())
+    lead = (len(meta["seeds"]), C)
+    for group, want in (("params", params), ("buffers", buffers)):
+        have = {k[len(group) + 1:]: v for k, v in tensors.items() if k.startswith(group + "/")}
+        names = set(want) ^ set(have) if group == "params" else set(want) - set(have)
+        if names:
+            raise UserError(f"state {path} does not hold {name}'s model: {group}/{sorted(names)[0]} is "
+                            f"{'missing' if sorted(names)[0] in want else 'not one of its tensors'}: {fix}")
+        for k, v in want.items():
+            if tuple(have[k].shape) != (*lead, *v.shape):
+                raise UserError(f"state {path}: {group}/{k} has shape {list(have[k].shape)}, {name} on this cache "
+                                f"needs {[*lead, *v.shape]}: {fix}")
+            if have[k].is_floating_point() and not bool(torch.isfinite(have[k]).all()):
+                raise UserError(f"state {path}: {group}/{k} holds NaN or infinite values (the training diverged, "
+                                f"or the file was changed): {fix}")
+    return impl.bind(shared_settings(cfg, impl))
+
+
 def part(tensors: dict, prefix: str, s: int, c: int) -> dict:
     """The `prefix/<name>` tensors of seed s and client c: name -> [...]."""
     return {k[len(prefix) + 1:]: v[s, c] for k, v in tensors.items() if k.startswith(prefix + "/")}
@@ -86,7 +120,7 @@ def learned_features(state: str | Path, cache: str | Path, split: str = "test", 
     of `split` in `cache`; refused when the state was trained on another cache."""
     import torch
 
-    from ..algorithms import create, load
+    from ..algorithms import load
     from ..cache import load_clients
 
     _choose("split", split, SPLITS)
@@ -98,12 +132,13 @@ def learned_features(state: str | Path, cache: str | Path, split: str = "test", 
     seed = meta["seeds"][0] if seed is None else seed
     _choose("seed", seed, meta["seeds"])
     s = meta["seeds"].index(seed)
-    algo = create(load(meta.get("algo_spec", meta["algo"])), meta["config"])  # a plug-in's file is imported first
+    algo = load(meta.get("algo_spec", meta["algo"]))  # a plug-in's file is imported first
     data = load_clients(cache, **SPLITS[split], backbones=meta["backbones"] or None)
     C = int(data.features.shape[0])
     if next(v for k, v in tensors.items() if k.startswith("params/")).shape[:2] != (len(meta["seeds"]), C):
         raise UserError(f"state {state} does not hold {len(meta['seeds'])} seeds x {C} clients of {cache}: pass the "
                         "cache it was trained on")
+    algo = check_state(state, tensors, meta, algo, data.features.shape[-1], data.num_classes, C)
     zs, clients, labels = [], [], []
     with torch.no_grad():
         for c in range(C):

@@ -41,9 +41,11 @@ def result_problem(r) -> str | None:
     for k in _NUMBERS:
         if not is_number(r.get(k)):
             return f"'{k}' is missing or not a finite number"
+        if not is_percent(r[k]):
+            return f"'{k}' is {r[k]:g}, not an accuracy in % (0 to 100)"
     w20 = (r.get("fairness") or {}).get("worst_20") if isinstance(r.get("fairness"), dict) else None
-    if not (isinstance(w20, list) and len(w20) == 2 and all(is_number(v) for v in w20)):
-        return "'fairness.worst_20' is missing or not [mean, std]"
+    if not (isinstance(w20, list) and len(w20) == 2 and all(is_number(v) and is_percent(v) for v in w20)):
+        return "'fairness.worst_20' is missing or not [mean, std] in %"
     if not (isinstance(r.get("params_uploaded_per_round"), int) and not isinstance(r["params_uploaded_per_round"], bool)
             and r["params_uploaded_per_round"] >= 0):
         return "'params_uploaded_per_round' is missing or not a count"
@@ -58,7 +60,18 @@ def result_problem(r) -> str | None:
     if not (isinstance(rounds, list) and isinstance(acc, list) and rounds and len(rounds) == len(acc)
             and all(is_number(v) for v in rounds + acc)):
         return "'curve' needs lists 'rounds' and 'mean_acc' of numbers, of the same length"
+    if not all(is_percent(v) for v in acc):
+        return "'curve.mean_acc' holds values that are not accuracies in % (0 to 100)"
+    for k in ("global_acc", "train_loss"):  # optional curves: null, or one number per evaluation round
+        v = curve.get(k)
+        if v is not None and not (isinstance(v, list) and len(v) == len(rounds) and all(
+                is_number(x) and (k != "global_acc" or is_percent(x)) or x is None for x in v)):
+            return f"'curve.{k}' is not null or a list of {len(rounds)} numbers (one per evaluation round)"
     return None
+
+
+def is_percent(v) -> bool:
+    return 0 <= v <= 100
 
 
 @dataclass

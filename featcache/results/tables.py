@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
 from ..training.metrics import CSV_COLUMNS
 from .load import Run, cache_of, is_number
 
@@ -98,14 +99,41 @@ def metrics_csv(result_file: Path) -> Path:
 
 
 def read_metrics(path: Path) -> list[dict] | None:
-    """The rows of a metrics.csv (round, seed, client, split, loss, accuracy, global_accuracy), or None when there
-    is none or it cannot be read as one."""
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except (OSError, UnicodeDecodeError, csv.Error):
+    """The rows of a metrics.csv (round, seed, client, split, loss, accuracy, global_accuracy), None when there is
+    none; one UserError line when there is one that is not a metrics.csv of `featcache train` (its columns or a
+    cell of the wrong type): a figure is drawn from what a run wrote, or not at all."""
+    if not path.is_file():
         return None
-    return rows if rows and set(CSV_COLUMNS) <= set(rows[0]) else None
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        why = f"unreadable ({type(e).__name__})"
+    else:
+        why = _metrics_problem(reader.fieldnames, rows)
+    if why is None:
+        return rows or None
+    raise UserError(f"{path} is not a metrics.csv of `featcache train` ({why}): delete it (the figures then draw "
+                    "no std band) or re-run the training that wrote its result")
+
+
+def _metrics_problem(columns, rows: list[dict]) -> str | None:
+    """Why a parsed metrics.csv is not `train`'s (None when it is): its header, then each row's cells."""
+    if list(columns or ()) != list(CSV_COLUMNS):
+        return f"its columns are not {','.join(CSV_COLUMNS)}"
+    for i, row in enumerate(rows, start=2):
+        if None in row or None in row.values():  # more or fewer cells than columns
+            return f"line {i} does not have {len(CSV_COLUMNS)} cells"
+        try:
+            ok = all(int(row[k]) >= 0 for k in ("round", "seed", "client")) and row["split"] in ("train", "test")
+            ok = ok and all(row[k] == "" or not math.isnan(float(row[k])) for k in ("loss", "accuracy",
+                                                                                       "global_accuracy"))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return f"line {i} is not round,seed,client as integers, split train/test and numbers"
+    return None
 
 
 def per_seed(rows: list[dict], split: str, column: str, rounds: list[int], seeds: list[int]) -> np.ndarray | None:

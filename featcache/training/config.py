@@ -95,6 +95,9 @@ def settings_of(algo) -> MappingProxyType:
             if s is None:
                 table.pop(k, None)
             elif isinstance(s, Setting):
+                if k in table and s.type is not table[k].type:
+                    raise UserError(f"{where} = Setting({s.default!r}, ...): {k} is a {table[k].type.__name__}: "
+                                    f"give a default like {table[k].default!r}")
                 table[k] = s
             elif k not in table:
                 raise UserError(f"{where} = {s!r}: a new setting needs a declaration, Setting({s!r}, help=...)")

@@ -26,6 +26,7 @@ from ..devices import resolve_device
 from ..errors import UserError
 from .config import shared_settings, structural_keys
 from .evaluate import record
+from .guards import nan_cause
 from .hparams import HParams
 from .models import Params, expand_hc
 from .schedule import batch_order, participation, plan_steps
@@ -134,8 +135,7 @@ class Engine:
         round's mean local training loss [H, C] on the host (NaN for models that sat the round out)."""
         both = torch.stack([bad.to(self.round_loss.dtype), self.round_loss]).cpu()  # [2, H, C]
         if bool(both[0].any()):
-            raise UserError(f"{self.algo.name}: loss became NaN/Inf in round {rnd + 1}: lower --set lr=... "
-                            "or check the cache with `featcache info`")
+            raise UserError(nan_cause(self.algo, self.cfgs, both[0].any(1).nonzero().flatten().tolist(), rnd))
         return both[1]
 
     def run(self, progress=None, logs: bool = True) -> dict:
@@ -160,7 +160,7 @@ class Engine:
             times.append(time.perf_counter() - t0)
             upload_floats.append(sum(v[0, 0].numel() for v in uploads.values()))
             if (rnd + 1) % self.cfg["eval_every"] == 0 or rnd == R - 1:
-                records.append(record(algo, state, self.train, self.test, now, round_loss, logs))
+                records.append(record(algo, state, self.train, self.test, now, round_loss, logs, first=not records))
                 rounds.append(rnd + 1)
             if progress:
                 progress(rnd + 1, R)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..algorithms import create
-from ..atomic import check_folder, make_folder, write_atomic
+from ..atomic import check_folder, make_folder, missing_folders, remove_empty, write_atomic
 from ..cache import load_clients
 from ..cluster import ray_module
 from ..devices import resolve_device
@@ -34,6 +34,7 @@ from .metrics import mean_std
 from ..provenance import library_call, provenance
 from .config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
 from .engine import structural_keys
+from .guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
 from .train import check_memory, load_split, run_configs, train
 
 BACKENDS = {}
@@ -169,6 +170,10 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
     folder = Path(out) / f"grid-{algo}-{run_id}"
 
     fit = load_split(cache, impl, holdout="fit")
+    check_features(fit, cache)
+    check_split(load_clients(cache, "train", holdout="val"), "validation", cache, NO_VAL_ROWS)
+    if retrain:  # the whole cache is read and checked before the run folder exists
+        check_split(load_clients(cache, "test"), "test", cache, NO_TEST_ROWS)
     C = fit.features.shape[0]
     buckets: dict[str, list[int]] = {}
     for i, c in enumerate(cfgs):
@@ -178,7 +183,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
     for key, members in buckets.items():
         per_model[key] = check_memory(impl, cfgs[members[0]], min(chunk or 1, len(members) * len(seeds)), fit, dev,
                                       "use a smaller --chunk")
-    created = not folder.exists()
+    made = missing_folders(folder)
     make_folder(folder)
     try:
         jobs, chunk_sizes = [], []
@@ -227,8 +232,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
         _write_json(folder / "grid.timing.json", resumed)
         _write_json(folder / "grid.json", result)  # last: its presence means the run folder is complete
     except BaseException:
-        if created and folder.is_dir() and not any(folder.iterdir()):  # a run folder that got nothing: not left behind
-            folder.rmdir()
+        remove_empty(made)  # a run folder that got nothing (and --out, when this run made it): not left behind
         raise
     return result | resumed
 

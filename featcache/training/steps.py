@@ -19,6 +19,7 @@ from torch.func import vmap
 
 from ..cache import ClientData
 from .capture import Graphs, Static, disarmed, resolve_mode, signature
+from .guards import check_loss
 from .hparams import HParams
 from .optim import copy_into, optimizer_for
 from .schedule import Plan
@@ -117,6 +118,7 @@ class LocalSteps:
         extra = {"views": data.views[c_idx, idx]} if data.views is not None else {}  # [H, C, B, V, D]
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         loss, new_buffers = self.loss_fn(leaves, buffers, x, y, valid, ctx | extra)  # [H, C]
+        check_loss(self.algo, loss, active.shape)
         grads = dict(zip(leaves, torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)))
         grads = {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in grads.items()}
         loss = loss.detach()

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import cache as C
-from ..algorithms import create
+from ..algorithms import create, plugin_exits
 from ..atomic import check_folder, output_errors, write_together
 from ..devices import resolve_device
 from ..errors import UserError, as_path
@@ -39,6 +39,7 @@ from ..provenance import library_call, provenance
 from .states import SUFFIX, state_bytes
 from .config import check_clients, check_seeds, merge_rounds, resolve
 from .engine import Engine, State
+from .guards import NO_TEST_ROWS, check_features, check_split
 
 
 def load_split(path, algo, holdout: str = "none", split: str = "train", backbones=None) -> C.ClientData:
@@ -61,8 +62,9 @@ def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
                 device: str | torch.device = "cpu", progress=None, logs: bool = True) -> dict:
     """Train H configurations batched; returns the engine's raw output (acc [R_eval, H, C], with `logs` the other
     records of `Engine.run`, uploads, timings) and `trained` (a `Trained`)."""
-    engine = Engine(algo, cfgs, train, test, device=device)
-    raw = engine.run(progress, logs)
+    with plugin_exits():
+        engine = Engine(algo, cfgs, train, test, device=device)
+        raw = engine.run(progress, logs)
     return raw | {"trained": Trained(engine.algo, engine.state, engine.train, engine.test)}
 
 
@@ -163,9 +165,11 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
     cache = as_path(cache, "cache")
     train_data = load_split(cache, impl, backbones=backbones)
+    check_features(train_data, cache)
     check_clients(cfg, int(train_data.features.shape[0]))
     check_memory(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")
     test_data = C.load_clients(cache, "test", backbones=backbones)
+    check_split(test_data, "test", cache, NO_TEST_ROWS)
     raw = run_configs(impl, [cfg | {"seed": int(s)} for s in seeds], train_data, test_data, dev, progress)
     meta = test_data.meta
     floats = raw["upload_floats"][0]
