@@ -290,5 +290,5 @@ def _typed(label: str, value, defaults: dict, key: str | None = None) -> None:
     default = defaults.get(key or label)
     if isinstance(value, str) and isinstance(default, (bool, int, float)):
         kind = type(default).__name__
-        raise UserError(f"{label}: expected {'an' if kind == 'int' else 'a'} {kind} like {default!r}, not the string {value!r} "
-                        "(write it without quotes)")
+        raise UserError(f"{label}: expected {'an' if kind == 'int' else 'a'} {kind} like {default!r}, not the string "
+                        f"{value!r} (write it without quotes)")
