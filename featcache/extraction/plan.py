@@ -86,9 +86,7 @@ def extract(
         raise UserError(f"backbone listed twice in {backbone}: give each once")
     out = as_path(out, "out")
     data_root = None if data_root is None else as_path(data_root, "data_root")
-    if store is not None:
-        check_folder(as_path(store, "store"), "--store")
-    check_folder(out)
+    store = None if store is None else as_path(store, "store")
     specs = [PartitionSpec(scheme=partition, clients=c, alpha=a, per_class=n, test_per_class=test_per_class,
                            classes_per_client=classes_per_client, domains=tuple(domains) if domains else None,
                            val_fraction=val_fraction, order=order, seed=seed)
@@ -115,6 +113,9 @@ def extract(
         for s in by_path.values():
             drop_leftover(s.work)
         return _summary([_hit(p, k, t0) for p, k in zip(paths, keys)], {}, t0)
+    check_folder(out)  # a miss writes: refuse a folder it cannot write before anything is loaded or created
+    if store is not None:
+        check_folder(store, "--store")
 
     phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
     t = time.perf_counter()
