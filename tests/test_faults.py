@@ -191,7 +191,7 @@ def test_full_disk_is_one_line_keeps_finished_blocks_and_resumes(data, reference
     full = driver(folder_extract_args(data, out), file_limit=limit)
     assert full.returncode == 2 and "Traceback" not in full.stderr
     (line,) = [x for x in lines(full.stderr) if x.startswith("error:")]
-    assert "disk full while writing" in line and "File too large" in line
+    assert "file size limit reached while writing" in line and "File too large, ulimit -f" in line
     assert not list(out.glob("*.h5")) and all(reference["files"][n] == d for n, d in visible(out).items())
     assert not [p for p in everything_in(out) if p.endswith(".partial")]
     before = finished_blocks(out)  # a store small enough to be written is committed, the other keeps its blocks

@@ -7,8 +7,18 @@ seconds; test_extract.py and test_faults.py run the same entry point as real sub
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import re
 import shutil
+import socket
+import struct
+import sys
+import threading
+import time
+import types
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -20,10 +30,13 @@ import torch
 from fixtures_disk import dump, write_digit5, write_image
 from harness import edit_cache, everything_in, lines, one_line_error, one_thread, run_cli, write_folders
 
+from featcache import cache as C
 from featcache.extraction.backbones import create_backbone
+from featcache.extraction.datasets import load_dataset
 from featcache.extraction.datasets.base import PathImages
 from featcache.errors import UserError
 from featcache.extraction.plan import extract
+from featcache.reproduce import reproduce
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -90,6 +103,71 @@ def given(*args: str) -> Callable[[Path], list[str]]:
     return lambda tmp: list(args)
 
 
+def unpicked_corrupt_image(tmp: Path) -> list[str]:
+    """A damaged file that no client of this partition holds: it is refused all the same, on the first run."""
+    (tmp / "images" / "d1" / "a" / "zz_corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(64))
+    return ["--per-class", "1", "--test-per-class", "1"]
+
+
+def zero_byte_jpg(tmp: Path) -> list[str]:
+    (tmp / "images" / "d2" / "b" / "empty.jpg").write_bytes(b"")
+    return []
+
+
+def decompression_bomb(tmp: Path) -> list[str]:
+    """A valid PNG whose header claims 20000 x 20000 pixels (a 70-byte file): Pillow's limit refuses it."""
+    png = write_image(tmp / "small.png", size=(1, 1)).read_bytes()
+    ihdr = png.index(b"IHDR")
+    header = b"IHDR" + struct.pack(">II", 20000, 20000) + png[ihdr + 12 : ihdr + 17]
+    bomb = png[:ihdr] + header + struct.pack(">I", zlib.crc32(header)) + png[ihdr + 21 :]
+    (tmp / "images" / "d1" / "b" / "bomb.png").write_bytes(bomb)
+    (tmp / "small.png").unlink()
+    return []
+
+
+def named_pipe(tmp: Path) -> list[str]:
+    os.mkfifo(tmp / "images" / "d1" / "a" / "pipe.png")  # reading it would block forever
+    return []
+
+
+def symlink_loop(tmp: Path) -> list[str]:
+    (tmp / "images" / "d2" / "a" / "loop.png").symlink_to("loop.png")
+    return []
+
+
+def device_file(tmp: Path) -> list[str]:
+    (tmp / "images" / "d2" / "a" / "zero.png").symlink_to("/dev/zero")
+    return []
+
+
+def office10(tmp: Path, train: list[str]) -> list[str]:
+    """FedBN's Office-Caltech-10 pickles for the site amazon (its test list: one good image), listing `train`."""
+    root = tmp / "office"
+    write_image(root / "amazon" / "mug" / "a.jpg")
+    dump((train, ["mug"] * len(train)), root / "amazon_train.pkl")
+    dump((["amazon/mug/a.jpg"], ["mug"]), root / "amazon_test.pkl")
+    return ["--dataset", "office10", "--data-root", str(root), "--domain", "amazon"]
+
+
+def listed_outside_by_dots(tmp: Path) -> list[str]:
+    write_image(tmp / "outside" / "mug" / "secret.jpg")
+    return office10(tmp, ["amazon/mug/a.jpg", "amazon/mug/../../../outside/mug/secret.jpg"])
+
+
+def listed_link_outside(tmp: Path) -> list[str]:
+    write_image(tmp / "outside" / "mug" / "secret.jpg")
+    args = office10(tmp, ["amazon/mug/a.jpg", "amazon/mug/link.jpg"])
+    (tmp / "office" / "amazon" / "mug" / "link.jpg").symlink_to(tmp / "outside" / "mug" / "secret.jpg")
+    return args
+
+
+def empty_digit5_test(tmp: Path) -> list[str]:
+    root = tmp / "digit5"
+    write_digit5(root, folders=("MNIST",), parts=10, per_part=2, n_test=5)
+    dump((np.zeros((0, 28, 28), np.uint8), np.zeros(0, np.int64)), root / "MNIST" / "test.pkl")
+    return ["--dataset", "digit5", "--data-root", str(root)]
+
+
 # name -> (extra arguments, made in the test's tmp folder holding images/{d1,d2}/{a,b}; text the one line contains).
 # Later options override the image-folder defaults; a case naming --backbone replaces the default (a checkpoint).
 EXTRACT_CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
@@ -116,11 +194,25 @@ EXTRACT_CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "too-many-classes-per-client": (given("--partition", "pathological", "--classes-per-client", "5"),
                                     "classes_per_client=5"),
     "val-fraction-one": (given("--val-fraction", "1"), "val_fraction must be in [0, 1)"),
-    "negative-views": (given("--views", "-1"), "--views must be >= 0"),
+    "negative-views": (given("--views", "-1"), "--views must be a whole number >= 0 (got -1)"),
     "noise-p-too-large": (given("--noise", "gaussian", "--noise-p", "1.5"), "noise needs 0 <= p < 1"),
     "unknown-noise": (given("--noise", "uniform"), "unknown noise"),
     "backbone-twice": (given("--backbone", "test_resnet=random", "--backbone", "test_resnet=random"), "listed twice"),
     "cuda-without-cuda": (given("--device", "cuda"), "CUDA is not available"),
+    # images: every file decoded on the first run, whatever the partition picks; only regular files are read
+    "corrupt-image-no-client-holds": (unpicked_corrupt_image, "cannot read image"),
+    "zero-byte-jpg": (zero_byte_jpg, "d2/b/empty.jpg (cannot identify image file)"),
+    "decompression-bomb": (decompression_bomb, "could be decompression bomb"),
+    "named-pipe": (named_pipe, "d1/a/pipe.png is a named pipe, not an image file"),
+    "symlink-loop": (symlink_loop, "loop.png (Too many levels of symbolic links)"),
+    "device": (device_file, "zero.png is a character device, not an image file"),
+    # FedBN datasets: what a list names stays inside --data-root; no empty split
+    "fedbn-list-dots-outside": (listed_outside_by_dots, "outside --data-root"),
+    "fedbn-list-link-outside": (listed_link_outside, "outside --data-root"),
+    "fedbn-list-empty": (lambda t: office10(t, []), "amazon_train.pkl lists no images"),
+    "digit5-test-pkl-empty": (empty_digit5_test, "test.pkl holds no images"),
+    # output folders
+    "out-is-dev-null": (given("--out", "/dev/null"), "--out /dev/null is a file, not a folder"),
 }
 
 
@@ -133,11 +225,18 @@ def test_bad_extract_input_is_one_line_and_leaves_nothing(tmp_path, case):
         pytest.skip("CUDA is available on this machine")
     backbone = [] if "--backbone" in extra else checkpoint(tmp_path, lambda state: None)  # random: a warning line
     out = tmp_path / "out"
+    before = snapshot(tmp_path)
     result = run_cli("extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), *backbone,
                      "--image-size", "32", "--batch-size", "4", "--out", str(out), *extra)
     one_line_error(result, needle)
-    assert everything_in(out) == []
+    assert not out.exists() and snapshot(tmp_path) == before  # not even an empty folder
     assert not (tmp_path / "pwned").exists(), "the pickle's code ran"
+
+
+def snapshot(folder: Path) -> dict[str, tuple]:
+    """Every path below `folder` (links not followed) with its kind, size and modification time."""
+    return {str(p.relative_to(folder)): (p.lstat().st_mode, p.lstat().st_size, p.lstat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
 
 
 DAMAGED_CHECKPOINTS = 64  # random byte strings, and as many prefixes of a real checkpoint
@@ -315,3 +414,248 @@ def test_allow_partial_loads_a_checkpoint_with_missing_keys_and_says_so(tmp_path
     result = run_cli(*args, "--allow-partial")
     assert result.code == 0, result.stderr
     assert [line for line in lines(result.stderr) if "partial load" in line][0].startswith("warning: partial load")
+
+
+def test_fedbn_list_may_name_a_link_whose_target_is_inside_data_root(tmp_path):
+    office10(tmp_path, ["amazon/mug/a.jpg", "amazon/mug/link.jpg"])
+    target = write_image(tmp_path / "office" / "elsewhere" / "b.jpg", seed=3)
+    (tmp_path / "office" / "amazon" / "mug" / "link.jpg").symlink_to(target)
+    train = load_dataset("office10", tmp_path / "office").domains["amazon"]["train"]
+    assert train.paths[1].name == "link.jpg" and train.image(1).size == (6, 5)
+
+
+# -- pipeline files: each key's type and range, one line naming the key ---------------------------------------------
+
+
+def pipeline_edit(old: str, new: str) -> Callable[[str], bytes]:
+    def edit(text: str) -> bytes:
+        assert old in text
+        return text.replace(old, new, 1).encode()
+
+    return edit
+
+
+# name -> (the toy pipeline of test_reproduce edited, as bytes; text the one line contains)
+PIPELINE_CASES: dict[str, tuple[Callable[[str], bytes], str]] = {
+    "invalid-utf8": (lambda text: text.encode().replace(b"a toy table", b"a toy \xff table"),
+                     "not UTF-8 text (byte 29 is 0xff)"),
+    "views-string": (pipeline_edit("per_class = 10", 'per_class = 10\nviews = "2"'),
+                     "[extract]: views must be a whole number >= 0 (got '2')"),
+    "batch-size-string": (pipeline_edit("set = { tau = 0.1 }", 'set = { tau = 0.1, batch_size = "64" }'),
+                          "[[run]] 2: batch_size: expected an int like 32, not the string '64'"),
+    "extract-batch-size-string": (pipeline_edit("per_class = 10", 'per_class = 10\nbatch_size = "64"'),
+                                  "[extract]: batch_size must be a whole number >= 1 (got '64')"),
+    "dataset-number": (pipeline_edit('dataset = "offline-digits"', "dataset = 5"),
+                       "[extract]: dataset must be a dataset name (a string) (got 5)"),
+    "image-size-negative": (pipeline_edit("per_class = 10", "per_class = 10\nimage_size = -32"),
+                            "[extract]: image_size must be a whole number of pixels >= 1 (got -32)"),
+    "grid-value-string": (pipeline_edit('algo = "fedavg"', 'algo = "fedavg"\ngrid = { lr = ["12"] }'),
+                          "[[run]] 1: grid lr: expected a float like"),
+    "grid-axis-not-a-list": (pipeline_edit('algo = "fedavg"', 'algo = "fedavg"\ngrid = { lr = "12" }'),
+                             "[[run]] 1: grid lr must be a list of values"),
+}
+
+
+@pytest.mark.parametrize("case", PIPELINE_CASES.values(), ids=PIPELINE_CASES.keys())
+def test_bad_pipeline_values_are_one_line_naming_the_key(tmp_path, case):
+    from test_reproduce import PIPELINE
+
+    edit, needle = case
+    (tmp_path / "toy.toml").write_bytes(edit(PIPELINE))
+    before = snapshot(tmp_path)
+    result = run_cli("reproduce", str(tmp_path / "toy.toml"), "--profile", "quick", "--out", str(tmp_path / "res"),
+                     "--cache", str(tmp_path / "cache"))
+    one_line_error(result, needle)
+    assert snapshot(tmp_path) == before
+    with pytest.raises(UserError, match=re.escape(needle)):
+        reproduce(tmp_path / "toy.toml", profile="quick", out=tmp_path / "res", cache=tmp_path / "cache")
+
+
+# -- info runs verify's structural checks -------------------------------------------------------------------------
+
+
+def first_backbone(f: h5py.File) -> str:
+    return json.loads(f.attrs["backbones"])[0]
+
+
+def shift_columns(f: h5py.File) -> None:
+    f[f"backbones/{first_backbone(f)}"].attrs["columns"] = "[1, 9]"
+
+
+def longer_labels(f: h5py.File) -> None:
+    labels = f["clients/000/test/labels"][...]  # [n]
+    del f["clients/000/test/labels"]
+    f["clients/000/test/labels"] = np.concatenate([labels, labels[:1]])
+
+
+def drop_client(f: h5py.File) -> None:
+    del f["clients/001"]
+
+
+# name -> (edit of a good cache, resealed so the checksums agree; text the one line contains)
+INFO_CASES: dict[str, tuple[Callable[[h5py.File], None], str]] = {
+    "concat-columns": (shift_columns, "do not follow the backbones before it"),
+    "shapes": (longer_labels, "clients/000/test/labels: int64 ["),
+    "class-list": (set_attr("classes", '["a"]'), "values outside 0..0"),
+    "client-group": (drop_client, "clients/001/test/domain: missing"),
+}
+
+
+@pytest.mark.parametrize("case", INFO_CASES.values(), ids=INFO_CASES.keys())
+def test_info_refuses_what_verify_refuses_in_one_line(good_cache, tmp_path, case):
+    edit, needle = case
+    bad = edit_cache(copied(good_cache, tmp_path), edit, reseal=True)
+    before = snapshot(tmp_path)
+    line = one_line_error(run_cli("info", str(bad)), needle)
+    assert "is damaged" in line and snapshot(tmp_path) == before
+    with pytest.raises(UserError, match=re.escape(needle)):
+        C.info(bad)
+    assert needle in " ".join(C.verify(bad)["problems"])
+
+
+# -- output folders that cannot be written ------------------------------------------------------------------------
+
+
+def not_writable(folder: Path, monkeypatch) -> Path:
+    """`folder`, read-only for a user; root writes anywhere, so the permission check is shown what a user sees."""
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, m, *a, **k: False if m & os.W_OK and Path(p).resolve() ==
+                            folder.resolve() else real(p, m, *a, **k))
+    return folder
+
+
+@pytest.mark.parametrize("where", ["default-out-in-read-only-cwd", "read-only-out", "reproduce-read-only-cache"])
+def test_read_only_output_folders_are_one_line(tmp_path, monkeypatch, where):
+    images(tmp_path)
+    ro = not_writable(tmp_path / "ro", monkeypatch)
+    extract = ["extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), "--backbone",
+               "test_resnet=random", "--image-size", "32"]
+    if where == "default-out-in-read-only-cwd":
+        monkeypatch.chdir(ro)
+        args, needle = extract, "--out cache: . is not writable"
+    elif where == "read-only-out":
+        args, needle = [*extract, "--out", str(ro)], f"--out {ro}: {ro} is not writable"
+    else:
+        from test_reproduce import PIPELINE
+
+        (tmp_path / "toy.toml").write_text(PIPELINE)
+        args = ["reproduce", str(tmp_path / "toy.toml"), "--profile", "quick", "--out", str(tmp_path / "res"),
+                "--cache", str(ro / "cache")]
+        needle = f"--cache {ro / 'cache'}: {ro} is not writable"
+    before = snapshot(tmp_path)
+    one_line_error(run_cli(*args), needle)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path, monkeypatch):
+    images(tmp_path)
+
+    def too_large(fd):
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    backbone = checkpoint(tmp_path, lambda state: None)
+    monkeypatch.setattr("featcache.extraction.files.os.fsync", too_large)
+    result = run_cli("extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), *backbone,
+                     "--image-size", "32", "--out", str(tmp_path / "out"))
+    line = one_line_error(result, "file size limit reached while writing")
+    assert "disk full" not in line and "ulimit -f" in line
+
+
+# -- migrate ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def format2(tmp_path) -> Path:
+    from test_cache_format import format2_copy
+
+    new, old = format2_copy(tmp_path)
+    new.unlink()
+    return old
+
+
+def test_two_migrates_of_one_file_one_converts_the_other_says_so(format2):
+    start = threading.Barrier(2)
+    outcomes: list = []
+
+    def migrate() -> None:
+        start.wait()
+        try:
+            outcomes.append(C.migrate(format2)["to_format"])
+        except UserError as e:
+            outcomes.append(str(e))
+
+    threads = [threading.Thread(target=migrate) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(map(str, outcomes)) == sorted(["3", f"{format2} is already cache format 3: nothing to migrate"])
+    assert C.verify(format2)["ok"] and [p.name for p in format2.parent.iterdir()] == [format2.name]
+
+
+def test_migrate_onto_a_read_only_file_is_one_line_and_stages_nothing(format2, monkeypatch):
+    original = format2.read_bytes()
+    format2.chmod(0o444)
+    if os.geteuid() == 0:  # root writes anywhere: show the check what a user (or an immutable file) gives
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, m, *a, **k: False if m & os.W_OK and Path(p) == format2
+                            else real(p, m, *a, **k))
+    line = one_line_error(run_cli("migrate", str(format2)), "it is read-only or immutable")
+    assert str(format2) in line
+    assert format2.read_bytes() == original and [p.name for p in format2.parent.iterdir()] == [format2.name]
+
+
+def test_migrate_whose_final_rename_is_refused_leaves_no_staged_file(format2, monkeypatch):
+    """What an immutable file (chattr +i) gives the rename: EPERM after the whole new file is written."""
+    original = format2.read_bytes()
+
+    real = os.replace
+
+    def refuse(src, dst):
+        if Path(dst) != format2:
+            return real(src, dst)
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(dst))
+
+    monkeypatch.setattr(os, "replace", refuse)
+    one_line_error(run_cli("migrate", str(format2)), "cannot migrate")
+    assert format2.read_bytes() == original and [p.name for p in format2.parent.iterdir()] == [format2.name]
+
+
+# -- a Ray address that does not answer ---------------------------------------------------------------------------
+
+
+class FakeRay(types.ModuleType):
+    """Stands in for `ray` (installed or not): joining a cluster would wait forever, so it must never be asked to."""
+
+    def __init__(self) -> None:
+        super().__init__("ray")
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, **kwargs):
+        raise AssertionError("ray.init was called with an address nobody answers at: it would wait forever")
+
+
+@pytest.mark.parametrize("address,needle", [("bogus:1", "no Ray cluster answers there"),
+                                            ("127.0.0.1:1", "Connection refused"),
+                                            ("10.0.0.1:6379", "timed out"),
+                                            ("nonsense", "is not HOST:PORT")])
+def test_a_ray_address_that_does_not_answer_is_one_line_in_bounded_time(tmp_path, monkeypatch, address, needle):
+    images(tmp_path)
+    monkeypatch.setitem(sys.modules, "ray", FakeRay())
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    if address.startswith("10."):  # a host that drops packets: the connect must give up after the timeout
+        def dropped(where, timeout):
+            assert timeout <= 30
+            raise TimeoutError("timed out")
+
+        monkeypatch.setattr(socket, "create_connection", dropped)
+    t0 = time.monotonic()
+    result = run_cli("extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), "--backbone",
+                     "test_resnet=random", "--image-size", "32", "--backend", "ray", "--out", str(tmp_path / "out"))
+    one_line_error(result, needle)
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "out").exists()

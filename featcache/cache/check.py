@@ -1,6 +1,6 @@
 """Checking a client cache: `verify` (schema, counts, column ranges, finite features, checksums, library versions)
-and `info` (its metadata, refused in one line when damaged). The problem finders are shared with the first-load
-check in `load`."""
+and `info` (its metadata, refused in one line when damaged or when verify's structural checks fail; no array is
+hashed). The problem finders are shared with the first-load check in `load`."""
 
 from __future__ import annotations
 
@@ -62,6 +62,14 @@ def info(path: str | Path) -> dict:
             problem = f"an attribute is not valid JSON ({e})"
         except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
             problem = first_line(e)
+        if not problem:
+            problems: list[str] = []
+            try:
+                _check_structure(f, problems, checksums=False)
+            except Exception as e:  # as in `verify`: a damaged file fails in many ways inside HDF5 and JSON
+                problems.append(f"unreadable ({type(e).__name__}: {first_line(e)})")
+            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+            problem = problems[0] + more if problems else None
         if problem:
             raise UserError(f"cache {path} is damaged: {problem}; run `featcache verify {path}`, then delete it and "
                             "re-run `featcache extract`")
@@ -97,10 +105,10 @@ def _info_problem(meta: dict) -> str | None:
     return None
 
 
-def _check_structure(f: h5py.File, problems: list[str]) -> dict[str, h5py.Dataset]:
+def _check_structure(f: h5py.File, problems: list[str], checksums: bool = True) -> dict[str, h5py.Dataset]:
     """Append one line per problem of everything but the feature bytes: attributes, metadata checksum, key, column
-    ranges, the datasets the counts call for with their dtypes and shapes, the index arrays' checksums and values.
-    Returns the datasets found (path -> dataset) whose dtype and shape are right."""
+    ranges, the datasets the counts call for with their dtypes and shapes, the index arrays' checksums (`checksums`)
+    and values. Returns the datasets found (path -> dataset) whose dtype and shape are right."""
     missing = [a for a in ROOT_ATTRS if a not in f.attrs]
     if missing:
         problems.append(f"root attributes missing: {', '.join(missing)}")
@@ -132,7 +140,7 @@ def _check_structure(f: h5py.File, problems: list[str]) -> dict[str, h5py.Datase
             problems.append(f"{name}: {ds.dtype} {list(ds.shape)}, but the stored counts say {dtype} {list(shape)}")
             continue
         good[name] = ds
-        if not _is_features(name) and ds.attrs.get("sha256") != scan(ds)[0]:
+        if checksums and not _is_features(name) and ds.attrs.get("sha256") != scan(ds)[0]:
             problems.append(f"{name}: sha256 mismatch (the array bytes changed after writing)")
     if not problems:
         problems += _value_problems(f, rows, len(meta["classes"]), len(meta["domains"]), int(meta["images"]))

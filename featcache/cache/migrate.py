@@ -3,13 +3,16 @@ backbone's features twice, as a dataset of its own and inside `concat`; format 3
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
 
 import h5py
 
 from ..atomic import output_errors
 from ..errors import UserError
+from ..extraction.files import locked
 from .h5 import meta_sha256, objects, plain, read_attrs, sync_folder
 from .load import _read_only
 from .write import FORMAT, HEADER, Client, Split, write
@@ -18,8 +21,32 @@ from .write import FORMAT, HEADER, Client, Split, write
 def migrate(path: str | Path) -> dict:
     """Convert a cache of an older format to this one, in place: the new file is written beside it and renamed over
     it only once complete and every array's checksum equals the stored one (the feature bytes are copied, not
-    recomputed). Returns {path, from_format, to_format, bytes_before, bytes}."""
+    recomputed). Returns {path, from_format, to_format, bytes_before, bytes}.
+
+    The new file is staged in the folder `.NAME.migrating` beside the cache, under that folder's exclusive lock
+    (`extraction.files.locked`): a second migrate of the same file waits, then finds it converted and says so. The
+    folder is removed whatever happens, so a refusal leaves nothing behind."""
     path = Path(path)
+    if not path.is_file():
+        raise UserError(f"cache {path} does not exist: pass the path of a cache file")
+    if not os.access(path, os.W_OK):
+        raise UserError(f"cannot migrate {path} in place: it is read-only or immutable; make it writable (chmod u+w, "
+                        "chattr -i) or migrate a copy")
+    work = path.with_name(f".{path.name}.migrating")
+    try:
+        with locked(work):
+            try:
+                return _migrate(path, work / path.name)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    except OSError as e:  # the staging folder or the final rename: a folder or file we may not change
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise UserError(f"cannot migrate {path} in place: {e.strerror} ({e.filename or path.parent}); make it and its "
+                        "folder writable, or migrate a copy; nothing was changed") from None
+
+
+def _migrate(path: Path, staged: Path) -> dict:
     old = _read_only(path, "pass the path of a cache file")
     with old:
         fmt = plain(old.attrs.get("featcache_format"))
@@ -32,15 +59,10 @@ def migrate(path: str | Path) -> dict:
         if old.attrs.get("meta_sha256") != meta_sha256(old, bind_data=False):
             raise UserError(f"cache {path} is damaged (metadata checksum mismatch): delete it and re-run "
                             "`featcache extract`")
-        staged = path.with_name(f".{path.name}.format{FORMAT}")
         before = os.path.getsize(path)
-        try:
-            with output_errors(staged):  # a full disk or a size limit: one line, the original untouched
-                _MIGRATIONS[fmt](old, staged)  # `write` with replace=True: a staged file of a killed run is ours
-            _same_arrays(path, old, staged)
-        except BaseException:
-            staged.unlink(missing_ok=True)
-            raise
+        with output_errors(staged):  # a full disk or a size limit: one line, the original untouched
+            _MIGRATIONS[fmt](old, staged)
+        _same_arrays(path, old, staged)
     os.replace(staged, path)
     sync_folder(path.parent)
     return {"path": str(path), "from_format": fmt, "to_format": FORMAT, "bytes_before": before,

@@ -29,7 +29,8 @@ class DiskFullError(UserError):
 
 @contextmanager
 def writing(target: Path) -> Iterator[None]:
-    """Turn a full disk (or quota, or file size limit) while writing `target` into one `DiskFullError` line."""
+    """Turn a full disk (or quota, or file size limit) while writing `target` into one `DiskFullError` line that
+    names which of them."""
     try:
         yield
     except (OSError, RuntimeError) as e:  # HDF5 reports a failed write as a RuntimeError naming the errno
@@ -37,6 +38,10 @@ def writing(target: Path) -> Iterator[None]:
         code = getattr(e, "errno", None) or (int(found.group(1)) if found else None)
         if code not in _DISK_FULL:
             raise
+        if code == errno.EFBIG:
+            raise DiskFullError(f"file size limit reached while writing {target} ({os.strerror(code)}, ulimit -f): "
+                                "raise the limit and run the same command again; finished blocks are kept and "
+                                "resumed") from None
         raise DiskFullError(f"disk full while writing {target} ({os.strerror(code)}): free space and run the same "
                             "command again; finished blocks are kept and resumed") from None
 

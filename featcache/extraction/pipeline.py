@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .datasets.base import ArrayImages
+from .datasets.base import ArrayImages, PathImages
 from ..errors import UserError
 
 DESCRIPTION = {
@@ -157,6 +157,41 @@ class Chunks(Dataset):
         return torch.stack(out)
 
 
+class _Checks(Dataset):
+    """Item k: the first damaged image of one run of files (its one-line message), or None."""
+
+    CHUNK = 64  # images per item
+
+    def __init__(self, data) -> None:
+        self.items = [(images, range(r, min(r + self.CHUNK, len(images))))
+                      for splits in data.domains.values() for images in splits.values()
+                      if isinstance(images, PathImages) for r in range(0, len(images), self.CHUNK)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, k: int) -> str | None:
+        images, rows = self.items[k]
+        try:
+            for i in rows:
+                images.check(i)
+        except UserError as e:
+            return str(e)
+        return None
+
+
+def check_images(data, workers: int) -> None:
+    """Decode every image file of `data`, the ones no partition picks included, and refuse the first damaged one
+    (in dataset order) in one line: a bad file is found before anything is written, whatever the partition."""
+    checks = _Checks(data)
+    if not len(checks):
+        return
+    results = loader(checks, min(workers, len(checks)), torch.device("cpu"))
+    for failed in results:
+        if failed is not None:
+            raise UserError(failed)
+
+
 def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
     """uint8 [B, 3, h, w] -> uint8 [B, 3, H, W], on whatever device x lives."""
     from torchvision.transforms import InterpolationMode  # lazy: torchvision (~1 s) only when images are resized
@@ -223,7 +258,7 @@ def default_batch_size(device: torch.device) -> int:
     return 256 if device.type == "cuda" else 64
 
 
-def loader(chunks: Chunks, workers: int, device: torch.device):
+def loader(chunks: Dataset, workers: int, device: torch.device):
     """Prepared chunks in order: (block, uint8 images), prepared up to 4 chunks per worker ahead."""
     if workers == 0:
         return (chunks[k] for k in range(len(chunks)))

@@ -15,16 +15,19 @@ failure that Python sees.
 from __future__ import annotations
 
 import itertools
+import numbers
 import shutil
 import time
 from contextlib import ExitStack, suppress
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from .. import cache as C
-from ..errors import UserError
+from ..atomic import check_folder, make_folder
+from ..errors import UserError, as_path
 from . import pipeline as P
 from .backbones import weights_identity
 from .datasets import dataset_identity, keep_dataset, load_dataset
@@ -75,19 +78,15 @@ def extract(
     `workers` (input worker processes) default from the device and the dataset. `backend` 'ray' runs the blocks as
     Ray tasks. `allow_partial` loads checkpoints whose keys do not all match (the rest keeps a seeded random init)."""
     t0 = time.perf_counter()
-    backbone = list(backbone)
+    check_options({name: value for name, value in locals().items() if name in OPTIONS})
+    backbone = [backbone] if isinstance(backbone, str) else list(backbone)
     if not backbone:
         raise UserError("no backbone given: pass --backbone NAME (e.g. efficientnet_lite0)")
     if len(set(backbone)) != len(backbone):
         raise UserError(f"backbone listed twice in {backbone}: give each once")
-    for flag, value, least in (("--views", views, 0), ("--workers", workers, 0), ("--batch-size", batch_size, 1)):
-        if value is not None and value < least:
-            raise UserError(f"{flag} must be >= {least} (got {value})")
-    if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1):
-        raise UserError(f"--image-size must be a whole number of pixels >= 1 (got {image_size!r}); omit it for the "
-                        "backbone's own size")
-    if backend not in BACKENDS:
-        raise UserError(f"unknown backend {backend!r}: use {' or '.join(BACKENDS)}")
+    out = as_path(out, "out")
+    data_root = None if data_root is None else as_path(data_root, "data_root")
+    store = None if store is None else as_path(store, "store")
     specs = [PartitionSpec(scheme=partition, clients=c, alpha=a, per_class=n, test_per_class=test_per_class,
                            classes_per_client=classes_per_client, domains=tuple(domains) if domains else None,
                            val_fraction=val_fraction, order=order, seed=seed)
@@ -114,16 +113,21 @@ def extract(
         for s in by_path.values():
             drop_leftover(s.work)
         return _summary([_hit(p, k, t0) for p, k in zip(paths, keys)], {}, t0)
+    check_folder(out)  # a miss writes: refuse a folder it cannot write before anything is loaded or created
+    if store is not None:
+        check_folder(store, "--store")
 
     phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
     t = time.perf_counter()
     data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
     _refuse_empty_classes(data)
     parts = [make_partition(data, spec) for spec in specs]
-    phases["dataset"] = time.perf_counter() - t
     run = Settings(tuple(backbone), image_size, noise, seed, batch_size or P.default_batch_size(dev),
                    P.default_workers(data, views) if workers is None else workers, str(dev), allow_partial,
                    tuple(s.work / "meta.json" for s in stores))
+    if not any(s.path.is_file() or (s.work / "plan.json").is_file() for s in by_path.values()):
+        P.check_images(data, run.workers)  # a store of these files exists only after they all decoded
+    phases["dataset"] = time.perf_counter() - t
     with _made(Path(out), *(s.path.parent for s in stores)), ExitStack() as held:
         resumable = {s.path: (s.work / "plan.json").is_file() for s in by_path.values()}
         for s in sorted(by_path.values(), key=lambda s: s.path):  # one lock order: two extractions never deadlock
@@ -149,6 +153,44 @@ def extract(
     return _summary(results, embedded, t0) | {"phases": {k: round(v, 3) for k, v in phases.items()}}
 
 
+def _whole(least: int, none: bool = False) -> Callable[[object], bool]:
+    return lambda v: (none and v is None) or (isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                                              and v >= least)
+
+
+def _is(*types: type) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, types) and (bool in types or not isinstance(v, bool))
+
+
+# extract()'s own options -> (what a value must be, its test); the partition's options are PartitionSpec's. The
+# command line, the Python API and pipeline files are checked against this one declaration.
+OPTIONS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "dataset": ("a dataset name (a string)", _is(str)),
+    "backbone": ("a backbone name or a list of them (strings)",
+                 lambda v: isinstance(v, str) or isinstance(v, (list, tuple)) and all(isinstance(b, str) for b in v)),
+    "image_size": ("a whole number of pixels >= 1", _whole(1, none=True)),
+    "views": ("a whole number >= 0", _whole(0)),
+    "batch_size": ("a whole number >= 1", _whole(1, none=True)),
+    "workers": ("a whole number >= 0", _whole(0, none=True)),
+    "noise": ("laplace or gaussian noise with its scale and p", lambda v: v is None or isinstance(v, Noise)),
+    "download": ("true or false", _is(bool)),
+    "allow_partial": ("true or false", _is(bool)),
+    "device": ("a device name (auto, cpu, cuda or cuda:N)", _is(str)),
+    "backend": (f"one of {', '.join(BACKENDS)}", lambda v: isinstance(v, str) and v in BACKENDS),
+}
+_HINTS = {"image_size": "; omit it for the backbone's own size"}
+
+
+def check_options(options: dict, flags: bool = True) -> None:
+    """One line naming the first option of `options` (extract()'s own, see OPTIONS) whose value is not allowed, as
+    the command line's flag (`flags`) or as the key of a pipeline file."""
+    for name, value in options.items():
+        what, ok = OPTIONS[name]
+        if not ok(value):
+            label = "--" + name.replace("_", "-") if flags else name
+            raise UserError(f"{label} must be {what} (got {value!r}){_HINTS.get(name, '')}")
+
+
 def _values(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
@@ -172,8 +214,12 @@ class _made:
         for p in paths:
             missing = [q for q in (p, *p.parents) if not q.exists()]
             self.fresh += [q for q in reversed(missing) if q not in self.fresh]
-        for p in paths:
-            p.mkdir(parents=True, exist_ok=True)
+        try:
+            for p in paths:
+                make_folder(p)
+        except UserError as e:
+            self.__exit__(type(e), e, None)
+            raise
 
     def __enter__(self):
         return self

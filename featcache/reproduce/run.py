@@ -47,6 +47,7 @@ def reproduce(pipeline: str | Path, profile: str = DEFAULT_PROFILE, data_root: s
     pipe = load_pipeline(pipeline)
     out, cache = Path(out), Path(cache)
     check_folder(out)
+    check_folder(cache, "--cache")
     cells = plan(pipe, profile, dataset, data_root, backbones)
     jobs = list(dict.fromkeys(cells.values()))
     caches, runs = {}, {}
@@ -115,7 +116,12 @@ def pipeline_path(pipeline: str | Path) -> Path:
 
 def load_pipeline(pipeline: str | Path) -> Pipeline:
     path = pipeline_path(pipeline)
-    return parse_pipeline(path.read_text(), str(path))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}): save the pipeline as "
+                        "UTF-8") from None
+    return parse_pipeline(text, str(path))
 
 
 def _extract(ex: dict, cache: Path, progress) -> dict:

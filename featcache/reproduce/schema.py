@@ -16,7 +16,7 @@ from ..algorithms import create
 from ..training.config import resolve
 from ..errors import UserError, suggest
 from ..extraction.partition import PartitionSpec
-from ..extraction.plan import Noise, extract
+from ..extraction.plan import OPTIONS, Noise, check_options, extract
 from ..training.grid import parse_grid
 from .metrics import METRICS, metric_problem
 
@@ -161,6 +161,11 @@ def _check_extract(where: str, overrides: dict, base: dict, *, base_table: bool 
                             f"known: {', '.join(EXTRACT_KEYS)}")
         if not base_table and key in FIXED_EXTRACT:
             raise UserError(f"{where}: {key} is set once in [extract] (pick backbones per cell with backbones = [i])")
+        if key in OPTIONS and key != "noise":  # noise is a table here, checked below
+            try:
+                check_options({key: overrides[key]}, flags=False)
+            except UserError as e:
+                raise UserError(f"{where}: {e}") from None
     if "noise" in overrides:
         noise = overrides["noise"]
         _check(f"{where} noise", noise, {"kind": (str, True), "scale": ((int, float), True), "p": ((int, float), True)})
@@ -263,8 +268,27 @@ def _check_settings(where: str, algo: str, settings: dict, grid: dict) -> None:
         raise UserError(f"{where}: rounds comes from [profiles.*], not from set")
     try:
         impl = create(algo)
+        defaults = resolve(impl)
+        for key, value in settings.items():
+            _typed(key, value, defaults)
+        for key, values in grid.items():
+            if not isinstance(values, list) or not values:
+                raise UserError(f"grid {key} must be a list of values, e.g. {key} = [{defaults.get(key, 0.1)!r}] "
+                                f"(got {values!r})")
+            for value in values:
+                _typed(f"grid {key}", value, defaults, key)
         resolve(impl, settings)
         if grid:
             parse_grid(impl, [f"{k}={','.join(str(v) for v in values)}" for k, values in grid.items()])
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
+
+
+def _typed(label: str, value, defaults: dict, key: str | None = None) -> None:
+    """A TOML value has its own type: a string where the setting (its default) is a number or a boolean is refused,
+    not parsed as `--set key=TEXT` is."""
+    default = defaults.get(key or label)
+    if isinstance(value, str) and isinstance(default, (bool, int, float)):
+        kind = type(default).__name__
+        raise UserError(f"{label}: expected {'an' if kind == 'int' else 'a'} {kind} like {default!r}, not the string "
+                        f"{value!r} (write it without quotes)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,15 +78,32 @@ class PathImages(ImageSet):
 
     def image(self, i: int) -> Image.Image:
         try:
-            with Image.open(self.paths[i]) as im:
+            with open_regular(self.paths[i]) as fh, Image.open(fh) as im:
                 if im.mode in ("I;16", "I;16B", "I;16L", "I"):
                     arr = np.asarray(im, dtype=np.float64)  # [H, W]
                     arr = (255.0 * arr / max(arr.max(), 1.0)).astype(np.uint8)
                     return Image.fromarray(arr).convert("RGB")
                 return im.convert("RGB")
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL's ways to say "damaged"
-            reason = first_line(e).replace(f" {str(self.paths[i])!r}", "")
-            raise UserError(f"cannot read image {self.paths[i]} ({reason}): repair or delete the file") from None
+            raise self._unreadable(i, e) from None
+
+    def check(self, i: int) -> None:
+        """Decode image `i` completely, as `image` does, without converting it: a damaged file is the same
+        UserError. JPEGs decode at 1/8 scale, which still reads every byte of the compressed data."""
+        try:
+            with open_regular(self.paths[i]) as fh, Image.open(fh) as im:
+                if im.format == "JPEG":
+                    im.draft(im.mode, (1, 1))
+                im.load()
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            raise self._unreadable(i, e) from None
+
+    def _unreadable(self, i: int, e: BaseException) -> UserError:
+        if isinstance(e, OSError) and e.strerror and e.filename:
+            reason = e.strerror  # the path is in the line already
+        else:  # PIL names the file it could not identify, as a path or as a file object: the line names it once
+            reason = re.sub(r"\s+(<[^<>]*>|'[^']*')$", "", first_line(e))
+        return UserError(f"cannot read image {self.paths[i]} ({reason}): repair or delete the file")
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -92,6 +111,36 @@ class PathImages(ImageSet):
             st = os.stat(p)
             h.update(f"{p.as_posix()}|{st.st_size}|{st.st_mtime_ns}|{int(y)}\n".encode())
         return h.hexdigest()
+
+
+def open_regular(path: Path):
+    """`path` opened for binary reading when it is a regular file (after symlinks), else a UserError: opened without
+    blocking and then checked, so a named pipe cannot hang the read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        require_regular(path, os.fstat(fd))
+    except UserError:
+        os.close(fd)
+        raise
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def require_regular(path: Path, st: os.stat_result | None = None) -> None:
+    """One line unless `path` is a regular file after symlinks: a named pipe would block a read forever, a device
+    never ends, a symlink loop or a folder is no image."""
+    if st is None:
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise UserError(f"cannot read image {path} ({e.strerror}): repair or delete the file") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise UserError(f"{path} is {kind}, not an image file: remove it or move it out of the dataset folder")
+
+
+_KINDS = {stat.S_IFIFO: "a named pipe", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}
 
 
 @dataclass

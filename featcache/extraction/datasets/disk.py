@@ -22,7 +22,7 @@ import numpy as np
 
 from ...errors import UserError
 from . import register_dataset
-from .base import ArrayImages, Dataset, PathImages
+from .base import ArrayImages, Dataset, PathImages, require_regular
 from .safe_pickle import safe_load
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -79,9 +79,14 @@ def _descend(root: Path, subfolder: str, holds_data: Callable[[Path], bool]) -> 
 
 
 def _image_files(folder: Path) -> list[Path]:
+    """The image files in `folder`, each a regular file (a pipe, device, loop or folder named like an image is one
+    line: reading it would hang or fail later)."""
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+    for p in files:
+        require_regular(p)
+    return files
 
 
 def _scan(folder: Path, classes: list[str]) -> tuple[list[Path], np.ndarray]:
@@ -152,6 +157,9 @@ def _digit_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise UserError(f"{path}: expected uint8 images [N,H,W] or [N,H,W,3], got {images.dtype} {images.shape}")
     if len(images) != len(labels):
         raise UserError(f"{path}: expected one label per image, got {len(labels)} labels for {len(images)} images")
+    if not len(images):
+        raise UserError(f"{path} holds no images: an empty split cannot be trained or tested on; expected "
+                        f"{DIGIT5_LAYOUT}")
     outside = np.flatnonzero((labels < 0) | (labels > 9))  # [n_bad]
     if len(outside):
         i = int(outside[0])
@@ -210,18 +218,26 @@ def _path_parts(listed: str) -> tuple[str, ...]:
     return parts
 
 
-def _resolve_listed(listed: list[str], base: Path, pkl: Path, layout: str) -> list[Path]:
+def _resolve_listed(listed: list[str], base: Path, root: Path, pkl: Path, layout: str) -> list[Path]:
     """Find the images a FedBN pickle lists. FedBN stores them relative to its own data folder
     ('office_caltech_10/amazon/back_pack/frame_0001.jpg', sometimes behind '../data/'), and FedPCL drops the first
-    component; so try `base` and its two parents with 0, 1, 2, ... leading components dropped, take the first that
-    finds the first image, and require every other image to be found the same way."""
+    component; so try `base` and its two parents inside `root` with 0, 1, 2, ... leading components dropped, take the
+    first that finds the first image, and require every other image to be found the same way. Every image must
+    resolve (symlinks followed) inside `root`: a list cannot make featcache read files elsewhere."""
     if not listed:
-        return []
+        raise UserError(f"{pkl} lists no images: an empty split cannot be trained or tested on; expected {layout}")
+    inside = root.resolve()
     first = _path_parts(listed[0])
     for folder in (base, *list(base.parents)[:2]):
+        if not folder.resolve().is_relative_to(inside):
+            break
         for drop in range(len(first) - 1):  # keep at least '{class}/{file}'
             if folder.joinpath(*first[drop:]).is_file():
                 paths = [folder.joinpath(*_path_parts(p)[drop:]) for p in listed]
+                outside = next((p for p in paths if not p.resolve().is_relative_to(inside)), None)
+                if outside is not None:
+                    raise UserError(f"{pkl} lists {outside}, which resolves to {outside.resolve()} outside --data-root "
+                                    f"{root}: keep the images (and the targets of links to them) inside it")
                 missing = [p for p in paths if not p.is_file()]
                 if missing:
                     raise UserError(
@@ -235,7 +251,7 @@ def _resolve_listed(listed: list[str], base: Path, pkl: Path, layout: str) -> li
     )
 
 
-def _read_path_pickle(pkl: Path, base: Path, classes: list[str], layout: str) -> PathImages:
+def _read_path_pickle(pkl: Path, base: Path, root: Path, classes: list[str], layout: str) -> PathImages:
     """One FedBN `{site}_{split}.pkl`: a pickled pair (image paths, text labels)."""
     obj = safe_load(pkl)
     if not (isinstance(obj, (tuple, list)) and len(obj) == 2 and len(obj[0]) == len(obj[1])):
@@ -245,7 +261,7 @@ def _read_path_pickle(pkl: Path, base: Path, classes: list[str], layout: str) ->
     unknown = sorted(set(texts) - set(index))
     if unknown:
         raise UserError(f"{pkl} has labels {unknown[:3]} outside the expected classes {classes}")
-    paths = _resolve_listed([str(p) for p in obj[0]], base, pkl, layout)
+    paths = _resolve_listed([str(p) for p in obj[0]], base, root, pkl, layout)
     return PathImages(paths, np.asarray([index[t] for t in texts], dtype=np.int64))
 
 
@@ -270,7 +286,7 @@ def _read_sites(
             absent = next(p for p in pickles.values() if not p.is_file())
             raise UserError(f"{name}: {absent} is missing beside {pickles[present[0]].name}; expected {layout}")
         if present:
-            domains[site] = {split: _read_path_pickle(p, base, classes, layout) for split, p in pickles.items()}
+            domains[site] = {split: _read_path_pickle(p, base, root, classes, layout) for split, p in pickles.items()}
         elif (base / site).is_dir():
             domains[site] = _split_folder(base / site, classes, test_fraction, seed)
     source = f"{name} at {base} (FedBN pickles, else folders split with test_fraction={test_fraction}, seed={seed})"
