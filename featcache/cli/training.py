@@ -137,10 +137,12 @@ def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's 
         if name:
             algo = create(name)
             emit({"algo": algo.name, "paper": algo.paper, "uploads": algo.uploads,
-                  "limitation": getattr(algo, "limitation", ""), "settings": describe(algo)}, True)
+                  "limitation": getattr(algo, "limitation", ""), "objective": _objective(algo),
+                  "settings": describe(algo)}, True)
             return
         emit({"algorithms": {key: {"paper": cls.paper, "uploads": cls.uploads,
-                                   "limitation": getattr(cls, "limitation", ""), "settings": describe(cls)}
+                                   "limitation": getattr(cls, "limitation", ""), "objective": _objective(cls),
+                                   "settings": describe(cls)}
                              for key, cls in list_algorithms().items()},
               "unavailable": dict(UNAVAILABLE)}, True)
         return
@@ -151,10 +153,20 @@ def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's 
             table.add_row(k, repr(s["default"]), s["type"], s["range"], "yes" if s["batched"] else "no", s["help"])
         out.print(table)
         out.print("batched: a grid over it trains its values as one batched run (other settings: one run per value)")
+        if _objective(algo):
+            out.print(f"training loss: {escape(_objective(algo))}", highlight=False)
         return
-    table = Table("algorithm", "reference", "uploads", "limitation")
+    table = Table("algorithm", "reference", "uploads", "limitation / training loss")
     for key, cls in list_algorithms().items():
-        table.add_row(key, cls.paper, cls.uploads, getattr(cls, "limitation", ""))
+        note = _objective(cls)
+        table.add_row(key, cls.paper, cls.uploads, "; ".join(filter(None, [getattr(cls, "limitation", ""),
+                                                                            note and f"training loss {note}"])))
     for key, why in UNAVAILABLE.items():
         table.add_row(key, "", "—", f"not available on cached features: {why}")
     out.print(table)
+
+
+def _objective(algo) -> str:
+    """The algorithm's note on its training loss, with the settings under which it holds ("" when it has none)."""
+    note, when = getattr(algo, "objective", ""), getattr(algo, "objective_when", {})
+    return f"{note} (with {', '.join(f'{k}={v}' for k, v in when.items())})" if note and when else note
