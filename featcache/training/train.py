@@ -159,7 +159,8 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     `backbones` trains on a subset of the cached backbones' features (default: all, concatenated); `keep_state` adds
     `trained` (a `Trained`: algorithm, final state, data) to the returned dict, for analyses of the trained heads;
     `save_state` writes that state to NAME.state.safetensors; `tensorboard` (a folder) logs the per-seed curves to
-    TENSORBOARD/NAME."""
+    TENSORBOARD/NAME; `progress(round, rounds, live)` is called after each round (`Engine.run`: `live` holds each
+    seed's test accuracy and training loss at an evaluation round)."""
     dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device, tensorboard)
     spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
     cache = as_path(cache, "cache")
