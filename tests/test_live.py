@@ -50,7 +50,7 @@ def test_a_captured_log_has_per_round_lines_with_numbers_and_results_as_they_fin
         assert float(m.group(3)) == pytest.approx(curve["mean_acc"][i], abs=0.006)
         assert float(m.group(4)) == pytest.approx(curve["train_loss"][i], rel=1e-3, abs=1e-3)
     notes = [line for line in res.stderr.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1 and notes[0].startswith("note: fedpcl's training loss is unbounded below: eq. 8")
+    assert len(notes) == 1 and notes[0].startswith("note: fedpcl (2 of 2): the training loss is unbounded below: eq. 8")
     out = res.stdout.splitlines()
     done = [i for i, line in enumerate(out) if re.match(r"^(fedavg|fedpcl): final acc ", line)]
     assert len(done) == 2 and done[1] < next(i for i, line in enumerate(out) if "featcache train" in line)

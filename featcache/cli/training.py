@@ -48,19 +48,23 @@ def train(
     if twice:
         raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
     seed_list = _seeds(seeds)
-    notes = []
+    notes = {}
     for name in algo:  # every algorithm's settings and the output folder, before the first one trains
         _, _, impl, cfg = precheck(algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir, device=device,
                                    tensorboard=tensorboard)
-        notes += [f"{name}'s training loss is {note}"] if (note := objective_note(impl, cfg)) else []
-    for note in notes if not as_json else ():
-        err.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False, soft_wrap=True)
+        notes[name] = objective_note(impl, cfg)
     results = []
     with progress_bar(not as_json) as progress:
         for i, name in enumerate(algo):
             label = f"{name} ({i + 1} of {len(algo)})" if len(algo) > 1 else name
-            tick = (lambda done, total, live, label=label: progress(label, done, total, live_text(live))
-                    ) if progress else None
+
+            def tick(done, total, live, label=label, note=notes[name]):
+                if done == 1 and note:  # once its first round trained: a refused run stays one error line
+                    err.print(f"[yellow]note:[/yellow] {escape(f'{label}: the training loss is {note}')}",
+                              highlight=False, soft_wrap=True)
+                progress(label, done, total, live_text(live))
+
+            tick = tick if progress else None
             results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir,
                                device=device, tensorboard=tensorboard, save_state=save_state, progress=tick))
             if not as_json:  # each algorithm's result as soon as it is written, not after the last one
