@@ -195,7 +195,7 @@ def test_algos_and_datasets_json():
     assert algos.code == 0, algos.stderr
     listed = json.loads(algos.stdout)
     assert {"fedavg", "fedprox", "fedpcl"} <= set(listed["algorithms"]) and "pfedpt" in listed["unavailable"]
-    assert set(listed["algorithms"]["fedavg"]) == {"paper", "uploads", "limitation", "settings"}
+    assert set(listed["algorithms"]["fedavg"]) == {"paper", "uploads", "limitation", "objective", "settings"}
     assert listed["algorithms"]["fedcac"]["settings"]["tau"]["range"] == "0 <= tau <= 1"
     one = json.loads(run_cli("algos", "fedprox", "--json").stdout)
     mu = one["settings"]["mu"]

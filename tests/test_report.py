@@ -316,3 +316,45 @@ def test_report_never_overwrites_a_file_it_did_not_write(runs, tmp_path):
     assert (out / "report.md").read_text().startswith("<!-- featcache report -->")
     (out / "curves.png").write_bytes((out / "clients.png").read_bytes()[:100])  # damaged: not provably ours
     one_line_error(run_cli("report", runs, "--out", out), "curves.png exists and was not written")
+
+
+def test_the_title_states_partition_backbones_rounds_and_shared_settings():
+    part = {"scheme": "label", "alpha": 0.5, "per_class": 10, "test_per_class": 50, "domains": ["mnist"]}
+    runs = [result("fedavg", lr=0.01) | {"clients": 10, "backbones": ["b0", "b1"]}, result("fedprox", lr=0.01, mu=1.0)]
+    for r in runs:
+        r["cache"] = r["cache"] | {"partition": part}
+        r["clients"] = 10
+    first = markdown_table(runs).splitlines()[0]
+    assert ("offline-digits cache aaaaaaaaaaaaaaaa: label partition α=0.5, 10 clients, 10 train / 50 test images per "
+            "class per client, domains mnist") in first
+    assert "backbones b / b0, b1" in first and "; 3 rounds;" in first
+    assert "shared settings lr=0.01 terms=both;" in first and "mu=" not in first  # mu: fedprox's only
+
+
+def test_each_algorithm_gets_its_own_loss_panel_and_runs_stay_distinct(tmp_path, monkeypatch):
+    loss = {"fedavg": [1.0, 0.5, 0.2], "fedpcl": [-25.0, -900.0, -5277.0]}
+    runs_ = [Run(tmp_path / f"{i}.json", result(algo, lr=0.1 * (i + 1)) | {
+        "curve": {"rounds": [1, 2, 3], "mean_acc": [50.0, 60.0, 70.0], "train_loss": loss[algo]}})
+        for i, algo in enumerate(["fedavg"] * 5 + ["fedpcl"] * 5)]
+    saved = figure_spy(monkeypatch)
+    curves_png(runs_)
+    acc_ax, avg_ax, pcl_ax = saved[0].axes
+    assert "fedavg" in avg_ax.get_title() and "unbounded below" in pcl_ax.get_title()
+    assert [list(line.get_ydata()) for line in avg_ax.get_lines()] == [loss["fedavg"]] * 5
+    assert [list(line.get_ydata()) for line in pcl_ax.get_lines()] == [loss["fedpcl"]] * 5
+    lines_ = acc_ax.get_lines()  # ten equal accuracy curves: each its own colour and marker, thinner and thinner
+    assert len({line.get_color() if isinstance(line.get_color(), str) else tuple(line.get_color())
+                for line in lines_}) == 10
+    assert len({line.get_marker() for line in lines_}) == 10
+    widths = [line.get_linewidth() for line in lines_]
+    assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1]
+    box, legend = acc_ax.get_window_extent(), acc_ax.get_legend().get_window_extent()
+    assert legend.y1 <= box.y0  # under the axes, not over the curves
+
+
+def test_clients_figure_is_zoomed_to_the_data(monkeypatch, tmp_path):
+    per = np.array([[85.0, 90.0, 98.0], [86.0, 91.0, 97.0]])
+    saved = figure_spy(monkeypatch)
+    clients_png([Run(tmp_path / "a.json", result() | {"per_client_per_seed": per.tolist()})])
+    lo, hi = saved[0].axes[0].get_ylim()
+    assert 80 < lo < 85 and 98 < hi <= 100

@@ -258,7 +258,8 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     key = Path(first["caches"][0]).stem.split("-")[-1]
     assert f"featcache reproduce {path} --profile quick --out {out} --cache {cache}" in md
     assert key in md and "Resolved configuration" in md and '"batch_size": 8' in md
-    assert first["table"] in md and "| s FedAvg | " in md and "n/a" in md
+    assert first["table"] in md and "| s FedAvg | " in md and "n/a" in md and "| USPS (optdigits) ours |" in md
+    assert md.splitlines()[2].startswith("**Comparable with the paper: no** — 2 rounds (`full`: 50)")
     row = [line for line in md.splitlines() if line.startswith("| m Ours |")][0]
     assert "| 2,570 | 2,560 |" in row  # 10 prototypes of 256 floats + 10 counts, beside the paper's 2,560
     cells = json.loads((out / "toy.json").read_text())["cells"]
@@ -424,3 +425,53 @@ def test_a_protosim_cell_reads_its_runs_backbone_else_its_columns():
     values = cell_values(pipe, cells, runs)
     assert values[("s FedAvg", "Avg")][0] == pytest.approx(0.9)  # the run's backbone 0
     assert values[("m Ours", "Avg")][0] == pytest.approx(0.1)  # no run backbones: the column's backbone 1
+
+
+def test_offline_domains_are_named_in_the_table_header():
+    from featcache.reproduce.render import column_domains
+
+    pipe = parse_pipeline(PIPELINE, "toy.toml")
+    cells = plan(pipe, "quick")
+    jobs = {cells[("s FedAvg", "Avg")].key(): fake_result([[60.0, 70.0, 50.0]], 1),
+            cells[("m Ours", "Avg")].key(): fake_result([[80.0, 90.0, 40.0]], 2)}
+    domains = column_domains(pipe, cells, jobs)
+    assert domains == {"USPS": "optdigits"}  # MNIST is mnist; SVHN has no clients: n/a in its cells
+    head = table_markdown(pipe, cell_values(pipe, cells, jobs), domains).splitlines()[0]
+    assert "| USPS (optdigits) ours | USPS paper |" in head and "| MNIST ours |" in head
+
+
+def test_rank_agreement_says_whether_the_papers_order_holds():
+    from featcache.reproduce.agreement import agreement_lines, kendall_tau_b, rank_agreement
+
+    assert kendall_tau_b([1, 2, 3], [10, 20, 30]) == 1 and kendall_tau_b([1, 2, 3], [3, 2, 1]) == -1
+    assert kendall_tau_b([1, 1, 1], [1, 2, 3]) is None
+    assert kendall_tau_b([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    text = PIPELINE.replace('[paper]', '[[run]]\nrow = "m FedProto"\nalgo = "fedproto"\n\n[paper]').replace(
+        '"m Ours" = [', '"m FedProto" = ["83.78(0.83)", "17.90(0.10)", "91.74(0.00)", "54.71(0.99)", 2560, "-"]\n'
+                       '"m Ours" = [')
+    pipe = parse_pipeline(text, "toy.toml")
+    # MNIST: paper 70.65 < 83.78 < 84.65 (FedAvg, FedProto, Ours); ours swaps the top two
+    values = {("s FedAvg", "MNIST"): (60.0, 1.0), ("m FedProto", "MNIST"): (85.0, 1.0), ("m Ours", "MNIST"): (80.0, 0.0),
+              ("s FedAvg", "Avg"): (40.0, 1.0), ("m FedProto", "Avg"): (50.0, 1.0), ("m Ours", "Avg"): (55.0, 0.0),
+              ("s FedAvg", "SVHN"): None, ("m FedProto", "SVHN"): None, ("m Ours", "SVHN"): None}
+    ranks = rank_agreement(pipe, values)
+    assert set(ranks) == {"MNIST", "Avg"}  # SVHN: no numbers of ours; Comm, Office: not in `values`
+    assert ranks["Avg"] == {"rows": 3, "tau": 1.0, "best_ours": "m Ours", "best_paper": "m Ours"}
+    assert ranks["MNIST"]["tau"] == pytest.approx(1 / 3) and ranks["MNIST"]["best_ours"] == "m FedProto"
+    lines = "\n".join(agreement_lines(["2 rounds (`full`: 50)"], ranks))
+    assert lines.startswith("**Comparable with the paper: no** — 2 rounds (`full`: 50).")
+    assert "holds exactly in 1 of 2 columns, and its best row is ours too in 1 of 2" in lines
+    assert "MNIST 0.33 (3 rows, best: ours m FedProto, paper m Ours)" in lines and "Avg 1.00 (3 rows)" in lines
+
+
+def test_quick_profiles_and_stand_in_data_are_not_comparable():
+    from featcache.reproduce.agreement import comparability
+
+    text = PIPELINE.replace("[profiles.quick]\nrounds = 2\nseeds = [0, 1]",
+                            "[profiles.quick]\nrounds = 2\nseeds = [0, 1]\nextract = { per_class = 5 }")
+    pipe = parse_pipeline(text, "toy.toml")
+    why = comparability(pipe, "quick", dict.fromkeys(plan(pipe, "quick").values()))
+    assert why == ["2 rounds (`full`: 50)", "2 seeds (`full`: 3)", "5 train images per class (the pipeline's: 10)",
+                   "data offline-digits stands in for the paper's digit5"]
+    full = comparability(pipe, "full", dict.fromkeys(plan(pipe, "full").values()))
+    assert full == ["data offline-digits stands in for the paper's digit5"]

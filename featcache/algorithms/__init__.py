@@ -75,6 +75,13 @@ def plugin_exits():
         raise error from None
 
 
+def objective_note(algo, cfg: dict) -> str:
+    """The algorithm's `objective` note when it holds under the resolved settings `cfg` (its `objective_when`),
+    else ""."""
+    when = getattr(algo, "objective_when", {})
+    return getattr(algo, "objective", "") if all(cfg.get(k) == v for k, v in when.items()) else ""
+
+
 def register(cls):
     """Class decorator: make `cls` creatable by its `name`; a name can be registered once."""
     old = _ALGOS.get(cls.name)

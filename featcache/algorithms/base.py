@@ -110,6 +110,10 @@ class FedAvg:
     }
     uses_views = False  # whether training needs the cached augmented views (train.py loads them)
     limitation = ""  # what differs from the paper on cached features (shown by `featcache algos`)
+    # Why the training loss is not a fit measure whose fall means a better fit (unbounded below, a bound, ...): `train`
+    # prints it once and `featcache algos` shows it; it holds under the settings `objective_when` names ({}: always).
+    objective = ""
+    objective_when: dict = {}
     # Whether the engine may capture the local step (a CUDA graph): local_loss and after_step read their inputs
     # only from tensors, never from the Round's step number or other host values that change from step to step.
     # (Capture first runs the step twice with every model masked out: a local_loss that draws random numbers gets

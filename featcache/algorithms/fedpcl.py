@@ -66,6 +66,10 @@ class FedPCL(FedAvg):
     paper = "Tan et al., Federated Learning from Pre-Trained Models: A Contrastive Learning Approach, NeurIPS 2022, " \
             "§4 eq. 5–10, Alg. 1"
     uploads = "local prototypes [K, proj_dim] + class counts [K]"
+    objective = ("unbounded below: eq. 8 leaves the positive out of its denominator and z is not normalised, so the "
+                 "loss can fall without limit (to -5,000 in 30 rounds) while accuracy holds; judge runs by accuracy "
+                 "(--set normalize=true bounds it)")
+    objective_when = {"normalize": False, "loss": "pcl"}
     settings = {
         "bn": True,  # Table 7: FC + ReLU + BN
         "normalize": Setting(False, "L2-normalise the projection output z"),

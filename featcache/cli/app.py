@@ -24,30 +24,47 @@ PLAIN_EVERY_S = 30.0  # when stderr is not a terminal: a line per label at least
 PLAIN_STEP = 0.1  # ... and at every 10 % of its total
 
 
+def live_text(live: dict | None) -> str:
+    """An evaluation round's numbers (`Engine.live_metrics`) as one short text: the mean over seeds of the test
+    accuracy and training loss, then each seed's, e.g. `acc 92.10% loss 0.3101 | seed 0 91.93% 0.305, seed 1 ...`."""
+    if not live:
+        return ""
+    acc, loss, seeds = live["test_acc"], live["train_loss"], live["seeds"]
+    known = [x for x in loss if x == x]  # NaN: a configuration none of whose clients took part
+    mean_loss = sum(known) / len(known) if known else float("nan")
+    text = f"acc {sum(acc) / len(acc):.2f}% loss {mean_loss:.4g}"
+    if len(seeds) == 1:
+        return f"{text} (seed {seeds[0]})"
+    return f"{text} | " + ", ".join(f"seed {s} {a:.2f}% {x:.4g}" for s, a, x in zip(seeds, acc, loss))
+
+
 def plain_progress(write=None, clock=time.monotonic):
-    """A `(label, done, total)` callback for logs (stderr not a terminal: nohup, SLURM, CI): plain lines such as
-    `progress: fedavg 10/50 (20 %) 12 s` at every 10 % of a label's total, at least every 30 s while it advances,
-    and at its end; nothing before the first update."""
+    """A `(label, done, total, note="")` callback for logs (stderr not a terminal: nohup, SLURM, CI): plain lines
+    such as `progress: fedavg 10/50 (20 %) 12 s` at every 10 % of a label's total, at least every 30 s while it
+    advances, and at its end; an update with a `note` (an evaluation round's metrics) always gets its line, the note
+    after a `·`. Nothing before the first update."""
     write = write or (lambda line: print(line, file=sys.stderr, flush=True))
     start, last = {}, {}  # label -> first update time; label -> (time, fraction) of the last line
 
-    def update(label: str, done: int, total: int) -> None:
+    def update(label: str, done: int, total: int, note: str = "") -> None:
         now = clock()
         start.setdefault(label, now)
         frac = done / total if total else 1.0
         t, f = last.get(label, (None, None))
-        if (t is None or frac >= 1.0 and f < 1.0 or int(frac / PLAIN_STEP) > int(f / PLAIN_STEP)
+        if (note or t is None or frac >= 1.0 and f < 1.0 or int(frac / PLAIN_STEP) > int(f / PLAIN_STEP)
                 or now - t >= PLAIN_EVERY_S and frac > f):
             last[label] = (now, frac)
-            write(f"progress: {label} {done}/{total} ({100 * frac:.0f} %) {now - start[label]:.0f} s")
+            write(f"progress: {label} {done}/{total} ({100 * frac:.0f} %) {now - start[label]:.0f} s"
+                  + (f" · {note}" if note else ""))
 
     return update
 
 
 @contextmanager
 def progress_bar(enabled: bool = True):
-    """Yield a `(label, done, total)` callback that drives one rich bar per label (on stderr), or, when stderr is not
-    a terminal, prints plain periodic lines (`plain_progress`). The bars appear with the first update, so a command
+    """Yield a `(label, done, total, note="")` callback that drives one rich bar per label (on stderr), the latest
+    note (an evaluation round's metrics) beside it, or, when stderr is not a terminal, prints plain periodic lines
+    (`plain_progress`). The bars appear with the first update, so a command
     refused before any work prints its one error line and nothing else."""
     if not enabled:
         yield None
@@ -56,15 +73,16 @@ def progress_bar(enabled: bool = True):
         yield plain_progress()
         return
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
+                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"), console=err,
+                   transient=False)
     tasks: dict[str, int] = {}
 
-    def update(label: str, done: int, total: int) -> None:
+    def update(label: str, done: int, total: int, note: str = "") -> None:
         if not tasks:
             bar.start()
         if label not in tasks:
-            tasks[label] = bar.add_task(label, total=total)
-        bar.update(tasks[label], completed=done, total=total)
+            tasks[label] = bar.add_task(label, total=total, note="")
+        bar.update(tasks[label], completed=done, total=total, **({"note": note} if note else {}))
 
     try:
         yield update

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
-from .app import emit, out, progress_bar
+from .app import emit, err, live_text, out, progress_bar
 
 
 def _seeds(text: str) -> list[int]:
@@ -40,7 +40,7 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded)."""
-    from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
+    from ..algorithms import load, objective_note  # lazy: `featcache --help` skips the algorithm registry
     from ..training.train import precheck, train as run  # lazy: `featcache --help` loads no torch
 
     algo = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
@@ -48,15 +48,27 @@ def train(
     if twice:
         raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
     seed_list = _seeds(seeds)
+    notes = {}
     for name in algo:  # every algorithm's settings and the output folder, before the first one trains
-        precheck(algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir, device=device,
-                 tensorboard=tensorboard)
+        _, _, impl, cfg = precheck(algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir, device=device,
+                                   tensorboard=tensorboard)
+        notes[name] = objective_note(impl, cfg)
     results = []
     with progress_bar(not as_json) as progress:
-        for name in algo:
-            tick = (lambda done, total, name=name: progress(name, done, total)) if progress else None
+        for i, name in enumerate(algo):
+            label = f"{name} ({i + 1} of {len(algo)})" if len(algo) > 1 else name
+
+            def tick(done, total, live, label=label, note=notes[name]):
+                if done == 1 and note:  # once its first round trained: a refused run stays one error line
+                    err.print(f"[yellow]note:[/yellow] {escape(f'{label}: the training loss is {note}')}",
+                              highlight=False, soft_wrap=True)
+                progress(label, done, total, live_text(live))
+
+            tick = tick if progress else None
             results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir,
                                device=device, tensorboard=tensorboard, save_state=save_state, progress=tick))
+            if not as_json:  # each algorithm's result as soon as it is written, not after the last one
+                _print_run(results[-1])
     if as_json:
         emit(results[0] if len(results) == 1 else {"runs": results}, True)
         return
@@ -71,9 +83,14 @@ def train(
                       f"{r['params_uploaded_per_round']:,}", f"{r['bytes_uploaded_per_round'] / 1024:.1f}",
                       f"{r['seconds_per_round']:.4f}")
     out.print(table)
-    for r in results:
-        written = [r["result_file"], r["metrics_csv"], r["state_file"], r["tensorboard"]]
-        out.print(f"[dim]{r['algo']}: {', '.join(escape(w) for w in written if w)}[/dim]", soft_wrap=True)
+
+
+def _print_run(r: dict) -> None:
+    """One finished algorithm: its final and best-round accuracy, and the files it wrote."""
+    written = [r["result_file"], r["metrics_csv"], r["state_file"], r["tensorboard"]]
+    out.print(f"{escape(r['algo'])}: final acc {r['mean_acc']:.2f}({r['std_acc']:.2f}) %, best-round "
+              f"{r['best_round_mean_acc']:.2f}({r['best_round_std_acc']:.2f}) % [dim]→ "
+              f"{', '.join(escape(w) for w in written if w)}[/dim]", soft_wrap=True, highlight=False)
 
 
 def grid(
@@ -124,10 +141,12 @@ def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's 
         if name:
             algo = create(name)
             emit({"algo": algo.name, "paper": algo.paper, "uploads": algo.uploads,
-                  "limitation": getattr(algo, "limitation", ""), "settings": describe(algo)}, True)
+                  "limitation": getattr(algo, "limitation", ""), "objective": _objective(algo),
+                  "settings": describe(algo)}, True)
             return
         emit({"algorithms": {key: {"paper": cls.paper, "uploads": cls.uploads,
-                                   "limitation": getattr(cls, "limitation", ""), "settings": describe(cls)}
+                                   "limitation": getattr(cls, "limitation", ""), "objective": _objective(cls),
+                                   "settings": describe(cls)}
                              for key, cls in list_algorithms().items()},
               "unavailable": dict(UNAVAILABLE)}, True)
         return
@@ -138,10 +157,20 @@ def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's 
             table.add_row(k, repr(s["default"]), s["type"], s["range"], "yes" if s["batched"] else "no", s["help"])
         out.print(table)
         out.print("batched: a grid over it trains its values as one batched run (other settings: one run per value)")
+        if _objective(algo):
+            out.print(f"training loss: {escape(_objective(algo))}", highlight=False)
         return
-    table = Table("algorithm", "reference", "uploads", "limitation")
+    table = Table("algorithm", "reference", "uploads", "limitation / training loss")
     for key, cls in list_algorithms().items():
-        table.add_row(key, cls.paper, cls.uploads, getattr(cls, "limitation", ""))
+        note = _objective(cls)
+        table.add_row(key, cls.paper, cls.uploads, "; ".join(filter(None, [getattr(cls, "limitation", ""),
+                                                                            note and f"training loss {note}"])))
     for key, why in UNAVAILABLE.items():
         table.add_row(key, "", "—", f"not available on cached features: {why}")
     out.print(table)
+
+
+def _objective(algo) -> str:
+    """The algorithm's note on its training loss, with the settings under which it holds ("" when it has none)."""
+    note, when = getattr(algo, "objective", ""), getattr(algo, "objective_when", {})
+    return f"{note} (with {', '.join(f'{k}={v}' for k, v in when.items())})" if note and when else note

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from .agreement import agreement_lines, comparability, rank_agreement
 from .metrics import METRICS, Value, domain_clients, fmt_value, metric_value
 from .schema import Pipeline
 
@@ -54,6 +55,20 @@ def column_labels(pipe: Pipeline, cells: dict, runs: dict) -> dict[str, str]:
     return labels
 
 
+def column_domains(pipe: Pipeline, cells: dict, runs: dict) -> dict[str, str]:
+    """Per-domain columns whose clients hold a domain of another name: column -> what it really is (USPS ->
+    optdigits offline)."""
+    plain = lambda name: name.lower().replace("-", "").replace("_", "")
+    found = {}
+    for col in pipe.columns:
+        kind, _, arg = col.metric.partition(":")
+        if METRICS[kind].per_domain:
+            names = {domain_clients(runs[j.key()], arg)[0] for (_, c), j in cells.items() if c == col.name} - {None}
+            if names and {plain(n) for n in names} != {plain(col.name)}:
+                found[col.name] = ", ".join(sorted(names))
+    return found
+
+
 def paper_cell(pipe: Pipeline, row: str, col: str):
     """The paper's number for a cell, as the pipeline gives it (None: the paper has no such row)."""
     return pipe.paper_rows[row][pipe.paper_columns.index(col)] if row in pipe.paper_rows else None
@@ -67,10 +82,13 @@ def fmt_paper(cell) -> str:
     return str(cell)
 
 
-def table_markdown(pipe: Pipeline, values: dict[tuple[str, str], Value]) -> str:
-    """Rows = the paper's rows (+ extra rows); for every paper column: ours, then the paper's number."""
+def table_markdown(pipe: Pipeline, values: dict[tuple[str, str], Value], domains: dict | None = None) -> str:
+    """Rows = the paper's rows (+ extra rows); for every paper column: ours, then the paper's number. `domains`
+    (column_domains) names the domain our column really holds: `USPS (optdigits) ours`."""
     metric = {c.name: c.metric for c in pipe.columns}
-    head = ["row"] + [f"{c} {side}" for c in pipe.paper_columns for side in ("ours", "paper")]
+    domains = domains or {}
+    head = ["row"] + [f"{c} ({domains[c]}) ours" if c in domains and side == "ours" else f"{c} {side}"
+                      for c in pipe.paper_columns for side in ("ours", "paper")]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for row in pipe.rows:
         cells = [row]
@@ -93,11 +111,15 @@ def command_line(pipe: Pipeline, profile: str, data_root, dataset, backbones, ou
 
 def render(pipe: Pipeline, profile: str, command: str, cells: dict, runs: dict, caches: dict,
            figures: list[str]) -> str:
-    """The whole OUT/NAME.md: header (command, profile, caches and keys), mapping note, table, claims, config
-    (`caches`: job.extract -> the extraction's summary)."""
+    """The whole OUT/NAME.md: whether it is comparable with the paper and whether the paper's ranking holds
+    (agreement.py), header (command, profile, caches and keys), mapping note, table, claims, config (`caches`:
+    job.extract -> the extraction's summary)."""
     prof = pipe.profiles[profile]
     labels = column_labels(pipe, cells, runs)
+    values = cell_values(pipe, cells, runs)
+    why = comparability(pipe, profile, dict.fromkeys(cells.values()))
     out = [f"# {pipe.name}: {pipe.paper} {pipe.table}: {pipe.title}", "",
+           *agreement_lines(why, rank_agreement(pipe, values)), "",
            f"- command: `{command}`",
            f"- paper: {pipe.source}",
            f"- profile `{profile}`: rounds {prof.rounds}, seeds {', '.join(map(str, prof.seeds))}"
@@ -108,7 +130,7 @@ def render(pipe: Pipeline, profile: str, command: str, cells: dict, runs: dict, 
         out.append(f"  - `{Path(info['cache']).name}` key `{info['key']}` ({info['images']} images, "
                    f"backbones {', '.join(info['backbones'])})")
     out += ["", pipe.note, "", "Our columns: " + "; ".join(f"**{c}** = {labels[c]}" for c in labels), ""]
-    out += [table_markdown(pipe, cell_values(pipe, cells, runs)),
+    out += [table_markdown(pipe, values, column_domains(pipe, cells, runs)),
             "ours: mean(std) over seeds; '—' not run (no implementation, or not in this profile); "
             "'n/a' no counterpart in this data.", ""]
     if pipe.claims:

@@ -29,7 +29,8 @@ from ..training.grid import grid
 from ..training.train import train
 from .metrics import NEEDS, RESULT_KEYS
 from .plan import DEFAULT_PROFILE, Job, plan
-from .render import cell_values, command_line, figure_png, paper_cell, render, table_markdown
+from .agreement import comparability, rank_agreement
+from .render import cell_values, column_domains, command_line, figure_png, paper_cell, render, table_markdown
 from .schema import Pipeline, parse_pipeline
 
 PIPELINE_DIR = Path("pipelines")  # NAME is looked up here (relative to the working directory) first, then ...
@@ -71,12 +72,14 @@ def reproduce(pipeline: str | Path, profile: str = DEFAULT_PROFILE, data_root: s
              "featcache.reproduce", pipeline=str(pipeline), profile=profile, data_root=data_root and str(data_root),
              dataset=dataset, backbones=backbones, out=str(out), cache=str(cache))),
          "cells": [{"row": r, "column": c, "ours": v, "paper": paper_cell(pipe, r, c)}
-                   for (r, c), v in values.items()]},
+                   for (r, c), v in values.items()],
+         "comparable": not (why := comparability(pipe, profile, jobs)), "not_comparable_because": why,
+         "rank_agreement": rank_agreement(pipe, values)},
         indent=1, sort_keys=True))
     return {"pipeline": pipe.name, "markdown": str(out / f"{pipe.name}.md"), "figures": figures, "jobs": len(jobs),
             "caches": [info["cache"] for info in caches.values()], "embedded": _embedded(caches.values()),
             "images": _embedded(caches.values(), "images"),
-            "table": table_markdown(pipe, values), "seconds": round(time.perf_counter() - t0, 1)}
+            "table": table_markdown(pipe, values, column_domains(pipe, cells, runs)), "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def _embedded(infos, field: str = "embedded") -> dict[str, int]:

@@ -63,49 +63,94 @@ def _finish(fig, path: Path | None) -> bytes:
     return data
 
 
-def _draw(ax, s: Series, colour, label: str, style: str = "-") -> bool:
-    """One curve, with its ±1 std band when known; whether a band was drawn."""
-    ax.plot(s.rounds, s.mean, style, color=colour, label=label, marker="o" if len(s.rounds) == 1 else None)
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<")
+
+
+def run_styles(n: int) -> list[dict]:
+    """A look per run: distinct colours (tab10 up to 10 runs, tab20 up to 20), a marker each, and lines that thin
+    from the first run to the last, so a run drawn over an equal one (FedProx over FedAvg) leaves it visible."""
+    cmap = pyplot().get_cmap("tab10" if n <= 10 else "tab20")
+    return [{"color": cmap(i % cmap.N), "marker": MARKERS[i % len(MARKERS)],
+             "linewidth": 2.8 - 1.6 * i / max(n - 1, 1)} for i in range(n)]
+
+
+def _draw(ax, s: Series, style: dict, label: str, i: int, n: int, dashes: str = "-") -> bool:
+    """One curve with its run's style, markers staggered between runs so equal curves still show every run's, and
+    its ±1 std band when known; whether a band was drawn."""
+    every = max(1, len(s.rounds) // 8)
+    ax.plot(s.rounds, s.mean, dashes, label=label, markersize=4, markevery=(i * every // max(n, 1), every), **style)
     if s.std is not None:
-        ax.fill_between(s.rounds, s.mean - s.std, s.mean + s.std, color=colour, alpha=0.2, linewidth=0)
+        ax.fill_between(s.rounds, s.mean - s.std, s.mean + s.std, color=style["color"], alpha=0.15, linewidth=0)
     return s.std is not None
+
+
+def wrapped_title(results: list[dict], extra: str, fig) -> str:
+    """The report's title wrapped to the width of `fig` (at font size 8), then `extra` (what the marks mean): lines
+    break between the title's parts, and inside a part only when it is longer than a line."""
+    import textwrap
+
+    width, lines = int(fig.get_figwidth() * 13), []
+    for part in title(results).split("; "):
+        pieces = textwrap.wrap(part, width, break_on_hyphens=False) or [part]
+        if lines and len(lines[-1]) + 2 + len(pieces[0]) <= width:
+            lines[-1] += f"; {pieces.pop(0)}"
+        lines += pieces
+    return "\n".join(lines + [extra])
 
 
 def curves_png(runs: list[Run], path: str | Path | None = None) -> bytes:
     """Test accuracy per evaluation round (solid: mean over clients; dashed: the global model, where the results have
-    one), and the mean local training loss beside it where the results record it; shaded ±1 std over seeds where the
-    metrics.csv sidecar holds the per-seed values. PNG bytes, also written atomically to `path` when given."""
+    one) and, where the results record it, the mean local training loss in a panel per algorithm (objectives differ in
+    scale and meaning: FedPCL's is unbounded below); shaded ±1 std over seeds where the metrics.csv sidecar holds the
+    per-seed values. The legend sits under the accuracy panel. PNG bytes, also written atomically to `path`."""
     from matplotlib.ticker import MaxNLocator
 
     plt = pyplot()
     results = [run.result for run in runs]
     curves = [series(run) for run in runs]
-    with_loss = any("loss" in c for c in curves)
-    fig, axes = plt.subplots(1, 2 if with_loss else 1, figsize=(11 if with_loss else 6.5, 4.4), squeeze=False)
-    acc_ax, banded, colours = axes[0][0], 0, plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (c, label) in enumerate(zip(curves, labels(results))):
-        colour = colours[i % len(colours)]
-        banded += _draw(acc_ax, c["accuracy"], colour, label)
+    names = labels(results)
+    styles = run_styles(len(runs))
+    algos = list(dict.fromkeys(r["algo"] for r, c in zip(results, curves) if "loss" in c))
+    rows = max(1, len(algos))
+    fig = plt.figure(figsize=(12 if algos else 7, max(4.8, 1.9 * rows) + 0.25 * len(runs)))
+    grid = fig.add_gridspec(rows, 2 if algos else 1, width_ratios=[1.6, 1] if algos else None)
+    acc_ax = fig.add_subplot(grid[:, 0])
+    loss_ax = {a: fig.add_subplot(grid[k, 1]) for k, a in enumerate(algos)}
+    banded, n = 0, len(runs)
+    for i, (r, c, label) in enumerate(zip(results, curves, names)):
+        banded += _draw(acc_ax, c["accuracy"], styles[i], label, i, n)
         if "global" in c:
-            banded += _draw(acc_ax, c["global"], colour, f"{label} (global model)", "--")
+            banded += _draw(acc_ax, c["global"], styles[i], f"{label} (global model)", i, n, "--")
         if "loss" in c:
-            banded += _draw(axes[0][1], c["loss"], colour, label)
+            banded += _draw(loss_ax[r["algo"]], c["loss"], styles[i], label, i, n)
     acc_ax.set_ylabel("test accuracy (%)")
-    if with_loss:
-        axes[0][1].set_ylabel("mean local training loss (the algorithm's objective)")
-        axes[0][1].set_title("train loss, mean over participating clients", fontsize=9)
     with_global = any("global" in c for c in curves)
     acc_ax.set_title("solid: mean over clients (own test rows); dashed: global model (all test rows)" if with_global
                      else "mean over clients, each on its own test rows", fontsize=9)
-    for ax in axes[0]:
+    for algo, ax in loss_ax.items():
+        note = objective_of(algo)
+        ax.set_title(f"{algo}: mean local training loss" + (" (unbounded below: not a fit measure)" if note else ""),
+                     fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in [acc_ax, *loss_ax.values()]:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-        ax.set_xlabel("communication round (rounds)")
-        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
+    acc_ax.set_xlabel("communication round (rounds)")
+    if algos:
+        list(loss_ax.values())[-1].set_xlabel("communication round (rounds)")
+    entries = len(acc_ax.get_legend_handles_labels()[1])
+    acc_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=min(3, 1 + (entries - 1) // 3))
     band = ("shaded: ±1 std over seeds (ddof=1, from metrics.csv)" if banded else
             "mean over seeds (no per-seed metrics.csv: no band)")
-    fig.suptitle(f"{title(results)}\n{band}", fontsize=9)
+    fig.suptitle(wrapped_title(results, band, fig), fontsize=8)
     return _finish(fig, path)
+
+
+def objective_of(algo: str) -> str:
+    """The algorithm's declared `objective` note ("" for one this featcache does not know)."""
+    from ..algorithms import list_algorithms
+
+    return getattr(list_algorithms().get(algo), "objective", "")
 
 
 def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
@@ -127,12 +172,24 @@ def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
     ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
     ax.set_xlabel("run (one bar per client)")
     ax.set_ylabel("final test accuracy (%)")
-    ax.set_ylim(0, 105)
+    ax.set_ylim(*zoom([g for _, g in groups]))
     ax.grid(axis="y", alpha=0.3)
     if groups:
         ax.legend(fontsize=7, ncol=1 + (C - 1) // 20, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title(f"{title(results)}\nerror bars: ±1 std over seeds (ddof=1)", fontsize=9)
+    ax.set_title(wrapped_title(results, "error bars: ±1 std over seeds (ddof=1); the y axis spans the data", fig),
+                 fontsize=8)
     return _finish(fig, path)
+
+
+def zoom(groups: list[tuple]) -> tuple[float, float]:
+    """y limits that span the bars' tops and error bars (groups: (mean [C], std [C] or None)) with a margin, within
+    0-100 %: an 85-98 % spread fills the axis instead of its top eighth."""
+    tops = [v for mean, std in groups for v in (mean if std is None else np.concatenate([mean - std, mean + std]))]
+    if not tops:
+        return 0.0, 105.0
+    lo, hi = float(min(tops)), float(max(tops))
+    pad = max(1.0, 0.1 * (hi - lo))
+    return max(0.0, lo - pad), min(100.0 if hi <= 100 else 105.0, hi + pad)
 
 
 def _colours(K: int):

@@ -67,13 +67,49 @@ def labels(results: list[dict]) -> list[str]:
     return out
 
 
+# Settings a title leaves out: stated on their own (rounds, seeds) or only how often the curve is drawn.
+UNTITLED = ("rounds", "seed", "eval_every")
+
+
+def partition_text(r: dict) -> str:
+    """`label partition α=0.5, 10 clients, 10 train / 50 test images per class`: the cache's partition as its
+    result records it (only the client count for a result without it)."""
+    p = cache_of(r).get("partition")
+    clients = r.get("clients")
+    if not isinstance(p, dict) or not p:
+        return f"{clients} clients" if isinstance(clients, int) else "partition not recorded"
+    words = [f"α={p['alpha']:g}"] if p.get("scheme") in ("label", "feature-label") and is_number(p.get("alpha")) else []
+    if p.get("scheme") == "pathological":
+        words.append(f"{p.get('classes_per_client')} classes per client")
+    words += [f"{clients} clients"] if isinstance(clients, int) else []
+    caps = [f"{p[k]} {side}" for k, side in (("per_class", "train"), ("test_per_class", "test")) if p.get(k)]
+    words += [f"{' / '.join(caps)} images per class per client"] if caps else []
+    words += [f"domains {', '.join(p['domains'])}"] if p.get("domains") else []
+    return f"{p.get('scheme', '?')} partition " + ", ".join(words)
+
+
+def shared_text(results: list[dict]) -> str:
+    """The settings every run has with the same value (`lr=0.001 batch_size=32 ...`), rounds and seeds aside."""
+    configs = [r.get("config") if isinstance(r.get("config"), dict) else {} for r in results]
+    text = lambda v: json.dumps(v, sort_keys=True)
+    same = [k for k in configs[0] if k not in UNTITLED and all(k in c and text(c[k]) == text(configs[0][k])
+                                                                 for c in configs)]
+    return " ".join(f"{k}={configs[0][k]}" for k in same)
+
+
 def title(results: list[dict]) -> str:
-    """`offline-digits cache 4aca237fe6b6d7b8, seeds 0,1,2`: what the whole table is about."""
-    caches = {(cache_of(r).get("dataset"), cache_of(r).get("key")) for r in results}
-    names = ", ".join(f"{d or '?'} cache {k[:16]}" if isinstance(k, str) else "cache not recorded"
-                      for d, k in sorted(caches, key=str))
+    """What the whole table is about: `offline-digits cache 4aca237fe6b6d7b8: label partition α=0.5, 10 clients, 10
+    train / 50 test images per class per client; backbones b0, b1; 50 rounds; shared settings lr=0.001 ...; seeds
+    0,1,2`."""
+    caches = {(cache_of(r).get("dataset"), cache_of(r).get("key")): r for r in results}
+    names = ", ".join(f"{d or '?'} cache {k[:16]}: {partition_text(r)}" if isinstance(k, str) else
+                      "cache not recorded" for (d, k), r in sorted(caches.items(), key=lambda kv: str(kv[0])))
+    backbones = sorted({", ".join(r.get("backbones") or cache_of(r).get("backbones") or ["?"]) for r in results})
+    rounds = sorted({str((r.get("config") or {}).get("rounds", "?")) for r in results})
     seeds = sorted({",".join(map(str, r["seeds"])) for r in results})
-    return f"{names}; seeds {' / '.join(seeds)}"
+    shared = shared_text(results)
+    return (f"{names}; backbones {' / '.join(backbones)}; {' / '.join(rounds)} rounds"
+            + (f"; shared settings {shared}" if shared else "") + f"; seeds {' / '.join(seeds)}")
 
 
 def markdown_table(results: list[dict]) -> str:

@@ -138,8 +138,15 @@ class Engine:
             raise UserError(nan_cause(self.algo, self.cfgs, both[0].any(1).nonzero().flatten().tolist(), rnd))
         return both[1]
 
+    def live_metrics(self, test_acc: torch.Tensor, round_loss: torch.Tensor) -> dict:
+        """What an evaluation round tells a watcher, per configuration (host floats): the seed, the client-mean test
+        accuracy in % and the mean local training loss over the clients that took part (test_acc, round_loss [H, C])."""
+        return {"seeds": self.seeds.tolist(), "test_acc": (100 * test_acc.double().mean(1)).tolist(),
+                "train_loss": round_loss.double().nanmean(1).tolist()}
+
     def run(self, progress=None, logs: bool = True) -> dict:
-        """Train all rounds; returns, stacked over the evaluation rounds, the records of `evaluate.record` (acc =
+        """Train all rounds, calling `progress(round, rounds, live)` after each (`live`: `live_metrics` at an
+        evaluation round, else None); returns, stacked over the evaluation rounds, the records of `evaluate.record` (acc =
         test_acc [R_eval, H, C], test_loss, train_acc, train_loss [R_eval, H, C], global_acc [R_eval, H] or None),
         the evaluation rounds, upload sizes and timings. logs=False records test accuracy only: a grid's selection
         needs nothing else, and the other records add a forward pass over every training row per evaluation."""
@@ -159,11 +166,13 @@ class Engine:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             upload_floats.append(sum(v[0, 0].numel() for v in uploads.values()))
+            live = None
             if (rnd + 1) % self.cfg["eval_every"] == 0 or rnd == R - 1:
                 records.append(record(algo, state, self.train, self.test, now, round_loss, logs, first=not records))
                 rounds.append(rnd + 1)
+                live = self.live_metrics(records[-1]["test_acc"], round_loss)
             if progress:
-                progress(rnd + 1, R)
+                progress(rnd + 1, R, live)
         stacked = {k: None if records[0][k] is None else torch.stack([r[k] for r in records]) for k in records[0]}
         return stacked | {"acc": stacked["test_acc"], "eval_rounds": rounds, "upload_floats": upload_floats,
                           "round_seconds": times}

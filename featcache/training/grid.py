@@ -97,7 +97,7 @@ def _split_data(cache: str, algo) -> tuple:
 def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str | torch.device,
                progress=None, data: tuple | None = None) -> list[list[float]]:
     """Train a chunk on train-minus-validation and score on validation: per model, per-client final accuracy.
-    `progress(round, rounds)` is called after each round; `data` = (fit, val) when the caller already loaded them."""
+    `progress(round, rounds, live)` is called after each round (Engine.run); `data` = (fit, val) when the caller already loaded them."""
     algo = create(algo_name)
     fit, val = data or _split_data(cache, algo)
     acc = run_configs(algo, cfgs, fit, val, device, progress, logs=False)["acc"][-1]  # [H, C]
@@ -112,7 +112,7 @@ def _local_backend(jobs, progress):
     for job in jobs:
         tick = None
         if progress:
-            tick = lambda r, R, base=done, n=job["rounds"]: progress("grid rounds", base + round(r * n / R), total)
+            tick = lambda r, R, _, base=done, n=job["rounds"]: progress("grid rounds", base + round(r * n / R), total)
         cache, algo_name = job["args"][:2]
         data = data or _split_data(cache, create(algo_name))
         yield job, _run_chunk(*job["args"], tick, data)
@@ -220,7 +220,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
         if retrain:
             final = train(cache, spec, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
                           out=folder, device=dev,
-                          progress=(lambda done, total: progress("grid retrain", done, total)) if progress else None)
+                          progress=(lambda done, total, _: progress("grid retrain", done, total)) if progress else None)
             keep = ("mean_acc", "std_acc", "per_seed", "best_round_mean_acc", "best_round_std_acc", "result_file",
                     "params_uploaded_per_round")
             result["retrain"] = {k: final[k] for k in keep}

@@ -5,9 +5,9 @@ fully resolved config, the cache it came from, accuracies (final and best-round,
 communication, and its provenance (featcache.provenance: CPU model, GPU name on CUDA, torch threads, featcache's git
 commit, the command line or library call). Its numbers are a pure function of (cache, algorithm, config, seeds), and
 provenance holds nothing that changes between repeated runs, so the same seed and command on the same machine and
-commit give the same file (the file is named by a hash of everything but the provenance: what it trains). Wall-clock
-timings, and the device they were taken on, go to the printed summary and a `.timing.json` sidecar, never into the
-result file.
+commit give the same file (named by what differs from the algorithm's defaults, then a hash of everything but the
+provenance and the cache's partition: what it trains; names.py). Wall-clock timings, and the device they were taken
+on, go to the printed summary and a `.timing.json` sidecar, never into the result file.
 
 Beside the result `NAME.json`, every run writes `NAME.metrics.csv` (every evaluation round, seed and client: loss and
 accuracy on train and test rows, the global model's accuracy; featcache.training.metrics) and, when asked, the final trained
@@ -38,6 +38,7 @@ from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboa
 from ..provenance import library_call, provenance
 from .states import SUFFIX, state_bytes
 from .config import check_clients, check_seeds, merge_rounds, resolve
+from .names import run_name
 from .engine import Engine, State
 from .guards import NO_TEST_ROWS, check_features, check_split
 
@@ -160,7 +161,8 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     `backbones` trains on a subset of the cached backbones' features (default: all, concatenated); `keep_state` adds
     `trained` (a `Trained`: algorithm, final state, data) to the returned dict, for analyses of the trained heads;
     `save_state` writes that state to NAME.state.safetensors; `tensorboard` (a folder) logs the per-seed curves to
-    TENSORBOARD/NAME."""
+    TENSORBOARD/NAME; `progress(round, rounds, live)` is called after each round (`Engine.run`: `live` holds each
+    seed's test accuracy and training loss at an evaluation round)."""
     dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device, tensorboard)
     spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
     cache = as_path(cache, "cache")
@@ -187,11 +189,12 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     } | summarize(raw["acc"].numpy(), raw["eval_rounds"], none_or_numpy(raw["global_acc"]),
                   raw["train_loss"].numpy())
     run_id = hashlib.sha256(json.dumps(result, sort_keys=True, indent=1).encode()).hexdigest()[:12]
+    result["cache"]["partition"] = meta.get("partition")  # for reports; the cache key above already fixes it
     result["provenance"] = provenance(dev, library_call("featcache.train", cache=str(cache), algo=spec, rounds=rounds,
                                                         seeds=list(seeds), set=set, device=str(device),
                                                         **({"backbones": list(backbones)} if backbones else {})))
     body = json.dumps(result, sort_keys=True, indent=1)
-    path = Path(out) / f"{algo}-{run_id}.json"
+    path = Path(out) / f"{run_name(impl, cfg, seeds, backbones, run_id)}.json"
     timing = {"seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
               "seconds_total": round(float(np.sum(raw["round_seconds"])), 3), "device": str(dev)}
     paths = write_run(path, body, timing, raw, result, save_state, tensorboard)
