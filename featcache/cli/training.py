@@ -29,7 +29,10 @@ def train(
                                              "or package.module:Class; repeat to compare several"),
     rounds: Optional[int] = typer.Option(None, help="communication rounds (default 50)"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; reported as mean(std) over them"),
-    set: list[str] = typer.Option([], "--set", help="override a setting: key=value (see `featcache algos NAME`)"),
+    set: list[str] = typer.Option([], "--set", help="override a setting: key=value, or ALGO.key=value for one "
+                                                    "algorithm (see `featcache algos NAME`)"),
+    backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="train on these cached backbones' "
+                                                  "features only (repeat; default: all, concatenated)"),
     out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for result JSON files (and their "
                                                              "NAME.metrics.csv)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
@@ -41,6 +44,8 @@ def train(
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded)."""
     from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
+    from ..algorithms import create
+    from ..training.config import scoped
     from ..training.train import precheck, train as run  # lazy: `featcache --help` loads no torch
 
     algo = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
@@ -48,15 +53,17 @@ def train(
     if twice:
         raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
     seed_list = _seeds(seeds)
+    sets = scoped(set, [create(name) for name in algo])  # fedprox.mu=1 -> fedprox's own mu=1
     for name in algo:  # every algorithm's settings and the output folder, before the first one trains
-        precheck(algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir, device=device,
+        precheck(algo=name, rounds=rounds, seeds=seed_list, set=sets[name], out=out_dir, device=device,
                  tensorboard=tensorboard)
     results = []
     with progress_bar(not as_json) as progress:
         for name in algo:
             tick = (lambda done, total, name=name: progress(name, done, total)) if progress else None
-            results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir,
-                               device=device, tensorboard=tensorboard, save_state=save_state, progress=tick))
+            results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=sets[name], out=out_dir,
+                               device=device, backbones=backbones, tensorboard=tensorboard, save_state=save_state,
+                               progress=tick))
     if as_json:
         emit(results[0] if len(results) == 1 else {"runs": results}, True)
         return
@@ -83,6 +90,8 @@ def grid(
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds"),
     rounds: Optional[int] = typer.Option(None, help="communication rounds"),
     set: list[str] = typer.Option([], "--set", help="fixed setting key=value for every configuration"),
+    backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="train on these cached backbones' "
+                                                  "features only (repeat; default: all, concatenated)"),
     out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for the grid's run folder"),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
     backend: str = typer.Option("local", help="local (in-process) | ray (RAY_ADDRESS or a local Ray)"),
@@ -96,8 +105,8 @@ def grid(
     algo = load(algo)  # a plug-in spec: registered here, shown by its name
     seed_list = _seeds(seeds)
     with progress_bar(not as_json) as progress:
-        result = run(cache=cache, algo=algo, grid=grid, seeds=seed_list, rounds=rounds, set=set, out=out_dir,
-                     device=device, backend=backend, chunk=chunk, progress=progress)
+        result = run(cache=cache, algo=algo, grid=grid, seeds=seed_list, rounds=rounds, set=set, backbones=backbones,
+                     out=out_dir, device=device, backend=backend, chunk=chunk, progress=progress)
     if as_json:
         emit(result, True)
         return
