@@ -107,8 +107,8 @@ def test_views_and_noise(tmp_path):
 def test_cli_json_and_info(small_cache, tmp_path):
     res, out = small_cache
     run = cli("extract", "--dataset", "offline-digits", "--backbone", "efficientnet_lite0", "--partition", "feature",
-              "--per-class", "3", "--test-per-class", "2", "--image-size", "32", "--domain", "mnist",
-              "--domain", "synth", "--out", str(out), "--json")
+              "--per-class", "3", "--test-per-class", "2", "--image-size", "32", "--domains", "mnist",
+              "--domains", "synth", "--out", str(out), "--json")
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
     assert got["cache"] == res["cache"] and got["cache_hit"] is True
@@ -120,8 +120,8 @@ def test_cli_json_and_info(small_cache, tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--partition", "label", "--alpha", "-1"], "alpha"),
     (["--backbone", "resnet181"], "resnet18"),
-    (["--domain", "mnst"], "mnist"),
-    (["--partition", "iid", "--clients", "100000", "--domain", "mnist"], "clients"),
+    (["--domains", "mnst"], "mnist"),
+    (["--partition", "iid", "--clients", "100000", "--domains", "mnist"], "clients"),
     (["--dataset", "digit5", "--data-root", "/nonexistent"], "digit"),
     (["--backbone", "resnet18=/nonexistent/model_best.pth.tar"], "does not exist"),
 ])

@@ -11,6 +11,7 @@ import os
 import sys
 import warnings
 
+import typer
 from rich.markup import escape
 
 from .. import provenance
@@ -52,9 +53,32 @@ def main() -> None:
         provenance.COMMAND = None
 
 
+# typer's usage errors (click's ClickException: typer vendors click in newer versions, re-exports it in older ones).
+CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def usage_error(e: Exception) -> str:
+    """typer's usage errors (an unknown option, a missing value, an extra argument) as one line: what is wrong, how
+    to fix it and where the help is."""
+    ctx = getattr(e, "ctx", None)
+    where = ctx.command_path if ctx is not None else "featcache"
+    message = e.format_message().rstrip(".")
+    takes_set = ctx is not None and any(p.name == "set" for p in ctx.command.params)
+    hint = " (an option takes one value: --set key=value)" if takes_set and "extra argument" in message else ""
+    return f"{where}: {message}{hint}; see {where} --help"
+
+
 def _main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)  # usage errors reach the handler below, not typer's boxed message
+        if isinstance(code, int):  # --help, --version, Ctrl-C (130)
+            sys.exit(code)
+    except CLICK_ERROR as e:
+        err.print(f"[red]error:[/red] {escape(' '.join(usage_error(e).splitlines()))}", highlight=False,
+                  soft_wrap=True, emoji=False)
+        sys.exit(2)
+    except typer.Abort:  # end of input at a prompt
+        sys.exit(1)
     except UserError as e:
         err.print(f"[red]error:[/red] {escape(' '.join(str(e).splitlines()))}", highlight=False, soft_wrap=True,
                   emoji=False)  # `--algo file.py:X: ...` is no :x: emoji

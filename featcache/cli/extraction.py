@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from ..errors import UserError
-from .app import emit, err, out, progress_bar
+from .app import comma_list, emit, err, out, progress_bar
 
 
 def extract(
@@ -24,7 +24,8 @@ def extract(
                                                        "list sweeps"),
     test_per_class: Optional[int] = typer.Option(None, help="test images per class per client (FedPCL: 200)"),
     classes_per_client: int = typer.Option(2, help="classes per client for the pathological partition"),
-    domain: Optional[list[str]] = typer.Option(None, help="use only these domains (repeat)"),
+    domains: Optional[list[str]] = typer.Option(None, "--domains", help="use only these domains (repeat); the "
+                                                "one-domain partitions (label, pathological, iid) take one"),
     val_fraction: float = typer.Option(0.2, help="share of train held out for validation (grid search)"),
     order: str = typer.Option("shuffled", help="which images of a class a client takes: shuffled (seeded) | first "
                                                "(the dataset's order, FedPCL's first 10 per class)"),
@@ -55,7 +56,7 @@ def extract(
             dataset=dataset, backbone=backbone, partition=partition, clients=_sweep(clients, int, "--clients"),
             alpha=_sweep(alpha, float, "--alpha"), per_class=_sweep(per_class, int, "--per-class"),
             test_per_class=test_per_class, classes_per_client=classes_per_client,
-            domains=domain, val_fraction=val_fraction, order=order, image_size=image_size, views=views,
+            domains=domains, val_fraction=val_fraction, order=order, image_size=image_size, views=views,
             noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
             download=download, out=out_dir, store=store, batch_size=batch_size, workers=workers, device=device, backend=backend,
             allow_partial=allow_partial, progress=progress,
@@ -76,10 +77,7 @@ def _sweep(text: str | None, kind: type, flag: str):
     """'0.1,0.5,1' -> [0.1, 0.5, 1.0]; one value -> that value; None -> None."""
     if text is None:
         return None
-    try:
-        values = [kind(v) for v in text.split(",")]
-    except ValueError:
-        raise UserError(f"{flag} takes a {kind.__name__} or a comma list of them (got {text!r})") from None
+    values = comma_list(text, kind, flag)
     return values if len(values) > 1 else values[0]
 
 

@@ -10,17 +10,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
-from .app import emit, out, progress_bar
+from .app import comma_list, emit, out, progress_bar
 
 
 def _seeds(text: str) -> list[int]:
     from ..training.config import check_seeds  # lazy: `featcache --help` loads no torch
 
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise UserError(f"--seeds {text!r}: write comma-separated integers, e.g. 0,1,2") from None
-    return check_seeds(seeds)
+    return check_seeds(comma_list(text, int, "--seeds"))
 
 
 def train(
@@ -96,6 +92,8 @@ def grid(
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
     backend: str = typer.Option("local", help="local (in-process) | ray (RAY_ADDRESS or a local Ray)"),
     chunk: Optional[int] = typer.Option(None, help="models per batched run, >= 1 (default: planned from memory)"),
+    retrain: bool = typer.Option(True, help="retrain the best configuration on the full train split and report its "
+                                            "test accuracy"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train a hyperparameter grid batched, select on validation, retrain the best, report test accuracy."""
@@ -106,7 +104,8 @@ def grid(
     seed_list = _seeds(seeds)
     with progress_bar(not as_json) as progress:
         result = run(cache=cache, algo=algo, grid=grid, seeds=seed_list, rounds=rounds, set=set, backbones=backbones,
-                     out=out_dir, device=device, backend=backend, chunk=chunk, progress=progress)
+                     out=out_dir, device=device, backend=backend, chunk=chunk, retrain=retrain,
+                     progress=progress)
     if as_json:
         emit(result, True)
         return
