@@ -26,7 +26,7 @@ import numpy as np
 from .. import cache as C
 from ..errors import UserError
 from . import pipeline as P
-from .backbones import weights_identity
+from .backbones import check_weights, weights_identity
 from .datasets import dataset_identity, keep_dataset, load_dataset
 from .embed import BACKENDS, Block, Progress, Settings
 from .files import DiskFullError, drop_leftover, locked, remove_partials, writing
@@ -115,6 +115,8 @@ def extract(
             drop_leftover(s.work)
         return _summary([_hit(p, k, t0) for p, k in zip(paths, keys)], {}, t0)
 
+    for b in backbone:  # weights the hub cannot serve now are refused in seconds, before the dataset is read
+        check_weights(b)
     phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
     t = time.perf_counter()
     data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
