@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
@@ -29,7 +30,8 @@ def extract(
     val_fraction: float = typer.Option(0.2, help="share of train held out for validation (grid search)"),
     order: str = typer.Option("shuffled", help="which images of a class a client takes: shuffled (seeded) | first "
                                                "(the dataset's order, FedPCL's first 10 per class)"),
-    image_size: Optional[int] = typer.Option(None, help="input size override (FedPCL: 64 for ResNet18)"),
+    image_size: Optional[int] = typer.Option(None, help="input size in pixels (default: 64 for images under 64 px, "
+                                                        "else each backbone's own; printed)"),
     views: int = typer.Option(0, help="augmented views per training image (FedPCL two-crop, FedPFT+Con)"),
     noise: Optional[str] = typer.Option(None, help="image noise: laplace or gaussian (FedPCL A.2.4)"),
     noise_scale: float = typer.Option(0.2, help="noise scale s"),
@@ -60,6 +62,7 @@ def extract(
             noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
             download=download, out=out_dir, store=store, batch_size=batch_size, workers=workers, device=device, backend=backend,
             allow_partial=allow_partial, progress=progress,
+            note=lambda line: err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True),
         )
     table = Table(title="featcache extract")
     for r in result.get("caches", [result]):
