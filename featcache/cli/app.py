@@ -33,7 +33,7 @@ def _version(asked: bool) -> None:
 @app.callback()
 def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                           help="print featcache's version and exit")) -> None:
-    """Run frozen backbones once, cache embeddings in HDF5, train federated heads on them."""
+    pass  # the options of `featcache` itself (the app's help above describes it)
 
 
 def comma_list(text: str, kind: type, flag: str) -> list:

@@ -39,10 +39,9 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded)."""
-    from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
-    from ..algorithms import create
-    from ..training.config import scoped
-    from ..training.train import precheck, train as run  # lazy: `featcache --help` loads no torch
+    from ..algorithms import create, load  # lazy: `featcache --help` skips the algorithm registry
+    from ..training.config import scoped  # lazy: `featcache --help` loads no torch
+    from ..training.train import precheck, train as run
 
     algo = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
     twice = sorted({a for a in algo if algo.count(a) > 1})
