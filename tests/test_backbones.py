@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from PIL import Image
 from sklearn.datasets import load_sample_images
 
-from featcache.extraction import backbones
+from featcache.extraction import backbones, plan
 from featcache.extraction.backbones import align_state_dicts, create_backbone, list_offline_backbones, packaged_model
-from featcache.extraction.backbones import sources
+from featcache.extraction.backbones import hub, sources
 from featcache.extraction.backbones.hashing import sha256
 from featcache.extraction.backbones.keys import checkpoint_key
 from featcache.extraction.backbones.models import seeded_model
@@ -199,7 +199,11 @@ def test_missing_or_unreadable_checkpoint_is_a_user_error(tmp_path):
 
 
 def _fake_hub(monkeypatch, error: Exception | None):
+    """timm's hub faked: it answers the connection check, and serves weights (random ones) unless `error`."""
     real = timm.create_model
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "reachable", lambda host, port, timeout: True)
+    monkeypatch.setattr(hub, "cached_file", lambda cfg: None)
 
     def create_model(name, pretrained=False, **kwargs):
         if pretrained and error is not None:
@@ -217,6 +221,41 @@ def test_unreachable_hub_is_one_line_naming_the_ways_out(monkeypatch):
         "no offline weights for resnet18 and the hub is unreachable: pass resnet18=PATH to a checkpoint, "
         "or resnet18=random"
     )
+
+
+def test_an_offline_hub_is_refused_in_seconds_before_any_lookup(monkeypatch, tmp_path):
+    """No connection within the check's timeout (or HF_HUB_OFFLINE set) refuses the backbone at once: timm's own
+    lookup, which retries for about a minute offline, is never reached; extract refuses before reading the dataset."""
+    _fake_hub(monkeypatch, AssertionError("the hub was asked"))
+    asked = []
+    monkeypatch.setattr(hub, "reachable", lambda host, port, timeout: asked.append((host, port, timeout)) or False)
+    with pytest.raises(UserError) as refused:
+        create_backbone("resnet18")
+    assert asked == [("huggingface.co", 443, hub.TIMEOUT_S)] and hub.TIMEOUT_S <= 5
+    assert str(refused.value) == ("no offline weights for resnet18 and the hub is unreachable (no connection to "
+                                  "huggingface.co:443 within 3 s): pass resnet18=PATH to a checkpoint, or "
+                                  "resnet18=random")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="^no offline weights for resnet18 and HF_HUB_OFFLINE is set: pass"):
+        backbones.check_weights("resnet18")
+    assert len(asked) == 1  # offline by the environment: not even the connection is tried
+    monkeypatch.setattr(plan, "load_dataset", lambda *a, **k: pytest.fail("the dataset was read"))
+    with pytest.raises(UserError, match="HF_HUB_OFFLINE is set"):
+        plan.extract(backbone=["resnet18"], out=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+    monkeypatch.setattr(hub, "cached_file", lambda cfg: Path("weights.safetensors"))
+    backbones.check_weights("resnet18")  # weights in the local cache are served offline
+
+
+def test_the_connection_check_is_bounded_and_reads_the_proxy(monkeypatch):
+    monkeypatch.setattr(hub.socket, "create_connection", lambda *a, **k: (_ for _ in ()).throw(OSError("down")))
+    assert hub.reachable.__wrapped__("example.invalid", 443, 0.5) is False
+    seen = []
+    monkeypatch.setattr(hub, "reachable", lambda host, port, timeout: seen.append((host, port)) or True)
+    monkeypatch.setattr(hub, "cached_file", lambda cfg: None)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.lab:3128")
+    assert hub.unavailable(timm.models.get_pretrained_cfg("resnet18")) is None and seen == [("proxy.lab", 3128)]
 
 
 def test_reachable_hub_records_the_hub_repository(monkeypatch):

@@ -239,7 +239,7 @@ def test_digit5_missing_domains_are_refused_unless_domain_picks_present_ones(tmp
     assert message.startswith("digit5: domains svhn, synth not found (expected svhn: ")
     for folder in ("SVHN", "SynthDigits"):
         assert f"{base / folder}/partitions/train_part{{0..1}}.pkl and {base / folder}/test.pkl" in message
-    assert "MNIST_M" not in message and "--domain" in message and "present: mnist, usps, mnistm" in message
+    assert "MNIST_M" not in message and "--domains" in message and "present: mnist, usps, mnistm" in message
     for scheme in ("feature", "feature-label"):
         _refused(data, scheme=scheme, clients=6)
     message = _refused(data, domains=("mnist", "svhn"))  # asking for an absent domain names its path
@@ -289,7 +289,7 @@ def test_cli_refuses_missing_domains_in_one_line_and_extracts_chosen_ones_in_fir
     line = one_line_cli_error(run_cli(*args), "digit5: domains svhn, synth, mnistm not found")
     assert str(tmp_path / "digit" / "SynthDigits" / "partitions" / "train_part{0..9}.pkl") in line
     assert everything_in(out) == []
-    ok = run_cli(*args, "--domain", "mnist", "--domain", "usps", "--order", "first", "--val-fraction", "0")
+    ok = run_cli(*args, "--domains", "mnist", "--domains", "usps", "--order", "first", "--val-fraction", "0")
     assert ok.code == 0, ok.stderr
     with h5py.File(json.loads(ok.stdout)["cache"]) as f:
         assert json.loads(f.attrs["partition"])["order"] == "first"

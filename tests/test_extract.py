@@ -14,7 +14,7 @@ import pytest
 from featcache.extraction.identity import content_key, versions
 from featcache import cache as C
 from featcache.errors import UserError
-from featcache.extraction.plan import Noise, extract
+from featcache.extraction.plan import SMALL_IMAGES, Noise, default_image_size, extract
 
 SMALL = dict(dataset="offline-digits", backbone=["efficientnet_lite0"], partition="feature", per_class=3,
              test_per_class=2, image_size=32, domains=["mnist", "synth"])
@@ -107,8 +107,8 @@ def test_views_and_noise(tmp_path):
 def test_cli_json_and_info(small_cache, tmp_path):
     res, out = small_cache
     run = cli("extract", "--dataset", "offline-digits", "--backbone", "efficientnet_lite0", "--partition", "feature",
-              "--per-class", "3", "--test-per-class", "2", "--image-size", "32", "--domain", "mnist",
-              "--domain", "synth", "--out", str(out), "--json")
+              "--per-class", "3", "--test-per-class", "2", "--image-size", "32", "--domains", "mnist",
+              "--domains", "synth", "--out", str(out), "--json")
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
     assert got["cache"] == res["cache"] and got["cache_hit"] is True
@@ -120,8 +120,8 @@ def test_cli_json_and_info(small_cache, tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--partition", "label", "--alpha", "-1"], "alpha"),
     (["--backbone", "resnet181"], "resnet18"),
-    (["--domain", "mnst"], "mnist"),
-    (["--partition", "iid", "--clients", "100000", "--domain", "mnist"], "clients"),
+    (["--domains", "mnst"], "mnist"),
+    (["--partition", "iid", "--clients", "100000", "--domains", "mnist"], "clients"),
     (["--dataset", "digit5", "--data-root", "/nonexistent"], "digit"),
     (["--backbone", "resnet18=/nonexistent/model_best.pth.tar"], "does not exist"),
 ])
@@ -177,3 +177,27 @@ def test_api_refuses_an_image_size_that_is_not_a_whole_number_of_pixels(tmp_path
     with pytest.raises(UserError, match="--image-size must be a whole number of pixels >= 1"):
         extract(image_size=size, out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_default_image_size_follows_the_dataset_and_is_said():
+    """Small images (the offline digits' 32 px) are embedded at 64 px, not at a backbone's own 224+; photos at each
+    backbone's own size; either way one line says which and how to change it."""
+    size, line = default_image_size("offline-digits", 32)
+    assert size == SMALL_IMAGES == 64 and line.startswith("image size 64 (offline-digits images are 32 px;")
+    assert "--image-size N" in line
+    size, line = default_image_size("pacs", 227)
+    assert size is None and line.startswith("image size: each backbone's own input size (pacs images are 227 px;")
+    assert default_image_size("imagefolder", None)[0] is None
+
+
+def test_default_image_size_is_keyed_as_the_explicit_size_and_a_label_partition_names_its_domain(tmp_path):
+    args = dict(backbone=["test_resnet=random"], partition="label", clients=2, per_class=2, test_per_class=1)
+    told = []
+    with pytest.warns(UserWarning, match="RANDOM"):
+        default = extract(**args, out=tmp_path, note=told.append)
+    assert default["image_size"] == 64 and told == default["notes"] and len(told) == 2
+    assert told[0].startswith("image size 64 (offline-digits images are 32 px")
+    assert told[1] == "partition label splits one domain: mnist, the dataset's first (--domains NAME picks another)"
+    explicit = extract(**args, image_size=64, out=tmp_path)
+    assert explicit["cache"] == default["cache"] and explicit["cache_hit"] and explicit["notes"] == told[1:]
+    assert extract(**args, out=tmp_path)["notes"] == told  # a cache hit says the same

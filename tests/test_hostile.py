@@ -189,7 +189,7 @@ EXTRACT_CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "checkpoint-missing-file": (lambda t: ["--backbone", f"test_resnet={t / 'none.pth'}"], "does not exist"),
     "digit5-pickle-runs-code": (malicious_digit5, "refusing to unpickle posix.system"),
     "missing-data-root": (lambda t: ["--data-root", str(t / "nowhere")], "is not a folder"),
-    "unknown-domain": (given("--domain", "d3"), "unknown domain 'd3'"),
+    "unknown-domain": (given("--domains", "d3"), "unknown domain 'd3'"),
     "unknown-partition": (given("--partition", "dirichlet"), "unknown partition scheme"),
     "too-many-classes-per-client": (given("--partition", "pathological", "--classes-per-client", "5"),
                                     "classes_per_client=5"),

@@ -264,7 +264,7 @@ def test_domains_a_reader_found_missing_are_refused_unless_not_used():
         text = str(err.value)
         assert text.startswith(f"fake: {absent} (expected mnist: ROOT/MNIST/test.pkl" if "mnist" in absent
                                else f"fake: {absent} (expected synth: ROOT/SynthDigits/test.pkl")
-        assert "--domain" in text and "present: svhn, usps" in text and "\n" not in text
+        assert "--domains" in text and "present: svhn, usps" in text and "\n" not in text
     assert [p.domain for p in make_partition(data, PartitionSpec(domains=("usps", "svhn")))] == ["usps", "svhn"]
     assert {p.domain for p in make_partition(data, PartitionSpec("iid", clients=2, domains=("svhn",)))} == {"svhn"}
     del data.extra["domain_order"]  # without the order, the present domains come first: mnist is still refused

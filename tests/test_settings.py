@@ -5,14 +5,21 @@ temperature), plug-ins declare theirs the same way, and `featcache algos NAME` p
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from conftest import configure
 from harness import one_line_error, run_cli
+from synthetic import write_cache
 
 from featcache.algorithms import create, list_algorithms
 from featcache.algorithms.base import FedAvg
 from featcache.errors import UserError
-from featcache.training.config import ENGINE_SETTINGS, Setting, defaults, resolve, settings_of, structural_keys
+from featcache.training.config import (ENGINE_SETTINGS, Setting, defaults, resolve, scoped, settings_of,
+                                       structural_keys)
+from featcache.training.grid import grid
+from featcache.training.train import train
 
 ALGOS = sorted(list_algorithms())
 
@@ -132,3 +139,37 @@ def test_algos_name_prints_the_declarations():
     assert res.code == 0, res.stderr
     row = next(line for line in res.stdout.splitlines() if " tau " in line)
     assert "0.5" in row and "float" in row and "0 <= tau <= 1" in row and " no " in row
+
+
+def test_scoped_settings_apply_to_their_algorithm_only():
+    """`fedprox.mu=1` sets fedprox's mu; a plain setting goes to every chosen algorithm and a scoped one wins over it
+    there; a plain setting only some of them have, or a scope naming none of them, is refused."""
+    algos = [create("fedavg"), create("fedprox")]
+    assert scoped(["fedprox.mu=1", "lr=0.1", "fedprox.lr=0.01"], algos) == {
+        "fedavg": {"lr": "0.1"}, "fedprox": {"lr": "0.01", "mu": "1"}}
+    with pytest.raises(UserError, match=r"^mu is a setting of fedprox only: write fedprox.mu=1$"):
+        scoped(["mu=1"], algos)
+    with pytest.raises(UserError, match="moon is not among the chosen algorithms"):
+        scoped({"moon.mu": 1}, algos)
+    assert resolve(create("fedprox"), {"fedprox.mu": 1}) == resolve(create("fedprox"), {"mu": 1})
+    with pytest.raises(UserError, match=r"fedprox is not the algorithm of this run \(fedavg\)"):
+        resolve(create("fedavg"), {"fedprox.mu": 1})
+
+
+def test_one_train_command_compares_algorithms_with_their_own_settings(tmp_path):
+    cache = write_cache(tmp_path / "c.h5")
+    res = run_cli("train", "--cache", cache, "--algo", "fedavg", "--algo", "fedprox", "--rounds", "1", "--seeds", "0",
+                  "--set", "fedprox.mu=0.5", "--set", "batch_size=8", "--out", tmp_path / "runs", "--json")
+    assert res.code == 0, res.stderr
+    fedavg, fedprox = json.loads(res.stdout)["runs"]
+    assert fedprox["config"]["mu"] == 0.5 and "mu" not in fedavg["config"]
+    assert fedavg["config"]["batch_size"] == fedprox["config"]["batch_size"] == 8
+    plain = train(cache, "fedprox", rounds=1, seeds=[0], set={"mu": 0.5, "batch_size": 8}, out=tmp_path / "api")
+    assert Path(plain["result_file"]).name == Path(fedprox["result_file"]).name  # the same run, however spelled
+
+
+def test_a_grid_axis_may_be_scoped(tmp_path):
+    cache = write_cache(tmp_path / "c.h5")
+    res = grid(cache, "fedprox", grid=["fedprox.mu=0.1,1"], seeds=[0], rounds=1, set=["fedprox.batch_size=8"],
+               out=tmp_path / "g", retrain=False)
+    assert res["axes"] == {"mu": [0.1, 1.0]}

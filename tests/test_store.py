@@ -200,7 +200,7 @@ def test_a_failed_first_run_leaves_no_store_folder(images, tmp_path):
 @pytest.fixture
 def filled(images, tmp_path) -> tuple[Path, dict]:
     out = tmp_path / "out"
-    res = run_cli(*folder_extract_args(images, out, "--partition", "iid", "--domain", "d1", "--clients", "2"))
+    res = run_cli(*folder_extract_args(images, out, "--partition", "iid", "--domains", "d1", "--clients", "2"))
     assert res.code == 0, res.stderr
     return out, json.loads(res.stdout)
 
@@ -270,7 +270,7 @@ def test_extract_through_a_damaged_store_is_one_line_and_writes_nothing(images, 
     bad = stores(out)[1]
     damage(bad)
     before = files(out)
-    result = run_cli(*folder_extract_args(images, out, "--partition", "iid", "--domain", "d1", "--clients", "3"))
+    result = run_cli(*folder_extract_args(images, out, "--partition", "iid", "--domains", "d1", "--clients", "3"))
     line = one_line_error(result, "is damaged")
     assert f"store {bad} is damaged" in line and "featcache gc" in line
     assert files(out) == before and everything_in(out) == sorted([*before, "store"])  # no parts folder, no cache
@@ -289,7 +289,7 @@ def test_a_sweep_value_that_is_no_number_is_one_line(images, tmp_path):
 def test_a_clients_list_prints_a_row_per_cache(images, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a short --out: the table cuts cells wider than its 120 columns off a terminal
     out = Path("out")
-    args = [a for a in folder_extract_args(images, out, "--partition", "iid", "--domain", "d1", "--clients", "2,3")
+    args = [a for a in folder_extract_args(images, out, "--partition", "iid", "--domains", "d1", "--clients", "2,3")
             if a != "--json"]
     shown = run_cli(*args)
     assert shown.code == 0, shown.stderr
@@ -304,7 +304,7 @@ def test_a_clients_list_prints_a_row_per_cache(images, tmp_path, monkeypatch):
 def test_the_same_weights_spelled_twice_share_one_store_without_deadlock(images, tmp_path):
     out = tmp_path / "out"
     args = ["extract", "--dataset", "imagefolder", "--data-root", str(images), "--backbone", "test_efficientnet=random",
-            "--backbone", "test_efficientnet= random", "--image-size", "32", "--batch-size", "4", "--domain", "d1",
+            "--backbone", "test_efficientnet= random", "--image-size", "32", "--batch-size", "4", "--domains", "d1",
             "--partition", "iid", "--clients", "2", "--out", str(out), "--json"]
     done = subprocess.run([sys.executable, "-m", "featcache.cli", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=180, env=os.environ | {"OMP_NUM_THREADS": "1"})

@@ -7,10 +7,12 @@ of the library they call (`extraction`, `training`, `results`); `app` holds what
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
 
+import typer
 from rich.markup import escape
 
 from .. import provenance
@@ -25,8 +27,6 @@ keep_freed_memory()
 # The commands in the order `featcache --help` lists them.
 COMMANDS = (extraction.extract, extraction.info, extraction.gc, extraction.verify, extraction.migrate, training.train,
             training.grid, training.algos, results.report, results.plot, extraction.datasets, results.reproduce)
-for command in COMMANDS:
-    app.command()(command)
 
 
 def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:
@@ -57,33 +57,66 @@ def _error(message: str) -> None:
               emoji=False)  # `--algo file.py:X: ...` is no :x: emoji
 
 
-def _interrupt(e: SystemExit) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt behind typer's exit code 130, if that is what `e` is."""
-    seen = e.__context__ or e.__cause__
-    while seen is not None and not isinstance(seen, KeyboardInterrupt):
-        seen = seen.__cause__ or seen.__context__
-    return seen if e.code == 130 else None
+def _interrupt_line(e: KeyboardInterrupt) -> str:
+    """What a Ctrl-C, or a KeyboardInterrupt raised in a plug-in's hook, says: where a training run stopped and how
+    to resume it (`training.checkpoint.Interrupted`), or the plug-in hook that raised it."""
+    checkpoint = sys.modules.get("featcache.training.checkpoint")  # loaded only where training ran
+    if checkpoint is not None and isinstance(e, checkpoint.Interrupted):
+        return f"interrupted: {e}"
+    algorithms = sys.modules.get("featcache.algorithms")  # loaded only where an algorithm (or plug-in) was
+    where = algorithms.plugin_failure(e) if algorithms is not None else None
+    at = f" (KeyboardInterrupt raised at {where.partition(': KeyboardInterrupt')[0]})" if where else ""
+    return f"interrupted{at}: run the same command again"
+
+
+def _told_interrupt(command):
+    """`command` with its KeyboardInterrupt told in one line (typer then exits 130 and keeps the exception)."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            _error(_interrupt_line(e))
+            raise
+
+    return run
+
+
+# typer's usage errors (click's ClickException: typer vendors click in newer versions, re-exports it in older ones).
+CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def usage_error(e: Exception) -> str:
+    """typer's usage errors (an unknown option, a missing value, an extra argument) as one line: what is wrong, how
+    to fix it and where the help is."""
+    ctx = getattr(e, "ctx", None)
+    where = ctx.command_path if ctx is not None else "featcache"
+    message = e.format_message().rstrip(".")
+    takes_set = ctx is not None and any(p.name == "set" for p in ctx.command.params)
+    hint = " (an option takes one value: --set key=value)" if takes_set and "extra argument" in message else ""
+    return f"{where}: {message}{hint}; see {where} --help"
+
+
+for command in COMMANDS:
+    app.command()(_told_interrupt(command))
 
 
 def _main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)  # usage errors reach the handler below, not typer's boxed message
+        if isinstance(code, int):  # --help, --version, Ctrl-C (130)
+            sys.exit(code)
+    except CLICK_ERROR as e:
+        _error(usage_error(e))
+        sys.exit(2)
+    except typer.Abort:  # end of input at a prompt
+        sys.exit(1)
     except UserError as e:
         _error(str(e))
         sys.exit(2)
     except SystemExit as e:
-        if "featcache.algorithms" not in sys.modules:  # no algorithm, no plug-in was loaded (`featcache --help`)
-            plugin_exit = plugin_failure = lambda _: None
-        else:
-            from ..algorithms import plugin_exit, plugin_failure
-
-        interrupt = _interrupt(e)
-        if interrupt is not None:  # Ctrl-C, or a KeyboardInterrupt raised in a plug-in's hook: one line, exit 130
-            where = plugin_failure(interrupt)
-            at = f" (KeyboardInterrupt raised at {where.partition(': KeyboardInterrupt')[0]})" if where else ""
-            _error(f"interrupted{at}: run the same command again")
-            sys.exit(130)
-        error = plugin_exit(e)
+        algorithms = sys.modules.get("featcache.algorithms")  # a plug-in's sys.exit() needs them loaded
+        error = algorithms.plugin_exit(e) if algorithms is not None else None
         if error is None:
             raise
         _error(str(error))

@@ -13,11 +13,39 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ..errors import UserError
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run frozen backbones once, cache embeddings in HDF5, train federated heads on them.")
 # Off a terminal (a pipe, a log file) rich would wrap tables at 80 columns and cut their cells: give it room.
 out = Console(width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+
+
+def _version(asked: bool) -> None:
+    if asked:
+        from .. import __version__
+
+        print(f"featcache {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="print featcache's version and exit")) -> None:
+    pass  # the options of `featcache` itself (the app's help above describes it)
+
+
+def comma_list(text: str, kind: type, flag: str) -> list:
+    """'0,1,2' -> [0, 1, 2] of `kind`; an empty item ('0,,1', '0,') or one not of `kind` is refused in one line."""
+    items = [t.strip() for t in text.split(",")]
+    if "" in items:
+        raise UserError(f"{flag} {text!r} has an empty item: write comma-separated values, e.g. {flag} 0,1,2")
+    try:
+        return [kind(t) for t in items]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: write comma-separated {kind.__name__}s, e.g. {flag} "
+                        f"{'0,1,2' if kind is int else '0.1,0.5,1'}") from None
 
 
 PLAIN_EVERY_S = 30.0  # when stderr is not a terminal: a line per label at least every 30 s ...

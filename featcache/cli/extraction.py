@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
-from .app import emit, err, out, progress_bar
+from .app import comma_list, emit, err, out, progress_bar
 
 
 def extract(
@@ -24,11 +25,13 @@ def extract(
                                                        "list sweeps"),
     test_per_class: Optional[int] = typer.Option(None, help="test images per class per client (FedPCL: 200)"),
     classes_per_client: int = typer.Option(2, help="classes per client for the pathological partition"),
-    domain: Optional[list[str]] = typer.Option(None, help="use only these domains (repeat)"),
+    domains: Optional[list[str]] = typer.Option(None, "--domains", help="use only these domains (repeat); the "
+                                                "one-domain partitions (label, pathological, iid) take one"),
     val_fraction: float = typer.Option(0.2, help="share of train held out for validation (grid search)"),
     order: str = typer.Option("shuffled", help="which images of a class a client takes: shuffled (seeded) | first "
                                                "(the dataset's order, FedPCL's first 10 per class)"),
-    image_size: Optional[int] = typer.Option(None, help="input size override (FedPCL: 64 for ResNet18)"),
+    image_size: Optional[int] = typer.Option(None, help="input size in pixels (default: 64 for images under 64 px, "
+                                                        "else each backbone's own; printed)"),
     views: int = typer.Option(0, help="augmented views per training image (FedPCL two-crop, FedPFT+Con)"),
     noise: Optional[str] = typer.Option(None, help="image noise: laplace or gaussian (FedPCL A.2.4)"),
     noise_scale: float = typer.Option(0.2, help="noise scale s"),
@@ -55,10 +58,11 @@ def extract(
             dataset=dataset, backbone=backbone, partition=partition, clients=_sweep(clients, int, "--clients"),
             alpha=_sweep(alpha, float, "--alpha"), per_class=_sweep(per_class, int, "--per-class"),
             test_per_class=test_per_class, classes_per_client=classes_per_client,
-            domains=domain, val_fraction=val_fraction, order=order, image_size=image_size, views=views,
+            domains=domains, val_fraction=val_fraction, order=order, image_size=image_size, views=views,
             noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
             download=download, out=out_dir, store=store, batch_size=batch_size, workers=workers, device=device, backend=backend,
             allow_partial=allow_partial, progress=progress,
+            note=lambda line: err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True),
         )
     table = Table(title="featcache extract")
     for r in result.get("caches", [result]):
@@ -76,10 +80,7 @@ def _sweep(text: str | None, kind: type, flag: str):
     """'0.1,0.5,1' -> [0.1, 0.5, 1.0]; one value -> that value; None -> None."""
     if text is None:
         return None
-    try:
-        values = [kind(v) for v in text.split(",")]
-    except ValueError:
-        raise UserError(f"{flag} takes a {kind.__name__} or a comma list of them (got {text!r})") from None
+    values = comma_list(text, kind, flag)
     return values if len(values) > 1 else values[0]
 
 

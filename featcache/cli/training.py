@@ -10,17 +10,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
-from .app import emit, err, live_text, out, progress_bar
+from .app import comma_list, emit, err, live_text, out, progress_bar
 
 
 def _seeds(text: str) -> list[int]:
     from ..training.config import check_seeds  # lazy: `featcache --help` loads no torch
 
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise UserError(f"--seeds {text!r}: write comma-separated integers, e.g. 0,1,2") from None
-    return check_seeds(seeds)
+    return check_seeds(comma_list(text, int, "--seeds"))
 
 
 def train(
@@ -29,7 +25,10 @@ def train(
                                              "or package.module:Class; repeat to compare several"),
     rounds: Optional[int] = typer.Option(None, help="communication rounds (default 50)"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; reported as mean(std) over them"),
-    set: list[str] = typer.Option([], "--set", help="override a setting: key=value (see `featcache algos NAME`)"),
+    set: list[str] = typer.Option([], "--set", help="override a setting: key=value, or ALGO.key=value for one "
+                                                    "algorithm (see `featcache algos NAME`)"),
+    backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="train on these cached backbones' "
+                                                  "features only (repeat; default: all, concatenated)"),
     out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for result JSON files (and their "
                                                              "NAME.metrics.csv)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
@@ -40,18 +39,20 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded)."""
-    from ..algorithms import load, objective_note  # lazy: `featcache --help` skips the algorithm registry
-    from ..training.train import precheck, train as run  # lazy: `featcache --help` loads no torch
+    from ..algorithms import create, load, objective_note  # lazy: `featcache --help` skips the algorithm registry
+    from ..training.config import scoped  # lazy: `featcache --help` loads no torch
+    from ..training.train import precheck, train as run
 
     algo = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
     twice = sorted({a for a in algo if algo.count(a) > 1})
     if twice:
         raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
     seed_list = _seeds(seeds)
+    sets = scoped(set, [create(name) for name in algo])  # fedprox.mu=1 -> fedprox's own mu=1
     notes = {}
     for name in algo:  # every algorithm's settings and the output folder, before the first one trains
-        _, _, impl, cfg = precheck(algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir, device=device,
-                                   tensorboard=tensorboard)
+        _, _, impl, cfg = precheck(algo=name, rounds=rounds, seeds=seed_list, set=sets[name], out=out_dir,
+                                   device=device, tensorboard=tensorboard)
         notes[name] = objective_note(impl, cfg)
     results = []
     with progress_bar(not as_json) as progress:
@@ -65,8 +66,9 @@ def train(
                 progress(label, done, total, live_text(live))
 
             tick = tick if progress else None
-            results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir,
-                               device=device, tensorboard=tensorboard, save_state=save_state, progress=tick))
+            results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=sets[name], out=out_dir,
+                               device=device, backbones=backbones, tensorboard=tensorboard, save_state=save_state,
+                               progress=tick))
             if not as_json:  # each algorithm's result as soon as it is written, not after the last one
                 _print_run(results[-1])
     if as_json:
@@ -100,10 +102,14 @@ def grid(
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds"),
     rounds: Optional[int] = typer.Option(None, help="communication rounds"),
     set: list[str] = typer.Option([], "--set", help="fixed setting key=value for every configuration"),
+    backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="train on these cached backbones' "
+                                                  "features only (repeat; default: all, concatenated)"),
     out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for the grid's run folder"),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
     backend: str = typer.Option("local", help="local (in-process) | ray (RAY_ADDRESS or a local Ray)"),
     chunk: Optional[int] = typer.Option(None, help="models per batched run, >= 1 (default: planned from memory)"),
+    retrain: bool = typer.Option(True, help="retrain the best configuration on the full train split and report its "
+                                            "test accuracy"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train a hyperparameter grid batched, select on validation, retrain the best, report test accuracy."""
@@ -113,8 +119,9 @@ def grid(
     algo = load(algo)  # a plug-in spec: registered here, shown by its name
     seed_list = _seeds(seeds)
     with progress_bar(not as_json) as progress:
-        result = run(cache=cache, algo=algo, grid=grid, seeds=seed_list, rounds=rounds, set=set, out=out_dir,
-                     device=device, backend=backend, chunk=chunk, progress=progress)
+        result = run(cache=cache, algo=algo, grid=grid, seeds=seed_list, rounds=rounds, set=set, backbones=backbones,
+                     out=out_dir, device=device, backend=backend, chunk=chunk, retrain=retrain,
+                     progress=progress)
     if as_json:
         emit(result, True)
         return

@@ -29,18 +29,20 @@ from .. import cache as C
 from ..atomic import check_folder, make_folder
 from ..errors import UserError, as_path
 from . import pipeline as P
-from .backbones import weights_identity
-from .datasets import dataset_identity, keep_dataset, load_dataset
+from .backbones import check_weights, weights_identity
+from .datasets import dataset_identity, image_side, keep_dataset, load_dataset
 from .embed import BACKENDS, Block, Progress, Settings
 from .files import DiskFullError, drop_leftover, locked, remove_partials, writing
 from .identity import EMBEDDING_CODE, PARTITION_CODE, code_identity, content_key, versions
 from .partition import PartitionSpec, make_partition, partition_counts
+from .partition import _SCHEMES as SCHEMES
 from .pipeline import Noise
 from .store import Need, Store, store_path
 
 __all__ = ["extract", "Noise", "DiskFullError"]
 SPLITS = ("train", "test")
 BLOCK_BATCHES = 16  # a block (the unit of resume) is 16 batches of images
+SMALL_IMAGES = 64  # images smaller than this are embedded at this size by default (FedPCL's size for its digits)
 
 
 def extract(
@@ -69,6 +71,7 @@ def extract(
     backend: str = "local",
     allow_partial: bool = False,
     progress: Progress | None = None,
+    note=None,
 ) -> dict:
     """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, embedded, seconds}.
 
@@ -76,7 +79,9 @@ def extract(
     stores; the result then lists each cache's summary under `caches`. `store` is the folder of the embedding
     stores (default `out/store`; a shared folder lets a lab share one). `batch_size` (images per forward) and
     `workers` (input worker processes) default from the device and the dataset. `backend` 'ray' runs the blocks as
-    Ray tasks. `allow_partial` loads checkpoints whose keys do not all match (the rest keeps a seeded random init)."""
+    Ray tasks. `allow_partial` loads checkpoints whose keys do not all match (the rest keeps a seeded random init).
+    Without `image_size`, `default_image_size` picks one from the dataset. What was chosen for the user (that size,
+    a one-domain partition's domain) is listed under `notes` and passed, one line each, to `note` when known."""
     t0 = time.perf_counter()
     check_options({name: value for name, value in locals().items() if name in OPTIONS})
     backbone = [backbone] if isinstance(backbone, str) else list(backbone)
@@ -94,6 +99,16 @@ def extract(
     runner = BACKENDS[backend]()
     dev = runner.device(device)
     identity, data = dataset_identity(dataset, data_root, download)
+    notes: list[str] = []
+
+    def tell(line: str) -> None:
+        notes.append(line)
+        if note is not None:
+            note(line)
+
+    if image_size is None:
+        image_size, line = default_image_size(dataset, image_side(dataset, data))
+        tell(line)
     embedding = {  # what determines one image's embedding by one backbone, but the backbone itself
         "dataset": identity, "image_size": image_size, "views": views, "noise": asdict(noise) if noise else None,
         "seed": seed if noise or views else None,  # the seed of the noise and the views, else of nothing embedded
@@ -112,11 +127,14 @@ def extract(
     if all(p.is_file() for p in paths):
         for s in by_path.values():
             drop_leftover(s.work)
-        return _summary([_hit(p, k, t0) for p, k in zip(paths, keys)], {}, t0)
+        results = [_hit(p, k, t0) for p, k in zip(paths, keys)]
+        return _summary(results, {}, t0) | _told(tell, notes, partition, domains, results, image_size)
     check_folder(out)  # a miss writes: refuse a folder it cannot write before anything is loaded or created
     if store is not None:
         check_folder(store, "--store")
 
+    for b in backbone:  # weights the hub cannot serve now are refused in seconds, before the dataset is read
+        check_weights(b)
     phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
     t = time.perf_counter()
     data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
@@ -150,7 +168,28 @@ def extract(
     with suppress(OSError):  # a built-in dataset's next miss reads its arrays instead of building them
         keep_dataset(data, out)
     embedded = {m["key"]: n for m, n in zip(metas, embedded)}
-    return _summary(results, embedded, t0) | {"phases": {k: round(v, 3) for k, v in phases.items()}}
+    return (_summary(results, embedded, t0) | {"phases": {k: round(v, 3) for k, v in phases.items()}}
+            | _told(tell, notes, partition, domains, results, image_size))
+
+
+def default_image_size(dataset: str, side: int | None) -> tuple[int | None, str]:
+    """The input size when none is given, and the one line that says it: images smaller than SMALL_IMAGES px are
+    embedded at SMALL_IMAGES px (a backbone's own 224 px or more would cost over 12x the compute and add no
+    detail); larger ones, or of unknown size, at each backbone's own pretrained input size (None)."""
+    if side and side < SMALL_IMAGES:
+        return SMALL_IMAGES, (f"image size {SMALL_IMAGES} ({dataset} images are {side} px; a backbone's own input "
+                              f"size, typically 224, would cost over 12x more; --image-size N to change)")
+    size = f"{dataset} images are {side} px" if side else f"the size of {dataset} images is unknown"
+    return None, f"image size: each backbone's own input size ({size}; --image-size N to change)"
+
+
+def _told(tell, notes: list[str], partition: str, domains, results: list[dict], image_size: int | None) -> dict:
+    """The domain a one-domain partition used when none was named, told; the notes and the image size used (None:
+    each backbone's own) for the result."""
+    if not domains and not SCHEMES[partition].multi_domain:
+        tell(f"partition {partition} splits one domain: {results[0]['domains'][0]}, the dataset's first "
+             "(--domains NAME picks another)")
+    return {"image_size": image_size, "notes": notes}
 
 
 def _whole(least: int, none: bool = False) -> Callable[[object], bool]:
@@ -301,17 +340,18 @@ def _write(path: Path, key: str, manifest: dict, data, parts, stores: list[Store
 
     with writing(path):
         images = C.write(path, header, metas, clients())
-    return _result(path, False, key, images, [m["key"] for m in metas], t0)
+    return _result(path, False, key, images, [m["key"] for m in metas], domains, t0)
 
 
 def _hit(path: Path, key: str, t0: float) -> dict:
     with C.open_cache(path) as f:
-        return _result(path, True, key, int(f.attrs["images"]), C.read_attrs(f)["backbones"], t0)
+        attrs = C.read_attrs(f)
+        return _result(path, True, key, int(f.attrs["images"]), attrs["backbones"], attrs["domains"], t0)
 
 
-def _result(path: Path, hit: bool, key: str, images: int, keys: list[str], t0: float) -> dict:
+def _result(path: Path, hit: bool, key: str, images: int, keys: list[str], domains: list[str], t0: float) -> dict:
     return {"cache": str(path), "cache_hit": hit, "key": key, "images": images, "backbones": keys,
-            "seconds": round(time.perf_counter() - t0, 3)}
+            "domains": domains, "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def _summary(results: list[dict], embedded: dict, t0: float) -> dict:

@@ -187,12 +187,40 @@ def pairs(overrides: list[str] | tuple, flag: str = "--set") -> dict[str, str]:
     return out
 
 
-def resolve(algo, overrides: dict | list[str] | None = None) -> dict:
-    """The fully resolved and checked configuration of one run. Overrides are a dict or `key=value` strings."""
-    cfg = defaults(algo)
+def scoped(overrides: dict | list[str] | None, algos: list, flag: str = "--set") -> dict[str, dict]:
+    """Each chosen algorithm's own overrides (name -> {setting: value}). `fedprox.mu=1` applies to fedprox alone and
+    wins over a plain `mu=...` there; a plain setting applies to every algorithm, so one that only some of them have
+    is refused with the scoped spelling, and a scope that names no chosen algorithm is refused."""
     if isinstance(overrides, (list, tuple)):
-        overrides = pairs(overrides)
-    for k, v in (overrides or {}).items():
+        overrides = pairs(overrides, flag)
+    names = [a.name for a in algos]
+    tables = {a.name: settings_of(a) for a in algos}
+    plain, own = {}, {n: {} for n in names}
+    for key, value in (overrides or {}).items():
+        where, _, k = str(key).rpartition(".")
+        if not where:
+            plain[k] = value
+        elif where in own:
+            own[where][k] = value
+        elif len(names) == 1:
+            raise UserError(f"{flag} {key}: {where} is not the algorithm of this run ({names[0]}): "
+                            f"write {names[0]}.{k} or {k}")
+        else:
+            raise UserError(f"{flag} {key}: {where} is not among the chosen algorithms{suggest(where, names)}; "
+                            f"chosen: {', '.join(names)}")
+    for k, value in plain.items():
+        having = [n for n in names if k in tables[n]]
+        if having and len(having) < len(names):
+            raise UserError(f"{k} is a setting of {', '.join(having)} only: write "
+                            f"{' '.join(f'{n}.{k}={value}' for n in having)}")
+    return {n: plain | own[n] for n in names}
+
+
+def resolve(algo, overrides: dict | list[str] | None = None) -> dict:
+    """The fully resolved and checked configuration of one run. Overrides are a dict or `key=value` strings; a key
+    may be scoped by the algorithm's name (`fedprox.mu`, see `scoped`)."""
+    cfg = defaults(algo)
+    for k, v in scoped(overrides, [algo])[algo.name].items():
         if k == "seed":
             raise UserError("seed is not a setting: pass --seeds 0,1,2")
         if k not in cfg:
@@ -255,6 +283,7 @@ def merge_rounds(overrides: list[str] | dict | None, rounds: int | None) -> list
     if rounds is None:
         return overrides
     given = overrides if isinstance(overrides, dict) else pairs(overrides)
-    if "rounds" in given:
-        raise UserError(f"--rounds {rounds} and --set rounds={given['rounds']} both given: pass only one")
+    for k, v in given.items():
+        if str(k).rpartition(".")[2] == "rounds":
+            raise UserError(f"--rounds {rounds} and --set {k}={v} both given: pass only one")
     return overrides | {"rounds": rounds} if isinstance(overrides, dict) else overrides + [f"rounds={rounds}"]

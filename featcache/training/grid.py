@@ -32,7 +32,7 @@ from ..errors import UserError
 from ..memory import available_bytes
 from .metrics import mean_std
 from ..provenance import library_call, provenance
-from .config import check, check_clients, check_seeds, merge_rounds, pairs, parse_value, resolve
+from .config import check, check_clients, check_seeds, merge_rounds, parse_value, resolve, scoped
 from .engine import structural_keys
 from .guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
 from .train import check_memory, load_split, run_configs, train
@@ -47,7 +47,7 @@ def parse_grid(algo, grid: list[str]) -> dict[str, list]:
     axes = {}
     for item in grid:
         key, sep, values = item.partition("=")
-        key = key.strip()
+        key = next(iter(scoped({key.strip(): ""}, [algo], "--grid")[algo.name]))  # fedprox.mu -> mu, for fedprox only
         if not sep or not values.strip():
             raise UserError(f"--grid {item!r}: write key=v1,v2,..., e.g. --grid lr=1e-1,1e-2")
         if key in axes:
@@ -89,17 +89,18 @@ def _write_json(path: Path, obj) -> None:
     write_atomic(path, json.dumps(obj, sort_keys=True, indent=1))
 
 
-def _split_data(cache: str, algo) -> tuple:
+def _split_data(cache: str, algo, backbones=None) -> tuple:
     """The chunk's training rows (train minus validation) and its validation rows."""
-    return load_split(cache, algo, holdout="fit"), load_clients(cache, "train", holdout="val")
+    return (load_split(cache, algo, holdout="fit", backbones=backbones),
+            load_clients(cache, "train", holdout="val", backbones=backbones))
 
 
-def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str | torch.device,
+def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str | torch.device, backbones=None,
                progress=None, data: tuple | None = None) -> list[list[float]]:
     """Train a chunk on train-minus-validation and score on validation: per model, per-client final accuracy.
     `progress(round, rounds, live)` is called after each round (Engine.run); `data` = (fit, val) when the caller already loaded them."""
     algo = create(algo_name)
-    fit, val = data or _split_data(cache, algo)
+    fit, val = data or _split_data(cache, algo, backbones)
     acc = run_configs(algo, cfgs, fit, val, device, progress, logs=False)["acc"][-1]  # [H, C]
     return (100 * acc).tolist()
 
@@ -113,8 +114,8 @@ def _local_backend(jobs, progress):
         tick = None
         if progress:
             tick = lambda r, R, _, base=done, n=job["rounds"]: progress("grid rounds", base + round(r * n / R), total)
-        cache, algo_name = job["args"][:2]
-        data = data or _split_data(cache, create(algo_name))
+        cache, algo_name, _, _, backbones = job["args"]
+        data = data or _split_data(cache, create(algo_name), backbones)
         yield job, _run_chunk(*job["args"], tick, data)
         done += job["rounds"]
 
@@ -137,9 +138,12 @@ BACKENDS["ray"] = _ray_backend
 
 
 def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1, 2), rounds: int | None = None,
-         set: list[str] | None = None, out: str | Path = "runs", device: str | torch.device = "auto",
-         backend: str = "local", chunk: int | None = None, retrain: bool = True, progress=None) -> dict:
+         set: list[str] | None = None, backbones: list[str] | None = None, out: str | Path = "runs",
+         device: str | torch.device = "auto", backend: str = "local", chunk: int | None = None, retrain: bool = True,
+         progress=None) -> dict:
     """Select on validation, retrain the best on full train, report test mean(std). Resumable by run folder.
+
+    `backbones` trains on a subset of the cached backbones' features (default: all, concatenated).
 
     `device` (auto | cpu | cuda[:N]) is checked here and sizes the chunks; each chunk resolves it again where it runs,
     so with the Ray backend `auto` picks each worker's GPU when it has one."""
@@ -154,7 +158,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
     base = merge_rounds(list(set or []), rounds)
     base_cfg = resolve(impl, base)
     axes = parse_grid(impl, grid)
-    fixed = pairs(base)
+    fixed = scoped(base, [impl])[impl.name]
     both = [k for k in axes if k in fixed]
     if both:
         flag = "--rounds" if both[0] == "rounds" and rounds is not None else f"--set {both[0]}"
@@ -164,16 +168,18 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
     for c in cfgs:  # the whole grid, every combination, before anything trains
         check(impl, c)
     check_folder(out)
+    picked = {"backbones": list(backbones)} if backbones else {}  # recorded only when a subset is asked for
 
     run_id = hashlib.sha256(json.dumps({"cache": str(Path(cache).resolve()), "algo": algo, "base": base_cfg,
-                                        "axes": axes, "seeds": list(seeds)}, sort_keys=True).encode()).hexdigest()[:12]
+                                        "axes": axes, "seeds": list(seeds)} | picked, sort_keys=True
+                                       ).encode()).hexdigest()[:12]
     folder = Path(out) / f"grid-{algo}-{run_id}"
 
-    fit = load_split(cache, impl, holdout="fit")
+    fit = load_split(cache, impl, holdout="fit", backbones=backbones)
     check_features(fit, cache)
-    check_split(load_clients(cache, "train", holdout="val"), "validation", cache, NO_VAL_ROWS)
+    check_split(load_clients(cache, "train", holdout="val", backbones=backbones), "validation", cache, NO_VAL_ROWS)
     if retrain:  # the whole cache is read and checked before the run folder exists
-        check_split(load_clients(cache, "test"), "test", cache, NO_TEST_ROWS)
+        check_split(load_clients(cache, "test", backbones=backbones), "test", cache, NO_TEST_ROWS)
     C = fit.features.shape[0]
     buckets: dict[str, list[int]] = {}
     for i, c in enumerate(cfgs):
@@ -197,7 +203,8 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
                                                    sort_keys=True).encode())
                 name = f"chunk-{digest.hexdigest()[:16]}.json"  # named by what it trains: any chunking resumes safely
                 jobs.append({"file": folder / name, "models": part, "rounds": max(cfgs[i]["rounds"] for i, _ in part),
-                             "args": (str(cache), spec, [cfgs[i] | {"seed": int(s)} for i, s in part], device)})
+                             "args": (str(cache), spec, [cfgs[i] | {"seed": int(s)} for i, s in part], device,
+                                      backbones)})
         todo = [j for j in jobs if not j["file"].is_file()]
         if progress:
             progress("grid chunks", len(jobs) - len(todo), len(jobs))
@@ -216,17 +223,17 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
         result = {"algo": algo, "cache": str(cache), "axes": axes, "seeds": list(seeds), "configs": len(cfgs),
                   "models": len(cfgs) * len(seeds) * C, "chunks": len(jobs), "chunk_size": max(chunk_sizes),
                   "backend": backend, "device": str(dev),
-                  "run_folder": str(folder), "selection": table, "best": table[0]["config"]}
+                  "run_folder": str(folder), "selection": table, "best": table[0]["config"]} | picked
         if retrain:
             final = train(cache, spec, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
-                          out=folder, device=dev,
+                          out=folder, device=dev, backbones=backbones,
                           progress=(lambda done, total, _: progress("grid retrain", done, total)) if progress else None)
             keep = ("mean_acc", "std_acc", "per_seed", "best_round_mean_acc", "best_round_std_acc", "result_file",
                     "params_uploaded_per_round")
             result["retrain"] = {k: final[k] for k in keep}
         result["provenance"] = provenance(dev, library_call(
             "featcache.grid", cache=str(cache), algo=spec, grid=list(grid), seeds=list(seeds), rounds=rounds,
-            set=list(set or []), device=str(device), backend=backend, chunk=chunk, retrain=retrain))
+            set=list(set or []), device=str(device), backend=backend, chunk=chunk, retrain=retrain, **picked))
         write_atomic(folder / "grid.csv", to_csv(table))
         resumed = {"chunks_resumed": len(jobs) - len(todo)}  # how this run went, not what it found: beside the result
         _write_json(folder / "grid.timing.json", resumed)

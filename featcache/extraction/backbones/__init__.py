@@ -24,9 +24,11 @@ from PIL import Image
 from .align import align_state_dicts
 from .models import Lazy, timm
 from .packaged import list_offline_backbones, packaged_file, packaged_model
-from .sources import WEIGHT_ORDER, Spec, Weights, WeightSource, parse_spec, resolve_weights, weights_identity
+from .sources import (WEIGHT_ORDER, Spec, Weights, WeightSource, check_weights, parse_spec, resolve_weights,
+                      weights_identity)
 
-__all__ = ["Backbone", "Spec", "WEIGHT_ORDER", "WeightSource", "Weights", "align_state_dicts", "create_backbone",
+__all__ = ["Backbone", "Spec", "WEIGHT_ORDER", "WeightSource", "Weights", "align_state_dicts", "check_weights",
+           "create_backbone",
            "list_offline_backbones", "packaged_file", "packaged_model", "parse_spec", "resolve_weights",
            "weights_identity"]
 

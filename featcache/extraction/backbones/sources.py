@@ -16,6 +16,7 @@ import torch
 
 from featcache.errors import UserError, suggest
 
+from . import hub
 from .checkpoints import state_dict_model
 from .hashing import sha256
 from .keys import checkpoint_key, safe_key
@@ -70,6 +71,9 @@ class WeightSource(ABC):
     def build(self, spec: Spec, image_size: int | None, allow_partial: bool) -> Weights:
         """The model holding the weights, built for `image_size`."""
 
+    def check(self, spec: Spec) -> None:
+        """Refuse, in one line and in seconds, weights this source cannot serve now (before any work needs them)."""
+
 
 class CheckpointFile(WeightSource):
     what = ("a local checkpoint: a state dict (e.g. the SUR / Meta-Dataset ResNet18s FedPCL uses), or a JAX ViT "
@@ -118,18 +122,26 @@ class TimmHub(WeightSource):
     def identity(self, spec: Spec) -> dict:
         return {"name": spec.name, "weights": "hub"}  # timm's version is part of the cache key
 
-    def build(self, spec: Spec, image_size: int | None, allow_partial: bool) -> Weights:
+    def check(self, spec: Spec) -> None:
         name = spec.name
         cfg = timm.models.get_pretrained_cfg(name)
         if cfg is None or not (cfg.hf_hub_id or cfg.url or cfg.file):
             raise UserError(f"no offline weights for {name} and timm has no pretrained weights for it: pass "
                             f"{ways_out(name)}")
+        why = hub.unavailable(cfg)
+        if why:
+            raise UserError(f"no offline weights for {name} and {why}: pass {ways_out(name)}")
+
+    def build(self, spec: Spec, image_size: int | None, allow_partial: bool) -> Weights:
+        name = spec.name
+        self.check(spec)
+        cfg = timm.models.get_pretrained_cfg(name)
         try:
             model = seeded_model(name, image_size, pretrained=True)
         except OSError as err:  # connection, DNS, hub and cache-miss errors are all OSErrors
             raise UserError(f"no offline weights for {name} and the hub is unreachable: pass "
                             f"{ways_out(name)}") from err
-        cached = _hub_cached_file(cfg)
+        cached = hub.cached_file(cfg)
         return Weights(model, name, safe_key(name), f"hub:{cfg.hf_hub_id or cfg.url}",
                        sha256(cached) if cached else "")
 
@@ -179,26 +191,26 @@ def weights_identity(spec: str) -> dict:
     return source_for(parsed).identity(parsed)
 
 
+def check_weights(spec: str) -> None:
+    """Refuse, in one line and in seconds, a spec whose weights its source cannot serve now (the hub offline)."""
+    parsed = _timm_spec(spec)
+    source_for(parsed).check(parsed)
+
+
 def resolve_weights(spec: str, image_size: int | None = None, allow_partial: bool = False) -> Weights:
     """The model named by `spec` at input size `image_size`, holding the weights of the first source of
     `WEIGHT_ORDER` that serves it. `allow_partial` loads a checkpoint whose keys do not all match, with a warning."""
+    parsed = _timm_spec(spec)
+    return source_for(parsed).build(parsed, image_size, allow_partial)
+
+
+def _timm_spec(spec: str) -> Spec:
     parsed = parse_spec(spec)
     if not timm.is_model(parsed.name):
         raise UserError(f"unknown backbone {parsed.name!r}{suggest(parsed.name, timm.list_models())}: "
                         "see timm.list_models()")
-    return source_for(parsed).build(parsed, image_size, allow_partial)
+    return parsed
 
 
 def _path(spec: Spec) -> Path:
     return Path(spec.source).expanduser().resolve()
-
-
-def _hub_cached_file(cfg) -> Path | None:
-    """The weight file timm just loaded from the Hugging Face cache, when it can be found there."""
-    if not cfg.hf_hub_id:
-        return None
-    for filename in filter(None, (cfg.hf_hub_filename, "model.safetensors", "pytorch_model.bin")):
-        found = Lazy("huggingface_hub").try_to_load_from_cache(cfg.hf_hub_id, filename)
-        if isinstance(found, str):
-            return Path(found)
-    return None

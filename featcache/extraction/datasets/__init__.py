@@ -25,20 +25,30 @@ from .base import ArrayImages, Dataset, ImageSet, PathImages
 _READERS: dict[str, Callable[..., Dataset]] = {}
 _LAYOUTS: dict[str, str] = {}
 _RECIPES: dict[str, tuple[str, ...]] = {}  # built-in datasets generated from installed packages -> those packages
+_SIDES: dict[str, int] = {}  # built-in datasets -> the side of their images, known without building them
 
 
-def register_dataset(name: str, layout: str = "", recipe_from: tuple[str, ...] = ()):
+def register_dataset(name: str, layout: str = "", recipe_from: tuple[str, ...] = (), image_side: int | None = None):
     """Register a reader. `recipe_from` marks a dataset built deterministically from these installed distributions:
-    its identity is then the reader's source code plus their versions, known without building a single image."""
+    its identity is then the reader's source code plus their versions, known without building a single image; its
+    `image_side` (pixels) is then declared too, for extract's default image size."""
 
     def deco(fn):
         _READERS[name] = fn
         _LAYOUTS[name] = layout
         if recipe_from:
             _RECIPES[name] = recipe_from
+        if image_side:
+            _SIDES[name] = image_side
         return fn
 
     return deco
+
+
+def image_side(name: str, data: Dataset | None) -> int | None:
+    """The largest side, in pixels, of a dataset's images (the first image of each domain and split; a built-in
+    dataset's declared side when `data` is None, as `dataset_identity` leaves it); None when unknown."""
+    return _SIDES.get(name) if data is None else data.side()
 
 
 def dataset_identity(name: str, root: str | Path | None = None, download: bool = False) -> tuple[dict, Dataset | None]:
@@ -107,4 +117,4 @@ def _import_readers() -> None:
     from . import disk, offline_digits, torchvision_sets  # noqa: F401  (they register; cycle: they import this package)
 
 
-__all__ = ["ArrayImages", "Dataset", "ImageSet", "PathImages", "dataset_identity", "keep_dataset", "load_dataset", "list_datasets", "register_dataset"]
+__all__ = ["ArrayImages", "Dataset", "ImageSet", "PathImages", "dataset_identity", "image_side", "keep_dataset", "load_dataset", "list_datasets", "register_dataset"]

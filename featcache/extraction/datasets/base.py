@@ -39,6 +39,10 @@ class ImageSet:
     def fingerprint(self) -> str:
         raise NotImplementedError
 
+    def side(self) -> int:
+        """The largest side, in pixels, of the first image (0 for an empty set)."""
+        return max(self.image(0).size) if len(self) else 0
+
 
 class ArrayImages(ImageSet):
     """Images held in a uint8 array [N, H, W] (grey) or [N, H, W, 3] (RGB)."""
@@ -54,6 +58,9 @@ class ArrayImages(ImageSet):
 
     def image(self, i: int) -> Image.Image:
         return Image.fromarray(self.images[i]).convert("RGB")
+
+    def side(self) -> int:
+        return max(self.images.shape[1:3]) if len(self) else 0
 
     def batch(self, rows: np.ndarray) -> np.ndarray:
         x = self.images[rows]  # [B, H, W] grey or [B, H, W, 3]
@@ -152,6 +159,10 @@ class Dataset:
     domains: dict[str, dict[str, ImageSet]]
     source: str = ""  # where the data came from, for provenance
     extra: dict = field(default_factory=dict)
+
+    def side(self) -> int | None:
+        """The largest side, in pixels, of the first image of each domain and split (None when all are empty)."""
+        return max((s.side() for splits in self.domains.values() for s in splits.values()), default=0) or None
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(f"{self.name}|{self.classes}".encode())

