@@ -146,7 +146,7 @@ def office10(tmp: Path, train: list[str]) -> list[str]:
     write_image(root / "amazon" / "mug" / "a.jpg")
     dump((train, ["mug"] * len(train)), root / "amazon_train.pkl")
     dump((["amazon/mug/a.jpg"], ["mug"]), root / "amazon_test.pkl")
-    return ["--dataset", "office10", "--data-root", str(root), "--domain", "amazon"]
+    return ["--dataset", "office10", "--data-root", str(root), "--domains", "amazon"]
 
 
 def listed_outside_by_dots(tmp: Path) -> list[str]:
