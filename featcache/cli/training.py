@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -10,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
-from .app import emit, out, progress_bar
+from .app import emit, err, out, progress_bar
 
 
 def _seeds(text: str) -> list[int]:
@@ -37,9 +38,12 @@ def train(
                                                           "(DIR/NAME/seed-S)"),
     save_state: bool = typer.Option(False, "--save-state", help="also write the trained heads to "
                                                                 "NAME.state.safetensors"),
+    checkpoint_every: Optional[int] = typer.Option(None, min=0, help="save a checkpoint every N rounds (0: none; "
+                                                   "default: every 60 s); the same command resumes it"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Train federated algorithms on cached features (backbones are never loaded)."""
+    """Train federated algorithms on cached features (backbones are never loaded). Interrupted (Ctrl-C, kill), the
+    same command resumes from the last checkpoint and skips the algorithms that finished."""
     from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
     from ..training.train import precheck, train as run  # lazy: `featcache --help` loads no torch
 
@@ -52,11 +56,12 @@ def train(
         precheck(algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir, device=device,
                  tensorboard=tensorboard)
     results = []
-    with progress_bar(not as_json) as progress:
+    with progress_bar(not as_json) as progress, _stop_line():
         for name in algo:
             tick = (lambda done, total, name=name: progress(name, done, total)) if progress else None
             results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=set, out=out_dir,
-                               device=device, tensorboard=tensorboard, save_state=save_state, progress=tick))
+                               device=device, tensorboard=tensorboard, save_state=save_state, progress=tick,
+                               checkpoint_every=checkpoint_every))
     if as_json:
         emit(results[0] if len(results) == 1 else {"runs": results}, True)
         return
@@ -74,6 +79,18 @@ def train(
     for r in results:
         written = [r["result_file"], r["metrics_csv"], r["state_file"], r["tensorboard"]]
         out.print(f"[dim]{r['algo']}: {', '.join(escape(w) for w in written if w)}[/dim]", soft_wrap=True)
+
+
+@contextmanager
+def _stop_line():
+    """Ctrl-C during `train`: the library's one line saying where the run stopped and how to resume (exit 130)."""
+    from ..training.checkpoint import Interrupted  # lazy: `featcache --help` loads no torch
+
+    try:
+        yield
+    except Interrupted as e:
+        err.print(f"[yellow]interrupted:[/yellow] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise
 
 
 def grid(
