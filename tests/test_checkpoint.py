@@ -140,6 +140,7 @@ TAMPER = {
     "other-code": (lambda m, t: m["identity"].update(code="0" * 64), "comes from other featcache or plug-in code"),
     "other-machine": (lambda m, t: m["identity"]["machine"].update(torch_threads=99), "another machine"),
     "values-changed": (lambda m, t: t["state/params/cls0.bias"].add_(1), "damaged (its checksum does not match)"),
+    "round-changed": (lambda m, t: m.update(round=2), "damaged (its checksum does not match)"),
 }
 
 

@@ -77,8 +77,12 @@ def identity(impl, cfg: dict, seeds: list[int], cache_key: str, backbones: list[
     cls = type(impl)
     code = code_identity(TRAINING_CODE, PACKAGE)["sha256"]
     if not cls.__module__.startswith("featcache."):  # a plug-in: its own file is code of the run too
-        source = inspect.getsourcefile(cls)
-        code = content_key({"featcache": code, "plugin": code_identity((Path(source).name,), Path(source).parent)})
+        try:
+            source = Path(inspect.getsourcefile(cls))
+            plugin = code_identity((source.name,), source.parent)
+        except TypeError:  # a class without a file (defined in exec'd text): known by its name only
+            plugin = f"{cls.__module__}:{cls.__qualname__}"
+        code = content_key({"featcache": code, "plugin": plugin})
     return {"run": {"algo": impl.name, "config": cfg, "seeds": list(seeds), "cache": cache_key,
                     "backbones": list(backbones)},
             "code": code, "versions": versions(), "format": FORMAT,
@@ -116,9 +120,9 @@ def decode(skeleton: dict, tensors: dict, device=None):
     return skeleton["value"]
 
 
-def digest(tensors: dict) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes."""
-    h = hashlib.sha256()
+def digest(tensors: dict, meta: dict) -> str:
+    """sha256 over the metadata's identity, round and trees and every tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps([meta[k] for k in ("identity", "round", "trees")], sort_keys=True).encode())
     for name in sorted(tensors):
         t = tensors[name]
         h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
@@ -196,7 +200,8 @@ class Checkpoint:
         trees = {group: encode(getattr(engine.state, group), f"state/{group}", tensors) for group in GROUPS}
         trees["opt"] = encode(optimizer_state(engine.runner.opt), "opt", tensors)
         trees["loop"] = encode(carried, "loop", tensors)
-        meta = {"identity": self.identity, "round": rnd, "trees": trees, "sha256": digest(tensors)}
+        meta = {"identity": self.identity, "round": rnd, "trees": trees}
+        meta["sha256"] = digest(tensors, meta)
         write_atomic(self.path, save(tensors, metadata={"featcache": json.dumps(meta)}), durable=True)
         self.saved, self.last = rnd, time.monotonic()
 
@@ -207,15 +212,15 @@ class Checkpoint:
             with safe_open(str(self.path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {})["featcache"])
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
-            ok = digest(tensors) == meta["sha256"] and isinstance(meta["round"], int) and "trees" in meta
+            theirs = meta["identity"]
+            differ = [ORIGIN[k] for k in self.identity if theirs.get(k) != self.identity[k]]
+            ok = digest(tensors, meta) == meta["sha256"]
         except Exception as e:  # safetensors, json and a missing key each raise their own error types
             raise Refused(f"{self.path} is damaged ({type(e).__name__}): {fix}") from None
-        if not ok:
-            raise Refused(f"{self.path} is damaged (its checksum does not match): {fix}")
-        theirs = meta.get("identity", {})
-        differ = [ORIGIN[k] for k in self.identity if theirs.get(k) != self.identity[k]]
         if differ:
             raise Refused(f"{self.path} comes from {' and '.join(differ)}: resume it where it was written, or {fix}")
+        if not ok:
+            raise Refused(f"{self.path} is damaged (its checksum does not match): {fix}")
         return meta, tensors
 
     # -- around the run (train.py) ----------------------------------------------------------------------------
