@@ -5,13 +5,14 @@ resolved config, seeds, cache key, backbones). It is a safetensors file holding 
 one round to the next:
 
     state/params|buffers|client|server/...   the engine's `State` (models, per-client and server algorithm state)
-    opt/<name>/<param>                       the optimizer's per-element state (`state_names`) and step counts `t`
+    opt/<name>/<param>                       the optimizer's per-element state (`state_names`) and step counts
+                                             (`t`; host counts in the metadata), saved whether or not they persist
     loop/...                                 the evaluation records so far, their rounds, upload sizes, round times
 
 and one metadata key, `featcache`, a JSON object: the run's identity (what it trains, plus the training code's
 syntax hash, library versions, device, CPU/GPU model and torch threads: what makes a resumed run byte-identical to an
 uninterrupted one), the round it was taken after, the structure of the saved trees (dicts, lists, numbers, None)
-and a sha256 over the tensors. Batch order and participation are hashes of (seed, round, epoch) and the
+and a sha256 over all of it and the tensors. Batch order and participation are hashes of (seed, round, epoch) and the
 prototype methods' noise generators are seeded from (seed, round): no random state needs saving.
 
 When: at the start of a round, every `checkpoint_every` rounds (None: whenever 60 s have passed since the last
