@@ -99,31 +99,47 @@ def remove_empty(folders: list[Path]) -> None:
             return
 
 
-def _stage(path: Path, text: str | bytes) -> Path:
-    """Write `text` to the temporary `.NAME.PID.tmp` beside `path` (removed again should the write fail)."""
+def _stage(path: Path, text: str | bytes, durable: bool = False) -> Path:
+    """Write `text` to the temporary `.NAME.PID.tmp` beside `path` (removed again should the write fail); `durable`
+    fsyncs it."""
     make_folder(path.parent)
     with output_errors(path):
         _drop_orphans(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
+            with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
+                f.write(text)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
     return tmp
 
 
-def write_atomic(path: str | Path, text: str | bytes) -> None:
+def write_atomic(path: str | Path, text: str | bytes, durable: bool = False) -> None:
     """Write `path` atomically; an OS error of the output (see `output_errors`) is one UserError line and leaves no
-    temporary behind."""
+    temporary behind. `durable` also fsyncs the file before the rename and its folder after it, so the new file
+    survives a power loss (a training checkpoint)."""
     path = Path(path)
-    tmp = _stage(path, text)
+    tmp = _stage(path, text, durable)
     with output_errors(path):
         try:
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        if durable:
+            _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_together(files: list[tuple[Path, str | bytes]]) -> None:

@@ -493,7 +493,8 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(good_cache, good_resul
 def test_report_skips_non_result_files_with_a_note_and_writes_both_files(good_result, tmp_path):
     folder = good_result.parent
     (tmp_path / "grid.json").write_text(json.dumps({"axes": {}, "selection": []}))
-    res = run_cli("report", *sorted(folder.iterdir()), tmp_path / "grid.json", "--out", tmp_path / "rep")
+    visible = [p for p in sorted(folder.iterdir()) if not p.name.startswith(".")]  # as `runs/*` expands
+    res = run_cli("report", *visible, tmp_path / "grid.json", "--out", tmp_path / "rep")
     assert res.code == 0, res.stderr
     notes = lines(res.stderr)
     assert len(notes) == 2 and all(n.startswith("note: skipped") for n in notes), notes

@@ -255,10 +255,12 @@ def test_cli_train_writes_every_log_and_shows_the_global_column(cache, tmp_path)
                   "0", "--out", tmp_path / "runs", "--tensorboard", tmp_path / "tb", "--save-state")
     assert res.code == 0, res.stderr
     assert "global" in res.stdout and "n/a" in res.stdout
-    names = everything_in(tmp_path / "runs")
+    everything = everything_in(tmp_path / "runs")
+    names = [n for n in everything if not n.startswith(".")]  # hidden: each run's done record (checkpoint.py)
     stems = {n.split(".")[0] for n in names}
     assert len(stems) == 2 and names == sorted(f"{stem}{suffix}" for stem in stems for suffix in (
         ".json", ".timing.json", ".metrics.csv", ".state.safetensors"))
+    assert sorted(n.split("-")[0] for n in everything if n.startswith(".")) == [".fedavg", ".fedpcl"]
     assert len(list((tmp_path / "tb").iterdir())) == 2
     js = run_cli("train", "--cache", cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--out",
                  tmp_path / "runs", "--json")

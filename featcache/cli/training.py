@@ -36,9 +36,12 @@ def train(
                                                           "(DIR/NAME/seed-S)"),
     save_state: bool = typer.Option(False, "--save-state", help="also write the trained heads to "
                                                                 "NAME.state.safetensors"),
+    checkpoint_every: Optional[int] = typer.Option(None, min=0, help="save a checkpoint every N rounds (0: none; "
+                                                   "default: every 60 s); the same command resumes it"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Train federated algorithms on cached features (backbones are never loaded)."""
+    """Train federated algorithms on cached features (backbones are never loaded). Interrupted (Ctrl-C, kill), the
+    same command resumes from the last checkpoint and skips the algorithms that finished."""
     from ..algorithms import create, load, objective_note  # lazy: `featcache --help` skips the algorithm registry
     from ..training.config import scoped  # lazy: `featcache --help` loads no torch
     from ..training.train import precheck, train as run
@@ -68,7 +71,7 @@ def train(
             tick = tick if progress else None
             results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=sets[name], out=out_dir,
                                device=device, backbones=backbones, tensorboard=tensorboard, save_state=save_state,
-                               progress=tick))
+                               progress=tick, checkpoint_every=checkpoint_every))
             if not as_json:  # each algorithm's result as soon as it is written, not after the last one
                 _print_run(results[-1])
     if as_json:

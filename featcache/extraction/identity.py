@@ -53,16 +53,17 @@ def _syntax(source: bytes) -> bytes:
     return ast.dump(tree).encode()
 
 
-def code_identity(patterns: tuple[str, ...] = EMBEDDING_CODE) -> dict:
-    """{"files": [...], "sha256": ...} over the names and syntax trees of the files `patterns` match, in order (a
-    file that cannot be read counts as empty, so the key still changes when it comes back)."""
+def code_identity(patterns: tuple[str, ...] = EMBEDDING_CODE, root: Path = _ROOT) -> dict:
+    """{"files": [...], "sha256": ...} over the names and syntax trees of the files `patterns` match below `root`
+    (default featcache/extraction), in order (a file that cannot be read counts as empty, so the key still changes
+    when it comes back)."""
     files = []
     for pattern in patterns:
-        files += sorted(p.relative_to(_ROOT).as_posix() for p in _ROOT.glob(pattern)) if "*" in pattern else [pattern]
+        files += sorted(p.relative_to(root).as_posix() for p in root.glob(pattern)) if "*" in pattern else [pattern]
     h = hashlib.sha256()
     for rel in files:
         try:
-            digest = _syntax_sha256(_read_source(rel))
+            digest = _syntax_sha256(_read_source(rel) if root == _ROOT else (root / rel).read_bytes())
         except OSError:
             digest = hashlib.sha256(b"").digest()
         h.update(rel.encode() + b"\0" + digest)

@@ -144,15 +144,21 @@ class Engine:
         return {"seeds": self.seeds.tolist(), "test_acc": (100 * test_acc.double().mean(1)).tolist(),
                 "train_loss": round_loss.double().nanmean(1).tolist()}
 
-    def run(self, progress=None, logs: bool = True) -> dict:
+    def run(self, progress=None, logs: bool = True, checkpoint=None) -> dict:
         """Train all rounds, calling `progress(round, rounds, live)` after each (`live`: `live_metrics` at an
         evaluation round, else None); returns, stacked over the evaluation rounds, the records of `evaluate.record` (acc =
         test_acc [R_eval, H, C], test_loss, train_acc, train_loss [R_eval, H, C], global_acc [R_eval, H] or None),
         the evaluation rounds, upload sizes and timings. logs=False records test accuracy only: a grid's selection
-        needs nothing else, and the other records add a forward pass over every training row per evaluation."""
+        needs nothing else, and the other records add a forward pass over every training row per evaluation.
+        `checkpoint` (checkpoint.Checkpoint) resumes the loop where its file left it and may save the loop's state,
+        `carried`, at the start of each round."""
         state, algo, R = self.state, self.algo, self.cfg["rounds"]
         records, rounds, upload_floats, times = [], [], [], []
-        for rnd in range(R):
+        carried = {"records": records, "eval_rounds": rounds, "upload_floats": upload_floats, "round_seconds": times}
+        first = checkpoint.restore(self, carried) if checkpoint else 0
+        for rnd in range(first, R):
+            if checkpoint:
+                checkpoint.offer(self, rnd, carried)
             t0 = time.perf_counter()
             part_host = participation(self.seeds, rnd, self.C, self.cfg["participation"]).tolist()  # [H][C] host
             round_loss = self.read_round(self.local_train(state, rnd, part_host), rnd)  # [H, C] host

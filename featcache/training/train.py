@@ -37,6 +37,7 @@ from ..memory import available_bytes
 from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from ..provenance import library_call, provenance
 from .states import SUFFIX, state_bytes
+from .checkpoint import Checkpoint, check_every
 from .config import check_clients, check_seeds, merge_rounds, resolve
 from .names import run_name
 from .engine import Engine, State
@@ -60,12 +61,12 @@ class Trained:
 
 
 def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
-                device: str | torch.device = "cpu", progress=None, logs: bool = True) -> dict:
+                device: str | torch.device = "cpu", progress=None, logs: bool = True, checkpoint=None) -> dict:
     """Train H configurations batched; returns the engine's raw output (acc [R_eval, H, C], with `logs` the other
-    records of `Engine.run`, uploads, timings) and `trained` (a `Trained`)."""
+    records of `Engine.run`, uploads, timings) and `trained` (a `Trained`). `checkpoint`: see `Engine.run`."""
     with plugin_exits():
         engine = Engine(algo, cfgs, train, test, device=device)
-        raw = engine.run(progress, logs)
+        raw = engine.run(progress, logs, checkpoint)
     return raw | {"trained": Trained(engine.algo, engine.state, engine.train, engine.test)}
 
 
@@ -153,7 +154,7 @@ def commit_folder(tmp: Path, folder: Path) -> None:
 def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2),
           set: list[str] | dict | None = None, out: str | Path = "runs", device: str | torch.device = "auto",
           backbones: list[str] | None = None, keep_state: bool = False, tensorboard: str | Path | None = None,
-          save_state: bool = False, progress=None) -> dict:
+          save_state: bool = False, progress=None, checkpoint_every: int | None = None) -> dict:
     """Train `algo` on `cache` for each seed on `device` (auto | cpu | cuda[:N]); write the result JSON and its
     metrics CSV; return the result with timings, the device it ran on (the result file does not record it) and the
     paths written (result_file, metrics_csv, state_file, tensorboard: None when not asked for).
@@ -162,8 +163,13 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     `trained` (a `Trained`: algorithm, final state, data) to the returned dict, for analyses of the trained heads;
     `save_state` writes that state to NAME.state.safetensors; `tensorboard` (a folder) logs the per-seed curves to
     TENSORBOARD/NAME; `progress(round, rounds, live)` is called after each round (`Engine.run`: `live` holds each
-    seed's test accuracy and training loss at an evaluation round)."""
+    seed's test accuracy and training loss at an evaluation round).
+
+    The run saves a checkpoint every `checkpoint_every` rounds (None: every ~60 s; 0: never) and on Ctrl-C, which
+    raises `checkpoint.Interrupted`; the same call then resumes it, and once finished returns its result without
+    training again (featcache.training.checkpoint)."""
     dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device, tensorboard)
+    check_every(checkpoint_every)
     spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
     cache = as_path(cache, "cache")
     train_data = load_split(cache, impl, backbones=backbones)
@@ -172,8 +178,14 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     check_memory(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")
     test_data = C.load_clients(cache, "test", backbones=backbones)
     check_split(test_data, "test", cache, NO_TEST_ROWS)
-    raw = run_configs(impl, [cfg | {"seed": int(s)} for s in seeds], train_data, test_data, dev, progress)
     meta = test_data.meta
+    ckpt = Checkpoint(out, impl, cfg, seeds, meta["key"], backbones or meta["backbones"], dev, checkpoint_every)
+    done = None if keep_state else ckpt.finished(save_state, tensorboard)
+    if done:
+        return done | {"cache_path": str(cache)}
+    with ckpt.watch():
+        raw = run_configs(impl, [cfg | {"seed": int(s)} for s in seeds], train_data, test_data, dev, progress,
+                          checkpoint=ckpt)
     floats = raw["upload_floats"][0]
     result = {
         "algo": algo,
@@ -197,7 +209,9 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     path = Path(out) / f"{run_name(impl, cfg, seeds, backbones, run_id)}.json"
     timing = {"seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
               "seconds_total": round(float(np.sum(raw["round_seconds"])), 3), "device": str(dev)}
+    timing |= {"resumed_after_round": ckpt.resumed} if ckpt.resumed else {}  # how it ran, not what it found
     paths = write_run(path, body, timing, raw, result, save_state, tensorboard)
+    ckpt.finish(paths | {"timing_file": str(path.with_suffix(".timing.json"))})
     kept = {"trained": raw["trained"]} if keep_state else {}
     return result | timing | paths | {"cache_path": str(cache)} | kept
 

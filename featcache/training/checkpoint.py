@@ -1,0 +1,302 @@
+"""A `train` run's checkpoint: the round loop's carried state, saved atomically so the same command resumes it.
+
+One file per run in its output folder, `.ALGO-KEY.checkpoint` (hidden; KEY hashes what the run trains: algorithm,
+resolved config, seeds, cache key, backbones). It is a safetensors file holding everything the loop carries from
+one round to the next:
+
+    state/params|buffers|client|server/...   the engine's `State` (models, per-client and server algorithm state)
+    opt/<name>/<param>                       the optimizer's per-element state (`state_names`) and step counts
+                                             (`t`; host counts in the metadata), saved whether or not they persist
+    loop/...                                 the evaluation records so far, their rounds, upload sizes, round times
+
+and one metadata key, `featcache`, a JSON object: the run's identity (what it trains, plus the training code's
+syntax hash, library versions, device, CPU/GPU model and torch threads: what makes a resumed run byte-identical to an
+uninterrupted one), the round it was taken after, the structure of the saved trees (dicts, lists, numbers, None)
+and a sha256 over all of it and the tensors. Batch order and participation are hashes of (seed, round, epoch) and the
+prototype methods' noise generators are seeded from (seed, round): no random state needs saving.
+
+When: at the start of a round, every `checkpoint_every` rounds (None: whenever 60 s have passed since the last
+one; 0: never), and on the first Ctrl-C, which lets the round finish, saves, and stops with `Interrupted` (a second
+Ctrl-C stops at once; the run then resumes from the last checkpoint). Written with fsync before the rename.
+
+After the result is written, the checkpoint is replaced by `.ALGO-KEY.done`, a small JSON record of the identity and
+the sha256 of the files written: the same command then finds the run finished and returns its result without
+training (as `extract` and `grid` reuse finished work), unless the code, machine or files changed or the trained
+state is asked for in memory. A checkpoint written for other code or another machine, or one that fails its
+checksum, is refused in one line (delete it to start over): resuming it could not give the uninterrupted bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from ..atomic import write_atomic
+from ..errors import UserError
+from ..extraction.identity import code_identity, content_key, versions
+from ..provenance import cpu_model, gpu_name
+
+FORMAT = "1"
+EVERY_SECONDS = 60.0  # the default: a checkpoint at most this often
+PACKAGE = Path(__file__).resolve().parent.parent  # featcache/
+TRAINING_CODE = ("training/*.py", "algorithms/*.py", "cache/*.py")  # what turns a cache into a result
+GROUPS = ("params", "buffers", "client", "server")
+ORIGIN = {"run": "another run (algorithm, config, seeds, cache or backbones)", "code": "other featcache or plug-in code",
+          "versions": "other library versions", "format": "another checkpoint format",
+          "machine": "another machine (device, CPU or GPU model, or torch threads)"}  # identity field -> refusal
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training; the message says where the run stopped and how to resume it (one line)."""
+
+
+class Refused(UserError):
+    """A checkpoint this run cannot resume: left in place for the user to resume elsewhere or delete."""
+
+
+def check_every(every) -> int | None:
+    """`checkpoint_every` checked: None (every ~60 s), 0 (off) or a number of rounds."""
+    if every is None or (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
+        return every
+    raise UserError(f"checkpoint_every={every!r}: give a number of rounds >= 0 (0: no checkpoints), or leave it out "
+                    f"for one every {EVERY_SECONDS:.0f} s")
+
+
+def identity(impl, cfg: dict, seeds: list[int], cache_key: str, backbones: list[str], device) -> dict:
+    """What a checkpoint must match to be resumed: `run` (what is trained, which also names the file) and what
+    makes the numbers come out the same (code, versions, machine)."""
+    cls = type(impl)
+    code = code_identity(TRAINING_CODE, PACKAGE)["sha256"]
+    if not cls.__module__.startswith("featcache."):  # a plug-in: its own file is code of the run too
+        try:
+            source = Path(inspect.getsourcefile(cls))
+            plugin = code_identity((source.name,), source.parent)
+        except TypeError:  # a class without a file (defined in exec'd text): known by its name only
+            plugin = f"{cls.__module__}:{cls.__qualname__}"
+        code = content_key({"featcache": code, "plugin": plugin})
+    return {"run": {"algo": impl.name, "config": cfg, "seeds": list(seeds), "cache": cache_key,
+                    "backbones": list(backbones)},
+            "code": code, "versions": versions(), "format": FORMAT,
+            "machine": {"device": torch.device(device).type, "gpu": gpu_name(device), "cpu": cpu_model(),
+                        "torch_threads": torch.get_num_threads()}}
+
+
+def encode(tree, name: str, tensors: dict) -> dict:
+    """The JSON skeleton of `tree` (nested dicts, lists, tensors, numbers, strings, None); its tensors go to
+    `tensors` under `name/...` as contiguous CPU copies."""
+    if isinstance(tree, torch.Tensor):
+        tensors[name] = tree.detach().cpu().contiguous().clone()
+        return {"tensor": name}
+    if isinstance(tree, dict):
+        return {"dict": [[k, encode(v, f"{name}/{k}", tensors)] for k, v in tree.items()]}
+    if isinstance(tree, (list, tuple)):
+        return {"list": [encode(v, f"{name}/{i}", tensors) for i, v in enumerate(tree)],
+                "tuple": isinstance(tree, tuple)}
+    if tree is None or isinstance(tree, (bool, int, float, str)):
+        return {"value": tree}
+    raise UserError(f"cannot checkpoint {name} (a {type(tree).__name__}): an algorithm's state holds tensors, "
+                    "numbers and strings; train it with checkpoint_every=0 (--checkpoint-every 0)")
+
+
+def decode(skeleton: dict, tensors: dict, device=None):
+    """The tree `encode` described, its tensors moved to `device` (None: left on the CPU)."""
+    if "tensor" in skeleton:
+        t = tensors[skeleton["tensor"]]
+        return t if device is None else t.to(device)
+    if "dict" in skeleton:
+        return {k: decode(v, tensors, device) for k, v in skeleton["dict"]}
+    if "list" in skeleton:
+        items = [decode(v, tensors, device) for v in skeleton["list"]]
+        return tuple(items) if skeleton["tuple"] else items
+    return skeleton["value"]
+
+
+def digest(tensors: dict, meta: dict) -> str:
+    """sha256 over the metadata's identity, round and trees and every tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps([meta[k] for k in ("identity", "round", "trees")], sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def optimizer_state(opt) -> dict:
+    """The optimizer's per-element state (`state_names`, name -> param -> tensor), step counts `t` and host step
+    counts `count`, whichever it has: saved whether or not they persist across rounds."""
+    kept = {name: getattr(opt, name) for name in (*opt.state_names, "t") if isinstance(getattr(opt, name, None), dict)}
+    return kept | ({"count": opt.count} if hasattr(opt, "count") else {})
+
+
+def load_optimizer_state(opt, saved: dict) -> None:
+    """Put `optimizer_state`'s values back, into the optimizer's own tensors (a captured step keeps reading them)."""
+    for name, values in saved.items():
+        if name == "count":
+            opt.count = values
+            continue
+        own = getattr(opt, name)
+        for k, v in values.items():
+            own[k].copy_(v)
+
+
+class Checkpoint:
+    """The checkpoint of one `train` run: restores the round loop (`restore`), saves it when due (`offer`, at the
+    start of each round), turns Ctrl-C into a stop at the round's end (`watch`) and records the finished run
+    (`finish`)."""
+
+    def __init__(self, out, impl, cfg: dict, seeds: list[int], cache_key: str, backbones: list[str], device,
+                 every: int | None = None):
+        self.every = check_every(every)
+        self.identity = identity(impl, cfg, seeds, cache_key, backbones, device)
+        stem = f".{impl.name}-{content_key(self.identity['run'])[:16]}"
+        self.path, self.done_path = Path(out) / f"{stem}.checkpoint", Path(out) / f"{stem}.done"
+        self.label = f"{impl.name} (seeds {', '.join(map(str, seeds))})"
+        self.rounds = cfg["rounds"]
+        self.saved = 0  # the round the newest checkpoint was taken after (0: none)
+        self.current = 0  # the round being trained (0-based)
+        self.resumed = 0  # the round this run resumed after (0: from the start)
+        self.stop = False  # a Ctrl-C asked to stop at the end of the round
+        self.last = time.monotonic()
+
+    # -- the round loop (Engine.run) --------------------------------------------------------------------------
+    def restore(self, engine, carried: dict) -> int:
+        """Load the checkpoint, when there is one, into `engine` and the loop's lists `carried` (in place); returns
+        the round to start at (0: none). A checkpoint of other code, another machine or a damaged one is refused."""
+        if self.every == 0 or not self.path.is_file():
+            return 0
+        meta, tensors = self._read()
+        state = meta["trees"]
+        for group in GROUPS:
+            setattr(engine.state, group, decode(state[group], tensors, engine.device))
+        load_optimizer_state(engine.runner.opt, decode(state["opt"], tensors, engine.device))
+        for k, v in decode(state["loop"], tensors).items():
+            carried[k].extend(v)
+        self.saved = self.resumed = self.current = meta["round"]
+        return meta["round"]
+
+    def offer(self, engine, rnd: int, carried: dict) -> None:
+        """At the start of round `rnd` (0-based: `rnd` rounds are done): save when due, and stop when Ctrl-C asked."""
+        self.current = rnd
+        if self.every == 0 or rnd == self.saved:
+            return
+        due = (time.monotonic() - self.last >= EVERY_SECONDS) if self.every is None else rnd % self.every == 0
+        if due or self.stop:
+            self.save(engine, rnd, carried)
+        if self.stop:
+            raise Interrupted(f"{self.label} stopped after round {rnd} of {self.rounds}, checkpoint saved: run the "
+                              "same command again to resume")
+
+    def save(self, engine, rnd: int, carried: dict) -> None:
+        tensors = {}
+        trees = {group: encode(getattr(engine.state, group), f"state/{group}", tensors) for group in GROUPS}
+        trees["opt"] = encode(optimizer_state(engine.runner.opt), "opt", tensors)
+        trees["loop"] = encode(carried, "loop", tensors)
+        meta = {"identity": self.identity, "round": rnd, "trees": trees}
+        meta["sha256"] = digest(tensors, meta)
+        write_atomic(self.path, save(tensors, metadata={"featcache": json.dumps(meta)}), durable=True)
+        self.saved, self.last = rnd, time.monotonic()
+
+    def _read(self) -> tuple[dict, dict]:
+        """(metadata, tensors) of the checkpoint file, checked against this run's identity and its checksum."""
+        fix = "delete it to train from round 1"
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                meta = json.loads((f.metadata() or {})["featcache"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            theirs = meta["identity"]
+            differ = [ORIGIN[k] for k in self.identity if theirs.get(k) != self.identity[k]]
+            ok = digest(tensors, meta) == meta["sha256"]
+        except Exception as e:  # safetensors, json and a missing key each raise their own error types
+            raise Refused(f"{self.path} is damaged ({type(e).__name__}): {fix}") from None
+        if differ:
+            raise Refused(f"{self.path} comes from {' and '.join(differ)}: resume it where it was written, or {fix}")
+        if not ok:
+            raise Refused(f"{self.path} is damaged (its checksum does not match): {fix}")
+        return meta, tensors
+
+    # -- around the run (train.py) ----------------------------------------------------------------------------
+    @contextmanager
+    def watch(self):
+        """Around the engine run: the first Ctrl-C lets the round finish and stops at the next round's start (with a
+        checkpoint); a second one, or one where no handler could be installed, stops at once and is re-raised as
+        `Interrupted` saying which checkpoint the run resumes from. A `UserError` (a refused run) removes the
+        checkpoint: the same command would fail the same way."""
+        main = threading.current_thread() is threading.main_thread()
+        own = self.every != 0 and main and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+        def first_ctrl_c(signum, frame):
+            self.stop = True
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the next one stops at once
+
+        if own:
+            signal.signal(signal.SIGINT, first_ctrl_c)
+        try:
+            yield self
+        except Interrupted:
+            raise
+        except KeyboardInterrupt:
+            where = (f"the checkpoint holds round {self.saved}: run the same command again to resume from there"
+                     if self.saved else "no checkpoint yet: the same command starts it again from round 1")
+            raise Interrupted(f"{self.label} stopped in round {self.current + 1} of {self.rounds}; {where}") from None
+        except UserError as e:
+            if not isinstance(e, Refused):
+                self.path.unlink(missing_ok=True)
+            raise
+        finally:
+            if own:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def finish(self, paths: dict) -> None:
+        """The result and its sidecars are written (`paths`: write_run's result_file, timing_file, metrics_csv,
+        state_file, tensorboard; None: not written): record the finished run in place of the checkpoint. A Ctrl-C
+        during the last round stops here, the result written."""
+        if self.every != 0:
+            files = [Path(paths[k]) for k in ("result_file", "timing_file", "metrics_csv", "state_file") if paths[k]]
+            record = {"identity": self.identity, "paths": {k: v and Path(v).name for k, v in paths.items()},
+                      "tensorboard": paths["tensorboard"], "sha256": {p.name: _sha256(p) for p in files}}
+            write_atomic(self.done_path, json.dumps(record, sort_keys=True, indent=1), durable=True)
+            self.path.unlink(missing_ok=True)
+        if self.stop:
+            raise Interrupted(f"{self.label} stopped after its last round, result written: run the same command "
+                              "again to go on with the next")
+
+    def finished(self, save_state: bool, tensorboard) -> dict | None:
+        """What `train` returns for a run the same command finished before, with this code on this machine, whose
+        files are still as written (and include the state file or TensorBoard run now asked for); else None."""
+        if self.every == 0 or not self.done_path.is_file():
+            return None
+        folder = self.done_path.parent
+        try:
+            record = json.loads(self.done_path.read_text())
+            paths, sums = record["paths"], record["sha256"]
+            board = str(Path(tensorboard) / Path(paths["result_file"]).stem) if tensorboard is not None else None
+            same = (record["identity"] == self.identity and all(_sha256(folder / n) == h for n, h in sums.items())
+                    and (paths["state_file"] is not None or not save_state)
+                    and (board is None or record["tensorboard"] == board and Path(board).is_dir()))
+            if not same:
+                return None
+            result = json.loads((folder / paths["result_file"]).read_text())
+            timing = json.loads((folder / paths["timing_file"]).read_text())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        self.path.unlink(missing_ok=True)  # left by a run killed between the record and the removal
+        written = {k: str(folder / paths[k]) if paths[k] else None for k in ("result_file", "metrics_csv")}
+        return result | timing | written | {"state_file": str(folder / paths["state_file"]) if save_state else None,
+                                            "tensorboard": board, "finished_earlier": True}
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None

@@ -1,0 +1,266 @@
+"""Resumable training: a `train` run stopped by Ctrl-C or kill -9 and run again writes the bytes of an undisturbed
+run; Ctrl-C is one line and exit code 130; a checkpoint of other code or a damaged one is refused in one line; a
+finished run is not trained again.
+
+The in-process tests send the process a real SIGINT from the progress callback (after a round). The slow ones run
+the CLI through tests/crashpoint.py, which sends itself SIGKILL or SIGINT at the N-th call of a named function."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import everything_in, lines, one_line_error, run_cli
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from featcache.algorithms import list_algorithms
+from featcache.errors import UserError
+from featcache.training import checkpoint as ck
+from featcache.training.checkpoint import Interrupted
+from featcache.training.train import train
+from tests.synthetic import write_cache
+
+DRIVER = Path(__file__).with_name("crashpoint.py")
+ENV = os.environ | {"OMP_NUM_THREADS": "1"}
+SMALL = ["batch_size=8", "proj_dim=16"]
+CROSS_ROUND = ["scaffold", "fedproto", "fedpcl"]  # control variates; prototypes; prototypes and a global model
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return write_cache(tmp_path_factory.mktemp("cache") / "c.h5", C=3, D=8, K=3, views=2, n=(16, 24))
+
+
+def ctrl_c_after(round_: int):
+    """A progress callback that sends this process SIGINT (a real Ctrl-C) when round `round_` is done."""
+    def tick(done, total, *rest):
+        if done == round_:
+            os.kill(os.getpid(), signal.SIGINT)
+    return tick
+
+
+def result_bytes(r: dict) -> dict[str, bytes]:
+    return {k: Path(r[k]).read_bytes() for k in ("result_file", "metrics_csv")}
+
+
+def interrupted_then_resumed(cache, algo, out: Path, at: int, rounds: int = 4, **kw) -> dict:
+    with pytest.raises(Interrupted, match=f"stopped after round {at} of {rounds}.*same command"):
+        train(cache, algo, rounds=rounds, seeds=[0, 1], set=SMALL, out=out, progress=ctrl_c_after(at), **kw)
+    (saved,) = out.glob(".*.checkpoint")
+    assert [p.name for p in out.iterdir()] == [saved.name]  # nothing but the checkpoint
+    return train(cache, algo, rounds=rounds, seeds=[0, 1], set=SMALL, out=out, **kw)
+
+
+@pytest.mark.parametrize("algo", CROSS_ROUND)
+def test_ctrl_c_then_the_same_call_gives_the_undisturbed_bytes(cache, tmp_path, algo):
+    ref = train(cache, algo, rounds=4, seeds=[0, 1], set=SMALL, out=tmp_path / "ref", checkpoint_every=0)
+    assert not [p for p in (tmp_path / "ref").iterdir() if p.name.startswith(".")]  # checkpoints off: none kept
+    again = interrupted_then_resumed(cache, algo, tmp_path / "b", at=2)
+    assert result_bytes(again) == result_bytes(ref)
+    assert again["resumed_after_round"] == 2 and "resumed_after_round" not in ref
+    timing = json.loads(Path(again["result_file"]).with_suffix(".timing.json").read_text())
+    assert timing["resumed_after_round"] == 2  # the sidecar says how it ran; the result does not
+    assert not list((tmp_path / "b").glob(".*.checkpoint")) and len(list((tmp_path / "b").glob(".*.done"))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", sorted(set(list_algorithms()) - set(CROSS_ROUND)))
+def test_every_algorithm_resumes_identically(cache, tmp_path, algo):
+    ref = train(cache, algo, rounds=3, seeds=[0, 1], set=SMALL, out=tmp_path / "ref", checkpoint_every=0)
+    assert result_bytes(interrupted_then_resumed(cache, algo, tmp_path / "b", at=1, rounds=3)) == result_bytes(ref)
+
+
+def test_a_finished_run_is_returned_without_training(cache, tmp_path, monkeypatch):
+    first = train(cache, "fedavg", rounds=2, seeds=[0], set=SMALL, out=tmp_path, save_state=True)
+    before = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    monkeypatch.setattr("featcache.training.train.run_configs", lambda *a, **k: pytest.fail("trained again"))
+    again = train(cache, "fedavg", rounds=2, seeds=[0], set=SMALL, out=tmp_path, save_state=True)
+    assert again["finished_earlier"] and {k: again[k] for k in first} == first
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before
+    monkeypatch.undo()
+    # the trained state in memory, a missing sidecar or a changed result file: trained again, same bytes
+    kept = train(cache, "fedavg", rounds=2, seeds=[0], set=SMALL, out=tmp_path, keep_state=True)
+    assert "finished_earlier" not in kept and "trained" in kept
+    Path(first["metrics_csv"]).unlink()
+    redone = train(cache, "fedavg", rounds=2, seeds=[0], set=SMALL, out=tmp_path)
+    assert "finished_earlier" not in redone
+    assert result_bytes(redone) == {k: before[Path(first[k])] for k in ("result_file", "metrics_csv")}
+
+
+def test_checkpoints_off_write_and_read_nothing(cache, tmp_path):
+    with pytest.raises(Interrupted, match="stopped in round 1 of 3; no checkpoint yet: the same command starts it "
+                                          "again from round 1"):
+        train(cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path, checkpoint_every=0,
+              progress=ctrl_c_after(1))  # no handler of ours: KeyboardInterrupt at once, in round 1's progress
+    assert everything_in(tmp_path) == []
+    r = train(cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path, checkpoint_every=0)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert "finished_earlier" not in train(cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path,
+                                           checkpoint_every=0) and r
+
+
+def test_a_second_ctrl_c_stops_at_once_and_resumes_from_the_last_checkpoint(cache, tmp_path):
+    ref = train(cache, "fedproto", rounds=4, seeds=[0, 1], set=SMALL, out=tmp_path / "ref", checkpoint_every=0)
+
+    def twice(done, total, *rest):  # after round 2: Ctrl-C (noted), then Ctrl-C again (stops in round 2... at once)
+        if done == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    args = dict(rounds=4, seeds=[0, 1], set=SMALL, out=tmp_path / "b", checkpoint_every=1)
+    with pytest.raises(Interrupted, match="stopped in round 2 of 4; the checkpoint holds round 1: run the same"):
+        train(cache, "fedproto", progress=twice, **args)
+    resumed = train(cache, "fedproto", **args)
+    assert resumed["resumed_after_round"] == 1 and result_bytes(resumed) == result_bytes(ref)
+
+
+def _checkpoint(cache, out: Path) -> Path:
+    with pytest.raises(Interrupted):
+        train(cache, "scaffold", rounds=3, seeds=[0], set=SMALL, out=out, progress=ctrl_c_after(1))
+    (path,) = out.glob(".*.checkpoint")
+    return path
+
+
+def _rewrite(path: Path, edit) -> None:
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = json.loads(f.metadata()["featcache"]), {k: f.get_tensor(k) for k in f.keys()}
+    edit(meta, tensors)
+    save_file(tensors, str(path), metadata={"featcache": json.dumps(meta)})
+
+
+TAMPER = {
+    "other-code": (lambda m, t: m["identity"].update(code="0" * 64), "comes from other featcache or plug-in code"),
+    "other-machine": (lambda m, t: m["identity"]["machine"].update(torch_threads=99), "another machine"),
+    "values-changed": (lambda m, t: t["state/params/cls0.bias"].add_(1), "damaged (its checksum does not match)"),
+    "round-changed": (lambda m, t: m.update(round=2), "damaged (its checksum does not match)"),
+}
+
+
+@pytest.mark.parametrize("case", TAMPER, ids=TAMPER)
+def test_a_mismatched_or_tampered_checkpoint_is_refused_in_one_line_and_kept(cache, tmp_path, case):
+    path = _checkpoint(cache, tmp_path)
+    edit, needle = TAMPER[case]
+    _rewrite(path, edit)
+    before = path.read_bytes()
+    with pytest.raises(UserError, match=re.escape(needle)):
+        train(cache, "scaffold", rounds=3, seeds=[0], set=SMALL, out=tmp_path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
+    res = run_cli("train", "--cache", cache, "--algo", "scaffold", "--rounds", "3", "--seeds", "0", "--out", tmp_path,
+                  *[a for s in SMALL for a in ("--set", s)])
+    assert "delete it to train from round 1" in one_line_error(res, needle)
+
+
+def test_a_truncated_checkpoint_is_refused(cache, tmp_path):
+    path = _checkpoint(cache, tmp_path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(UserError, match=r"is damaged \(.*\): delete it to train from round 1"):
+        train(cache, "scaffold", rounds=3, seeds=[0], set=SMALL, out=tmp_path)
+
+
+def test_another_configuration_does_not_see_the_checkpoint(cache, tmp_path):
+    path = _checkpoint(cache, tmp_path)
+    other = train(cache, "scaffold", rounds=3, seeds=[1], set=SMALL, out=tmp_path)  # another seed: its own file
+    assert "resumed_after_round" not in other and path.is_file()
+
+
+def test_bad_checkpoint_every_is_one_line(cache, tmp_path):
+    for bad in (-1, 1.5, True, "5"):
+        with pytest.raises(UserError, match="checkpoint_every=.*number of rounds >= 0"):
+            train(cache, "fedavg", rounds=1, seeds=[0], out=tmp_path, checkpoint_every=bad)
+    assert everything_in(tmp_path) == []
+
+
+def test_the_optimizer_state_round_trips_whatever_persists(tmp_path):
+    """Moments and step counts are saved generically (`state_names`, `t`, `count`), in place on load."""
+    from featcache.training.hparams import HParams
+    from featcache.training.optim import MASKED, OPTIMIZERS
+
+    hp = HParams.of({"lr": [0.1, 0.01], "weight_decay": [0.0, 0.1], "momentum": [0.9, 0.0]}, "cpu")
+    for kind in [*OPTIMIZERS.values(), *MASKED.values()]:
+        make = lambda: kind({"w": torch.zeros(2, 3, 4, 5)}, hp)
+        opt = make()
+        for step in range(3):
+            opt.step({"w": torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(step))},
+                     [[True, step > 0, True], [False, True, True]])
+        tensors = {}
+        skeleton = ck.encode(ck.optimizer_state(opt), "opt", tensors)
+        fresh = make()
+        names = [name for name in (*opt.state_names, "t") if hasattr(opt, name)]
+        ids = {name: id(getattr(fresh, name)["w"]) for name in names}
+        ck.load_optimizer_state(fresh, ck.decode(skeleton, tensors))
+        for name in names:
+            assert torch.equal(getattr(fresh, name)["w"], getattr(opt, name)["w"]), (kind.__name__, name)
+            assert id(getattr(fresh, name)["w"]) == ids[name]  # in place
+        assert getattr(fresh, "count", None) == getattr(opt, "count", None)
+
+
+# -- the command, killed or interrupted in a real process (slow: a torch start-up per process) ------------------
+
+def driver(cwd: Path, args: list[str], fault: list[str] = ()) -> subprocess.CompletedProcess:
+    """`featcache ARGS` in `cwd` (created), with a fault; the command line (recorded in the result) is the same in
+    every folder."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, str(DRIVER), *fault, "--", *map(str, args)], capture_output=True,
+                          text=True, env=ENV, cwd=cwd, timeout=600)
+
+
+def command(cache, *algos: str) -> list[str]:
+    return ["train", "--cache", cache, *[a for algo in algos for a in ("--algo", algo)], "--rounds", "6", "--seeds",
+            "0,1", *[a for s in SMALL for a in ("--set", s)], "--out", "runs", "--checkpoint-every", "2", "--json"]
+
+
+def results(out: Path) -> dict[str, bytes]:
+    """The visible files but the timing sidecars (wall-clock times), by name."""
+    return {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".") and "timing" not in p.name}
+
+
+LOCAL_TRAIN = "featcache.training.engine.Engine.local_train"
+KILLS = {  # kill -9 of the second algorithm (fedproto) of `--algo fedavg --algo fedproto`, 6 rounds
+    "round-1-before-any-checkpoint": f"after:{LOCAL_TRAIN}:7:*",
+    "round-3": f"after:{LOCAL_TRAIN}:9:*",
+    "round-6": f"after:{LOCAL_TRAIN}:12:*",
+    "inside-the-second-checkpoint-write": "before:os.replace:2:.fedproto-*.checkpoint",
+    "result-written-record-not": "before:os.replace:1:.fedproto-*.done",
+}
+
+
+@pytest.mark.slow
+def test_kill_9_at_several_points_then_the_same_command_gives_the_undisturbed_bytes(cache, tmp_path):
+    ref = driver(tmp_path / "ref", command(cache, "fedavg", "fedproto"))
+    assert ref.returncode == 0, ref.stderr
+    reference = results(tmp_path / "ref" / "runs")
+    assert len(reference) == 4
+    for name, spec in KILLS.items():
+        out = tmp_path / name / "runs"
+        killed = driver(out.parent, command(cache, "fedavg", "fedproto"), ["--kill", spec])
+        assert killed.returncode == -signal.SIGKILL, (name, killed.stderr)
+        assert len(list(out.glob(".fedavg-*.done"))) == 1  # the first algorithm finished before the kill
+        again = driver(out.parent, command(cache, "fedavg", "fedproto"))
+        assert again.returncode == 0, (name, again.stderr)
+        fedavg, fedproto = json.loads(again.stdout)["runs"]
+        assert fedavg["finished_earlier"] and "finished_earlier" not in fedproto, name  # fedavg not trained again
+        assert results(out) == reference, name
+        assert not list(out.glob(".*.checkpoint")) and not list(out.glob(".*.tmp")), (name, everything_in(out))
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_exits_130_and_resumes(cache, tmp_path):
+    ref = driver(tmp_path / "ref", command(cache, "scaffold"))
+    assert ref.returncode == 0, ref.stderr
+    out = tmp_path / "b" / "runs"
+    stopped = driver(out.parent, command(cache, "scaffold"), ["--sigint", f"after:{LOCAL_TRAIN}:3:*"])
+    assert stopped.returncode == 130, stopped.stderr
+    (line,) = lines(stopped.stderr)
+    assert line == ("interrupted: scaffold (seeds 0, 1) stopped after round 3 of 6, checkpoint saved: run the same "
+                    "command again to resume"), line
+    again = driver(out.parent, command(cache, "scaffold"))
+    assert again.returncode == 0, again.stderr
+    assert results(out) == results(tmp_path / "ref" / "runs")
