@@ -107,11 +107,9 @@ def _stage(path: Path, text: str | bytes, durable: bool = False) -> Path:
         _drop_orphans(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
-                f.write(text)
-                if durable:
-                    f.flush()
-                    os.fsync(f.fileno())
+            tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
+            if durable:
+                _fsync(tmp)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -131,11 +129,12 @@ def write_atomic(path: str | Path, text: str | bytes, durable: bool = False) -> 
             tmp.unlink(missing_ok=True)
             raise
         if durable:
-            _fsync_folder(path.parent)
+            _fsync(path.parent)
 
 
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -61,12 +61,12 @@ def _interrupt_line(e: KeyboardInterrupt) -> str:
     """What a Ctrl-C, or a KeyboardInterrupt raised in a plug-in's hook, says: where a training run stopped and how
     to resume it (`training.checkpoint.Interrupted`), or the plug-in hook that raised it."""
     checkpoint = sys.modules.get("featcache.training.checkpoint")  # loaded only where training ran
-    if checkpoint is not None and isinstance(e, checkpoint.Interrupted):
-        return f"interrupted: {e}"
+    stopped = checkpoint is not None and isinstance(e, checkpoint.Interrupted)
+    raised = e.__context__ if stopped and isinstance(e.__context__, KeyboardInterrupt) else e  # the original one
     algorithms = sys.modules.get("featcache.algorithms")  # loaded only where an algorithm (or plug-in) was
-    where = algorithms.plugin_failure(e) if algorithms is not None else None
+    where = algorithms.plugin_failure(raised) if algorithms is not None else None
     at = f" (KeyboardInterrupt raised at {where.partition(': KeyboardInterrupt')[0]})" if where else ""
-    return f"interrupted{at}: run the same command again"
+    return f"interrupted{at}: {e if stopped else 'run the same command again'}"
 
 
 def _told_interrupt(command):
