@@ -14,7 +14,7 @@ from .models import expand_hc, map_models
 def scores(algo, state, data: ClientData, rnd, model=None) -> torch.Tensor:
     """Every model's scores on its client's rows of `data`: [H, C, N, K]. `model` = (params, buffers) name -> [H, ...]
     scores the server's global model instead, broadcast to every client, with the algorithm's `predict_global`."""
-    ctx = algo.context(state, rnd)
+    ctx = algo.context(state, rnd) | {"rows": data.mask.expand(rnd.H, *data.mask.shape)}  # rows [H, C, N] bool
     if model is None:
         params, buffers, fn = state.params, state.buffers, algo.predict
     else:
