@@ -155,33 +155,34 @@ class PFedGate(FedAvg):
         return (torch.sigmoid(logits) * m).sum(0) / m.sum().clamp(min=1), new  # [M]
 
     def forward(self, params, buffers, x, mask, train):
-        """Logits of one batch's sparse model, ReLU'd as adapted_forward does, and the new BN statistics."""
+        """One batch's sparse model: its projection output z, its logits ReLU'd as adapted_forward does, and the
+        new BN statistics."""
         lay = self.layout(tuple(self.shapes(params)))
         t, new = self.batch_gates(params, buffers, x, mask, train)
         model = self.sparse(params, self.gates(t, lay), lay)
         z, upd = super().embed(model, buffers, x, mask, train)
-        return torch.relu(self.logits(model, z)), new | upd  # [N, K]
+        return z, torch.relu(self.logits(model, z)), new | upd  # [N, proj_dim], [N, K]
+
+    def by_test_batch(self, params, buffers, x, rows, out: int):
+        """Output `out` of `forward` (0: z, 1: logits) on consecutive batches of batch_size rows, one sparse model
+        each, from the θ the client holds (rows [N] bool: the real rows)."""
+        held = {k: buffers[HELD + k] if self.shared(k) else v for k, v in params.items()}
+        B = self.cfg["batch_size"]
+        return torch.cat([self.forward(held, buffers, x[s : s + B], rows[s : s + B], train=False)[out]
+                          for s in range(0, x.shape[0], B)])
 
     # -- client -----------------------------------------------------------------------------------------------
     def local_loss(self, params, buffers, x, y, mask, ctx):
-        logits, new = self.forward(params, buffers, x, mask, train=True)
+        _, logits, new = self.forward(params, buffers, x, mask, train=True)
         return masked_ce(logits, y, mask), new
 
     def predict(self, params, buffers, x, ctx):
-        """Test rows in consecutive batches of batch_size, one sparse model each, from the θ the client holds."""
-        held = {k: buffers[HELD + k] for k in params if self.shared(k)} | {k: v for k, v in params.items()
-                                                                             if not self.shared(k)}
-        B, rows = self.cfg["batch_size"], ctx["rows"]
-        out = [self.forward(held, buffers, x[s : s + B], rows[s : s + B], train=False)[0]
-               for s in range(0, x.shape[0], B)]
-        return torch.cat(out)  # [N, K]
+        return self.by_test_batch(params, buffers, x, ctx["rows"], 1)  # [N, K]
 
     def embed(self, params, buffers, x, mask=None, train=False):
-        """The projection's output of the whole batch's sparse model (for feature analyses)."""
-        mask = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if mask is None else mask
-        lay = self.layout(tuple(self.shapes(params)))
-        t, _ = self.batch_gates(params, buffers, x, mask, train)
-        return super().embed(self.sparse(params, self.gates(t, lay), lay), buffers, x, mask, train)
+        """z of the sparse models `predict` uses (feature analyses; no new statistics)."""
+        rows = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if mask is None else mask
+        return self.by_test_batch(params, buffers, x, rows, 0), {}
 
     # -- server -----------------------------------------------------------------------------------------------
     def after_local(self, state, rnd):
