@@ -2,7 +2,8 @@
 
 The vectorized engine trains every client of every configuration in one vmapped step; `plain_loop` trains each
 client alone, one Python iteration per client and minibatch, with torch.optim on ordinary leaf tensors and autograd
-(no vmap, no stacking, no masks beyond the real batch rows). It borrows only the algorithm's per-client local loss,
+(no vmap, no stacking, no masks beyond the real batch rows; torch.nn.utils.clip_grad_norm_ where a group clips; one
+optimizer per client for the whole run where the algorithm keeps optimizer state). It borrows only the algorithm's per-client local loss,
 its server hooks (run as the engine runs them) and the engine's batch order (a pure function of seed, round, epoch,
 client). An algorithm whose hooks treat each client as its own model gets the same accuracies and parameters from
 both; `assert_matches_plain_loop` says so, or names the first parameter that differs:
@@ -31,6 +32,7 @@ from .algorithms import create, register
 from .cache import ClientData, h5
 from .training import optim
 from .training.config import resolve
+from .training.optim import clip_sets, group_of
 from .training.engine import Engine
 from .training.schedule import batch_order, participation
 
@@ -66,7 +68,7 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
     seeds = eng.seeds.to(eng.device)
     state = eng.init_state()
     B, C = cfg["batch_size"], eng.C
-    accs = []
+    accs, kept = [], {}  # kept: client -> (leaves, optimizer) when the algorithm keeps optimizer state
     for rnd in range(cfg["rounds"]):
         part = participation(eng.seeds, rnd, C, cfg["participation"])  # [1, C]
         now = eng.round_context(rnd, part)
@@ -74,10 +76,19 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
         for c in range(C):
             if not part[0, c]:
                 continue
-            params = {k: v[0, c].clone().requires_grad_(True) for k, v in state.params.items()}
             buffers = {k: v[0, c].clone() for k, v in state.buffers.items()}
-            groups = [{"params": [p], "lr": cfg["lr"] * algo.lr_scale(k)} for k, p in params.items()]
-            opt = OPT[cfg["optimizer"]](groups, cfg)
+            if c in kept:  # the client's optimizer of the last round, kept alive: its leaves take the new start
+                params, opt = kept[c]
+                with torch.no_grad():
+                    for k, p in params.items():
+                        p.copy_(state.params[k][0, c])
+            else:
+                params = {k: v[0, c].clone().requires_grad_(True) for k, v in state.params.items()}
+                groups = [{"params": [p], "lr": cfg[group_of(algo.groups, k).lr] * algo.lr_scale(k),
+                           "weight_decay": cfg[group_of(algo.groups, k).weight_decay]} for k, p in params.items()]
+                opt = OPT[cfg["optimizer"]](groups, cfg)
+                if algo.keeps_optimizer_state:
+                    kept[c] = params, opt
             n = int(train.counts[c])
             n_eff = n // B * B if cfg["drop_last"] else n
             for epoch in range(algo.local_epochs()):
@@ -93,6 +104,8 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
                                                 torch.ones(len(rows), dtype=torch.bool, device=x.device), ctx_c | extra)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
+                    for norm, names in clip_sets(algo.groups, params):
+                        torch.nn.utils.clip_grad_norm_([params[k] for k in names if params[k].requires_grad], norm)
                     opt.step()
                     with torch.no_grad():  # the per-step hook on this one model, as a [1, 1] stack
                         ctx_11 = torch.utils._pytree.tree_map(lambda t: t[0:1, c : c + 1], ctxs[epoch])
@@ -120,7 +133,8 @@ def _client_accuracy(algo, state, ctx, test, c: int) -> torch.Tensor:
     buffers = {k: v[0, c] for k, v in state.buffers.items()}
     ctx_c = torch.utils._pytree.tree_map(lambda t: t[0, c], ctx)
     with torch.no_grad():
-        scores = algo.predict(params, buffers, test.features[c, :n], ctx_c)  # [n, K]
+        rows = torch.ones(n, dtype=torch.bool, device=test.features.device)
+        scores = algo.predict(params, buffers, test.features[c, :n], ctx_c | {"rows": rows})  # [n, K]
     return (scores.argmax(-1) == test.labels[c, :n]).float().mean()
 
 

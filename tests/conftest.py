@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from featcache.algorithms import create
 from featcache.algorithms.fedpft import Alternating
 from featcache.algorithms.fedrep import FedRep
+from featcache.algorithms.pfedgate import PFedGate
 from featcache.algorithms.scaffold import Scaffold
 from featcache.training.config import resolve
 from tests.synthetic import synthetic_clients
@@ -24,6 +25,8 @@ FAST = {
     Alternating: {"momentum": 0.9, "r_f": 1, "r_a": 1, "local_epochs": 2},
     FedRep: {"head_epochs": 2},  # both phases and the switch, at a fifth of the cost
     Scaffold: {"lr": 0.1},  # plain SGD at 0.01 moves too little in 3 rounds to show learning
+    # An 8-unit head keeps too little at s = 0.5 to learn in 20 rounds; test_algo_pfedgate covers s < 1.
+    PFedGate: {"optimizer": "adam", "lr_gate": 0.1, "sparsity": 1.0},
 }
 
 

@@ -10,8 +10,8 @@ import torch
 from conftest import configure
 
 from featcache.algorithms import create
+from featcache.algorithms.pfedgate import Layout, knapsack
 from featcache.training.engine import Engine, State
-from featcache.errors import UserError
 from tests.synthetic import synthetic_clients
 from tests.test_algo_personal import (D_IN, HID, K, KEYS, assert_batched_equals_alone, assert_dicts_close, batch, ce,
                                       grad_of, hp, logits_of, loss_and_grad, models, round_of, setup, tiny_model)
@@ -136,53 +136,87 @@ def test_pfedsd_first_round_equals_fedavg():
 
 
 # -- pFedGate ----------------------------------------------------------------------------------------------------
-def gate_model(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return tiny_model(seed) | {"gate0.weight": torch.randn(HID, D_IN, generator=g),
-                               "gate0.bias": torch.randn(HID, generator=g)}
+def test_pfedgate_knapsack_takes_every_block_that_still_fits():
+    """found_max_value_greedy: by value, descending, ties by block order; a block that does not fit is skipped and a
+    later, smaller one still taken (so not a top-k)."""
+    value = torch.tensor([0.0, 9, 8, 8, 2, 7, 7])  # block 0 is no item (a tensor's first block)
+    sizes = [1, 5, 3, 3, 1, 2, 2]
+    taken = knapsack(value, [1, 2, 3, 4], sizes, capacity=7.0)  # 5 fits; 3, 3 do not (8 > 7); 1 does
+    assert taken.tolist() == [True, False, False, True]
+    assert knapsack(value, [5, 6], sizes, capacity=2.0).tolist() == [True, False]  # a tie: the lower block
+    batched = knapsack(torch.stack([value, value.flip(0)]), [1, 2, 3, 4], sizes, capacity=7.0)  # [2, 4]
+    assert batched.tolist() == [[True, False, False, True], [False, True, True, True]]  # 3, 1, (5 no), 3
 
 
-def gated_logits(p: dict, x: torch.Tensor, s: float) -> torch.Tensor:
-    """θ ⊙ g: per sample, hidden unit j of the projection scaled by its gate if among the ⌈s·M⌉ largest, else 0."""
-    rows = []
-    for n in range(len(x)):
-        g = torch.sigmoid(p["gate0.weight"] @ x[n] + p["gate0.bias"])  # [M]
-        keep = torch.zeros(HID)
-        keep[torch.argsort(g, descending=True)[: math.ceil(s * HID)]] = 1
-        W, b = p["proj0.weight"] * (g * keep)[:, None], p["proj0.bias"] * g * keep  # the gated block = one unit
-        z = torch.relu(W @ x[n] + b)
-        rows.append(p["cls0.weight"] @ z + p["cls0.bias"])
-    return torch.stack(rows)
+def test_pfedgate_layout_splits_every_tensor_in_contiguous_sub_blocks():
+    lay = Layout((("w", 12, True), ("b", 4, True), ("bn", 7, False)), blocks=5, sparsity=0.5, dtype=torch.float32)
+    assert lay.split == {"w": (0, 4, 3, 12), "b": (4, 4, 1, 4), "bn": (8, 4, 2, 7)}  # ⌈12/5⌉ = 3 -> 4 blocks
+    assert lay.sizes == [3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 1]
+    assert lay.items == [[1, 2, 3, 5, 6, 7], [9, 10, 11]]  # linear / other layers, first blocks never items
+    assert lay.capacity == [round(12 * 0.3), round(5 * 0.3)] and lay.s_min == 0.2
 
 
-@pytest.mark.parametrize("s", [0.5, 1.0])
-def test_pfedgate_predicts_with_the_sparse_gated_model(s):
-    algo, p = setup("pfedgate", sparsity=s), gate_model(6)
-    x, y = batch(7)
-    torch.testing.assert_close(algo.predict(p, {}, x, hp()), gated_logits(p, x, s))
-    loss, g, _ = loss_and_grad(algo, p, x, y, torch.ones(6, dtype=torch.bool), hp())
-
-    def expected(q):
-        s_ = gated_logits(q, x, s)
-        return sum(-(torch.log_softmax(s_[n], -1)[y[n]]) for n in range(len(x))) / len(x)
-
-    torch.testing.assert_close(loss, expected(p))
-    assert_dicts_close(g, grad_of(expected, p), atol=1e-6, rtol=1e-5)
-    assert g["gate0.weight"].abs().sum() > 0  # the gating network learns through the kept gates
+def test_pfedgate_gates_are_straight_through():
+    """Kept block j: value t_j, gradient 1 + t_j·[t_j > s_min] (t·(1 − sg(g) + g), g = max(t, s_min)); dropped: 0."""
+    algo = setup("pfedgate", sparsity=0.5)
+    lay = algo.layout(tuple(algo.shapes(tiny_model(0))))
+    t = (torch.rand(lay.M, generator=torch.Generator().manual_seed(3)) * 0.9 + 0.05).requires_grad_(True)
+    w = algo.gates(t, lay)
+    w.sum().backward()
+    keep = w.detach() != 0
+    first = [b for b, *_ in lay.split.values()]
+    assert keep[first].all() and not keep.all()
+    torch.testing.assert_close(w.detach(), t.detach() * keep)
+    torch.testing.assert_close(t.grad, keep * (1 + t.detach() * (t.detach() > lay.s_min)))
 
 
-def test_pfedgate_keeps_the_gating_network_local():
+def released_scores(p: dict, x: torch.Tensor, algo) -> torch.Tensor:
+    """One batch's sparse model written out: gates = mean of sigmoid(BN(Linear(x))) with running statistics,
+    sub-block j of every flattened tensor scaled by its gate where kept, ReLU on the logits."""
+    lay = algo.layout(tuple(algo.shapes(p)))
+    h = x @ p["gate0.weight"].T + p["gate0.bias"]
+    h = (h - p["gate0.bn.running_mean"]) / torch.sqrt(p["gate0.bn.running_var"] + 1e-5) * p["gate0.bn.weight"] \
+        + p["gate0.bn.bias"]
+    w = algo.gates(torch.sigmoid(h).mean(0), lay)
+    model = {}
+    for k, (begin, n, each, numel) in lay.split.items():
+        flat = p[k].reshape(-1).clone()
+        for j in range(n):
+            flat[j * each : (j + 1) * each] *= w[begin + j]
+        model[k] = flat.view(p[k].shape)
+    return torch.relu(logits_of(model, x))
+
+
+def test_pfedgate_predicts_one_sparse_model_per_test_batch():
+    """Consecutive batches of batch_size rows, one gate vector each: a row's score depends on its batch only."""
+    algo, B = setup("pfedgate", batch_size=4), 4
+    g = torch.Generator().manual_seed(5)
+    params, buffers = algo.init(algo.full, D_IN, K, g)
+    params = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in params.items()}
+    buffers = {k: v.abs() + 0.5 if k.endswith("var") else v for k, v in buffers.items()}
+    x = torch.randn(10, D_IN, generator=g)
+    rows = torch.ones(10, dtype=torch.bool)
+    scores = algo.predict(params, buffers, x, {"rows": rows})
+    both = params | {k: v for k, v in buffers.items() if k.startswith("gate0")}
+    held = both | {k: buffers["held." + k] for k in KEYS}
+    expected = torch.cat([released_scores(held, x[s : s + B], algo) for s in range(0, 10, B)])
+    torch.testing.assert_close(scores, expected)
+    other = x.clone()
+    other[1] += 3.0  # another row of the first batch
+    changed = algo.predict(params, buffers, other, {"rows": rows})
+    assert not torch.allclose(changed[0], scores[0]) and torch.equal(changed[B:], scores[B:])
+    padded = torch.cat([x, torch.randn(3, D_IN, generator=g)])  # padding rows take no part in a batch's gates
+    torch.testing.assert_close(algo.predict(params, buffers, padded, {"rows": torch.arange(13) < 10})[:10], scores)
+
+
+def test_pfedgate_keeps_the_gating_layer_local():
     algo = setup("pfedgate")
-    assert {k for k in gate_model(0) if algo.shared(k)} == set(KEYS)
-
-
-def test_pfedgate_rejects_a_bad_budget():
-    with pytest.raises(UserError, match="sparsity"):
-        create("pfedgate").init(setup("pfedgate").full | {"sparsity": 0.0}, D_IN, K, torch.Generator())
+    params, buffers = algo.init(algo.full, D_IN, K, torch.Generator())
+    assert {k for k in params | buffers if algo.shared(k)} == set(KEYS)
 
 
 # -- all three ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, over", [("fedcac", {"beta": 2.0}), ("pfedsd", {"temperature": 1.5, "lam": 0.3}),
-                                        ("pfedgate", {"lr": 3e-2})])
+                                        ("pfedgate", {"lr": 3e-2, "lr_gate": 0.2})])
 def test_batched_hyperparameters_equal_single_runs(name, over):
     assert_batched_equals_alone(name, over, rounds=3)

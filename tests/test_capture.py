@@ -85,9 +85,9 @@ def test_the_comparison_fails_when_the_protocol_is_broken(breakage, data, monkey
 
         original_load = optim._Run.load
 
-        def replacing(self, params):
+        def replacing(self, params, **kw):
             self.params = {k: v.clone() for k, v in self.params.items()}
-            return original_load(self, params)
+            return original_load(self, params, **kw)
 
         monkeypatch.setattr(optim._Run, "load", replacing)
     else:

@@ -10,7 +10,8 @@ import torch
 
 from featcache.testing import OpCount
 from featcache.training.hparams import HParams
-from featcache.training.optim import MASKED, OPTIMIZERS, SGD, Adam, MaskedAdam, MaskedSGD, optimizer_for
+from featcache.training.optim import (MASKED, OPTIMIZERS, SGD, Adam, Group, MaskedAdam, MaskedSGD, clip_grad_norms,
+                                      clip_sets, optimizer_for)
 
 H, C = 3, 4
 LR, WD, MOM = [1e-2, 3e-2, 1e-1], [1e-4, 0.0, 1e-2], [0.9, 0.0, 0.5]
@@ -213,3 +214,69 @@ def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
     # and a float32 bias correction 1 − 0.999^t (an earlier bug) by ~1e-3.
     for k, v in runs["fused"][1].items():
         torch.testing.assert_close(v, runs["masked"][1][k], rtol=1e-3, atol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_kept_state_equals_torch_optimizers_kept_alive(opt_name):
+    """`load(keep=True)` (an algorithm that keeps optimizer state) over three rounds, each started from other
+    models, with a parameter group of its own learning-rate and weight-decay settings: masked and fused equal one
+    torch.optim optimizer per model built once; non-participants' moments and counts stay as they were."""
+    g = torch.Generator().manual_seed(1)
+    p0 = stack(g)
+    LR_B, WD_B = [0.2, 0.05, 0.3], [0.0, 1e-3, 5e-4]  # the bias group's own settings
+    hp = HParams.of({"lr": torch.tensor(LR), "weight_decay": torch.tensor(WD), "momentum": torch.tensor(MOM),
+                     "lr_b": torch.tensor(LR_B), "wd_b": torch.tensor(WD_B)})
+    groups = {"w": Group(), "b": Group(lr="lr_b", weight_decay="wd_b")}
+    masked = MASKED[opt_name]({k: v.clone() for k, v in p0.items()}, hp, groups=groups)
+    fused = OPTIMIZERS[opt_name]({k: v.clone() for k, v in p0.items()}, hp, groups=groups)
+    leaves = torch_models(p0)
+    make = {"adam": lambda h, m: torch.optim.Adam([{"params": [m["w"]], "lr": LR[h], "weight_decay": WD[h]},
+                                                   {"params": [m["b"]], "lr": LR_B[h], "weight_decay": WD_B[h]}]),
+            "sgd": lambda h, m: torch.optim.SGD([{"params": [m["w"]], "lr": LR[h], "weight_decay": WD[h]},
+                                                 {"params": [m["b"]], "lr": LR_B[h], "weight_decay": WD_B[h]}],
+                                                lr=LR[h], momentum=MOM[h])}[opt_name]
+    opts = [[make(h, m) for m in row] for h, row in enumerate(leaves)]  # built once, kept for every round
+    for rnd in range(3):
+        start = stack(g)  # the round's starting models (a download)
+        masked_p, fused_p = masked.load(start, keep=True), fused.load(start, keep=True)
+        with torch.no_grad():
+            for h in range(H):
+                for c in range(C):
+                    for k in p0:
+                        leaves[h][c][k].copy_(start[k][h, c])
+        for active, _ in schedule(g, 4):
+            grads = {k: torch.randn(v.shape, generator=g) for k, v in p0.items()}
+            masked_p = masked.step(grads, active)
+            fused_p = fused.step(grads, active, host=active.tolist())
+            torch_step(leaves, opts, grads, active, set())
+    state_name = {"adam": ("m", "exp_avg"), "sgd": ("buf", "momentum_buffer")}[opt_name]
+    for k in p0:
+        torch.testing.assert_close(masked_p[k], gather(leaves, k))
+        torch.testing.assert_close(fused_p[k], gather(leaves, k))
+        torch.testing.assert_close(getattr(masked, state_name[0])[k], torch_state(leaves, opts, k, state_name[1]))
+        torch.testing.assert_close(getattr(fused, state_name[0])[k], torch_state(leaves, opts, k, state_name[1]))
+    fresh = MASKED[opt_name]({k: v.clone() for k, v in p0.items()}, hp, groups=groups)
+    fresh.step({k: torch.ones_like(v) for k, v in p0.items()}, torch.ones(H, C, dtype=torch.bool))
+    fresh.load(start)  # without keep: zeroed, as a new optimizer
+    assert all(not getattr(fresh, state_name[0])[k].any() for k in p0)
+
+
+def test_clip_grad_norms_is_torch_clip_per_model_and_group():
+    """Each model's gradients of each clipped group scaled as torch.nn.utils.clip_grad_norm_ scales them alone; a
+    frozen name and an unclipped group are left out."""
+    g = torch.Generator().manual_seed(2)
+    grads = {"w": torch.randn(H, C, 4, 5, generator=g) * 3, "b": torch.randn(H, C, 4, generator=g),
+             "gate.w": torch.randn(H, C, 3, generator=g) * 5, "free": torch.randn(H, C, 2, generator=g) * 9}
+    grads["b"][0, 0] *= 1e-3  # a model below the norm: unchanged
+    groups = {"": Group(max_norm=2.0), "gate": Group(max_norm=1.0), "free": Group()}
+    out = clip_grad_norms(grads, clip_sets(groups, grads), frozen={"w"})
+    for h in range(H):
+        for c in range(C):
+            for names, norm in ((["b"], 2.0), (["gate.w"], 1.0)):
+                leaves = [torch.zeros(grads[k].shape[2:], requires_grad=True) for k in names]
+                for leaf, k in zip(leaves, names):
+                    leaf.grad = grads[k][h, c].clone()
+                torch.nn.utils.clip_grad_norm_(leaves, norm)
+                for leaf, k in zip(leaves, names):
+                    torch.testing.assert_close(out[k][h, c], leaf.grad)
+    assert torch.equal(out["w"], grads["w"]) and torch.equal(out["free"], grads["free"])

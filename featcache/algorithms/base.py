@@ -20,11 +20,14 @@ data, H, C, seeds. Per-configuration floats exist only as those tensors. Hooks, 
     upload(state, rnd)               what each client sends: name -> [H, C, ...]
     aggregate(uploads, weights, state, rnd) -> server state, name -> [H, ...]  (weights [H, C]: n_k, 0 if absent)
     download(state, server, rnd)     what clients take from the server
-    predict(params, buffers, x, ctx) -> scores [N, K]       ONE client's inference (vmapped)
+    predict(params, buffers, x, ctx) -> scores [N, K]       ONE client's inference (vmapped; ctx["rows"] [N] bool
+                                                            marks the real rows of x)
 at every evaluation round:
     global_model(state, rnd) -> (params, buffers) name -> [H, ...], or None     the server's aggregated model
     predict_global(params, buffers, x, ctx) -> scores [N, K]  its inference on one client's rows (vmapped)
-and, asked once per run: local_epochs(), lr_scale(name), shared(name).
+and, asked once per run: local_epochs(), lr_scale(name), shared(name). Declared as data: `groups` (the local
+optimizer's parameter groups: their learning-rate and weight-decay settings and gradient-norm clip) and
+`keeps_optimizer_state` (moments and step counts carry over from round to round, per model).
 
 The global model is what the FedAvg-family papers evaluate on a global test set (here: the union of all clients'
 test splits). FedAvg's is the averaged model every client downloads; an algorithm whose server holds no complete
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 
 from .heads import bn_init, linear, mlp, mlp_init
 from ..training.config import Setting
+from ..training.optim import Group
 from . import register
 
 
@@ -119,6 +123,12 @@ class FedAvg:
     # (Capture first runs the step twice with every model masked out: a local_loss that draws random numbers gets
     # other draws than an eager run, so `assert_capturable` reports it; set False for such an algorithm.)
     capturable = True
+    # The local optimizer's parameter groups by name prefix (longest prefix wins): which settings give a group's
+    # learning rate and weight decay, and the norm each model's gradient of the group is clipped to (None: none).
+    groups = {"": Group()}
+    # Whether each model's optimizer moments and step counts carry over from round to round (one optimizer per
+    # client kept alive, as torch.optim objects a client holds for the whole run) instead of starting from zero.
+    keeps_optimizer_state = False
     cfg = None  # the shared settings this instance is bound to (see bind)
 
     def bind(self, cfg) -> "FedAvg":

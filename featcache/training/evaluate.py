@@ -16,7 +16,7 @@ def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False) 
     """Every model's scores on its client's rows of `data`: [H, C, N, K]. `model` = (params, buffers) name -> [H, ...]
     scores the server's global model instead, broadcast to every client, with the algorithm's `predict_global`.
     Their shape is checked every time, their values at the `first` evaluation (`guards.check_scores`)."""
-    ctx = algo.context(state, rnd)
+    ctx = algo.context(state, rnd) | {"rows": data.mask.expand(rnd.H, *data.mask.shape)}  # rows [H, C, N] bool
     if model is None:
         params, buffers, fn = state.params, state.buffers, algo.predict
     else:

@@ -1,7 +1,8 @@
 """Adam and SGD(momentum) over stacked parameters [H, C, ...], one independent optimizer per model.
 
 Learning rate, weight decay and momentum come from the run's `HParams` (per configuration [H]: a grid trains many
-of them at once); `scale`
+of them at once); `groups` maps a parameter name to its `Group` (which settings give its learning rate and weight
+decay; an algorithm declares them by name prefix, e.g. pFedGate's gating layer has its own rate), `scale`
 multiplies the learning rate per parameter name (FedPFT's own rate for its FTM); `frozen` names are left untouched
 for a step (a phase that trains only some parameters). `active` [H, C] marks the models that have a batch in this
 step: the others (clients with fewer steps, non-participants) keep parameters, moments and step counts exactly as
@@ -16,7 +17,10 @@ is handed over in the same layout. When all clients of a configuration step at t
 case) their C models go to the kernel as one slab [C, ...]. Parameters are updated in place. One optimizer serves a
 whole run: `load` starts each round by copying that round's starting models into its own tensors and zeroing moments
 and step counts (what a fresh optimizer would hold): one copy per parameter stack instead of a fresh optimizer's clone,
-layout copy and new zeroed moments, and the tensors a CUDA graph captured stay put.
+layout copy and new zeroed moments, and the tensors a CUDA graph captured stay put. `load(keep=True)` keeps each
+model's moments and step counts instead (an optimizer kept alive across rounds, per model: pFedGate's).
+
+`clip_grad_norms` is torch.nn.utils.clip_grad_norm_ per model and per group, on the stacked gradients.
 
 No host synchronisation: they take the hyperparameters' host values (`HParams.host`) and the models that step as
 host lists [H][C] (`step`'s `host`; without it they read `active` back), and the per-model step history that decides
@@ -40,11 +44,57 @@ L2 weight decay); torch.optim.SGD's momentum (first step copies the gradient int
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
 Params = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One parameter group of the local optimizer: the settings holding its learning rate and weight decay, and the
+    norm its gradient is clipped to per model (None: not clipped). An algorithm declares its groups by name prefix,
+    `groups = {"": Group(), "gate": Group(lr="lr_gate")}`; a parameter belongs to its longest matching prefix."""
+
+    lr: str = "lr"
+    weight_decay: str = "weight_decay"
+    max_norm: float | None = None
+
+
+def prefix_of(groups: dict[str, Group], name: str) -> str | None:
+    """The prefix in `groups` that parameter `name` belongs to: the longest one it starts with (None: none)."""
+    return max((p for p in groups if name.startswith(p)), key=len, default=None)
+
+
+def group_of(groups: dict[str, Group], name: str) -> Group:
+    """The Group of parameter `name` under the declaration `groups` (prefix -> Group)."""
+    prefix = prefix_of(groups, name)
+    return Group() if prefix is None else groups[prefix]
+
+
+def clip_sets(groups: dict[str, Group], names) -> list[tuple[float, list[str]]]:
+    """(max_norm, member names) of every clipped group of the declaration `groups` (prefix -> Group)."""
+    members = {p: [k for k in names if prefix_of(groups, k) == p] for p, g in groups.items() if g.max_norm}
+    return [(groups[p].max_norm, ks) for p, ks in members.items() if ks]
+
+
+def clip_grad_norms(grads: Params, sets: list[tuple[float, list[str]]], frozen=()) -> Params:
+    """torch.nn.utils.clip_grad_norm_ per model and per group of `sets` (`clip_sets`; grads name -> [H, C, ...]; a
+    frozen name takes no part): each model's gradients of a group are scaled by min(1, max_norm / (‖g‖ + 1e-6)),
+    ‖g‖ the 2-norm of their per-tensor 2-norms. Whole-stack arithmetic: no host read, capturable."""
+    out = dict(grads)
+    for max_norm, members in sets:
+        names = [k for k in members if k not in frozen]
+        if not names:
+            continue
+        norms = torch.stack([torch.linalg.vector_norm(grads[k].flatten(2), dim=-1) for k in names])  # [P, H, C]
+        coef = (max_norm / (torch.linalg.vector_norm(norms, dim=0) + 1e-6)).clamp(max=1.0)  # [H, C]
+        for k in names:
+            out[k] = grads[k] * coef.view(*coef.shape, *[1] * (grads[k].dim() - 2))  # [H, C, ...]
+    return out
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -93,11 +143,14 @@ def copy_into(dst: Params, src: Params) -> Params:
 class _Run:
     """One optimizer for a whole run: `load` starts a round."""
 
-    def load(self, params: Params) -> Params:
+    def load(self, params: Params, keep: bool = False) -> Params:
         """Start a round from `params` (name -> [H, C, ...], views and broadcasts welcome): copied into this
         optimizer's own tensors in place (their layout kept), moments and step counts zeroed, as a freshly built
-        optimizer would hold them. Returns the parameters to train (this optimizer's tensors)."""
+        optimizer would hold them, or with `keep` left as the last round left them (an optimizer kept alive).
+        Returns the parameters to train (this optimizer's tensors)."""
         copy_into(self.params, params)
+        if keep:
+            return dict(self.params)
         for name in self.state_names:
             for t in getattr(self, name).values():
                 t.zero_()
@@ -110,8 +163,11 @@ class _Stacked(_Run):
 
     state_names: tuple[str, ...] = ()  # per-element state, shaped like the parameters
 
-    def __init__(self, params: Params, hp, scale=None):
-        self.lr, self.wd, self.scale = hp.host["lr"], hp.host["weight_decay"], scale or {}  # [H] host floats
+    def __init__(self, params: Params, hp, scale=None, groups=None):
+        groups, self.scale = groups or {}, scale or {}
+        of = {k: groups.get(k, Group()) for k in params}
+        self.lr = {k: hp.host[g.lr] for k, g in of.items()}  # name -> [H] host floats
+        self.wd = {k: hp.host[g.weight_decay] for k, g in of.items()}  # name -> [H] host floats
         _adopt(self, params)
         self._restart()
 
@@ -154,8 +210,8 @@ class _Stacked(_Run):
 class Adam(_Stacked):
     state_names = ("m", "v")
 
-    def __init__(self, params: Params, hp, scale=None, betas=(0.9, 0.999), eps: float = 1e-8):
-        super().__init__(params, hp, scale)
+    def __init__(self, params: Params, hp, scale=None, groups=None, betas=(0.9, 0.999), eps: float = 1e-8):
+        super().__init__(params, hp, scale, groups)
         self.betas, self.eps = betas, eps
 
     def _restart(self) -> None:
@@ -166,8 +222,8 @@ class Adam(_Stacked):
         for h, k, models, views, grad in self.groups(grads, active, frozen, host):
             steps = [self.t[k][h, 0]] if models is None else [self.t[k][h, c] for c in models]  # 0-d views
             adam(views(self.params[k]), views(grad), views(self.m[k]), views(self.v[k]), [], steps, fused=True,
-                 amsgrad=False, lr=self.lr[h] * self.scale.get(k, 1.0), beta1=self.betas[0], beta2=self.betas[1],
-                 weight_decay=self.wd[h], eps=self.eps, maximize=False)  # counts the steps it is given
+                 amsgrad=False, lr=self.lr[k][h] * self.scale.get(k, 1.0), beta1=self.betas[0], beta2=self.betas[1],
+                 weight_decay=self.wd[k][h], eps=self.eps, maximize=False)  # counts the steps it is given
             if models is None:  # one slab stepped on model 0's count: the others keep the same count
                 self.t[k][h, 1:] = self.t[k][h, 0]
         return dict(self.params)
@@ -176,8 +232,8 @@ class Adam(_Stacked):
 class SGD(_Stacked):
     state_names = ("buf",)
 
-    def __init__(self, params: Params, hp, scale=None):
-        super().__init__(params, hp, scale)
+    def __init__(self, params: Params, hp, scale=None, groups=None):
+        super().__init__(params, hp, scale, groups)
         self.mom = hp.host.get("momentum")  # [H] host floats or None
 
     def step(self, grads: Params, active, frozen=(), host=None) -> Params:
@@ -190,8 +246,8 @@ class SGD(_Stacked):
                 idx = [i for i, s in enumerate(started) if s != is_first]
                 if idx:
                     bufs = [None if is_first else b[i] for i in idx] if mom else []  # None: the first step's
-                    sgd([p[i] for i in idx], [g[i] for i in idx], bufs, fused=True, weight_decay=self.wd[h],
-                        momentum=mom, lr=self.lr[h] * self.scale.get(k, 1.0), dampening=0.0, nesterov=False,
+                    sgd([p[i] for i in idx], [g[i] for i in idx], bufs, fused=True, weight_decay=self.wd[k][h],
+                        momentum=mom, lr=self.lr[k][h] * self.scale.get(k, 1.0), dampening=0.0, nesterov=False,
                         maximize=False)
                     for i, new in zip(idx, bufs if mom and is_first else ()):  # sgd made fresh first-step buffers
                         b[i].copy_(new)
@@ -215,14 +271,14 @@ class _Masked(_Run):
 
     state_names: tuple[str, ...] = ()
 
-    def __init__(self, params: Params, hp, scale=None):
+    def __init__(self, params: Params, hp, scale=None, groups=None):
         _adopt(self, params)
         first = next(iter(self.params.values()))
         self.device, (H, C) = first.device, first.shape[:2]
-        lr, wd = hp["lr"], hp["weight_decay"]  # [H]
-        scale = scale or {}
-        self.lr = {k: _per_config(lr * scale.get(k, 1.0), p) for k, p in self.params.items()}  # [H, 1...] per name
-        self.wd = {k: _per_config(wd, p) for k, p in self.params.items()}  # [H, 1...]
+        scale, groups = scale or {}, groups or {}
+        of = {k: groups.get(k, Group()) for k in self.params}
+        self.lr = {k: _per_config(hp[of[k].lr] * scale.get(k, 1.0), p) for k, p in self.params.items()}  # [H, 1...]
+        self.wd = {k: _per_config(hp[of[k].weight_decay], p) for k, p in self.params.items()}  # [H, 1...]
         self.t = {k: torch.zeros(H, C, device=self.device) for k in self.params}  # [H, C] steps taken per model
 
     def _restart(self) -> None:
@@ -248,8 +304,8 @@ class MaskedAdam(_Masked):
 
     state_names = ("m", "v")
 
-    def __init__(self, params: Params, hp, scale=None, betas=(0.9, 0.999), eps: float = 1e-8):
-        super().__init__(params, hp, scale)
+    def __init__(self, params: Params, hp, scale=None, groups=None, betas=(0.9, 0.999), eps: float = 1e-8):
+        super().__init__(params, hp, scale, groups)
         self.betas, self.eps = betas, eps
 
     def step(self, grads: Params, active, frozen=(), host=None) -> Params:
@@ -271,8 +327,8 @@ class MaskedSGD(_Masked):
 
     state_names = ("buf",)
 
-    def __init__(self, params: Params, hp, scale=None):
-        super().__init__(params, hp, scale)
+    def __init__(self, params: Params, hp, scale=None, groups=None):
+        super().__init__(params, hp, scale, groups)
         self.mom = hp.get("momentum")  # [H] or None
         self.moving = None if self.mom is None else self.mom != 0  # [H] configurations that keep a buffer
 

@@ -21,7 +21,7 @@ from ..cache import ClientData
 from .capture import Graphs, Static, disarmed, resolve_mode, signature
 from .guards import check_loss
 from .hparams import HParams
-from .optim import copy_into, optimizer_for
+from .optim import clip_grad_norms, clip_sets, copy_into, group_of, optimizer_for
 from .schedule import Plan
 
 Params = dict[str, torch.Tensor]
@@ -63,7 +63,9 @@ class LocalSteps:
         mode = resolve_mode(capture, device) if algo.capturable else "off"
         self.graphs = None if mode == "off" else Graphs(mode, device)  # the captured steps, by kind
         kind = optimizer_for(optimizer, device, masked=self.graphs is not None)
-        self.opt = kind(state.params, hp, scale={k: algo.lr_scale(k) for k in state.params})
+        groups = {k: group_of(algo.groups, k) for k in state.params}  # name -> its optimizer Group
+        self.opt = kind(state.params, hp, scale={k: algo.lr_scale(k) for k in state.params}, groups=groups)
+        self.clips = clip_sets(algo.groups, state.params)  # [(max_norm, names)] of the groups that clip
         self.buffers = {k: v.clone() for k, v in state.buffers.items()}  # the models' buffers during local steps
         H, C = next(iter(state.params.values())).shape[:2]
         z = torch.zeros(H, C, device=device)
@@ -79,9 +81,9 @@ class LocalSteps:
 
     def start(self, state, now, part_host: list) -> None:
         """Begin round `now`'s local steps (now.part [H, C]; part_host the same, host bools [H][C]): the round's
-        starting models are copied into the optimizer's and the buffers' tensors, which `state` then holds; moments,
-        step counts and sums start from zero."""
-        state.params = self.opt.load(state.params)
+        starting models are copied into the optimizer's and the buffers' tensors, which `state` then holds; the sums
+        start from zero, moments and step counts too unless the algorithm `keeps_optimizer_state`."""
+        state.params = self.opt.load(state.params, keep=self.algo.keeps_optimizer_state)
         state.buffers = copy_into(self.buffers, state.buffers)
         for t in self.acc.values():
             t.zero_()
@@ -121,6 +123,7 @@ class LocalSteps:
         check_loss(self.algo, loss, active.shape)
         grads = dict(zip(leaves, torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)))
         grads = {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in grads.items()}
+        grads = clip_grad_norms(grads, self.clips, frozen)  # per model and group, where a group declares a norm
         loss = loss.detach()
         acc["bad"] |= ~torch.isfinite(loss) & active  # [H, C] read once, after the round
         acc["loss"] += torch.where(active, loss, 0.0)  # [H, C]
