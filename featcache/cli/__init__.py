@@ -57,16 +57,19 @@ def _error(message: str) -> None:
               emoji=False)  # `--algo file.py:X: ...` is no :x: emoji
 
 
-def _interrupt_line(e: KeyboardInterrupt) -> str:
-    """What a Ctrl-C, or a KeyboardInterrupt raised in a plug-in's hook, says: where a training run stopped and how
-    to resume it (`training.checkpoint.Interrupted`), or the plug-in hook that raised it."""
+def _tell_interrupt(e: KeyboardInterrupt) -> None:
+    """One line for a Ctrl-C: where a training run stopped and how to resume it (`training.checkpoint.Interrupted`);
+    an error line naming the plug-in hook when a hook raised the KeyboardInterrupt."""
     checkpoint = sys.modules.get("featcache.training.checkpoint")  # loaded only where training ran
     stopped = checkpoint is not None and isinstance(e, checkpoint.Interrupted)
     raised = e.__context__ if stopped and isinstance(e.__context__, KeyboardInterrupt) else e  # the original one
     algorithms = sys.modules.get("featcache.algorithms")  # loaded only where an algorithm (or plug-in) was
     where = algorithms.plugin_failure(raised) if algorithms is not None else None
-    at = f" (KeyboardInterrupt raised at {where.partition(': KeyboardInterrupt')[0]})" if where else ""
-    return f"interrupted{at}: {e if stopped else 'run the same command again'}"
+    what = e if stopped else "run the same command again"
+    if where:
+        _error(f"interrupted (KeyboardInterrupt raised at {where.partition(': KeyboardInterrupt')[0]}): {what}")
+    else:
+        err.print(f"[yellow]interrupted:[/yellow] {escape(str(what))}", highlight=False, soft_wrap=True)
 
 
 def _told_interrupt(command):
@@ -76,7 +79,7 @@ def _told_interrupt(command):
         try:
             return command(*args, **kwargs)
         except KeyboardInterrupt as e:
-            _error(_interrupt_line(e))
+            _tell_interrupt(e)
             raise
 
     return run
