@@ -31,7 +31,7 @@ from tests.synthetic import write_cache
 DRIVER = Path(__file__).with_name("crashpoint.py")
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 SMALL = ["batch_size=8", "proj_dim=16"]
-CROSS_ROUND = ["scaffold", "fedproto", "fedpcl"]  # control variates; prototypes; prototypes and a global model
+CROSS_ROUND = ["scaffold", "fedproto", "fedpcl", "pfedgate"]  # control variates; prototypes; both; optimizer state
 
 
 @pytest.fixture(scope="module")
