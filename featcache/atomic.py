@@ -109,7 +109,7 @@ def _stage(path: Path, text: str | bytes, durable: bool = False) -> Path:
         try:
             tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
             if durable:
-                _fsync(tmp)
+                sync(tmp)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -129,11 +129,12 @@ def write_atomic(path: str | Path, text: str | bytes, durable: bool = False) -> 
             tmp.unlink(missing_ok=True)
             raise
         if durable:
-            _fsync(path.parent)
+            sync(path.parent)
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's or a folder's data to the disk."""
+def sync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (a rename in it), to the disk: it survives a power cut, not only a
+    kill."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -10,10 +10,10 @@ from conftest import configure
 
 from featcache.algorithms import create
 from featcache.algorithms.pfedgate import Layout, knapsack
-from featcache.cache import ClientData
 from featcache.testing import assert_capturable, assert_matches_plain_loop
 from featcache.training.engine import Engine
 from tests import ref_pfedgate as ref
+from tests.test_algo_official import tiny_clients
 
 GATE_NAMES = {"gate0.weight": "gating.1.weight", "gate0.bias": "gating.1.bias", "gate0.bn.weight": "gating.2.weight",
               "gate0.bn.bias": "gating.2.bias", "gate0.bn.running_mean": "gating.2.running_mean",
@@ -30,17 +30,6 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(torch.float32)
-
-
-def tiny_clients(seed: int, counts) -> ClientData:
-    """4 clients, D = 16, K = 4 (no batch of 8 leaves a single row: the release skips those)."""
-    g = torch.Generator().manual_seed(seed)
-    N, centres = max(counts), torch.randn(4, 16, generator=torch.Generator().manual_seed(99)) * 2
-    x, y = torch.zeros(len(counts), N, 16), torch.full((len(counts), N), -1)
-    for c, n in enumerate(counts):
-        y[c, :n] = torch.randint(0, 4, (n,), generator=g)
-        x[c, :n] = centres[y[c, :n]] + torch.randn(n, 16, generator=g) * 1.5
-    return ClientData(x, y, torch.tensor(counts), 4)
 
 
 def featcache_run(**settings):

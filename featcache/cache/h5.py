@@ -15,6 +15,8 @@ from typing import Iterator, Sequence
 import h5py
 import numpy as np
 
+from ..atomic import sync
+
 CHECKSUM_ATTRS = ("sha256", "meta_sha256")
 READ_BYTES = 1 << 24  # rows are written, hashed and checked in slices of about 16 MiB
 
@@ -65,15 +67,6 @@ def create_h5(path: Path) -> h5py.File:
     return h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fapl=fapl, fcpl=fcpl))
 
 
-def sync_folder(folder: Path) -> None:
-    """Make a rename in `folder` durable (the new name survives a power cut, not only a kill)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextmanager
 def written(path: Path, partial: Path) -> Iterator[h5py.File]:
     """A new file (`create_h5`) at `partial`; when the block ends without error it is synced and renamed to `path`,
@@ -87,7 +80,7 @@ def written(path: Path, partial: Path) -> Iterator[h5py.File]:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    sync_folder(path.parent)
+    sync(path.parent)
 
 
 def write_array(group: h5py.Group, name: str, data: np.ndarray) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import h5py
 
-from ..atomic import output_errors
+from ..atomic import output_errors, sync
 from ..errors import UserError
 from ..extraction.files import locked
-from .h5 import meta_sha256, objects, plain, read_attrs, sync_folder
+from .h5 import meta_sha256, objects, plain, read_attrs
 from .load import _read_only
 from .write import FORMAT, HEADER, Client, Split, write
 
@@ -64,7 +64,7 @@ def _migrate(path: Path, staged: Path) -> dict:
             _MIGRATIONS[fmt](old, staged)
         _same_arrays(path, old, staged)
     os.replace(staged, path)
-    sync_folder(path.parent)
+    sync(path.parent)
     return {"path": str(path), "from_format": fmt, "to_format": FORMAT, "bytes_before": before,
             "bytes": os.path.getsize(path)}
 
