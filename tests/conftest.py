@@ -46,6 +46,13 @@ def configure(algo, *, fast: bool = False, **overrides) -> dict:
     return resolve(impl, given) | {"seed": seed}
 
 
+def client_model(eng, c: int, h: int = 0) -> tuple[dict, dict, dict]:
+    """Model (h, c) of an engine after its last round: its params, buffers and the context its `predict` reads."""
+    ctx = eng.algo.context(eng.state, eng.last_round)
+    return ({k: v[h, c] for k, v in eng.state.params.items()}, {k: v[h, c] for k, v in eng.state.buffers.items()},
+            torch.utils._pytree.tree_map(lambda t: t[h, c], ctx))
+
+
 @pytest.fixture(scope="module")
 def data():
     """Train and test splits of the separable synthetic clients, with two cached views."""

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import configure
+from conftest import client_model, configure
 
 from featcache.algorithms import create
 from featcache.cache import ClientData
@@ -129,11 +129,9 @@ def test_inference_is_the_nearest_local_prototype_by_inner_product(float64):
     """Prediction: argmax_j z(x)·C_i^(j) over the client's own prototypes, after two rounds of training."""
     eng = engine(rounds=2)
     eng.run()
-    state, ctx_all = eng.state, eng.algo.context(eng.state, eng.last_round)
+    state = eng.state
     for c in range(3):
-        params = {k: v[0, c] for k, v in state.params.items()}
-        buffers = {k: v[0, c] for k, v in state.buffers.items()}
-        ctx = torch.utils._pytree.tree_map(lambda t: t[0, c], ctx_all)
+        params, buffers, ctx = client_model(eng, c)
         x = eng.train.features[c, : int(eng.train.counts[c])]
         scores = eng.algo.predict(params, buffers, x, ctx)  # [n, K]
         for i in range(len(x)):

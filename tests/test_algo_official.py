@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from conftest import configure
+from conftest import client_model, configure
 import torch.nn.functional as F
 
 from featcache.algorithms import create
@@ -452,12 +452,9 @@ def featcache_run(name, bn, **settings):
     eng = Engine(algo, [configure(algo, bn=bn, **FLING_CFG, **settings)], train, test)
     init = {k: v[0, 0].clone() for k, v in (eng.state.params | eng.state.buffers).items()}
     eng.run()
-    state, ctx = eng.state, eng.algo.context(eng.state, eng.last_round)
-    out = []
+    state, out = eng.state, []
     for c in range(4):
-        params = {k: v[0, c] for k, v in state.params.items()}
-        buffers = {k: v[0, c] for k, v in state.buffers.items()}
-        ctx_c = torch.utils._pytree.tree_map(lambda t: t[0, c], ctx)
+        params, buffers, ctx_c = client_model(eng, c)
         with torch.no_grad():
             logits = eng.algo.predict(params, buffers, test.features[c, : int(test.counts[c])], ctx_c)
         out.append({"model": params | buffers, "logits": logits})

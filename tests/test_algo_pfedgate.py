@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import configure
+from conftest import client_model, configure
 
 from featcache.algorithms import create
 from featcache.algorithms.pfedgate import Layout, knapsack
@@ -39,15 +39,13 @@ def featcache_run(**settings):
     eng = Engine(algo, [configure(algo, **(CFG | settings))], train, test)
     init = {k: v[0, 0].clone() for k, v in (eng.state.params | eng.state.buffers).items()}
     eng.run()
-    state, ctx = eng.state, eng.algo.context(eng.state, eng.last_round)
-    out = []
+    state, out = eng.state, []
     for c in range(4):
-        params = {k: v[0, c] for k, v in state.params.items()}
-        buffers = {k: v[0, c] for k, v in state.buffers.items()}
+        params, buffers, ctx_c = client_model(eng, c)
         n = int(test.counts[c])
-        ctx_c = torch.utils._pytree.tree_map(lambda t: t[0, c], ctx) | {"rows": torch.ones(n, dtype=torch.bool)}
+        rows = {"rows": torch.ones(n, dtype=torch.bool)}  # every row of x is a real one
         with torch.no_grad():
-            logits = eng.algo.predict(params, buffers, test.features[c, :n], ctx_c)
+            logits = eng.algo.predict(params, buffers, test.features[c, :n], ctx_c | rows)
         model = {k: buffers["held." + k] for k in HEAD} | {GATE_NAMES[k]: v for k, v in (params | buffers).items()
                                                             if k in GATE_NAMES}
         out.append({"model": model, "logits": logits})
