@@ -264,3 +264,13 @@ def test_ctrl_c_prints_one_line_exits_130_and_resumes(cache, tmp_path):
     again = driver(out.parent, command(cache, "scaffold"))
     assert again.returncode == 0, again.stderr
     assert results(out) == results(tmp_path / "ref" / "runs")
+
+
+def test_a_resumed_run_says_from_which_round(cache, tmp_path):
+    """Without --json the resumed run's first progress note names the round its checkpoint holds."""
+    plain = [a for a in command(cache, "scaffold") if a != "--json"]
+    stopped = driver(tmp_path, plain, ["--sigint", f"after:{LOCAL_TRAIN}:3:*"])
+    assert stopped.returncode == 130, stopped.stderr
+    again = driver(tmp_path, plain)
+    assert again.returncode == 0, again.stderr
+    assert "note: scaffold: resumed from its checkpoint after round 3" in again.stderr, again.stderr

@@ -62,10 +62,14 @@ def train(
         for i, name in enumerate(algo):
             label = f"{name} ({i + 1} of {len(algo)})" if len(algo) > 1 else name
 
-            def tick(done, total, live, label=label, note=notes[name]):
-                if done == 1 and note:  # once its first round trained: a refused run stays one error line
-                    err.print(f"[yellow]note:[/yellow] {escape(f'{label}: the training loss is {note}')}",
-                              highlight=False, soft_wrap=True)
+            def tick(done, total, live, label=label, note=notes[name], told=[]):
+                if not told:  # once its first round here trained: a refused run stays one error line
+                    told.append(done)
+                    said = [f"resumed from its checkpoint after round {done - 1}"] if done > 1 else []
+                    said += [f"the training loss is {note}"] if note else []
+                    for text in said:
+                        err.print(f"[yellow]note:[/yellow] {escape(f'{label}: {text}')}", highlight=False,
+                                  soft_wrap=True)
                 progress(label, done, total, live_text(live))
 
             tick = tick if progress else None
