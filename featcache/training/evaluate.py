@@ -53,11 +53,12 @@ def record(algo, state, train: ClientData, test: ClientData, rnd, round_loss: to
     global_acc [H] (None without a global model); only test_acc without `logs`. `first`: the run's first evaluation,
     where the scores' values are checked too."""
     test_scores = scores(algo, state, test, rnd, first=first)  # [H, C, N, K]
-    test_acc, test_loss = accuracy_loss(test_scores, test)  # [H, C] each
+    test_hits = hits(test_scores, test)  # [H, C, N]
+    test_acc, test_loss = accuracy_loss(test_scores, test, test_hits)  # [H, C] each
     if not logs:
         return {"test_acc": test_acc.cpu()}
     train_acc, _ = accuracy_loss(scores(algo, state, train, rnd), train)  # [H, C]
-    glob = evaluate_global(algo, state, test, rnd, hits(test_scores, test), first)  # [H] or None
+    glob = evaluate_global(algo, state, test, rnd, test_hits, first)  # [H] or None
     return {"test_acc": test_acc.cpu(), "test_loss": test_loss.cpu(), "train_acc": train_acc.cpu(),
             "train_loss": round_loss, "global_acc": None if glob is None else glob.cpu()}
 
@@ -67,11 +68,13 @@ def hits(scores: torch.Tensor, data: ClientData) -> torch.Tensor:
     return (scores.argmax(-1) == data.labels) & data.mask
 
 
-def accuracy_loss(scores: torch.Tensor, data: ClientData) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accuracy and mean cross-entropy of the scores over each client's valid rows: ([H, C], [H, C]). A score of
-    -inf for a row's label (a class the model rules out) gives that row an infinite loss."""
+def accuracy_loss(scores: torch.Tensor, data: ClientData, hit: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accuracy and mean cross-entropy of the scores over each client's valid rows: ([H, C], [H, C]); `hit` [H, C, N]
+    the scores' `hits` when already known. A score of -inf for a row's label (a class the model rules out) gives
+    that row an infinite loss."""
     n = data.counts.clamp(min=1)  # [C]
     labels = data.labels.clamp(min=0).expand(*scores.shape[:-1])  # [H, C, N]
     ce = scores.logsumexp(-1) - scores.gather(-1, labels[..., None]).squeeze(-1)  # [H, C, N]
     loss = torch.where(data.mask, ce, 0.0).sum(-1) / n  # [H, C]
-    return hits(scores, data).sum(-1) / n, loss
+    return (hits(scores, data) if hit is None else hit).sum(-1) / n, loss
