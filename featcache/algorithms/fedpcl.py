@@ -48,6 +48,59 @@ def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) 
     return -(s * pos).sum(-1) + logsumexp(s.masked_fill(pos, float("-inf")))
 
 
+CHUNK = 2**15  # elements one model's chunk of prototype sets may hold per intermediate: bounds the all-pairs terms
+
+
+def sum_over_sets(term, z, y, mask, sets, tau, width: int, rows: bool) -> torch.Tensor:
+    """Σ_p term(z, y, mask, sets, τ)[p] -> [N], a few of the prototype sets [P, K, d] at a time, so that every client's
+    batch contrasts against every client's sets in memory bounded at any client count. `term` gives [P', N] for P'
+    sets, its largest intermediate holding `width` elements per set; `rows`: each row's term depends on its own z
+    only. Sets that fit in one chunk go in one plain call."""
+    n = max(1, CHUNK // width)  # sets per chunk: from shapes only (nothing read from the device)
+    if len(sets) <= n:
+        return term(z, y, mask, sets, tau).sum(0)
+    return _SetChunks.apply(term, n, rows, z, y, mask, sets, tau)[0]
+
+
+class _SetChunks(torch.autograd.Function):
+    """`sum_over_sets` chunk by chunk, keeping no chunk's intermediates. With `rows`, the forward also sums each row's
+    gradient dz [N, d] (the vector-Jacobian product with ones) and the backward scales it; otherwise the backward
+    recomputes each chunk's vector-Jacobian product. The sets and τ are constants: the prototypes carry no gradient."""
+
+    generate_vmap_rule = True  # the engine vmaps local_loss over its [H, C] models
+
+    @staticmethod
+    def forward(term, n, rows, z, y, mask, sets, tau):
+        out, dz = 0, torch.zeros_like(z)  # [N], [N, d]
+        for part in sets.split(n):
+            if rows:
+                o, vjp = torch.func.vjp(lambda z: term(z, y, mask, part, tau).sum(0), z)  # [N]
+                dz = dz + vjp(torch.ones_like(o))[0]
+            else:
+                o = term(z, y, mask, part, tau).sum(0)  # [N]
+            out = out + o
+        return out, dz
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        if any(ctx.needs_input_grad[6:]):
+            raise ValueError("sum_over_sets differentiates z only: the prototype sets and τ must be constants")
+        ctx.term, ctx.n, ctx.rows = inputs[:3]
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(output[1], *inputs[3:])
+
+    @staticmethod
+    def backward(ctx, grad, _):  # grad [N]
+        dz, z, y, mask, sets, tau = ctx.saved_tensors
+        if ctx.rows:
+            return None, None, None, grad[:, None] * dz, None, None, None, None
+        dz = torch.zeros_like(z)  # [N, d]
+        for part in sets.split(ctx.n):
+            _, vjp = torch.func.vjp(lambda z: ctx.term(z, y, mask, part, tau).sum(0), z)
+            dz = dz + vjp(grad)[0]
+        return None, None, None, dz, None, None, None, None
+
+
 def supcon(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, tau) -> torch.Tensor:
     """Supervised contrastive loss (Khosla et al. 2020) over one batch's embeddings, one view: [N]."""
     zn = F.normalize(z, dim=-1)
@@ -58,6 +111,28 @@ def supcon(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, tau) -> torch.T
     log_prob = s - logsumexp(s.masked_fill(~valid, float("-inf")), keepdim=True)
     n_pos = pos.float().sum(-1)
     return -(log_prob * pos).sum(-1) / n_pos.clamp(min=1) * (n_pos > 0)
+
+
+def pcl_term(z, y, mask, sets, tau) -> torch.Tensor:
+    """Eq. 9's summand for every set [P, K, d]: [P, N] (`sum_over_sets`' form of `proto_contrast`)."""
+    return proto_contrast(z, y, sets, tau)
+
+
+def conloss(z, y, mask, sets, tau) -> torch.Tensor:
+    """The released ConLoss (lib/losses.py) per set [P, K, d] on the released batch of two views (update_weights_lg:
+    torch.cat([images[0], images[1]]), n_views = 2; the two crops are identical on the cached features, so the batch
+    is duplicated): 2N anchors C_p^{y_i} against the 2N features, positives the same-label features except the
+    anchor's own position (the sample's copy in the other view is one). Returns [P, 2N]."""
+    N = len(z)
+    z2, y2, mask2 = torch.cat([z, z]), torch.cat([y, y]), torch.cat([mask, mask])  # [2N, d], [2N], [2N]
+    anchors = sets[:, y2.clamp(min=0)]  # [P, 2N, d]
+    s = torch.matmul(anchors, z2.T) / tau  # [P, 2N, 2N]
+    eye = torch.eye(2 * N, dtype=torch.bool, device=z.device)
+    valid = mask2[None, :] & ~eye  # [2N, 2N]
+    pos = (y2[:, None] == y2[None, :]) & valid
+    log_prob = s - logsumexp(s.masked_fill(~valid, float("-inf")), keepdim=True)  # [P, 2N, 2N]
+    n_pos = pos.float().sum(-1)  # [2N]
+    return -(log_prob * pos).sum(-1) / n_pos.clamp(min=1) * (n_pos > 0)  # [P, 2N]
 
 
 @register
@@ -137,7 +212,8 @@ class FedPCL(FedAvg):
     def pcl(self, params, z, y, mask, ctx):
         tau, terms = ctx["hp"]["tau"], self.cfg["terms"]
         l_g = proto_contrast(z, y, ctx["prototypes"], tau)  # eq. 8
-        l_p = proto_contrast(z, y, ctx["padded"], tau).mean(0)  # eq. 9: mean over the m clients' sets
+        sets = ctx["padded"]  # [C, K, d] every client's padded set; eq. 9 is the mean over them
+        l_p = sum_over_sets(pcl_term, z, y, mask, sets, tau, len(z) * sets.shape[1], rows=True) / len(sets)  # eq. 9
         return {"both": l_g + l_p, "global": l_g, "local": l_p}[terms]  # eq. 10
 
     def predict(self, params, buffers, x, ctx):
@@ -146,22 +222,12 @@ class FedPCL(FedAvg):
         return scores.masked_fill(ctx["own_counts"] == 0, float("-inf"))
 
     def official(self, params, z, y, mask, ctx):
-        """Released ConLoss on the released batch of two views (update_weights_lg: torch.cat([images[0], images[1]]),
-        n_views = 2; the two crops are identical on the cached features, so the batch is duplicated): 2N anchors
-        C_p^{y_i} against the 2N features, positives the same-label features except the anchor's own position (the
-        sample's copy in the other view is one), summed over the clients' sets p. Returns [N]: the mean of a row's two
-        anchors, so the masked mean over rows is the code's mean over the 2N anchors."""
-        N = len(z)
-        z2, y2, mask2 = torch.cat([z, z]), torch.cat([y, y]), torch.cat([mask, mask])  # [2N, d], [2N], [2N]
-        anchors = ctx["padded"][:, y2.clamp(min=0)]  # [P, 2N, d]
-        s = torch.matmul(anchors, z2.T) / ctx["hp"]["tau"]  # [P, 2N, 2N]
-        eye = torch.eye(2 * N, dtype=torch.bool, device=z.device)
-        valid = mask2[None, :] & ~eye  # [2N, 2N]
-        pos = (y2[:, None] == y2[None, :]) & valid
-        log_prob = s - logsumexp(s.masked_fill(~valid, float("-inf")), keepdim=True)  # [P, 2N, 2N]
-        n_pos = pos.float().sum(-1)  # [2N]
-        per_anchor = -(log_prob * pos).sum(-1) / n_pos.clamp(min=1) * (n_pos > 0)  # [P, 2N]
-        return per_anchor.sum(0).reshape(2, N).mean(0)
+        """Released ConLoss on the released batch of two views, summed over the clients' sets (`conloss`). Returns
+        [N]: the mean of a row's two anchors, so the masked mean over rows is the code's mean over the 2N anchors."""
+        N, d = z.shape
+        width = (2 * N) * max(2 * N, d)  # one set's anchors [2N, d] and scores [2N, 2N]
+        per_anchor = sum_over_sets(conloss, z, y, mask, ctx["padded"], ctx["hp"]["tau"], width, rows=False)
+        return per_anchor.reshape(2, N).mean(0)
 
 
 GLOBAL_AGG = {"eq6": global_prototypes, "mean": mean_prototypes}
