@@ -48,7 +48,7 @@ def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) 
     return -(s * pos).sum(-1) + logsumexp(s.masked_fill(pos, float("-inf")))
 
 
-CHUNK = 2**15  # elements one model's chunk of prototype sets may hold per intermediate: bounds the all-pairs terms
+CHUNK = 2**14  # elements one model's chunk of prototype sets may hold per intermediate (64 KiB in float32)
 
 
 def sum_over_sets(term, z, y, mask, sets, tau, width: int, rows: bool) -> torch.Tensor:
