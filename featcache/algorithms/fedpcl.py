@@ -65,7 +65,8 @@ def sum_over_sets(term, z, y, mask, sets, tau, width: int, rows: bool) -> torch.
 class _SetChunks(torch.autograd.Function):
     """`sum_over_sets` chunk by chunk, keeping no chunk's intermediates. With `rows`, the forward also sums each row's
     gradient dz [N, d] (the vector-Jacobian product with ones) and the backward scales it; otherwise the backward
-    recomputes each chunk's vector-Jacobian product. The sets and τ are constants: the prototypes carry no gradient."""
+    recomputes each chunk's vector-Jacobian product. First derivatives only, for z only: the prototype sets and τ are
+    constants."""
 
     generate_vmap_rule = True  # the engine vmaps local_loss over its [H, C] models
 
