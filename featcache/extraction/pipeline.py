@@ -241,8 +241,8 @@ def forward_threads(device: torch.device):
     (at least 1, never more than were set), restored on exit; a GPU's forward is left alone. torch's OpenMP threads
     spin at the end of every op until all of them are done: when one loses its core (to an input worker, to this
     process's own decoding and resizing, to another program on a shared machine), every op waits until it is
-    scheduled again, and the forward on two threads of a loaded 2-core machine ran several times slower than on one
-    thread, burning the difference in CPU time. The core left over takes those. The count does not depend on the
+    scheduled again, and on a loaded machine the forward can run slower on all cores than on one fewer, burning the
+    difference in CPU time. The core left over takes those. The count does not depend on the
     worker count, so neither do the features' bytes."""
     before = torch.get_num_threads()
     if device.type == "cpu":
