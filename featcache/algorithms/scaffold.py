@@ -17,7 +17,7 @@ Every optimizer: the local step is y ← y − η (d(y) + c − c_i), d = the op
 c_i⁺ = c_i − c + (x − y_i)/(K η) = the mean of d over the client's K steps, the same quantity the correction
 subtracts, so the control variates stay consistent under SGD with momentum and under Adam (FedPCL's protocol).
 Defaults: optimizer=sgd, momentum=0, lr=0.01 (the engine's other defaults, weight_decay=1e-4 included; the rate is
-explained beside `defaults`). The correction is applied after the optimizer's step rather than added to the gradient,
+explained beside `settings`). The correction is applied after the optimizer's step rather than added to the gradient,
 where Adam would rescale it and momentum smear it over later steps.
 """
 
