@@ -15,8 +15,6 @@ there is per-image work to spread, or in this process when a chunk is one array 
 way: every operation is per image or per chunk, and chunks are fixed by the batch size alone. `normalise` turns a
 uint8 batch into the backbone's float input on the device.
 
-`forward_threads` sets the CPU's intra-op threads for the forward passes: one core is left to everything else.
-
 Resizing is torchvision's `resize` on uint8 tensors with antialiasing (within one grey level of PIL's), rounded to
 uint8 as PIL's is; `DESCRIPTION` records the exact operations in each backbone's metadata and in the cache key.
 """
