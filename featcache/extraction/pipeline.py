@@ -192,7 +192,7 @@ def check_images(data, workers: int) -> None:
 
 def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
     """uint8 [B, 3, h, w] -> uint8 [B, 3, H, W], on whatever device x lives."""
-    from torchvision.transforms import InterpolationMode  # lazy: torchvision (~1 s) only when images are resized
+    from torchvision.transforms import InterpolationMode  # lazy: torchvision (a heavy import) only when images are resized
     from torchvision.transforms.v2 import functional as F
 
     if tuple(x.shape[-2:]) == (g.height, g.width):
@@ -203,7 +203,7 @@ def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _augmentation(g: Geometry):
     """The views' transform at geometry g, built once per process (it holds no state: the seeds are global)."""
-    from torchvision.transforms import InterpolationMode  # lazy: torchvision (~1 s) only when views are made
+    from torchvision.transforms import InterpolationMode  # lazy: torchvision (a heavy import) only when views are made
     from torchvision.transforms import v2
 
     return v2.Compose([
