@@ -5,9 +5,9 @@ Pre-Trained Models: A Contrastive Learning Approach", NeurIPS 2022, §5.1): a pr
 (+ BN with bn=True) followed by a classifier FC(proj_dim, K).
 
 An algorithm is bound to the run's shared (structural) settings, `self.cfg` (read-only; `create(name, cfg)` or the
-engine's `bind`). Every hook that runs on the server side gets `rnd`, the read-only `engine.Round`: round, local
-epoch, participation mask rnd.part [H, C], per-configuration hyperparameters rnd.hp (name -> [H]), the training
-data, H, C, seeds. Per-configuration floats exist only as those tensors. Hooks, in the order the engine calls them:
+engine's `bind`). Every hook that runs on the server side gets `rnd`, the read-only `engine.Round` (its fields
+are listed there); per-configuration floats exist only as its tensors rnd.hp (name -> [H]). Hooks, in the order the
+engine calls them:
 
     init(cfg, d_in, K, gen) -> (params, buffers)       ONE model's initial tensors
     init_state(state, rnd)           once, before round 1 (rnd.round = -1)
