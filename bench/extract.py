@@ -60,7 +60,6 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import featcache  # noqa: F401  (before torch: its allocator settings)
 import h5py
 import numpy as np
 import torch

@@ -1,4 +1,4 @@
-"""Figure 6 of bench/extract.py: the embedding store (embed once, partition many), measured side by side in one run.
+"""Figure 7 of bench/extract.py: the embedding store (embed once, partition many), measured side by side in one run.
 
 - repartition: an extraction into an empty store (`first`), then a new α and a new client count on the same images
   through the filled store (`alpha`, `clients`), each beside the same extraction into a fresh --out (an empty store: what a new partition costs

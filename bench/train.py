@@ -2,8 +2,8 @@
 vs the official-FedPCL pattern that re-runs three frozen ResNet18s (64x64) on every batch, prototype pass and test
 batch. Prints one JSON object. Run: `.venv/bin/python bench/train.py [--clients 20] [--rounds 5] [--repeats 3]`.
 The engine and the plain loop are timed alternately, `repeats` times each, each timed run right after an untimed one
-of the same contender (on the 2-core CPU a run that follows the other contender pays for its freed memory: fresh
-pages faulted in again, about a quarter of the engine's round); the medians are compared. On a GPU
+of the same contender (a run that follows the other contender would pay for faulting in the pages that one
+freed); the medians are compared. On a GPU
 (`--device cuda`) the engine also runs with its local steps eager instead of captured as CUDA graphs, and a profiled
 run gives the share of the round the GPU is busy.
 

@@ -13,8 +13,8 @@ The Python API, timm style (imported lazily: `import featcache` loads neither to
 
 Each is a plain function of the module named in `_LAZY`, imported on first use.
 
-Importing featcache changes nothing in the process; the `featcache` command (featcache/cli/) also keeps freed
-memory in its process for reuse (featcache/memory.py; see the README, "Training").
+Importing featcache changes nothing in the process; the `featcache` command also keeps freed memory for reuse
+(featcache/memory.py).
 """
 
 import importlib as _importlib

@@ -3,13 +3,10 @@ use), and the allocator setting of the `featcache` command that keeps freed memo
 
 torch takes CPU tensors from the C library's malloc. glibc serves large blocks with mmap and gives them back to the
 kernel when they are freed, and trims the top of its heap the same way, so every training step that allocates its
-gradient stacks again (31 MB per parameter stack for 20 FedPCL clients, 126 MB in a grid of 16) faults every page
-of them in afresh: on the 2-core machine a 4 MB elementwise op cost 2.8 ms instead of 0.05 ms, and a round's system
-time was a quarter of its wall time. `keep_freed_memory` asks glibc to serve every block from its heap and never to
-trim it, so a step reuses the pages the previous step freed. The process keeps its peak memory until it exits, which
-suits a command that trains and ends.
-
-The `featcache` command calls it when it starts; importing featcache does not (a library user calls it, if wanted).
+gradient stacks again faults every page of them in afresh, which can cost more than the arithmetic on them.
+`keep_freed_memory` asks glibc to serve every block from its heap and never to trim it, so a step reuses the pages
+the previous step freed. The process keeps its peak memory until it exits, which suits a command that trains and
+ends. The `featcache` command calls it when it starts; importing featcache does not (a library user may call it).
 """
 
 from __future__ import annotations

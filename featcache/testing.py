@@ -222,11 +222,11 @@ class OpCount(TorchDispatchMode):
 
 
 def write_format2(path, header: dict, backbones: list[dict], clients) -> str:
-    """A cache in the format-2 layout (featcache 0.1 before the format-3 writer: each backbone's features as a dataset
-    of its own and again inside `concat`, checksums computed by re-reading the file), from the arguments
-    `featcache.cache.write` takes; for the migration tests and bench/extract.py's before/after figures."""
+    """A cache in the format-2 layout (each backbone's features as a dataset of its own and again inside `concat`,
+    checksums computed by re-reading the file), from the arguments `featcache.cache.write` takes; for the migration
+    tests and bench/extract.py's figure 5."""
     images = 0
-    with h5.create_h5(path) as f:  # the file extract created, concat assembled in slices of 4096 rows as it did
+    with h5.create_h5(path) as f:  # concat assembled in slices of 4096 rows, as format 2's writer did
         h5.write_attrs(f, header | {"featcache_format": 2, "featcache_version": "0.1.0",
                                     "backbones": [b["key"] for b in backbones]})
         for b in backbones:

@@ -211,7 +211,7 @@ def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
     assert torch.allclose(runs["fused"][0], runs["masked"][0])
     # Adam divides by √v: a last-bit difference in a near-zero gradient's moments grows to ~2e-5 over two rounds,
     # while a wiring error (another configuration's rate, a model stepping out of turn) moves parameters by ~lr = 1e-2
-    # and a float32 bias correction 1 − 0.999^t (an earlier bug) by ~1e-3.
+    # and a bias correction 1 − 0.999^t computed in float32 by ~1e-3.
     for k, v in runs["fused"][1].items():
         torch.testing.assert_close(v, runs["masked"][1][k], rtol=1e-3, atol=1e-4, msg=lambda m: f"{k}: {m}")
 

@@ -5,9 +5,9 @@ Pre-Trained Models: A Contrastive Learning Approach", NeurIPS 2022, §5.1): a pr
 (+ BN with bn=True) followed by a classifier FC(proj_dim, K).
 
 An algorithm is bound to the run's shared (structural) settings, `self.cfg` (read-only; `create(name, cfg)` or the
-engine's `bind`). Every hook that runs on the server side gets `rnd`, the read-only `engine.Round`: round, local
-epoch, participation mask rnd.part [H, C], per-configuration hyperparameters rnd.hp (name -> [H]), the training
-data, H, C, seeds. Per-configuration floats exist only as those tensors. Hooks, in the order the engine calls them:
+engine's `bind`). Every hook that runs on the server side gets `rnd`, the read-only `engine.Round` (its fields
+are listed there); per-configuration floats exist only as its tensors rnd.hp (name -> [H]). Hooks, in the order the
+engine calls them:
 
     init(cfg, d_in, K, gen) -> (params, buffers)       ONE model's initial tensors
     init_state(state, rnd)           once, before round 1 (rnd.round = -1)
@@ -61,8 +61,8 @@ def one_hot(y: torch.Tensor, K: int) -> torch.Tensor:
 
 def logsumexp(s: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """torch.logsumexp with exponents clamped at −87 (e^−87 ≈ 1.6e−38: a term that cannot change a float32 sum
-    holding e^0 = 1). The CPU's exp is ~30x slower on arguments that underflow, which at τ = 0.07 and on −inf masks
-    is most of them. A row that is all −inf gives a finite, very negative value instead of −inf (no NaN downstream)."""
+    holding e^0 = 1). The CPU's exp is many times slower on arguments that underflow, which at τ = 0.07 and on −inf
+    masks is most of them. A row that is all −inf gives a finite, very negative value instead of −inf (no NaN downstream)."""
     m = s.detach().amax(dim, keepdim=True)
     m = m.masked_fill(~torch.isfinite(m), 0)
     out = (s - m).clamp(min=-87).exp().sum(dim, keepdim=True).log() + m

@@ -1,5 +1,5 @@
 """pFedGate (Chen et al., "Efficient Personalized Federated Learning via Sparse Model-Adaptation", ICML 2023) as
-released: yxdyc/pFedGate at b8cfa156acdb08207d33641a355959503ca1db78, pFedGate/gated_learner.py (GatedLearner),
+released (yxdyc/pFedGate, at the commit featcache/algorithms/README.md names): pFedGate/gated_learner.py (GatedLearner),
 models/gating_layers.py (GatingLayer), models/knapsack_solver.py (found_max_value_greedy), models/adapted_op.py
 (adapted_forward), pFedGate/gate_aggregator.py (_mix_load_three_model), utils/optim.py (get_optimizer), with the
 flags of its scripts/README.md (block_wise_prune=1, fine_grained_block_split=5, bi_level_opt=0).
@@ -23,7 +23,21 @@ Differences from FedAvg:
 - inference: each client scores its test rows in consecutive batches of `batch_size` rows, one gated model per
   batch (the gating BN with its running statistics), with the θ it holds after its own local training (the
   global model where it sat the round out).
-Global model: none (every prediction goes through a client's gates). Deviations: `featcache/algorithms/README.md`.
+Global model: none (every prediction goes through a client's gates). The paper is not followed separately: no
+statement of it that differs from the code was established, so there is no `pfedgate-official`.
+
+Deviations from the release:
+- no input normalisation before the gating layer (the release's SwitchNorm2d normalises image channels);
+- the sparse model is featcache's head, not the release's CNNs; with bn=True the BN's weight and bias are gated as
+  the release's non-linear blocks (its models have no BN: untested);
+- knapsack ties go to the lower block (numpy 1.19.5's argsort, which the release pins, is stable at this size;
+  newer numpy's SIMD argsort orders ties otherwise);
+- a one-row minibatch trains and a one-row test batch is scored (the release skips both);
+- no learning-rate schedule (the release's default `constant`; its scripts use multi_step or reduce_on_plateau), no
+  `seperate_trans` (the CIFAR-100 scripts' second gating network), no bi_level_opt=1 (argparse's default);
+- partial participation follows online_aggregate=1 (a non-participant weighs n_k with the global model it holds and
+  is evaluated with it), not online_aggregate=0's average of stale models;
+- defaults SGD lr = lr_gate = 0.05 (its CIFAR-10 s = 0.5 script); batch size is the engine's 32 (scripts: 128).
 """
 
 from __future__ import annotations

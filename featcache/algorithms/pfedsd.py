@@ -16,7 +16,8 @@ choice between the two released codes, which disagree: FLAIR-Community/Fling (fl
 averages every client, size-weighted; CGCL-codes/pFedSD (pcode/masters/master_pFedSD.py) the selected ones,
 unweighted. Global model: FedAvg's averaged model (the one clients start from), predicting by itself.
 Defaults λ = 0.5, T = 3 are Fling's (flzoo/cifar10/cifar10_pfedsd_resnet_config.py; the same in its CIFAR-100 and
-Tiny-ImageNet configs); CGCL-codes/pFedSD's README runs leave parameters.py's λ = 1 (--lamda), T = 1 (--KL_T).
+Tiny-ImageNet configs); CGCL-codes/pFedSD's README runs leave parameters.py's λ = 1 (--lamda), T = 1 (--KL_T), and
+its server averages parameters only: neither is followed.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Every optimizer: the local step is y ← y − η (d(y) + c − c_i), d = the op
 c_i⁺ = c_i − c + (x − y_i)/(K η) = the mean of d over the client's K steps, the same quantity the correction
 subtracts, so the control variates stay consistent under SGD with momentum and under Adam (FedPCL's protocol).
 Defaults: optimizer=sgd, momentum=0, lr=0.01 (the engine's other defaults, weight_decay=1e-4 included; the rate is
-explained beside `defaults`). The correction is applied after the optimizer's step rather than added to the gradient,
+explained beside `settings`). The correction is applied after the optimizer's step rather than added to the gradient,
 where Adam would rescale it and momentum smear it over later steps.
 """
 
@@ -35,8 +35,7 @@ class Scaffold(FedAvg):
     paper = "Karimireddy et al., SCAFFOLD, ICML 2020, Alg. 1 with option II (eq. 4)"
     uploads = "model delta y_i − x + control delta c_i⁺ − c_i (2 × head parameters)"
     # Plain SGD by default (Alg. 1 line 10 is an SGD step; weight decay only adds to the gradient) at lr 0.01 (the
-    # engine's 1e-3 is Adam's). Measured on the demo cache (3,840-d): lr 0.01 reached 65.6 % after 50 rounds, lr 0.1
-    # was unstable there (15.9 %). Adam or momentum: --set optimizer=... --set momentum=...
+    # engine's 1e-3 is Adam's; 0.1 is unstable on the demo cache). Adam or momentum: --set optimizer=... --set momentum=...
     settings = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.01}
 
     def init_state(self, state, rnd):

@@ -1,7 +1,31 @@
 """The client cache: one HDF5 file per extraction holding every client's labels and frozen-backbone features (all
-backbones side by side), with checksums on every array and on the metadata. `write.py` holds the schema and the
-writer, `load.py` the reader, `check.py` `verify` and `info`, `migrate.py` the conversion of older formats, and `h5.py`
-the HDF5 primitives they share."""
+backbones side by side), with checksums on every array and on the metadata. `write.py` holds the writer, `load.py`
+the reader, `check.py` `verify` and `info`, `migrate.py` the conversion of older formats, and `h5.py` the HDF5
+primitives they share.
+
+Schema (format 3; every attribute that is not a number or string is a JSON string):
+
+    /                                   attrs: featcache_format, featcache_version, key, manifest (JSON: everything
+                                               that determines the embeddings), backbones (JSON list = column order),
+                                               classes, domains, dataset, partition, counts, views, versions, images,
+                                               meta_sha256
+    /backbones/<bkey>                   attrs: name, weights, weights_sha256, dim, columns ([start, stop) of its
+                                               features in `concat`), preprocessing (JSON)
+    /clients/<c:03d>                    attrs: domain
+    /clients/<c>/<split>/labels         [n] int64           split is 'train' or 'test'
+    /clients/<c>/<split>/source_index   [n] int64           index into the dataset's domain split
+    /clients/<c>/<split>/domain         [n] int16           index into root attr `domains`
+    /clients/<c>/<split>/features/concat  [n, sum D_b] float32  every backbone's features side by side
+    /clients/<c>/train/views/concat     [n, V, sum D_b] float32  only with --views V (augmented training views)
+    /clients/<c>/train/val_index        [v] int64            positions in train held out for validation
+
+The features exist once, as `concat`; backbone b is its columns `columns` (`x[..., start:stop]`), so reading all
+backbones, what training does by default, is one contiguous read per client.
+
+Every dataset carries `sha256`, the sha256 of its array bytes (C order), computed by the writer from the bytes it
+writes, and the root `meta_sha256` covers the rest: every object's path, kind, dtype, shape and attributes (`h5`).
+`check.verify` recomputes both and checks the schema; `load.load_clients` checks the same on a file's first load.
+"""
 
 from .check import info, verify
 from .h5 import read_attrs, write_attrs

@@ -1,29 +1,5 @@
-"""Writing a client cache (`write`, used by `extract` and the test fixtures), and its schema.
-
-Schema (format 3; every attribute that is not a number or string is a JSON string):
-
-    /                                   attrs: featcache_format, featcache_version, key, manifest (JSON: everything
-                                               that determines the embeddings), backbones (JSON list = column order),
-                                               classes, domains, dataset, partition, counts, views, versions, images,
-                                               meta_sha256
-    /backbones/<bkey>                   attrs: name, weights, weights_sha256, dim, columns ([start, stop) of its
-                                               features in `concat`), preprocessing (JSON)
-    /clients/<c:03d>                    attrs: domain
-    /clients/<c>/<split>/labels         [n] int64           split is 'train' or 'test'
-    /clients/<c>/<split>/source_index   [n] int64           index into the dataset's domain split
-    /clients/<c>/<split>/domain         [n] int16           index into root attr `domains`
-    /clients/<c>/<split>/features/concat  [n, sum D_b] float32  every backbone's features side by side
-    /clients/<c>/train/views/concat     [n, V, sum D_b] float32  only with --views V (augmented training views)
-    /clients/<c>/train/val_index        [v] int64            positions in train held out for validation
-
-The features exist once, as `concat`; backbone b is its columns `columns` (`x[..., start:stop]`). Reading all
-backbones, what training does by default, is then one contiguous read per client and no copy; one backbone's columns
-are a strided read, still faster than reading every column (bench/extract.py, figure 5, compares the layouts).
-
-Every dataset carries `sha256`, the sha256 of its array bytes (C order), computed by the writer from the bytes it
-writes, and the root `meta_sha256` covers the rest: every object's path, kind, dtype, shape and attributes (`h5`).
-`check.verify` recomputes both and checks the schema; `load.load_clients` checks the same on a file's first load.
-"""
+"""Writing a client cache (`write`, used by `extract` and the test fixtures) in the schema the package docstring
+(featcache/cache/__init__.py) states."""
 
 from __future__ import annotations
 

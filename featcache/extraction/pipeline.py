@@ -15,8 +15,6 @@ there is per-image work to spread, or in this process when a chunk is one array 
 way: every operation is per image or per chunk, and chunks are fixed by the batch size alone. `normalise` turns a
 uint8 batch into the backbone's float input on the device.
 
-`forward_threads` sets the CPU's intra-op threads for the forward passes: one core is left to everything else.
-
 Resizing is torchvision's `resize` on uint8 tensors with antialiasing (within one grey level of PIL's), rounded to
 uint8 as PIL's is; `DESCRIPTION` records the exact operations in each backbone's metadata and in the cache key.
 """
@@ -194,7 +192,7 @@ def check_images(data, workers: int) -> None:
 
 def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
     """uint8 [B, 3, h, w] -> uint8 [B, 3, H, W], on whatever device x lives."""
-    from torchvision.transforms import InterpolationMode  # lazy: torchvision (~1 s) only when images are resized
+    from torchvision.transforms import InterpolationMode  # lazy: torchvision (a heavy import) only when images are resized
     from torchvision.transforms.v2 import functional as F
 
     if tuple(x.shape[-2:]) == (g.height, g.width):
@@ -205,7 +203,7 @@ def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _augmentation(g: Geometry):
     """The views' transform at geometry g, built once per process (it holds no state: the seeds are global)."""
-    from torchvision.transforms import InterpolationMode  # lazy: torchvision (~1 s) only when views are made
+    from torchvision.transforms import InterpolationMode  # lazy: torchvision (a heavy import) only when views are made
     from torchvision.transforms import v2
 
     return v2.Compose([
@@ -241,8 +239,8 @@ def forward_threads(device: torch.device):
     (at least 1, never more than were set), restored on exit; a GPU's forward is left alone. torch's OpenMP threads
     spin at the end of every op until all of them are done: when one loses its core (to an input worker, to this
     process's own decoding and resizing, to another program on a shared machine), every op waits until it is
-    scheduled again, and the forward on two threads of a loaded 2-core machine ran several times slower than on one
-    thread, burning the difference in CPU time. The core left over takes those. The count does not depend on the
+    scheduled again, and on a loaded machine the forward can run slower on all cores than on one fewer, burning the
+    difference in CPU time. The core left over takes those. The count does not depend on the
     worker count, so neither do the features' bytes."""
     before = torch.get_num_threads()
     if device.type == "cpu":

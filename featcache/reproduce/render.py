@@ -153,7 +153,7 @@ def _job_config(job, cells: dict, runs: dict, caches: dict) -> dict:
 
 def figure_png(pipe: Pipeline, values: dict) -> bytes:
     """NAME.png's bytes: lines (x = each column's x, our means with std error bars) or a heatmap (rows x columns)."""
-    import matplotlib  # lazy: matplotlib (~0.3 s) and its Agg backend only when a figure is drawn
+    import matplotlib  # lazy: matplotlib and its Agg backend only when a figure is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

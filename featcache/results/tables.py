@@ -24,7 +24,7 @@ def fmt(mean: float, std: float) -> str:
 
 
 def fmt_global(r: dict) -> str:
-    """The global model's test accuracy mean(std), or "n/a" (no global model, or a result from before the metric)."""
+    """The global model's test accuracy mean(std), or "n/a" (no global model, or a result file without the metric)."""
     mean, std = r.get("global_mean_acc"), r.get("global_std_acc")
     return fmt(mean, std) if is_number(mean) and is_number(std) else "n/a"
 

@@ -1,45 +1,17 @@
 """Adam and SGD(momentum) over stacked parameters [H, C, ...], one independent optimizer per model.
 
-Learning rate, weight decay and momentum come from the run's `HParams` (per configuration [H]: a grid trains many
-of them at once); `groups` maps a parameter name to its `Group` (which settings give its learning rate and weight
-decay; an algorithm declares them by name prefix, e.g. pFedGate's gating layer has its own rate), `scale`
-multiplies the learning rate per parameter name (FedPFT's own rate for its FTM); `frozen` names are left untouched
-for a step (a phase that trains only some parameters). `active` [H, C] marks the models that have a batch in this
-step: the others (clients with fewer steps, non-participants) keep parameters, moments and step counts exactly as
-they were. Semantics are torch.optim.Adam / torch.optim.SGD (L2 weight decay added to the gradient).
+Semantics are torch.optim.Adam (Kingma & Ba, ICLR 2015, Algorithm 1) and torch.optim.SGD, L2 weight decay added to
+the gradient. Learning rate, weight decay and momentum are per configuration ([H], the run's `HParams`); `groups`
+maps a parameter name to its `Group` (declared by name prefix: pFedGate's gating layer has its own rate), `scale`
+multiplies a parameter's rate (FedPFT's FTM), `frozen` names skip the step, and only the models `active` [H, C]
+marks step: the others keep parameters, moments and step counts as they were. One optimizer serves a whole run; `load` starts each round.
 
-Speed: the arithmetic is torch's own fused kernels through torch.optim's public functional API (`adam`, `sgd` with
-fused=True: one read and write of each tensor per step). A linear layer's
-weight gradient arrives from autograd as a transposed view ([d_in, d_out] in memory); instead of copying it every
-step, a parameter and its moments adopt the memory layout of their gradient at the first step (the forward
-`x @ W.T` is then a plain contiguous matmul as well). The kernels work on raw memory, so every tensor of one call
-is handed over in the same layout. When all clients of a configuration step at the same step count (the usual
-case) their C models go to the kernel as one slab [C, ...]. Parameters are updated in place. One optimizer serves a
-whole run: `load` starts each round by copying that round's starting models into its own tensors and zeroing moments
-and step counts (what a fresh optimizer would hold): one copy per parameter stack instead of a fresh optimizer's clone,
-layout copy and new zeroed moments, and the tensors a CUDA graph captured stay put. `load(keep=True)` keeps each
-model's moments and step counts instead (an optimizer kept alive across rounds, per model: pFedGate's).
-
-`clip_grad_norms` is torch.nn.utils.clip_grad_norm_ per model and per group, on the stacked gradients.
-
-No host synchronisation: they take the hyperparameters' host values (`HParams.host`) and the models that step as
-host lists [H][C] (`step`'s `host`; without it they read `active` back), and the per-model step history that decides
-how models are grouped is mirrored on the host (`count`), so a step never reads a device tensor back.
-
-`Adam` and `SGD` call a fused kernel once per configuration and parameter (and per client subset when clients are out
-of step): H x P launches and a Python call each per step. That is right on a CPU and wrong on a GPU with a large
-grid, where a step is then all launch overhead. `MaskedAdam` and `MaskedSGD` compute the same update as whole-stack
-tensor arithmetic on [H, C, ...]: hyperparameters are device tensors [H] broadcast to [H, C, 1...], step counts a
-device tensor [H, C], `active` a device bool tensor [H, C] (host lists are still accepted, at the cost of a copy;
-`host` is ignored),
-and models that do not step keep their values through one `torch.where` per tensor. They keep each parameter in
-its own memory (no layout adoption), so a captured step finds it where it was captured. A step launches a fixed number
-of kernels per parameter, whatever H and C, and reads nothing back nor takes host data (a CUDA graph can capture
-it); the price is more memory passes per tensor (about 30 against the fused kernel's 7). `optimizer_for(name,
-device, masked)` picks: masked on CUDA and wherever steps are captured, fused elsewhere.
-
-References: Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015 (Algorithm 1, with torch.optim.Adam's
-L2 weight decay); torch.optim.SGD's momentum (first step copies the gradient into the buffer, dampening 0).
+Two families compute the same update. `Adam` and `SGD` call torch's fused kernels once per configuration and
+parameter (one memory pass per tensor: the CPU's choice); `MaskedAdam` and `MaskedSGD` are whole-stack arithmetic
+with a fixed number of kernels per parameter whatever H and C, no host data and no read-back (what a launch-bound
+GPU and a CUDA graph need). `optimizer_for` picks. The fused family takes the hyperparameters and the stepping
+models as host values (`HParams.host`, `step`'s `host`), so neither reads a device tensor back during a step.
+`clip_grad_norms` is torch.nn.utils.clip_grad_norm_ per model and per group.
 """
 
 from __future__ import annotations
@@ -146,8 +118,8 @@ class _Run:
     def load(self, params: Params, keep: bool = False) -> Params:
         """Start a round from `params` (name -> [H, C, ...], views and broadcasts welcome): copied into this
         optimizer's own tensors in place (their layout kept), moments and step counts zeroed, as a freshly built
-        optimizer would hold them, or with `keep` left as the last round left them (an optimizer kept alive).
-        Returns the parameters to train (this optimizer's tensors)."""
+        optimizer would hold them, or with `keep` left as the last round left them (an optimizer kept alive: pFedGate).
+        Returns the parameters to train (this optimizer's tensors, which a captured CUDA graph keeps reading)."""
         copy_into(self.params, params)
         if keep:
             return dict(self.params)
@@ -173,10 +145,13 @@ class _Stacked(_Run):
 
     def _restart(self) -> None:
         H, C = next(iter(self.params.values())).shape[:2]
-        self.count = {k: [[0] * C for _ in range(H)] for k in self.params}  # host [H][C]: steps taken per model
+        # host [H][C]: steps taken per model, mirrored on the host so grouping models never reads the device
+        self.count = {k: [[0] * C for _ in range(H)] for k in self.params}
 
     def _align(self, k: str, g: torch.Tensor) -> torch.Tensor:
         """Bring parameter k and its state into the gradient's layout (once); returns the gradient to use."""
+        # a linear weight's gradient arrives transposed ([d_in, d_out] in memory); the fused kernels take raw memory,
+        # so parameter and moments adopt that layout once rather than the gradient being copied every step
         g = g if _dense(g) else g.contiguous()
         self.params[k] = _like(self.params[k], g)
         for name in self.state_names:
@@ -199,7 +174,7 @@ class _Stacked(_Run):
             if not models:
                 continue
             for k, g in grads.items():
-                if len(models) == len(row) and self.uniform(k, h):
+                if len(models) == len(row) and self.uniform(k, h):  # the usual case: C models, one kernel call
                     yield h, k, None, lambda t: [_flat(t[h])], g
                 else:
                     yield h, k, models, lambda t: [_flat(t[h, c]) for c in models], g

