@@ -35,3 +35,9 @@ def test_layout_names_existing_paths_and_every_package():
     packages = {p.parent.resolve() for p in (ROOT / "featcache").rglob("__init__.py")}
     missing = sorted(str(p.relative_to(ROOT)) for p in packages - named)
     assert not missing, f"README Layout omits {missing}"
+
+
+def test_every_make_target_the_readme_names_exists():
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    named = set(re.findall(r"\bmake ([a-z][\w-]*)", README))
+    assert named and named <= targets, f"README names make targets the Makefile lacks: {sorted(named - targets)}"
