@@ -62,14 +62,10 @@ docs: install
 		$(BIN)/pip install -e '.[dev,docs]' -c .ci/torch-$(TORCH).txt
 	$(BIN)/mkdocs build --strict
 
-# The results snapshot the docs show (commit it): reproduce-quick, and DOCS_FULL with the papers' settings, their
-# tables and figures copied into docs/results/quick/ and docs/results/full/.
-DOCS_FULL := fedpcl-table2 fedpcl-table5 fedpcl-table6 fedpcl-table14
+# The results snapshot the docs show (commit it): reproduce-quick's tables and figures copied into docs/results/quick/.
 docs-results: reproduce-quick
-	OMP_NUM_THREADS=$(THREADS) $(MAKE) --no-print-directory -k -j$(JOBS) --output-sync=target $(DOCS_FULL) PROFILE=full RESULTS=$(RESULTS)/full
-	mkdir -p docs/results/quick docs/results/full
+	mkdir -p docs/results/quick
 	cp $(RESULTS)/*.md $(RESULTS)/*.png docs/results/quick/
-	cp $(RESULTS)/full/*.md docs/results/full/
 
 bench: install
 	$(BIN)/python bench/extract.py
