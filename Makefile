@@ -60,7 +60,7 @@ reproduce: install
 docs: install
 	@$(BIN)/python -c 'import mkdocs, material, mkdocstrings, mkdocs_include_markdown_plugin' 2>/dev/null || \
 		$(BIN)/pip install -e '.[dev,docs]' -c .ci/torch-$(TORCH).txt
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The results snapshot the docs show (commit it): reproduce-quick's tables and figures copied into docs/results/quick/.
 docs-results: reproduce-quick
