@@ -9,7 +9,7 @@ RUNS    ?= runs
 DEMO_BACKBONES := --backbone efficientnet_lite0 --backbone efficientnet_lite1 --backbone efficientnet_lite2
 DEMO_EXTRACT   := --dataset offline-digits $(DEMO_BACKBONES) --partition feature --per-class 10 --test-per-class 50 --image-size 64 --out $(CACHE)
 
-.PHONY: install demo test test-fast bench gpu-check clean reproduce reproduce-quick
+.PHONY: install demo test test-fast bench gpu-check clean reproduce reproduce-quick docs docs-results
 
 install: $(BIN)/featcache
 
@@ -55,6 +55,18 @@ reproduce: install
 	OMP_NUM_THREADS=$(THREADS) $(MAKE) --no-print-directory -k -j$(JOBS) --output-sync=target $(PIPELINES) PROFILE=full
 	$(BIN)/featcache info $(CACHE)/store
 
+# The documentation site in site/, offline; --strict: a broken link or reference fails. Installs the docs extra into
+# the venv when mkdocs is missing.
+docs: install
+	@$(BIN)/python -c 'import mkdocs, material, mkdocstrings, mkdocs_include_markdown_plugin' 2>/dev/null || \
+		$(BIN)/pip install -e '.[dev,docs]' -c .ci/torch-$(TORCH).txt
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The results snapshot the docs show (commit it): reproduce-quick's tables and figures copied into docs/results/quick/.
+docs-results: reproduce-quick
+	mkdir -p docs/results/quick
+	cp $(RESULTS)/*.md $(RESULTS)/*.png docs/results/quick/
+
 bench: install
 	$(BIN)/python bench/extract.py
 	$(BIN)/python bench/train.py
@@ -73,4 +85,4 @@ gpu-check: install
 	fi
 
 clean:
-	rm -rf $(CACHE) $(RUNS) $(RESULTS) .pytest_cache
+	rm -rf $(CACHE) $(RUNS) $(RESULTS) .pytest_cache site

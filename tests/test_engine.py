@@ -171,18 +171,18 @@ def test_no_algorithm_imports_another_algorithms_file():
 
 
 def test_readme_example_algorithm_equals_fedprox(data):
-    """The README's "Write your own algorithm" FedProx runs as written and trains exactly as the built-in one."""
+    """The training guide's "Write your own algorithm" FedProx runs as written and trains exactly as the built-in one."""
     import re
     from pathlib import Path
 
     from featcache.algorithms import _ALGOS
 
-    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
-    section = readme.split("### Write your own algorithm", 1)[1]
+    guide = Path(__file__).resolve().parents[1].joinpath("docs/guides/training.md").read_text()
+    section = guide.split("## Write your own algorithm", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     train, test = data
     try:
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "docs/guides/training.md", "exec"), {})
         cfg = config(create("fedprox"), rounds=2, mu=0.5)
         mine, builtin = Engine(create("myprox"), [cfg], train, test), Engine(create("fedprox"), [cfg], train, test)
         mine.run(), builtin.run()

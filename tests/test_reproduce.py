@@ -4,6 +4,7 @@ the markdown table beside the paper's numbers, and one tiny end-to-end pipeline 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -258,6 +259,8 @@ def test_tiny_pipeline_end_to_end(tmp_path):
     key = Path(first["caches"][0]).stem.split("-")[-1]
     assert f"featcache reproduce {path} --profile quick --out {out} --cache {cache}" in md
     assert key in md and "Resolved configuration" in md and '"batch_size": 8' in md
+    made = [line for line in md.splitlines() if line.startswith("- made by featcache ")]
+    assert len(made) == 1 and re.search(r" on .+ \(\d+ cores\).*, \d{4}-\d{2}-\d{2}$", made[0]), made
     assert first["table"] in md and "| s FedAvg | " in md and "n/a" in md and "| USPS (optdigits) ours |" in md
     assert md.splitlines()[2].startswith("**Comparable with the paper: no** — 2 rounds (`full`: 50)")
     row = [line for line in md.splitlines() if line.startswith("| m Ours |")][0]

@@ -6,15 +6,18 @@ the whole OUT/NAME.md (command, profile, caches, mapping note, claims, resolved 
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import math
+import os
 import shlex
 from pathlib import Path
 
 import numpy as np
 
 from .. import __version__
+from ..provenance import cpu_model, gpu_name
 from .agreement import agreement_lines, comparability, rank_agreement
 from .metrics import METRICS, Value, domain_clients, fmt_value, metric_value
 from .schema import Pipeline
@@ -109,6 +112,19 @@ def command_line(pipe: Pipeline, profile: str, data_root, dataset, backbones, ou
     return shlex.join(parts)
 
 
+def made_on() -> str:
+    """The machine a result was made on, for the header of OUT/NAME.md: CPU model and cores, and the GPU when there is
+    one (extraction runs on it; training runs on the CPU, TRAIN_DEVICE)."""
+    gpu = gpu_name("cuda") if _cuda_available() else None
+    return f"{cpu_model() or 'unknown CPU'} ({os.cpu_count()} cores)" + (f", GPU {gpu}" if gpu else "")
+
+
+def _cuda_available() -> bool:
+    import torch  # lazy: the CLI imports this module at start-up
+
+    return torch.cuda.is_available()
+
+
 def render(pipe: Pipeline, profile: str, command: str, cells: dict, runs: dict, caches: dict,
            figures: list[str]) -> str:
     """The whole OUT/NAME.md: whether it is comparable with the paper and whether the paper's ranking holds
@@ -125,7 +141,8 @@ def render(pipe: Pipeline, profile: str, command: str, cells: dict, runs: dict, 
            f"- profile `{profile}`: rounds {prof.rounds}, seeds {', '.join(map(str, prof.seeds))}"
            + (f", settings {json.dumps(prof.set, sort_keys=True)}" if prof.set else "")
            + (f", extract {json.dumps(prof.extract, sort_keys=True)}" if prof.extract else ""),
-           f"- featcache {__version__}; caches (content keys):"]
+           f"- made by featcache {__version__} on {made_on()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
+           "- caches (content keys):"]
     for info in caches.values():
         out.append(f"  - `{Path(info['cache']).name}` key `{info['key']}` ({info['images']} images, "
                    f"backbones {', '.join(info['backbones'])})")

@@ -1,0 +1,43 @@
+"""The README stays a short overview whose Layout is true to the tree (the docs site itself is checked by
+`make docs`, a strict build: a broken link or reference fails it)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def layout_lines() -> list[str]:
+    section = README.split("## Layout", 1)[1]
+    return re.search(r"```\n(.*?)```", section, re.S).group(1).splitlines()
+
+
+def test_readme_is_at_most_200_lines():
+    assert len(README.splitlines()) <= 200
+
+
+def test_layout_names_existing_paths_and_every_package():
+    folder, top, named = None, None, set()
+    for line in layout_lines():
+        head = re.match(r"^( *)(\S+/)\s", line)
+        if head and len(head.group(1)) < 4:  # a folder entry: top level, or two spaces in under the last top
+            top = head.group(2) if not head.group(1) else top
+            folder = head.group(2) if not head.group(1) else top + head.group(2)
+            line = line[head.end():]
+        for name in re.findall(r"(?<![\w{/.-])([\w-]+(?:\.(?:py|md|txt)|/))(?![\w{])", line):
+            path = ROOT / folder / name
+            assert path.exists(), f"README Layout names {folder}{name}, which does not exist"
+            named.add((ROOT / folder / name).resolve())
+        named.add((ROOT / folder).resolve())
+    packages = {p.parent.resolve() for p in (ROOT / "featcache").rglob("__init__.py")}
+    missing = sorted(str(p.relative_to(ROOT)) for p in packages - named)
+    assert not missing, f"README Layout omits {missing}"
+
+
+def test_every_make_target_the_readme_names_exists():
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    named = set(re.findall(r"\bmake ([a-z][\w-]*)", README))
+    assert named and named <= targets, f"README names make targets the Makefile lacks: {sorted(named - targets)}"
