@@ -1,0 +1,97 @@
+"""The memory estimate made before a run (featcache/training/footprint.py): by lifetime, from the algorithm's own
+declarations run on the meta device; and the refusal that names the setting to lower. Never timed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import configure
+
+from featcache.algorithms import create, list_algorithms
+from featcache.algorithms.base import FedAvg
+from featcache.errors import UserError
+from featcache.testing import synthetic_clients
+from featcache.training import footprint
+from featcache.training.footprint import check_memory, estimate, participants
+
+D, K = 32, 5
+
+
+def clients(C: int, views: int = 0, seed: int = 0):
+    return synthetic_clients(C=C, n=(20, 30), D=D, K=K, seed=seed, views=views)
+
+
+def test_the_estimate_is_deterministic_and_adds_up():
+    algo, cfg = create("fedpcl"), configure("fedpcl", batch_size=8)
+    a, b = estimate(algo, cfg, clients(6), clients(6, seed=1)), estimate(algo, cfg, clients(6), clients(6, seed=1))
+    assert a == b and a.traced
+    assert a.total(3) == a.data + 3 * (a.state + a.training + a.evaluation) and a.per_config == a.total(1) - a.data
+    assert a.data == sum(t.numel() * t.element_size() for d in (clients(6), clients(6, seed=1))
+                         for t in (d.features, d.labels, d.counts))
+
+
+def test_training_tensors_scale_with_the_participants_and_state_does_not():
+    algo, cfg = create("fedavg"), configure("fedavg", batch_size=8)
+    data = clients(20)
+    few, all_ = estimate(algo, cfg, data, P=2), estimate(algo, cfg, data, P=20)
+    assert all_.training == 10 * few.training > 0
+    assert (few.state, few.evaluation, few.data) == (all_.state, all_.evaluation, all_.data)
+    params, _ = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
+    n = sum(p.numel() * 4 for p in params.values())
+    assert few.training >= 2 * n * (2 + footprint.MOMENTS["adam"])  # working copies and Adam's two moments
+    assert estimate(algo, configure("fedavg", batch_size=8, optimizer="sgd"), data, P=2).training == \
+        few.training - 2 * n  # SGD keeps one moment
+
+
+def test_state_scales_with_the_clients_and_holds_fedpcls_prototypes():
+    cfg = configure("fedavg", batch_size=8)
+    ten, twenty = (estimate(create("fedavg"), cfg, clients(C), P=1) for C in (10, 20))
+    assert twenty.state == 2 * ten.state and twenty.training == ten.training  # FedAvg keeps only parameters
+    cfg = configure("fedpcl", batch_size=8)
+    pcl, d = estimate(create("fedpcl"), cfg, clients(10), P=1), cfg["proj_dim"]
+    # its own prototypes [C, K, d] and the server's padded sets [C, K, d]; the parameters lack the classifier
+    params = (D * d + d) * 4 + 4 * d * 4  # FC(D, d) and BN's weight, bias, running mean and variance
+    assert pcl.state >= 10 * params + 2 * 10 * K * d * 4
+
+
+def test_participants_come_from_the_configuration():
+    data = clients(50)
+    assert estimate(create("fedavg"), configure("fedavg", participation=0.1), data).participants == 5
+    assert participants(configure("fedavg", participation=0.001), 50) == 1  # at least one
+    assert participants(configure("fedavg"), 50) == 50
+
+
+@pytest.mark.parametrize("name", sorted(list_algorithms()))
+def test_every_built_in_algorithm_is_traced_on_the_meta_device(name):
+    """Its state, step and evaluation are estimated from its hooks, not left out."""
+    algo = create(name)
+    f = estimate(algo, configure(name, batch_size=8), clients(4, views=2 if algo.uses_views else 0))
+    assert f.traced and f.training > 0 and f.evaluation > 0
+
+
+class ReadsValues(FedAvg):
+    name = "reads-values"
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        if float(x.sum()) != 0.0:  # a host read: impossible on the meta device
+            pass
+        return super().local_loss(params, buffers, x, y, mask, ctx)
+
+
+def test_a_hook_that_reads_values_leaves_its_terms_out():
+    algo, cfg = ReadsValues(), configure("fedavg", batch_size=8)
+    f, full = estimate(algo, cfg, clients(4)), estimate(create("fedavg"), cfg, clients(4))
+    assert not f.traced and f.state == full.state and 0 < f.training < full.training and f.evaluation == 0
+
+
+def test_the_refusal_names_the_setting_to_lower(monkeypatch):
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: 1024)
+    cpu = torch.device("cpu")
+    with pytest.raises(UserError, match=r"fedpcl would need about .* but cpu has 0.0 GiB available: lower proj_dim "
+                                        r"\(now 512, default 256\)"):
+        check_memory(create("fedpcl"), configure("fedpcl", proj_dim=512), 2, clients(4), cpu)
+    with pytest.raises(UserError, match=r"\(3 model\(s\) x .*: use fewer --seeds$"):
+        check_memory(create("fedavg"), configure("fedavg"), 3, clients(4), cpu, "use fewer --seeds")
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: 2**40)
+    assert check_memory(create("fedavg"), configure("fedavg"), 3, clients(4), cpu) == \
+        estimate(create("fedavg"), configure("fedavg"), clients(4)).per_config
