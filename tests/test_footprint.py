@@ -95,3 +95,40 @@ def test_the_refusal_names_the_setting_to_lower(monkeypatch):
     monkeypatch.setattr(footprint, "available_bytes", lambda device: 2**40)
     assert check_memory(create("fedavg"), configure("fedavg"), 3, clients(4), cpu) == \
         estimate(create("fedavg"), configure("fedavg"), clients(4)).per_config
+
+
+@pytest.mark.slow
+def test_bench_scale_quick_prints_every_case_with_its_estimate_and_ratios():
+    """bench/scale.py --quick: one JSON object; every case measured (or skipped, saying why) beside its estimate;
+    each p < 1 case's round over the p = 1.0 round of its C; the demo-shaped round; the targets as pass/fail."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "bench" / "scale.py"
+    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    cases = out["cases"]
+    assert [(c["algo"], c["clients"], c["participation"]) for c in cases] == [
+        (a, C, p) for C in (10, 30) for a in ("fedavg", "fedpcl") for p in (1.0, 0.1)]
+    for c in cases:
+        assert c["estimate_bytes"] <= c["estimate_every_client_trains_bytes"]
+        assert set(c["estimate_parts"]) == {"process", "state", "training", "evaluation", "data"}
+        if "skipped" in c:
+            assert "exceeds" in c["skipped"] and "peak_rss_bytes" not in c
+            continue
+        assert c["peak_rss_bytes"] > c["process_bytes"] > 0 and c["seconds_per_round"] > 0 and c["eval_seconds"] >= 0
+        assert len(c["round_seconds"]) == out["rounds"]
+        assert c["estimate_over_peak"] == round(c["estimate_bytes"] / c["peak_rss_bytes"], 3)
+        if c["participation"] < 1:
+            full = next(f for f in cases if (f["algo"], f["clients"], f["participation"]) == (c["algo"], c["clients"], 1.0))
+            assert c["round_over_full_participation"] == round(c["seconds_per_round"] / full["seconds_per_round"], 3)
+    demo = out["demo"]
+    assert demo["gflop_per_round"] == pytest.approx(demo["gflop_training"] + demo["gflop_evaluation"], abs=2e-3)
+    assert demo["gflop_training"] > 0 and demo["gflop_evaluation"] > 0 and demo["matmul_seconds_per_round"] > 0
+    assert demo["round_over_matmul"] > 1 and isinstance(demo["pass_round_over_matmul"], bool)
+    targets = out["targets"]
+    assert targets["fedavg_peak_gb_C1000"] == {"value": None, "target": 3.0, "pass": None}  # C = 1,000 not run
+    assert targets["estimate_within_25pct"]["values"] == [c["estimate_over_peak"] for c in cases if "peak_rss_bytes" in c]

@@ -7,7 +7,8 @@ follows what each tensor lives for:
 - training, per configuration, for the P = max(1, round(participation · C)) models that train in a round: each
   model's working copy of its parameters (and its copy in the gradients' layout), optimizer moments and what the
   local step allocates (every new tensor of one vmapped forward and backward, gradients included, traced on two
-  meta models side by side, so a batched op that copies per model counts as it does in the engine);
+  meta models side by side, so a batched op that copies per model counts as it does in the engine) and its upload
+  (the server's aggregation reads the participants' uploads as one stack, copied where they are views);
 - evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
 - data, once: the clients' features, labels and views of the train and test splits.
 
@@ -94,9 +95,9 @@ def _meta_data(C: int, N: int, D: int, K: int, V: int) -> ClientData:
                       _meta((C, N, V, D)) if V else None)
 
 
-def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int, int, int]:
-    """(state.client + state.server bytes, activations of one model's local step, of its predict on n_eval rows), all
-    from a meta run of C clients (state) and TRACED models (the per-model figures)."""
+def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int, int, int, int]:
+    """(state.client + state.server bytes; per model: what its local step allocates, its upload, what its predict on
+    n_eval rows allocates), from a meta run of C clients (state, upload) and TRACED models (step, predict)."""
     from .engine import Round, State  # the engine's own types; engine imports this module's caller, not this one
 
     B, N, D, K = cfg["batch_size"], data.features.shape[1], data.features.shape[2], data.num_classes
@@ -114,6 +115,7 @@ def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int
                 data=meta, device=torch.device("meta"))
     algo.init_state(state, rnd)
     kept = _bytes((state.client, state.server))
+    upload = _bytes(algo.upload(state, rnd)) // C
     ctx = tree_map(lambda t: t[:, :TRACED] if torch.is_tensor(t) and t.dim() >= 2 else t, algo.context(state, rnd))
     models = {k: v[:, :TRACED] for k, v in state.params.items()}
     bufs = {k: v[:, :TRACED] for k, v in state.buffers.items()}
@@ -128,7 +130,7 @@ def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int
     with _Allocated() as evaluation, torch.no_grad():
         torch.func.vmap(torch.func.vmap(lambda p, b, c, xs: algo.predict(p, b, xs, c)))(
             models, bufs, ctx | rows, _meta((1, TRACED, n_eval, D)))
-    return kept, step.bytes // TRACED, evaluation.bytes // TRACED
+    return kept, step.bytes // TRACED, upload, evaluation.bytes // TRACED
 
 
 def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None, P: int | None = None) -> Footprint:
@@ -150,14 +152,14 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
     n_eval = max(N, test.features.shape[1] if test is not None else 0)  # the most rows one model scores at once
     traced = True
     try:
-        kept, step, evaluation = _traced(algo, cfg, train, C, n_eval)
+        kept, step, upload, evaluation = _traced(algo, cfg, train, C, n_eval)
     except UserError:
         raise
     except Exception:  # a hook that reads values: the state beyond parameters and the activations are left out
-        kept, step, evaluation, traced = 0, 0, 0, False
+        kept, step, upload, evaluation, traced = 0, 0, 0, 0, False
     rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
     trained = n_params * (2 + MOMENTS[cfg["optimizer"]])  # working copy and its copy in the gradients' layout, moments
-    return Footprint(state=C * (n_params + 2 * n_buffers) + kept, training=P * (trained + step + rows),
+    return Footprint(state=C * (n_params + 2 * n_buffers) + kept, training=P * (trained + step + upload + rows),
                      evaluation=C * evaluation, data=_data_bytes(train, test), participants=P,
                      traced=traced)
 
