@@ -28,6 +28,7 @@ from ..cache import ClientData
 from ..errors import UserError
 from ..memory import available_bytes
 from .config import resolve, shared_settings, structural_keys
+from .engine import Round, State
 from .hparams import HParams
 
 # Per-element optimizer state of each local optimizer (torch.optim's Adam: exp_avg, exp_avg_sq; SGD: momentum).
@@ -42,7 +43,7 @@ class Footprint:
     """Estimated bytes by lifetime; `state`, `training` and `evaluation` are one configuration's."""
 
     state: int  # the C clients' parameters, buffers and algorithm state, and the server's state
-    training: int  # the P participants' working parameters, gradients, moments and step activations
+    training: int  # the P participants' working parameters, moments, step allocations and uploads
     evaluation: int  # every client's scores on its rows
     data: int  # the clients' features, labels and views (train and test), shared by every configuration
     participants: int  # P
@@ -98,8 +99,6 @@ def _meta_data(C: int, N: int, D: int, K: int, V: int) -> ClientData:
 def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int, int, int, int]:
     """(state.client + state.server bytes; per model: what its local step allocates, its upload, what its predict on
     n_eval rows allocates), from a meta run of C clients (state, upload) and TRACED models (step, predict)."""
-    from .engine import Round, State  # the engine's own types; engine imports this module's caller, not this one
-
     B, N, D, K = cfg["batch_size"], data.features.shape[1], data.features.shape[2], data.num_classes
     V = data.views.shape[2] if data.views is not None else 0
     meta = _meta_data(C, N, D, K, V)
@@ -159,6 +158,7 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
         kept, step, upload, evaluation, traced = 0, 0, 0, 0, False
     rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
     trained = n_params * (2 + MOMENTS[cfg["optimizer"]])  # working copy and its copy in the gradients' layout, moments
+    # buffers twice: the state's and the local steps' own (BN statistics updated during training)
     return Footprint(state=C * (n_params + 2 * n_buffers) + kept, training=P * (trained + step + upload + rows),
                      evaluation=C * evaluation, data=_data_bytes(train, test), participants=P,
                      traced=traced)
