@@ -113,6 +113,7 @@ def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int
                 hp=HParams.of({k: [float(cfg[k])] for k in floats}, "meta"), cfg=MappingProxyType(dict(shared)),
                 data=meta, device=torch.device("meta"))
     algo.init_state(state, rnd)
+    algo.after_local(state, rnd)  # the per-client state some algorithms first make after local training
     kept = _bytes((state.client, state.server))
     upload = _bytes(algo.upload(state, rnd)) // C
     ctx = tree_map(lambda t: t[:, :TRACED] if torch.is_tensor(t) and t.dim() >= 2 else t, algo.context(state, rnd))
