@@ -155,7 +155,8 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
         kept, step, upload, evaluation = _traced(algo, cfg, train, C, n_eval)
     except UserError:
         raise
-    except Exception:  # a hook that reads values: the state beyond parameters and the activations are left out
+    except (Exception, SystemExit):  # a hook that reads values (or a plug-in's that exits: the run itself says so):
+        # the state beyond parameters and the activations are left out
         kept, step, upload, evaluation, traced = 0, 0, 0, 0, False
     rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
     trained = n_params * (2 + MOMENTS[cfg["optimizer"]])  # working copy and its copy in the gradients' layout, moments
