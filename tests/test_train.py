@@ -299,7 +299,7 @@ def test_available_memory_is_mem_available_and_a_grid_chunk_plans_for_a_share_of
     import io
 
     from featcache import memory
-    from featcache.training.train import available_bytes as train_available
+    from featcache.training.footprint import available_bytes as train_available
 
     meminfo = "MemTotal: 900 kB\nMemFree: 10 kB\nMemAvailable: 300 kB\n"
     monkeypatch.setattr(memory, "open", lambda path: io.StringIO(meminfo), raising=False)

@@ -35,7 +35,8 @@ from ..provenance import library_call, provenance
 from .config import check, check_clients, check_seeds, merge_rounds, parse_value, resolve, scoped
 from .engine import structural_keys
 from .guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
-from .train import check_memory, load_split, run_configs, train
+from .footprint import check_memory
+from .train import load_split, run_configs, train
 
 BACKENDS = {}
 

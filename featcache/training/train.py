@@ -27,11 +27,11 @@ from ..algorithms import create, plugin_exits
 from ..atomic import check_folder, output_errors, write_together
 from ..devices import resolve_device
 from ..errors import UserError, as_path
-from ..memory import available_bytes
 from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from ..provenance import library_call, provenance
 from .states import SUFFIX, state_bytes
 from .checkpoint import Checkpoint, check_every
+from .footprint import check_memory
 from .config import check_clients, check_seeds, merge_rounds, resolve
 from .names import run_name
 from .engine import Engine, State
@@ -62,48 +62,6 @@ def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
         engine = Engine(algo, cfgs, train, test, device=device)
         raw = engine.run(progress, logs, checkpoint)
     return raw | {"trained": Trained(engine.algo, engine.state, engine.train, engine.test)}
-
-
-# Size settings a memory refusal may name, in the order they are considered when several grew.
-SIZE_SETTINGS = ("proj_dim", "con_dim", "n_prompts", "queue", "heads", "batch_size")
-
-
-def per_model_bytes(algo, cfg: dict, d_in: int, num_classes: int, n_max: int, clients: int) -> int:
-    """Parameters + gradients + optimizer moments + activations of one configuration across its clients. The
-    parameters are built on torch's meta device (shapes only, nothing allocated); an algorithm's own checks of its
-    settings (in `init`) run here too. An `init` that cannot run on the meta device is run for real."""
-    try:
-        with torch.device("meta"):
-            params, buffers = algo.init(cfg, d_in, num_classes, torch.Generator())
-    except UserError:
-        raise
-    except Exception:
-        params, buffers = algo.init(cfg, d_in, num_classes, torch.Generator().manual_seed(0))
-    n = sum(p.numel() for p in params.values()) + sum(b.numel() for b in buffers.values())
-    width = max([p.shape[0] for p in params.values() if p.dim()] or [1])
-    activations = cfg["batch_size"] * width * 8 + n_max * (width + num_classes) * 2
-    return 4 * clients * (5 * n + activations)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
-def check_memory(algo, cfg: dict, models: int, data: C.ClientData, device: torch.device, flag: str = "") -> int:
-    """Refuse, in one line naming the setting to lower, a run of `models` batched configurations that needs more
-    memory than `device` has available. Returns the bytes one model needs."""
-    one = per_model_bytes(algo, cfg, data.features.shape[-1], data.num_classes, data.features.shape[1],
-                          data.features.shape[0])
-    need, avail = one * models, available_bytes(device)
-    if need > avail:
-        defaults = resolve(algo)
-        grown = [k for k in SIZE_SETTINGS if k in cfg and cfg[k] > defaults[k]]
-        name = max(grown, key=lambda k: cfg[k] / max(defaults[k], 1)) if grown else None
-        fix = (f"lower {name} (now {cfg[name]}, default {defaults[name]})" if name else
-               flag or "use fewer seeds or a cache with fewer clients")
-        raise UserError(f"{algo.name} would need about {_gib(need)} of memory ({models} model(s) x {_gib(one)}) "
-                        f"but {device} has {_gib(avail)} available: {fix}")
-    return one
 
 
 def precheck(algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2), set: list[str] | dict | None = None,

@@ -1,0 +1,187 @@
+"""Memory of a run, estimated before anything runs from what the algorithm declares: its `init`, `init_state`,
+`context`, `local_loss` and `predict` run on torch's meta device (shapes only, nothing allocated). The estimate
+follows what each tensor lives for:
+
+- state, for the whole run, per configuration: every one of the C clients' parameters and buffers, the algorithm's
+  per-client state (`state.client`) and the server's (`state.server`, e.g. FedPCL's padded prototypes [C, K, d]);
+- training, per configuration, for the P = max(1, round(participation · C)) models that train in a round: each
+  model's working copy of its parameters (and its copy in the gradients' layout), optimizer moments and what the
+  local step allocates (every new tensor of one vmapped forward and backward, gradients included, traced on two
+  meta models side by side, so a batched op that copies per model counts as it does in the engine) and its upload
+  (the server's aggregation reads the participants' uploads as one stack, copied where they are views);
+- evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
+- data, once: the clients' features, labels and views of the train and test splits.
+
+`check_memory` refuses, in one line naming the setting to lower, a run whose estimate exceeds the available memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..cache import ClientData
+from ..errors import UserError
+from ..memory import available_bytes
+from .config import resolve, shared_settings, structural_keys
+from .engine import Round, State
+from .hparams import HParams
+
+# Per-element optimizer state of each local optimizer (torch.optim's Adam: exp_avg, exp_avg_sq; SGD: momentum).
+MOMENTS = {"adam": 2, "sgd": 1}
+# Size settings a memory refusal may name, in the order they are considered when several grew.
+SIZE_SETTINGS = ("proj_dim", "con_dim", "n_prompts", "queue", "heads", "batch_size")
+TRACED = 2  # meta models traced side by side: a batched op that copies per model shows up as it does in the engine
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Estimated bytes by lifetime; `state`, `training` and `evaluation` are one configuration's."""
+
+    state: int  # the C clients' parameters, buffers and algorithm state, and the server's state
+    training: int  # the P participants' working parameters, moments, step allocations and uploads
+    evaluation: int  # every client's scores on its rows
+    data: int  # the clients' features, labels and views (train and test), shared by every configuration
+    participants: int  # P
+    traced: bool = True  # False where a hook could not run on the meta device: its state and activations left out
+
+    @property
+    def per_config(self) -> int:
+        return self.state + self.training + self.evaluation
+
+    def total(self, configs: int = 1) -> int:
+        """Bytes of a run of `configs` batched configurations, its data included."""
+        return self.data + configs * self.per_config
+
+
+def participants(cfg: dict, clients: int) -> int:
+    """P: the models that train in a round of `clients` clients at the configuration's participation."""
+    return max(1, round(cfg["participation"] * clients))
+
+
+def _bytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if torch.is_tensor(t))
+
+
+def _data_bytes(*splits: ClientData | None) -> int:
+    return sum(_bytes((d.features, d.labels, d.counts, d.views)) for d in splits if d is not None)
+
+
+class _Allocated(TorchDispatchMode):
+    """The bytes of every new tensor the ops under it return, each counted once: the process keeps freed memory
+    (featcache.memory.keep_freed_memory) and reuses little of a step's temporaries, whose sizes differ, so a step
+    adds about their sum to the peak RSS, not only its live peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if all(r.alias_info is None for r in func._schema.returns):  # a view allocates nothing
+            self.bytes += _bytes(out)
+        return out
+
+
+def _meta(shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _meta_data(C: int, N: int, D: int, K: int, V: int) -> ClientData:
+    return ClientData(_meta((C, N, D)), _meta((C, N), torch.int64), _meta((C,), torch.int64), K,
+                      _meta((C, N, V, D)) if V else None)
+
+
+def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int, int, int, int]:
+    """(state.client + state.server bytes; per model: what its local step allocates, its upload, what its predict on
+    n_eval rows allocates), from a meta run of C clients (state, upload) and TRACED models (step, predict)."""
+    B, N, D, K = cfg["batch_size"], data.features.shape[1], data.features.shape[2], data.num_classes
+    V = data.views.shape[2] if data.views is not None else 0
+    meta = _meta_data(C, N, D, K, V)
+    shared = shared_settings(cfg, algo)
+    floats = [k for k in cfg if k not in structural_keys(cfg, algo) and k != "seed"]
+    with torch.device("meta"):
+        params, buffers = algo.init(cfg, D, K, torch.Generator())
+    stack = lambda d: {k: _meta((1, C, *v.shape), v.dtype) for k, v in d.items()}
+    state = State(params=stack(params), buffers=stack(buffers))
+    rnd = Round(round=-1, rounds=cfg["rounds"], epoch=0, step=0, steps_per_epoch=1, client_steps=_meta((C,), torch.int64),
+                part=_meta((1, C), torch.bool), H=1, C=C, seeds=torch.zeros(1, dtype=torch.int64),
+                hp=HParams.of({k: [float(cfg[k])] for k in floats}, "meta"), cfg=MappingProxyType(dict(shared)),
+                data=meta, device=torch.device("meta"))
+    algo.init_state(state, rnd)
+    algo.after_local(state, rnd)  # the per-client state some algorithms first make after local training
+    kept = _bytes((state.client, state.server))
+    upload = _bytes(algo.upload(state, rnd)) // C
+    ctx = tree_map(lambda t: t[:, :TRACED] if torch.is_tensor(t) and t.dim() >= 2 else t, algo.context(state, rnd))
+    models = {k: v[:, :TRACED] for k, v in state.params.items()}
+    bufs = {k: v[:, :TRACED] for k, v in state.buffers.items()}
+    x, y = _meta((1, TRACED, B, D)), _meta((1, TRACED, B), torch.int64)
+    extra = {"views": _meta((1, TRACED, B, V, D))} if V else {}
+    leaves = {k: v.clone().requires_grad_(True) for k, v in models.items()}
+    with _Allocated() as step:
+        loss, _ = torch.func.vmap(torch.func.vmap(algo.local_loss))(leaves, bufs, x, y, _meta((1, TRACED, B), torch.bool),
+                                                                   ctx | extra)
+        torch.autograd.grad(loss.sum(), [v for v in leaves.values()], allow_unused=True)
+    rows = {"rows": _meta((1, TRACED, n_eval), torch.bool)}
+    with _Allocated() as evaluation, torch.no_grad():
+        torch.func.vmap(torch.func.vmap(lambda p, b, c, xs: algo.predict(p, b, xs, c)))(
+            models, bufs, ctx | rows, _meta((1, TRACED, n_eval, D)))
+    return kept, step.bytes // TRACED, upload, evaluation.bytes // TRACED
+
+
+def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None, P: int | None = None) -> Footprint:
+    """The Footprint of one configuration `cfg` of `algo` (bound or not) on `train` (and `test`, counted as data
+    when given); P: the models training per round (default: from cfg's participation). An algorithm's own checks of
+    its settings (in `init`) run here too; a hook that cannot run on the meta device leaves its term out."""
+    algo = algo.bind(shared_settings(cfg, algo))
+    C, N, D = train.features.shape
+    K = train.num_classes
+    P = participants(cfg, C) if P is None else P
+    try:
+        with torch.device("meta"):
+            params, buffers = algo.init(cfg, D, K, torch.Generator())
+    except UserError:
+        raise
+    except Exception:
+        params, buffers = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
+    n_params, n_buffers = _bytes(params), _bytes(buffers)
+    n_eval = max(N, test.features.shape[1] if test is not None else 0)  # the most rows one model scores at once
+    traced = True
+    try:
+        kept, step, upload, evaluation = _traced(algo, cfg, train, C, n_eval)
+    except UserError:
+        raise
+    except (Exception, SystemExit):  # a hook that reads values (or a plug-in's that exits: the run itself says so):
+        # the state beyond parameters and the activations are left out
+        kept, step, upload, evaluation, traced = 0, 0, 0, 0, False
+    rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
+    trained = n_params * (2 + MOMENTS[cfg["optimizer"]])  # working copy and its copy in the gradients' layout, moments
+    # buffers twice: the state's and the local steps' own (BN statistics updated during training)
+    return Footprint(state=C * (n_params + 2 * n_buffers) + kept, training=P * (trained + step + upload + rows),
+                     evaluation=C * evaluation, data=_data_bytes(train, test), participants=P,
+                     traced=traced)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_memory(algo, cfg: dict, models: int, data: ClientData, device: torch.device, flag: str = "") -> int:
+    """Refuse, in one line naming the setting to lower, a run of `models` batched configurations that needs more
+    memory than `device` has available (the data already loaded is not counted again). Returns the bytes one
+    configuration needs."""
+    one = estimate(algo, cfg, data).per_config
+    need, avail = one * models, available_bytes(device)
+    if need > avail:
+        defaults = resolve(algo)
+        grown = [k for k in SIZE_SETTINGS if k in cfg and cfg[k] > defaults[k]]
+        name = max(grown, key=lambda k: cfg[k] / max(defaults[k], 1)) if grown else None
+        fix = (f"lower {name} (now {cfg[name]}, default {defaults[name]})" if name else
+               flag or "use fewer seeds or a cache with fewer clients")
+        raise UserError(f"{algo.name} would need about {_gib(need)} of memory ({models} model(s) x {_gib(one)}) "
+                        f"but {device} has {_gib(avail)} available: {fix}")
+    return one
