@@ -113,10 +113,10 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
                                         torch.ones(1, 1, dtype=torch.bool, device=x.device),
                                         replace(now, epoch=epoch, step=s // B))
                     buffers.update({k: v.detach() for k, v in new.items()})
-            for k in params:
-                state.params[k][0, c] = params[k].detach()
-            for k in buffers:
-                state.buffers[k][0, c] = buffers[k]
+            for tree, new in ((state.params, params), (state.buffers, buffers)):
+                for k, v in new.items():
+                    tree[k] = tree[k].contiguous()  # a model the server broadcast is a view: give it its own memory
+                    tree[k][0, c] = v.detach()
         algo.after_local(state, now)
         uploads = algo.upload(state, now)
         server = algo.aggregate(uploads, train.counts[None].float() * now.part, state, now)

@@ -138,9 +138,10 @@ def test_local_train_called_again_for_the_same_round_reads_its_new_inputs(data):
         for mode in ("replay", "off"):
             engine = Engine(create("fedproto"), configs("fedproto"), *data, capture=mode)
             state = engine.init_state()
-            engine.local_train(state, 0, [[True] * engine.C] * 2)
+            first, other = list(range(engine.P)), list(range(engine.C - engine.P, engine.C))  # P of C each
+            engine.local_train(state, 0, [[c in first for c in range(engine.C)]] * 2)
             state.server["prototypes"] = state.server["prototypes"] + 1.0  # another context for the second call
-            engine.local_train(state, 0, [[c % 2 == 0 for c in range(engine.C)]] * 2)
+            engine.local_train(state, 0, [[c in other for c in range(engine.C)]] * 2)
             out[mode] = {k: v.clone() for k, v in state.params.items()}
     for k, v in out["off"].items():
         torch.testing.assert_close(out["replay"][k], v, rtol=0, atol=0)

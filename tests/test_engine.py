@@ -11,6 +11,7 @@ from featcache.algorithms import create, list_algorithms
 from featcache.training.engine import Engine
 from featcache.training.hparams import HParams
 from featcache.training.optim import SGD, Adam
+from featcache.training.cohort import Cohort
 from featcache.training.schedule import batch_order, participation
 from featcache.testing import plain_loop
 
@@ -61,6 +62,48 @@ def test_batch_order_is_a_permutation_of_valid_rows():
             assert sorted(order[h, c, :n].tolist()) == list(range(n))
     assert not torch.equal(order[0], order[1])  # other seed, other order
     torch.testing.assert_close(order, batch_order(torch.tensor([0, 7]), 3, 1, counts, 9))
+
+
+def test_a_cohorts_batch_order_is_its_clients_order_among_all():
+    seeds, counts = torch.tensor([0, 5]), torch.tensor([7, 3, 9, 1, 4])
+    full = batch_order(seeds, 2, 1, counts, 9)  # [H, C, N]
+    ids = torch.tensor([[0, 3], [2, 4]])  # [H, P]
+    assert torch.equal(batch_order(seeds, 2, 1, counts, 9, clients=ids), full[torch.arange(2)[:, None], ids])
+
+
+def test_cohort_gathers_and_writes_back_only_its_clients():
+    part = [[True, False, True, False], [False, True, True, False]]  # [H][C], 2 of 4 each
+    cohort = Cohort(part, 2, torch.device("cpu"))
+    assert cohort.host == [[0, 2], [1, 2]] and not cohort.everyone
+    state = torch.arange(2 * 4 * 3.0).reshape(2, 4, 3)  # [H, C, d]
+    taken = cohort.take(state)  # [H, P, d]
+    assert torch.equal(taken[1, 0], state[1, 1]) and torch.equal(taken[0, 1], state[0, 2])
+    back = cohort.put(state.clone(), taken + 100)
+    assert torch.equal(back - state, torch.tensor(part)[..., None].float().expand(-1, -1, 3) * 100)
+    wide = torch.randn(2, 1, 5).expand(2, 4, 5)  # a broadcast over clients stays one
+    assert cohort.take(wide).stride(1) == 0 and torch.equal(cohort.take(wide), wide[:, :2])
+    loss = cohort.put_fill(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 4, torch.nan)  # [H, C]
+    assert loss[0, 2] == 2 and loss[1, 1] == 3 and loss.isnan().sum() == 4
+    with pytest.raises(ValueError):
+        Cohort([[True] * 4, [True, False, False, False]], 2, torch.device("cpu"))
+
+
+def test_a_round_trains_only_its_participants(data):
+    """Optimizer moments, gradients and the step's batch exist for the P participants, not the C clients."""
+    train, test = data
+    algo = create("fedavg")
+    eng = Engine(algo, [config(algo, rounds=2, participation=0.5), config(algo, rounds=2, participation=0.5, seed=1)],
+                 train, test)
+    assert eng.P == eng.C // 2
+    shapes = {tuple(v.shape[:2]) for v in (*eng.runner.opt.params.values(), *eng.runner.opt.m.values())}
+    assert shapes == {(2, eng.P)}
+    seen = []
+    original = eng.runner._step
+    eng.runner._step = lambda held, batch, *a: seen.append(batch.idx.shape[:2]) or original(held, batch, *a)
+    eng.run()
+    assert set(seen) == {(2, eng.P)}
+    full = Engine(algo, [config(algo, rounds=2)], train, test)
+    assert full.P == full.C and full.runner.opt.params["cls0.weight"].shape[:2] == (1, full.C)
 
 
 def test_participation_rate():

@@ -202,9 +202,11 @@ class FedAvg:
         return {k: weighted_mean(v, weights) for k, v in uploads.items()}
 
     def download(self, state, server: dict, rnd) -> None:
+        """Every client receives the server's model: stored once per configuration, [H, ...] broadcast to [H, C, ...]
+        (a view: what a client changes later is copied first)."""
         for k, v in server.items():
             target = state.params if k in state.params else state.buffers
-            target[k] = rnd.expand(v).clone()
+            target[k] = rnd.expand(v)
 
     # -- the global model -------------------------------------------------------------------------------------
     def global_model(self, state, rnd) -> tuple[dict, dict] | None:

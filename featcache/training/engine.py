@@ -2,11 +2,11 @@
 
 Models carry two leading axes [H, C]: H configurations (hyperparameter settings x seeds) and C clients. One round:
 
-    broadcast context -> local epochs (all H*C models in one vmapped step per minibatch) -> after_local
-    -> upload -> aggregate over clients of each configuration -> download -> evaluate
+    broadcast context -> local epochs (the round's participants, H*P models, in one vmapped step per minibatch)
+    -> after_local -> upload -> aggregate over clients of each configuration -> download -> evaluate
 
-The local steps run in `LocalSteps` (steps.py: eager or captured as CUDA graphs), the minibatch plan comes from
-schedule.py, evaluation (every `eval_every` rounds and after the last) from evaluate.py; the round's mean local
+The local steps run in `LocalSteps` (steps.py: eager or captured as CUDA graphs) on the round's cohort (cohort.py:
+its participants gathered from the [H, C] state and written back), the minibatch plan comes from schedule.py, evaluation (every `eval_every` rounds and after the last) from evaluate.py; the round's mean local
 training loss is accumulated on the device and read back once per round with the NaN check.
 
 Every hook gets a read-only `Round`: which round and local epoch it is, the participation mask, the per-configuration
@@ -28,6 +28,7 @@ from .config import shared_settings, structural_keys
 from .evaluate import record
 from .guards import nan_cause
 from .hparams import HParams
+from .cohort import Cohort, cohort_size
 from .models import Params, expand_hc
 from .schedule import batch_order, participation, plan_steps
 from .steps import LocalSteps
@@ -88,7 +89,9 @@ class Engine:
         self.hp = HParams.of({k: [float(c[k]) for c in cfgs] for k in floats}, self.device)  # name -> [H]
         self.plan = plan_steps(self.train, self.cfg["batch_size"], self.cfg["drop_last"])
         self.state = self.init_state()  # trained in place by `run`
-        self.runner = LocalSteps(self.algo, self.cfg["optimizer"], self.hp, self.train, self.plan, self.state, capture)
+        self.P = cohort_size(self.C, self.cfg["participation"], self.algo.keeps_optimizer_state)  # models trained
+        self.runner = LocalSteps(self.algo, self.cfg["optimizer"], self.hp, self.train, self.plan, self.state, self.P,
+                                 capture)
         self.last_round: Round | None = None  # the context of the last round run
         self.round_loss: torch.Tensor | None = None  # [H, C] the last local_train's mean loss per model (device)
 
@@ -113,20 +116,22 @@ class Engine:
         return state
 
     def local_train(self, state: State, rnd: int, part) -> torch.Tensor:
-        """The round's local epochs for every model. `part` [H][C] bool is host data (nested lists, or a CPU tensor),
-        so nothing in here reads a device tensor back: returns the models whose loss was NaN/Inf at some step, [H, C]
-        bool on the device, and leaves each model's mean loss in `self.round_loss` ([H, C] on the device, NaN where a
-        model took no step), for the caller to read once per round (`read_round`)."""
+        """The round's local epochs for its participants. `part` [H][C] bool is host data (nested lists, or a CPU
+        tensor), so nothing in here reads a device tensor back: returns the models whose loss was NaN/Inf at some
+        step, [H, C] bool on the device, and leaves each model's mean loss in `self.round_loss` ([H, C] on the
+        device, NaN where a model took no step), for the caller to read once per round (`read_round`)."""
         algo, data, part_host = self.algo, self.train, part.tolist() if torch.is_tensor(part) else part
         now = self.round_context(rnd, part_host)
-        self.runner.start(state, now, part_host)
+        cohort = Cohort(part_host, self.P, self.device)  # the models trained: [H, P]
+        self.runner.start(state, now, cohort)
         for epoch in range(algo.local_epochs()):
             at = replace(now, epoch=epoch)
             frozen = frozenset(k for k in state.params if not algo.trainable(k, at))
-            ctx = algo.context(state, at)  # server and client state do not change during local steps
-            order = batch_order(self._seeds, rnd, epoch, data.counts, data.features.shape[1])  # [H, C, N]
+            ctx = cohort.take_tree(algo.context(state, at))  # server and client state do not change in local steps
+            order = batch_order(self._seeds, rnd, epoch, data.counts, data.features.shape[1],
+                                None if cohort.everyone else cohort.ids)  # [H, P, N]
             for s in range(self.plan.steps):
-                self.runner.step(self.plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, C, B]
+                self.runner.step(self.plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
         bad, self.round_loss = self.runner.finish(state)  # [H, C] each
         return bad
 

@@ -25,32 +25,45 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
-def hash_keys(seeds: torch.Tensor, *ids: int, shape: tuple[int, ...]) -> torch.Tensor:
+def hash_keys(seeds: torch.Tensor, *ids: int, shape: tuple[int, ...], clients: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """Pseudo-random int64 keys [H, *shape] from (seed_h, ids..., position); same inputs, same keys, anywhere (on the
-    device of `seeds`: integer arithmetic only, so CPU and GPU give the same bits)."""
+    device of `seeds`: integer arithmetic only, so CPU and GPU give the same bits). `clients` [H, P] replaces the
+    first axis's positions by those client ids: the keys of those clients only, [H, P, *shape[1:]]."""
     x = seeds.long().reshape(-1, *([1] * len(shape)))
     for i in ids:
         x = _mix(x * 1_000_003 + i)
     for d, n in enumerate(shape):  # each axis position enters separately: client c, row n
-        coord = torch.arange(n, device=x.device).reshape(*([1] * (d + 1)), n, *([1] * (len(shape) - d - 1)))
+        if d == 0 and clients is not None:
+            coord = clients.reshape(*clients.shape, *([1] * (len(shape) - 1)))  # [H, P, 1...]
+        else:
+            coord = torch.arange(n, device=x.device).reshape(*([1] * (d + 1)), n, *([1] * (len(shape) - d - 1)))
         x = _mix(x * 1_000_003 + coord)
     return x & _MASK63
 
 
-def batch_order(seeds: torch.Tensor, rnd: int, epoch: int, counts: torch.Tensor, n_max: int) -> torch.Tensor:
+def batch_order(seeds: torch.Tensor, rnd: int, epoch: int, counts: torch.Tensor, n_max: int,
+                clients: torch.Tensor | None = None) -> torch.Tensor:
     """Per model, a random permutation of its client's valid rows, padding rows last: [H, C, Nmax] int64, on the
-    device of `seeds` (`counts` [C] on the same device); no host synchronisation."""
-    keys = hash_keys(seeds, rnd, epoch, shape=(len(counts), n_max))  # [H, C, Nmax]
-    valid = torch.arange(n_max, device=keys.device) < counts[:, None]  # [C, Nmax]
+    device of `seeds` (`counts` [C] on the same device); no host synchronisation. `clients` [H, P]: the orders of
+    those clients only, [H, P, Nmax] (the same as theirs among all C)."""
+    keys = hash_keys(seeds, rnd, epoch, shape=(len(counts), n_max), clients=clients)  # [H, C or P, Nmax]
+    counts = counts if clients is None else counts[clients]  # [C] or [H, P]
+    valid = torch.arange(n_max, device=keys.device) < counts[..., None]  # [C or H, P, Nmax]
     keys = torch.where(valid, keys >> 1, torch.full_like(keys, _MASK63))  # [H, C, Nmax]
     return torch.argsort(keys, dim=-1, stable=True)
 
 
+def participants(C: int, rate: float) -> int:
+    """How many of C clients take part in a round at participation `rate` (at least one)."""
+    return C if rate >= 1 else max(1, round(rate * C))
+
+
 def participation(seeds: torch.Tensor, rnd: int, C: int, rate: float) -> torch.Tensor:
-    """[H, C] bool: which clients take part in this round (at least one per configuration)."""
+    """[H, C] bool: which clients take part in this round, `participants(C, rate)` per configuration."""
     if rate >= 1:
         return torch.ones(len(seeds), C, dtype=torch.bool)
-    k = max(1, round(rate * C))
+    k = participants(C, rate)
     keys = hash_keys(seeds, rnd, 1 << 20, shape=(C,))  # [H, C]
     ranks = torch.argsort(torch.argsort(keys, dim=-1), dim=-1)
     return ranks < k

@@ -1,11 +1,11 @@
 """The local steps of a run, the one place that runs them: eager, or captured once per kind and replayed (capture.py).
 
-A step trains every model on its next minibatch in one vmapped forward and backward, then the optimizer's masked
-update (models without a batch or outside the round keep their values) and the algorithm's `after_step`. It reads
-and writes only tensors kept for the whole run: the optimizer's (built once, `load`ed each round), the buffers, the
-round's sums and the static slots below, which is what lets a captured step replay on the same memory every round.
-The slots: the round's participants `part` [H, C], each batch width's rows and validity, each kind's context
-(refilled once per epoch of each round). A kind beyond the graph limit, or every step where nothing is captured,
+A step trains the round's cohort (cohort.py: its participants, [H, P] models) on their next minibatches in one
+vmapped forward and backward, then the optimizer's masked update (models without a batch keep their values) and
+the algorithm's `after_step`. It reads and writes only tensors kept for the whole run: the optimizer's (built once,
+`load`ed each round), the buffers, the round's sums and the static slots below, which is what lets a captured step
+replay on the same memory every round. The slots: the cohort's client ids and who of it trains `part` [H, P], each
+batch width's rows and validity, each kind's context (refilled once per epoch of each round). A kind beyond the graph limit, or every step where nothing is captured,
 runs eagerly.
 """
 
@@ -19,6 +19,7 @@ from torch.func import vmap
 
 from ..cache import ClientData
 from .capture import Graphs, Static, disarmed, resolve_mode, signature
+from .cohort import Cohort
 from .guards import check_loss
 from .hparams import HParams
 from .optim import clip_grad_norms, clip_sets, copy_into, group_of, optimizer_for
@@ -39,9 +40,9 @@ class Held(NamedTuple):
 class Batch(NamedTuple):
     """One step's rows: the fresh ones of an eager step, or a batch width's static slots."""
 
-    idx: torch.Tensor  # [H, C, B] rows of each model's client
-    valid: torch.Tensor  # [C, B] rows that are real samples
-    host: list | None  # [H][C] host bools: the models that step (eager steps; the fused optimizers group by it)
+    idx: torch.Tensor  # [H, P, B] rows of each model's client
+    valid: torch.Tensor  # [C, B] or [H, P, B] rows that are real samples
+    host: list | None  # [H][P] host bools: the models that step (eager steps; the fused optimizers group by it)
 
 
 @dataclass
@@ -55,41 +56,50 @@ class _Context:
 class LocalSteps:
     """Runs every local step of one engine: `start` a round, `step` per minibatch, `finish` the round."""
 
-    def __init__(self, algo, optimizer: str, hp: HParams, data: ClientData, plan: Plan, state,
+    def __init__(self, algo, optimizer: str, hp: HParams, data: ClientData, plan: Plan, state, P: int,
                  capture: str | None = "auto"):
+        """Trains cohorts of P models per configuration (P = C: every client, the state's own tensors in place)."""
         device = data.features.device
         self.algo, self.data, self.plan = algo, data, plan
         self.loss_fn = vmap(vmap(algo.local_loss))  # [H, C] losses; summed, each model gets exactly its own gradient
         mode = resolve_mode(capture, device) if algo.capturable else "off"
         self.graphs = None if mode == "off" else Graphs(mode, device)  # the captured steps, by kind
         kind = optimizer_for(optimizer, device, masked=self.graphs is not None)
-        groups = {k: group_of(algo.groups, k) for k in state.params}  # name -> its optimizer Group
-        self.opt = kind(state.params, hp, scale={k: algo.lr_scale(k) for k in state.params}, groups=groups)
-        self.clips = clip_sets(algo.groups, state.params)  # [(max_norm, names)] of the groups that clip
-        self.buffers = {k: v.clone() for k, v in state.buffers.items()}  # the models' buffers during local steps
         H, C = next(iter(state.params.values())).shape[:2]
-        z = torch.zeros(H, C, device=device)
-        self.acc = {"bad": z.bool(), "loss": z.clone(), "steps": z.clone()}  # [H, C] each, summed over a round
-        self.part = torch.zeros(H, C, dtype=torch.bool, device=device)  # the round's participants
-        self.part_host: list = []  # [H][C] host bools: the same
+        params = state.params if P == C else {k: v[:, :P] for k, v in state.params.items()}  # [H, P, ...] shapes
+        groups = {k: group_of(algo.groups, k) for k in params}  # name -> its optimizer Group
+        self.opt = kind(params, hp, scale={k: algo.lr_scale(k) for k in params}, groups=groups)
+        self.clips = clip_sets(algo.groups, params)  # [(max_norm, names)] of the groups that clip
+        self.buffers = {k: v[:, :P].clone() for k, v in state.buffers.items()}  # the cohort's buffers [H, P, ...]
+        z = torch.zeros(H, P, device=device)
+        self.acc = {"bad": z.bool(), "loss": z.clone(), "steps": z.clone()}  # [H, P] each, summed over a round
+        self.part = torch.zeros(H, P, dtype=torch.bool, device=device)  # who of the cohort trains this round
+        self.clients = torch.arange(P, device=device).repeat(H, 1)[..., None]  # [H, P, 1] the cohort's client ids
+        self.cohort: Cohort | None = None  # the round's
+        self.valid: list = []  # per step, the cohort's real rows: [C, B] or [H, P, B]
+        self.has_batch: list = []  # per step, host [H][P] bools: which of the cohort still have a batch
         self.batches: dict[int, Batch] = {}  # batch width -> its slots
         self.contexts: dict[tuple, _Context] = {}  # kind -> its context slot
         self.calls = 0  # rounds started so far: when each context slot was last filled
-        self._c_idx = torch.arange(C, device=device)[None, :, None]  # [1, C, 1] gathers each client's rows
         tensors = (data.features, data.labels, data.counts, data.views)
         self._fixed = frozenset(t.untyped_storage().data_ptr() for t in tensors if t is not None)  # stays put
 
-    def start(self, state, now, part_host: list) -> None:
-        """Begin round `now`'s local steps (now.part [H, C]; part_host the same, host bools [H][C]): the round's
-        starting models are copied into the optimizer's and the buffers' tensors, which `state` then holds; the sums
-        start from zero, moments and step counts too unless the algorithm `keeps_optimizer_state`."""
-        state.params = self.opt.load(state.params, keep=self.algo.keeps_optimizer_state)
-        state.buffers = copy_into(self.buffers, state.buffers)
+    def start(self, state, now, cohort: Cohort) -> None:
+        """Begin round `now`'s local steps for `cohort`: its starting models are copied into the optimizer's and the
+        buffers' tensors (which `state` then holds where the cohort is everyone); the sums start from zero, moments
+        and step counts too unless the algorithm `keeps_optimizer_state`."""
+        params = self.opt.load(cohort.take_tree(state.params), keep=self.algo.keeps_optimizer_state)
+        buffers = copy_into(self.buffers, cohort.take_tree(state.buffers))
+        if cohort.everyone:
+            state.params, state.buffers = params, buffers
         for t in self.acc.values():
             t.zero_()
         self.calls += 1
-        self.part.copy_(now.part)  # [H, C]
-        self.part_host = part_host
+        self.cohort = cohort
+        self.part.copy_(now.part if cohort.everyone else torch.ones_like(self.part))  # [H, P]
+        self.clients.copy_(cohort.ids[..., None])  # [H, P, 1]
+        self.valid = [cohort.take_clients(v) for v in self.plan.valid]  # per step [C, B] or [H, P, B]
+        self.has_batch = [[[has[c] for c in row] for row in cohort.host] for has in self.plan.has_batch]
 
     def step(self, idx: torch.Tensor, ctx: dict, at, frozen: frozenset) -> None:
         """One local step of every model on the rows idx [H, C, B] (step at.step of its epoch), with the epoch's
@@ -97,27 +107,31 @@ class LocalSteps:
         key = None if self.graphs is None else (frozen, idx.shape[-1], signature(ctx))
         if key is not None and self.graphs.admits(key):
             return self._replay(key, idx, ctx, at, frozen)
-        host = [[p and h for p, h in zip(row, self.plan.has_batch[at.step])] for row in self.part_host]
+        host = [[p and h for p, h in zip(row, has)] for row, has in zip(self.cohort.part, self.has_batch[at.step])]
         # the live dicts: a fused optimizer's first step may give a parameter a new tensor that after_step must see
-        self._step(Held(self.opt.params, self.buffers, self.acc), Batch(idx, self.plan.valid[at.step], host), ctx,
+        self._step(Held(self.opt.params, self.buffers, self.acc), Batch(idx, self.valid[at.step], host), ctx,
                    at, frozen)
 
     def finish(self, state) -> tuple[torch.Tensor, torch.Tensor]:
         """End the round: the trained models into `state`; returns which models' loss was NaN/Inf at some step and
         each model's mean loss over the steps it took (NaN where it took none), [H, C] each, on the device."""
-        state.params = dict(self.opt.params)  # (the first step may have given a parameter its gradient's layout)
-        acc = self.acc
-        return acc["bad"].clone(), acc["loss"] / acc["steps"]  # (the sums are zeroed and refilled next round)
+        cohort, C = self.cohort, next(iter(state.params.values())).shape[1]
+        # (the first step may have given a parameter its gradient's layout: the optimizer's dict is the live one)
+        state.params = {k: cohort.put(state.params[k], v) for k, v in self.opt.params.items()}
+        state.buffers = {k: cohort.put(state.buffers[k], v) for k, v in self.buffers.items()}
+        acc = self.acc  # (the sums are zeroed and refilled next round)
+        bad, loss = acc["bad"].clone(), acc["loss"] / acc["steps"]  # [H, P] each
+        return cohort.put_fill(bad, C, False), cohort.put_fill(loss, C, torch.nan)
 
     def _step(self, held: Held, batch: Batch, ctx: dict, at, frozen) -> None:
         """The step itself (eager, or the function a graph captures), updating `held` in place."""
         params, buffers, acc = held
-        data, c_idx, idx = self.data, self._c_idx, batch.idx
-        valid = batch.valid.expand_as(idx)  # [H, C, B]
-        active = valid.any(-1) & self.part  # [H, C]
-        x = data.features[c_idx, idx]  # [H, C, B, D]
-        y = data.labels[c_idx, idx]  # [H, C, B]
-        extra = {"views": data.views[c_idx, idx]} if data.views is not None else {}  # [H, C, B, V, D]
+        data, c_idx, idx = self.data, self.clients, batch.idx
+        valid = batch.valid.expand_as(idx)  # [H, P, B]
+        active = valid.any(-1) & self.part  # [H, P]
+        x = data.features[c_idx, idx]  # [H, P, B, D]
+        y = data.labels[c_idx, idx]  # [H, P, B]
+        extra = {"views": data.views[c_idx, idx]} if data.views is not None else {}  # [H, P, B, V, D]
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         loss, new_buffers = self.loss_fn(leaves, buffers, x, y, valid, ctx | extra)  # [H, C]
         check_loss(self.algo, loss, active.shape)
@@ -125,9 +139,9 @@ class LocalSteps:
         grads = {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in grads.items()}
         grads = clip_grad_norms(grads, self.clips, frozen)  # per model and group, where a group declares a norm
         loss = loss.detach()
-        acc["bad"] |= ~torch.isfinite(loss) & active  # [H, C] read once, after the round
-        acc["loss"] += torch.where(active, loss, 0.0)  # [H, C]
-        acc["steps"] += active  # [H, C]
+        acc["bad"] |= ~torch.isfinite(loss) & active  # [H, P] read once, after the round
+        acc["loss"] += torch.where(active, loss, 0.0)  # [H, P]
+        acc["steps"] += active  # [H, P]
         with torch.no_grad():
             self.opt.step(grads, active, frozen, batch.host)  # in place
             self.algo.after_step(params, ctx, active, at)
@@ -138,12 +152,12 @@ class LocalSteps:
         """The step through the graph of its kind (trained names, batch width, context structure): this step's rows
         and, once per epoch, its context go into the static slots, then the graph replays; a kind seen for the
         first time is captured (warm-up disarmed: no model takes part)."""
-        width, valid = idx.shape[-1], self.plan.valid[at.step]
+        width, valid = idx.shape[-1], self.valid[at.step]
         if width not in self.batches:
             self.batches[width] = Batch(idx.clone(), valid.clone(), None)
         slot = self.batches[width]
-        slot.idx.copy_(idx)  # [H, C, B]
-        slot.valid.copy_(valid)  # [C, B]
+        slot.idx.copy_(idx)  # [H, P, B]
+        slot.valid.copy_(valid)  # [C, B] or [H, P, B]
         stamp = (self.calls, at.epoch)  # the context changes between epochs and rounds only
         if key not in self.graphs:
             context = self.contexts[key] = _Context(Static(ctx, self._fixed), stamp)
