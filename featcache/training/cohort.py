@@ -2,7 +2,8 @@
 
 Local training costs in proportion to the models it trains, so a round trains only its participants: P models per
 configuration, P = the participant count (the same for every configuration and round, `schedule.participants`).
-Whole-run state stays [H, C]; `take` gathers a round's slice of it, `put` writes the trained slice back. At participation 1.0 the cohort is every client and both are the identity (nothing copied).
+Whole-run state stays [H, C]; `take` gathers a round's slice of it, `put` writes the trained slice back. At
+participation 1.0 the cohort is every client and both are the identity (nothing copied).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Semantics are torch.optim.Adam (Kingma & Ba, ICLR 2015, Algorithm 1) and torch.o
 the gradient. Learning rate, weight decay and momentum are per configuration ([H], the run's `HParams`); `groups`
 maps a parameter name to its `Group` (declared by name prefix: pFedGate's gating layer has its own rate), `scale`
 multiplies a parameter's rate (FedPFT's FTM), `frozen` names skip the step, and only the models `active` [H, C]
-marks step: the others keep parameters, moments and step counts as they were. One optimizer serves a whole run; `load` starts each round.
+marks step: the others keep parameters, moments and step counts as they were. One optimizer serves a whole run;
+`load` starts each round.
 
 Two families compute the same update. `Adam` and `SGD` call torch's fused kernels once per configuration and
 parameter (one memory pass per tensor: the CPU's choice); `MaskedAdam` and `MaskedSGD` are whole-stack arithmetic
