@@ -25,8 +25,9 @@ def test_local_steps_never_read_the_device(name, optimizer, capture, data, host_
                     participation=0.75)
     eng = Engine(algo, [cfg, cfg | {"seed": 1}], train, test, capture=capture)
     state = eng.init_state()
-    part = [[c != 1 for c in range(eng.C)], [True] * eng.C]  # host [H][C]: a non-participant, clients of
-    # different sizes (the masked paths) and a configuration where everyone steps (the slab path)
+    # host [H][C]: clients of different sizes (the masked paths); a cohort of P per configuration, or, where the
+    # algorithm keeps optimizer state (P = C), a non-participant and a configuration where everyone steps
+    part = [[c != 1 for c in range(eng.C)], [True] * eng.C if eng.P == eng.C else [c != 0 for c in range(eng.C)]]
     with host_reads() as reads:
         bad = eng.local_train(state, 0, part)
     assert reads == [], f"{name}: host reads {reads}"
