@@ -106,6 +106,23 @@ def test_a_round_trains_only_its_participants(data):
     assert full.P == full.C and full.runner.opt.params["cls0.weight"].shape[:2] == (1, full.C)
 
 
+def test_a_fedavg_server_never_writes_the_shared_tensors_into_every_clients_state(data):
+    """FedAvg's server at p < 1: the participants' shared tensors are averaged as they trained, and the [H, C] state
+    keeps one broadcast model per configuration (personal ones, FedPer's classifier, per client); an overridden
+    server side (FedProx's download) gets every tensor written back."""
+    train, test = data
+    for name, personal in (("fedavg", set()), ("fedper", {"cls0.weight", "cls0.bias"}), ("fedprox", None)):
+        algo = create(name)
+        eng = Engine(algo, [config(algo, rounds=2, participation=0.5)], train, test)
+        eng.run()
+        if personal is None:
+            assert eng.aside == ()
+            continue
+        assert set(eng.aside) == set(eng.state.params) - personal
+        for k, v in eng.state.params.items():
+            assert (v.stride(1) == 0) == (k not in personal), k  # broadcast: one model per configuration
+
+
 def test_participation_rate():
     part = participation(torch.tensor([0, 1, 2]), rnd=0, C=10, rate=0.3)
     assert part.shape == (3, 10) and (part.sum(1) == 3).all()

@@ -31,7 +31,7 @@ def test_the_estimate_is_deterministic_and_adds_up():
 
 
 def test_training_tensors_scale_with_the_participants_and_state_does_not():
-    algo, cfg = create("fedavg"), configure("fedavg", batch_size=8)
+    algo, cfg = create("fedprox"), configure("fedprox", batch_size=8)
     data = clients(20)
     few, all_ = estimate(algo, cfg, data, P=2), estimate(algo, cfg, data, P=20)
     assert all_.training == 10 * few.training > 0
@@ -39,14 +39,27 @@ def test_training_tensors_scale_with_the_participants_and_state_does_not():
     params, _ = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
     n = sum(p.numel() * 4 for p in params.values())
     assert few.training >= 2 * n * (2 + footprint.MOMENTS["adam"])  # working copies and Adam's two moments
-    assert estimate(algo, configure("fedavg", batch_size=8, optimizer="sgd"), data, P=2).training == \
+    assert estimate(algo, configure("fedprox", batch_size=8, optimizer="sgd"), data, P=2).training == \
         few.training - 2 * n  # SGD keeps one moment
+
+
+@pytest.mark.parametrize("name, personal", [("fedavg", ()), ("fedper", ("cls0.weight", "cls0.bias"))])
+def test_a_fedavg_server_keeps_the_shared_tensors_once_when_not_everyone_trains(name, personal):
+    """State: the shared tensors once per configuration, the personal ones per client (P < C); every client's
+    copy of everything when all of them train (their trained models are all live at once)."""
+    algo, data = create(name), clients(20)
+    cfg = configure(name, batch_size=8)
+    params, _ = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
+    n = sum(p.numel() * 4 for p in params.values())
+    own = sum(params[k].numel() * 4 for k in personal)
+    few, all_ = estimate(algo, cfg, data, P=2), estimate(algo, cfg, data, P=20)
+    assert few.state == 20 * own + (n - own) and all_.state == 20 * n
 
 
 def test_state_scales_with_the_clients_and_holds_fedpcls_prototypes():
     cfg = configure("fedavg", batch_size=8)
-    ten, twenty = (estimate(create("fedavg"), cfg, clients(C), P=1) for C in (10, 20))
-    assert twenty.state == 2 * ten.state and twenty.training == ten.training  # FedAvg keeps only parameters
+    ten, twenty = (estimate(create("fedavg"), cfg, clients(C), P=C) for C in (10, 20))
+    assert twenty.state == 2 * ten.state and twenty.training == 2 * ten.training  # FedAvg keeps only parameters
     cfg = configure("fedpcl", batch_size=8)
     pcl, d = estimate(create("fedpcl"), cfg, clients(10), P=1), cfg["proj_dim"]
     # its own prototypes [C, K, d] and the server's padded sets [C, K, d]; the parameters lack the classifier

@@ -224,6 +224,15 @@ class FedAvg:
         return self.predict(params, buffers, x, ctx)
 
     @property
+    def fedavg_server(self) -> bool:
+        """Whether the server side is FedAvg's own (after_local, upload, aggregate and download not overridden): the
+        participants' shared tensors averaged and the mean handed to every client. Then the engine aggregates the
+        participants' tensors where they trained and never writes them into the clients' state, which download
+        replaces anyway: a round costs memory and time in proportion to its participants, not to C."""
+        cls = type(self)
+        return all(getattr(cls, h) is getattr(FedAvg, h) for h in ("after_local", "upload", "aggregate", "download"))
+
+    @property
     def clients_hold_global(self) -> bool:
         """Whether every client predicts with the global model after `download`, as `predict_global` would: then the
         global metric is the clients' pooled one and is not evaluated again. True exactly where the default

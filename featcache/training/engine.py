@@ -89,10 +89,17 @@ class Engine:
         self.plan = plan_steps(self.train, self.cfg["batch_size"], self.cfg["drop_last"])
         self.state = self.init_state()  # trained in place by `run`
         self.P = cohort_size(self.C, self.cfg["participation"], self.algo.keeps_optimizer_state)  # models trained
+        # where the server only averages the shared tensors and hands every client the mean, it reads them from the
+        # round's participants as they are, and they are never written into the [H, C] state
+        names = (*self.state.params, *self.state.buffers)
+        self.aside = tuple(k for k in names if self.algo.shared(k)) if self.P < self.C and \
+            self.algo.fedavg_server else ()
         self.runner = LocalSteps(self.algo, self.cfg["optimizer"], self.hp, self.train, self.plan, self.state, self.P,
                                  capture)
         self.last_round: Round | None = None  # the context of the last round run
         self.round_loss: torch.Tensor | None = None  # [H, C] the last local_train's mean loss per model (device)
+        self.uploads: dict = {}  # name -> [H, P, ...] the last local_train's participants' tensors set aside
+        self.cohort: Cohort | None = None  # the last local_train's
 
     def round_context(self, rnd: int, part=None, epoch: int = 0, step: int = 0) -> Round:
         """The `Round` of round `rnd` (-1: before round 1); part [H, C] bool (default: every client)."""
@@ -108,17 +115,19 @@ class Engine:
         """The models of round 1, each configuration from its own seed, and the algorithm's initial state."""
         d_in, K = self.train.features.shape[-1], self.train.num_classes
         per_h = [self.algo.init(self.cfg, d_in, K, torch.Generator().manual_seed(int(s))) for s in self.seeds]
-        stack = lambda dicts: {k: expand_hc(torch.stack([d[k] for d in dicts]), self.C).clone().to(self.device)
+        # one model per configuration, broadcast to its clients: a client's own copy is made when it first changes
+        stack = lambda dicts: {k: expand_hc(torch.stack([d[k] for d in dicts]).to(self.device), self.C)
                                for k in dicts[0]}
         state = State(params=stack([p for p, _ in per_h]), buffers=stack([b for _, b in per_h]))
         self.algo.init_state(state, self.round_context(-1))
         return state
 
-    def local_train(self, state: State, rnd: int, part) -> torch.Tensor:
+    def local_train(self, state: State, rnd: int, part, aside: tuple = ()) -> torch.Tensor:
         """The round's local epochs for its participants. `part` [H][C] bool is host data (nested lists, or a CPU
         tensor), so nothing in here reads a device tensor back: returns the models whose loss was NaN/Inf at some
         step, [H, C] bool on the device, and leaves each model's mean loss in `self.round_loss` ([H, C] on the
-        device, NaN where a model took no step), for the caller to read once per round (`read_round`)."""
+        device, NaN where a model took no step), for the caller to read once per round (`read_round`). The names
+        `aside` stay out of `state`: the participants' trained tensors go to `self.uploads` ([H, P, ...])."""
         algo, data, part_host = self.algo, self.train, part.tolist() if torch.is_tensor(part) else part
         now = self.round_context(rnd, part_host)
         cohort = Cohort(part_host, self.P, self.device)  # the models trained: [H, P]
@@ -131,7 +140,8 @@ class Engine:
                                 None if cohort.everyone else cohort.ids)  # [H, P, N]
             for s in range(self.plan.steps):
                 self.runner.step(self.plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
-        bad, self.round_loss = self.runner.finish(state)  # [H, C] each
+        bad, self.round_loss, self.uploads = self.runner.finish(state, aside)  # [H, C], [H, C], name -> [H, P, ...]
+        self.cohort = cohort
         return bad
 
     def read_round(self, bad: torch.Tensor, rnd: int) -> torch.Tensor:
@@ -141,6 +151,20 @@ class Engine:
         if bool(both[0].any()):
             raise UserError(nan_cause(self.algo, self.cfgs, both[0].any(1).nonzero().flatten().tolist(), rnd))
         return both[1]
+
+    def serve(self, state: State, now: Round) -> int:
+        """The round's server side: after_local, upload, aggregate over each configuration's participants, download.
+        Returns the floats one client uploads (the uploads themselves are freed on return)."""
+        algo = self.algo
+        if self.aside:  # FedAvg's server: the participants' uploads [H, P, ...] as trained
+            uploads, weights = self.uploads, self.cohort.take_clients(self.train.counts).float()  # [H, P]
+        else:
+            algo.after_local(state, now)
+            uploads = algo.upload(state, now)  # name -> [H, C, ...]
+            weights = self.train.counts[None].float() * now.part  # [H, C]
+        algo.download(state, algo.aggregate(uploads, weights, state, now), now)
+        self.uploads = {}
+        return sum(v[0, 0].numel() for v in uploads.values())
 
     def live_metrics(self, test_acc: torch.Tensor, round_loss: torch.Tensor) -> dict:
         """What an evaluation round tells a watcher, per configuration (host floats): the seed, the client-mean test
@@ -165,17 +189,12 @@ class Engine:
                 checkpoint.offer(self, rnd, carried)
             t0 = time.perf_counter()
             part_host = participation(self.seeds, rnd, self.C, self.cfg["participation"]).tolist()  # [H][C] host
-            round_loss = self.read_round(self.local_train(state, rnd, part_host), rnd)  # [H, C] host
+            round_loss = self.read_round(self.local_train(state, rnd, part_host, self.aside), rnd)  # [H, C] host
             now = self.last_round = self.round_context(rnd, part_host)
-            algo.after_local(state, now)
-            uploads = algo.upload(state, now)  # name -> [H, C, ...]
-            weights = self.train.counts[None].float() * now.part  # [H, C]
-            server = algo.aggregate(uploads, weights, state, now)
-            algo.download(state, server, now)
+            upload_floats.append(self.serve(state, now))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-            upload_floats.append(sum(v[0, 0].numel() for v in uploads.values()))
             live = None
             if (rnd + 1) % self.cfg["eval_every"] == 0 or rnd == R - 1:
                 records.append(record(algo, state, self.train, self.test, now, round_loss, logs, first=not records))

@@ -2,8 +2,9 @@
 `context`, `local_loss` and `predict` run on torch's meta device (shapes only, nothing allocated). The estimate
 follows what each tensor lives for:
 
-- state, for the whole run, per configuration: every one of the C clients' parameters and buffers, the algorithm's
-  per-client state (`state.client`) and the server's (`state.server`, e.g. FedPCL's padded prototypes [C, K, d]);
+- state, for the whole run, per configuration: every one of the C clients' parameters and buffers (the shared ones
+  once where the server is FedAvg's and not every client trains: `fedavg_server`), the algorithm's per-client state
+  (`state.client`) and the server's (`state.server`, e.g. FedPCL's padded prototypes [C, K, d]);
 - training, per configuration, for the P = max(1, round(participation · C)) models that train in a round: each
   model's working copy of its parameters (and its copy in the gradients' layout), optimizer moments and what the
   local step allocates (every new tensor of one vmapped forward and backward, gradients included, traced on two
@@ -160,8 +161,11 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
         kept, step, upload, evaluation, traced = 0, 0, 0, 0, False
     rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
     trained = n_params * (2 + MOMENTS[cfg["optimizer"]])  # working copy and its copy in the gradients' layout, moments
-    # buffers twice: the state's and the local steps' own (BN statistics updated during training)
-    return Footprint(state=C * (n_params + 2 * n_buffers) + kept, training=P * (trained + step + upload + rows),
+    trained += n_buffers  # the local steps' own buffers (BN statistics updated during training)
+    once = P < C and algo.fedavg_server  # the shared tensors: one per configuration, broadcast to its clients
+    lifelong = params | buffers
+    shared = _bytes({k: v for k, v in lifelong.items() if once and algo.shared(k)})
+    return Footprint(state=C * (_bytes(lifelong) - shared) + shared + kept, training=P * (trained + step + upload + rows),
                      evaluation=C * evaluation, data=_data_bytes(train, test), participants=P,
                      traced=traced)
 

@@ -112,16 +112,21 @@ class LocalSteps:
         self._step(Held(self.opt.params, self.buffers, self.acc), Batch(idx, self.valid[at.step], host), ctx,
                    at, frozen)
 
-    def finish(self, state) -> tuple[torch.Tensor, torch.Tensor]:
-        """End the round: the trained models into `state`; returns which models' loss was NaN/Inf at some step and
-        each model's mean loss over the steps it took (NaN where it took none), [H, C] each, on the device."""
+    def finish(self, state, aside: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """End the round: the trained models into `state`, except the names `aside`, returned as the cohort's
+        [H, P, ...] tensors (valid until the next `start`); also returns which models' loss was NaN/Inf at some
+        step and each model's mean loss over the steps it took (NaN where it took none), [H, C] each, on the device."""
         cohort, C = self.cohort, next(iter(state.params.values())).shape[1]
         # (the first step may have given a parameter its gradient's layout: the optimizer's dict is the live one)
-        state.params = {k: cohort.put(state.params[k], v) for k, v in self.opt.params.items()}
-        state.buffers = {k: cohort.put(state.buffers[k], v) for k, v in self.buffers.items()}
+        trained = self.opt.params | self.buffers  # name -> [H, P, ...]
+        state.params = {k: state.params[k] if k in aside else cohort.put(state.params[k], v)
+                        for k, v in self.opt.params.items()}
+        state.buffers = {k: state.buffers[k] if k in aside else cohort.put(state.buffers[k], v)
+                         for k, v in self.buffers.items()}
         acc = self.acc  # (the sums are zeroed and refilled next round)
         bad, loss = acc["bad"].clone(), acc["loss"] / acc["steps"]  # [H, P] each
-        return cohort.put_fill(bad, C, False), cohort.put_fill(loss, C, torch.nan)
+        return (cohort.put_fill(bad, C, False), cohort.put_fill(loss, C, torch.nan),
+                {k: trained[k] for k in aside})
 
     def _step(self, held: Held, batch: Batch, ctx: dict, at, frozen) -> None:
         """The step itself (eager, or the function a graph captures), updating `held` in place."""
