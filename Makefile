@@ -9,7 +9,7 @@ RUNS    ?= runs
 DEMO_BACKBONES := --backbone efficientnet_lite0 --backbone efficientnet_lite1 --backbone efficientnet_lite2
 DEMO_EXTRACT   := --dataset offline-digits $(DEMO_BACKBONES) --partition feature --per-class 10 --test-per-class 50 --image-size 64 --out $(CACHE)
 
-.PHONY: install demo test test-fast bench gpu-check clean reproduce reproduce-quick docs docs-results
+.PHONY: install demo test test-fast bench gpu-check clean reproduce reproduce-quick docs docs-results algos-table
 
 install: $(BIN)/featcache
 
@@ -66,6 +66,13 @@ docs: install
 docs-results: reproduce-quick
 	mkdir -p docs/results/quick
 	cp $(RESULTS)/*.md $(RESULTS)/*.png docs/results/quick/
+
+# featcache/algorithms/README.md's registry table, regenerated between its algos:begin/end markers from
+# `featcache algos --markdown` (tests/test_docs.py fails when the committed table is stale).
+ALGOS_README := featcache/algorithms/README.md
+algos-table: install
+	{ sed '/<!-- algos:begin -->/q' $(ALGOS_README); echo; $(BIN)/featcache algos --markdown; echo; \
+	  sed -n '/<!-- algos:end -->/,$$p' $(ALGOS_README); } > $(ALGOS_README).tmp && mv $(ALGOS_README).tmp $(ALGOS_README)
 
 bench: install
 	$(BIN)/python bench/extract.py

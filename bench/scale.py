@@ -12,8 +12,8 @@ then the median of the rest; evaluation only after the last round (eval_every = 
 time minus its rounds. Each case carries two estimates: `estimate_bytes` with P = max(1, round(p·C)) models training
 per round, `estimate_every_client_trains_bytes` with all C (an engine that trains every client and masks the
 update). A case whose estimate (`--skip-by participants`, or `every-client` for such an engine) exceeds the available
-memory (or --max-gb) is skipped and says so.
-The issue's targets are printed beside the figures as pass/fail, not asserted. `--quick` runs C = 10 and 30 only.
+memory (or --max-gb) is skipped and says so. The scaling targets (`TARGETS`) are printed beside the figures as
+pass/fail, not asserted. `--quick` runs C = 10 and 30 only.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def demo_round(rounds: int) -> dict:
 
 
 def verdicts(cases: list[dict]) -> dict:
-    """The issue's targets beside the figures: pass, fail, or None where the case did not run."""
+    """The `TARGETS` beside the figures: pass, fail, or None where the case did not run."""
     at = {(c["algo"], c["clients"], c["participation"]): c for c in cases}
     out = {}
     for name in ("fedavg", "fedpcl"):

@@ -1,5 +1,5 @@
-"""The README stays a short overview whose Layout is true to the tree (the docs site itself is checked by
-`make docs`, a strict build: a broken link or reference fails it)."""
+"""The README stays a short overview whose Layout is true to the tree, and generated tables match what generates them
+(the docs site itself is checked by `make docs`, a strict build: a broken link or reference fails it)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,24 @@ def test_every_make_target_the_readme_names_exists():
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
     named = set(re.findall(r"\bmake ([a-z][\w-]*)", README))
     assert named and named <= targets, f"README names make targets the Makefile lacks: {sorted(named - targets)}"
+
+
+def test_algorithms_table_is_the_generated_one():
+    from featcache.algorithms import markdown_table
+
+    text = (ROOT / "featcache/algorithms/README.md").read_text()
+    committed = re.search(r"<!-- algos:begin -->\n(.*?)<!-- algos:end -->", text, re.S).group(1).strip()
+    assert committed == markdown_table().strip(), \
+        "featcache/algorithms/README.md's registry table differs from the registry: run `make algos-table` " \
+        "(it writes `featcache algos --markdown` between the algos:begin/end markers)"
+
+
+def test_algos_markdown_prints_the_table():
+    from harness import one_line_error, run_cli
+
+    from featcache.algorithms import markdown_table
+
+    shown = run_cli("algos", "--markdown")
+    assert shown.code == 0 and shown.stdout == markdown_table()
+    assert "| `pfedpt` | — | — | not available: " in shown.stdout
+    one_line_error(run_cli("algos", "fedavg", "--markdown"), "--markdown prints the whole registry")

@@ -1,6 +1,6 @@
 """Hostile and careless input to train / grid / report / info / verify. Each bad input is one line
 on stderr starting with `error:`, exit code 2, no traceback, and no file created or changed anywhere in the test's
-folder (no result, no run folder, no temporary). The table `CASES` is grouped as the issue is: output locations, grid
+folder (no result, no run folder, no temporary). The table `CASES` is grouped by kind: output locations, grid
 values after the first, setting ranges, devices, report inputs, malformed caches, memory. A bug that is not a user
 error is one `internal error:` line with exit code 1 (FEATCACHE_DEBUG=1 shows the traceback).
 """

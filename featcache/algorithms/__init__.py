@@ -82,6 +82,30 @@ def objective_note(algo, cfg: dict) -> str:
     return getattr(algo, "objective", "") if all(cfg.get(k) == v for k, v in when.items()) else ""
 
 
+def objective_text(algo) -> str:
+    """The algorithm's note on its training loss, with the settings under which it holds ("" when it has none)."""
+    note, when = getattr(algo, "objective", ""), getattr(algo, "objective_when", {})
+    return f"{note} (with {', '.join(f'{k}={v}' for k, v in when.items())})" if note and when else note
+
+
+def markdown_table() -> str:
+    """The built-in algorithms and the unavailable methods as the Markdown table of featcache/algorithms/README.md
+    (`featcache algos --markdown` prints it; tests/test_docs.py fails when the committed copy differs)."""
+    def cell(text: str) -> str:
+        return " ".join(text.split()).replace("|", "\\|")
+
+    rows = ["| algorithm | reference | a client uploads | note |", "|---|---|---|---|"]
+    for key, cls in list_algorithms().items():
+        if not cls.__module__.startswith(f"{__name__}."):
+            continue  # plug-ins loaded in this process are not part of the package's table
+        objective = objective_text(cls)
+        note = "; ".join(filter(None, [getattr(cls, "limitation", ""), objective and f"training loss {objective}"]))
+        rows.append(f"| `{key}` | {cell(cls.paper)} | {cell(cls.uploads)} | {cell(note)} |")
+    for key, why in UNAVAILABLE.items():
+        rows.append(f"| `{key}` | — | — | not available: {cell(why)} |")
+    return "\n".join(rows) + "\n"
+
+
 def register(cls):
     """Class decorator: make `cls` creatable by its `name`; a name can be registered once."""
     old = _ALGOS.get(cls.name)

@@ -145,21 +145,29 @@ def grid(
 
 
 def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's settings (a name or file.py:Class)"),
-          as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+          as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+          markdown: bool = typer.Option(False, "--markdown", help="print the built-in algorithms as the Markdown "
+                                                                  "table of featcache/algorithms/README.md")) -> None:
     """List the registered algorithms with their paper reference and what a client uploads; with a NAME, its
     settings as the algorithm declares them."""
-    from ..algorithms import UNAVAILABLE, create, list_algorithms  # lazy: `featcache --help` skips the registry
+    from ..algorithms import (UNAVAILABLE, create, list_algorithms, markdown_table,  # lazy: `featcache --help`
+                              objective_text)  # skips the registry
     from ..training.config import describe  # lazy: `featcache --help` loads no torch
 
+    if markdown:
+        if name or as_json:
+            raise UserError("--markdown prints the whole registry: give it without NAME or --json")
+        print(markdown_table(), end="")
+        return
     if as_json:
         if name:
             algo = create(name)
             emit({"algo": algo.name, "paper": algo.paper, "uploads": algo.uploads,
-                  "limitation": getattr(algo, "limitation", ""), "objective": _objective(algo),
+                  "limitation": getattr(algo, "limitation", ""), "objective": objective_text(algo),
                   "settings": describe(algo)}, True)
             return
         emit({"algorithms": {key: {"paper": cls.paper, "uploads": cls.uploads,
-                                   "limitation": getattr(cls, "limitation", ""), "objective": _objective(cls),
+                                   "limitation": getattr(cls, "limitation", ""), "objective": objective_text(cls),
                                    "settings": describe(cls)}
                              for key, cls in list_algorithms().items()},
               "unavailable": dict(UNAVAILABLE)}, True)
@@ -171,20 +179,14 @@ def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's 
             table.add_row(k, repr(s["default"]), s["type"], s["range"], "yes" if s["batched"] else "no", s["help"])
         out.print(table)
         out.print("batched: a grid over it trains its values as one batched run (other settings: one run per value)")
-        if _objective(algo):
-            out.print(f"training loss: {escape(_objective(algo))}", highlight=False)
+        if objective_text(algo):
+            out.print(f"training loss: {escape(objective_text(algo))}", highlight=False)
         return
     table = Table("algorithm", "reference", "uploads", "limitation / training loss")
     for key, cls in list_algorithms().items():
-        note = _objective(cls)
+        note = objective_text(cls)
         table.add_row(key, cls.paper, cls.uploads, "; ".join(filter(None, [getattr(cls, "limitation", ""),
                                                                             note and f"training loss {note}"])))
     for key, why in UNAVAILABLE.items():
         table.add_row(key, "", "—", f"not available on cached features: {why}")
     out.print(table)
-
-
-def _objective(algo) -> str:
-    """The algorithm's note on its training loss, with the settings under which it holds ("" when it has none)."""
-    note, when = getattr(algo, "objective", ""), getattr(algo, "objective_when", {})
-    return f"{note} (with {', '.join(f'{k}={v}' for k, v in when.items())})" if note and when else note

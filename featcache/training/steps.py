@@ -1,12 +1,10 @@
-"""The local steps of a run, the one place that runs them: eager, or captured once per kind and replayed (capture.py).
+"""The local steps of a run, the one place that runs them: eager, or captured once per kind and replayed (the
+capture protocol, and what a captured step may read and write: capture.py).
 
 A step trains the round's cohort (cohort.py: its participants, [H, P] models) on their next minibatches in one
 vmapped forward and backward, then the optimizer's masked update (models without a batch keep their values) and
-the algorithm's `after_step`. It reads and writes only tensors kept for the whole run: the optimizer's (built once,
-`load`ed each round), the buffers, the round's sums and the static slots below, which is what lets a captured step
-replay on the same memory every round. The slots: the cohort's client ids and who of it trains `part` [H, P], each
-batch width's rows and validity, each kind's context (refilled once per epoch of each round). A kind beyond the graph limit, or every step where nothing is captured,
-runs eagerly.
+the algorithm's `after_step`. The runner's static slots hold the cohort's client ids and who of it trains `part`
+[H, P], each batch width's rows and validity, and each kind's context, refilled once per epoch of each round.
 """
 
 from __future__ import annotations
