@@ -27,7 +27,9 @@ at every evaluation round:
     predict_global(params, buffers, x, ctx) -> scores [N, K]  its inference on one client's rows (vmapped)
 and, asked once per run: local_epochs(), lr_scale(name), shared(name). Declared as data: `groups` (the local
 optimizer's parameter groups: their learning-rate and weight-decay settings and gradient-norm clip) and
-`keeps_optimizer_state` (moments and step counts carry over from round to round, per model).
+`keeps_optimizer_state` (moments and step counts carry over from round to round, per model). Derived from which
+hooks are FedAvg's own: `fedavg_server` (the engine averages the participants' shared tensors where they trained)
+and `clients_hold_global` (the global metric is the clients' pooled one).
 
 The global model is what the FedAvg-family papers evaluate on a global test set (here: the union of all clients'
 test splits). FedAvg's is the averaged model every client downloads; an algorithm whose server holds no complete

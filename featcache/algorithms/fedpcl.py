@@ -143,7 +143,7 @@ class FedPCL(FedAvg):
             "§4 eq. 5–10, Alg. 1"
     uploads = "local prototypes [K, proj_dim] + class counts [K]"
     objective = ("unbounded below: eq. 8 leaves the positive out of its denominator and z is not normalised, so the "
-                 "loss can fall without limit (to -5,000 in 30 rounds) while accuracy holds; judge runs by accuracy "
+                 "loss can fall without limit while accuracy holds; judge runs by accuracy "
                  "(--set normalize=true bounds it)")
     objective_when = {"normalize": False, "loss": "pcl"}
     settings = {

@@ -7,8 +7,9 @@ follows what each tensor lives for:
   (`state.client`) and the server's (`state.server`, e.g. FedPCL's padded prototypes [C, K, d]);
 - training, per configuration, for the P = max(1, round(participation · C)) models that train in a round: each
   model's working copy of its parameters (and its copy in the gradients' layout), optimizer moments and what the
-  local step allocates (every new tensor of one vmapped forward and backward, gradients included, traced on two
-  meta models side by side, so a batched op that copies per model counts as it does in the engine) and its upload
+  local step allocates (the new tensors of one vmapped forward and backward, gradients included, as the allocator
+  hands them out: see `_Allocated`; traced on two meta models side by side, so a batched op that copies per model
+  counts as it does in the engine) and its upload
   (the server's aggregation reads the participants' uploads as one stack, copied where they are views);
 - evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
 - data, once: the clients' features, labels and views of the train and test splits.
@@ -18,6 +19,8 @@ follows what each tensor lives for:
 
 from __future__ import annotations
 
+import collections
+import weakref
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -73,18 +76,27 @@ def _data_bytes(*splits: ClientData | None) -> int:
 
 
 class _Allocated(TorchDispatchMode):
-    """The bytes of every new tensor the ops under it return, each counted once: the process keeps freed memory
-    (featcache.memory.keep_freed_memory) and reuses little of a step's temporaries, whose sizes differ, so a step
-    adds about their sum to the peak RSS, not only its live peak."""
+    """The bytes of the new tensors the ops under it return, the way the process's allocator hands them out: it
+    keeps freed memory (featcache.memory.keep_freed_memory) and reuses a freed block for a tensor of the same size,
+    so a new tensor adds to the peak unless a freed one of its size is there to take (a chunked loop's temporaries
+    count once); temporaries of other sizes add up."""
 
     def __init__(self):
         super().__init__()
         self.bytes = 0
+        self.freed = collections.Counter()  # size in bytes -> freed blocks of that size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if all(r.alias_info is None for r in func._schema.returns):  # a view allocates nothing
-            self.bytes += _bytes(out)
+            for t in tree_leaves(out):
+                if torch.is_tensor(t):
+                    n = t.numel() * t.element_size()
+                    if self.freed[n]:
+                        self.freed[n] -= 1
+                    else:
+                        self.bytes += n
+                    weakref.finalize(t, self.freed.update, [n])  # its block is free again once it dies
         return out
 
 
