@@ -34,11 +34,13 @@ from ..memory import available_bytes
 from .config import resolve, shared_settings, structural_keys
 from .engine import Round, State
 from .hparams import HParams
+from .models import map_models
 
 # Per-element optimizer state of each local optimizer (torch.optim's Adam: exp_avg, exp_avg_sq; SGD: momentum).
 MOMENTS = {"adam": 2, "sgd": 1}
 # Size settings a memory refusal may name, in the order they are considered when several grew.
 SIZE_SETTINGS = ("proj_dim", "con_dim", "n_prompts", "queue", "heads", "batch_size")
+VIEWS = (torch.ops.aten._unsafe_view.default,)  # views whose schema does not say so
 TRACED = 2  # meta models traced side by side: a batched op that copies per model shows up as it does in the engine
 
 
@@ -88,7 +90,7 @@ class _Allocated(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if all(r.alias_info is None for r in func._schema.returns):  # a view allocates nothing
+        if func not in VIEWS and all(r.alias_info is None for r in func._schema.returns):  # a view allocates nothing
             for t in tree_leaves(out):
                 if torch.is_tensor(t):
                     n = t.numel() * t.element_size()
@@ -140,9 +142,9 @@ def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int
                                                                    ctx | extra)
         torch.autograd.grad(loss.sum(), [v for v in leaves.values()], allow_unused=True)
     rows = {"rows": _meta((1, TRACED, n_eval), torch.bool)}
-    with _Allocated() as evaluation, torch.no_grad():
-        torch.func.vmap(torch.func.vmap(lambda p, b, c, xs: algo.predict(p, b, xs, c)))(
-            models, bufs, ctx | rows, _meta((1, TRACED, n_eval, D)))
+    with _Allocated() as evaluation, torch.no_grad():  # as evaluate.scores runs it: the rows shared by configurations
+        map_models(lambda p, b, c, xs: algo.predict(p, b, xs, c), (models, bufs, ctx | rows),
+                   (_meta((TRACED, n_eval, D)),))
     return kept, step.bytes // TRACED, upload, evaluation.bytes // TRACED
 
 
