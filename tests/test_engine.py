@@ -82,8 +82,14 @@ def test_cohort_gathers_and_writes_back_only_its_clients():
     assert torch.equal(back - state, torch.tensor(part)[..., None].float().expand(-1, -1, 3) * 100)
     wide = torch.randn(2, 1, 5).expand(2, 4, 5)  # a broadcast over clients stays one
     assert cohort.take(wide).stride(1) == 0 and torch.equal(cohort.take(wide), wide[:, :2])
-    loss = cohort.put_fill(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 4, torch.nan)  # [H, C]
-    assert loss[0, 2] == 2 and loss[1, 1] == 3 and loss.isnan().sum() == 4
+    first, second = Cohort.slices(part, 2, 1, torch.device("cpu"))  # one model per configuration at a time
+    assert first.host == [[0], [1]] and second.host == [[2], [2]] and first.part == [[True], [True]]
+    assert len(Cohort.slices(part, 2, 5, torch.device("cpu"))) == 1
+    everyone = Cohort.slices([[True] * 4] * 2, 4, 3, torch.device("cpu"))  # the last slice padded, sitting out
+    assert [c.host for c in everyone] == [[[0, 1, 2]] * 2, [[3, 0, 1]] * 2] and not everyone[0].everyone
+    assert everyone[1].part == [[True, False, False]] * 2 and everyone[1].real == 1
+    back = everyone[1].put(torch.zeros(2, 4), torch.ones(2, 3))  # the padding is not written back
+    assert torch.equal(back, torch.tensor([[0.0, 0, 0, 1]] * 2))
     with pytest.raises(ValueError):
         Cohort([[True] * 4, [True, False, False, False]], 2, torch.device("cpu"))
 
@@ -121,6 +127,24 @@ def test_a_fedavg_server_never_writes_the_shared_tensors_into_every_clients_stat
         assert set(eng.aside) == set(eng.state.params) - personal
         for k, v in eng.state.params.items():
             assert (v.stride(1) == 0) == (k not in personal), k  # broadcast: one model per configuration
+
+
+@pytest.mark.parametrize("name", ALGOS)
+def test_training_the_cohort_in_slices_gives_the_same_run(name, data):
+    """`at_once` bounds the models one pass of local training holds; the participants train in slices of that many
+    with the same batches, so the run is the same (full participation and p < 1)."""
+    train, test = data
+    algo = create(name)
+    for p in (1.0, 0.75):
+        cfgs = [config(algo, rounds=2, batch_size=16, drop_last=False, participation=p),
+                config(algo, rounds=2, batch_size=16, drop_last=False, participation=p, seed=1)]
+        whole, sliced = Engine(algo, cfgs, train, test), Engine(algo, cfgs, train, test, at_once=2)
+        assert sliced.at_once == (sliced.P if algo.keeps_optimizer_state else 2)
+        a, b = whole.run(), sliced.run()
+        torch.testing.assert_close(b["acc"], a["acc"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(b["train_loss"], a["train_loss"], rtol=1e-6, atol=1e-6, equal_nan=True)
+        for k, v in whole.state.params.items():
+            torch.testing.assert_close(sliced.state.params[k], v, msg=lambda m: f"{name} p={p} {k}: {m}")
 
 
 def test_participation_rate():

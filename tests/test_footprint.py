@@ -110,6 +110,23 @@ def test_the_refusal_names_the_setting_to_lower(monkeypatch):
         estimate(create("fedavg"), configure("fedavg"), clients(4)).per_config
 
 
+def test_a_run_that_does_not_fit_trains_its_participants_in_slices_that_do():
+    """fit_at_once: None when every participant fits; else the most per pass that fit (the estimate with that many
+    within the memory, one more not); the refusal only when not even one does."""
+    algo, cfg, data, cpu = create("fedprox"), configure("fedprox", batch_size=8), clients(40), torch.device("cpu")
+    full, one = estimate(algo, cfg, data), estimate(algo, cfg, data, at_once=1)
+    assert footprint.fit_at_once(algo, cfg, 2, data, cpu, avail=2 * full.per_config) is None
+    avail = 2 * (one.per_config + 5 * one.training) + 7  # room for 6 participants per configuration
+    S = footprint.fit_at_once(algo, cfg, 2, data, cpu, avail=avail)
+    assert S == 6 and estimate(algo, cfg, data, at_once=S).per_config * 2 <= avail
+    assert estimate(algo, cfg, data, at_once=S + 1).per_config * 2 > avail
+    with pytest.raises(UserError, match=r"fedprox would need about .*: use fewer --seeds$"):
+        footprint.fit_at_once(algo, cfg, 2, data, cpu, "use fewer --seeds", avail=one.per_config)
+    fedavg = create("fedavg")  # sliced, the shared tensors are every client's again until the server has them
+    assert estimate(fedavg, configure("fedavg", participation=0.5), data, at_once=5).state == \
+        estimate(fedavg, configure("fedavg"), data).state
+
+
 @pytest.mark.slow
 def test_bench_scale_quick_prints_every_case_with_its_estimate_and_ratios():
     """bench/scale.py --quick: one JSON object; every case measured (or skipped, saying why) beside its estimate;

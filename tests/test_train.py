@@ -13,6 +13,7 @@ import pytest
 import torch
 from harness import one_line_error, run_cli
 
+import featcache.training.train as train_mod
 from featcache.training import grid as grid_mod
 from featcache.devices import resolve_device
 from featcache.errors import UserError
@@ -291,6 +292,23 @@ def test_the_cli_keeps_freed_memory_and_importing_featcache_does_not():
     assert plain > 10 * 16_384 // 2 and cli < plain // 20, (plain, cli)  # 16,384 pages of 4 KB per tensor
     start = "import sys, featcache.cli; print('torch' in sys.modules)"  # the command still starts without torch
     assert subprocess.run([sys.executable, "-c", start], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_a_run_too_big_for_the_memory_trains_in_slices_with_the_same_result(cache, tmp_path, monkeypatch):
+    """Where every participant at once would not fit, train asks footprint.fit_at_once for the most that do and
+    the engine trains them in slices: the same result file, metrics included."""
+    from featcache.training import footprint
+
+    a = train(cache, "fedpcl", rounds=2, seeds=[0], out=tmp_path / "a")
+    seen = []
+    original = footprint.fit_at_once
+    monkeypatch.setattr(train_mod, "fit_at_once", lambda *a, **k: seen.append(original(*a, **k, avail=one(a))) or
+                        seen[-1])
+    one = lambda args: footprint.estimate(args[0], args[1], args[3], at_once=2).per_config  # room for 2 of 4
+    b = train(cache, "fedpcl", rounds=2, seeds=[0], out=tmp_path / "b")
+    assert seen == [2]
+    assert Path(a["result_file"]).read_bytes() == Path(b["result_file"]).read_bytes()
+    assert Path(a["metrics_csv"]).read_bytes() == Path(b["metrics_csv"]).read_bytes()
 
 
 def test_available_memory_is_mem_available_and_a_grid_chunk_plans_for_a_share_of_it(monkeypatch):

@@ -23,16 +23,36 @@ class Cohort:
     """Which clients the [H, P] models of a round are: ids [H, P] (ascending per configuration), on the device and
     as host lists; `everyone` when P = C and the cohort is the whole [H, C] stack in order."""
 
-    def __init__(self, part: list, P: int, device: torch.device):
-        """part: [H][C] host bools, the round's participants (exactly P per configuration unless P = C)."""
+    def __init__(self, part: list, P: int, device: torch.device, host: list | None = None):
+        """part: [H][C] host bools, the round's participants (exactly P per configuration unless P = C); `host`
+        [H][P] the clients of a slice of them instead (`slices`)."""
         H, C = len(part), len(part[0])
         self.everyone = P == C
-        self.host = [list(range(C))] * H if self.everyone else [[c for c, p in enumerate(row) if p] for row in part]
+        if host is None:
+            host = [list(range(C))] * H if self.everyone else [[c for c, p in enumerate(row) if p] for row in part]
+        self.host = host
         if any(len(row) != P for row in self.host):
             raise ValueError(f"a cohort of {P} models per configuration got {[len(r) for r in self.host]} participants")
         self.ids = torch.tensor(self.host, device=device)  # [H, P] int64
-        self.part = part if self.everyone else [[True] * P for _ in range(H)]  # [H][P] host: who trains
+        self.part = part if self.everyone else [[part[h][c] for c in row] for h, row in enumerate(self.host)]  # [H][P]
+        self.real = P  # the models written back: the first `real` (a last slice is padded to its width)
         self._h = torch.arange(H, device=device)[:, None]  # [H, 1]
+
+    @classmethod
+    def slices(cls, part: list, P: int, at_once: int, device: torch.device) -> list["Cohort"]:
+        """The round's cohort of P per configuration as consecutive slices of `at_once` models each (one cohort when
+        at_once >= P): the models one pass of local training holds. A last, shorter slice is padded with models of
+        the first that sit it out and are not written back."""
+        whole = cls(part, P, device)
+        if at_once >= P:
+            return [whole]
+        out = []
+        for i in range(0, P, at_once):
+            host = [row[i:i + at_once] + row[:max(0, i + at_once - P)] for row in whole.host]
+            out.append(cls(part, at_once, device, host))
+            out[-1].real = min(at_once, P - i)
+            out[-1].part = [[p and j < out[-1].real for j, p in enumerate(row)] for row in out[-1].part]
+        return out
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """[H, C, ...] -> [H, P, ...], the cohort's models (t itself for everyone; a broadcast over clients stays a
@@ -58,11 +78,6 @@ class Cohort:
             return src
         if dst._base is not None or not dst.is_contiguous():
             dst = dst.clone()
-        dst[self._h, self.ids] = src.to(dst.dtype)
+        n = self.real
+        dst[self._h, self.ids[:, :n]] = src[:, :n].to(dst.dtype)
         return dst
-
-    def put_fill(self, src: torch.Tensor, C: int, fill) -> torch.Tensor:
-        """[H, P] -> [H, C]: the cohort's values, `fill` for the clients outside it."""
-        if self.everyone:
-            return src
-        return self.put(torch.full((src.shape[0], C), fill, dtype=src.dtype, device=src.device), src)

@@ -71,7 +71,9 @@ class Engine:
     """Trains H configurations x C clients of one algorithm on cached features."""
 
     def __init__(self, algo, cfgs: list[dict], train: ClientData, test: ClientData,
-                 device: str | torch.device = "cpu", capture: str | None = "auto"):
+                 device: str | torch.device = "cpu", capture: str | None = "auto", at_once: int | None = None):
+        """`at_once`: the most models per configuration one pass of local training holds (None: all the round's
+        participants); a round trains its participants in slices of that many, with the same result."""
         self.cfgs, self.device = cfgs, resolve_device(device)
         structural = structural_keys(cfgs[0], algo)
         for c in cfgs[1:]:
@@ -89,13 +91,14 @@ class Engine:
         self.plan = plan_steps(self.train, self.cfg["batch_size"], self.cfg["drop_last"])
         self.state = self.init_state()  # trained in place by `run`
         self.P = cohort_size(self.C, self.cfg["participation"], self.algo.keeps_optimizer_state)  # models trained
+        self.at_once = self.P if at_once is None or self.algo.keeps_optimizer_state else min(self.P, at_once)
         # where the server only averages the shared tensors and hands every client the mean, it reads them from the
         # round's participants as they are, and they are never written into the [H, C] state
         names = (*self.state.params, *self.state.buffers)
-        self.aside = tuple(k for k in names if self.algo.shared(k)) if self.P < self.C and \
-            self.algo.fedavg_server else ()
-        self.runner = LocalSteps(self.algo, self.cfg["optimizer"], self.hp, self.train, self.plan, self.state, self.P,
-                                 capture)
+        self.aside = tuple(k for k in names if self.algo.shared(k)) if self.at_once < self.C and \
+            self.at_once == self.P and self.algo.fedavg_server else ()
+        self.runner = LocalSteps(self.algo, self.cfg["optimizer"], self.hp, self.train, self.plan, self.state,
+                                 self.at_once, capture)
         self.last_round: Round | None = None  # the context of the last round run
         self.round_loss: torch.Tensor | None = None  # [H, C] the last local_train's mean loss per model (device)
         self.uploads: dict = {}  # name -> [H, P, ...] the last local_train's participants' tensors set aside
@@ -130,18 +133,21 @@ class Engine:
         `aside` stay out of `state`: the participants' trained tensors go to `self.uploads` ([H, P, ...])."""
         algo, data, part_host = self.algo, self.train, part.tolist() if torch.is_tensor(part) else part
         now = self.round_context(rnd, part_host)
-        cohort = Cohort(part_host, self.P, self.device)  # the models trained: [H, P]
-        self.runner.start(state, now, cohort)
-        for epoch in range(algo.local_epochs()):
-            at = replace(now, epoch=epoch)
-            frozen = frozenset(k for k in state.params if not algo.trainable(k, at))
-            ctx = cohort.take_tree(algo.context(state, at))  # server and client state do not change in local steps
-            order = batch_order(self._seeds, rnd, epoch, data.counts, data.features.shape[1],
-                                None if cohort.everyone else cohort.ids)  # [H, P, N]
-            for s in range(self.plan.steps):
-                self.runner.step(self.plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
-        bad, self.round_loss, self.uploads = self.runner.finish(state, aside)  # [H, C], [H, C], name -> [H, P, ...]
-        self.cohort = cohort
+        bad = torch.zeros(self.H, self.C, dtype=torch.bool, device=self.device)  # [H, C]
+        self.round_loss = torch.full((self.H, self.C), torch.nan, device=self.device)  # [H, C]
+        for cohort in Cohort.slices(part_host, self.P, self.at_once, self.device):  # the models trained: [H, P]
+            self.runner.start(state, now, cohort)
+            for epoch in range(algo.local_epochs()):
+                at = replace(now, epoch=epoch)
+                frozen = frozenset(k for k in state.params if not algo.trainable(k, at))
+                ctx = cohort.take_tree(algo.context(state, at))  # server and client state do not change in local steps
+                order = batch_order(self._seeds, rnd, epoch, data.counts, data.features.shape[1],
+                                    None if cohort.everyone else cohort.ids)  # [H, P, N]
+                for s in range(self.plan.steps):
+                    self.runner.step(self.plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
+            done, loss, self.uploads = self.runner.finish(state, aside)  # [H, P], [H, P], name -> [H, P, ...]
+            bad, self.round_loss = cohort.put(bad, done), cohort.put(self.round_loss, loss)
+            self.cohort = cohort
         return bad
 
     def read_round(self, bad: torch.Tensor, rnd: int) -> torch.Tensor:

@@ -148,14 +148,17 @@ def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int
     return kept, step.bytes // TRACED, upload, evaluation.bytes // TRACED
 
 
-def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None, P: int | None = None) -> Footprint:
+def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None, P: int | None = None,
+             at_once: int | None = None) -> Footprint:
     """The Footprint of one configuration `cfg` of `algo` (bound or not) on `train` (and `test`, counted as data
-    when given); P: the models training per round (default: from cfg's participation). An algorithm's own checks of
-    its settings (in `init`) run here too; a hook that cannot run on the meta device leaves its term out."""
+    when given); P: the models training per round (default: from cfg's participation), `at_once` the most of them
+    one pass of local training holds (the Engine's; None: all P). An algorithm's own checks of its settings (in
+    `init`) run here too; a hook that cannot run on the meta device leaves its term out."""
     algo = algo.bind(shared_settings(cfg, algo))
     C, N, D = train.features.shape
     K = train.num_classes
     P = participants(cfg, C) if P is None else P
+    S = P if at_once is None or algo.keeps_optimizer_state else min(P, at_once)  # trained at once
     try:
         with torch.device("meta"):
             params, buffers = algo.init(cfg, D, K, torch.Generator())
@@ -176,10 +179,10 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
     rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
     trained = n_params * (2 + MOMENTS[cfg["optimizer"]])  # working copy and its copy in the gradients' layout, moments
     trained += n_buffers  # the local steps' own buffers (BN statistics updated during training)
-    once = P < C and algo.fedavg_server  # the shared tensors: one per configuration, broadcast to its clients
+    once = S == P < C and algo.fedavg_server  # the shared tensors: one per configuration, broadcast to its clients
     lifelong = params | buffers
     shared = _bytes({k: v for k, v in lifelong.items() if once and algo.shared(k)})
-    return Footprint(state=C * (_bytes(lifelong) - shared) + shared + kept, training=P * (trained + step + upload + rows),
+    return Footprint(state=C * (_bytes(lifelong) - shared) + shared + kept, training=S * (trained + step + upload + rows),
                      evaluation=C * evaluation, data=_data_bytes(train, test), participants=P,
                      traced=traced)
 
@@ -188,12 +191,30 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def check_memory(algo, cfg: dict, models: int, data: ClientData, device: torch.device, flag: str = "") -> int:
-    """Refuse, in one line naming the setting to lower, a run of `models` batched configurations that needs more
-    memory than `device` has available (the data already loaded is not counted again). Returns the bytes one
-    configuration needs."""
-    one = estimate(algo, cfg, data).per_config
-    need, avail = one * models, available_bytes(device)
+def fit_at_once(algo, cfg: dict, models: int, data: ClientData, device: torch.device, flag: str = "",
+                avail: int | None = None) -> int | None:
+    """How many participants per configuration one pass of local training may hold for `models` batched
+    configurations to fit in the memory `device` has available (`avail` bytes where given; the data already loaded
+    not counted again): None when all of them fit, else the most that do (`Engine(at_once=...)`: the same run, in
+    slices); refuses, as `check_memory`, when not even one does."""
+    avail = available_bytes(device) if avail is None else avail
+    if estimate(algo, cfg, data).per_config * models <= avail:
+        return None
+    one = estimate(algo, cfg, data, at_once=1)
+    room = avail // models - one.state - one.evaluation  # what the training tensors of a configuration may take
+    if room < one.training:
+        check_memory(algo, cfg, models, data, device, flag, at_once=1, avail=avail)
+    return max(1, room // one.training)
+
+
+def check_memory(algo, cfg: dict, models: int, data: ClientData, device: torch.device, flag: str = "",
+                 at_once: int | None = None, avail: int | None = None) -> int:
+    """Refuse, in one line naming the setting to lower, a run of `models` batched configurations (`at_once` as
+    for `estimate`) that needs more memory than `device` has available (`avail` bytes where given; the data already
+    loaded is not counted again). Returns the bytes one configuration needs."""
+    one = estimate(algo, cfg, data, at_once=at_once).per_config
+    need = one * models
+    avail = available_bytes(device) if avail is None else avail
     if need > avail:
         defaults = resolve(algo)
         grown = [k for k in SIZE_SETTINGS if k in cfg and cfg[k] > defaults[k]]

@@ -112,9 +112,10 @@ class LocalSteps:
 
     def finish(self, state, aside: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """End the round: the trained models into `state`, except the names `aside`, returned as the cohort's
-        [H, P, ...] tensors (valid until the next `start`); also returns which models' loss was NaN/Inf at some
-        step and each model's mean loss over the steps it took (NaN where it took none), [H, C] each, on the device."""
-        cohort, C = self.cohort, next(iter(state.params.values())).shape[1]
+        [H, P, ...] tensors (valid until the next `start`); also returns which of the cohort's models' loss was
+        NaN/Inf at some step and each one's mean loss over the steps it took (NaN where it took none), [H, P] each,
+        on the device."""
+        cohort = self.cohort
         # (the first step may have given a parameter its gradient's layout: the optimizer's dict is the live one)
         trained = self.opt.params | self.buffers  # name -> [H, P, ...]
         state.params = {k: state.params[k] if k in aside else cohort.put(state.params[k], v)
@@ -122,9 +123,7 @@ class LocalSteps:
         state.buffers = {k: state.buffers[k] if k in aside else cohort.put(state.buffers[k], v)
                          for k, v in self.buffers.items()}
         acc = self.acc  # (the sums are zeroed and refilled next round)
-        bad, loss = acc["bad"].clone(), acc["loss"] / acc["steps"]  # [H, P] each
-        return (cohort.put_fill(bad, C, False), cohort.put_fill(loss, C, torch.nan),
-                {k: trained[k] for k in aside})
+        return acc["bad"].clone(), acc["loss"] / acc["steps"], {k: trained[k] for k in aside}  # [H, P], [H, P]
 
     def _step(self, held: Held, batch: Batch, ctx: dict, at, frozen) -> None:
         """The step itself (eager, or the function a graph captures), updating `held` in place."""

@@ -31,7 +31,7 @@ from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboa
 from ..provenance import library_call, provenance
 from .states import SUFFIX, state_bytes
 from .checkpoint import Checkpoint, check_every
-from .footprint import check_memory
+from .footprint import fit_at_once
 from .config import check_clients, check_seeds, merge_rounds, resolve
 from .names import run_name
 from .engine import Engine, State
@@ -55,11 +55,13 @@ class Trained:
 
 
 def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
-                device: str | torch.device = "cpu", progress=None, logs: bool = True, checkpoint=None) -> dict:
+                device: str | torch.device = "cpu", progress=None, logs: bool = True, checkpoint=None,
+                at_once: int | None = None) -> dict:
     """Train H configurations batched; returns the engine's raw output (acc [R_eval, H, C], with `logs` the other
-    records of `Engine.run`, uploads, timings) and `trained` (a `Trained`). `checkpoint`: see `Engine.run`."""
+    records of `Engine.run`, uploads, timings) and `trained` (a `Trained`). `checkpoint`: see `Engine.run`;
+    `at_once`: see `Engine`."""
     with plugin_exits():
-        engine = Engine(algo, cfgs, train, test, device=device)
+        engine = Engine(algo, cfgs, train, test, device=device, at_once=at_once)
         raw = engine.run(progress, logs, checkpoint)
     return raw | {"trained": Trained(engine.algo, engine.state, engine.train, engine.test)}
 
@@ -127,7 +129,7 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     train_data = load_split(cache, impl, backbones=backbones)
     check_features(train_data, cache)
     check_clients(cfg, int(train_data.features.shape[0]))
-    check_memory(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")
+    at_once = fit_at_once(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")  # None: every participant
     test_data = C.load_clients(cache, "test", backbones=backbones)
     check_split(test_data, "test", cache, NO_TEST_ROWS)
     meta = test_data.meta
@@ -137,7 +139,7 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
         return done | {"cache_path": str(cache)}
     with ckpt.watch():
         raw = run_configs(impl, [cfg | {"seed": int(s)} for s in seeds], train_data, test_data, dev, progress,
-                          checkpoint=ckpt)
+                          checkpoint=ckpt, at_once=at_once)
     floats = raw["upload_floats"][0]
     result = {
         "algo": algo,
