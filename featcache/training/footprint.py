@@ -14,7 +14,9 @@ follows what each tensor lives for:
 - evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
 - data, once: the clients' features, labels and views of the train and test splits.
 
-`check_memory` refuses, in one line naming the setting to lower, a run whose estimate exceeds the available memory.
+`fit_at_once` picks how many participants a pass of local training may hold for a run to fit the available memory
+(the engine trains the rest in further slices); `check_memory` refuses, in one line naming the setting to lower, a
+run whose estimate exceeds it.
 """
 
 from __future__ import annotations
