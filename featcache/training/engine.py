@@ -6,7 +6,8 @@ Models carry two leading axes [H, C]: H configurations (hyperparameter settings 
     -> after_local -> upload -> aggregate over clients of each configuration -> download -> evaluate
 
 The local steps run in `LocalSteps` (steps.py: eager or captured as CUDA graphs) on the round's cohort (cohort.py:
-its participants gathered from the [H, C] state and written back), the minibatch plan comes from schedule.py,
+its participants gathered from the [H, C] state and written back, in slices of `at_once` where memory asks for it;
+with FedAvg's server the shared tensors go to `serve` instead), the minibatch plan comes from schedule.py,
 evaluation (every `eval_every` rounds and after the last) from evaluate.py; the round's mean local training loss is
 accumulated on the device and read back once per round with the NaN check. Hooks get a read-only `Round` and never
 see the engine.
