@@ -242,3 +242,24 @@ def test_fedproc_server_fedavgs_the_model_and_averages_prototypes(name):
     algo.download(state, server, now)
     for k, v in state.params.items():
         torch.testing.assert_close(v[0], server["params"][k][0].expand_as(v[0]))  # every client gets the global model
+
+
+@pytest.mark.parametrize("name", ["fedproto", "fedpcl"])
+def test_after_local_recomputes_only_the_participants_prototypes(name):
+    """Only the round's participants train, so only their prototypes change: after_local computes theirs (the
+    same numbers a pass over every client gives them) and leaves the others' in place."""
+    from featcache.algorithms.protos import local_prototypes
+
+    algo, eng, state = make(name, seeds=(0, 1), participation=0.67)
+    state.client["protos"], state.client["counts"] = local_prototypes(algo, state, TRAIN)
+    part = [[True, False, True], [False, True, True]]
+    eng.local_train(state, 0, part)
+    now = eng.round_context(0, part)
+    assert now.clients.tolist() == [[0, 2], [1, 2]]
+    kept = state.client["protos"].clone()
+    everyone, _ = local_prototypes(algo, state, TRAIN)  # [H, C, K, d]
+    algo.after_local(state, now)
+    sat_out = ~torch.tensor(part)  # [H, C]
+    assert torch.equal(state.client["protos"][sat_out], kept[sat_out])
+    torch.testing.assert_close(state.client["protos"], everyone, rtol=0, atol=1e-6)
+    assert not torch.equal(state.client["protos"][~sat_out], kept[~sat_out])  # the participants' moved

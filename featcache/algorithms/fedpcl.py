@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from ..training.config import Setting
 from . import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
-from .protos import (NOISE_SETTINGS, global_prototypes, loader_prototypes, local_prototypes, mean_prototypes,
-                     pad_prototypes, privatize)
+from .protos import (NOISE_SETTINGS, global_prototypes, loader_prototypes, mean_prototypes, pad_prototypes, privatize,
+                     refresh_prototypes)
 
 
 def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Tensor:
@@ -178,7 +178,7 @@ class FedPCL(FedAvg):
         state.server = self.aggregate(self.upload(state, rnd), weights, state, rnd)
 
     def after_local(self, state, rnd):
-        state.client["protos"], state.client["counts"] = local_prototypes(self, state, rnd.data)
+        refresh_prototypes(self, state, rnd)
 
     def upload(self, state, rnd):
         return {"protos": privatize(state.client["protos"], rnd), "counts": state.client["counts"]}

@@ -31,7 +31,7 @@ import torch
 from ..training.config import Setting
 from . import register
 from .base import FedAvg, masked_ce, masked_mean, one_hot
-from .protos import NOISE_SETTINGS, empty_global, local_prototypes, privatize, update_global
+from .protos import NOISE_SETTINGS, empty_global, privatize, refresh_prototypes, update_global
 
 
 def proto_distance(z: torch.Tensor, y: torch.Tensor, glob: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ class FedProto(FedAvg):
         state.client["own_classes"] = own.expand(rnd.H, *own.shape)  # [H, C, K]
 
     def after_local(self, state, rnd):
-        state.client["protos"], state.client["counts"] = local_prototypes(self, state, rnd.data)
+        refresh_prototypes(self, state, rnd)
 
     def upload(self, state, rnd):
         return {"protos": privatize(state.client["protos"], rnd), "counts": state.client["counts"]}  # [H, C, K, d]

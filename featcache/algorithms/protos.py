@@ -22,19 +22,38 @@ def class_means(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, K: int) ->
     return onehot.T @ z / counts.clamp(min=1)[:, None], counts
 
 
-def local_prototypes(algo, state, data, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every model's prototypes of its own training data in eval mode: ([H, C, K, d], counts [H, C, K]); `rows`
-    [H, C, N] bool picks each model's rows (default: all of its client's rows)."""
-    K = data.num_classes
+def _prototypes_of(algo, K: int):
+    """One client's prototypes in eval mode: (params, buffers, x, y, mask) -> ([K, d], counts [K])."""
 
     def one(params, buffers, x, y, mask):
         z, _ = algo.embed(params, buffers, x)
         return class_means(z, y, mask, K)
 
+    return one
+
+
+def local_prototypes(algo, state, data, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every model's prototypes of its own training data in eval mode: ([H, C, K, d], counts [H, C, K]); `rows`
+    [H, C, N] bool picks each model's rows (default: all of its client's rows)."""
+    one = _prototypes_of(algo, data.num_classes)
     if rows is None:
         return map_models(one, (state.params, state.buffers), (data.features, data.labels, data.mask))
     return map_models(lambda p, b, m, x, y: one(p, b, x, y, m), (state.params, state.buffers, rows),
                       (data.features, data.labels))
+
+
+def refresh_prototypes(algo, state, rnd) -> None:
+    """After local training: the prototypes of the round's participants (`rnd.clients`; every client where that is
+    None) into state.client["protos"] [H, C, K, d] and ["counts"] [H, C, K]. The others' models have not changed
+    since theirs were computed, so theirs stay."""
+    if rnd.clients is None or "protos" not in state.client:
+        state.client["protos"], state.client["counts"] = local_prototypes(algo, state, rnd.data)
+        return
+    h, ids, data = torch.arange(rnd.H, device=rnd.device)[:, None], rnd.clients, rnd.data  # ids [H, P]
+    take = lambda d: {k: v[h, ids] for k, v in d.items()}  # [H, P, ...]
+    protos, counts = map_models(_prototypes_of(algo, data.num_classes), (take(state.params), take(state.buffers),
+                                data.features[ids], data.labels[ids], data.mask[ids]))  # [H, P, K, d], [H, P, K]
+    state.client["protos"][h, ids], state.client["counts"][h, ids] = protos, counts
 
 
 def loader_rows(rnd) -> torch.Tensor:

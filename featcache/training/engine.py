@@ -62,6 +62,7 @@ class Round:
     cfg: MappingProxyType  # the run's shared (structural) settings, read-only
     data: ClientData  # the clients' training data (padded [C, Nmax, ...] + counts [C])
     device: torch.device
+    clients: torch.Tensor | None = None  # [H, P] int64 the participants' ids where they are not every client
 
     def expand(self, t: torch.Tensor) -> torch.Tensor:
         """[H, ...] -> [H, C, ...] (a view): a per-configuration value for every client."""
@@ -106,14 +107,20 @@ class Engine:
         self.cohort: Cohort | None = None  # the last local_train's
 
     def round_context(self, rnd: int, part=None, epoch: int = 0, step: int = 0) -> Round:
-        """The `Round` of round `rnd` (-1: before round 1); part [H, C] bool (default: every client)."""
+        """The `Round` of round `rnd` (-1: before round 1); part [H, C] bool, host lists or a tensor (default: every
+        client)."""
+        clients = None  # [H, P] from host lists where every configuration has P < C participants
         if part is None:
             part = torch.ones(self.H, self.C, dtype=torch.bool, device=self.device)
         elif not torch.is_tensor(part):
+            ids = [[c for c, p in enumerate(row) if p] for row in part]
+            if len({len(row) for row in ids}) == 1 and len(ids[0]) < self.C:
+                clients = torch.tensor(ids, device=self.device)
             part = torch.tensor(part, dtype=torch.bool)
         return Round(round=rnd, rounds=self.cfg["rounds"], epoch=epoch, step=step, steps_per_epoch=self.plan.steps,
                      client_steps=self.plan.client_steps, part=part.to(self.device), H=self.H, C=self.C,
-                     seeds=self.seeds, hp=self.hp, cfg=self.cfg, data=self.train, device=self.device)
+                     seeds=self.seeds, hp=self.hp, cfg=self.cfg, data=self.train, device=self.device,
+                     clients=clients)
 
     def init_state(self) -> State:
         """The models of round 1, each configuration from its own seed, and the algorithm's initial state."""
