@@ -143,10 +143,9 @@ def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int
         loss, _ = torch.func.vmap(torch.func.vmap(algo.local_loss))(leaves, bufs, x, y, _meta((1, TRACED, B), torch.bool),
                                                                    ctx | extra)
         torch.autograd.grad(loss.sum(), [v for v in leaves.values()], allow_unused=True)
-    rows = {"rows": _meta((1, TRACED, n_eval), torch.bool)}
+    rows, xs = {"rows": _meta((1, TRACED, n_eval), torch.bool)}, _meta((TRACED, n_eval, D))  # the data: loaded already
     with _Allocated() as evaluation, torch.no_grad():  # as evaluate.scores runs it: the rows shared by configurations
-        map_models(lambda p, b, c, xs: algo.predict(p, b, xs, c), (models, bufs, ctx | rows),
-                   (_meta((TRACED, n_eval, D)),))
+        map_models(lambda p, b, c, x: algo.predict(p, b, x, c), (models, bufs, ctx | rows), (xs,))
     return kept, step.bytes // TRACED, upload, evaluation.bytes // TRACED
 
 
