@@ -19,13 +19,26 @@ def cohort_size(C: int, rate: float, keeps_optimizer_state: bool = False) -> int
     return C if keeps_optimizer_state else participants(C, rate)
 
 
+def slice_size(P: int, at_once: int | None, keeps_optimizer_state: bool = False) -> int:
+    """The models per configuration one pass of local training holds: at most `at_once` of the P (all P where
+    at_once is None, or where each model's optimizer lives for the whole run)."""
+    return P if at_once is None or keeps_optimizer_state else min(P, at_once)
+
+
+def sets_aside(algo, C: int, P: int, S: int) -> bool:
+    """Whether the participants' shared tensors skip the [H, C] state and go to the server as trained: FedAvg's
+    server (download replaces them for every client) and one slice of P < C participants."""
+    return S == P < C and algo.fedavg_server
+
+
 class Cohort:
     """Which clients the [H, P] models of a round are: ids [H, P] (ascending per configuration), on the device and
     as host lists; `everyone` when P = C and the cohort is the whole [H, C] stack in order."""
 
-    def __init__(self, part: list, P: int, device: torch.device, host: list | None = None):
+    def __init__(self, part: list, P: int, device: torch.device, host: list | None = None, real: int | None = None):
         """part: [H][C] host bools, the round's participants (exactly P per configuration unless P = C); `host`
-        [H][P] the clients of a slice of them instead (`slices`)."""
+        [H][P] the clients of a slice of them instead (`slices`), of which the first `real` train and are written
+        back (default: all P)."""
         H, C = len(part), len(part[0])
         self.everyone = P == C
         if host is None:
@@ -34,8 +47,9 @@ class Cohort:
         if any(len(row) != P for row in self.host):
             raise ValueError(f"a cohort of {P} models per configuration got {[len(r) for r in self.host]} participants")
         self.ids = torch.tensor(self.host, device=device)  # [H, P] int64
-        self.part = part if self.everyone else [[part[h][c] for c in row] for h, row in enumerate(self.host)]  # [H][P]
-        self.real = P  # the models written back: the first `real` (a last slice is padded to its width)
+        self.real = P if real is None else real  # the models written back (a last slice is padded to its width)
+        self.part = part if self.everyone else [[part[h][c] and j < self.real for j, c in enumerate(row)]
+                                                for h, row in enumerate(self.host)]  # [H][P] host: who trains
         self._h = torch.arange(H, device=device)[:, None]  # [H, 1]
 
     @classmethod
@@ -46,13 +60,8 @@ class Cohort:
         whole = cls(part, P, device)
         if at_once >= P:
             return [whole]
-        out = []
-        for i in range(0, P, at_once):
-            host = [row[i:i + at_once] + row[:max(0, i + at_once - P)] for row in whole.host]
-            out.append(cls(part, at_once, device, host))
-            out[-1].real = min(at_once, P - i)
-            out[-1].part = [[p and j < out[-1].real for j, p in enumerate(row)] for row in out[-1].part]
-        return out
+        return [cls(part, at_once, device, [row[i:i + at_once] + row[:max(0, i + at_once - P)] for row in whole.host],
+                    min(at_once, P - i)) for i in range(0, P, at_once)]
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """[H, C, ...] -> [H, P, ...], the cohort's models (t itself for everyone; a broadcast over clients stays a

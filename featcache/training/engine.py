@@ -28,7 +28,7 @@ from .config import shared_settings, structural_keys
 from .evaluate import record
 from .guards import nan_cause
 from .hparams import HParams
-from .cohort import Cohort, cohort_size
+from .cohort import Cohort, cohort_size, sets_aside, slice_size
 from .models import Params, expand_hc
 from .schedule import batch_order, participation, plan_steps
 from .steps import LocalSteps
@@ -93,12 +93,11 @@ class Engine:
         self.plan = plan_steps(self.train, self.cfg["batch_size"], self.cfg["drop_last"])
         self.state = self.init_state()  # trained in place by `run`
         self.P = cohort_size(self.C, self.cfg["participation"], self.algo.keeps_optimizer_state)  # models trained
-        self.at_once = self.P if at_once is None or self.algo.keeps_optimizer_state else min(self.P, at_once)
-        # where the server only averages the shared tensors and hands every client the mean, it reads them from the
-        # round's participants as they are, and they are never written into the [H, C] state
+        self.at_once = slice_size(self.P, at_once, self.algo.keeps_optimizer_state)
+        # the shared tensors `serve` reads from the participants as they trained, never written into the [H, C] state
         names = (*self.state.params, *self.state.buffers)
-        self.aside = tuple(k for k in names if self.algo.shared(k)) if self.at_once < self.C and \
-            self.at_once == self.P and self.algo.fedavg_server else ()
+        self.aside = tuple(k for k in names if self.algo.shared(k)) \
+            if sets_aside(self.algo, self.C, self.P, self.at_once) else ()
         self.runner = LocalSteps(self.algo, self.cfg["optimizer"], self.hp, self.train, self.plan, self.state,
                                  self.at_once, capture)
         self.last_round: Round | None = None  # the context of the last round run

@@ -34,6 +34,8 @@ from ..cache import ClientData
 from ..errors import UserError
 from ..memory import available_bytes
 from .config import resolve, shared_settings, structural_keys
+from . import schedule
+from .cohort import sets_aside, slice_size
 from .engine import Round, State
 from .hparams import HParams
 from .models import map_models
@@ -67,8 +69,8 @@ class Footprint:
 
 
 def participants(cfg: dict, clients: int) -> int:
-    """P: the models that train in a round of `clients` clients at the configuration's participation."""
-    return max(1, round(cfg["participation"] * clients))
+    """P: the clients that take part in a round of `clients` at the configuration's participation."""
+    return schedule.participants(clients, cfg["participation"])
 
 
 def _bytes(tree) -> int:
@@ -159,7 +161,7 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
     C, N, D = train.features.shape
     K = train.num_classes
     P = participants(cfg, C) if P is None else P
-    S = P if at_once is None or algo.keeps_optimizer_state else min(P, at_once)  # trained at once
+    S = slice_size(P, at_once, algo.keeps_optimizer_state)  # trained at once
     try:
         with torch.device("meta"):
             params, buffers = algo.init(cfg, D, K, torch.Generator())
@@ -180,7 +182,7 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
     rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
     trained = n_params * (2 + MOMENTS[cfg["optimizer"]])  # working copy and its copy in the gradients' layout, moments
     trained += n_buffers  # the local steps' own buffers (BN statistics updated during training)
-    once = S == P < C and algo.fedavg_server  # the shared tensors: one per configuration, broadcast to its clients
+    once = sets_aside(algo, C, P, S)  # the shared tensors: one per configuration, broadcast to its clients
     lifelong = params | buffers
     shared = _bytes({k: v for k, v in lifelong.items() if once and algo.shared(k)})
     return Footprint(state=C * (_bytes(lifelong) - shared) + shared + kept, training=S * (trained + step + upload + rows),
@@ -204,18 +206,22 @@ def fit_at_once(algo, cfg: dict, models: int, data: ClientData, device: torch.de
     one = estimate(algo, cfg, data, at_once=1)
     room = avail // models - one.state - one.evaluation  # what the training tensors of a configuration may take
     if room < one.training:
-        check_memory(algo, cfg, models, data, device, flag, at_once=1, avail=avail)
+        _refuse(algo, cfg, models, one.per_config, device, avail, flag)
     return max(1, room // one.training)
 
 
-def check_memory(algo, cfg: dict, models: int, data: ClientData, device: torch.device, flag: str = "",
-                 at_once: int | None = None, avail: int | None = None) -> int:
-    """Refuse, in one line naming the setting to lower, a run of `models` batched configurations (`at_once` as
-    for `estimate`) that needs more memory than `device` has available (`avail` bytes where given; the data already
-    loaded is not counted again). Returns the bytes one configuration needs."""
-    one = estimate(algo, cfg, data, at_once=at_once).per_config
+def check_memory(algo, cfg: dict, models: int, data: ClientData, device: torch.device, flag: str = "") -> int:
+    """Refuse, in one line naming the setting to lower, a run of `models` batched configurations that needs more
+    memory than `device` has available (the data already loaded is not counted again). Returns the bytes one
+    configuration needs."""
+    one = estimate(algo, cfg, data).per_config
+    _refuse(algo, cfg, models, one, device, available_bytes(device), flag)
+    return one
+
+
+def _refuse(algo, cfg: dict, models: int, one: int, device: torch.device, avail: int, flag: str) -> None:
+    """The one-line refusal of a run of `models` configurations of `one` bytes each, when they exceed `avail`."""
     need = one * models
-    avail = available_bytes(device) if avail is None else avail
     if need > avail:
         defaults = resolve(algo)
         grown = [k for k in SIZE_SETTINGS if k in cfg and cfg[k] > defaults[k]]
@@ -224,4 +230,3 @@ def check_memory(algo, cfg: dict, models: int, data: ClientData, device: torch.d
                flag or "use fewer seeds or a cache with fewer clients")
         raise UserError(f"{algo.name} would need about {_gib(need)} of memory ({models} model(s) x {_gib(one)}) "
                         f"but {device} has {_gib(avail)} available: {fix}")
-    return one
