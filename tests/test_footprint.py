@@ -72,6 +72,8 @@ def test_participants_come_from_the_configuration():
     assert estimate(create("fedavg"), configure("fedavg", participation=0.1), data).participants == 5
     assert participants(configure("fedavg", participation=0.001), 50) == 1  # at least one
     assert participants(configure("fedavg"), 50) == 50
+    # a model whose optimizer lives for the whole run trains at width C, the absent ones masked (as the engine)
+    assert estimate(create("pfedgate"), configure("pfedgate", participation=0.1), data).participants == 50
 
 
 @pytest.mark.parametrize("name", sorted(list_algorithms()))

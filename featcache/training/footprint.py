@@ -35,7 +35,7 @@ from ..errors import UserError
 from ..memory import available_bytes
 from .config import resolve, shared_settings, structural_keys
 from . import schedule
-from .cohort import sets_aside, slice_size
+from .cohort import cohort_size, sets_aside, slice_size
 from .engine import Round, State
 from .hparams import HParams
 from .models import map_models
@@ -160,7 +160,7 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
     algo = algo.bind(shared_settings(cfg, algo))
     C, N, D = train.features.shape
     K = train.num_classes
-    P = participants(cfg, C) if P is None else P
+    P = cohort_size(C, cfg["participation"], algo.keeps_optimizer_state) if P is None else P  # as the engine's
     S = slice_size(P, at_once, algo.keeps_optimizer_state)  # trained at once
     try:
         with torch.device("meta"):
