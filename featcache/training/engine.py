@@ -103,7 +103,6 @@ class Engine:
         self.last_round: Round | None = None  # the context of the last round run
         self.round_loss: torch.Tensor | None = None  # [H, C] the last local_train's mean loss per model (device)
         self.uploads: dict = {}  # name -> [H, P, ...] the last local_train's participants' tensors set aside
-        self.cohort: Cohort | None = None  # the last local_train's
 
     def round_context(self, rnd: int, part=None, epoch: int = 0, step: int = 0) -> Round:
         """The `Round` of round `rnd` (-1: before round 1); part [H, C] bool, host lists or a tensor (default: every
@@ -154,7 +153,6 @@ class Engine:
                     self.runner.step(self.plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
             done, loss, self.uploads = self.runner.finish(state, aside)  # [H, P], [H, P], name -> [H, P, ...]
             bad, self.round_loss = cohort.put(bad, done), cohort.put(self.round_loss, loss)
-            self.cohort = cohort
         return bad
 
     def read_round(self, bad: torch.Tensor, rnd: int) -> torch.Tensor:
@@ -170,7 +168,7 @@ class Engine:
         Returns the floats one client uploads (the uploads themselves are freed on return)."""
         algo = self.algo
         if self.aside:  # FedAvg's server: the participants' uploads [H, P, ...] as trained
-            uploads, weights = self.uploads, self.cohort.take_clients(self.train.counts).float()  # [H, P]
+            uploads, weights = self.uploads, self.train.counts[now.clients].float()  # [H, P]
         else:
             algo.after_local(state, now)
             uploads = algo.upload(state, now)  # name -> [H, C, ...]
