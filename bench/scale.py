@@ -4,7 +4,8 @@ backbone, 20 train and 10 test rows per client, 10 classes, batch 10) at partici
 (featcache.training.footprint) and its ratio to the peak, and each p < 1 round's time over the p = 1.0 round of the
 same C. Plus a FedAvg round on a cache shaped like the demo's (4 clients, 3,840-d, 10 classes, 100 train and 500
 test rows each, evaluated every round): its time over the time of the same matrix products alone (replayed on
-their recorded shapes, interleaved with the rounds), and its FLOPs split into training and evaluation. Prints one JSON object. Run: `.venv/bin/python bench/scale.py [--quick]`.
+their recorded shapes, interleaved with the rounds), and its FLOPs split into training and evaluation. Prints one
+JSON object. Run: `.venv/bin/python bench/scale.py [--quick]`.
 
 Each case runs in a fresh process (`--case`) that builds its clients in memory (as a loaded cache holds them) and
 reports its own VmHWM: the peak RSS of that exec alone, data and interpreter included. Rounds: one warm-up round,
@@ -13,8 +14,9 @@ time minus its rounds. Each case carries two estimates: `estimate_bytes` with P 
 per round, `estimate_every_client_trains_bytes` with all C (an engine that trains every client and masks the
 update). A case whose estimate (`--skip-by participants`, or `every-client` for such an engine) exceeds the available
 memory (or --max-gb) is skipped and says so. A p = 1.0 case estimated above --budget-gb (default 3) runs again
-with its participants trained in slices that fit the budget (`at_once`, the engine's; the same results). The scaling targets (`TARGETS`) are printed beside the figures as
-pass/fail, not asserted. `--quick` runs C = 10 and 30 only.
+with its participants trained in slices that fit the budget (`at_once`, the engine's; the same results). The
+scaling targets (`TARGETS`) are printed beside the figures as pass/fail, not asserted. `--quick` runs C = 10 and 30
+only.
 """
 
 from __future__ import annotations

@@ -185,7 +185,8 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
     once = sets_aside(algo, C, P, S)  # the shared tensors: one per configuration, broadcast to its clients
     lifelong = params | buffers
     shared = _bytes({k: v for k, v in lifelong.items() if once and algo.shared(k)})
-    return Footprint(state=C * (_bytes(lifelong) - shared) + shared + kept, training=S * (trained + step + upload + rows),
+    return Footprint(state=C * (_bytes(lifelong) - shared) + shared + kept,
+                     training=S * (trained + step + upload + rows),
                      evaluation=C * evaluation, data=_data_bytes(train, test), participants=P,
                      traced=traced)
 
