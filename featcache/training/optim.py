@@ -85,6 +85,20 @@ def _like(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
                                                                         dtype=t.dtype, device=t.device).copy_(t)
 
 
+def _relayout(t: torch.Tensor, layout: torch.Tensor, chunk: int = 2**26) -> torch.Tensor:
+    """t's values in layout's memory layout, written into t's own memory (t and layout [H, C, ...], each model's
+    entry dense, t owning its memory alone): models are moved through a temporary of about `chunk` bytes rather than
+    a second tensor of t's size."""
+    if t.stride() == layout.stride():
+        return t
+    out = t.as_strided(t.shape, layout.stride(), t.storage_offset())
+    src, dst = t.flatten(0, 1), out.flatten(0, 1)  # [H*C, ...] views: each model's entry is the same memory in both
+    step = max(1, chunk // (src[0].numel() * src.element_size()))
+    for i in range(0, src.shape[0], step):
+        dst[i:i + step].copy_(src[i:i + step].clone())
+    return out
+
+
 def _host(v) -> list:
     """A host list from a list or a tensor (a tensor is read back)."""
     return v.tolist() if torch.is_tensor(v) else list(v)
@@ -155,8 +169,8 @@ class _Stacked(_Run):
         # so parameter and moments adopt that layout once rather than the gradient being copied every step
         g = g if _dense(g) else g.contiguous()
         self.params[k] = _like(self.params[k], g)
-        for name in self.state_names:
-            getattr(self, name)[k] = _like(getattr(self, name)[k], g)
+        for name in self.state_names:  # the optimizer's own: rearranged within their memory, not copied anew
+            getattr(self, name)[k] = _relayout(getattr(self, name)[k], g)
         return g
 
     def uniform(self, k: str, h: int) -> bool:

@@ -139,6 +139,7 @@ class LocalSteps:
         check_loss(self.algo, loss, active.shape)
         grads = dict(zip(leaves, torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)))
         grads = {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in grads.items()}
+        del leaves  # a parameter the optimizer moves into its gradient's layout (first step) frees its old memory
         grads = clip_grad_norms(grads, self.clips, frozen)  # per model and group, where a group declares a norm
         loss = loss.detach()
         acc["bad"] |= ~torch.isfinite(loss) & active  # [H, P] read once, after the round
