@@ -8,7 +8,9 @@ import torch
 from conftest import configure
 
 from featcache.algorithms import create, list_algorithms
+from featcache.training import evaluate
 from featcache.training.engine import Engine
+from featcache.training.evaluate import stale_cohorts
 from featcache.training.hparams import HParams
 from featcache.training.optim import SGD, Adam
 from featcache.training.cohort import Cohort
@@ -145,6 +147,47 @@ def test_training_the_cohort_in_slices_gives_the_same_run(name, data):
         torch.testing.assert_close(b["train_loss"], a["train_loss"], rtol=1e-6, atol=1e-6, equal_nan=True)
         for k, v in whole.state.params.items():
             torch.testing.assert_close(sliced.state.params[k], v, msg=lambda m: f"{name} p={p} {k}: {m}")
+
+
+PERSONAL = [n for n in ALGOS if create(n).bind(config(create(n))).personal_predict]
+
+
+@pytest.mark.parametrize("name", PERSONAL)
+def test_non_participants_keep_their_scores(name, data, monkeypatch):
+    """Where `predict` is personal, an evaluation scores again only the clients that trained since the last one
+    (in cohorts of at most `at_once` models) and keeps the others' figures: the records equal those of scoring
+    every client at every evaluation, so the declaration holds."""
+    train, test = data
+    algo = create(name)
+    C = train.features.shape[0]
+    cfgs = [config(algo, rounds=4, batch_size=16, drop_last=False, participation=0.5, eval_every=1, seed=s)
+            for s in (0, 1)]
+    widths, scores = [], evaluate.scores
+
+    def spy(algo, state, data, rnd, model=None, first=False, cohort=None):
+        if model is None:  # the clients' own models (a global model changes every round)
+            widths.append(C if cohort is None else cohort.ids.shape[1])
+        return scores(algo, state, data, rnd, model, first, cohort)
+
+    monkeypatch.setattr(evaluate, "scores", spy)
+    reused = Engine(algo, cfgs, train, test, at_once=1).run()
+    assert widths[:2] == [C, C] and widths[2:] and max(widths[2:]) == 1  # test and train rows, then cohorts of 1
+    for logs in (True, False):
+        monkeypatch.setattr(type(algo), "personal_predict", False)
+        every = Engine(algo, cfgs, train, test).run(logs=logs)
+        monkeypatch.undo()
+        again = Engine(algo, cfgs, train, test, at_once=1).run(logs=logs) if not logs else reused
+        for k in ("test_acc", "test_loss", "train_acc", "global_acc"):
+            if every.get(k) is not None:
+                assert torch.equal(again[k], every[k]), (name, k, logs)
+
+
+def test_stale_cohorts_pad_each_configuration_with_its_own_clients():
+    stale = [[False, True, False, True, True], [True, False, False, False, False]]
+    cohorts = stale_cohorts(stale, 2, torch.device("cpu"))
+    assert [c.host for c in cohorts] == [[[1, 3], [0, 0]], [[4], [0]]]
+    assert stale_cohorts([[True] * 3, [False, True, False]], 2, torch.device("cpu")) is None  # one has every client
+    assert [c.host for c in stale_cohorts([[False] * 3], 4, torch.device("cpu"))] == [[[0]]]
 
 
 def test_participation_rate():

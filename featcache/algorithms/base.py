@@ -27,7 +27,8 @@ at every evaluation round:
     predict_global(params, buffers, x, ctx) -> scores [N, K]  its inference on one client's rows (vmapped)
 and, asked once per run: local_epochs(), lr_scale(name), shared(name). Declared as data: `groups` (the local
 optimizer's parameter groups: their learning-rate and weight-decay settings and gradient-norm clip) and
-`keeps_optimizer_state` (moments and step counts carry over from round to round, per model). Derived from which
+`keeps_optimizer_state` (moments and step counts carry over from round to round, per model) and `personal_predict`
+(predict reads only what the client's own training changes: non-participants keep their scores). Derived from which
 hooks are FedAvg's own: `fedavg_server` (the engine averages the participants' shared tensors where they trained)
 and `clients_hold_global` (the global metric is the clients' pooled one).
 
@@ -131,6 +132,10 @@ class FedAvg:
     # Whether each model's optimizer moments and step counts carry over from round to round (one optimizer per
     # client kept alive, as torch.optim objects a client holds for the whole run) instead of starting from zero.
     keeps_optimizer_state = False
+    # Whether `predict` reads only what a client's own local training changes (its parameters and buffers, and
+    # per-client state refreshed for the round's participants only): a client that took part in no round since the
+    # last evaluation then keeps its scores, and the engine reuses them rather than scoring it again.
+    personal_predict = False
     cfg = None  # the shared settings this instance is bound to (see bind)
 
     def bind(self, cfg) -> "FedAvg":

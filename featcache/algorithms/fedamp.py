@@ -62,6 +62,7 @@ class FedAMP(FedAvg):
     name = "fedamp"
     paper = "Huang et al., Personalized Cross-Silo Federated Learning on Non-IID Data, AAAI 2021 (HeurFedAMP default)"
     uploads = "all head parameters (the personalized model w_i)"
+    personal_predict = True  # w_i changes only in its own local training; the cloud models only steer it
     # λ, α_k, σ: PFLlib's FedAMP defaults; ξ_ii: our choice (see the module docstring)
     settings = {
         "attention": Setting("cosine", "HeurFedAMP's cosine attention or FedAMP's distance attention",

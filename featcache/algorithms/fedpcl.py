@@ -142,6 +142,7 @@ class FedPCL(FedAvg):
     paper = "Tan et al., Federated Learning from Pre-Trained Models: A Contrastive Learning Approach, NeurIPS 2022, " \
             "§4 eq. 5–10, Alg. 1"
     uploads = "local prototypes [K, proj_dim] + class counts [K]"
+    personal_predict = True  # the own projection and the own local prototypes
     objective = ("unbounded below: eq. 8 leaves the positive out of its denominator and z is not normalised, so the "
                  "loss can fall without limit while accuracy holds; judge runs by accuracy "
                  "(--set normalize=true bounds it)")
@@ -245,6 +246,7 @@ class FedPCLOfficial(FedPCL):
     name = "fedpcl-official"
     paper = "FedPCL released code (yuetan031/FedPCL, lib/losses.py ConLoss, lib/update.py)"
     settings = {"bn": False, "normalize": True, "loss": "official", "global_agg": "mean"}
+    personal_predict = False  # every client's own prototypes are taken again each round, over a reshuffled loader
 
     def context(self, state, rnd):
         started = torch.full((rnd.H, rnd.C), float(rnd.round > 0), device=rnd.device)  # [H, C]

@@ -78,6 +78,10 @@ class FedProto(FedAvg):
         reg = masked_mean(proto_distance(z, y, ctx["prototypes"], ctx["has"]), mask)
         return masked_ce(self.logits(params, z), y, mask) + ctx["hp"]["lam"] * reg
 
+    @property
+    def personal_predict(self) -> bool:
+        return self.cfg["infer"] == "classifier"  # the nearest global prototype changes with every round
+
     def predict(self, params, buffers, x, ctx):
         return INFER[self.cfg["infer"]](self, params, buffers, x, ctx)
 

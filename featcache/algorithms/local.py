@@ -15,6 +15,7 @@ class Local(FedAvg):
     name = "local"
     paper = "Solo baseline of Tan et al., FedPCL, NeurIPS 2022, §5.1: every client trains alone"
     uploads = "nothing"
+    personal_predict = True
 
     def shared(self, name):
         return False

@@ -42,6 +42,7 @@ class PFedSD(FedAvg):
     name = "pfedsd"
     paper = "Jin et al., Personalized Edge Intelligence via Federated Self-Knowledge Distillation, IEEE TPDS 2022"
     uploads = "all head parameters"
+    personal_predict = True  # θ̂_i, refreshed for the round's participants only
     settings = {  # Fling's configs (see the module docstring)
         "temperature": Setting(3.0, "T, the distillation temperature (Fling: 3; CGCL-codes: 1)", lo=0, lo_open=True),
         "lam": Setting(0.5, "λ, weight of the self-distillation term (Fling: 0.5; CGCL-codes: 1)", lo=0),

@@ -47,7 +47,8 @@ def refresh_prototypes(algo, state, rnd) -> None:
     None) into state.client["protos"] [H, C, K, d] and ["counts"] [H, C, K]. The others' models have not changed
     since theirs were computed, so theirs stay."""
     if rnd.clients is None or "protos" not in state.client:
-        state.client["protos"], state.client["counts"] = local_prototypes(algo, state, rnd.data)
+        protos, counts = local_prototypes(algo, state, rnd.data)
+        state.client["protos"], state.client["counts"] = protos, counts.contiguous()  # (vmap broadcasts it over H)
         return
     h, ids, data = torch.arange(rnd.H, device=rnd.device)[:, None], rnd.clients, rnd.data  # ids [H, P]
     take = lambda d: {k: v[h, ids] for k, v in d.items()}  # [H, P, ...]

@@ -177,6 +177,14 @@ class Engine:
         self.uploads = {}
         return sum(v[0, 0].numel() for v in uploads.values())
 
+    def trained_since(self, start: int, rnd: int) -> list:
+        """[H][C] host bools: the clients that took part in any of rounds start..rnd (0-based, inclusive), from the
+        seeded draws (so a resumed run knows them too)."""
+        part = torch.zeros(self.H, self.C, dtype=torch.bool)
+        for r in range(start, rnd + 1):
+            part |= participation(self.seeds, r, self.C, self.cfg["participation"])
+        return part.tolist()
+
     def live_metrics(self, test_acc: torch.Tensor, round_loss: torch.Tensor) -> dict:
         """What an evaluation round tells a watcher, per configuration (host floats): the seed, the client-mean test
         accuracy in % and the mean local training loss over the clients that took part (test_acc, round_loss [H, C])."""
@@ -208,7 +216,10 @@ class Engine:
             times.append(time.perf_counter() - t0)
             live = None
             if (rnd + 1) % self.cfg["eval_every"] == 0 or rnd == R - 1:
-                records.append(record(algo, state, self.train, self.test, now, round_loss, logs, first=not records))
+                last = records[-1] if records and algo.personal_predict else None  # its figures kept where unchanged
+                records.append(record(algo, state, self.train, self.test, now, round_loss, logs, first=not records,
+                                      last=last, stale=None if last is None else self.trained_since(rounds[-1], rnd),
+                                      width=self.at_once))
                 rounds.append(rnd + 1)
                 live = self.live_metrics(records[-1]["test_acc"], round_loss)
             if progress:

@@ -1,21 +1,45 @@
 """Evaluation of a run's models: per model, accuracy and loss on its client's own rows; per configuration, the
 accuracy of the server's global model (the algorithm's `global_model` hook, None where the server holds none) on
-the union of all clients' rows. `rnd` is the `Round` after which the models are evaluated (their context)."""
+the union of all clients' rows. `rnd` is the `Round` after which the models are evaluated (their context).
+
+Where the algorithm's `predict` is personal (`personal_predict`), a client that took part in no round since the
+last evaluation keeps that evaluation's figures: only the others are scored again, gathered into cohorts of at
+most as many models as a round trains at once."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..cache import ClientData
+from .cohort import Cohort
 from .guards import check_scores
 from .models import expand_hc, map_models
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Labels, validity and counts of the rows of some clients: [C, N], [C, N], [C] for every client (a split's
+    own), or [H, P, N], [H, P, N], [H, P] for a cohort's."""
+
+    labels: torch.Tensor
+    mask: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def of(cls, data: ClientData, cohort: Cohort | None = None) -> "Rows":
+        take = (lambda t: t) if cohort is None else cohort.take_clients
+        return cls(take(data.labels), take(data.mask), take(data.counts))
+
+
 @torch.no_grad()
-def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False) -> torch.Tensor:
-    """Every model's scores on its client's rows of `data`: [H, C, N, K]. `model` = (params, buffers) name -> [H, ...]
-    scores the server's global model instead, broadcast to every client, with the algorithm's `predict_global`.
-    Their shape is checked every time, their values at the `first` evaluation (`guards.check_scores`)."""
+def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False,
+           cohort: Cohort | None = None) -> torch.Tensor:
+    """Every model's scores on its client's rows of `data`: [H, C, N, K] ([H, P, N, K], the models of `cohort`
+    only, where given). `model` = (params, buffers) name -> [H, ...] scores the server's global model instead,
+    broadcast to every client, with the algorithm's `predict_global`. Their shape is checked every time, their
+    values at the `first` evaluation (`guards.check_scores`)."""
     ctx = algo.context(state, rnd) | {"rows": data.mask.expand(rnd.H, *data.mask.shape)}  # rows [H, C, N] bool
     if model is None:
         params, buffers, fn = state.params, state.buffers, algo.predict
@@ -23,9 +47,25 @@ def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False) 
         params, buffers = ({k: expand_hc(v, rnd.C) for k, v in d.items()} for d in model)  # [H, C, ...]
         fn = algo.predict_global
     predict = lambda p, b, c, x: fn(p, b, x, c)
-    out = map_models(predict, (params, buffers, ctx), (data.features,))  # [H, C, N, K]
+    if cohort is None:
+        out = map_models(predict, (params, buffers, ctx), (data.features,))  # [H, C, N, K]
+    else:  # the cohort's models and their clients' rows, [H, P, ...] each
+        models = tuple(cohort.take_tree(t) for t in (params, buffers, ctx))
+        out = map_models(predict, (*models, cohort.take_clients(data.features)))  # [H, P, N, K]
     check_scores(algo, getattr(fn, "__name__", "predict"), out, data, first)
     return out
+
+
+def stale_cohorts(stale: list, width: int, device: torch.device) -> list[Cohort] | None:
+    """The clients to score again, `stale` [H][C] host bools, as cohorts of at most `width` models per
+    configuration (a configuration with fewer repeats its first; none: client 0); None where one configuration's
+    stale clients are all C (then every model is scored, in place)."""
+    rows = [[c for c, s in enumerate(row) if s] or [0] for row in stale]
+    S, C = max(map(len, rows)), len(stale[0])
+    if S == C:
+        return None
+    rows = [row + row[:1] * (S - len(row)) for row in rows]  # [H][S]: a repeat scores a client twice, the same
+    return [Cohort(stale, min(width, S - i), device, [row[i:i + width] for row in rows]) for i in range(0, S, width)]
 
 
 def evaluate(algo, state, data: ClientData, rnd) -> torch.Tensor:
@@ -48,10 +88,15 @@ def evaluate_global(algo, state, data: ClientData, rnd, client_hits: torch.Tenso
 
 
 def record(algo, state, train: ClientData, test: ClientData, rnd, round_loss: torch.Tensor, logs: bool = True,
-           first: bool = False) -> dict:
+           first: bool = False, last: dict | None = None, stale: list | None = None, width: int = 1) -> dict:
     """What an evaluation round records, on the host: test_acc, test_loss, train_acc, train_loss [H, C] and
     global_acc [H] (None without a global model); only test_acc without `logs`. `first`: the run's first evaluation,
-    where the scores' values are checked too."""
+    where the scores' values are checked too. `last`: the previous evaluation's record, and `stale` [H][C] host
+    bools the clients whose models may have changed since: the others keep their figures from `last` (where
+    `algo.personal_predict`), the stale ones are scored in cohorts of at most `width` models."""
+    cohorts = None if last is None or stale is None else stale_cohorts(stale, width, test.features.device)
+    if cohorts is not None:
+        return _rescore(algo, state, train, test, rnd, round_loss, logs, last, cohorts)
     test_scores = scores(algo, state, test, rnd, first=first)  # [H, C, N, K]
     test_hits = hits(test_scores, test)  # [H, C, N]
     test_acc, test_loss = accuracy_loss(test_scores, test, test_hits)  # [H, C] each
@@ -63,12 +108,33 @@ def record(algo, state, train: ClientData, test: ClientData, rnd, round_loss: to
             "train_loss": round_loss, "global_acc": None if glob is None else glob.cpu()}
 
 
-def hits(scores: torch.Tensor, data: ClientData) -> torch.Tensor:
+def _rescore(algo, state, train: ClientData, test: ClientData, rnd, round_loss: torch.Tensor, logs: bool, last: dict,
+             cohorts: list[Cohort]) -> dict:
+    """`record` with only the `cohorts`' models scored again, the other clients' figures kept from `last`."""
+    keys = ("test_acc", "test_loss", "train_acc") if logs else ("test_acc",)
+    out = {k: last[k].clone() for k in keys}  # [H, C] on the host
+    for cohort in cohorts:
+        at = (torch.arange(len(cohort.host))[:, None], torch.tensor(cohort.host))  # [H, 1], [H, P] host indices
+        test_rows = Rows.of(test, cohort)
+        figures = dict(zip(("test_acc", "test_loss"), accuracy_loss(scores(algo, state, test, rnd, cohort=cohort),
+                                                                    test_rows)))  # [H, P] each
+        if logs:
+            figures["train_acc"] = accuracy_loss(scores(algo, state, train, rnd, cohort=cohort),
+                                                 Rows.of(train, cohort))[0]  # [H, P]
+        for k in keys:
+            out[k][at] = figures[k].cpu()
+    if not logs:
+        return out
+    glob = evaluate_global(algo, state, test, rnd)  # [H] or None
+    return out | {"train_loss": round_loss, "global_acc": None if glob is None else glob.cpu()}
+
+
+def hits(scores: torch.Tensor, data: ClientData | Rows) -> torch.Tensor:
     """[H, C, N] bool: the valid rows whose top score is their label (scores [H, C, N, K])."""
     return (scores.argmax(-1) == data.labels) & data.mask
 
 
-def accuracy_loss(scores: torch.Tensor, data: ClientData, hit: torch.Tensor | None = None
+def accuracy_loss(scores: torch.Tensor, data: ClientData | Rows, hit: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accuracy and mean cross-entropy of the scores over each client's valid rows: ([H, C], [H, C]); `hit` [H, C, N]
     the scores' `hits` when already known. A score of -inf for a row's label (a class the model rules out) gives
