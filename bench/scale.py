@@ -47,8 +47,9 @@ MATMULS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::baddbm
 TARGETS = {"round_ratio_p0.1_C1000": 0.15, "peak_gib_C1000": 3.0, "demo_round_over_matmul": 1.6}
 
 
-def config(algo, C: int, p: float, rounds: int) -> dict:
-    return resolve(algo, {"rounds": rounds, "eval_every": rounds, "participation": p, "batch_size": BATCH})
+def config(algo, C: int, p: float, rounds: int, eval_every: int | None = None) -> dict:
+    return resolve(algo, {"rounds": rounds, "eval_every": eval_every or rounds, "participation": p,
+                          "batch_size": BATCH})
 
 
 def vm(field: str) -> int:
@@ -57,19 +58,42 @@ def vm(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def run_case(name: str, C: int, p: float, rounds: int, at_once: int | None = None) -> dict:
-    """One case in this (fresh) process: seconds per round, evaluation seconds, peak RSS."""
+def run_case(name: str, C: int, p: float, rounds: int, at_once: int | None = None, eval_every: int | None = None,
+             reuse: bool = True) -> dict:
+    """One case in this (fresh) process: seconds per round, evaluation seconds (all evaluations, and per
+    evaluation), peak RSS. `reuse=False` scores every client at every evaluation even where predict is personal."""
     torch.set_num_threads(torch.get_num_threads())
     base = vm("VmRSS")
     train = synthetic_clients(C=C, n=(N_TRAIN, N_TRAIN), D=D, K=K, seed=0)
     test = synthetic_clients(C=C, n=(N_TEST, N_TEST), D=D, K=K, seed=1)
     algo = create(name)
+    if not reuse:
+        type(algo).personal_predict = False
     t0 = time.perf_counter()
-    raw = Engine(algo, [config(algo, C, p, rounds)], train, test, at_once=at_once).run()
+    raw = Engine(algo, [config(algo, C, p, rounds, eval_every)], train, test, at_once=at_once).run()
     wall = time.perf_counter() - t0
-    times = raw["round_seconds"]
+    times, evals = raw["round_seconds"], len(raw["eval_rounds"])
     return {"round_seconds": [round(t, 4) for t in times], "seconds_per_round": round(statistics.median(times[1:]), 4),
-            "eval_seconds": round(wall - sum(times), 4), "peak_rss_bytes": vm("VmHWM"), "process_bytes": base}
+            "eval_seconds": round(wall - sum(times), 4), "seconds_per_evaluation": round((wall - sum(times)) / evals, 4),
+            "peak_rss_bytes": vm("VmHWM"), "process_bytes": base}
+
+
+def evaluation_cases(C: int, rounds: int) -> list[dict]:
+    """FedPCL (personal predict) at participation 0.1, evaluated every round: the evaluation's seconds when the
+    clients that did not train keep their figures over those when every client is scored again, each in a fresh
+    process."""
+    out = {}
+    for reuse in (True, False):
+        done = subprocess.run([sys.executable, __file__, "--case", f"fedpcl:{C}:0.1:0:1:{int(reuse)}", "--rounds",
+                               str(rounds)], capture_output=True, text=True)
+        out[reuse] = {"failed": done.stderr.strip().splitlines()[-1:]} if done.returncode else json.loads(done.stdout)
+    case = {"algo": "fedpcl", "clients": C, "participation": 0.1, "eval_every": 1,
+            "reused": out[True], "every_client": out[False]}
+    if "seconds_per_evaluation" in out[True] and "seconds_per_evaluation" in out[False]:
+        case["evaluation_reused_over_every_client"] = round(out[True]["seconds_per_evaluation"]
+                                                            / out[False]["seconds_per_evaluation"], 3)
+    print(json.dumps({k: v for k, v in case.items() if k not in ("reused", "every_client")}), file=sys.stderr)
+    return [case]
 
 
 def shapes(C: int, n: int) -> ClientData:
@@ -225,12 +249,13 @@ def main() -> None:
                     help="run p = 1.0 cases estimated above this again in slices that fit it")
     ap.add_argument("--skip-by", choices=("participants", "every-client"), default="participants",
                     help="judge a case by the estimate with P participants training, or with all C clients")
-    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # algo:C:p, one case in this process
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # algo:C:p:at_once[:eval_every:reuse]
     args = ap.parse_args()
     process = vm("VmRSS")  # an interpreter with the imports a case runs with, before any work
     if args.case:
-        name, C, p, at_once = args.case.split(":")
-        print(json.dumps(run_case(name, int(C), float(p), args.rounds, int(at_once) or None)))
+        name, C, p, at_once, *evaluation = args.case.split(":")
+        eval_every, reuse = (int(evaluation[0]), bool(int(evaluation[1]))) if evaluation else (None, True)
+        print(json.dumps(run_case(name, int(C), float(p), args.rounds, int(at_once) or None, eval_every, reuse)))
         return
     clients = [10, 30] if args.quick else [int(c) for c in args.clients.split(",")]
     rounds = 3 if args.quick else args.rounds
@@ -238,12 +263,14 @@ def main() -> None:
     limit = min(avail, int(args.max_gb * 2**30)) if args.max_gb else avail
     load = [os.getloadavg()[0]]
     cases = scale_cases(clients, rounds, limit, process, args.skip_by == "every-client", int(args.budget_gb * 2**30))
+    evaluation = evaluation_cases(1000 if 1000 in clients else max(clients), rounds)
     demo = demo_round(2 if args.quick else 5)
     load.append(os.getloadavg()[0])
     print(json.dumps({"feature_dim": D, "classes": K, "train_rows": N_TRAIN, "test_rows": N_TEST, "batch_size": BATCH,
                       "rounds": rounds, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                       "available_gb": round(avail / 2**30, 1), "limit_gb": round(limit / 2**30, 1),
-                      "load_1min": load, "process_gb": round(process / 2**30, 2), "cases": cases, "demo": demo, "targets": verdicts(cases)}, indent=1))
+                      "load_1min": load, "process_gb": round(process / 2**30, 2), "cases": cases, "evaluation": evaluation, "demo": demo,
+                      "targets": verdicts(cases)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -162,14 +162,19 @@ def test_non_participants_keep_their_scores(name, data, monkeypatch):
     C = train.features.shape[0]
     cfgs = [config(algo, rounds=4, batch_size=16, drop_last=False, participation=0.5, eval_every=1, seed=s)
             for s in (0, 1)]
-    widths, scores = [], evaluate.scores
+    widths, scores, cohort_scores = [], evaluate.scores, evaluate.cohort_scores
 
-    def spy(algo, state, data, rnd, model=None, first=False, cohort=None):
+    def spy(algo, state, data, rnd, model=None, first=False):
         if model is None:  # the clients' own models (a global model changes every round)
-            widths.append(C if cohort is None else cohort.ids.shape[1])
-        return scores(algo, state, data, rnd, model, first, cohort)
+            widths.append(C)
+        return scores(algo, state, data, rnd, model, first)
+
+    def cohort_spy(algo, models, data, cohort):
+        widths.append(cohort.ids.shape[1])
+        return cohort_scores(algo, models, data, cohort)
 
     monkeypatch.setattr(evaluate, "scores", spy)
+    monkeypatch.setattr(evaluate, "cohort_scores", cohort_spy)
     reused = Engine(algo, cfgs, train, test, at_once=1).run()
     assert widths[:2] == [C, C] and widths[2:] and max(widths[2:]) == 1  # test and train rows, then cohorts of 1
     for logs in (True, False):

@@ -34,12 +34,10 @@ class Rows:
 
 
 @torch.no_grad()
-def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False,
-           cohort: Cohort | None = None) -> torch.Tensor:
-    """Every model's scores on its client's rows of `data`: [H, C, N, K] ([H, P, N, K], the models of `cohort`
-    only, where given). `model` = (params, buffers) name -> [H, ...] scores the server's global model instead,
-    broadcast to every client, with the algorithm's `predict_global`. Their shape is checked every time, their
-    values at the `first` evaluation (`guards.check_scores`)."""
+def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False) -> torch.Tensor:
+    """Every model's scores on its client's rows of `data`: [H, C, N, K]. `model` = (params, buffers) name -> [H, ...]
+    scores the server's global model instead, broadcast to every client, with the algorithm's `predict_global`.
+    Their shape is checked every time, their values at the `first` evaluation (`guards.check_scores`)."""
     ctx = algo.context(state, rnd) | {"rows": data.mask.expand(rnd.H, *data.mask.shape)}  # rows [H, C, N] bool
     if model is None:
         params, buffers, fn = state.params, state.buffers, algo.predict
@@ -47,12 +45,20 @@ def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False,
         params, buffers = ({k: expand_hc(v, rnd.C) for k, v in d.items()} for d in model)  # [H, C, ...]
         fn = algo.predict_global
     predict = lambda p, b, c, x: fn(p, b, x, c)
-    if cohort is None:
-        out = map_models(predict, (params, buffers, ctx), (data.features,))  # [H, C, N, K]
-    else:  # the cohort's models and their clients' rows, [H, P, ...] each
-        models = tuple(cohort.take_tree(t) for t in (params, buffers, ctx))
-        out = map_models(predict, (*models, cohort.take_clients(data.features)))  # [H, P, N, K]
+    out = map_models(predict, (params, buffers, ctx), (data.features,))  # [H, C, N, K]
     check_scores(algo, getattr(fn, "__name__", "predict"), out, data, first)
+    return out
+
+
+@torch.no_grad()
+def cohort_scores(algo, models: tuple, data: ClientData, cohort: Cohort) -> torch.Tensor:
+    """The scores [H, P, N, K] of the cohort's models, `models` = (params, buffers, context) gathered by
+    `cohort.take_tree` ([H, P, ...] each), on their clients' rows of `data`."""
+    params, buffers, ctx = models
+    ctx = ctx | {"rows": cohort.take_clients(data.mask)}  # [H, P, N] bool
+    out = map_models(lambda p, b, c, x: algo.predict(p, b, x, c), (params, buffers, ctx,
+                                                                    cohort.take_clients(data.features)))
+    check_scores(algo, "predict", out, data, False)
     return out
 
 
@@ -113,13 +119,14 @@ def _rescore(algo, state, train: ClientData, test: ClientData, rnd, round_loss: 
     """`record` with only the `cohorts`' models scored again, the other clients' figures kept from `last`."""
     keys = ("test_acc", "test_loss", "train_acc") if logs else ("test_acc",)
     out = {k: last[k].clone() for k in keys}  # [H, C] on the host
+    ctx = algo.context(state, rnd)
     for cohort in cohorts:
         at = (torch.arange(len(cohort.host))[:, None], torch.tensor(cohort.host))  # [H, 1], [H, P] host indices
-        test_rows = Rows.of(test, cohort)
-        figures = dict(zip(("test_acc", "test_loss"), accuracy_loss(scores(algo, state, test, rnd, cohort=cohort),
-                                                                    test_rows)))  # [H, P] each
+        models = tuple(cohort.take_tree(t) for t in (state.params, state.buffers, ctx))  # gathered once, both splits
+        figures = dict(zip(("test_acc", "test_loss"), accuracy_loss(cohort_scores(algo, models, test, cohort),
+                                                                    Rows.of(test, cohort))))  # [H, P] each
         if logs:
-            figures["train_acc"] = accuracy_loss(scores(algo, state, train, rnd, cohort=cohort),
+            figures["train_acc"] = accuracy_loss(cohort_scores(algo, models, train, cohort),
                                                  Rows.of(train, cohort))[0]  # [H, P]
         for k in keys:
             out[k][at] = figures[k].cpu()
