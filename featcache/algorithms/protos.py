@@ -37,9 +37,11 @@ def local_prototypes(algo, state, data, rows: torch.Tensor | None = None) -> tup
     [H, C, N] bool picks each model's rows (default: all of its client's rows)."""
     one = _prototypes_of(algo, data.num_classes)
     if rows is None:
-        return map_models(one, (state.params, state.buffers), (data.features, data.labels, data.mask))
-    return map_models(lambda p, b, m, x, y: one(p, b, x, y, m), (state.params, state.buffers, rows),
-                      (data.features, data.labels))
+        protos, counts = map_models(one, (state.params, state.buffers), (data.features, data.labels, data.mask))
+    else:
+        protos, counts = map_models(lambda p, b, m, x, y: one(p, b, x, y, m), (state.params, state.buffers, rows),
+                                    (data.features, data.labels))
+    return protos, counts.contiguous()  # (vmap hands back counts that read no parameters broadcast over H)
 
 
 def refresh_prototypes(algo, state, rnd) -> None:
@@ -47,8 +49,7 @@ def refresh_prototypes(algo, state, rnd) -> None:
     None) into state.client["protos"] [H, C, K, d] and ["counts"] [H, C, K]. The others' models have not changed
     since theirs were computed, so theirs stay."""
     if rnd.clients is None or "protos" not in state.client:
-        protos, counts = local_prototypes(algo, state, rnd.data)
-        state.client["protos"], state.client["counts"] = protos, counts.contiguous()  # (vmap broadcasts it over H)
+        state.client["protos"], state.client["counts"] = local_prototypes(algo, state, rnd.data)
         return
     h, ids, data = torch.arange(rnd.H, device=rnd.device)[:, None], rnd.clients, rnd.data  # ids [H, P]
     take = lambda d: {k: v[h, ids] for k, v in d.items()}  # [H, P, ...]
