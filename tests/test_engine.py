@@ -236,6 +236,23 @@ def test_stacked_optimizer_matches_torch(opt_name, layout):
         torch.testing.assert_close(ours["w"], torch.stack([torch.stack([r.detach() for r in row]) for row in refs]))
 
 
+def test_moments_move_into_the_gradients_layout_within_their_memory():
+    """A linear weight's gradient arrives transposed: the moments adopt that layout in the memory they have (moved
+    through a bounded temporary, values kept), so the first step holds no second copy of them."""
+    from featcache.training.optim import _relayout
+
+    g = torch.Generator().manual_seed(0)
+    opt = Adam({"w": torch.randn(2, 3, 4, 5, generator=g)}, HParams.of({"lr": [1e-2, 1e-2], "weight_decay": [0, 0]}))
+    before = {k: getattr(opt, k)["w"].data_ptr() for k in ("m", "v")}
+    grad = torch.randn(2, 3, 5, 4, generator=g).mT  # [H, C, d_out, d_in] in x @ W.T's layout
+    opt.step({"w": grad}, torch.ones(2, 3, dtype=torch.bool))
+    for k in ("m", "v"):
+        assert getattr(opt, k)["w"].stride() == grad.stride() and getattr(opt, k)["w"].data_ptr() == before[k]
+    t = torch.randn(2, 3, 4, 5, generator=g)
+    moved = _relayout(t.clone(), grad, chunk=2 * 4 * 5 * 4)  # two models per temporary
+    assert torch.equal(moved, t) and moved.stride() == grad.stride()
+
+
 def test_clamped_logsumexp_equals_torch_and_survives_empty_rows():
     """The fast logsumexp (underflowing exponents clamped) gives torch's values and gradients, including −inf
     masks; a row with nothing left (supervised contrast over a batch with one valid row) stays finite."""
