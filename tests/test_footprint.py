@@ -33,11 +33,12 @@ def test_the_estimate_is_deterministic_and_adds_up():
 def test_training_tensors_scale_with_the_participants_and_state_does_not():
     algo, cfg = create("fedprox"), configure("fedprox", batch_size=8)
     data = clients(20)
-    few, all_ = estimate(algo, cfg, data, P=2), estimate(algo, cfg, data, P=20)
-    assert all_.training == 10 * few.training > 0
+    few, many, all_ = (estimate(algo, cfg, data, P=P) for P in (2, 10, 20))
+    assert many.training == 5 * few.training > 0
     assert (few.state, few.evaluation, few.data) == (all_.state, all_.evaluation, all_.data)
     params, _ = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
     n = sum(p.numel() * 4 for p in params.values())
+    assert all_.training == 10 * few.training - 20 * n  # all train at once: their working copies are the state
     assert few.training >= 2 * n * (2 + footprint.MOMENTS["adam"])  # working copies and Adam's two moments
     assert estimate(algo, configure("fedprox", batch_size=8, optimizer="sgd"), data, P=2).training == \
         few.training - 2 * n  # SGD keeps one moment
