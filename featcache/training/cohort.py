@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .optim import copy_into
 from .schedule import participants
 
 
@@ -71,6 +72,20 @@ class Cohort:
         if t.stride(1) == 0:
             return t[:, :1].expand(t.shape[0], self.ids.shape[1], *t.shape[2:])
         return t[self._h, self.ids]
+
+    def take_into(self, dst: dict, src: dict, chunk: int = 2**26) -> dict:
+        """`take` of every [H, C, ...] tensor of src written into dst's [H, P, ...] tensors of the same names (the
+        optimizer's own), a slice of about `chunk` bytes at a time rather than through a temporary of the cohort's
+        size; returns a new dict of dst's tensors."""
+        for k, t in src.items():
+            out = dst[k]
+            if self.everyone or t.stride(1) == 0:  # t itself or a broadcast: no gather
+                copy_into({k: out}, {k: self.take(t)})
+                continue
+            step = max(1, chunk // (out[0, 0].numel() * out.element_size()))
+            for i in range(0, out.shape[1], step):
+                out[:, i:i + step] = t[self._h, self.ids[:, i:i + step]]
+        return dict(dst)
 
     def take_tree(self, tree: dict) -> dict:
         """`take` on every tensor of a (nested) dict of [H, C, ...] tensors."""

@@ -6,11 +6,12 @@ follows what each tensor lives for:
   once where the server is FedAvg's and not every client trains: `fedavg_server`), the algorithm's per-client state
   (`state.client`) and the server's (`state.server`, e.g. FedPCL's padded prototypes [C, K, d]);
 - training, per configuration, for the P = max(1, round(participation · C)) models that train in a round: each
-  model's working copy of its parameters (the state's own where all C train at once) and its copy in the gradients'
-  layout, optimizer moments and what the local step allocates (the new tensors of one vmapped forward and backward,
-  gradients included, as the allocator hands them out: see `_Allocated`; traced on two meta models side by side, so
-  a batched op that copies per model counts as it does in the engine) and its upload (the server's aggregation
-  reads the participants' uploads as one stack, copied where they are views);
+  model's working copy of its parameters (the state's own where all C train at once), optimizer moments (both moved
+  into the gradients' layout within their own memory at the first step) and what the local step allocates (the new
+  tensors of one vmapped forward and backward, gradients included, as the allocator hands them out: see
+  `_Allocated`; traced on two meta models side by side, so a batched op that copies per model counts as it does in
+  the engine) and its upload (the server's aggregation reads the participants' uploads as one stack, copied where
+  they are views);
 - evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
 - data, once: the clients' features, labels and views of the train and test splits.
 
@@ -180,9 +181,8 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
         # the state beyond parameters and the activations are left out
         kept, step, upload, evaluation, traced = 0, 0, 0, 0, False
     rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
-    # the working copy (the clients' state itself where every client trains at once), its copy in the gradients'
-    # layout (made at the first step; the moments move within their own memory) and the moments
-    trained = n_params * ((1 if S == C else 2) + MOMENTS[cfg["optimizer"]])
+    # the working copy (the clients' state itself where every client trains at once) and the moments
+    trained = n_params * ((0 if S == C else 1) + MOMENTS[cfg["optimizer"]])
     trained += n_buffers  # the local steps' own buffers (BN statistics updated during training)
     once = sets_aside(algo, C, P, S)  # the shared tensors: one per configuration, broadcast to its clients
     lifelong = params | buffers

@@ -79,12 +79,6 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.mT
 
 
-def _like(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
-    """t's values in layout's memory layout (t itself when it already has it)."""
-    return t if t.stride() == layout.stride() else torch.empty_strided(t.shape, layout.stride(),
-                                                                        dtype=t.dtype, device=t.device).copy_(t)
-
-
 def _relayout(t: torch.Tensor, layout: torch.Tensor, chunk: int = 2**26) -> torch.Tensor:
     """t's values in layout's memory layout, written into t's own memory (t and layout [H, C, ...], each model's
     entry dense, t owning its memory alone): models are moved through a temporary of about `chunk` bytes rather than
@@ -167,10 +161,10 @@ class _Stacked(_Run):
         """Bring parameter k and its state into the gradient's layout (once); returns the gradient to use."""
         # a linear weight's gradient arrives transposed ([d_in, d_out] in memory); the fused kernels take raw memory,
         # so parameter and moments adopt that layout once rather than the gradient being copied every step
+        # (rearranged within their own memory, not copied anew: the old layout's tensors are not read again)
         g = g if _dense(g) else g.contiguous()
-        self.params[k] = _like(self.params[k], g)
-        for name in self.state_names:  # the optimizer's own: rearranged within their memory, not copied anew
-            getattr(self, name)[k] = _relayout(getattr(self, name)[k], g)
+        for held in (self.params, *(getattr(self, name) for name in self.state_names)):
+            held[k] = _relayout(held[k], g)
         return g
 
     def uniform(self, k: str, h: int) -> bool:

@@ -86,8 +86,9 @@ class LocalSteps:
         """Begin round `now`'s local steps for `cohort`: its starting models are copied into the optimizer's and the
         buffers' tensors (which `state` then holds where the cohort is everyone); the sums start from zero, moments
         and step counts too unless the algorithm `keeps_optimizer_state`."""
-        params = self.opt.load(cohort.take_tree(state.params), keep=self.algo.keeps_optimizer_state)
-        buffers = copy_into(self.buffers, cohort.take_tree(state.buffers))
+        # the cohort's models gathered straight into the optimizer's and the buffers' own tensors
+        params = self.opt.load(cohort.take_into(self.opt.params, state.params), keep=self.algo.keeps_optimizer_state)
+        buffers = cohort.take_into(self.buffers, state.buffers)
         if cohort.everyone:
             state.params, state.buffers = params, buffers
         for t in self.acc.values():
@@ -139,7 +140,6 @@ class LocalSteps:
         check_loss(self.algo, loss, active.shape)
         grads = dict(zip(leaves, torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)))
         grads = {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in grads.items()}
-        del leaves  # a parameter the optimizer moves into its gradient's layout (first step) frees its old memory
         grads = clip_grad_norms(grads, self.clips, frozen)  # per model and group, where a group declares a norm
         loss = loss.detach()
         acc["bad"] |= ~torch.isfinite(loss) & active  # [H, P] read once, after the round
