@@ -71,6 +71,16 @@ def test_ctrl_c_then_the_same_call_gives_the_undisturbed_bytes(cache, tmp_path, 
     assert not list((tmp_path / "b").glob(".*.checkpoint")) and len(list((tmp_path / "b").glob(".*.done"))) == 1
 
 
+def test_a_run_resumed_at_partial_participation_keeps_the_undisturbed_figures(cache, tmp_path):
+    """FedPCL at p < 1, evaluated every round: an evaluation scores only the clients that trained since the last
+    one; a resumed run knows which (from the seeded draws and the restored records) and writes the same bytes."""
+    opts, kw = SMALL + ["participation=0.67", "eval_every=1"], {"rounds": 4, "seeds": [0, 1]}
+    ref = train(cache, "fedpcl", set=opts, out=tmp_path / "ref", checkpoint_every=0, **kw)
+    with pytest.raises(Interrupted):
+        train(cache, "fedpcl", set=opts, out=tmp_path / "b", progress=ctrl_c_after(2), **kw)
+    assert result_bytes(train(cache, "fedpcl", set=opts, out=tmp_path / "b", **kw)) == result_bytes(ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", sorted(set(list_algorithms()) - set(CROSS_ROUND)))
 def test_every_algorithm_resumes_identically(cache, tmp_path, algo):
