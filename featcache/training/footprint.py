@@ -83,10 +83,12 @@ def _data_bytes(*splits: ClientData | None) -> int:
 
 
 class _Allocated(TorchDispatchMode):
-    """The bytes of the new tensors the ops under it return, the way the process's allocator hands them out: it
-    keeps freed memory (featcache.memory.keep_freed_memory) and reuses a freed block for a tensor of the same size,
-    so a new tensor adds to the peak unless a freed one of its size is there to take (a chunked loop's temporaries
-    count once); temporaries of other sizes add up."""
+    """The bytes of the new tensors the ops under it return, roughly the way the process's allocator hands them
+    out: it keeps freed memory (featcache.memory.keep_freed_memory), and a block freed at the top of its heap is
+    taken again by the next tensor, so a chunked loop's temporaries count once. Modelled as: a new tensor adds to
+    the peak unless a freed one of its size is there to take; temporaries of other sizes add up. (A block freed
+    below live ones is not reused for a tensor of its own size: glibc serves torch's 64-byte-aligned requests with
+    a little more than the size, so such holes make a run's peak exceed this estimate.)"""
 
     def __init__(self):
         super().__init__()
