@@ -105,6 +105,7 @@ def main() -> None:
     if opts.kill:
         trigger(opts.kill, lambda: os.kill(os.getpid(), signal.SIGKILL))
     if opts.sigint:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's process has it, even under nohup
         trigger(opts.sigint, lambda: os.kill(os.getpid(), signal.SIGINT))
     if opts.pause:
         spec, _, flag = opts.pause.rpartition(":")

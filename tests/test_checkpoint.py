@@ -34,6 +34,15 @@ SMALL = ["batch_size=8", "proj_dim=16"]
 CROSS_ROUND = ["scaffold", "fedproto", "fedpcl", "pfedgate"]  # control variates; prototypes; both; optimizer state
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_reaches_python():
+    """Python's own SIGINT handler, as a run from a terminal has it: a suite started with SIGINT ignored (`nohup make
+    test &`) would otherwise never see the Ctrl-C these tests send."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return write_cache(tmp_path_factory.mktemp("cache") / "c.h5", C=3, D=8, K=3, views=2, n=(16, 24))

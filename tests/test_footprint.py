@@ -133,7 +133,8 @@ def test_a_run_that_does_not_fit_trains_its_participants_in_slices_that_do():
 @pytest.mark.slow
 def test_bench_scale_quick_prints_every_case_with_its_estimate_and_ratios():
     """bench/scale.py --quick: one JSON object; every case measured (or skipped, saying why) beside its estimate;
-    each p < 1 case's round over the p = 1.0 round of its C; the demo-shaped round; the targets as pass/fail."""
+    each p < 1 case's round over the p = 1.0 round of its C; the evaluation with kept figures over every client
+    scored; the demo-shaped round; the targets as pass/fail."""
     import json
     import subprocess
     import sys
@@ -158,6 +159,10 @@ def test_bench_scale_quick_prints_every_case_with_its_estimate_and_ratios():
         if c["participation"] < 1:
             full = next(f for f in cases if (f["algo"], f["clients"], f["participation"]) == (c["algo"], c["clients"], 1.0))
             assert c["round_over_full_participation"] == round(c["seconds_per_round"] / full["seconds_per_round"], 3)
+    (ev,) = out["evaluation"]  # FedPCL evaluated every round, kept figures vs every client scored
+    assert (ev["clients"], ev["participation"], ev["eval_every"]) == (30, 0.1, 1)
+    assert ev["evaluation_reused_over_every_client"] == round(ev["reused"]["seconds_per_evaluation"]
+                                                              / ev["every_client"]["seconds_per_evaluation"], 3)
     demo = out["demo"]
     assert demo["gflop_per_round"] == pytest.approx(demo["gflop_training"] + demo["gflop_evaluation"], abs=2e-3)
     assert demo["gflop_training"] > 0 and demo["gflop_evaluation"] > 0 and demo["matmul_seconds_per_round"] > 0
