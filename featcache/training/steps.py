@@ -20,7 +20,7 @@ from .capture import Graphs, Static, disarmed, resolve_mode, signature
 from .cohort import Cohort
 from .guards import check_loss
 from .hparams import HParams
-from .optim import clip_grad_norms, clip_sets, copy_into, group_of, optimizer_for
+from .optim import clip_grad_norms, clip_sets, group_of, optimizer_for
 from .schedule import Plan
 
 Params = dict[str, torch.Tensor]
