@@ -78,15 +78,19 @@ def run_case(name: str, C: int, p: float, rounds: int, at_once: int | None = Non
             "peak_rss_bytes": vm("VmHWM"), "process_bytes": base}
 
 
+def fresh_case(spec: str, rounds: int) -> dict:
+    """`run_case` for `spec` (algo:C:p:at_once[:eval_every:reuse]) in a fresh process: its figures, or {"failed":
+    [its last line of stderr]}."""
+    done = subprocess.run([sys.executable, __file__, "--case", spec, "--rounds", str(rounds)], capture_output=True,
+                          text=True)
+    return {"failed": done.stderr.strip().splitlines()[-1:]} if done.returncode else json.loads(done.stdout)
+
+
 def evaluation_cases(C: int, rounds: int) -> list[dict]:
     """FedPCL (personal predict) at participation 0.1, evaluated every round: the evaluation's seconds when the
     clients that did not train keep their figures over those when every client is scored again, each in a fresh
     process."""
-    out = {}
-    for reuse in (True, False):
-        done = subprocess.run([sys.executable, __file__, "--case", f"fedpcl:{C}:0.1:0:1:{int(reuse)}", "--rounds",
-                               str(rounds)], capture_output=True, text=True)
-        out[reuse] = {"failed": done.stderr.strip().splitlines()[-1:]} if done.returncode else json.loads(done.stdout)
+    out = {reuse: fresh_case(f"fedpcl:{C}:0.1:0:1:{int(reuse)}", rounds) for reuse in (True, False)}
     case = {"algo": "fedpcl", "clients": C, "participation": 0.1, "eval_every": 1,
             "reused": out[True], "every_client": out[False]}
     if "seconds_per_evaluation" in out[True] and "seconds_per_evaluation" in out[False]:
@@ -138,12 +142,8 @@ def scale_cases(clients: list[int], rounds: int, limit: int, process: int, every
                     case["skipped"] = (f"estimate {judged / 2**30:.1f} GiB exceeds the {limit / 2**30:.1f} GiB "
                                        "available")
                 else:
-                    done = subprocess.run([sys.executable, __file__, "--case", f"{name}:{C}:{p}:{at_once or 0}",
-                                           "--rounds", str(rounds)], capture_output=True, text=True)
-                    if done.returncode:
-                        case["failed"] = done.stderr.strip().splitlines()[-1:]
-                    else:
-                        case |= json.loads(done.stdout)
+                    case |= fresh_case(f"{name}:{C}:{p}:{at_once or 0}", rounds)
+                    if "failed" not in case:
                         peak = case["peak_rss_bytes"]
                         case["estimate_over_peak"] = round(need / peak, 3)
                         case["estimate_every_client_trains_over_peak"] = round(need_all / peak, 3)
