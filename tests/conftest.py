@@ -4,9 +4,12 @@ extraction tests read."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from harness import one_thread, write_folders
+from hypothesis import HealthCheck, settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from featcache.algorithms import create
@@ -16,6 +19,13 @@ from featcache.algorithms.pfedgate import PFedGate
 from featcache.algorithms.scaffold import Scaffold
 from featcache.training.config import resolve
 from tests.synthetic import synthetic_clients
+
+# Property tests: no example database in the repo, no per-example deadline (a CPU under load swings several-fold),
+# examples drawn from a fixed seed so a CI failure reproduces (HYPOTHESIS_PROFILE=explore draws fresh ones).
+settings.register_profile("ci", database=None, deadline=None, derandomize=True, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile("explore", parent=settings.get_profile("ci"), derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Settings that keep the generic engine tests (every algorithm, few rounds) fast while every phase still runs, by
 # class (its subclasses included).
