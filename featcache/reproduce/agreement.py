@@ -1,22 +1,33 @@
-"""How a reproduction compares with its paper: whether the run is comparable at all (profile, data, images per
-class), and whether the paper's ranking of its rows holds in ours (Kendall's τ-b per column: 1 the same order,
-0 unrelated, −1 reversed; and whether the paper's best row is ours too)."""
+"""How a reproduction compares with its paper: whether the run is comparable at all, and whether the paper's ranking
+of its rows holds in ours (Kendall's τ-b per result column: 1 the same order, 0 unrelated, −1 reversed; and whether
+the paper's best row is ours too).
+
+Comparable means every input the paper's numbers depend on matches: its data set, its backbones (architecture,
+weights, feature width, frozen), its rounds, seeds and images per class (the `full` profile), and there are paper
+numbers to compare with. Anything else is a reason, and every reason is listed.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import PurePath
 
-from .schema import Pipeline
+from .metrics import METRICS
+from .schema import PaperBackbone, Pipeline
 
 FULL = "full"  # the profile with the papers' rounds and seeds
 
 
-def comparability(pipe: Pipeline, profile: str, jobs) -> list[str]:
-    """Why this run's numbers are not comparable with the paper's ([] when nothing says they are not): a profile
-    other than `full` (its rounds, seeds, images per class) and data that stands in for the paper's."""
+def comparability(pipe: Pipeline, profile: str, jobs, backbones: list[list[dict]]) -> list[str]:
+    """Why this run's numbers are not comparable with the paper's ([] only when everything matches). `backbones`:
+    each extraction's backbones in order, as its cache records them ({key, name, weights, dim})."""
     why, prof, full = [], pipe.profiles[profile], pipe.profiles.get(FULL)
-    if full is not None and profile != FULL:
+    if not pipe.paper_rows:
+        why.append("the pipeline holds no paper numbers ([paper.rows])")
+    if full is None:
+        why.append(f"the pipeline has no `{FULL}` profile (the paper's rounds and seeds)")
+    elif profile != FULL:
         if prof.rounds != full.rounds:
             why.append(f"{prof.rounds} rounds (`{FULL}`: {full.rounds})")
         if len(prof.seeds) != len(full.seeds):
@@ -27,9 +38,38 @@ def comparability(pipe: Pipeline, profile: str, jobs) -> list[str]:
             why.append(f"{prof.extract[key]} {split} images per class (the pipeline's: "
                        f"{pipe.extract.get(key, 'all')})")
     datasets = sorted({json.loads(job.extract)["dataset"] for job in jobs})
-    if pipe.paper_dataset and datasets != [pipe.paper_dataset]:
+    if not pipe.paper_dataset:
+        why.append("the pipeline does not name the paper's data set (paper_dataset)")
+    elif datasets != [pipe.paper_dataset]:
         why.append(f"data {', '.join(datasets)} stands in for the paper's {pipe.paper_dataset}")
+    return why + _backbone_reasons(pipe.paper_backbones, backbones)
+
+
+def _backbone_reasons(paper: tuple[PaperBackbone, ...], used: list[list[dict]]) -> list[str]:
+    """Why the backbones differ from the paper's: architecture, weights or width at any position, or the paper
+    training them end to end."""
+    if not paper:
+        return ["the pipeline does not name the paper's backbones ([paper] backbones)"]
+    why = [f"the paper trains its {b.arch} end to end; featcache trains heads on frozen backbones"
+           for b in paper if not b.frozen]
+    theirs = ", ".join(f"{b.arch} ({b.weights}" + (f", {b.dim}-d)" if b.dim else ")") for b in paper)
+    for ours in {json.dumps(u, sort_keys=True): u for u in used}.values():
+        if len(ours) != len(paper) or not all(map(_same_backbone, paper, ours)):
+            why.append(f"backbones {', '.join(map(_describe, ours))} stand in for the paper's {theirs}")
     return why
+
+
+def _same_backbone(paper: PaperBackbone, ours: dict) -> bool:
+    """Same architecture, width and weights: the paper's weights word names our checkpoint (random never does)."""
+    weights = str(ours["weights"])
+    return (ours["name"] == paper.arch and paper.dim in (None, int(ours["dim"])) and weights != "random"
+            and paper.weights.lower() in weights.lower())
+
+
+def _describe(ours: dict) -> str:
+    source, _, where = str(ours["weights"]).partition(":")
+    weights = "/".join(PurePath(where).parts[-2:]) if source == "file" else ours["weights"]
+    return f"{ours['key']} ({ours['name']}, {weights}, {int(ours['dim'])}-d)"
 
 
 def number(cell) -> float | None:
@@ -61,10 +101,14 @@ def kendall_tau_b(a: list[float], b: list[float]) -> float | None:
 
 
 def rank_agreement(pipe: Pipeline, values: dict) -> dict[str, dict]:
-    """Per paper column with at least 3 rows that both the paper and this run have numbers for: `rows`, `tau`
-    (None: one side is constant), `best_ours` and `best_paper` (the rows with the highest number)."""
+    """Per paper result column (accuracy-like, never one the architecture fixes such as upload sizes) with at least 3
+    rows that both the paper and this run have numbers for: `rows`, `tau` (None: one side is constant), `best_ours`
+    and `best_paper` (the rows with the highest number)."""
+    metric = {c.name: c.metric.partition(":")[0] for c in pipe.columns}
     out = {}
     for col in pipe.paper_columns:
+        if col in metric and not METRICS[metric[col]].result:
+            continue
         rows = [r for r in pipe.rows if r in pipe.paper_rows and number(values.get((r, col))) is not None
                 and number(pipe.paper_rows[r][pipe.paper_columns.index(col)]) is not None]
         if len(rows) < 3:
@@ -79,7 +123,8 @@ def rank_agreement(pipe: Pipeline, values: dict) -> dict[str, dict]:
 def agreement_lines(why: list[str], ranks: dict[str, dict]) -> list[str]:
     """The markdown lines at the top of NAME.md: comparable or not (and why), then the rank agreement."""
     lines = [f"**Comparable with the paper: {'no' if why else 'yes'}**"
-             + (f" — {'; '.join(why)}." if why else " (the papers' rounds, seeds and images per class, its data).")]
+             + (f" — {'; '.join(why)}." if why else " (the paper's data set, backbones, rounds, seeds and images per "
+                "class).")]
     if not ranks:
         return lines + ["", "Rank agreement: fewer than 3 rows with numbers on both sides in every column."]
     exact = sum(r["tau"] == 1 for r in ranks.values())

@@ -56,6 +56,7 @@ class Metric:
     picks_backbone: bool = False  # one backbone's share (the row's backbones = [k]) of an all-backbone run
     show: Callable[[Value], str] = _show
     args: tuple[str, ...] | None = ()  # the allowed ARG of `metric:ARG`: () none, None any (required), else these
+    result: bool = True  # a trained outcome; False: fixed by the architecture (no ranking of methods to compare)
 
 
 # -- what the needs compute ---------------------------------------------------------------------------------------
@@ -127,11 +128,11 @@ METRICS = {
                    reads=("best_round_mean_acc", "best_round_std_acc")),
     "global": Metric("global model on all clients' test data", _global, reads=("global_mean_acc", "global_std_acc")),
     "params": Metric("floats uploaded per round", lambda r, arg, pick: int(r["params_uploaded_per_round"]),
-                     reads=("params_uploaded_per_round",)),
+                     reads=("params_uploaded_per_round",), result=False),
     "trainable": Metric("trainable head parameters", lambda r, arg, pick: int(r["trainable_params"]),
-                        need=Need("trainable_params", _trainable, always=True)),
+                        need=Need("trainable_params", _trainable, always=True), result=False),
     "fixed": Metric("frozen backbone parameters", lambda r, arg, pick: int(r["fixed"]), need=Need("fixed", _fixed),
-                    show=lambda v: f"{v / 1e6:.1f}M"),
+                    show=lambda v: f"{v / 1e6:.1f}M", result=False),
     "domain": Metric("domain", _domain, reads=("per_client_per_seed",), per_domain=True, args=None),
     "fair": Metric("fairness", lambda r, arg, pick: tuple(r["fairness"][arg]), reads=("fairness",),
                    args=("average", "worst_10", "worst_20", "worst_40", "best_10", "variance", "std")),

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import __version__
 from ..provenance import cpu_model, gpu_name
-from .agreement import agreement_lines, comparability, rank_agreement
+from .agreement import agreement_lines, rank_agreement
 from .metrics import METRICS, Value, domain_clients, fmt_value, metric_value
 from .schema import Pipeline
 
@@ -126,14 +126,13 @@ def _cuda_available() -> bool:
 
 
 def render(pipe: Pipeline, profile: str, command: str, cells: dict, runs: dict, caches: dict,
-           figures: list[str]) -> str:
-    """The whole OUT/NAME.md: whether it is comparable with the paper and whether the paper's ranking holds
-    (agreement.py), header (command, profile, caches and keys), mapping note, table, claims, config (`caches`:
-    job.extract -> the extraction's summary)."""
+           figures: list[str], why: list[str]) -> str:
+    """The whole OUT/NAME.md: whether it is comparable with the paper (`why` not: agreement.comparability) and
+    whether the paper's ranking holds, header (command, profile, caches and keys), mapping note, table, claims,
+    config (`caches`: job.extract -> the extraction's summary)."""
     prof = pipe.profiles[profile]
     labels = column_labels(pipe, cells, runs)
     values = cell_values(pipe, cells, runs)
-    why = comparability(pipe, profile, dict.fromkeys(cells.values()))
     out = [f"# {pipe.name}: {pipe.paper} {pipe.table}: {pipe.title}", "",
            *agreement_lines(why, rank_agreement(pipe, values)), "",
            f"- command: `{command}`",

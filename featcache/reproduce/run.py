@@ -65,7 +65,8 @@ def reproduce(pipeline: str | Path, profile: str = DEFAULT_PROFILE, data_root: s
     if figures:
         write_atomic(figures[0], figure_png(pipe, values))
     command = command_line(pipe, profile, data_root, dataset, backbones, out, cache)
-    write_atomic(out / f"{pipe.name}.md", render(pipe, profile, command, cells, runs, caches, figures))
+    why = comparability(pipe, profile, jobs, [_backbones(info["cache"]) for info in caches.values()])
+    write_atomic(out / f"{pipe.name}.md", render(pipe, profile, command, cells, runs, caches, figures, why))
     write_atomic(out / f"{pipe.name}.json", json.dumps(
         {"pipeline": pipe.name, "profile": profile, "command": command,
          "provenance": provenance(TRAIN_DEVICE, library_call(
@@ -73,13 +74,21 @@ def reproduce(pipeline: str | Path, profile: str = DEFAULT_PROFILE, data_root: s
              dataset=dataset, backbones=backbones, out=str(out), cache=str(cache))),
          "cells": [{"row": r, "column": c, "ours": v, "paper": paper_cell(pipe, r, c)}
                    for (r, c), v in values.items()],
-         "comparable": not (why := comparability(pipe, profile, jobs)), "not_comparable_because": why,
+         "comparable": not why, "not_comparable_because": why,
          "rank_agreement": rank_agreement(pipe, values)},
         indent=1, sort_keys=True))
     return {"pipeline": pipe.name, "markdown": str(out / f"{pipe.name}.md"), "figures": figures, "jobs": len(jobs),
             "caches": [info["cache"] for info in caches.values()], "embedded": _embedded(caches.values()),
             "images": _embedded(caches.values(), "images"),
             "table": table_markdown(pipe, values, column_domains(pipe, cells, runs)), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _backbones(cache: str) -> list[dict]:
+    """A cache's backbones in order, as it records them: key, timm architecture, weights source, feature width."""
+    with C.open_cache(cache) as f:
+        meta = C.read_meta(f)
+    return [{"key": k, **{a: meta["backbone_info"][k][a] for a in ("name", "weights", "dim")}}
+            for k in meta["backbones"]]
 
 
 def _embedded(infos, field: str = "embedded") -> dict[str, int]:

@@ -31,7 +31,8 @@ _TOP = {"name": (str, True), "title": (str, True), "paper_dataset": (str, False)
         "extra_rows": (list, False), "set": (dict, False), "extract": (dict, True), "columns": (dict, True),
         "run": (list, True), "paper": (dict, True), "figure": (dict, False), "profiles": (dict, True)}
 _PAPER = {"name": (str, True), "table": (str, True), "source": (str, True), "columns": (list, True),
-          "rows": (dict, False), "claims": (list, False)}
+          "rows": (dict, False), "claims": (list, False), "backbones": (list, False)}
+_PAPER_BACKBONE = {"arch": (str, True), "weights": (str, True), "dim": (int, False), "frozen": (bool, False)}
 _COLUMN = {"metric": (str, True), "extract": (dict, False), "set": (dict, False), "backbones": (list, False),
            "x": ((int, float), False)}
 _RUN = {"row": (str, True), "algo": (str, True), "set": (dict, False), "backbones": (list, False),
@@ -64,6 +65,17 @@ class Run:
 
 
 @dataclass(frozen=True)
+class PaperBackbone:
+    """A backbone the paper used: its architecture (a timm name), the weights it loads (a word that names their
+    checkpoint, e.g. quickdraw for SUR's quickdraw-net), its feature width, and whether it stays frozen."""
+
+    arch: str
+    weights: str
+    dim: int | None = None  # None: the paper does not say
+    frozen: bool = True
+
+
+@dataclass(frozen=True)
 class Profile:
     rounds: int
     seeds: tuple[int, ...]
@@ -93,6 +105,7 @@ class Pipeline:
     claims: tuple[str, ...] = ()
     figure: dict = field(default_factory=dict)
     path: str = ""
+    paper_backbones: tuple[PaperBackbone, ...] = ()
 
     @property
     def rows(self) -> list[str]:
@@ -133,7 +146,7 @@ def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
         columns=columns, runs=runs, source=paper["source"], paper_columns=paper_columns, paper_rows=rows,
         profiles=profiles, paper_dataset=doc.get("paper_dataset"), note=doc.get("note", "").strip(),
         extra_rows=extra_rows, set=doc.get("set", {}), claims=tuple(paper.get("claims", ())), figure=figure,
-        path=path,
+        path=path, paper_backbones=_paper_backbones(path, paper.get("backbones", [])),
     )
 
 
@@ -186,6 +199,12 @@ def _indices(where: str, value) -> tuple[int, ...] | None:
     if not value or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
         raise UserError(f"{where}: backbones must be a non-empty list of backbone positions (0 = the first)")
     return tuple(value)
+
+
+def _paper_backbones(path: str, backbones: list) -> tuple[PaperBackbone, ...]:
+    for i, b in enumerate(backbones):
+        _check(f"{path} [paper] backbones[{i}]", b, _PAPER_BACKBONE)
+    return tuple(PaperBackbone(**b) for b in backbones)
 
 
 def _paper_rows(path: str, rows: dict, n_columns: int) -> dict[str, list]:
