@@ -243,7 +243,7 @@ def test_info_lists_each_store_with_its_images_per_domain_and_split(filled):
         assert all(s["backbone"] not in text for s in folder["stores"] if s not in shown)
 
 
-def test_gc_keeps_good_stores_and_removes_a_damaged_one(filled):
+def test_gc_keeps_good_stores_and_moves_a_damaged_one_aside(filled):
     out, _ = filled
     good, bad = stores(out)
     damage(bad)
@@ -251,18 +251,23 @@ def test_gc_keeps_good_stores_and_removes_a_damaged_one(filled):
     dry = run_cli("gc", str(out / "store"), "--dry-run", "--json")
     assert dry.code == 0, dry.stderr
     report = json.loads(dry.stdout)
-    assert report["dry_run"] and [k["file"] for k in report["kept"]] == [str(good)]
-    (removed,) = report["removed"]
-    assert removed["file"] == str(bad) and "sha256 mismatch" in removed["reason"]
-    assert files(out) == before  # a dry run removes nothing
+    assert report["dry_run"] and [k["file"] for k in report["kept"]] == [str(good)] and report["removed"] == []
+    (moved,) = report["quarantined"]
+    quarantined = out / "store" / ".quarantine" / bad.name
+    assert moved["file"] == str(bad) and moved["to"] == str(quarantined) and "sha256 mismatch" in moved["reason"]
+    assert files(out) == before  # a dry run changes nothing
     table = run_cli("gc", str(out / "store"), "--dry-run")
-    assert table.code == 0 and "would remove" in table.stdout and files(out) == before
+    assert table.code == 0 and "would move aside" in table.stdout and files(out) == before
     done = run_cli("gc", str(out / "store"), "--json")
     assert done.code == 0, done.stderr
-    assert json.loads(done.stdout)["removed"][0]["file"] == str(bad)
+    assert json.loads(done.stdout)["quarantined"][0]["to"] == str(quarantined)
     assert stores(out) == [good] and sha256(good) == before[f"store/{good.name}"]
+    assert sha256(quarantined) == before[f"store/{bad.name}"]  # moved aside, not a byte changed
     again = json.loads(run_cli("gc", str(out / "store"), "--json").stdout)
-    assert again["removed"] == [] and [k["file"] for k in again["kept"]] == [str(good)]
+    assert again["removed"] == again["quarantined"] == [] and [k["file"] for k in again["kept"]] == [str(good)]
+    gone = json.loads(run_cli("gc", str(out / "store"), "--remove-damaged", "--json").stdout)
+    assert [r["file"] for r in gone["removed"]] == [str(quarantined)] and "earlier gc" in gone["removed"][0]["reason"]
+    assert not (out / "store" / ".quarantine").exists() and stores(out) == [good]  # the emptied folder is gone too
 
 
 def test_extract_through_a_damaged_store_is_one_line_and_writes_nothing(images, filled):

@@ -25,6 +25,9 @@ backbones, what training does by default, is one contiguous read per client.
 Every dataset carries `sha256`, the sha256 of its array bytes (C order), computed by the writer from the bytes it
 writes, and the root `meta_sha256` covers the rest: every object's path, kind, dtype, shape and attributes (`h5`).
 `check.verify` recomputes both and checks the schema; `load.load_clients` checks the same on a file's first load.
+
+The root attribute `featcache_format` is featcache's mark on a cache (`write.MARKER`): `featcache migrate` converts
+only files that carry it, and `featcache gc` never removes a cache.
 """
 
 from .check import info, verify

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -50,6 +51,20 @@ def plain_attrs(obj) -> dict:
             value = value.decode() if isinstance(value, bytes) else value
             out[name] = value.tolist() if isinstance(value, (np.ndarray, np.generic)) else value
     return out
+
+
+def peek_attrs(path: Path, names: tuple[str, ...], follow: bool = True) -> dict | None:
+    """Those of the root attributes `names` that the HDF5 file `path` has, as `plain` values; None when `path` is not
+    a regular file (a folder, a FIFO or device: nothing is opened that could block; a symbolic link unless `follow`)
+    or not an HDF5 file this library can open."""
+    try:
+        mode = (os.stat if follow else os.lstat)(path).st_mode
+        if not stat.S_ISREG(mode):
+            return None
+        with h5py.File(path, "r") as f:
+            return {name: plain(f.attrs[name]) for name in names if name in f.attrs}
+    except Exception:  # not HDF5, truncated, locked by a writer: a file nobody can show to be featcache's
+        return None
 
 
 def create_h5(path: Path) -> h5py.File:

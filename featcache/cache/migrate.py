@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
+from contextlib import suppress
 from pathlib import Path
 
 import h5py
 
 from ..atomic import output_errors, sync
 from ..errors import UserError
-from ..extraction.files import locked
+from ..extraction.files import locked, remove_own
 from .h5 import meta_sha256, objects, plain, read_attrs
 from .load import _read_only
 from .write import FORMAT, HEADER, Client, Split, write
@@ -23,22 +23,26 @@ def migrate(path: str | Path) -> dict:
     it only once complete and every array's checksum equals the stored one (the feature bytes are copied, not
     recomputed). Returns {path, from_format, to_format, bytes_before, bytes}.
 
-    The new file is staged in the folder `.NAME.migrating` beside the cache, under that folder's exclusive lock
-    (`extraction.files.locked`): a second migrate of the same file waits, then finds it converted and says so. The
-    folder is removed whatever happens, so a refusal leaves nothing behind."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"cache {path} does not exist: pass the path of a cache file")
+    The new file is staged in the folder `.NAME.migrating` beside the cache, made with featcache's marker under that
+    folder's exclusive lock (`extraction.files.locked`): a second migrate of the same file waits, then finds it
+    converted and says so. The folder is removed whatever happens, so a refusal leaves nothing behind; a user's folder
+    of that name (no marker) is refused in one line and left as it is. A symbolic link is followed: the file it
+    points to is converted and the link kept."""
+    given = Path(path)
+    if not given.is_file():
+        raise UserError(f"cache {given} does not exist: pass the path of a cache file")
+    path = Path(os.path.realpath(given)) if given.is_symlink() else given  # convert the real file, keep the link
     if not os.access(path, os.W_OK):
-        raise UserError(f"cannot migrate {path} in place: it is read-only or immutable; make it writable (chmod u+w, "
+        raise UserError(f"cannot migrate {given} in place: it is read-only or immutable; make it writable (chmod u+w, "
                         "chattr -i) or migrate a copy")
     work = path.with_name(f".{path.name}.migrating")
     try:
-        with locked(work):
+        with locked(work, "migrating"):
             try:
-                return _migrate(path, work / path.name)
+                return _migrate(path, work / path.name) | {"path": str(given)}
             finally:
-                shutil.rmtree(work, ignore_errors=True)
+                with suppress(OSError):
+                    remove_own(work)
     except OSError as e:  # the staging folder or the final rename: a folder or file we may not change
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
@@ -50,6 +54,9 @@ def _migrate(path: Path, staged: Path) -> dict:
     old = _read_only(path, "pass the path of a cache file")
     with old:
         fmt = plain(old.attrs.get("featcache_format"))
+        if fmt is None:
+            raise UserError(f"{path} is not a featcache client cache (it has no featcache_format attribute): pass "
+                            "the path of a cache file; nothing was changed")
         if fmt == FORMAT:
             raise UserError(f"{path} is already cache format {FORMAT}: nothing to migrate")
         if fmt not in _MIGRATIONS:

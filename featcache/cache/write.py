@@ -14,11 +14,12 @@ from .. import __version__
 from ..errors import UserError
 from .h5 import meta_sha256, write_array, write_attrs, write_columns, written
 
+MARKER = "featcache_format"  # the root attribute that marks a file as featcache's client cache; its value: the format
 FORMAT = 3  # 2: checksums (`sha256` on every dataset, `meta_sha256` on the root); 3: features stored once (`concat`)
 SPLITS = ("train", "test")
 FEATURE_GROUPS = ("features", "views")  # each holds one dataset, `concat`
 HEADER = ("key", "manifest", "dataset", "classes", "domains", "partition", "counts", "views", "versions")
-ROOT_ATTRS = ("featcache_format", "featcache_version", *HEADER, "backbones", "images", "meta_sha256")
+ROOT_ATTRS = (MARKER, "featcache_version", *HEADER, "backbones", "images", "meta_sha256")
 BACKBONE_ATTRS = ("name", "weights", "weights_sha256", "dim", "columns", "preprocessing")
 INDEX_DTYPES = {"labels": "int64", "source_index": "int64", "domain": "int16"}
 
@@ -70,7 +71,7 @@ def write(path: str | Path, header: dict, backbones: list[dict], clients: Iterab
 
 def _write_file(f: h5py.File, header: dict, backbones: list[dict], clients: Iterable[Client]) -> int:
     width = sum(int(b["dim"]) for b in backbones)
-    write_attrs(f, header | {"featcache_format": FORMAT, "featcache_version": __version__,
+    write_attrs(f, header | {MARKER: FORMAT, "featcache_version": __version__,
                              "backbones": [b["key"] for b in backbones]})
     start = 0
     for b in backbones:

@@ -123,26 +123,36 @@ def _show_stores(found: dict, as_json: bool) -> None:
 
 
 def gc(store: Path = typer.Argument(..., help="folder of embedding stores (default of extract: CACHE/store)"),
-       dry_run: bool = typer.Option(False, help="say what would be removed, remove nothing"),
+       dry_run: bool = typer.Option(False, help="say what would be removed or moved, change nothing"),
+       remove_damaged: bool = typer.Option(False, help="remove damaged stores (and those moved aside earlier) "
+                                                       "instead of moving them into STORE/.quarantine"),
        as_json: bool = typer.Option(False, "--json")) -> None:
-    """Check every store in a folder and remove the ones no command can use (damaged, or made by other code or
-    library versions), with their leftover parts folders."""
+    """Check every store in a folder: move damaged ones aside, remove those made by other code or library versions
+    and their leftover parts folders. Only what featcache made is touched; everything else is listed as left alone."""
     from ..extraction.stores import gc as collect  # lazy: `featcache --help` loads no torch
 
-    report = collect(store, dry_run=dry_run)
+    report = collect(store, dry_run=dry_run, remove_damaged=remove_damaged)
     table = Table(title=f"featcache gc {store}" + (" (dry run)" if dry_run else ""), show_header=False)
     for entry in report["removed"]:
-        table.add_row("would remove" if dry_run else "removed", entry["file"], entry["reason"])
+        table.add_row("would remove" if dry_run else "removed", escape(entry["file"]), escape(entry["reason"]))
+    for entry in report["quarantined"]:
+        table.add_row("would move aside" if dry_run else "moved aside", escape(entry["file"]),
+                      escape(f"{entry['reason']} -> {entry['to']}"))
     for entry in report["kept"]:
-        table.add_row("kept", entry["file"], "checksums match")
+        table.add_row("kept", escape(entry["file"]), "checksums match")
+    for entry in report["left_alone"]:
+        table.add_row("left alone", escape(entry["file"]), escape(entry["reason"]))
     emit(report, as_json, table)
 
 
-def verify(cache: Path = typer.Argument(..., help="cache file"), as_json: bool = typer.Option(False, "--json")) -> None:
-    """Check a cache: schema, counts, finite features, checksums; report library versions that changed since."""
+def verify(cache: Path = typer.Argument(..., help="cache file or store file"),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Check a cache (schema, counts, finite features, checksums) or a store (key, finite rows, checksums); report
+    library versions that changed since."""
     from ..cache import verify as check  # lazy: `featcache --help` loads no torch
+    from ..extraction.stores import is_store, verify as check_store
 
-    report = check(cache)
+    report = check_store(cache) if cache.is_file() and is_store(cache) else check(cache)
     if as_json:
         emit(report, True)
     elif report["ok"]:

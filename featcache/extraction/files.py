@@ -3,15 +3,24 @@
 A file is written as `NAME.partial`, synced and renamed into place (`synced`). A parts folder is the resume point
 of a store's fill; its exclusive lock (`locked`) keeps two extractions from filling one store at once: the second
 waits, then finds the images held. Readers only ever see finished files.
+
+Every folder featcache stages work in (a store's parts folder `.NAME.parts`, migrate's `.NAME.migrating`, gc's
+`.quarantine`) is created by `claim` with featcache's marker, the file `featcache.json` ({"made_by": "featcache",
+"kind": ...}); a folder of such a name without the marker is a user's, refused in one line and never written into
+nor removed. `remove_own` removes only marked folders.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
+import stat
+import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -46,12 +55,96 @@ def writing(target: Path) -> Iterator[None]:
                             "command again; finished blocks are kept and resumed") from None
 
 
-@contextmanager
-def locked(work: Path) -> Iterator[None]:
-    """Hold the exclusive lock of the folder `work` (created if need be). The holder may delete the folder: a
-    waiter then finds its lock file unlinked, and locks the new folder instead."""
+MARKER = "featcache.json"  # in every folder featcache stages work in: the proof that the folder is its own
+# kind -> what featcache keeps in a folder of that kind (for the line that refuses a user's folder of the same name)
+KINDS = {"parts": "keeps the finished blocks of a store's fill", "migrating": "stages a cache's migration",
+         "quarantine": "moves damaged stores aside"}
+CLAIM_WAIT = 2.0  # seconds to wait for the marker of a folder another featcache process has just created
+
+
+def own(folder: Path, kind: str | None = None) -> dict | None:
+    """The marker of `folder` ({"made_by": "featcache", "kind": ...}) when it is a real folder, not a symbolic link,
+    holding featcache's marker file (of `kind`, given); None otherwise. Never opens anything but a regular file."""
+    try:
+        if not stat.S_ISDIR(os.lstat(folder).st_mode) or not stat.S_ISREG(os.lstat(folder / MARKER).st_mode):
+            return None
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("made_by") != "featcache":
+        return None
+    return marker if kind is None or marker.get("kind") == kind else None
+
+
+def write_marker(folder: Path, marker: dict) -> None:
+    """Write (or replace) the marker file of `folder`, complete or not at all."""
+    tmp = folder / f".{MARKER}.{os.getpid()}.tmp"
+    try:
+        with writing(folder):
+            tmp.write_text(json.dumps({"made_by": "featcache"} | marker, sort_keys=True))
+            os.replace(tmp, folder / MARKER)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def claim(folder: Path, kind: str) -> None:
+    """Make `folder` featcache's folder of `kind`: create it (and its parents) with the marker, or find it marked.
+    A folder, file or link of that name without the marker is a user's: one UserError line, nothing written into it.
+    An empty folder (one another featcache process has just created) gets `CLAIM_WAIT` seconds to show its marker."""
+    deadline = time.monotonic() + CLAIM_WAIT
     while True:
-        work.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(folder)
+        except FileNotFoundError:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            continue
+        except FileExistsError:
+            if own(folder, kind) is not None:
+                return
+            if not _just_made(folder) or time.monotonic() > deadline:
+                raise UserError(f"{folder} is in the way: featcache {KINDS[kind]} in a folder of that name, and this "
+                                f"one is not featcache's (it lacks featcache's marker {MARKER}); move or rename it, "
+                                "then run the same command again") from None
+            time.sleep(0.01)
+            continue
+        try:
+            write_marker(folder, {"kind": kind})
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # just made by us: nothing of anyone else's is in it
+            raise
+        return
+
+
+def _just_made(folder: Path) -> bool:
+    """Whether `folder` may be one another featcache process has just made: a real folder holding nothing but,
+    perhaps, its marker's temporary file (`remove_own` never leaves a marked folder half removed under its name)."""
+    try:
+        return not folder.is_symlink() and all(e.name.startswith(f".{MARKER}.") for e in os.scandir(folder))
+    except FileNotFoundError:  # removed meanwhile: the next mkdir makes it
+        return True
+    except OSError:
+        return False
+
+
+def remove_own(folder: Path) -> bool:
+    """Remove `folder` if it is featcache's (marked): renamed aside first, so no other process ever sees it half
+    removed (one that holds its lock finds the lock file gone, one that claims it makes a new one). Returns whether
+    it was removed; a folder without the marker is left as it is."""
+    if own(folder) is None:
+        return False
+    gone = folder.with_name(f"{folder.name}.{uuid.uuid4().hex[:8]}.gone")
+    os.rename(folder, gone)
+    shutil.rmtree(gone)
+    return True
+
+
+@contextmanager
+def locked(work: Path, kind: str = "parts") -> Iterator[None]:
+    """Hold the exclusive lock of featcache's folder `work` (claimed: created with its marker if need be; a user's
+    folder of that name is refused). The holder may remove the folder (`remove_own`): a waiter then finds its lock
+    file gone, and locks the new folder instead."""
+    while True:
+        claim(work, kind)
         try:
             lock = open(work / "lock", "a")
         except FileNotFoundError:  # the holder removed the folder between our mkdir and open
@@ -72,28 +165,23 @@ def _same_file(handle, path: Path) -> bool:
     return (st.st_ino, st.st_dev) == (held.st_ino, held.st_dev)
 
 
-def unlocked(work: Path) -> bool:
-    """Whether nobody holds the lock of `work` now (a folder left by a killed run)."""
+def remove_unlocked(work: Path, when=lambda work: True) -> bool:
+    """Remove featcache's folder `work` (marked) if nobody holds its lock now and `when(work)` holds, deciding and
+    removing under its lock; returns whether it was removed. A folder without the marker is never touched."""
+    if own(work) is None:
+        return False
     try:
         with open(work / "lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-    except BlockingIOError:
+            return _same_file(lock, work / "lock") and when(work) and remove_own(work)
+    except (FileNotFoundError, BlockingIOError):
         return False
-    except FileNotFoundError:
-        return True
 
 
 def drop_leftover(work: Path) -> None:
     """Remove a parts folder that a fill killed after its commit left without finished blocks (when nobody holds
     it); one that holds blocks is a resume point, kept for the next fill of its store."""
-    try:
-        with open(work / "lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if _same_file(lock, work / "lock") and not any(work.glob("*.npy")):
-                shutil.rmtree(work)
-    except (FileNotFoundError, BlockingIOError):
-        pass
+    remove_unlocked(work, lambda work: not any(work.glob("*.npy")))
 
 
 @contextmanager

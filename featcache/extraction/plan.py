@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import numbers
-import shutil
 import time
 from contextlib import ExitStack, suppress
 from dataclasses import asdict
@@ -32,7 +31,7 @@ from . import pipeline as P
 from .backbones import check_weights, weights_identity
 from .datasets import dataset_identity, image_side, keep_dataset, load_dataset
 from .embed import BACKENDS, Block, Progress, Settings
-from .files import DiskFullError, drop_leftover, locked, remove_partials, writing
+from .files import DiskFullError, drop_leftover, locked, remove_own, remove_partials, writing
 from .identity import EMBEDDING_CODE, PARTITION_CODE, code_identity, content_key, versions
 from .partition import PartitionSpec, make_partition, partition_counts
 from .partition import _SCHEMES as SCHEMES
@@ -161,10 +160,11 @@ def extract(
             for s in by_path.values():
                 remove_partials(s.work)
                 if not (resumable[s.path] or isinstance(e, (KeyboardInterrupt, DiskFullError))):
-                    shutil.rmtree(s.work, ignore_errors=True)  # bad input: nothing of this run is worth keeping
+                    with suppress(OSError):  # bad input: nothing of this run is worth keeping
+                        remove_own(s.work)
             raise
         for s in by_path.values():
-            shutil.rmtree(s.work)
+            remove_own(s.work)
     with suppress(OSError):  # a built-in dataset's next miss reads its arrays instead of building them
         keep_dataset(data, out)
     embedded = {m["key"]: n for m, n in zip(metas, embedded)}

@@ -12,6 +12,9 @@ partition. Every dataset carries the sha256 of its bytes and the root `meta_sha2
     /<domain>/<split>/features/rows    [n, D] float32
     /<domain>/train/views/index, rows  [n], [n, V, D]: augmented views (with --views V)
 
+The root attribute `featcache_store` (`MARKER`) is featcache's mark on a store file: `featcache gc` changes only files
+that carry it (a client cache carries `featcache_format` instead), never a file for its name or for failing a check.
+
 Reading rows is two lines of h5py: `g = f["photos/train/features"]` then
 `g["rows"][np.searchsorted(g["index"][:], wanted)]`.
 
@@ -40,6 +43,7 @@ from ..errors import UserError
 from .files import writing
 
 FORMAT = 1
+MARKER = "featcache_store"  # the root attribute that marks a file as featcache's store; its value is the format
 Need = tuple[str, str, int]  # (domain, split, views): 0 for plain features, V for V augmented views per image
 
 
@@ -163,7 +167,7 @@ def open_store(path: Path, key: str | None = None) -> h5py.File:
     except OSError as e:
         raise _damaged(path, f"not a readable HDF5 file ({e})") from None
     problem = None
-    if h5.plain(f.attrs.get("featcache_store")) != FORMAT:
+    if h5.plain(f.attrs.get(MARKER)) != FORMAT:
         problem = f"not a featcache store of format {FORMAT}"
     elif h5.plain(f.attrs.get("meta_sha256")) != h5.meta_sha256(f):
         problem = "metadata checksum mismatch"
@@ -184,8 +188,8 @@ class DamagedStore(UserError):
 
 
 def _damaged(path: Path, problem: str) -> DamagedStore:
-    return DamagedStore(f"store {path} is damaged ({problem}): delete it (`featcache gc {path.parent}` removes damaged "
-                     "stores) and run the same command again", problem)
+    return DamagedStore(f"store {path} is damaged ({problem}): move it aside (`featcache gc {path.parent}` moves "
+                        "damaged stores into its .quarantine folder) and run the same command again", problem)
 
 
 def groups(f: h5py.File):
@@ -208,7 +212,7 @@ def _write(path: Path, key: str, identity: dict, backbone: dict, merged: dict) -
     """A new store file holding `merged` (Need -> (index, rows)), written beside `path` and renamed over it."""
     views = max((v for _, _, v in merged), default=0)
     with h5.written(path, path.with_name(path.name + ".partial")) as f:
-        h5.write_attrs(f, {"featcache_store": FORMAT, "featcache_version": __version__, "key": key,
+        h5.write_attrs(f, {MARKER: FORMAT, "featcache_version": __version__, "key": key,
                            "identity": identity, "backbone": backbone, "views": views,
                            "images": sum(len(index) for (_, _, v), (index, _) in merged.items() if not v)})
         for (domain, split, v), (index, rows) in sorted(merged.items()):

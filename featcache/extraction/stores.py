@@ -1,37 +1,86 @@
-"""Store management: what a folder of embedding stores holds (`info`), and checking and pruning it (`gc`)."""
+"""Store management: what a folder of embedding stores holds (`info`), checking one store (`verify`), and pruning
+a folder of them (`gc`).
+
+`gc` changes only what featcache provably made: a file whose root carries the store's marker attribute
+(`store.MARKER`), a folder that carries featcache's marker file (`files.MARKER`). Anything else in the folder (a
+user's HDF5 or text file named `.h5`, a symbolic link, a client cache, a folder named like a parts folder) is listed
+as left alone and never opened for writing, moved or removed.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 
-import h5py
+import numpy as np
 
+from ..cache import h5
+from ..cache.write import MARKER as CACHE_MARKER
 from ..errors import UserError
-from .files import unlocked
-from .identity import EMBEDDING_CODE, code_identity, versions
-from .store import DamagedStore, checked, groups, kind, open_store
+from .files import MARKER as MARKER_FILE
+from .files import claim, own, remove_own, remove_unlocked, write_marker
+from .identity import EMBEDDING_CODE, code_identity, content_key, versions
+from .store import FORMAT, MARKER, DamagedStore, checked, groups, kind, open_store
+
+QUARANTINE = ".quarantine"  # gc moves damaged stores into this folder of the store folder (a marked folder)
+
+
+def what_is(path: Path, follow: bool = True) -> tuple[str, object] | None:
+    """("store", format) or ("cache", format) when `path` is a file featcache made (its root carries the store's or
+    the cache's marker attribute); None for anything else: another file, a folder, a FIFO, a file HDF5 cannot open,
+    and a symbolic link unless `follow`."""
+    attrs = h5.peek_attrs(path, (MARKER, CACHE_MARKER), follow=follow)
+    if attrs is None:
+        return None
+    if MARKER in attrs:
+        return "store", attrs[MARKER]
+    if CACHE_MARKER in attrs:
+        return "cache", attrs[CACHE_MARKER]
+    return None
 
 
 def is_store(path: Path) -> bool:
-    """Whether `path` is a store file or a folder of them (what `featcache info` shows as a store)."""
+    """Whether `featcache info` shows `path` as stores: a folder, or a file that carries the store's marker."""
     path = Path(path)
-    if path.is_dir():
-        return True
-    try:
-        with h5py.File(path, "r") as f:
-            return "featcache_store" in f.attrs
-    except OSError:
-        return False
+    return path.is_dir() or (what_is(path) or ("",))[0] == "store"
+
+
+def _candidates(folder: Path) -> list[Path]:
+    """The entries of `folder` named like a store (`*.h5`, not hidden), sorted."""
+    return sorted(p for p in folder.iterdir() if p.name.endswith(".h5") and not p.name.startswith("."))
+
+
+def _not_stores(folder: Path, found: list[Path], command: str) -> UserError:
+    """The line for a folder that holds `.h5` files but no store (a folder of caches, or of the user's own data),
+    for `command` (info or gc)."""
+    caches = [p for p in found if (what_is(p) or ("",))[0] == "cache"]
+    stores = folder / "store"
+    where = (f"the folder of the stores ({stores})" if stores.is_dir() else
+             "the folder of the stores (extract's --store, default OUT/store)")
+    held = (f"client caches ({len(caches)}), not embedding stores" if caches else
+            f"no featcache embedding store ({len(found)} .h5 file(s) featcache did not make)")
+    if command == "gc":
+        return UserError(f"{folder} holds {held}: gc prunes a folder of stores and never removes anything else; "
+                         f"nothing was removed; pass {where}")
+    return UserError(f"{folder} holds {held}: pass " + (f"a cache file (e.g. {caches[0]}) or " if caches else "")
+                     + where)
 
 
 def _files(path: Path) -> list[Path]:
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path} does not exist: pass a store file or the folder of the stores (default CACHE/store)")
-    return sorted(p for p in path.glob("*.h5") if not p.name.startswith(".")) if path.is_dir() else [path]
+    if not path.is_dir():
+        return [path]
+    found = _candidates(path)
+    stores = [p for p in found if (what_is(p) or ("",))[0] == "store"]
+    if found and not stores:
+        raise _not_stores(path, found, "info")
+    return stores
 
 
 def info(path: str | Path) -> dict:
@@ -47,35 +96,180 @@ def info(path: str | Path) -> dict:
     return {"path": str(path), "stores": stores, "bytes": sum(s["bytes"] for s in stores)}
 
 
-def gc(path: str | Path, dry_run: bool = False) -> dict:
-    """Check every store in a folder (checksums of every array) and remove those no command can use: damaged
-    stores, and stores made by other embedding code or library versions (their keys are never asked for again),
-    with the parts folders of killed fills that nobody holds. Returns what was kept and removed, with the reason."""
+def verify(path: str | Path) -> dict:
+    """Check a store file: its marker and format, metadata checksum, that its key is the hash of the identity it
+    records, every array's sha256 and finite rows; library versions and embedding code it was made with that differ
+    from this environment's are `stale` (warnings: the store still serves the commands that made it, `gc` removes
+    it). Nothing in the check depends on where the file lives. Returns {path, ok, problems, stale, arrays, bytes,
+    seconds}, as `cache.verify` does."""
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    stale: list[str] = []
+    arrays = 0
+    try:
+        with open_store(Path(path)) as f:
+            identity = json.loads(f.attrs["identity"])
+            if content_key(identity) != h5.plain(f.attrs["key"]):
+                problems.append("the stored key is not the hash of the stored identity")
+            named = re.search(r"\.([0-9a-f]{16})\.h5$", Path(path).name)
+            if named and named.group(1) != h5.plain(f.attrs["key"])[:16]:
+                problems.append(f"its name says key {named.group(1)}, it holds key {h5.plain(f.attrs['key'])[:16]}")
+            for _, g in groups(f):
+                checked(Path(path), g["index"])
+                if not np.isfinite(checked(Path(path), g["rows"])).all():
+                    problems.append(f"{g.name}/rows: NaN or Inf values")
+                arrays += 2
+            stale = _stale(identity)
+    except DamagedStore as e:
+        problems.append(str(e))
+    except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
+        problems.append(f"store {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    size = os.path.getsize(path) if Path(path).is_file() else 0
+    return {"path": str(path), "ok": not problems, "problems": problems, "stale": stale, "arrays": arrays,
+            "bytes": size, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _stale(identity: dict) -> list[str]:
+    now = {"code": code_identity(EMBEDDING_CODE)["sha256"], "versions": versions()}
+    made = identity.get("versions") or {}
+    lines = [f"{k} {made.get(k)} (now {v})" for k, v in now["versions"].items() if made.get(k) != v]
+    if identity.get("code") != now["code"]:
+        lines.append(f"featcache embedding code {str(identity.get('code'))[:12]} (now {now['code'][:12]})")
+    return lines
+
+
+def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) -> dict:
+    """Prune a folder of stores of what featcache made and no command can use, touching nothing else.
+
+    Every store (a file carrying the store's marker) is checked (checksums of every array): a damaged one is moved
+    into the folder's `.quarantine` (removed instead with `remove_damaged`, which also removes the stores earlier
+    runs moved there); one made by other embedding code or library versions is removed (its key is never asked for
+    again), with its parts folder. Parts folders (marked) that hold no plan and whose store does not exist, and
+    folders left half removed by a killed run, are removed when nobody holds them. Everything else is listed as left
+    alone with the reason. A folder that holds `.h5` files but nothing of featcache's (a folder of caches, the user's
+    data) is one UserError line, nothing removed.
+
+    Returns {path, dry_run, kept, removed, quarantined, left_alone}: lists of {file, reason} ({file} for kept,
+    {file, to, reason} for quarantined)."""
     folder = Path(path)
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder: pass the folder of the stores (default CACHE/store)")
     now = {"code": code_identity(EMBEDDING_CODE)["sha256"], "versions": versions()}
-    kept, removed = [], []
-    for file in _files(folder):
-        reason = _unusable(file, now)
-        (removed if reason else kept).append({"file": str(file), **({"reason": reason} if reason else {})})
-    for entry in removed:
-        file = Path(entry["file"])
-        work = file.with_name(f".{file.name}.parts")
-        if not dry_run:
-            file.unlink(missing_ok=True)
-            if work.is_dir() and unlocked(work):
-                shutil.rmtree(work)
-    for work in sorted(folder.glob(".*.h5.parts")):  # a killed fill of a store that was never written
-        store = work.with_name(work.name[1 : -len(".parts")])
-        if not store.exists() and not (work / "plan.json").is_file() and unlocked(work):
-            removed.append({"file": str(work), "reason": "an empty parts folder"})
+    report: dict = {"path": str(folder), "dry_run": dry_run, "kept": [], "removed": [], "quarantined": [],
+                    "left_alone": []}
+    leave = lambda p, why: report["left_alone"].append({"file": str(p), "reason": why})  # noqa: E731
+    stores, others, damaged, stale = [], [], [], []  # stores of this format, of others; (store, why) damaged, stale
+    for file in _candidates(folder):
+        made = what_is(file, follow=False)
+        if made is None:
+            leave(file, _foreign(file))
+        elif made[0] == "cache":
+            leave(file, "a client cache (gc prunes stores only): left alone")
+        elif made[1] != FORMAT:
+            others.append(file)
+            leave(file, f"a store of format {made[1]}, which this featcache (format {FORMAT}) does not read: left alone")
+        else:
+            stores.append(file)
+            problem, is_damage = _unusable(file, now)
+            if problem is None:
+                report["kept"].append({"file": str(file)})
+            else:
+                (damaged if is_damage else stale).append((file, problem))
+    works, gone, quarantine = [], [], None
+    for entry in sorted(p for p in folder.iterdir() if p.name.startswith(".")):
+        if entry.name.endswith(".h5.parts"):
+            if own(entry, "parts") is not None:
+                works.append(entry)
+            else:
+                leave(entry, f"named like a parts folder but not featcache's (no {MARKER_FILE} marker): left alone")
+        elif entry.name.endswith(".gone") and own(entry) is not None:
+            gone.append(entry)
+        elif entry.name == QUARANTINE and own(entry, "quarantine") is not None:
+            quarantine = entry
+    if not (stores or others or works or gone or quarantine) and report["left_alone"]:
+        raise _not_stores(folder, _candidates(folder), "gc")
+
+    def remove(file: Path, reason: str) -> None:
+        try:
             if not dry_run:
-                shutil.rmtree(work)
-    return {"path": str(folder), "kept": kept, "removed": removed, "dry_run": dry_run}
+                file.unlink()
+            report["removed"].append({"file": str(file), "reason": reason})
+        except OSError as e:
+            leave(file, f"{reason}; could not remove it ({e.strerror}): left as it is")
+
+    for file, reason in stale:
+        remove(file, reason)
+    for file, problem in damaged:
+        if remove_damaged:
+            remove(file, f"damaged ({problem})")
+        else:
+            _quarantine(folder, file, problem, dry_run, report)
+    if remove_damaged and quarantine is not None:
+        listed = own(quarantine).get("files", {})
+        for name, problem in sorted(listed.items()):
+            if (what_is(quarantine / name, follow=False) or ("",))[0] == "store":
+                remove(quarantine / name, f"damaged ({problem}), moved aside by an earlier gc")
+        if not dry_run:
+            left = {name: problem for name, problem in listed.items() if os.path.lexists(quarantine / name)}
+            if any(p.name != MARKER_FILE for p in quarantine.iterdir()):
+                write_marker(quarantine, {"kind": "quarantine", "files": left})
+            else:
+                remove_own(quarantine)
+    dropped = {file.name for file, _ in stale}
+    for work in works:
+        name = work.name[1 : -len(".parts")]
+        if name in dropped:
+            why = "the parts folder of a store made by other embedding code or library versions"
+        elif not (folder / name).exists() and not (work / "plan.json").is_file():
+            why = "an empty parts folder (a fill killed before it planned)"
+        else:
+            continue  # a resume point of its store's next fill
+        if dry_run or remove_unlocked(work):
+            report["removed"].append({"file": str(work), "reason": why})
+    for folder_gone in gone:
+        if dry_run or remove_unlocked(folder_gone):
+            report["removed"].append({"file": str(folder_gone), "reason": "a folder featcache was removing when "
+                                                                          "it was stopped"})
+    return report
 
 
-def _unusable(file: Path, now: dict) -> str | None:
+def _foreign(path: Path) -> str:
+    """Why gc leaves `path` alone: what it is, and that featcache did not make it."""
+    if path.is_symlink():
+        return "a symbolic link (gc never follows one): left alone"
+    if path.is_dir():
+        return "a folder, not featcache's: left alone"
+    if not path.is_file():
+        return "not a regular file, not featcache's: left alone"
+    return "not featcache's (no featcache marker in it, or not an HDF5 file): left alone"
+
+
+def _quarantine(folder: Path, file: Path, problem: str, dry_run: bool, report: dict) -> None:
+    """Move the damaged store `file` into the folder's `.quarantine` (a marked folder whose marker lists each file
+    with its problem), or say why it could not."""
+    where = folder / QUARANTINE
+    target = where / file.name
+    n = 1
+    while os.path.lexists(target):
+        target, n = where / f"{file.name}.{n}", n + 1
+    entry = {"file": str(file), "to": str(target), "reason": f"damaged ({problem})"}
+    if dry_run:
+        report["quarantined"].append(entry)
+        return
+    try:
+        claim(where, "quarantine")
+        os.rename(file, target)
+        write_marker(where, {"kind": "quarantine", "files": own(where).get("files", {}) | {target.name: problem}})
+    except (UserError, OSError) as e:
+        why = str(e) if isinstance(e, UserError) else e.strerror
+        report["left_alone"].append({"file": str(file), "reason": f"damaged ({problem}); could not move it aside "
+                                     f"({why}): left as it is; `featcache gc --remove-damaged` removes it"})
+        return
+    report["quarantined"].append(entry)
+
+
+def _unusable(file: Path, now: dict) -> tuple[str | None, bool]:
+    """(why no command can use the store `file`, whether because it is damaged); (None, False) for a good store."""
     try:
         with open_store(file) as f:
             identity = json.loads(f.attrs["identity"])
@@ -83,9 +277,11 @@ def _unusable(file: Path, now: dict) -> str | None:
                 checked(file, g["index"])
                 checked(file, g["rows"])
     except DamagedStore as e:
-        return e.problem
+        return e.problem, True
+    except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
+        return f"unreadable: {type(e).__name__}", True
     if identity.get("code") != now["code"]:
-        return "made by other embedding code"
+        return "made by other embedding code", False
     if identity.get("versions") != now["versions"]:
-        return "made with other library versions"
-    return None
+        return "made with other library versions", False
+    return None, False
