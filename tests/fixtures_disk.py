@@ -200,3 +200,55 @@ def write_usps(root: Path, n: int = 5, drop_zeros: bool = False) -> dict[str, tu
         (root / name).write_bytes(bz2.compress(text.encode()))
         out[name] = (pixels, labels)
     return out
+
+
+# --- a complete tiny copy of every on-disk dataset, as its authors lay it out -----------------------------------------
+
+
+def write_fedbn_sites(data: Path, folder: str, sites, classes, per_class: int = 2, size=(8, 8)) -> None:
+    """FedBN's path-list layout: `data/folder/{site}_{train,test}.pkl`, each a pickled (image paths, text labels)
+    pair listing PNGs as FedBN does, relative to its `data/` ('office_caltech_10/amazon/mug/frame_0001.png'); the
+    last image of each class is a test image."""
+    for site in sites:
+        listed = {"train": ([], []), "test": ([], [])}
+        for cls in classes:
+            for i in range(per_class):
+                rel = f"{folder}/{site}/{cls}/frame_{i:04d}.png"
+                write_image(data / rel, size=size, seed=zlib.crc32(rel.encode()))
+                split = "test" if i == per_class - 1 else "train"
+                listed[split][0].append(rel)
+                listed[split][1].append(cls)
+        for split, pair in listed.items():
+            dump(pair, data / folder / f"{site}_{split}.pkl")
+
+
+def write_domain_folders(root: Path, domains, classes, per_class: int = 2, size=(8, 8)) -> None:
+    """`root/{domain}/{class}/img_NNN.png`, every image different (seeded by its path)."""
+    for d in domains:
+        for c in classes:
+            for i in range(per_class):
+                write_image(root / d / c / f"img_{i:03d}.png", size=size, seed=zlib.crc32(f"{d}/{c}/{i}".encode()))
+
+
+def _readers() -> dict:
+    from featcache.extraction.datasets.disk import (DOMAINNET_CLASSES, DOMAINNET_SITES, OFFICE10_CLASSES,
+                                                    OFFICE10_SITES, PACS_CLASSES, PACS_DOMAINS)
+
+    multi = {"partition": "feature"}
+    single = {"partition": "iid", "clients": 2}
+    return {  # dataset -> (write a complete copy into ROOT, extract's options for it)
+        "digit5": (lambda root: write_digit5(root, parts=10, per_part=2, n_test=4), multi),
+        "office10": (lambda root: write_fedbn_sites(root, "office_caltech_10", OFFICE10_SITES, OFFICE10_CLASSES),
+                     multi),
+        "domainnet": (lambda root: write_fedbn_sites(root, "DomainNet", DOMAINNET_SITES, DOMAINNET_CLASSES), multi),
+        "pacs": (lambda root: write_domain_folders(root / "kfold", PACS_DOMAINS, PACS_CLASSES), multi),
+        "imagefolder": (lambda root: write_domain_folders(root, ("d1", "d2"), ("a", "b", "c"), per_class=3), multi),
+        "cifar10": (lambda root: write_cifar10(root), single),
+        "cifar100": (lambda root: write_cifar100(root, n=100), single),
+        "mnist": (lambda root: write_mnist(root, gz=True), single),
+        "svhn": (lambda root: write_svhn(root, n=10), single),
+        "usps": (lambda root: write_usps(root, n=10), single),
+    }
+
+
+READERS = _readers()  # every on-disk reader `featcache datasets` lists; tests check that none is missing

@@ -112,14 +112,50 @@ def info(cache: Path = typer.Argument(..., help="cache file, store file or folde
 
 
 def _show_stores(found: dict, as_json: bool) -> None:
-    table = Table(title=f"stores in {found['path']}")
-    for col in ("backbone", "dim", "views", "images", "held", "MB"):
-        table.add_column(col)
+    """One table per store: what it holds, what it was made from (dataset, root, image size, preprocessing,
+    fingerprint), and why no command uses it or which other stores hold the same embeddings."""
+    if as_json:
+        emit(found, True)
+        return
+    out.print(f"{len(found['stores'])} store(s) in {escape(found['path'])}, {found['bytes'] / 2**20:.1f} MB",
+              soft_wrap=True)
     for st in found["stores"]:
-        held = " · ".join(f"{k} {n}" for k, n in st["held"].items())
-        table.add_row(st["backbone"], str(st["dim"]), str(st["views"]), str(st["images"]), held,
-                      f"{st['bytes'] / 2**20:.1f}")
-    emit(found, as_json, table)
+        table = Table(title=escape(Path(st["file"]).name), show_header=False, title_justify="left")
+        if "problem" in st:
+            table.add_row("[red]damaged[/red]", escape(st["problem"]))
+            out.print(table)
+            continue
+        kind = {"legacy": " (identified by an older featcache: image files by path and modification time)",
+                "recipe": " (built-in recipe: its code and packages)"}.get(st["identity"], " (content)")
+        roots = [src.get("root", "?") + (f" -> {src['real']}" if src.get("real") else "") for src in st["sources"]]
+        pre = st["preprocessing"]
+        size = f"{st['image_size']} px" if st["image_size"] else "the backbone's own"
+        size += f" (input {'x'.join(str(n) for n in pre['input_size'][1:])})" if pre.get("input_size") else ""
+        rows = {
+            "dataset": st["dataset"],
+            "fingerprint": f"{str(st['fingerprint'])[:16]}{kind}",
+            "root": "\n".join(roots) or "not recorded",
+            "image size": size,
+            "preprocessing": f"{pre.get('interpolation')}, mean {pre.get('mean')}, std {pre.get('std')}, "
+                             f"pipeline v{pre.get('pipeline')}",
+            "backbone": f"{st['backbone']} ({st['weights']}"
+                        + (f", sha256 {st['weights_sha256'][:12]}" if st["weights_sha256"] else "") + f", dim {st['dim']})",
+            "held": " · ".join(f"{k} {n}" for k, n in st["held"].items()) + f" ({st['images']} images, "
+                    f"{st['views']} views, {st['bytes'] / 2**20:.1f} MB)",
+            "key": st["key"][:16],
+        }
+        for name, value in rows.items():
+            table.add_row(name, escape(str(value)))
+        if st["stale"]:
+            table.add_row("[yellow]unused[/yellow]", escape("made with " + "; ".join(st["stale"]) + ": no extraction "
+                                                           "asks for its key again (`featcache gc` removes it)"))
+        if st["duplicates"]:
+            table.add_row("[yellow]duplicate[/yellow]", escape("the same embeddings under another key as "
+                                                              + ", ".join(Path(f).name for f in st["duplicates"])))
+        out.print(table)
+    for group in found["duplicates"]:
+        err.print(f"[yellow]duplicates:[/yellow] {escape(', '.join(Path(f).name for f in group))} hold the same "
+                  "embeddings under different keys", highlight=False, soft_wrap=True)
 
 
 def gc(store: Path = typer.Argument(..., help="folder of embedding stores (default of extract: CACHE/store)"),

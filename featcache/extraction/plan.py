@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import os
 import time
 from contextlib import ExitStack, suppress
 from dataclasses import asdict
@@ -29,6 +30,7 @@ from ..atomic import check_folder, make_folder
 from ..errors import UserError, as_path
 from . import pipeline as P
 from .backbones import check_weights, weights_identity
+from .contents import Contents
 from .datasets import dataset_identity, image_side, keep_dataset, load_dataset
 from .embed import BACKENDS, Block, Progress, Settings
 from .files import DiskFullError, drop_leftover, locked, remove_own, remove_partials, writing
@@ -97,7 +99,9 @@ def extract(
              for c, a, n in itertools.product(*(_values(v) for v in (clients, alpha, per_class)))]
     runner = BACKENDS[backend]()
     dev = runner.device(device)
-    identity, data = dataset_identity(dataset, data_root, download)
+    folder = Path(store or Path(out) / "store")  # of the stores, and of the sidecar of the files' hashes
+    contents = Contents(folder)
+    identity, data = dataset_identity(dataset, data_root, download, contents)
     notes: list[str] = []
 
     def tell(line: str) -> None:
@@ -116,9 +120,10 @@ def extract(
         "allow_partial": allow_partial, "versions": versions()}
     weights = [weights_identity(b) for b in backbone]
     by_path: dict[Path, Store] = {}  # two specs of the same weights share one store
-    stores = [by_path.setdefault(path, Store(path, key)) for w in weights
+    source = _source(data_root) if data is not None else None  # a built-in recipe reads no folder
+    stores = [by_path.setdefault(path, Store(path, key, source)) for w in weights
               for key in [content_key(embedding | {"backbone": w})]
-              for path in [store_path(Path(store or Path(out) / "store"), dataset, w["name"], key)]]
+              for path in [store_path(folder, dataset, w["name"], key)]]
     manifests = [embedding | {"partition": spec.to_dict(), "seed": seed, "backbones": weights,
                               "code": code_identity(EMBEDDING_CODE + PARTITION_CODE)["sha256"]} for spec in specs]
     keys = [content_key(m) for m in manifests]
@@ -127,6 +132,7 @@ def extract(
         for s in by_path.values():
             drop_leftover(s.work)
         results = [_hit(p, k, t0) for p, k in zip(paths, keys)]
+        contents.save()  # a run that ends well keeps the files' hashes (a refused one changes nothing)
         return _summary(results, {}, t0) | _told(tell, notes, partition, domains, results, image_size)
     check_folder(out)  # a miss writes: refuse a folder it cannot write before anything is loaded or created
     if store is not None:
@@ -167,9 +173,19 @@ def extract(
             remove_own(s.work)
     with suppress(OSError):  # a built-in dataset's next miss reads its arrays instead of building them
         keep_dataset(data, out)
+    contents.save()
     embedded = {m["key"]: n for m, n in zip(metas, embedded)}
     return (_summary(results, embedded, t0) | {"phases": {k: round(v, 3) for k, v in phases.items()}}
             | _told(tell, notes, partition, domains, results, image_size))
+
+
+def _source(data_root: Path | None) -> dict | None:
+    """Where the images are read from, for the store's metadata (never its key): the root as an absolute path and,
+    when links or `..` make it another folder, the real one."""
+    if data_root is None:
+        return None
+    root, real = os.path.abspath(data_root), os.path.realpath(data_root)
+    return {"root": root} | ({"real": real} if real != root else {})
 
 
 def default_image_size(dataset: str, side: int | None) -> tuple[int | None, str]:

@@ -1,13 +1,15 @@
 """The embedding store: one backbone's embeddings of individual images, addressed by (domain, split, source index)
 and filled lazily, so no backbone runs twice on the same image however often the images are re-partitioned.
 
-A store is one HDF5 file per identity: the dataset, the backbone's weights, image size, precision, views, noise
-and their seed, the input pipeline, the embedding code and the library versions (`identity.py`), never the
-partition. Every dataset carries the sha256 of its bytes and the root `meta_sha256` covers the rest, as in a cache:
+A store is one HDF5 file per identity: the dataset's content, the backbone's weights, image size, precision, views,
+noise and their seed, the input pipeline, the embedding code and the library versions (`identity.py`), never the
+partition nor where the data lies (the folders its images were read from are recorded as `sources`, outside the key).
+Every dataset carries the sha256 of its bytes and the root `meta_sha256` covers the rest, as in a cache:
 
     /                                  attrs: featcache_store (format), featcache_version, key, identity (JSON),
                                               backbone (JSON: key, name, weights, weights_sha256, dim,
-                                              preprocessing), views, images, meta_sha256
+                                              preprocessing), views, images, sources (JSON: [{root, real}]),
+                                              meta_sha256
     /<domain>/<split>/features/index   [n] int64, increasing: the source indices held
     /<domain>/<split>/features/rows    [n, D] float32
     /<domain>/train/views/index, rows  [n], [n, V, D]: augmented views (with --views V)
@@ -67,6 +69,7 @@ class Store:
 
     path: Path
     key: str
+    source: dict | None = None  # where this run reads the images (metadata, not key), added to `sources` on a fill
     _rows: dict = field(default_factory=dict, repr=False)  # Need -> (index [n], rows [n, ...]), read and checked
 
     @property
@@ -135,12 +138,20 @@ class Store:
             backbone = self.backbone() or json.loads((self.work / "meta.json").read_text())
             merged = self._merged(done)
             with writing(self.path):
-                _write(self.path, self.key, identity, backbone, merged)
+                _write(self.path, self.key, identity, backbone, merged, self._sources())
             self._rows.clear()
         for b in plan:
             (self.work / b["file"]).unlink(missing_ok=True)
         plan_file.unlink(missing_ok=True)
         return sum(len(b["rows"]) for b in done if not b["views"])
+
+    def _sources(self) -> list[dict]:
+        """Where the images of this store were read from, one entry per distinct source in the order of the fills."""
+        old = []
+        if self.path.is_file():
+            with self._open() as f:
+                old = json.loads(h5.plain(f.attrs.get("sources", "[]")))
+        return [*old, self.source] if self.source and self.source not in old else old
 
     def _merged(self, done: list[dict]) -> dict[Need, tuple[np.ndarray, np.ndarray]]:
         parts: dict[Need, list] = {}
@@ -208,12 +219,12 @@ def checked(path: Path, ds: h5py.Dataset) -> np.ndarray:
     return data
 
 
-def _write(path: Path, key: str, identity: dict, backbone: dict, merged: dict) -> None:
+def _write(path: Path, key: str, identity: dict, backbone: dict, merged: dict, sources: list[dict]) -> None:
     """A new store file holding `merged` (Need -> (index, rows)), written beside `path` and renamed over it."""
     views = max((v for _, _, v in merged), default=0)
     with h5.written(path, path.with_name(path.name + ".partial")) as f:
         h5.write_attrs(f, {MARKER: FORMAT, "featcache_version": __version__, "key": key,
-                           "identity": identity, "backbone": backbone, "views": views,
+                           "identity": identity, "backbone": backbone, "views": views, "sources": sources,
                            "images": sum(len(index) for (_, _, v), (index, _) in merged.items() if not v)})
         for (domain, split, v), (index, rows) in sorted(merged.items()):
             g = f.require_group(f"{domain}/{split}/{kind(v)}")

@@ -84,16 +84,89 @@ def _files(path: Path) -> list[Path]:
 
 
 def info(path: str | Path) -> dict:
-    """{path, stores: [{file, backbone, dim, views, held: {"domain/split/kind": images}, images, bytes}], bytes}."""
-    stores = []
-    for file in _files(Path(path)):
+    """What a store file or a folder of stores holds: {path, stores, duplicates, bytes}.
+
+    Each store: {file, key, dataset, identity ('content', 'recipe' or 'legacy': identified by an older featcache,
+    image files by path and modification time), fingerprint, sources (the folders its images were read from,
+    metadata outside the key: [{root, real}], empty when not recorded), image_size (the --image-size it was made
+    with, None for each backbone's own), preprocessing (input size, interpolation, mean, std, pipeline version),
+    backbone, weights, weights_sha256, dim, views, images, held {"domain/split/kind": images}, bytes, stale (why this
+    featcache never asks for its key again: other embedding code or library versions), content (the hash of what
+    its embeddings depend on but code and versions: the same images, weights and preprocessing), rows (the hash of
+    the stored arrays' checksums), duplicates (the other stores of the same content or the same rows under other
+    keys)}. A store that fails its checks is {file, problem, bytes}. `duplicates` lists the groups of such files."""
+    stores = [_describe(file) for file in _files(Path(path))]
+    groups_ = _duplicate_groups(stores)
+    for group in groups_:
+        for st in group:
+            st["duplicates"] = [o["file"] for o in group if o is not st]
+    return {"path": str(path), "stores": stores, "duplicates": [[st["file"] for st in g] for g in groups_],
+            "bytes": sum(st["bytes"] for st in stores)}
+
+
+def duplicates(path: str | Path) -> list[list[dict]]:
+    """Groups of two or more stores in `path` (a store folder or file) that hold the same embeddings under
+    different keys: the same images (dataset fingerprint) by the same weights with the same preprocessing, views,
+    noise and precision, made by other embedding code or library versions; or byte-identical arrays (the same
+    `rows`), which also finds stores made before data was identified by content (one per spelling of its root).
+    Each store as `info` describes it; in each group the stores this featcache uses (no `stale` reason) come first,
+    then by file name. Damaged stores are in no group."""
+    return _duplicate_groups(info(path)["stores"])
+
+
+def _duplicate_groups(stores: list[dict]) -> list[list[dict]]:
+    """The connected groups of stores that share `content` or `rows`, where they hold more than one key."""
+    good = [st for st in stores if "problem" not in st]
+    group = list(range(len(good)))  # union-find over the stores
+
+    def top(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    first: dict[tuple[str, str], int] = {}
+    for i, st in enumerate(good):
+        for label in ("content", "rows"):
+            if st.get(label):
+                j = first.setdefault((label, st[label]), i)
+                group[top(i)] = top(j)
+    members: dict[int, list[dict]] = {}
+    for i, st in enumerate(good):
+        members.setdefault(top(i), []).append(st)
+    return [sorted(g, key=lambda st: (bool(st["stale"]), st["file"]))
+            for g in members.values() if len({st["key"] for st in g}) > 1]
+
+
+def _describe(file: Path) -> dict:
+    """One store as `info` lists it; a damaged one as {file, problem, bytes}, so one bad file hides no other."""
+    size = os.path.getsize(file) if file.is_file() else 0
+    try:
         with open_store(file) as f:
-            backbone = json.loads(f.attrs["backbone"])
+            attrs = h5.read_attrs(f)
             held = {f"{d}/{s}/{kind(v)}": int(g["index"].shape[0]) for (d, s, v), g in groups(f)}
-            stores.append({"file": str(file), "backbone": backbone["key"], "weights": backbone["weights"],
-                           "dim": int(backbone["dim"]), "views": int(f.attrs["views"]),
-                           "images": int(f.attrs["images"]), "held": held, "bytes": os.path.getsize(file)})
-    return {"path": str(path), "stores": stores, "bytes": sum(s["bytes"] for s in stores)}
+            sums = sorted((g.name, str(h5.plain(g["index"].attrs.get("sha256"))), str(h5.plain(g["rows"].attrs.get(
+                "sha256")))) for _, g in groups(f))
+    except DamagedStore as e:
+        return {"file": str(file), "problem": e.problem, "bytes": size}
+    except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
+        return {"file": str(file), "problem": f"unreadable ({type(e).__name__})", "bytes": size}
+    identity, backbone = attrs.get("identity") or {}, attrs.get("backbone") or {}
+    dataset = identity.get("dataset") or {}
+    preprocessing = backbone.get("preprocessing") or {}
+    same = {"dataset": {k: v for k, v in dataset.items() if k != "by"},
+            "weights": [backbone.get("name"), backbone.get("weights_sha256")], "preprocessing": preprocessing,
+            **{k: identity.get(k) for k in ("views", "noise", "seed", "precision", "allow_partial")}}
+    return {"file": str(file), "key": str(attrs.get("key")), "dataset": dataset.get("name"),
+            "identity": "recipe" if "recipe" in dataset else dataset.get("by", "legacy"),
+            "fingerprint": dataset.get("fingerprint") or dataset.get("recipe"),
+            "sources": attrs.get("sources") or [], "image_size": identity.get("image_size"),
+            "preprocessing": {k: preprocessing.get(k) for k in ("input_size", "interpolation", "mean", "std")}
+            | {"pipeline": (preprocessing.get("pipeline") or {}).get("version")},
+            "backbone": backbone.get("key"), "weights": backbone.get("weights"),
+            "weights_sha256": backbone.get("weights_sha256"), "dim": backbone.get("dim"),
+            "views": int(attrs.get("views", 0)), "images": int(attrs.get("images", 0)), "held": held, "bytes": size,
+            "stale": _stale(identity), "content": content_key(same) if dataset else None,
+            "rows": content_key({"rows": sums}) if sums else None, "duplicates": []}
 
 
 def verify(path: str | Path) -> dict:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ...atomic import write_atomic
 from ...errors import UserError, suggest
+from ..contents import Contents
 from .base import ArrayImages, Dataset, ImageSet, PathImages
 
 _READERS: dict[str, Callable[..., Dataset]] = {}
@@ -51,18 +52,20 @@ def image_side(name: str, data: Dataset | None) -> int | None:
     return _SIDES.get(name) if data is None else data.side()
 
 
-def dataset_identity(name: str, root: str | Path | None = None, download: bool = False) -> tuple[dict, Dataset | None]:
+def dataset_identity(name: str, root: str | Path | None = None, download: bool = False,
+                     contents: Contents | None = None) -> tuple[dict, Dataset | None]:
     """What determines a dataset's pixels, and the loaded dataset when identifying it needed loading it.
 
     Built-in recipes are identified by their code and package versions (cheap, so a cache hit needs no images);
-    data on disk by its files (paths, sizes, modification times)."""
+    data on disk by its content (`Dataset.fingerprint`: array bytes, or the files' names relative to the dataset
+    folder, sizes and sha256s, which `contents` remembers by stat), never by how or where `root` is given."""
     _import_readers()
     if name in _RECIPES:
         code = inspect.getsource(sys.modules[_READERS[name].__module__])
         return {"name": name, "recipe": hashlib.sha256(code.encode()).hexdigest(),
                 "packages": {d: md.version(d) for d in _RECIPES[name]}}, None
     data = load_dataset(name, root, download=download)
-    return {"name": name, "fingerprint": data.fingerprint()}, data
+    return {"name": name, "fingerprint": data.fingerprint(contents), "by": "content"}, data
 
 
 def list_datasets() -> dict[str, str]:

@@ -1,8 +1,10 @@
 """What every dataset reader returns: labelled image sets per domain and split, with a content fingerprint.
 
 A reader never decodes all images up front: an `ImageSet` hands out one RGB `PIL.Image` at a time (or, when it holds
-equal-size arrays, a batch of them as one uint8 array), so extraction streams with flat memory. The fingerprint covers everything that determines the pixels (array bytes, or file paths
-with sizes and modification times), so a changed file gives a new cache.
+equal-size arrays, a batch of them as one uint8 array), so extraction streams with flat memory. The fingerprint covers
+what determines the pixels and their labels, never where the data lies: array bytes, or each file's name relative
+to the dataset folder with its size and sha256 (`contents.Contents` remembers those by stat). A changed byte gives a
+new key; the same files moved, copied, linked or named another way give the same one.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from ...errors import UserError, first_line
+from ..contents import Contents, require_regular
 
 
 class ImageSet:
@@ -36,7 +38,9 @@ class ImageSet:
         `image(i)` decodes them one by one)."""
         return None
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, root: str | Path | None = None, contents: Contents | None = None) -> str:
+        """sha256 of the set's content: labels in order and the images' bytes (files: their names relative to the
+        dataset folder `root`, sizes and sha256s, found through `contents`)."""
         raise NotImplementedError
 
     def side(self) -> int:
@@ -66,7 +70,7 @@ class ArrayImages(ImageSet):
         x = self.images[rows]  # [B, H, W] grey or [B, H, W, 3]
         return np.repeat(x[..., None], 3, axis=-1) if x.ndim == 3 else x
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, root: str | Path | None = None, contents: Contents | None = None) -> str:
         h = hashlib.sha256()
         h.update(str(self.images.shape).encode())
         h.update(np.ascontiguousarray(self.images).tobytes())
@@ -112,12 +116,17 @@ class PathImages(ImageSet):
             reason = re.sub(r"\s+(<[^<>]*>|'[^']*')$", "", first_line(e))
         return UserError(f"cannot read image {self.paths[i]} ({reason}): repair or delete the file")
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, root: str | Path | None = None, contents: Contents | None = None) -> str:
+        root = _common_folder(self.paths) if root is None else root
         h = hashlib.sha256()
-        for p, y in zip(self.paths, self.labels):
-            st = os.stat(p)
-            h.update(f"{p.as_posix()}|{st.st_size}|{st.st_mtime_ns}|{int(y)}\n".encode())
+        for p, (size, digest), y in zip(self.paths, (contents or Contents()).hashes(root, self.paths), self.labels):
+            h.update(f"{Path(os.path.relpath(p, root)).as_posix()}|{size}|{digest}|{int(y)}\n".encode())
         return h.hexdigest()
+
+
+def _common_folder(paths: list[Path]) -> str:
+    """The deepest folder holding every file of `paths` (the dataset folder of a set built without one)."""
+    return os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths]) if paths else "."
 
 
 def open_regular(path: Path):
@@ -133,23 +142,6 @@ def open_regular(path: Path):
     return os.fdopen(fd, "rb")
 
 
-def require_regular(path: Path, st: os.stat_result | None = None) -> None:
-    """One line unless `path` is a regular file after symlinks: a named pipe would block a read forever, a device
-    never ends, a symlink loop or a folder is no image."""
-    if st is None:
-        try:
-            st = os.stat(path)
-        except OSError as e:
-            raise UserError(f"cannot read image {path} ({e.strerror}): repair or delete the file") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
-        raise UserError(f"{path} is {kind}, not an image file: remove it or move it out of the dataset folder")
-
-
-_KINDS = {stat.S_IFIFO: "a named pipe", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}
-
-
 @dataclass
 class Dataset:
     """Domains -> splits ('train', 'test') -> ImageSet, plus class names shared by all domains."""
@@ -159,14 +151,21 @@ class Dataset:
     domains: dict[str, dict[str, ImageSet]]
     source: str = ""  # where the data came from, for provenance
     extra: dict = field(default_factory=dict)
+    root: Path | None = None  # the folder the files' names in the fingerprint are relative to (None: their common one)
 
     def side(self) -> int | None:
         """The largest side, in pixels, of the first image of each domain and split (None when all are empty)."""
         return max((s.side() for splits in self.domains.values() for s in splits.values()), default=0) or None
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, contents: Contents | None = None) -> str:
+        """sha256 of the name, the class names and every domain's and split's content (`ImageSet.fingerprint`); the
+        files' hashes come from `contents` (default: read them all)."""
+        contents = contents or Contents()
+        paths = [p for splits in self.domains.values() for s in splits.values() if isinstance(s, PathImages)
+                 for p in s.paths]
+        root = self.root if self.root is not None else _common_folder(paths)
         h = hashlib.sha256(f"{self.name}|{self.classes}".encode())
         for d in sorted(self.domains):
             for s in sorted(self.domains[d]):
-                h.update(f"{d}/{s}:{self.domains[d][s].fingerprint()}\n".encode())
+                h.update(f"{d}/{s}:{self.domains[d][s].fingerprint(root, contents)}\n".encode())
         return h.hexdigest()

@@ -128,12 +128,14 @@ def _split_folder(folder: Path, classes: list[str], test_fraction: float, seed: 
 
 
 def _finish(name: str, classes: list[str], domains: dict, layout: str, root: Path, source: str,
-            expected: dict[str, str] | None = None) -> Dataset:
+            expected: dict[str, str] | None = None, folder: Path | None = None) -> Dataset:
     """The dataset; `expected` maps every domain the dataset has (in its order) to where its files belong, so the
-    absent ones are recorded for the partition to refuse (see the module docstring)."""
+    absent ones are recorded for the partition to refuse (see the module docstring). `folder` (default `root`) is
+    the folder the data was found in, which its files' names in the fingerprint are relative to: FedBN's `data/` and
+    the dataset folder inside it name the same files alike."""
     if not domains:
         raise UserError(f"{name}: no data found under {root}; expected {layout}")
-    data = Dataset(name=name, classes=classes, domains=domains, source=source)
+    data = Dataset(name=name, classes=classes, domains=domains, source=source, root=folder or root)
     missing = {d: where for d, where in (expected or {}).items() if d not in domains}
     if missing:
         data.extra.update(missing_domains=missing, domain_order=list(expected))
@@ -204,7 +206,7 @@ def digit5(root: Path | None, download: bool = False, parts: int = 10) -> Datase
     train_parts = "train_part0.pkl" if parts == 1 else f"train_part{{0..{parts - 1}}}.pkl"
     expected = {d: f"{base / f}/partitions/{train_parts} and {base / f}/test.pkl" for d, f in DIGIT5_FOLDERS.items()}
     source = f"FedBN Digit-5 pickles at {base}"
-    return _finish("digit5", DIGIT5_CLASSES, domains, DIGIT5_LAYOUT, root, source, expected)
+    return _finish("digit5", DIGIT5_CLASSES, domains, DIGIT5_LAYOUT, root, source, expected, base)
 
 
 # --- Office-Caltech-10 and DomainNet (FedBN path pickles, or image folders) ----------------------------------------
@@ -291,7 +293,7 @@ def _read_sites(
             domains[site] = _split_folder(base / site, classes, test_fraction, seed)
     source = f"{name} at {base} (FedBN pickles, else folders split with test_fraction={test_fraction}, seed={seed})"
     expected = {s: f"{base}/{s}_train.pkl and {base}/{s}_test.pkl, or {base}/{s}/{{class}}/*.jpg" for s in sites}
-    return _finish(name, classes, domains, layout, root, source, expected)
+    return _finish(name, classes, domains, layout, root, source, expected, base)
 
 
 @register_dataset("office10", layout=OFFICE10_LAYOUT)
@@ -330,7 +332,7 @@ def pacs(root: Path | None, download: bool = False, test_fraction: float = 0.3, 
     }
     source = f"PACS folders at {base} (test_fraction={test_fraction}, seed={seed})"
     expected = {d: f"{base / d}/{{class}}/*.jpg" for d in PACS_DOMAINS}
-    return _finish("pacs", PACS_CLASSES, domains, PACS_LAYOUT, root, source, expected)
+    return _finish("pacs", PACS_CLASSES, domains, PACS_LAYOUT, root, source, expected, base)
 
 
 def _subfolders(folder: Path) -> list[Path]:
