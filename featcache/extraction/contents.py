@@ -2,11 +2,11 @@
 
 A dataset on disk is identified by what its files hold, not by where they are (`Dataset.fingerprint`). Reading every
 byte on every run would cost a pass over the data, so the hashes are kept in a sidecar index in the store folder, one
-file per dataset root (`.contents-<hash of the real root>.json`, written atomically), keyed by each file's real path
-below that root with its size, mtime, ctime, inode and device. A later run stats each file and reuses the hash when
-all five match; a moved or copied root is a new real path, hashed once. As git's index does, an entry whose file
-changed less than `RACY_NS` before it was hashed is not trusted (a rewrite of the same size in the same timestamp
-tick keeps every stat field), so that file is hashed again on the next run.
+file per dataset folder (`.contents-<hash of its real path>.json`, written atomically), keyed by each file's name
+relative to that folder with its size, mtime, ctime, inode and device. A later run stats each file and reuses the
+hash when all five match; a moved or copied folder is another real path, hashed once. As git's index does, an entry
+whose file changed less than `RACY_NS` before it was hashed is not trusted (a rewrite of the same size in the same
+timestamp tick keeps every stat field), so that file is hashed again on the next run.
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ class Contents:
     def __init__(self, folder: str | Path | None = None) -> None:
         self.folder = None if folder is None else Path(folder)
         self.reads = 0
-        self._known: dict[str, dict[str, list]] = {}  # real root -> {relative real path: entry}
+        self._known: dict[str, dict[str, list]] = {}  # real root -> {relative name: entry}
         self._new: dict[str, dict[str, list]] = {}
 
-    def hashes(self, root: str | Path, paths: list[Path]) -> list[tuple[int, str]]:
-        """(size, sha256 hex) of each file of `paths`, which lie below the dataset folder `root`."""
+    def hashes(self, root: str | Path, paths: list[Path], names: list[str]) -> list[tuple[int, str]]:
+        """(size, sha256 hex) of each file of `paths`, whose names relative to the dataset folder `root` are
+        `names` (the stat fields, not the name, say whether an entry still describes the file)."""
         real_root = os.path.realpath(root)
         known = self._index(real_root)
         stats = [_stat(p) for p in paths]
-        names = [os.path.relpath(os.path.realpath(p), real_root) for p in paths]
         out: list[str | None] = [_valid(known.get(n), st) for n, st in zip(names, stats)]  # sha256 or None
         todo = [i for i, d in enumerate(out) if d is None]
         if todo:

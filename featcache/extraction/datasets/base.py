@@ -118,10 +118,26 @@ class PathImages(ImageSet):
 
     def fingerprint(self, root: str | Path | None = None, contents: Contents | None = None) -> str:
         root = _common_folder(self.paths) if root is None else root
+        names = relative_names(root, self.paths)
         h = hashlib.sha256()
-        for p, (size, digest), y in zip(self.paths, (contents or Contents()).hashes(root, self.paths), self.labels):
-            h.update(f"{Path(os.path.relpath(p, root)).as_posix()}|{size}|{digest}|{int(y)}\n".encode())
+        for name, (size, digest), y in zip(names, (contents or Contents()).hashes(root, self.paths, names),
+                                           self.labels):
+            h.update(f"{name}|{size}|{digest}|{int(y)}\n".encode())
         return h.hexdigest()
+
+
+def relative_names(root: str | Path, paths: list[Path]) -> list[str]:
+    """Each path relative to the folder `root` ('/'-separated, '..' where it lies outside), as os.path.relpath
+    gives it; a path that starts with `root`'s spelling is cut without touching the file system."""
+    prefix = os.path.join(str(root), "")
+    out = []
+    for p in paths:
+        text = str(p)
+        rest = text[len(prefix):] if text.startswith(prefix) else None
+        if rest is None or ".." in rest.split(os.sep):
+            rest = os.path.relpath(text, root)
+        out.append(rest.replace(os.sep, "/"))
+    return out
 
 
 def _common_folder(paths: list[Path]) -> str:
