@@ -150,8 +150,9 @@ def _show_stores(found: dict, as_json: bool) -> None:
             table.add_row("[yellow]unused[/yellow]", escape("made with " + "; ".join(st["stale"]) + ": no extraction "
                                                            "asks for its key again (`featcache gc` removes it)"))
         if st["duplicates"]:
-            table.add_row("[yellow]duplicate[/yellow]", escape("the same embeddings under another key as "
-                                                              + ", ".join(Path(f).name for f in st["duplicates"])))
+            table.add_row("[yellow]duplicate[/yellow]", escape("holds the same embeddings as "
+                                                              + ", ".join(Path(f).name for f in st["duplicates"])
+                                                              + " under another key"))
         out.print(table)
     for group in found["duplicates"]:
         err.print(f"[yellow]duplicates:[/yellow] {escape(', '.join(Path(f).name for f in group))} hold the same "
