@@ -274,6 +274,17 @@ def test_a_damaged_store_that_cannot_be_moved_is_left_as_it_is_in_one_row(templa
     assert bad.read_bytes() == before
 
 
+def test_gc_names_duplicates_and_removes_only_the_one_made_by_other_versions(tmp_path):
+    folder = tmp_path / "store"
+    good, old = make_store(folder), make_store(folder, other_versions=True)  # the same rows under two keys
+    report = json.loads(run_cli("gc", str(folder), "--json").stdout)
+    assert report["duplicates"] == [[str(good), str(old)]] and report["kept"] == [{"file": str(good)}]
+    (removed,) = report["removed"]
+    assert removed["file"] == str(old) and removed["reason"] == ("made with other library versions (the same "
+                                                                 f"embeddings as {good.name})")
+    assert not old.exists() and good.exists()
+
+
 def test_gc_removes_a_parts_folder_only_under_featcache_marker_and_never_a_held_one(tmp_path):
     folder = tmp_path / "store"
     empty, held = folder / ".fake.a.0000000000000000.h5.parts", folder / ".fake.b.0000000000000000.h5.parts"

@@ -179,6 +179,9 @@ def gc(store: Path = typer.Argument(..., help="folder of embedding stores (defau
         table.add_row("kept", escape(entry["file"]), "checksums match")
     for entry in report["left_alone"]:
         table.add_row("left alone", escape(entry["file"]), escape(entry["reason"]))
+    for group in report["duplicates"]:
+        table.add_row("duplicates", escape(", ".join(Path(f).name for f in group)),
+                      "the same embeddings under different keys: gc removes only those made by other code or versions")
     emit(report, as_json, table)
 
 

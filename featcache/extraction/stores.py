@@ -222,8 +222,9 @@ def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) ->
     alone with the reason. A folder that holds `.h5` files but nothing of featcache's (a folder of caches, the user's
     data) is one UserError line, nothing removed.
 
-    Returns {path, dry_run, kept, removed, quarantined, left_alone}: lists of {file, reason} ({file} for kept,
-    {file, to, reason} for quarantined)."""
+    Returns {path, dry_run, kept, removed, quarantined, left_alone, duplicates}: lists of {file, reason} ({file}
+    for kept, {file, to, reason} for quarantined); duplicates: groups of stores (files) that hold the same embeddings
+    under different keys (see `duplicates`)."""
     folder = Path(path)
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder: pass the folder of the stores (default CACHE/store)")
@@ -270,8 +271,11 @@ def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) ->
         except OSError as e:
             leave(file, f"{reason}; could not remove it ({e.strerror}): left as it is")
 
+    report["duplicates"] = _twins(folder) if stores else []
+    twins = {f: [o for o in group if o != f] for group in report["duplicates"] for f in group}
     for file, reason in stale:
-        remove(file, reason)
+        same = ", ".join(Path(o).name for o in twins.get(str(file), []))
+        remove(file, reason + (f" (the same embeddings as {same})" if same else ""))
     for file, problem in damaged:
         if remove_damaged:
             remove(file, f"damaged ({problem})")
@@ -304,6 +308,15 @@ def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) ->
             report["removed"].append({"file": str(folder_gone), "reason": "a folder featcache was removing when "
                                                                           "it was stopped"})
     return report
+
+
+def _twins(folder: Path) -> list[list[str]]:
+    """The groups of stores in `folder` that hold the same embeddings under different keys (`duplicates`), by file;
+    gc names them and removes only those made by other code or versions, as it does any such store."""
+    try:
+        return [[st["file"] for st in group] for group in duplicates(folder)]
+    except UserError:
+        return []
 
 
 def _foreign(path: Path) -> str:
