@@ -460,7 +460,32 @@ def test_verify_of_a_store_names_each_problem(templates, tmp_path):
     assert str(bad) in line
 
 
-# -- stores made wherever --store points verify, and gc keeps them (extract) ---------------------------------------
+# -- stores made wherever --store points verify, and gc keeps them ---------------------------------------------------
+
+NAMES = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="/\x00"), min_size=1, max_size=12)
+
+
+@settings(max_examples=25)
+@given(name=NAMES.filter(lambda n: n not in (".", "..")), linked=st.booleans(), with_cache=st.booleans())
+def test_a_store_filled_under_any_folder_name_verifies_and_gc_keeps_it(templates, tmp_path, name, linked,
+                                                                      with_cache):
+    with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
+        folder = Path(tmp) / name
+        folder.mkdir()
+        if linked:  # filled and checked through a link to the folder
+            os.symlink(folder, Path(tmp) / "link")
+            folder = Path(tmp) / "link"
+        store = make_store(folder)
+        if with_cache:  # --store = --out: the caches beside the stores
+            shutil.copy(templates["cache"], folder / "fake-0123456789abcdef.h5")
+        assert verify_store(store)["ok"], verify_store(store)["problems"]
+        report = gc(folder)
+        assert report["kept"] == [{"file": str(store)}] and report["removed"] == report["quarantined"] == []
+        assert sorted(p.name for p in folder.iterdir()) == sorted([store.name, *(["fake-0123456789abcdef.h5"]
+                                                                                 if with_cache else [])])
+
+
+# -- the same, through `extract` ----------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
