@@ -12,7 +12,7 @@ import itertools
 import json
 import time
 from collections import deque
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -77,9 +77,11 @@ def rows_to_embed(blocks: list[Block]) -> dict[int, int]:
 
 def embed(blocks: list[Block], data, run: Settings, progress: Progress | None = None,
           phases: dict | None = None) -> dict[int, dict]:
-    """One pass over the images of `blocks`: each chunk of `run.batch_size` images is decoded once and embedded by
-    every backbone of its block; each block file is renamed into place when complete. Builds each backbone once,
-    writes its metadata file; returns the metadata by backbone index."""
+    """One pass over the images of `blocks`: each chunk of `run.batch_size` images is decoded once, and its rows
+    join each of its backbones' queue; a backbone forwards its queue in batches of exactly `P.forward_batch` rows
+    whatever block or chunk they came from (the last batch padded), and each block file is renamed into place when
+    all its rows are written. Builds each backbone once, writes its metadata file; returns the metadata by backbone
+    index."""
     t = time.perf_counter()
     dev = torch.device(run.device)
     built = {j: build(run, j) for j in sorted({j for b in blocks for j in b.files})}
@@ -93,31 +95,105 @@ def embed(blocks: list[Block], data, run: Settings, progress: Progress | None = 
     chunks = [P.Chunk(b, block.domain, block.split, block.rows[r : r + run.batch_size], block.views)
               for b, block in enumerate(blocks) for r in range(0, len(block.rows), run.batch_size)]
     source = P.Chunks(data, chunks, list(dict.fromkeys(g for g, _, _ in inputs.values())), run.noise, run.seed)
-    total, done = rows_to_embed(blocks), dict.fromkeys(built, 0)
+    queues = {j: _Queue(P.forward_batch(dev)) for j in built}
     if phases is not None:
         phases["models"] += (t1 := time.perf_counter()) - t
-    writer = _Writer(dev, lag=len(built))
-    with torch.inference_mode(), P.forward_threads(dev):
-        for b, prepared in itertools.groupby(P.loader(source, run.workers, dev), key=lambda item: item[0]):
-            block = blocks[b]
-            with ExitStack() as files:
-                fh = {j: files.enter_context(npy_file(path, _shape(block, built[j].dim)))
-                      for j, path in block.files.items()}
-                for _, images in prepared:
-                    x = P.to_device(images, source.geometries, dev)  # {geometry: [B*V, 3, H, W] uint8}
-                    floats = {}  # (geometry, mean, std) -> [B*V, 3, H, W] float32
-                    for j in block.files:
-                        if (key := inputs[j]) not in floats:
-                            floats[key] = P.normalise(x[key[0]], key[1], key[2])
-                        z = _forward(models[j], floats[key], dev)  # [B*V, D]
-                        writer.put(fh[j], z)
-                        done[j] += len(z) // max(block.views, 1)
-                        if progress:
-                            progress(built[j].key, done[j], total[j])
-                writer.flush()
+    with torch.inference_mode(), P.forward_threads(dev), _numerics(dev), _Files(blocks, built, dev) as files:
+        for b, prepared in P.loader(source, run.workers, dev):
+            x = P.to_device(prepared, source.geometries, dev)  # {geometry: [B*V, 3, H, W] uint8}
+            floats = {}  # (geometry, mean, std) -> [B*V, 3, H, W] float32
+            for j in blocks[b].files:
+                if (key := inputs[j]) not in floats:
+                    floats[key] = P.normalise(x[key[0]], key[1], key[2])
+                queues[j].put(b, floats[key])
+                for rows, parts in queues[j].full():
+                    files.write(j, _forward(models[j], rows, dev, queues[j].size), parts, progress)
+        for j, queue in queues.items():
+            for rows, parts in queue.rest():
+                files.write(j, _forward(models[j], rows, dev, queue.size), parts, progress)
     if phases is not None:
         phases["embedding"] += time.perf_counter() - t1
     return {j: metadata(bb) for j, bb in built.items()}
+
+
+class _Queue:
+    """One backbone's rows waiting for a forward, in the order they came, each run of them labelled with its block."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.waiting, self.rows = size, deque(), 0  # waiting: (block, [n, 3, H, W] float32)
+
+    def put(self, block: int, x: torch.Tensor) -> None:
+        self.waiting.append((block, x))
+        self.rows += len(x)
+
+    def full(self):
+        """(rows [size, 3, H, W], [(block, n), ...]) while `size` rows wait."""
+        while self.rows >= self.size:
+            yield self._take(self.size)
+
+    def rest(self):
+        """The rows still waiting (fewer than `size`), as one last (rows [n, 3, H, W], parts), if any."""
+        if self.rows:
+            yield self._take(self.rows)
+
+    def _take(self, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        pieces, parts = [], []
+        while n:
+            block, x = self.waiting.popleft()
+            if len(x) > n:
+                self.waiting.appendleft((block, x[n:]))
+                x = x[:n]
+            pieces.append(x)
+            parts.append((block, len(x)))
+            n -= len(x)
+            self.rows -= len(x)
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0], parts
+
+
+class _Files:
+    """The block files of one pass, each opened at its first rows and renamed into place as soon as its last rows
+    are written (an interrupted pass keeps the blocks it finished); on an error the open ones are left partial."""
+
+    def __init__(self, blocks: list[Block], built: dict, dev: torch.device) -> None:
+        self.blocks, self.built = blocks, built
+        self.writer = _Writer(dev, lag=len(built))
+        self.files = ExitStack()  # every file's own context, so an error reaches each open one
+        self.open: dict[tuple[int, int], tuple[ExitStack, object]] = {}  # (block, backbone) -> (its context, handle)
+        self.left = {(b, j): len(block.rows) * max(block.views, 1) for b, block in enumerate(blocks)
+                     for j in block.files}  # rows each file still waits for
+        self.done = dict.fromkeys(built, 0)  # images written, by backbone (for progress)
+        self.total = rows_to_embed(blocks)
+
+    def __enter__(self) -> "_Files":
+        return self
+
+    def __exit__(self, *error) -> bool:
+        if error[0] is None and self.open:
+            raise AssertionError(f"block files left unfinished: {sorted(self.open)}")
+        return self.files.__exit__(*error)
+
+    def write(self, j: int, z: torch.Tensor, parts: list[tuple[int, int]], progress: Progress | None) -> None:
+        """z [n, D]: the rows of `parts` ((block, rows) in order) embedded by backbone j."""
+        start = 0
+        for b, n in parts:
+            block = self.blocks[b]
+            if (b, j) not in self.open:
+                stack = self.files.push(ExitStack())
+                self.open[b, j] = stack, stack.enter_context(npy_file(block.files[j], _shape(block, self.built[j].dim)))
+            self.writer.put(self.open[b, j][1], z[start : start + n])
+            start += n
+            views, before = max(block.views, 1), self.left[b, j]
+            self.left[b, j] -= n
+            self.done[j] += _ceil(before, views) - _ceil(self.left[b, j], views)  # images whose last view is out
+            if not self.left[b, j]:
+                self.writer.flush()
+                self.open.pop((b, j))[0].close()
+            if progress:
+                progress(self.built[j].key, self.done[j], self.total[j])
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _shape(block: Block, dim: int) -> tuple[int, ...]:
@@ -152,10 +228,35 @@ class _Writer:
         fh.write(host.numpy().astype("<f4", copy=False).tobytes())
 
 
-def _forward(model, x: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """[B, 3, H, W] float32 on the device -> [B, D] float32 on the device (fp16 autocast on CUDA)."""
+def _forward(model, x: torch.Tensor, dev: torch.device, size: int) -> torch.Tensor:
+    """[n, 3, H, W] float32 on the device, n <= size -> [n, D] float32 on the device: one forward of exactly `size`
+    rows, zero images padding x (fp16 autocast on CUDA). The kernels a CPU or GPU library picks, and so the last bits
+    of a row, change with the batch size (oneDNN's blocking on a CPU), never with the other rows: a forward of one
+    fixed size makes an image's embedding a function of the image alone."""
+    n = len(x)
+    if n < size:
+        x = torch.cat([x, x.new_zeros((size - n, *x.shape[1:]))])  # [size, 3, H, W]
     with torch.autocast(dev.type, dtype=torch.float16, enabled=dev.type == "cuda"):
-        return model(x).float()
+        return model(x.contiguous(memory_format=torch.channels_last)).float()[:n]
+
+
+@contextmanager
+def _numerics(dev: torch.device):
+    """The flags that choose a forward's kernels, pinned for the pass whatever the calling process set (restored
+    after): float32 matmuls in full float32, oneDNN on, and cuDNN's algorithm by its heuristics (not by timing) among
+    its deterministic ones."""
+    cudnn = torch.backends.cudnn
+    before = (torch.get_float32_matmul_precision(), torch.backends.mkldnn.enabled, cudnn.benchmark, cudnn.deterministic)
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.mkldnn.enabled = True
+    if dev.type == "cuda":
+        cudnn.benchmark, cudnn.deterministic = False, True
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.mkldnn.enabled = before[1]
+        cudnn.benchmark, cudnn.deterministic = before[2], before[3]
 
 
 class Local:

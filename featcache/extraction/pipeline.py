@@ -34,14 +34,19 @@ from torch.utils.data import DataLoader, Dataset
 from .datasets.base import ArrayImages, PathImages
 from ..errors import UserError
 
+FORWARD_BATCH = {"cpu": 64, "cuda": 256}  # rows in every forward, by device type (64: cache-resident on a CPU)
+
 DESCRIPTION = {
-    "version": 2,  # bump on any change to what the operations below compute
+    "version": 3,  # bump on any change to what the operations below compute
     "decode": "PIL, converted to RGB (16-bit grey scaled to 0..255); noise at the image's resolution, rounded to uint8",
     "resize": "torchvision.transforms.v2.functional.resize(uint8 [B, 3, h, w], (H, W), interpolation, "
               "antialias=True) -> uint8; no crop",
     "normalise": "x / 255, then (x - mean) / std per channel, float32; channels_last",
     "views": "per (image, view) seed: RandomResizedCrop((H, W), scale=(0.5, 1)), RandomHorizontalFlip, "
              "ColorJitter(0.4, 0.4, 0.4) on uint8 tensors (torchvision.transforms.v2)",
+    "forward": f"every forward exactly {FORWARD_BATCH['cpu']} rows on a CPU, {FORWARD_BATCH['cuda']} on CUDA, "
+               "the last padded with zero images; float32 matmuls at 'highest' precision, oneDNN on; on CUDA fp16 "
+               "autocast, cuDNN deterministic without benchmark",
 }
 
 
@@ -251,9 +256,15 @@ def forward_threads(device: torch.device):
         torch.set_num_threads(before)
 
 
+def forward_batch(device: torch.device) -> int:
+    """Rows in every forward on `device` (`FORWARD_BATCH`): fixed, so an image's bytes never depend on how many
+    images an extraction embeds, in which chunks, or how many threads run the forward."""
+    return FORWARD_BATCH[device.type]
+
+
 def default_batch_size(device: torch.device) -> int:
-    """Images per forward: 256 keeps a GPU busy; on a CPU, 64 runs faster than larger batches (cache-resident)."""
-    return 256 if device.type == "cuda" else 64
+    """Images prepared per chunk when none is asked for: one forward's worth."""
+    return forward_batch(device)
 
 
 def loader(chunks: Dataset, workers: int, device: torch.device):
