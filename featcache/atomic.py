@@ -33,30 +33,57 @@ _HOW = {
 }
 
 
-def output_error(e: OSError, path: str | Path) -> UserError | None:
-    """The one-line UserError for an OS error while writing `path`, or None for an error that is not about output."""
+def output_error(e: OSError, path: str | Path, flag: str = "--out") -> UserError | None:
+    """The one-line UserError for an OS error while writing `path` (its fix names `flag`), or None for an error that
+    is not about output."""
     code = getattr(e, "errno", None)
     if code not in _HOW:
         return None
-    return UserError(f"cannot write {path}: {os.strerror(code)}; {_HOW[code]}")
+    return UserError(f"cannot write {path}: {os.strerror(code)}; {_HOW[code].replace('--out', flag)}")
 
 
 @contextmanager
-def output_errors(path: str | Path):
+def output_errors(path: str | Path, flag: str = "--out"):
     """Inside: an OSError of creating or writing `path` becomes one `UserError` line (exit code 2)."""
     try:
         yield
     except OSError as e:
-        mapped = output_error(e, getattr(e, "filename", None) or path)
+        mapped = output_error(e, getattr(e, "filename", None) or path, flag)
         if mapped is None:
             raise
         raise mapped from None
 
 
+def check_names(path: str | Path, flag: str = "--out") -> None:
+    """Refuse, before any work, a path the file system cannot hold: a name (between two '/') longer than its limit
+    (NAME_MAX, 255 bytes on most), or a whole path longer than PATH_MAX."""
+    path = Path(path)
+    probe = path.absolute()
+    while not os.path.isdir(probe) and probe.parent != probe:  # the deepest existing folder: its file system
+        probe = probe.parent
+    limits = {}
+    for name, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", 4096)):
+        try:
+            limits[name] = os.pathconf(probe, name)
+        except (OSError, ValueError):
+            limits[name] = default
+    for name in path.parts:
+        size = len(os.fsencode(name))
+        if size > limits["PC_NAME_MAX"]:
+            shown = name if len(name) <= 40 else f"{name[:40]}..."
+            raise UserError(f"{flag}: the name {shown!r} is {size} bytes, over the file system's limit of "
+                            f"{limits['PC_NAME_MAX']}: pass a shorter {flag}")
+    size = len(os.fsencode(os.path.abspath(path)))
+    if size >= limits["PC_PATH_MAX"]:
+        raise UserError(f"{flag}: the path is {size} bytes, over the file system's limit of {limits['PC_PATH_MAX']}: "
+                        f"pass a shorter {flag}")
+
+
 def check_folder(folder: str | Path, flag: str = "--out") -> None:
-    """Refuse, before any work, an output folder that cannot be created or written: an existing file, a path below
-    a file, a folder without write permission. Creates nothing."""
+    """Refuse, before any work, an output folder that cannot be created or written: a name too long for the file
+    system, an existing file, a path below a file, a folder without write permission. Creates nothing."""
     folder = Path(folder)
+    check_names(folder, flag)
     probe = folder
     while not probe.exists():
         if probe.is_symlink():  # a dangling link
@@ -66,9 +93,9 @@ def check_folder(folder: str | Path, flag: str = "--out") -> None:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         where = "is a file" if probe == folder else f"is below the file {probe}"
-        raise UserError(f"{flag} {folder} {where}, not a folder: pass --out a folder path")
+        raise UserError(f"{flag} {folder} {where}, not a folder: pass {flag} a folder path")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {folder}: {probe} is not writable (permission denied): pass --out a folder you "
+        raise UserError(f"{flag} {folder}: {probe} is not writable (permission denied): pass {flag} a folder you "
                         "can write to")
 
 

@@ -2,6 +2,7 @@
 
 import difflib
 import os
+import stat
 from pathlib import Path
 
 
@@ -23,7 +24,45 @@ def first_line(exc: BaseException | str, limit: int = 300) -> str:
 
 
 def as_path(value, name: str) -> Path:
-    """`value` as a Path, or one line naming the argument when it is not a path (the Python API's `cache=123`)."""
-    if isinstance(value, (str, os.PathLike)) and str(value):
+    """`value` as a Path, or one line naming the argument when it is not a path (the Python API's `cache=123`) or
+    is empty ('' would silently mean the current folder)."""
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
         return Path(value)
+    if isinstance(value, (str, os.PathLike)):
+        raise UserError(f"{name} is an empty path: pass a file or folder path ('.' for the current folder)")
     raise UserError(f"{name} must be a path (a str or os.PathLike), not {type(value).__name__} {value!r}")
+
+
+def as_list(value, name: str, kind: type | tuple[type, ...] = str) -> list | None:
+    """A list argument of the Python API as a list: a lone `kind` value (a str where a list of str is expected,
+    `domains="mnist"`) is a one-item list, never read character by character; None stays None; anything else but
+    a list or tuple of `kind` values is one line naming the argument."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    fits = lambda v: isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
+    if value is None:
+        return None
+    if fits(value):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(fits(v) for v in value):
+        return list(value)
+    what = " or ".join(k.__name__ for k in kinds)
+    raise UserError(f"{name} must be a {what} or a list of them, not {type(value).__name__} {value!r}")
+
+
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def not_a_file(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a file, as the end of a sentence ('does not exist', 'is a folder', 'is a named
+    pipe', 'is a character device', ...), or None for a regular file (after symbolic links). Decided from its
+    metadata without opening it, so a named pipe cannot hang the caller and a device is never read."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "is a broken symbolic link" if os.path.islink(path) else "does not exist"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if stat.S_ISREG(st.st_mode):
+        return None
+    return f"is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a regular file')}, not a file"

@@ -174,7 +174,7 @@ def test_two_backbones_with_the_same_key_get_distinct_keys(tmp_path):
 def test_api_refuses_an_image_size_that_is_not_a_whole_number_of_pixels(tmp_path, size):
     from featcache.extraction.plan import extract
 
-    with pytest.raises(UserError, match="--image-size must be a whole number of pixels >= 1"):
+    with pytest.raises(UserError, match="--image-size must be a whole number of pixels from 8 to 2048"):
         extract(image_size=size, out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -136,6 +138,21 @@ def result_edited(edit: Callable[[dict], None]) -> Callable[[Ctx], Path]:
 
 def drop(key: str) -> Callable[[dict], None]:
     return lambda r: r.pop(key)
+
+
+def fifo(x: Ctx) -> Path:
+    """A named pipe: opening it for reading would wait for a writer forever."""
+    os.mkfifo(x.tmp / "pipe.h5")
+    return x.tmp / "pipe.h5"
+
+
+def folder(x: Ctx) -> Path:
+    (x.tmp / "folder.h5").mkdir()
+    return x.tmp / "folder.h5"
+
+
+def long_name(x: Ctx) -> Path:
+    return x.tmp / ("n" * 300)  # over NAME_MAX (255 bytes)
 
 
 def shorter_curve(r: dict) -> None:
@@ -269,6 +286,10 @@ PLUGINS = {
     "lr-fast": "settings = {'lr': Setting('fast', 'a rate')}\n",
     "exits": "def after_local(self, state, rnd):\n    sys.exit(0)\n",
     "interrupts": "def after_local(self, state, rnd):\n    raise KeyboardInterrupt\n",
+    "ctrl-c": "def after_local(self, state, rnd):\n    import os, signal, time\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n",
+    "prints": "def after_local(self, state, rnd):\n    print('a plug-in talks on stdout')\n"
+              "    return super().after_local(state, rnd)\n",
     "raises": "def after_local(self, state, rnd):\n    raise ValueError('boom')\n",
 }
 
@@ -352,6 +373,25 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "grid-permission-at-write": (armed(fail_rename(errno.EACCES), grid()), "permission denied"),
     "report-eperm-at-write": (armed(fail_rename(errno.EPERM), lambda x: ["report", x.result, "--out", x.out]),
                               "permission denied"),
+    "train-out-name-too-long": (with_out(train(), long_name), "is 300 bytes, over the file system's limit of 255"),
+    "grid-out-name-too-long": (with_out(grid(), long_name), "is 300 bytes, over the file system's limit of 255"),
+    "report-out-name-too-long": (lambda x: ["report", x.result, "--out", long_name(x)], "is 300 bytes, over the"),
+    "train-out-empty": (with_out(train(), lambda x: ""), "--out is an empty path"),
+    "report-out-empty": (lambda x: ["report", x.result, "--out", ""], "--out is an empty path"),
+    # cache and result paths that exist but are no file: said as what they are, never opened (a pipe would hang)
+    "train-cache-fifo": (with_cache(train(), fifo), "pipe.h5 is a named pipe, not a file"),
+    "train-cache-folder": (with_cache(train(), folder), "folder.h5 is a folder, not a file"),
+    "train-cache-dev-zero": (with_cache(train(), lambda x: Path("/dev/zero")), "/dev/zero is a character device"),
+    "train-cache-empty": (with_cache(train(), lambda x: ""), "--cache is an empty path"),
+    "grid-cache-fifo": (with_cache(grid(), fifo), "pipe.h5 is a named pipe, not a file"),
+    "info-fifo": (lambda x: ["info", fifo(x)], "pipe.h5 is a named pipe, not a file"),
+    "info-dev-zero": (lambda x: ["info", "/dev/zero"], "/dev/zero is a character device, not a file"),
+    "info-empty": (lambda x: ["info", ""], "CACHE is an empty path"),
+    "verify-fifo": (lambda x: ["verify", fifo(x)], "pipe.h5 is a named pipe, not a file"),
+    "verify-folder": (lambda x: ["verify", folder(x)], "folder.h5 is a folder, not a file"),
+    "migrate-fifo": (lambda x: ["migrate", fifo(x)], "pipe.h5 is a named pipe, not a file"),
+    "report-fifo": (report(fifo), "pipe.h5 is a named pipe, not a file"),
+    "report-empty": (lambda x: ["report", ""], "RESULTS is an empty path"),
     # 2. grid values after the first, and the grid's own options
     "grid-batch-size-0": (grid(axis="batch_size=32,0"), "batch_size=0 out of range"),
     "grid-rounds-0": (grid(axis="rounds=2,0"), "rounds=0 out of range"),
@@ -395,6 +435,14 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "rounds-twice-scoped": (train("--set", "fedavg.rounds=3"), "--rounds 1 and --set rounds=3 both given"),
     "grid-rounds-twice-scoped": (grid("--set", "fedavg.rounds=3"), "--rounds 1 and --set fedavg.rounds=3 both given"),
     "int-setting-huge": (train("--set", "eval_every=" + HUGE), "too large"),
+    "set-scope-empty": (train("--set", ".lr=1"), "--set .lr=1: the algorithm name before the '.' is empty"),
+    "set-scoped-key-empty": (train("--set", "fedavg.=1"), "--set fedavg.=1: the setting name after the '.' is empty"),
+    "set-key-empty": (train("--set", "=1"), "--set '=1' has no key before '='"),
+    "set-setting-with-a-dot": (train("--set", "fedprox.mu.x=1", algo="fedprox"),
+                               "fedprox has no setting 'mu.x' (did you mean: mu?)"),
+    "grid-scope-empty": (grid(axis=".lr=0.1,0.01"), "--grid .lr=: the algorithm name before the '.' is empty"),
+    "participation-of-the-second-algo-selects-nobody": (
+        lambda x: train("--set", "fedprox.participation=1e-9")(x) + ["--algo", "fedprox"], "selects no client of 4"),
     # 4. devices
     "train-device-foo": (train("--device", "foo"), "is not a device"),
     "grid-device-foo": (grid("--device", "foo"), "is not a device"),
@@ -440,6 +488,12 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "plugin-loss-not-scalar": (with_plugin(train(), "loss-not-scalar"), "local_loss returned a loss of shape [3]"),
     "plugin-lr-fast": (with_plugin(train(), "lr-fast"), "lr is a float"),
     "plugin-sys-exit": (with_plugin(train(), "exits"), "in after_local (sys.exit(0))"),
+    "plugin-raises-keyboard-interrupt": (with_plugin(train(), "interrupts"),
+                                         "in after_local: it raised KeyboardInterrupt with no Ctrl-C pressed"),
+    "grid-plugin-raises-keyboard-interrupt": (with_plugin(grid(), "interrupts", "grid"),
+                                              "it raised KeyboardInterrupt with no Ctrl-C pressed"),
+    "plugin-name-250-characters": (lambda x: train()(x) + ["--algo", plugin("p" * 250, PLUGINS["raises"])(x)],
+                                   "(250 characters) cannot name an algorithm: use 1 to 64 letters"),
     "grid-plugin-sys-exit": (with_plugin(grid(), "exits", "grid"), "in after_local (sys.exit(0))"),
     "grid-plugin-raises": (with_plugin(grid(), "raises", "grid"), "in after_local: ValueError: boom"),
     # 8. a loss that diverges names the setting
@@ -469,9 +523,15 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    """Every path below `folder` with its content hash (folders: 'dir'), hidden files included."""
-    return {p: ("dir" if (folder / p).is_dir() else hashlib.sha256((folder / p).read_bytes()).hexdigest())
-            for p in everything_in(folder)}
+    """Every path below `folder` with its content hash (folders: 'dir'; a named pipe, never read: its mode), hidden
+    files included."""
+    def digest(p: Path) -> str:
+        mode = p.lstat().st_mode
+        if stat.S_ISDIR(mode):
+            return "dir"
+        return hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(mode) else oct(mode)
+
+    return {p: digest(folder / p) for p in everything_in(folder)}
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -554,15 +614,66 @@ def test_out_of_memory_at_run_time_is_one_line_exit_2(good_cache, tmp_path, monk
     assert everything_in(tmp_path) == []
 
 
-def test_a_keyboard_interrupt_in_a_hook_is_one_line_exit_130(good_cache, tmp_path):
-    x = Ctx(tmp_path, good_cache, Path(), None)
-    args = with_plugin(train(), "interrupts")(x)
-    before = snapshot(tmp_path)
-    res = run_cli(*args)
+def test_a_real_ctrl_c_in_a_plugin_hook_is_an_interruption_exit_130(good_cache, tmp_path):
+    """A SIGINT that lands in a plug-in's hook is the user's Ctrl-C (exit code 130), not the plug-in's error; a
+    KeyboardInterrupt the hook raises itself is its error (CASES: plugin-raises-keyboard-interrupt, exit code 2)."""
+    before_handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite started with SIGINT ignored
+    try:
+        x = Ctx(tmp_path, good_cache, Path(), None)
+        args = with_plugin(train(), "ctrl-c")(x)
+        before = snapshot(tmp_path)
+        res = run_cli(*args)
+    finally:
+        signal.signal(signal.SIGINT, before_handler)
     assert res.code == 130 and "Traceback" not in res.stderr
     (line,) = lines(res.stderr)
-    assert line.startswith("error: interrupted (KeyboardInterrupt raised at") and ", in after_local)" in line, line
+    assert line.startswith("interrupted:"), line
     assert snapshot(tmp_path) == before
+
+
+def test_a_plugin_printing_to_stdout_leaves_json_stdout_one_object(good_cache, tmp_path):
+    x = Ctx(tmp_path, good_cache, Path(), None)
+    res = run_cli(*with_plugin(train(), "prints")(x), "--json")
+    assert res.code == 0, res.stderr
+    assert json.loads(res.stdout)["algo"] == "prints-train"  # the whole of stdout is the one object
+    assert "a plug-in talks on stdout" in res.stderr
+
+
+def test_many_foreign_json_files_are_one_note_with_their_count(good_result, tmp_path):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    shutil.copy(good_result, folder)
+    for i in range(3000):
+        (folder / f"other{i:04d}.json").write_text(json.dumps({"id": i}))
+    res = run_cli("report", folder)
+    assert res.code == 0, res.stderr
+    (note,) = lines(res.stderr)
+    assert note.startswith("note: skipped 3000 files that are not results, the first 3: ") and "other0000.json" in note
+    assert "| fedavg |" in res.stdout
+
+
+def test_a_stdout_that_cannot_be_written_is_one_line():
+    """A full disk under `featcache ... --json > file` ends in one error line, not a cut object and exit code 0."""
+    from featcache.cli.app import write_stdout
+
+    with open("/dev/full", "w") as full:  # every write: ENOSPC
+        with pytest.raises(UserError, match="cannot write standard output: No space left on device; disk full"):
+            write_stdout(json.dumps({"runs": [1] * 5000}), full)
+
+
+@pytest.mark.slow
+def test_json_stdout_cut_by_a_file_size_limit_is_exit_2_in_a_subprocess(good_cache, tmp_path):
+    """ulimit -f caps stdout redirected to a file: Python's buffered writer drops what a short write left over
+    without an error, so only a write that checks each count sees it."""
+    code = (f"ulimit -f 6; exec {sys.executable} -m featcache.cli train --cache {good_cache} --algo fedavg --algo "
+            f"fedprox --algo moon --rounds 1 --seeds 0 --set batch_size=8 --out {tmp_path / 'runs'} --json "
+            f"> {tmp_path / 'out.json'}")
+    proc = subprocess.run(["sh", "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env=os.environ | {"PYTHONDONTWRITEBYTECODE": "1"})
+    assert (tmp_path / "out.json").stat().st_size > 0, proc.stderr  # the object was larger than the limit
+    assert proc.returncode == 2, proc.stderr
+    (line,) = lines(proc.stderr)
+    assert line.startswith("error: cannot write standard output") and "ulimit -f" in line, line
 
 
 # name -> (a train or grid command, the Python call with the same arguments)

@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import importlib.util
 import pkgutil
+import re
 import sys
 import warnings
 from contextlib import contextmanager
@@ -106,8 +107,23 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_+-]{0,63}")  # names result files and scopes --set ALGO.key
+
+
+def name_problem(name) -> str | None:
+    """Why `name` cannot name an algorithm (None when it can): it is part of every result file's name and the scope
+    of `--set ALGO.key`, so 1 to 64 letters, digits, '_', '+' or '-', starting with a letter or digit."""
+    if isinstance(name, str) and NAME.fullmatch(name):
+        return None
+    shown = f"{name[:40]!r}... ({len(name)} characters)" if isinstance(name, str) and len(name) > 40 else repr(name)
+    return (f"{shown} cannot name an algorithm: use 1 to 64 letters, digits, '_', '+' or '-' (it is part of result "
+            "file names and of --set NAME.key)")
+
+
 def register(cls):
     """Class decorator: make `cls` creatable by its `name`; a name can be registered once."""
+    if (problem := name_problem(cls.name)) is not None:
+        raise UserError(f"{cls.__qualname__}.name {problem}")
     old = _ALGOS.get(cls.name)
     if old is not None and old is not cls:
         raise UserError(f"algorithm name {cls.name!r} is already registered by {old.__module__}.{old.__qualname__}")
@@ -215,6 +231,8 @@ def load(spec: str) -> str:
     if not isinstance(name, str) or not name:
         raise UserError(f"--algo {spec}: {cls_name} needs a `name` of its own (a class attribute, e.g. name = "
                         f"{cls_name.lower()!r}); it would otherwise run as {getattr(cls, 'name', None)!r}")
+    if (problem := name_problem(name)) is not None:
+        raise UserError(f"--algo {spec}: {cls_name}.name {problem}")
     if name in UNAVAILABLE:
         raise UserError(f"--algo {spec}: {cls_name}.name {name!r} is a reserved algorithm name: pick another")
     from ..training.config import settings_of

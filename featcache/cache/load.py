@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..errors import UserError, as_path, first_line
+from ..errors import UserError, as_list, as_path, first_line, not_a_file
 from .check import _check_structure, _feature_problems, _stale
 from .h5 import plain, read_attrs, rows_per_slice
 from .write import FORMAT, SPLITS
@@ -30,10 +30,13 @@ def read_meta(f: h5py.File) -> dict:
 
 
 def _read_only(path: Path, missing_fix: str) -> h5py.File:
-    """`path` opened read-only with h5py; a missing file (`missing_fix` says what to do) or one that is not HDF5 is
-    one UserError line."""
-    if not path.is_file():
+    """`path` opened read-only with h5py; a missing file (`missing_fix` says what to do), a folder, a named pipe or a
+    device (never opened: a pipe would hang), or a file that is not HDF5 is one UserError line."""
+    why = not_a_file(path)
+    if why == "does not exist":
         raise UserError(f"cache {path} does not exist: {missing_fix}")
+    if why:
+        raise UserError(f"cache {path} {why}: pass the path of a cache file (featcache extract prints it)")
     try:
         return h5py.File(path, "r")
     except OSError as e:
@@ -89,6 +92,7 @@ def load_clients(
     a damaged cache in one line.
     """
     path = as_path(path, "cache")
+    backbones = as_list(backbones, "backbones")  # a lone name is one backbone
     if split not in SPLITS:
         raise UserError(f"split must be one of {', '.join(SPLITS)} (got {split!r})")
     with open_cache(path) as f:

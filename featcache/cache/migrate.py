@@ -11,7 +11,7 @@ from pathlib import Path
 import h5py
 
 from ..atomic import output_errors, sync
-from ..errors import UserError
+from ..errors import UserError, not_a_file
 from ..extraction.files import locked, remove_own
 from .h5 import meta_sha256, objects, plain, read_attrs
 from .load import _read_only
@@ -29,8 +29,8 @@ def migrate(path: str | Path) -> dict:
     of that name (no marker) is refused in one line and left as it is. A symbolic link is followed: the file it
     points to is converted and the link kept."""
     given = Path(path)
-    if not given.is_file():
-        raise UserError(f"cache {given} does not exist: pass the path of a cache file")
+    if (why := not_a_file(given)) is not None:  # a folder, a named pipe, a device: said as what it is, never opened
+        raise UserError(f"cache {given} {why}: pass the path of a cache file")
     path = Path(os.path.realpath(given)) if given.is_symlink() else given  # convert the real file, keep the link
     if not os.access(path, os.W_OK):
         raise UserError(f"cannot migrate {given} in place: it is read-only or immutable; make it writable (chmod u+w, "

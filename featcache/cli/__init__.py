@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
+import threading
 import warnings
 
 import typer
@@ -19,7 +21,7 @@ from .. import provenance
 from ..errors import UserError, first_line
 from ..memory import keep_freed_memory
 from . import extraction, results, training
-from .app import app, err
+from .app import app, err, json_stdout
 
 # The command owns its process: freed tensors' pages stay in it for the next step to reuse (featcache/memory.py).
 keep_freed_memory()
@@ -46,8 +48,10 @@ def main() -> None:
     1. FEATCACHE_DEBUG=1 re-raises it with its traceback."""
     warnings.showwarning = _warn_one_line
     provenance.set_command(sys.argv)  # result files record the command line (for this call only)
+    _RUNNING.clear()
     try:
-        _main()
+        with CTRL_C:
+            _main()
     finally:
         provenance.COMMAND = None
 
@@ -57,28 +61,98 @@ def _error(message: str) -> None:
               emoji=False)  # `--algo file.py:X: ...` is no :x: emoji
 
 
-def _tell_interrupt(e: KeyboardInterrupt) -> None:
-    """One line for a Ctrl-C: where a training run stopped and how to resume it (`training.checkpoint.Interrupted`);
-    an error line naming the plug-in hook when a hook raised the KeyboardInterrupt."""
+class _CtrlC:
+    """Whether a SIGINT arrived while the command ran: `signal.set_wakeup_fd` records every signal beside whatever
+    handler runs it, so a KeyboardInterrupt with no SIGINT behind it is known to be raised by code (a plug-in's
+    hook), not by the user's Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.read = self.write = None
+        self.old, self.seen = -1, False
+
+    def __enter__(self):
+        self.seen = False
+        if threading.current_thread() is threading.main_thread():
+            read, write = os.pipe()
+            for fd in (read, write):
+                os.set_blocking(fd, False)
+            try:
+                self.old = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            except ValueError:  # not the main interpreter: unknown, so a KeyboardInterrupt counts as a Ctrl-C
+                os.close(read)
+                os.close(write)
+            else:
+                self.read, self.write = read, write
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.write is not None:
+            signal.set_wakeup_fd(self.old)
+            os.close(self.read)
+            os.close(self.write)
+            self.read = self.write = None
+
+    def pressed(self) -> bool:
+        """True once a SIGINT arrived (also when it cannot be known: outside the main thread)."""
+        if self.read is None:
+            return True
+        try:
+            while not self.seen and (chunk := os.read(self.read, 512)):
+                self.seen = signal.SIGINT in chunk
+        except BlockingIOError:
+            pass
+        return self.seen
+
+
+CTRL_C = _CtrlC()
+
+
+def _original(e: KeyboardInterrupt) -> KeyboardInterrupt:
+    """The KeyboardInterrupt itself: a training run re-raises it as `training.checkpoint.Interrupted`."""
     checkpoint = sys.modules.get("featcache.training.checkpoint")  # loaded only where training ran
     stopped = checkpoint is not None and isinstance(e, checkpoint.Interrupted)
-    raised = e.__context__ if stopped and isinstance(e.__context__, KeyboardInterrupt) else e  # the original one
+    return e.__context__ if stopped and isinstance(e.__context__, KeyboardInterrupt) else e
+
+
+def _plugin_interrupt(e: KeyboardInterrupt) -> UserError | None:
+    """The one line for a KeyboardInterrupt a plug-in's hook raised itself, with no Ctrl-C pressed (a plug-in bug,
+    exit code 2, not an interruption); None for a real Ctrl-C, wherever it landed."""
     algorithms = sys.modules.get("featcache.algorithms")  # loaded only where an algorithm (or plug-in) was
-    where = algorithms.plugin_failure(raised) if algorithms is not None else None
+    where = algorithms.plugin_failure(_original(e)) if algorithms is not None else None
+    if where is None or CTRL_C.pressed():
+        return None
+    return UserError(f"plug-in failed at {where.partition(': KeyboardInterrupt')[0]}: it raised KeyboardInterrupt "
+                     "with no Ctrl-C pressed; a hook must return its value or raise an ordinary exception "
+                     "(FEATCACHE_DEBUG=1 shows the traceback)")
+
+
+def _tell_interrupt(e: KeyboardInterrupt) -> None:
+    """One line for a Ctrl-C: where a training run stopped and how to resume it (`training.checkpoint.Interrupted`)."""
+    checkpoint = sys.modules.get("featcache.training.checkpoint")  # loaded only where training ran
+    stopped = checkpoint is not None and isinstance(e, checkpoint.Interrupted)
     what = e if stopped else "run the same command again"
-    if where:
-        _error(f"interrupted (KeyboardInterrupt raised at {where.partition(': KeyboardInterrupt')[0]}): {what}")
-    else:
-        err.print(f"[yellow]interrupted:[/yellow] {escape(str(what))}", highlight=False, soft_wrap=True)
+    err.print(f"[yellow]interrupted:[/yellow] {escape(str(what))}", highlight=False, soft_wrap=True)
 
 
-def _told_interrupt(command):
-    """`command` with its KeyboardInterrupt told in one line (typer then exits 130 and keeps the exception)."""
+_RUNNING: list[str] = []  # the command this call of `main` runs (its function's name): an out-of-memory line's advice
+_TRAINING = "lower batch_size or the widths (proj_dim, ...), use fewer --seeds, or a smaller --chunk"
+_OOM_ADVICE = {"extract": "lower --batch-size or --image-size", "train": _TRAINING, "grid": _TRAINING,
+               "reproduce": "lower the pipeline's batch_size or image_size, or run on a machine with more memory"}
+
+
+def _wrapped(command):
+    """`command` with its KeyboardInterrupt told in one line (typer then exits 130 and keeps the exception), a
+    plug-in's own KeyboardInterrupt made its error line, and, under --json, stdout kept for the one JSON object."""
     @functools.wraps(command)
     def run(*args, **kwargs):
+        _RUNNING.append(command.__name__)
         try:
-            return command(*args, **kwargs)
+            with json_stdout(bool(kwargs.get("as_json"))):
+                return command(*args, **kwargs)
         except KeyboardInterrupt as e:
+            error = _plugin_interrupt(e)
+            if error is not None:
+                raise error from None
             _tell_interrupt(e)
             raise
 
@@ -101,7 +175,7 @@ def usage_error(e: Exception) -> str:
 
 
 for command in COMMANDS:
-    app.command()(_told_interrupt(command))
+    app.command()(_wrapped(command))
 
 
 def _main() -> None:
@@ -136,8 +210,8 @@ def _main() -> None:
                       highlight=False, soft_wrap=True, emoji=False)
             sys.exit(2)
         if _out_of_memory(e):  # the up-front estimate was too low: still the user's setting, still one line
-            err.print(f"[red]error:[/red] out of memory ({detail}): lower batch_size or the widths "
-                      "(proj_dim, ...), use fewer --seeds, or a smaller --chunk", highlight=False, soft_wrap=True)
+            advice = _OOM_ADVICE.get(_RUNNING[-1] if _RUNNING else "", _OOM_ADVICE["train"])
+            err.print(f"[red]error:[/red] out of memory ({detail}): {advice}", highlight=False, soft_wrap=True)
             sys.exit(2)
         err.print(f"[red]internal error:[/red] {detail}; run with FEATCACHE_DEBUG=1 for the "
                   "traceback, and please report it", highlight=False, soft_wrap=True)

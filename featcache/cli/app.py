@@ -4,16 +4,19 @@ on stdout."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
+from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..errors import UserError
+from ..atomic import output_error
+from ..errors import UserError, as_path
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run frozen backbones once, cache embeddings in HDF5, train federated heads on them.")
@@ -34,6 +37,12 @@ def _version(asked: bool) -> None:
 def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                           help="print featcache's version and exit")) -> None:
     pass  # the options of `featcache` itself (the app's help above describes it)
+
+
+def path_of(name: str):
+    """The parser of a path option or argument: '' is refused in one line naming it (typer would make it Path('.'),
+    the current folder)."""
+    return lambda text: as_path(text, name)
 
 
 def comma_list(text: str, kind: type, flag: str) -> list:
@@ -122,8 +131,52 @@ def progress_bar(enabled: bool = True):
             bar.stop()
 
 
+_JSON_OUT: list = []  # the real stdout while a --json command runs with sys.stdout sent to stderr
+
+
+@contextmanager
+def json_stdout(as_json: bool):
+    """Under --json, whatever the library or a plug-in prints goes to stderr while the command runs: stdout holds
+    the one JSON object `emit` writes, nothing else."""
+    if not as_json:
+        yield
+        return
+    _JSON_OUT.append(sys.stdout)
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _JSON_OUT.pop()
+
+
 def emit(result: dict, as_json: bool, table: Table | None = None) -> None:
+    """The command's answer on stdout: one JSON object (as_json) or the table."""
     if as_json:
-        print(json.dumps(result, sort_keys=True))
+        write_stdout(json.dumps(result, sort_keys=True) + "\n", _JSON_OUT[-1] if _JSON_OUT else None)
     elif table is not None:
-        out.print(table)
+        with out.capture() as captured:
+            out.print(table)
+        write_stdout(captured.get())
+
+
+def write_stdout(text: str, stream=None) -> None:
+    """Write `text` to stdout (or `stream`) whole, or raise one error line: a stdout that fills up (a full disk,
+    ulimit -f) must not end in a cut JSON object and exit code 0. Python's buffered writer drops what a short write
+    left over without an error, so a real file descriptor is written with os.write until every byte is out."""
+    stream = stream or sys.stdout
+    try:
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # a StringIO (tests), pytest's capture: plain writes
+            stream.write(text)
+            stream.flush()
+            return
+        stream.flush()
+        data = memoryview(text.encode(getattr(stream, "encoding", None) or "utf-8", "replace"))
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError as e:
+        mapped = output_error(e, "standard output")
+        if mapped is None:
+            raise
+        raise mapped from None

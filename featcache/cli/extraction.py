@@ -10,8 +10,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import UserError
-from .app import comma_list, emit, err, out, progress_bar
+from ..errors import UserError, not_a_file
+from .app import comma_list, emit, err, out, path_of, progress_bar
 
 
 def extract(
@@ -37,11 +37,12 @@ def extract(
     noise_scale: float = typer.Option(0.2, help="noise scale s"),
     noise_p: float = typer.Option(0.1, help="perturbation coefficient p: x~ = (1-p) x + e"),
     seed: int = typer.Option(0, help="seed of partition, views and noise"),
-    data_root: Optional[Path] = typer.Option(None, help="folder holding the dataset"),
+    data_root: Optional[Path] = typer.Option(None, parser=path_of("--data-root"), help="folder holding the dataset"),
     download: bool = typer.Option(False, help="let torchvision datasets download (online users)"),
-    out_dir: Path = typer.Option(Path("cache"), "--out", help="folder for caches"),
-    store: Optional[Path] = typer.Option(None, help="folder of the embedding stores (default: OUT/store); share one "
-                                                    "between projects or machines"),
+    out_dir: Path = typer.Option(Path("cache"), "--out", parser=path_of("--out"), help="folder for caches"),
+    store: Optional[Path] = typer.Option(None, parser=path_of("--store"),
+                                         help="folder of the embedding stores (default: OUT/store); share one "
+                                              "between projects or machines"),
     batch_size: Optional[int] = typer.Option(None, help="images per forward pass (default: 256 on CUDA, 64 on CPU)"),
     workers: Optional[int] = typer.Option(None, help="input worker processes (default: 0 for in-memory arrays, "
                                                      "else one per core)"),
@@ -84,12 +85,14 @@ def _sweep(text: str | None, kind: type, flag: str):
     return values if len(values) > 1 else values[0]
 
 
-def info(cache: Path = typer.Argument(..., help="cache file, store file or folder of stores"),
+def info(cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cache file, store file or folder of stores"),
          as_json: bool = typer.Option(False, "--json")) -> None:
     """Show a cache's metadata and per-client counts, or what a store (or a folder of them) holds."""
     from ..cache import info as read  # lazy: `featcache --help` loads no torch
     from ..extraction.stores import info as read_store, is_store  # lazy: `featcache --help` loads no torch
 
+    if not cache.is_dir() and (why := not_a_file(cache)) is not None:  # a named pipe would hang the read
+        raise UserError(f"{cache} {why}: pass a cache file, a store file or a folder of stores")
     if is_store(cache):
         _show_stores(read_store(cache), as_json)
         return
@@ -159,7 +162,8 @@ def _show_stores(found: dict, as_json: bool) -> None:
                   "embeddings under different keys", highlight=False, soft_wrap=True)
 
 
-def gc(store: Path = typer.Argument(..., help="folder of embedding stores (default of extract: CACHE/store)"),
+def gc(store: Path = typer.Argument(..., parser=path_of("STORE"),
+                                    help="folder of embedding stores (default of extract: CACHE/store)"),
        dry_run: bool = typer.Option(False, help="say what would be removed or moved, change nothing"),
        remove_damaged: bool = typer.Option(False, help="remove damaged stores (and those moved aside earlier) "
                                                        "instead of moving them into STORE/.quarantine"),
@@ -185,7 +189,7 @@ def gc(store: Path = typer.Argument(..., help="folder of embedding stores (defau
     emit(report, as_json, table)
 
 
-def verify(cache: Path = typer.Argument(..., help="cache file or store file"),
+def verify(cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cache file or store file"),
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Check a cache (schema, counts, finite features, checksums) or a store (key, finite rows, checksums); report
     library versions that changed since."""
@@ -205,7 +209,7 @@ def verify(cache: Path = typer.Argument(..., help="cache file or store file"),
         raise UserError(f"{first}{more}" if str(cache) in first else f"{cache}: {first}{more}")
 
 
-def migrate(cache: Path = typer.Argument(..., help="cache file of an older format"),
+def migrate(cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cache file of an older format"),
             as_json: bool = typer.Option(False, "--json")) -> None:
     """Convert a cache of an older format to the current one, in place (its feature bytes are kept and checked)."""
     from ..cache import migrate as convert  # lazy: `featcache --help` loads no torch

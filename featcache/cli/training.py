@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
-from .app import comma_list, emit, err, live_text, out, progress_bar
+from .app import comma_list, emit, err, live_text, out, path_of, progress_bar
 
 
 def _seeds(text: str) -> list[int]:
@@ -20,7 +20,7 @@ def _seeds(text: str) -> list[int]:
 
 
 def train(
-    cache: Path = typer.Option(..., help="cache file from `featcache extract`"),
+    cache: Path = typer.Option(..., parser=path_of("--cache"), help="cache file from `featcache extract`"),
     algo: list[str] = typer.Option(..., help="algorithm (see `featcache algos`), or a plug-in: path/to/file.py:Class "
                                              "or package.module:Class; repeat to compare several"),
     rounds: Optional[int] = typer.Option(None, help="communication rounds (default 50)"),
@@ -29,11 +29,12 @@ def train(
                                                     "algorithm (see `featcache algos NAME`)"),
     backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="train on these cached backbones' "
                                                   "features only (repeat; default: all, concatenated)"),
-    out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for result JSON files (and their "
-                                                             "NAME.metrics.csv)"),
+    out_dir: Path = typer.Option(Path("runs"), "--out", parser=path_of("--out"),
+                                 help="folder for result JSON files (and their NAME.metrics.csv)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
-    tensorboard: Optional[Path] = typer.Option(None, help="also log the per-seed curves for TensorBoard here "
-                                                          "(DIR/NAME/seed-S)"),
+    tensorboard: Optional[Path] = typer.Option(None, parser=path_of("--tensorboard"),
+                                               help="also log the per-seed curves for TensorBoard here "
+                                                    "(DIR/NAME/seed-S)"),
     save_state: bool = typer.Option(False, "--save-state", help="also write the trained heads to "
                                                                 "NAME.state.safetensors"),
     checkpoint_every: Optional[int] = typer.Option(None, min=0, help="save a checkpoint every N rounds (0: none; "
@@ -43,7 +44,7 @@ def train(
     """Train federated algorithms on cached features (backbones are never loaded). Interrupted (Ctrl-C, kill), the
     same command resumes from the last checkpoint and skips the algorithms that finished."""
     from ..algorithms import create, load, objective_note  # lazy: `featcache --help` skips the algorithm registry
-    from ..training.config import scoped  # lazy: `featcache --help` loads no torch
+    from ..training.config import check_clients, scoped  # lazy: `featcache --help` loads no torch
     from ..training.train import precheck, train as run
 
     algo = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
@@ -52,11 +53,14 @@ def train(
         raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
     seed_list = _seeds(seeds)
     sets = scoped(set, [create(name) for name in algo])  # fedprox.mu=1 -> fedprox's own mu=1
-    notes = {}
+    notes, clients = {}, None
     for name in algo:  # every algorithm's settings and the output folder, before the first one trains
         _, _, impl, cfg = precheck(algo=name, rounds=rounds, seeds=seed_list, set=sets[name], out=out_dir,
                                    device=device, tensorboard=tensorboard)
         notes[name] = objective_note(impl, cfg)
+        if len(algo) > 1:  # and each one's participation against the cache's clients: no half set of results
+            clients = _clients(cache) if clients is None else clients
+            check_clients(cfg, clients)
     results = []
     with progress_bar(not as_json) as progress:
         for i, name in enumerate(algo):
@@ -94,6 +98,13 @@ def train(
     out.print(table)
 
 
+def _clients(cache: Path) -> int:
+    """How many clients `cache` holds, read from its metadata (a damaged cache is refused in its one line)."""
+    from ..cache import info  # lazy: `featcache --help` loads no torch
+
+    return len(info(cache)["counts"]["clients"])
+
+
 def _print_run(r: dict) -> None:
     """One finished algorithm: its final and best-round accuracy, and the files it wrote."""
     written = [r["result_file"], r["metrics_csv"], r["state_file"], r["tensorboard"]]
@@ -103,7 +114,8 @@ def _print_run(r: dict) -> None:
 
 
 def grid(
-    cache: Path = typer.Option(..., help="cache file from `featcache extract` (with a validation split)"),
+    cache: Path = typer.Option(..., parser=path_of("--cache"),
+                               help="cache file from `featcache extract` (with a validation split)"),
     algo: str = typer.Option(..., help="algorithm (see `featcache algos`), or a plug-in: path/to/file.py:Class"),
     grid: list[str] = typer.Option(..., "--grid", help="axis: key=v1,v2,... (repeat for more axes)"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds"),
@@ -111,7 +123,8 @@ def grid(
     set: list[str] = typer.Option([], "--set", help="fixed setting key=value for every configuration"),
     backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="train on these cached backbones' "
                                                   "features only (repeat; default: all, concatenated)"),
-    out_dir: Path = typer.Option(Path("runs"), "--out", help="folder for the grid's run folder"),
+    out_dir: Path = typer.Option(Path("runs"), "--out", parser=path_of("--out"),
+                                 help="folder for the grid's run folder"),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
     backend: str = typer.Option("local", help="local (in-process) | ray (RAY_ADDRESS or a local Ray)"),
     chunk: Optional[int] = typer.Option(None, help="models per batched run, >= 1 (default: planned from memory)"),

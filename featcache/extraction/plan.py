@@ -26,8 +26,8 @@ from typing import Callable
 import numpy as np
 
 from .. import cache as C
-from ..atomic import check_folder, make_folder
-from ..errors import UserError, as_path
+from ..atomic import check_folder, check_names, make_folder, output_errors
+from ..errors import UserError, as_list, as_path, not_a_file
 from . import pipeline as P
 from .backbones import check_weights, weights_identity
 from .contents import Contents
@@ -44,6 +44,7 @@ __all__ = ["extract", "Noise", "DiskFullError"]
 SPLITS = ("train", "test")
 BLOCK_BATCHES = 16  # a block (the unit of resume) is 16 batches of images
 SMALL_IMAGES = 64  # images smaller than this are embedded at this size by default (FedPCL's size for its digits)
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 2048  # below: nothing left after a backbone's strides; above: a typo (memory)
 
 
 def extract(
@@ -93,6 +94,10 @@ def extract(
     out = as_path(out, "out")
     data_root = None if data_root is None else as_path(data_root, "data_root")
     store = None if store is None else as_path(store, "store")
+    domains = as_list(domains, "domains")  # domains="mnist" is one domain, not five letters
+    for path, flag in ((out, "--out"), (store, "--store"), (data_root, "--data-root")):
+        if path is not None:
+            check_names(path, flag)
     specs = [PartitionSpec(scheme=partition, clients=c, alpha=a, per_class=n, test_per_class=test_per_class,
                            classes_per_client=classes_per_client, domains=tuple(domains) if domains else None,
                            val_fraction=val_fraction, order=order, seed=seed)
@@ -109,9 +114,9 @@ def extract(
         if note is not None:
             note(line)
 
+    size_note = None
     if image_size is None:
-        image_size, line = default_image_size(dataset, image_side(dataset, data))
-        tell(line)
+        image_size, size_note = default_image_size(dataset, image_side(dataset, data))
     embedding = {  # what determines one image's embedding by one backbone, but the backbone itself
         "dataset": identity, "image_size": image_size, "views": views, "noise": asdict(noise) if noise else None,
         "seed": seed if noise or views else None,  # the seed of the noise and the views, else of nothing embedded
@@ -119,6 +124,8 @@ def extract(
         "precision": "float16" if dev.type == "cuda" else "float32",  # CUDA runs under fp16 autocast
         "allow_partial": allow_partial, "versions": versions()}
     weights = [weights_identity(b) for b in backbone]
+    if size_note:  # told once every backbone is known: an unknown one is refused in its one line alone
+        tell(size_note)
     by_path: dict[Path, Store] = {}  # two specs of the same weights share one store
     source = _source(data_root) if data is not None else None  # a built-in recipe reads no folder
     stores = [by_path.setdefault(path, Store(path, key, source)) for w in weights
@@ -135,8 +142,11 @@ def extract(
         contents.save()  # a run that ends well keeps the files' hashes (a refused one changes nothing)
         return _summary(results, {}, t0) | _told(tell, notes, partition, domains, results, image_size)
     check_folder(out)  # a miss writes: refuse a folder it cannot write before anything is loaded or created
-    if store is not None:
-        check_folder(store, "--store")
+    check_folder(folder, "--store")
+    for s in by_path.values():  # a user's folder, pipe or link named like a store: refused before any work
+        if os.path.lexists(s.path) and (why := not_a_file(s.path)) is not None:
+            raise UserError(f"{s.path} {why}, and featcache keeps a store under that name: move it, or pass "
+                            "--store another folder")
 
     for b in backbone:  # weights the hub cannot serve now are refused in seconds, before the dataset is read
         check_weights(b)
@@ -151,7 +161,7 @@ def extract(
     if not any(s.path.is_file() or (s.work / "plan.json").is_file() for s in by_path.values()):
         P.check_images(data, run.workers)  # a store of these files exists only after they all decoded
     phases["dataset"] = time.perf_counter() - t
-    with _made(Path(out), *(s.path.parent for s in stores)), ExitStack() as held:
+    with output_errors(folder, "--store"), _made(Path(out), *(s.path.parent for s in stores)), ExitStack() as held:
         resumable = {s.path: (s.work / "plan.json").is_file() for s in by_path.values()}
         for s in sorted(by_path.values(), key=lambda s: s.path):  # one lock order: two extractions never deadlock
             held.enter_context(locked(s.work))
@@ -168,6 +178,12 @@ def extract(
                 if not (resumable[s.path] or isinstance(e, (KeyboardInterrupt, DiskFullError))):
                     with suppress(OSError):  # bad input: nothing of this run is worth keeping
                         remove_own(s.work)
+            kept = [str(s.work) for s in by_path.values() if any(s.work.glob("*.npy"))]
+            if isinstance(e, DiskFullError) and kept:  # say where the resume point is, and how to drop it
+                where = (f"the finished blocks are kept in {', '.join(kept)} and resumed (rm -r the folder to start "
+                         "over instead)")
+                said = str(e).replace("finished blocks are kept and resumed", where)
+                raise DiskFullError(said if where in said else f"{said}; {where}") from None
             raise
         for s in by_path.values():
             remove_own(s.work)
@@ -223,7 +239,8 @@ OPTIONS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "dataset": ("a dataset name (a string)", _is(str)),
     "backbone": ("a backbone name or a list of them (strings)",
                  lambda v: isinstance(v, str) or isinstance(v, (list, tuple)) and all(isinstance(b, str) for b in v)),
-    "image_size": ("a whole number of pixels >= 1", _whole(1, none=True)),
+    "image_size": (f"a whole number of pixels from {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}",
+                   lambda v: _whole(MIN_IMAGE_SIZE, none=True)(v) and (v is None or v <= MAX_IMAGE_SIZE)),
     "views": ("a whole number >= 0", _whole(0)),
     "batch_size": ("a whole number >= 1", _whole(1, none=True)),
     "workers": ("a whole number >= 0", _whole(0, none=True)),

@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import __version__
 from ..cache import h5
-from ..errors import UserError
+from ..errors import UserError, first_line
 from .files import writing
 
 FORMAT = 1
@@ -130,13 +130,19 @@ class Store:
     def commit(self, identity: dict) -> int:
         """Merge the finished blocks of the plan in the parts folder into the store file; returns the rows added."""
         plan_file = self.work / "plan.json"
-        plan = json.loads(plan_file.read_text()) if plan_file.is_file() else []
-        held = self.held() if plan else {}
-        done = [b for b in plan if (self.work / b["file"]).is_file()  # and not merged by a fill killed after it
-                and not np.isin(b["rows"], held.get((b["domain"], b["split"], b["views"]), ())).all()]
+        try:  # what a killed fill left: a plan, blocks and meta.json that another program may have damaged since
+            plan = json.loads(plan_file.read_text()) if plan_file.is_file() else []
+            held = self.held() if plan else {}
+            done = [b for b in plan if (self.work / b["file"]).is_file()  # and not merged by a fill killed after it
+                    and not np.isin(b["rows"], held.get((b["domain"], b["split"], b["views"]), ())).all()]
+            if done:
+                backbone = self.backbone() or json.loads((self.work / "meta.json").read_text())
+                merged = self._merged(done)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise UserError(f"the parts folder {self.work} (finished blocks of a killed fill) is damaged "
+                            f"({type(e).__name__}: {first_line(e, 120)}): remove it (rm -r) and run the same command "
+                            "again") from None
         if done:
-            backbone = self.backbone() or json.loads((self.work / "meta.json").read_text())
-            merged = self._merged(done)
             with writing(self.path):
                 _write(self.path, self.key, identity, backbone, merged, self._sources())
             self._rows.clear()

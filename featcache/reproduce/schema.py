@@ -113,7 +113,7 @@ class Pipeline:
         return list(self.paper_rows) + [r for r in self.extra_rows if r not in self.paper_rows]
 
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a file stem: no separator, no '..' prefix, not empty
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a file stem: no separator, no '..' prefix, not empty
 
 
 def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
@@ -125,7 +125,8 @@ def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
     _check(path, doc, _TOP)
     if not _NAME.fullmatch(doc["name"]):
         raise UserError(f"{path}: name {doc['name']!r} names the output files NAME.md and NAME.json inside --out: use "
-                        "letters, digits, '.', '_' and '-' only, starting with a letter or digit (e.g. fedpcl-table3)")
+                        "1 to 64 letters, digits, '.', '_' and '-', starting with a letter or digit (e.g. "
+                        "fedpcl-table3)")
     paper = doc["paper"]
     _check(f"{path} [paper]", paper, _PAPER)
     if paper["name"] not in PAPERS:
@@ -174,6 +175,10 @@ def _check_extract(where: str, overrides: dict, base: dict, *, base_table: bool 
                             f"known: {', '.join(EXTRACT_KEYS)}")
         if not base_table and key in FIXED_EXTRACT:
             raise UserError(f"{where}: {key} is set once in [extract] (pick backbones per cell with backbones = [i])")
+        if key == "backbone" and not isinstance(overrides[key], list):  # runs and columns pick them by index
+            value = overrides[key]
+            hint = f': write backbone = ["{value}"]' if isinstance(value, str) else ""
+            raise UserError(f"{where}: backbone must be a list of backbone names (got {value!r}){hint}")
         if key in OPTIONS and key != "noise":  # noise is a table here, checked below
             try:
                 check_options({key: overrides[key]}, flags=False)

@@ -2,24 +2,27 @@
 
 Inputs are any mix of result files and folders. A folder stands for the `*.json` files directly in it (one level:
 a grid's run folder inside `runs/` holds chunk files, not results; pass that folder itself to report its retrained
-result). Files that are not results are skipped with one note each; the sidecars `train` writes beside a result
-(`.timing.json`, `.metrics.csv`, `.state.safetensors`) share one note. Results from different caches are refused.
+result). Files that are not results are skipped with one note each (beyond a few, one note counts them); the
+sidecars `train` writes beside a result (`.timing.json`, `.metrics.csv`, `.state.safetensors`) share one note.
+Results from different caches are refused.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, as_list, not_a_file
 
 _NUMBERS = ("mean_acc", "std_acc", "best_round_mean_acc", "best_round_std_acc")
 
 # What `train` writes beside a result `NAME.json`: never results themselves, skipped together in one note.
 SIDECARS = {".timing.json": "a .timing.json sidecar", ".metrics.csv": "a .metrics.csv sidecar",
             ".state.safetensors": "a saved state (.state.safetensors): draw it with `featcache plot`"}
+SKIPPED_LINES = 3  # more skipped inputs than this are told in one line: their count and the first few
 MAX_RESULT_BYTES = 64 * 2**20  # a result file is a few kB; a larger input is some other file, not read
 
 
@@ -84,14 +87,15 @@ class Run:
 
 @dataclass
 class Inputs:
-    """The inputs sorted out: results, sidecar files (one note for all of them), other files skipped (one note each)."""
+    """The inputs sorted out: results, sidecar files (one note for all of them), other files skipped (one note each,
+    or one for all when there are more than SKIPPED_LINES)."""
 
     runs: list[Run] = field(default_factory=list)
     sidecars: list[Path] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
     def notes(self) -> list[str]:
-        """One line per skipped input, sidecars in one line."""
+        """One line per skipped input (one for all of them beyond SKIPPED_LINES), sidecars in one line."""
         lines = []
         if self.sidecars:
             kinds = {}
@@ -99,6 +103,10 @@ class Inputs:
                 kinds[_sidecar(p)] = kinds.get(_sidecar(p), 0) + 1
             lines.append(f"skipped {len(self.sidecars)} sidecar file(s) beside the results ("
                          f"{', '.join(f'{k} x{n}' for k, n in kinds.items())}): not result files")
+        if len(self.skipped) > SKIPPED_LINES:  # a folder of someone else's JSON: one line, not thousands
+            first = "; ".join(self.skipped[:SKIPPED_LINES])
+            return lines + [f"skipped {len(self.skipped)} files that are not results, the first {SKIPPED_LINES}: "
+                            f"{first}; ..."]
         return lines + [f"skipped {line}" for line in self.skipped]
 
 
@@ -108,11 +116,12 @@ def _sidecar(p: Path) -> str | None:
 
 def expand(paths) -> tuple[list[Path], list[Path]]:
     """(files, folders' files): each folder replaced by the `*.json` files directly in it, sorted by name; a path
-    given twice (directly or through its folder) is kept once. A path that does not exist is refused."""
+    given twice (directly or through its folder) is kept once. A path that does not exist, or is not a file or a
+    folder (a named pipe, a device), is refused."""
     given, found, seen = [], [], set()
     for p in map(Path, paths):
-        if not (p.is_file() or p.is_dir()):
-            raise UserError(f"result file {p} does not exist: pass result files or folders holding them")
+        if not p.is_dir() and (why := not_a_file(p)) is not None:  # a named pipe is never opened
+            raise UserError(f"result file {p} {why}: pass result files or folders holding them")
         files = [p] if p.is_file() else [f for f in sorted(p.glob("*.json")) if f.is_file()]
         for f in files:
             if f.resolve() not in seen:
@@ -139,7 +148,9 @@ def _parse(p: Path) -> tuple[dict | None, str | None]:
 def load_inputs(paths) -> Inputs:
     """Sort result files from the rest. A single file that is not a result file is refused (the user named it); among
     several inputs, or in a folder, it is skipped (a glob such as runs/* picks up the sidecars)."""
-    paths = list(paths)
+    paths = as_list(paths, "results", (str, os.PathLike))  # one file or folder: a list of one
+    if not paths:
+        raise UserError("no result files given: pass the result JSON files of `featcache train` or their folder")
     given, found = expand(paths)
     if not given and not found:
         raise UserError(f"no .json files in {', '.join(map(str, paths))}: pass the result JSON files of "

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from ..errors import UserError, suggest
+from ..errors import UserError, as_list, suggest
 
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 MAX_INT = 2**31 - 1  # an integer setting above this is a typo (and overflows the engine's index arithmetic)
@@ -173,14 +173,17 @@ def _cast(key: str, value, default):
     raise UserError(f"--set {key}={value!r}: expected a {type(default).__name__} like {default!r}")
 
 
-def pairs(overrides: list[str] | tuple, flag: str = "--set") -> dict[str, str]:
-    """['lr=0.1', 'mu=1'] -> {'lr': '0.1', 'mu': '1'}; a key given twice is refused (which one would win?)."""
+def pairs(overrides: list[str] | tuple | str, flag: str = "--set") -> dict[str, str]:
+    """['lr=0.1', 'mu=1'] -> {'lr': '0.1', 'mu': '1'} (a lone 'lr=0.1' is one override); a key given twice is
+    refused (which one would win?)."""
     out: dict[str, str] = {}
-    for item in overrides:
+    for item in as_list(overrides, flag):
         if "=" not in item:
             raise UserError(f"{flag} {item!r}: write key=value, e.g. {flag} lr=0.01")
         k, v = item.split("=", 1)
         k = k.strip()
+        if not k:
+            raise UserError(f"{flag} {item!r} has no key before '=': write key=value, e.g. {flag} lr=0.01")
         if k in out:
             raise UserError(f"{flag} {k} is given twice ({k}={out[k]} and {k}={v.strip()}): give it once")
         out[k] = v.strip()
@@ -191,17 +194,25 @@ def scoped(overrides: dict | list[str] | None, algos: list, flag: str = "--set")
     """Each chosen algorithm's own overrides (name -> {setting: value}). `fedprox.mu=1` applies to fedprox alone and
     wins over a plain `mu=...` there; a plain setting applies to every algorithm, so one that only some of them have
     is refused with the scoped spelling, and a scope that names no chosen algorithm is refused."""
-    if isinstance(overrides, (list, tuple)):
+    if isinstance(overrides, (list, tuple, str)):
         overrides = pairs(overrides, flag)
     names = [a.name for a in algos]
     tables = {a.name: settings_of(a) for a in algos}
     plain, own = {}, {n: {} for n in names}
     for key, value in (overrides or {}).items():
-        where, _, k = str(key).rpartition(".")
-        if not where:
+        where, dot, k = str(key).rpartition(".")
+        if dot and (not where.strip() or not k.strip()):
+            empty = "algorithm name before" if not where.strip() else "setting name after"
+            raise UserError(f"{flag} {key}={value}: the {empty} the '.' is empty: write ALGO.key=value (e.g. "
+                            "fedprox.mu=1) or key=value")
+        if not dot:
             plain[k] = value
         elif where in own:
             own[where][k] = value
+        elif (algo := next((n for n in names if str(key).startswith(f"{n}.")), None)) is not None:
+            rest = str(key)[len(algo) + 1 :]  # `fedprox.mu.x`: no setting has a '.' in its name
+            raise UserError(f"{flag} {key}: {algo} has no setting {rest!r}{suggest(rest, tables[algo])}: write "
+                            f"{algo}.KEY=value with one of its settings (`featcache algos {algo}` lists them)")
         elif len(names) == 1:
             raise UserError(f"{flag} {key}: {where} is not the algorithm of this run ({names[0]}): "
                             f"write {names[0]}.{k} or {k}")
@@ -262,7 +273,10 @@ def check_clients(cfg: dict, clients: int) -> None:
 
 
 def check_seeds(seeds) -> list[int]:
-    """Seeds as ints in 0..2^32-1, at least one, none twice (a repeated seed would make mean(std) lie)."""
+    """Seeds as ints in 0..2^32-1 (one int: one seed), at least one, none twice (a repeated seed would make mean(std)
+    lie)."""
+    if isinstance(seeds, int) and not isinstance(seeds, bool):  # one seed
+        seeds = [seeds]
     if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__iter__"):
         raise UserError(f"--seeds must be a list of integers such as [0, 1, 2] (got {seeds!r})")
     seeds = list(seeds)
@@ -279,7 +293,7 @@ def check_seeds(seeds) -> list[int]:
 
 def merge_rounds(overrides: list[str] | dict | None, rounds: int | None) -> list[str] | dict:
     """`--rounds N` added to the --set overrides; refused when --set rounds=... is given too."""
-    overrides = dict(overrides) if isinstance(overrides, dict) else list(overrides or [])
+    overrides = dict(overrides) if isinstance(overrides, dict) else as_list(overrides, "--set") or []
     if rounds is None:
         return overrides
     given = overrides if isinstance(overrides, dict) else pairs(overrides)

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from ..algorithms import create
-from ..atomic import check_folder, make_folder, missing_folders, remove_empty, write_atomic
+from ..atomic import check_folder, make_folder, missing_folders, remove_empty, write_atomic, write_together
 from ..cache import load_clients
 from ..cluster import ray_module
 from ..devices import resolve_device
-from ..errors import UserError
+from ..errors import UserError, as_list
 from ..memory import available_bytes
 from .metrics import mean_std
 from ..provenance import library_call, provenance
@@ -149,6 +149,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
     `device` (auto | cpu | cuda[:N]) is checked here and sizes the chunks; each chunk resolves it again where it runs,
     so with the Ray backend `auto` picks each worker's GPU when it has one."""
     dev = resolve_device(device)
+    grid, backbones = as_list(grid, "grid"), as_list(backbones, "backbones")  # a lone string is one item
     if backend not in BACKENDS:
         raise UserError(f"unknown backend {backend!r}: use local or ray")
     seeds = check_seeds(seeds)
@@ -235,10 +236,10 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
         result["provenance"] = provenance(dev, library_call(
             "featcache.grid", cache=str(cache), algo=spec, grid=list(grid), seeds=list(seeds), rounds=rounds,
             set=list(set or []), device=str(device), backend=backend, chunk=chunk, retrain=retrain, **picked))
-        write_atomic(folder / "grid.csv", to_csv(table))
         resumed = {"chunks_resumed": len(jobs) - len(todo)}  # how this run went, not what it found: beside the result
-        _write_json(folder / "grid.timing.json", resumed)
-        _write_json(folder / "grid.json", result)  # last: its presence means the run folder is complete
+        write_together([(folder / "grid.csv", to_csv(table)),  # all three or none; grid.json last: its presence
+                        (folder / "grid.timing.json", json.dumps(resumed, sort_keys=True, indent=1)),  # means the
+                        (folder / "grid.json", json.dumps(result, sort_keys=True, indent=1))])  # folder is complete
     except BaseException:
         remove_empty(made)  # a run folder that got nothing (and --out, when this run made it): not left behind
         raise

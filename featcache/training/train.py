@@ -26,7 +26,7 @@ from .. import cache as C
 from ..algorithms import create, plugin_exits
 from ..atomic import check_folder, output_errors, write_together
 from ..devices import resolve_device
-from ..errors import UserError, as_path
+from ..errors import UserError, as_list, as_path
 from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from ..provenance import library_call, provenance
 from .states import SUFFIX, state_bytes
@@ -124,6 +124,7 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     training again (featcache.training.checkpoint)."""
     dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device, tensorboard)
     check_every(checkpoint_every)
+    backbones = as_list(backbones, "backbones")  # backbones="dino" is one backbone, not four letters
     spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
     cache = as_path(cache, "cache")
     train_data = load_split(cache, impl, backbones=backbones)

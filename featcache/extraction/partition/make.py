@@ -28,13 +28,13 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
     scheme = _SCHEMES[spec.scheme]
     domains = _chosen_domains(dataset, spec, scheme.multi_domain)
     clients = spec.clients or (len(domains) if scheme.multi_domain else 5)
-    owners = [domains[i % len(domains)] for i in range(clients)]
-    used = list(dict.fromkeys(owners))
-    available = sum(len(dataset.domains[d]["train"]) for d in used)
+    used = domains[: min(clients, len(domains))]  # the domains clients own, known before any list of clients is
+    available = sum(len(dataset.domains[d]["train"]) for d in used)  # built (10**30 clients: refused at once)
     if clients > available:
         raise UserError(
             f"{clients} clients but only {available} training images in {', '.join(used)}: use fewer clients"
         )
+    owners = [domains[i % len(domains)] for i in range(clients)]
 
     n_classes = len(dataset.classes)
     pools = {d: _class_pools(dataset.domains[d]["train"].labels, n_classes, spec.order,
