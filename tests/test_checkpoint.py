@@ -7,6 +7,8 @@ the CLI through tests/crashpoint.py, which sends itself SIGKILL or SIGINT at the
 
 from __future__ import annotations
 
+import errno
+import fnmatch
 import json
 import os
 import re
@@ -155,11 +157,41 @@ def _rewrite(path: Path, edit) -> None:
     save_file(tensors, str(path), metadata={"featcache": json.dumps(meta)})
 
 
+def _forged(edit):
+    """An edit that a forger makes and then signs: the checksum recomputed, so only the content gives it away."""
+    def forge(m, t):
+        edit(m, t)
+        m["sha256"] = ck.digest(t, m)
+    return forge
+
+
+def _shrink(m, t):
+    """The first tensor of the saved state one element shorter along its last axis (its layout still in its span)."""
+    node = dict(m["trees"]["dict"])["engine"]
+    while "tensor" not in node:
+        node = node["dict"][0][1]
+    node["shape"][-1] -= 1
+
+
+def _cut_records(m, t):
+    loop = dict(m["trees"]["dict"])["loop"]
+    dict(loop["dict"])["upload_floats"]["list"].pop()
+
+
 TAMPER = {
     "other-code": (lambda m, t: m["identity"].update(code="0" * 64), "comes from other featcache or plug-in code"),
     "other-machine": (lambda m, t: m["identity"]["machine"].update(torch_threads=99), "another machine"),
-    "values-changed": (lambda m, t: t["state/params/cls0.bias"].add_(1), "damaged (its checksum does not match)"),
+    "values-changed": (lambda m, t: next(v for v in t.values() if v.is_floating_point()).add_(1),
+                       "damaged (its checksum does not match)"),
     "round-changed": (lambda m, t: m.update(round=2), "damaged (its checksum does not match)"),
+    "round-999-of-3": (_forged(lambda m, t: m.update(round=999)), "claims round 999 of a 3-round run"),
+    "round-3-of-3": (_forged(lambda m, t: m.update(round=3)), "claims round 3 of a 3-round run"),
+    "round-0": (_forged(lambda m, t: m.update(round=0)), "claims round 0 of a 3-round run"),
+    "round-not-a-number": (_forged(lambda m, t: m.update(round="1")), "claims round '1' of a 3-round run"),
+    "records-of-another-round": (_forged(lambda m, t: m.update(round=2)), "holds records that do not fit its round 2"),
+    "records-cut": (_forged(_cut_records), "holds records that do not fit its round 1"),
+    "other-shapes": (_forged(_shrink), "holds a state of other names or shapes than this run's"),
+    "layout-out-of-its-span": (_forged(lambda m, t: m["pads"].update(dict.fromkeys(m["pads"], -5))), "is damaged"),
 }
 
 
@@ -198,7 +230,8 @@ def test_bad_checkpoint_every_is_one_line(cache, tmp_path):
 
 
 def test_the_optimizer_state_round_trips_whatever_persists(tmp_path):
-    """Moments and step counts are saved generically (`state_names`, `t`, `count`), in place on load."""
+    """Parameters, moments and step counts are saved generically (`state_dict`), in the layout a fused step gave
+    them (a transposed weight stays transposed: the next step's kernels see what an uninterrupted run's see)."""
     from featcache.training.hparams import HParams
     from featcache.training.optim import MASKED, OPTIMIZERS
 
@@ -206,19 +239,86 @@ def test_the_optimizer_state_round_trips_whatever_persists(tmp_path):
     for kind in [*OPTIMIZERS.values(), *MASKED.values()]:
         make = lambda: kind({"w": torch.zeros(2, 3, 4, 5)}, hp)
         opt = make()
-        for step in range(3):
-            opt.step({"w": torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(step))},
-                     [[True, step > 0, True], [False, True, True]])
-        tensors = {}
-        skeleton = ck.encode(ck.optimizer_state(opt), "opt", tensors)
+        for step in range(3):  # gradients in the transposed layout a linear weight's gradient arrives in
+            g = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(step)).mT
+            opt.step({"w": g}, [[True, step > 0, True], [False, True, True]])
         fresh = make()
-        names = [name for name in (*opt.state_names, "t") if hasattr(opt, name)]
-        ids = {name: id(getattr(fresh, name)["w"]) for name in names}
-        ck.load_optimizer_state(fresh, ck.decode(skeleton, tensors))
-        for name in names:
-            assert torch.equal(getattr(fresh, name)["w"], getattr(opt, name)["w"]), (kind.__name__, name)
-            assert id(getattr(fresh, name)["w"]) == ids[name]  # in place
-        assert getattr(fresh, "count", None) == getattr(opt, "count", None)
+        fresh.load_state_dict(ck.unpack(*ck.pack(opt.state_dict())))
+        theirs, ours = fresh.state_dict(), opt.state_dict()
+        assert theirs.keys() == ours.keys() and "params" in ours
+        for name, values in ours.items():
+            if name == "count":
+                assert theirs[name] == values
+                continue
+            for k, t in values.items():
+                assert torch.equal(theirs[name][k], t) and theirs[name][k].stride() == t.stride(), (kind, name)
+        g = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(9)).mT
+        for o in (opt, fresh):
+            o.step({"w": g}, [[True] * 3, [True] * 3])
+        assert torch.equal(fresh.params["w"], opt.params["w"]), kind
+
+
+# -- the checkpoint file's own failures: a full disk, a special file in its place ---------------------------------
+
+def disk_full_at(n: int, pattern: str, code: int = errno.ENOSPC):
+    """A Path.write_bytes whose n-th write of a file named like `pattern` writes half its bytes and fails as a full
+    disk does."""
+    real, calls = Path.write_bytes, []
+
+    def write_bytes(self, data):
+        if fnmatch.fnmatch(self.name, pattern):
+            calls.append(self)
+            if len(calls) == n:
+                real(self, data[: len(data) // 2])
+                raise OSError(code, os.strerror(code))
+        return real(self, data)
+
+    return write_bytes
+
+
+def test_a_full_disk_keeps_the_last_checkpoint_and_the_same_command_resumes_from_it(cache, tmp_path, monkeypatch):
+    """The checkpoint of round 4 cannot be written (ENOSPC): one line, the checkpoint of round 2 kept, and the
+    same command resumes from round 2 to the undisturbed bytes."""
+    args = dict(rounds=6, seeds=[0, 1], set=SMALL, checkpoint_every=2)
+    ref = train(cache, "scaffold", out=tmp_path / "ref", **args)
+    monkeypatch.setattr(Path, "write_bytes", disk_full_at(2, ".*.checkpoint.*.tmp"))
+    out = tmp_path / "b"
+    with pytest.raises(UserError, match=r"^scaffold \(seeds 0, 1\): no checkpoint of round 4 \(cannot write .*No space "
+                                        r"left on device; disk full.*\); the checkpoint of round 2 is kept: run the same "
+                                        r"command again to resume from it$"):
+        train(cache, "scaffold", out=out, **args)
+    (kept,) = out.glob(".*.checkpoint")
+    assert [p.name for p in out.iterdir()] == [kept.name]  # no temporary left
+    monkeypatch.undo()
+    again = train(cache, "scaffold", out=out, **args)
+    assert again["resumed_after_round"] == 2 and result_bytes(again) == result_bytes(ref)
+
+
+def test_a_full_disk_before_any_checkpoint_says_the_run_starts_again(cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(Path, "write_bytes", disk_full_at(1, ".*.checkpoint.*.tmp", errno.EFBIG))
+    with pytest.raises(UserError, match="no checkpoint of round 1 .*ulimit -f.*the same command starts it again from "
+                                        "round 1$"):
+        train(cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path, checkpoint_every=1)
+    assert everything_in(tmp_path) == []
+
+
+SPECIAL = {"folder": os.mkdir, "fifo": os.mkfifo, "broken-link": lambda p: os.symlink("nowhere", p)}
+
+
+@pytest.mark.parametrize("kind", SPECIAL)
+@pytest.mark.parametrize("which", ["checkpoint", "done"])
+def test_a_special_file_in_the_checkpoints_place_is_one_line_and_left_alone(cache, tmp_path, kind, which):
+    path = _checkpoint(cache, tmp_path / "probe")  # the name this run's checkpoint takes
+    place = tmp_path / "out" / path.with_suffix(f".{which}").name
+    place.parent.mkdir()
+    SPECIAL[kind](place)
+    with pytest.raises(UserError, match=f"{re.escape(str(place))} is (a folder|a named pipe|a broken symbolic link)"
+                                        ".*: featcache keeps a run's checkpoint under that name; move it away"):
+        train(cache, "scaffold", rounds=3, seeds=[0], set=SMALL, out=tmp_path / "out")
+    assert [p.name for p in place.parent.iterdir()] == [place.name] and os.path.lexists(place)
+    res = run_cli("train", "--cache", cache, "--algo", "scaffold", "--rounds", "3", "--seeds", "0", "--out",
+                  tmp_path / "out", *[a for s in SMALL for a in ("--set", s)])
+    one_line_error(res, "featcache keeps a run's checkpoint under that name")
 
 
 # -- the command, killed or interrupted in a real process (slow: a torch start-up per process) ------------------

@@ -2,18 +2,24 @@
 
 One file per run in its output folder, `.ALGO-KEY.checkpoint` (hidden; KEY hashes what the run trains: algorithm,
 resolved config, seeds, cache key, backbones). It is a safetensors file holding everything the loop carries from
-one round to the next:
+one round to the next, as the engine hands it over (`Engine.state_dict`):
 
-    state/params|buffers|client|server/...   the engine's `State` (models, per-client and server algorithm state)
-    opt/<name>/<param>                       the optimizer's per-element state (`state_names`) and step counts
-                                             (`t`; host counts in the metadata), saved whether or not they persist
-    loop/...                                 the evaluation records so far, their rounds, upload sizes, round times
+    engine/params|buffers|client|server/...   the engine's `State` (models, per-client and server algorithm state)
+    engine/optimizer/...                      the local optimizer's parameters, per-element state and step counts
+                                              (host counts in the metadata), saved whether or not they persist
+    loop/...                                  the evaluation records so far, their rounds, upload sizes, round times
 
-and one metadata key, `featcache`, a JSON object: the run's identity (what it trains, plus the training code's
-syntax hash, library versions, device, CPU/GPU model and torch threads: what makes a resumed run byte-identical to an
-uninterrupted one), the round it was taken after, the structure of the saved trees (dicts, lists, numbers, None)
-and a sha256 over all of it and the tensors. Batch order and participation are hashes of (seed, round, epoch) and the
-prototype methods' noise generators are seeded from (seed, round): no random state needs saving.
+each tensor with the memory layout it had (`pack`): its strides (a fused optimizer step gives a linear weight its
+gradient's transposed layout), broadcast views (stride 0: FedAvg's one model per configuration), which tensors share
+memory, and its address modulo 64 bytes. A resumed run computes on the same layouts as the uninterrupted one: a
+matmul or a reduction rounds differently on another, and a fresh copy would make the first step after a resume
+differ in its last bits.
+
+One metadata key, `featcache`, is a JSON object: the run's identity (what it trains, plus the training code's syntax
+hash, library versions, device, CPU/GPU model and torch threads: what makes a resumed run byte-identical to an
+uninterrupted one), the round it was taken after, the structure and layouts of the saved trees and a sha256 over all
+of it and the tensors. Batch order and participation are hashes of (seed, round, epoch) and the prototype methods'
+noise generators are seeded from (seed, round): no random state needs saving.
 
 When: at the start of a round, every `checkpoint_every` rounds (None: whenever 60 s have passed since the last
 one; 0: never), and on the first Ctrl-C, which lets the round finish, saves, and stops with `Interrupted` (a second
@@ -22,8 +28,11 @@ Ctrl-C stops at once; the run then resumes from the last checkpoint). Written wi
 After the result is written, the checkpoint is replaced by `.ALGO-KEY.done`, a small JSON record of the identity and
 the sha256 of the files written: the same command then finds the run finished and returns its result without
 training (as `extract` and `grid` reuse finished work), unless the code, machine or files changed or the trained
-state is asked for in memory. A checkpoint written for other code or another machine, or one that fails its
-checksum, is refused in one line (delete it to start over): resuming it could not give the uninterrupted bytes.
+state is asked for in memory. A checkpoint written for other code or another machine, one that fails its checksum,
+or one whose round, records or shapes do not fit the run (round 999 of 30) is refused in one line and left in place
+(delete it to start over): resuming it could not give the uninterrupted bytes. A checkpoint that cannot be written
+(a full disk) stops the run in one line and keeps the last one; a folder or other special file in the checkpoint's
+place is refused before training.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 import signal
 import threading
 import time
@@ -42,15 +52,15 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from ..atomic import write_atomic
-from ..errors import UserError
+from ..errors import UserError, not_a_file
 from ..extraction.identity import code_identity, content_key, versions
 from ..provenance import cpu_model, gpu_name
 
-FORMAT = "1"
+FORMAT = "2"
 EVERY_SECONDS = 60.0  # the default: a checkpoint at most this often
 PACKAGE = Path(__file__).resolve().parent.parent  # featcache/
 TRAINING_CODE = ("training/*.py", "algorithms/*.py", "cache/*.py")  # what turns a cache into a result
-GROUPS = ("params", "buffers", "client", "server")
+ALIGN = 64  # bytes: a restored tensor keeps its address modulo this (vector kernels peel unaligned heads)
 ORIGIN = {"run": "another run (algorithm, config, seeds, cache or backbones)", "code": "other featcache or plug-in code",
           "versions": "other library versions", "format": "another checkpoint format",
           "machine": "another machine (device, CPU or GPU model, or torch threads)"}  # identity field -> refusal
@@ -62,6 +72,10 @@ class Interrupted(KeyboardInterrupt):
 
 class Refused(UserError):
     """A checkpoint this run cannot resume: left in place for the user to resume elsewhere or delete."""
+
+
+class Unsaved(UserError):
+    """A checkpoint that could not be written (a full disk): the last one is kept for the same command to resume."""
 
 
 def check_every(every) -> int | None:
@@ -91,62 +105,113 @@ def identity(impl, cfg: dict, seeds: list[int], cache_key: str, backbones: list[
                         "torch_threads": torch.get_num_threads()}}
 
 
-def encode(tree, name: str, tensors: dict) -> dict:
-    """The JSON skeleton of `tree` (nested dicts, lists, tensors, numbers, strings, None); its tensors go to
-    `tensors` under `name/...` as contiguous CPU copies."""
+def pack(tree) -> tuple[dict, dict, dict]:
+    """(skeleton, spans, pads) of `tree` (nested dicts, lists, tensors, numbers, strings, None), its tensors saved
+    with the memory layout they have: each block of memory the tensors view is one span (`spans`: name -> the 1-d
+    CPU copy of the elements they cover, named after the first tensor in it), and each tensor in the skeleton says
+    where it lies in its span (shape, strides, offset) and whether it is a view; `pads` (span name -> elements)
+    put a restored span at the address offset (mod ALIGN) it had. So strides, broadcasts (stride 0), memory shared
+    between tensors and alignment come back as they were: what a kernel's rounding can depend on."""
+    leaves = []  # (name, tensor, its skeleton entry, filled in below)
+
+    def walk(x, name: str):
+        if isinstance(x, torch.Tensor):
+            leaves.append((name, x.detach(), {}))
+            return leaves[-1][2]
+        if isinstance(x, dict):
+            return {"dict": [[k, walk(v, f"{name}/{k}" if name else k)] for k, v in x.items()]}
+        if isinstance(x, (list, tuple)):
+            return {"list": [walk(v, f"{name}/{i}") for i, v in enumerate(x)], "tuple": isinstance(x, tuple)}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return {"value": x}
+        raise UserError(f"cannot checkpoint {name} (a {type(x).__name__}): an algorithm's state holds tensors, "
+                        "numbers and strings; train it with checkpoint_every=0 (--checkpoint-every 0)")
+
+    skeleton = walk(tree, "")
+    blocks: dict = {}  # (device, dtype, storage address) -> the leaves that view it
+    for i, (_, t, _) in enumerate(leaves):
+        blocks.setdefault((t.device, t.dtype, t.untyped_storage().data_ptr()) if t.numel() else i, []).append(i)
+    spans, pads = {}, {}
+    for members in blocks.values():
+        name, first, _ = leaves[members[0]]
+        lo = min(leaves[i][1].storage_offset() for i in members)
+        hi = max(_end(leaves[i][1]) for i in members)
+        span = first.as_strided((hi - lo,), (1,), lo)
+        spans[name] = span.cpu().clone()
+        pads[name] = span.data_ptr() % ALIGN // first.element_size() if span.numel() else 0
+        for i in members:
+            t = leaves[i][1]
+            leaves[i][2].update(tensor=name, shape=list(t.shape), stride=list(t.stride()),
+                                offset=t.storage_offset() - lo, view=t._base is not None)
+    return skeleton, spans, pads
+
+
+def _end(t: torch.Tensor) -> int:
+    """One past the last storage element `t` covers."""
+    return t.storage_offset() + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0)
+
+
+def unpack(skeleton: dict, spans: dict, pads: dict, device="cpu"):
+    """The tree `pack` described, its tensors on `device` in the layouts they were packed with: one fresh block of
+    memory per span, each tensor a view of it where it was a view (else a tensor of its own over that memory), the
+    same tensor object wherever the same view was."""
+    memory, made = {}, {}
+
+    def block(name: str) -> torch.Tensor:
+        if name not in memory:
+            span, pad = spans[name], pads[name]
+            memory[name] = torch.empty(pad + span.numel(), dtype=span.dtype, device=device)
+            memory[name][pad:].copy_(span)
+        return memory[name]
+
+    def walk(s: dict):
+        if "tensor" in s:
+            key = json.dumps(s, sort_keys=True)
+            if key not in made:
+                buf, at = block(s["tensor"]), pads[s["tensor"]] + s["offset"]
+                made[key] = buf.as_strided(s["shape"], s["stride"], at) if s["view"] else \
+                    buf.new_empty(0).set_(buf.untyped_storage(), at, s["shape"], s["stride"])
+            return made[key]
+        if "dict" in s:
+            return {k: walk(v) for k, v in s["dict"]}
+        if "list" in s:
+            items = [walk(v) for v in s["list"]]
+            return tuple(items) if s["tuple"] else items
+        return s["value"]
+
+    return walk(skeleton)
+
+
+def outline(tree):
+    """The structure of a tree of `pack`: dict keys, list lengths, each tensor's shape and dtype (a tuple), each
+    value's type."""
     if isinstance(tree, torch.Tensor):
-        tensors[name] = tree.detach().cpu().contiguous().clone()
-        return {"tensor": name}
+        return ("tensor", tuple(tree.shape), str(tree.dtype))
     if isinstance(tree, dict):
-        return {"dict": [[k, encode(v, f"{name}/{k}", tensors)] for k, v in tree.items()]}
+        return {k: outline(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return {"list": [encode(v, f"{name}/{i}", tensors) for i, v in enumerate(tree)],
-                "tuple": isinstance(tree, tuple)}
-    if tree is None or isinstance(tree, (bool, int, float, str)):
-        return {"value": tree}
-    raise UserError(f"cannot checkpoint {name} (a {type(tree).__name__}): an algorithm's state holds tensors, "
-                    "numbers and strings; train it with checkpoint_every=0 (--checkpoint-every 0)")
+        return [outline(v) for v in tree]
+    return type(tree).__name__
 
 
-def decode(skeleton: dict, tensors: dict, device=None):
-    """The tree `encode` described, its tensors moved to `device` (None: left on the CPU)."""
-    if "tensor" in skeleton:
-        t = tensors[skeleton["tensor"]]
-        return t if device is None else t.to(device)
-    if "dict" in skeleton:
-        return {k: decode(v, tensors, device) for k, v in skeleton["dict"]}
-    if "list" in skeleton:
-        items = [decode(v, tensors, device) for v in skeleton["list"]]
-        return tuple(items) if skeleton["tuple"] else items
-    return skeleton["value"]
+def fits(ours, theirs) -> bool:
+    """Whether the outline `theirs` (a checkpoint's state) has every entry of `ours` (the state of an engine not
+    yet run) with the same structure, shapes and dtypes; entries an algorithm adds after round 1 may come on top."""
+    if isinstance(ours, dict):
+        return isinstance(theirs, dict) and all(k in theirs and fits(v, theirs[k]) for k, v in ours.items())
+    if isinstance(ours, list):
+        return isinstance(theirs, list) and len(ours) == len(theirs) and all(map(fits, ours, theirs))
+    return ours == theirs
 
 
-def digest(tensors: dict, meta: dict) -> str:
-    """sha256 over the metadata's identity, round and trees and every tensor's name, dtype, shape and bytes."""
-    h = hashlib.sha256(json.dumps([meta[k] for k in ("identity", "round", "trees")], sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name]
+def digest(spans: dict, meta: dict) -> str:
+    """sha256 over the metadata's identity, round, trees and pads and every span's name, dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps([meta[k] for k in ("identity", "round", "trees", "pads")], sort_keys=True).encode())
+    for name in sorted(spans):
+        t = spans[name]
         h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
-
-
-def optimizer_state(opt) -> dict:
-    """The optimizer's per-element state (`state_names`, name -> param -> tensor), step counts `t` and host step
-    counts `count`, whichever it has: saved whether or not they persist across rounds."""
-    kept = {name: getattr(opt, name) for name in (*opt.state_names, "t") if isinstance(getattr(opt, name, None), dict)}
-    return kept | ({"count": opt.count} if hasattr(opt, "count") else {})
-
-
-def load_optimizer_state(opt, saved: dict) -> None:
-    """Put `optimizer_state`'s values back, into the optimizer's own tensors (a captured step keeps reading them)."""
-    for name, values in saved.items():
-        if name == "count":
-            opt.count = values
-            continue
-        own = getattr(opt, name)
-        for k, v in values.items():
-            own[k].copy_(v)
 
 
 class Checkpoint:
@@ -161,28 +226,56 @@ class Checkpoint:
         stem = f".{impl.name}-{content_key(self.identity['run'])[:16]}"
         self.path, self.done_path = Path(out) / f"{stem}.checkpoint", Path(out) / f"{stem}.done"
         self.label = f"{impl.name} (seeds {', '.join(map(str, seeds))})"
-        self.rounds = cfg["rounds"]
+        self.rounds, self.eval_every = cfg["rounds"], cfg["eval_every"]
         self.saved = 0  # the round the newest checkpoint was taken after (0: none)
         self.current = 0  # the round being trained (0-based)
         self.resumed = 0  # the round this run resumed after (0: from the start)
         self.stop = False  # a Ctrl-C asked to stop at the end of the round
         self.last = time.monotonic()
+        if self.every != 0:
+            for path in (self.path, self.done_path):
+                why = os.path.lexists(path) and not_a_file(path)
+                if why:
+                    raise Refused(f"{path} {why}: featcache keeps a run's checkpoint under that name; move it away "
+                                  "or pass another --out")
 
     # -- the round loop (Engine.run) --------------------------------------------------------------------------
     def restore(self, engine, carried: dict) -> int:
-        """Load the checkpoint, when there is one, into `engine` and the loop's lists `carried` (in place); returns
-        the round to start at (0: none). A checkpoint of other code, another machine or a damaged one is refused."""
+        """Load the checkpoint, when there is one, into `engine` (`Engine.load_state_dict`) and the loop's lists
+        `carried` (in place); returns the round to start at (0: none). A checkpoint of other code, another machine,
+        another run's shapes or rounds, or a damaged one is refused."""
         if self.every == 0 or not self.path.is_file():
             return 0
-        meta, tensors = self._read()
-        state = meta["trees"]
-        for group in GROUPS:
-            setattr(engine.state, group, decode(state[group], tensors, engine.device))
-        load_optimizer_state(engine.runner.opt, decode(state["opt"], tensors, engine.device))
-        for k, v in decode(state["loop"], tensors).items():
+        meta, spans = self._read()
+        fix = "delete it to train from round 1"
+        try:
+            saved = unpack(meta["trees"], spans, meta["pads"], engine.device)
+        except Exception as e:  # a layout that does not fit its span: torch's own error types
+            raise Refused(f"{self.path} is damaged ({type(e).__name__}): {fix}") from None
+        problem = self._misfit(meta["round"], saved, engine, carried)
+        if problem:
+            raise Refused(f"{self.path} {problem}: it is not a checkpoint of this run; {fix}")
+        engine.load_state_dict(saved["engine"])
+        for k, v in saved["loop"].items():
             carried[k].extend(v)
         self.saved = self.resumed = self.current = meta["round"]
         return meta["round"]
+
+    def _misfit(self, rnd, saved, engine, carried: dict) -> str | None:
+        """What in a checkpoint (round `rnd`, unpacked tree `saved`) does not fit this run, or None: a round it never
+        saves at (1 .. rounds - 1), loop lists that do not hold exactly that many rounds and their evaluations, or
+        an engine state of other names or shapes."""
+        if type(rnd) is not int or not 0 < rnd < self.rounds:
+            return f"claims round {rnd!r} of a {self.rounds}-round run"
+        loop = saved.get("loop") if isinstance(saved, dict) else None
+        evals = [r for r in range(1, rnd + 1) if r % self.eval_every == 0]
+        if not (isinstance(loop, dict) and loop.keys() == carried.keys() and loop["eval_rounds"] == evals
+                and all(isinstance(v, list) for v in loop.values()) and len(loop["records"]) == len(evals)
+                and len(loop["upload_floats"]) == rnd and len(loop["round_seconds"]) == rnd):
+            return f"holds records that do not fit its round {rnd}"
+        if not fits(outline(engine.state_dict()), outline(saved.get("engine"))):
+            return "holds a state of other names or shapes than this run's"
+        return None
 
     def offer(self, engine, rnd: int, carried: dict) -> None:
         """At the start of round `rnd` (0-based: `rnd` rounds are done): save when due, and stop when Ctrl-C asked."""
@@ -191,38 +284,42 @@ class Checkpoint:
             return
         due = (time.monotonic() - self.last >= EVERY_SECONDS) if self.every is None else rnd % self.every == 0
         if due or self.stop:
-            self.save(engine, rnd, carried)
+            self.save({"engine": engine.state_dict(), "loop": carried}, rnd)
         if self.stop:
             raise Interrupted(f"{self.label} stopped after round {rnd} of {self.rounds}, checkpoint saved: run the "
                               "same command again to resume")
 
-    def save(self, engine, rnd: int, carried: dict) -> None:
-        tensors = {}
-        trees = {group: encode(getattr(engine.state, group), f"state/{group}", tensors) for group in GROUPS}
-        trees["opt"] = encode(optimizer_state(engine.runner.opt), "opt", tensors)
-        trees["loop"] = encode(carried, "loop", tensors)
-        meta = {"identity": self.identity, "round": rnd, "trees": trees}
-        meta["sha256"] = digest(tensors, meta)
-        write_atomic(self.path, save(tensors, metadata={"featcache": json.dumps(meta)}), durable=True)
+    def save(self, tree: dict, rnd: int) -> None:
+        """Write `tree` (the engine's state_dict and the loop's lists) as the checkpoint of round `rnd`, replacing
+        the last one only once it is written: a failed write (a full disk) keeps the last one and stops the run."""
+        skeleton, spans, pads = pack(tree)
+        meta = {"identity": self.identity, "round": rnd, "trees": skeleton, "pads": pads}
+        meta["sha256"] = digest(spans, meta)
+        try:
+            write_atomic(self.path, save(spans, metadata={"featcache": json.dumps(meta)}), durable=True)
+        except UserError as e:
+            kept = (f"the checkpoint of round {self.saved} is kept: run the same command again to resume from it"
+                    if self.saved else "the same command starts it again from round 1")
+            raise Unsaved(f"{self.label}: no checkpoint of round {rnd} ({e}); {kept}") from None
         self.saved, self.last = rnd, time.monotonic()
 
     def _read(self) -> tuple[dict, dict]:
-        """(metadata, tensors) of the checkpoint file, checked against this run's identity and its checksum."""
+        """(metadata, spans) of the checkpoint file, checked against this run's identity and its checksum."""
         fix = "delete it to train from round 1"
         try:
             with safe_open(str(self.path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {})["featcache"])
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                spans = {k: f.get_tensor(k) for k in f.keys()}
             theirs = meta["identity"]
             differ = [ORIGIN[k] for k in self.identity if theirs.get(k) != self.identity[k]]
-            ok = digest(tensors, meta) == meta["sha256"]
+            ok = not differ and digest(spans, meta) == meta["sha256"]
         except Exception as e:  # safetensors, json and a missing key each raise their own error types
             raise Refused(f"{self.path} is damaged ({type(e).__name__}): {fix}") from None
         if differ:
             raise Refused(f"{self.path} comes from {' and '.join(differ)}: resume it where it was written, or {fix}")
         if not ok:
             raise Refused(f"{self.path} is damaged (its checksum does not match): {fix}")
-        return meta, tensors
+        return meta, spans
 
     # -- around the run (train.py) ----------------------------------------------------------------------------
     @contextmanager
@@ -249,7 +346,7 @@ class Checkpoint:
                      if self.saved else "no checkpoint yet: the same command starts it again from round 1")
             raise Interrupted(f"{self.label} stopped in round {self.current + 1} of {self.rounds}; {where}") from None
         except UserError as e:
-            if not isinstance(e, Refused):
+            if not isinstance(e, (Refused, Unsaved)):
                 self.path.unlink(missing_ok=True)
             raise
         finally:

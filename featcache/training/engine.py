@@ -33,6 +33,9 @@ from .models import Params, expand_hc
 from .schedule import batch_order, participation, plan_steps
 from .steps import LocalSteps
 
+STATE_GROUPS = ("params", "buffers", "client", "server")
+
+
 @dataclass
 class State:
     """Everything that evolves over rounds; tensors lead with [H, C] (models) except `server` ([H, ...])."""
@@ -103,6 +106,20 @@ class Engine:
         self.last_round: Round | None = None  # the context of the last round run
         self.round_loss: torch.Tensor | None = None  # [H, C] the last local_train's mean loss per model (device)
         self.uploads: dict = {}  # name -> [H, P, ...] the last local_train's participants' tensors set aside
+
+    def state_dict(self) -> dict:
+        """What the round loop carries from one round to the next (a checkpoint's content): the `State` groups and
+        the local optimizer's `state_dict`, as the live tensors. Their memory layouts are part of it (strides,
+        broadcast views, which tensors share memory): kernels round differently on another layout."""
+        groups = {group: getattr(self.state, group) for group in STATE_GROUPS}
+        return groups | {"optimizer": self.runner.opt.state_dict()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Go on from a `state_dict` (tensors on this engine's device, in the layouts they were saved in), before the
+        first round this engine runs."""
+        for group in STATE_GROUPS:
+            setattr(self.state, group, saved[group])
+        self.runner.opt.load_state_dict(saved["optimizer"])
 
     def round_context(self, rnd: int, part=None, epoch: int = 0, step: int = 0) -> Round:
         """The `Round` of round `rnd` (-1: before round 1); part [H, C] bool, host lists or a tensor (default: every

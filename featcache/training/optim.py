@@ -138,6 +138,20 @@ class _Run:
         self._restart()
         return dict(self.params)
 
+    def state_dict(self) -> dict:
+        """What this optimizer carries from one step to the next, as the live tensors (not copies): its parameters,
+        per-element state (`state_names`), step counts `t` and host step counts `count`, whichever it has. Their
+        memory layout is part of it: a fused step gives parameter and moments the gradient's layout once (`_align`),
+        and a kernel rounds differently on another layout."""
+        names = ("params", *self.state_names, "t", "count")
+        return {name: getattr(self, name) for name in names if hasattr(self, name)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Go on from `state_dict`'s values: their tensors are adopted as they are, layout included (before any step
+        is captured: a captured step keeps reading the tensors of the moment of capture)."""
+        for name, values in saved.items():
+            setattr(self, name, dict(values))
+
 
 class _Stacked(_Run):
     """Shared bookkeeping: which (h, c) models step now, their per-model hyperparameters, their state layout."""
