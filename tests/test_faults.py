@@ -33,16 +33,17 @@ DRIVER = Path(__file__).with_name("crashpoint.py")
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}  # on a busy 2-core machine, two OpenMP threads spin and crawl
 STORE_H5, CACHE_H5 = "*.*.*.h5", "*-*.h5"  # imagefolder.<backbone>.<key>.h5 and imagefolder-<key>.h5
 
-# Each case: the kill -9 of each interrupted run, in order (then one clean run). Two domains, one client each; batch
-# size 4, so each (domain, split) is one block per backbone, renamed into place as its last batch is written, both
-# backbones' together (d1 train, d1 test, d2 train, d2 test). Then each store's commit writes its file (an index and
-# rows dataset per block) and renames it, then the cache is written (features/concat per client and split), renamed.
+# Each case: the kill -9 of each interrupted run, in order (then one clean run). Two domains, one client each; each
+# (domain, split) is one block per backbone. A forward holds 64 rows, so each backbone's 48 images are one forward,
+# after which its blocks are renamed into place one by one (d1 train, d1 test, d2 train, d2 test): the first
+# backbone's, then the second's. Then each store's commit writes its file (an index and rows dataset per block) and
+# renames it, then the cache is written (features/concat per client and split), renamed.
 KILLS = {
     "after-block-1": ["after:os.replace:1:*.npy"],
     "after-block-2": ["after:os.replace:2:*.npy"],
     "after-block-3": ["after:os.replace:3:*.npy"],
-    "after-block-5-second-client": ["after:os.replace:5:*.npy"],
-    "inside-block-3": ["after:featcache.extraction.embed._forward:8:*"],
+    "after-block-5-second-backbone": ["after:os.replace:5:*.npy"],
+    "after-forward-2-before-its-blocks": ["after:featcache.extraction.embed._forward:2:*"],
     "inside-store-commit": ["after:h5py.Group.create_dataset:3:*"],
     "before-store-rename": [f"before:os.replace:1:{STORE_H5}"],
     "between-store-renames": [f"after:os.replace:1:{STORE_H5}"],
