@@ -462,6 +462,12 @@ PIPELINE_CASES: dict[str, tuple[Callable[[str], bytes], str]] = {
                           "[[run]] 1: grid lr: expected a float like"),
     "grid-axis-not-a-list": (pipeline_edit('algo = "fedavg"', 'algo = "fedavg"\ngrid = { lr = "12" }'),
                              "[[run]] 1: grid lr must be a list of values"),
+    "backbone-not-a-list": (pipeline_edit('backbone = ["efficientnet_lite0", "efficientnet_lite1"]',
+                                          'backbone = "efficientnet_lite0"'),
+                            "[extract]: backbone must be a list of backbone names (got 'efficientnet_lite0'): write "
+                            'backbone = ["efficientnet_lite0"]'),
+    "name-250-characters": (pipeline_edit('name = "toy"', f'name = "{"t" * 250}"'),
+                            "use 1 to 64 letters, digits, '.', '_' and '-'"),
 }
 
 
@@ -668,3 +674,157 @@ def test_a_ray_address_that_does_not_answer_is_one_line_in_bounded_time(tmp_path
                      "test_resnet=random", "--image-size", "32", "--backend", "ray", "--out", str(tmp_path / "out"))
     one_line_error(result, needle)
     assert time.monotonic() - t0 < 30 and not (tmp_path / "out").exists()
+
+
+# -- the store folder: names taken by the user, read-only and immutable files, damaged resume points ----------------
+
+
+def store_args(tmp: Path, *extra: str) -> list[str]:
+    """An extraction of the test's image folders into tmp/out, one backbone (a checkpoint: no random-weights
+    warning line), small blocks, no workers."""
+    backbone = ["--backbone", f"test_resnet={tmp / 'ckpt.pth'}"]
+    if not (tmp / "ckpt.pth").is_file():
+        backbone = checkpoint(tmp, lambda state: None)
+    return ["extract", "--dataset", "imagefolder", "--data-root", str(tmp / "images"), *backbone, "--image-size",
+            "32", "--batch-size", "2", "--workers", "0", "--out", str(tmp / "out"), *extra]
+
+
+def store_name(tmp: Path) -> str:
+    """The file name the store of `store_args` gets (the same in any --out)."""
+    result = run_cli(*store_args(tmp), "--out", str(tmp / "probe"), "--json")
+    assert result.code == 0, result.stderr
+    (store,) = (tmp / "probe" / "store").glob("*.h5")
+    shutil.rmtree(tmp / "probe")
+    return store.name
+
+
+def killed_fill(tmp: Path, monkeypatch) -> Path:
+    """A fill stopped (Ctrl-C) right after its first finished block: its parts folder, the resume point."""
+    real = os.replace
+
+    def then_stop(src, dst, *args, **kwargs):
+        real(src, dst, *args, **kwargs)
+        if str(dst).endswith(".npy"):
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", then_stop)
+        assert run_cli(*store_args(tmp)).code == 130
+    (work,) = (tmp / "out" / "store").glob(".*.parts")
+    assert list(work.glob("*.npy"))
+    return work
+
+
+def first_block(work: Path) -> Path:
+    return sorted(work.glob("*.npy"))[0]
+
+
+# name -> damage done to a killed fill's parts folder
+DAMAGED_PARTS: dict[str, Callable[[Path], object]] = {
+    "plan-not-json": lambda work: (work / "plan.json").write_text("garbage"),
+    "plan-without-its-keys": lambda work: (work / "plan.json").write_text('[{"x": 1}]'),
+    "block-header-cut": lambda work: first_block(work).write_bytes(first_block(work).read_bytes()[:100]),
+    "block-rows-cut": lambda work: first_block(work).write_bytes(first_block(work).read_bytes()[:200]),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_PARTS.values(), ids=DAMAGED_PARTS.keys())
+def test_a_damaged_parts_folder_is_one_line_naming_it_and_how_to_remove_it(tmp_path, monkeypatch, damage):
+    images(tmp_path)
+    work = killed_fill(tmp_path, monkeypatch)
+    damage(work)
+    kept = snapshot(work)
+    line = one_line_error(run_cli(*store_args(tmp_path)), f"the parts folder {work} (finished blocks of a killed fill)")
+    assert "is damaged" in line and "remove it (rm -r)" in line
+    assert snapshot(work) == kept  # kept as it was, for the user to look at or remove
+    assert not list((tmp_path / "out").glob("*.h5")) and not list((tmp_path / "out" / "store").glob("*.h5"))
+    shutil.rmtree(work)  # what the line says to do
+    assert run_cli(*store_args(tmp_path)).code == 0
+
+
+def test_a_full_disk_while_writing_the_store_names_the_parts_folder_it_keeps(tmp_path, monkeypatch):
+    images(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr("featcache.extraction.store._write", full)
+        result = run_cli(*store_args(tmp_path))
+    (work,) = (tmp_path / "out" / "store").glob(".*.parts")
+    line = one_line_error(result, "disk full while writing")
+    assert f"the finished blocks are kept in {work} and resumed (rm -r the folder to start over instead)" in line
+    assert list(work.glob("*.npy")) and not list((tmp_path / "out").glob("*.h5"))
+    again = run_cli(*store_args(tmp_path), "--json")  # the same command resumes
+    assert again.code == 0, again.stderr
+    assert not work.exists()
+
+
+def test_store_names_taken_by_a_folder_or_a_file_are_one_line(tmp_path):
+    images(tmp_path)
+    name = store_name(tmp_path)
+    store = tmp_path / "out" / "store"
+    (store / name).mkdir(parents=True)
+    args = store_args(tmp_path)
+    before = snapshot(tmp_path)
+    one_line_error(run_cli(*args), f"{store / name} is a folder, not a file, and featcache keeps a "
+                   "store under that name: move it, or pass --store another folder")
+    assert snapshot(tmp_path) == before
+    (store / name).rmdir()
+    (store / f".{name}.parts").write_text("mine")  # a user's file where a fill keeps its blocks
+    line = one_line_error(run_cli(*store_args(tmp_path)), f"{store / f'.{name}.parts'} is in the way")
+    assert "move or rename it" in line and (store / f".{name}.parts").read_text() == "mine"
+    assert not list((tmp_path / "out").glob("*.h5"))
+
+
+def test_a_store_that_cannot_be_replaced_is_one_line_and_stays_as_it_was(tmp_path, monkeypatch):
+    """What an immutable store file (chattr +i) gives the rename of its new version: EPERM after the fill; root
+    cannot see it from the mode, so the rename is refused here as the kernel would."""
+    images(tmp_path)
+    assert run_cli(*store_args(tmp_path, "--partition", "iid", "--per-class", "1", "--test-per-class", "1")).code == 0
+    (store,) = (tmp_path / "out" / "store").glob("*.h5")
+    held = store.read_bytes()
+    real = os.replace
+
+    def immutable(src, dst, *args, **kwargs):
+        if Path(dst) == store:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(dst))
+        return real(src, dst, *args, **kwargs)
+
+    caches = sorted((tmp_path / "out").glob("*.h5"))
+    monkeypatch.setattr(os, "replace", immutable)
+    line = one_line_error(run_cli(*store_args(tmp_path)), f"cannot write {store}: Operation not permitted")
+    assert "pass --store a folder you can write to" in line
+    assert store.read_bytes() == held and sorted((tmp_path / "out").glob("*.h5")) == caches
+    assert not list(store.parent.glob(".*.parts")) and not list(store.parent.glob("*.partial"))
+
+
+def test_a_read_only_store_folder_is_one_line_before_any_work(tmp_path, monkeypatch):
+    images(tmp_path)
+    (tmp_path / "out").mkdir()
+    ro = not_writable(tmp_path / "out" / "store", monkeypatch)
+    args = store_args(tmp_path)
+    before = snapshot(tmp_path)
+    one_line_error(run_cli(*args), f"--store {ro}: {ro} is not writable (permission denied): pass "
+                   "--store a folder you can write to")
+    assert snapshot(tmp_path) == before
+
+
+def test_an_unknown_backbone_is_its_one_line_without_the_image_size_note(tmp_path):
+    images(tmp_path)
+    args = ["extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), "--backbone",
+            "test_resnett", "--out", str(tmp_path / "out")]
+    one_line_error(run_cli(*args), "did you mean: test_resnet")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_api_takes_a_lone_string_where_it_takes_a_list(tmp_path):
+    """domains="d1" is the domain d1, not the letters d and 1; backbone="x" is one backbone."""
+    root = images(tmp_path)
+    common = dict(dataset="imagefolder", data_root=root, image_size=32, partition="iid", out=tmp_path / "out")
+    with one_thread():
+        lone = extract(backbone="test_resnet=random", domains="d2", **common)
+        listed = extract(backbone=["test_resnet=random"], domains=("d2",), **common)
+    assert lone["domains"] == ["d2"] and listed["key"] == lone["key"] and listed["cache_hit"]
+    with pytest.raises(UserError, match=r"domains must be a str or a list of them, not int 2"):
+        extract(backbone="test_resnet=random", domains=2, **common)

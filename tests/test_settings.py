@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 from conftest import configure
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from harness import one_line_error, run_cli
 from synthetic import write_cache
 
 from featcache.algorithms import create, list_algorithms
 from featcache.algorithms.base import FedAvg
-from featcache.errors import UserError
-from featcache.training.config import (ENGINE_SETTINGS, Setting, defaults, resolve, scoped, settings_of,
-                                       structural_keys)
+from featcache.errors import UserError, as_list
+from featcache.training.config import (ENGINE_SETTINGS, Setting, defaults, merge_rounds, resolve, scoped,
+                                       settings_of, structural_keys)
 from featcache.training.grid import grid
 from featcache.training.train import train
 
@@ -173,3 +175,69 @@ def test_a_grid_axis_may_be_scoped(tmp_path):
     res = grid(cache, "fedprox", grid=["fedprox.mu=0.1,1"], seeds=[0], rounds=1, set=["fedprox.batch_size=8"],
                out=tmp_path / "g", retrain=False)
     assert res["axes"] == {"mu": [0.1, 1.0]}
+
+
+def _outcome(call):
+    """The value `call()` returns, or its UserError's line: any other exception fails the test."""
+    try:
+        return call()
+    except UserError as e:
+        assert "\n" not in str(e)
+        return f"UserError: {e}"
+
+
+FEDPROX = sorted(settings_of(create("fedprox")))
+KEY = st.one_of(st.sampled_from(FEDPROX), st.text("abmux._ ", max_size=8))  # real keys and near misses
+OVERRIDE = st.builds(lambda scope, key, value: f"{scope}{key}={value}", st.sampled_from(["", "fedprox.", "fedavg."]),
+                     KEY, st.one_of(st.sampled_from(["0.5", "1", "true", "sgd", ""]), st.text("0.1e-", max_size=4)))
+
+
+@settings(max_examples=60)
+@given(override=OVERRIDE)
+def test_a_lone_override_is_a_list_of_one(override):
+    """The Python API's set="mu=1" is the override mu=1, never the characters m, u, =, 1; as a list or a tuple it is
+    the same: the same configuration, or the same one-line refusal."""
+    algo = create("fedprox")
+    lone = _outcome(lambda: resolve(algo, override))
+    assert lone == _outcome(lambda: resolve(algo, [override])) == _outcome(lambda: resolve(algo, (override,)))
+    assert lone == _outcome(lambda: resolve(algo, merge_rounds(override, None)))
+
+
+@settings(max_examples=80)
+@given(key=st.text("abfdeopmurx._", max_size=14), value=st.sampled_from(["1", "0.5"]))
+def test_any_set_key_is_scoped_or_refused_in_one_line(key, value):
+    """Whatever a --set key holds (empty scopes, several dots, unknown names), it resolves to a known setting of
+    the chosen algorithms or is refused in one line; nothing else escapes."""
+    algos = [create("fedavg"), create("fedprox")]
+    got = _outcome(lambda: scoped([f"{key}={value}"], algos))
+    if isinstance(got, dict):  # plain setting names, each algorithm's own: a known one, or resolve's one line
+        for algo in algos:
+            assert all(k.strip() and "." not in k for k in got[algo.name]), got
+            _outcome(lambda: resolve(algo, got[algo.name]))
+
+
+@settings(max_examples=40)
+@given(item=st.text(max_size=10), wrap=st.sampled_from([lambda v: v, lambda v: [v], lambda v: (v,)]))
+def test_as_list_takes_a_lone_string_as_one_item(item, wrap):
+    assert as_list(wrap(item), "domains") == [item]
+    assert as_list(None, "domains") is None
+    with pytest.raises(UserError, match=r"^domains must be a str or a list of them, not "):
+        as_list([item, 3], "domains")
+
+
+@pytest.mark.parametrize("spelled", ["synth", ["synth"], ("synth",)], ids=["str", "list", "tuple"])
+def test_list_arguments_of_the_api_take_a_lone_string(tmp_path, spelled):
+    """backbones="synth" (load_cache, train, grid) and one result path (report) are lists of one."""
+    import featcache
+
+    cache = write_cache(tmp_path / "c.h5")
+    data = featcache.load_cache(cache, backbones=spelled)
+    assert data.meta["backbones"] == ["synth"] or data.features.shape[-1] > 0
+    run = featcache.train(cache, "fedavg", rounds=1, seeds=0, set="batch_size=8", backbones=spelled,
+                          out=tmp_path / "runs")
+    assert run["backbones"] == ["synth"] and run["config"]["batch_size"] == 8
+    res = featcache.grid(cache, "fedavg", grid="lr=0.1,0.01", seeds=0, rounds=1, set="batch_size=8",
+                         backbones=spelled, out=tmp_path / "g", retrain=False)
+    assert res["axes"] == {"lr": [0.1, 0.01]} and res["backbones"] == ["synth"]
+    assert "| fedavg |" in featcache.report(run["result_file"] if isinstance(spelled, str) else [run["result_file"]])[
+        "table"]

@@ -124,8 +124,6 @@ def extract(
         "precision": "float16" if dev.type == "cuda" else "float32",  # CUDA runs under fp16 autocast
         "allow_partial": allow_partial, "versions": versions()}
     weights = [weights_identity(b) for b in backbone]
-    if size_note:  # told once every backbone is known: an unknown one is refused in its one line alone
-        tell(size_note)
     by_path: dict[Path, Store] = {}  # two specs of the same weights share one store
     source = _source(data_root) if data is not None else None  # a built-in recipe reads no folder
     stores = [by_path.setdefault(path, Store(path, key, source)) for w in weights
@@ -139,6 +137,8 @@ def extract(
         for s in by_path.values():
             drop_leftover(s.work)
         results = [_hit(p, k, t0) for p, k in zip(paths, keys)]
+        if size_note:
+            tell(size_note)
         contents.save()  # a run that ends well keeps the files' hashes (a refused one changes nothing)
         return _summary(results, {}, t0) | _told(tell, notes, partition, domains, results, image_size)
     check_folder(out)  # a miss writes: refuse a folder it cannot write before anything is loaded or created
@@ -150,6 +150,8 @@ def extract(
 
     for b in backbone:  # weights the hub cannot serve now are refused in seconds, before the dataset is read
         check_weights(b)
+    if size_note:  # told once every backbone is known to exist: an unknown one is its one error line alone
+        tell(size_note)
     phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
     t = time.perf_counter()
     data = data or load_dataset(dataset, data_root, download=download, store=Path(out))

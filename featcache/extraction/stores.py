@@ -20,7 +20,7 @@ import numpy as np
 
 from ..cache import h5
 from ..cache.write import MARKER as CACHE_MARKER
-from ..errors import UserError
+from ..errors import UserError, not_a_file
 from .files import MARKER as MARKER_FILE
 from .files import claim, own, remove_own, remove_unlocked, write_marker
 from .identity import EMBEDDING_CODE, code_identity, content_key, versions
@@ -72,8 +72,8 @@ def _not_stores(folder: Path, found: list[Path], command: str) -> UserError:
 
 def _files(path: Path) -> list[Path]:
     path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path} does not exist: pass a store file or the folder of the stores (default CACHE/store)")
+    if not path.is_dir() and (why := not_a_file(path)) is not None:  # a named pipe is never opened (it would hang)
+        raise UserError(f"{path} {why}: pass a store file or the folder of the stores (default CACHE/store)")
     if not path.is_dir():
         return [path]
     found = _candidates(path)

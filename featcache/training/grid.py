@@ -150,6 +150,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
     so with the Ray backend `auto` picks each worker's GPU when it has one."""
     dev = resolve_device(device)
     grid, backbones = as_list(grid, "grid"), as_list(backbones, "backbones")  # a lone string is one item
+    set = [f"{k}={v}" for k, v in set.items()] if isinstance(set, dict) else as_list(set, "set") or []
     if backend not in BACKENDS:
         raise UserError(f"unknown backend {backend!r}: use local or ray")
     seeds = check_seeds(seeds)
@@ -157,7 +158,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
         raise UserError(f"--chunk {chunk}: a chunk holds at least 1 model (leave it out to plan it from memory)")
     impl = create(algo)
     spec, algo = algo, impl.name  # a plug-in spec names the run as its registered name; chunks load it by its spec
-    base = merge_rounds(list(set or []), rounds)
+    base = merge_rounds(set, rounds)
     base_cfg = resolve(impl, base)
     axes = parse_grid(impl, grid)
     fixed = scoped(base, [impl])[impl.name]
@@ -235,7 +236,7 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
             result["retrain"] = {k: final[k] for k in keep}
         result["provenance"] = provenance(dev, library_call(
             "featcache.grid", cache=str(cache), algo=spec, grid=list(grid), seeds=list(seeds), rounds=rounds,
-            set=list(set or []), device=str(device), backend=backend, chunk=chunk, retrain=retrain, **picked))
+            set=set, device=str(device), backend=backend, chunk=chunk, retrain=retrain, **picked))
         resumed = {"chunks_resumed": len(jobs) - len(todo)}  # how this run went, not what it found: beside the result
         write_together([(folder / "grid.csv", to_csv(table)),  # all three or none; grid.json last: its presence
                         (folder / "grid.timing.json", json.dumps(resumed, sort_keys=True, indent=1)),  # means the
