@@ -828,3 +828,16 @@ def test_the_api_takes_a_lone_string_where_it_takes_a_list(tmp_path):
     assert lone["domains"] == ["d2"] and listed["key"] == lone["key"] and listed["cache_hit"]
     with pytest.raises(UserError, match=r"domains must be a str or a list of them, not int 2"):
         extract(backbone="test_resnet=random", domains=2, **common)
+
+
+def test_out_of_memory_while_embedding_advises_the_extraction_settings(tmp_path, monkeypatch):
+    """The allocator's failure in `extract` names --batch-size and --image-size, not training settings."""
+    images(tmp_path)
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 180000000000 bytes")
+
+    monkeypatch.setattr("featcache.extraction.plan._fill", oom)
+    line = one_line_error(run_cli(*store_args(tmp_path)), "out of memory (RuntimeError: DefaultCPUAllocator")
+    assert line.endswith("lower --batch-size or --image-size") and "proj_dim" not in line
+    assert not list((tmp_path / "out").rglob("*.h5"))
