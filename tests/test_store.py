@@ -100,6 +100,29 @@ def test_a_new_partition_embeds_nothing_and_builds_no_backbone(images, tmp_path,
     assert len(stores(tmp_path)) == 2  # still one store per backbone
 
 
+# `featcache ARGS` in a fresh interpreter that, on exit, writes which of timm and torchvision it imported to stderr.
+IMPORTED = ("import atexit, runpy, sys; atexit.register(lambda: print('IMPORTED', sorted({m.split('.')[0] for m in "
+            "sys.modules} & {'timm', 'torchvision'}), file=sys.stderr)); sys.argv = ['featcache', *sys.argv[1:]]; "
+            "runpy.run_module('featcache.cli', run_name='__main__')")
+
+
+@pytest.mark.parametrize("options", [[], ["--partition", "label", "--clients", "2", "--alpha", "0.5"],
+                                     ["--partition", "iid", "--clients", "2,3", "--seed", "1"]],
+                         ids=["cache-hit", "re-partition", "sweep"])
+def test_no_backbone_built_imports_neither_timm_nor_torchvision(images, tmp_path, options):
+    """A cache hit, a re-partition and a sweep through filled stores build no model, so they import neither timm
+    nor torchvision (seconds of a command that otherwise takes about two)."""
+    run(images, tmp_path)  # fills both stores (feature partition: every image)
+    done = subprocess.run([sys.executable, "-c", IMPORTED, *folder_extract_args(images, tmp_path, *options)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for r in result.get("caches", [result]):
+        assert r["cache_hit"] == (not options) and valid(r["cache"]), r
+    assert set(result["embedded"].values()) <= {0}, result["embedded"]
+    assert done.stderr.strip().splitlines()[-1] == "IMPORTED []", done.stderr
+
+
 def test_a_larger_per_class_embeds_exactly_the_new_images(images, tmp_path):
     small = run(images, tmp_path, per_class=2)
     large = run(images, tmp_path, per_class=4)

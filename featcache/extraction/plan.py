@@ -148,10 +148,9 @@ def extract(
             raise UserError(f"{s.path} {why}, and featcache keeps a store under that name: move it, or pass "
                             "--store another folder")
 
-    for b in backbone:  # weights the hub cannot serve now are refused in seconds, before the dataset is read
-        check_weights(b)
-    if size_note:  # told once every backbone is known to exist: an unknown one is its one error line alone
-        tell(size_note)
+    for b, s in zip(backbone, stores):  # weights the hub cannot serve now are refused in seconds, before the
+        if not s.path.is_file():  # dataset is read; a store's key proves its backbone was built (timm not imported)
+            check_weights(b)
     phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
     t = time.perf_counter()
     data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
@@ -163,6 +162,8 @@ def extract(
     if not any(s.path.is_file() or (s.work / "plan.json").is_file() for s in by_path.values()):
         P.check_images(data, run.workers)  # a store of these files exists only after they all decoded
     phases["dataset"] = time.perf_counter() - t
+    if size_note:  # told once the input passed its checks: a refused one is its one error line alone
+        tell(size_note)
     with output_errors(folder, "--store"), _made(Path(out), *(s.path.parent for s in stores)), ExitStack() as held:
         resumable = {s.path: (s.work / "plan.json").is_file() for s in by_path.values()}
         for s in sorted(by_path.values(), key=lambda s: s.path):  # one lock order: two extractions never deadlock
