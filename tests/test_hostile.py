@@ -810,11 +810,17 @@ def test_a_read_only_store_folder_is_one_line_before_any_work(tmp_path, monkeypa
     assert snapshot(tmp_path) == before
 
 
-def test_an_unknown_backbone_is_its_one_line_without_the_image_size_note(tmp_path):
+@pytest.mark.parametrize("extra,needle", [(["--backbone", "test_resnett"], "did you mean: test_resnet"),
+                                          (["--partition", "iid", "--clients", "1000"], "1000 clients but only"),
+                                          (["--domains", "d3"], "unknown domain 'd3'")],
+                         ids=["unknown-backbone", "too-many-clients", "unknown-domain"])
+def test_refused_input_is_its_one_line_without_the_image_size_note(tmp_path, extra, needle):
+    """The note on the chosen --image-size comes once the input passed its checks, never before an error line."""
     images(tmp_path)
-    args = ["extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), "--backbone",
-            "test_resnett", "--out", str(tmp_path / "out")]
-    one_line_error(run_cli(*args), "did you mean: test_resnet")
+    backbone = [] if "--backbone" in extra else checkpoint(tmp_path, lambda state: None)
+    args = ["extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), *backbone, "--out",
+            str(tmp_path / "out"), *extra]
+    one_line_error(run_cli(*args), needle)
     assert not (tmp_path / "out").exists()
 
 
