@@ -1,5 +1,5 @@
 """Benchmark `featcache extract`, every figure measured side by side in one run; prints one JSON object.
-Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figures 1,2,3,4,5,6,7] [--quick]`.
+Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figures 1,2,3,4,5,6,7,8] [--quick]`.
 
 1. vs_loop: featcache vs the loop researchers write: torchvision `ImageFolder(root/domain, transform=bb.transform())`
    (PIL decode, resize, ToTensor, Normalize per image; for arrays a `Dataset` doing the same per item),
@@ -42,6 +42,14 @@ Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figure
    extraction (target <= 0.05 x, 0 images embedded), α and client sweeps of 5 values vs one extraction (target
    <= 1.2 x), the demo's store and cache bytes, the images each backbone embeds in every quick reproduction vs the
    images of the caches written. `--quick` skips the reproduction.
+8. forward_batches: what the fixed forward costs (every forward exactly `P.forward_batch` rows, the queue of rows
+   packed across blocks, the last forward padded with zero images) against the forwards of the same blocks cut by
+   chunk with a short forward at the end of each block (a forward per chunk, whose bytes would depend on the chunk
+   sizes), and against a padded forward per block end without packing. Two workloads on offline-digits (feature
+   partition, every domain): a fresh extraction of `--digits` images per class, client and split, and `--digits` + 2
+   through the store that extraction filled (a few new images in each block). The blocks are taken from extract's
+   plan (the pass itself is not run); the three schedules' forwards are timed on random inputs, interleaved, best
+   of `--repeat`. `ratio` = fixed / per chunk; `rows_ratio` the same in rows forwarded. Target: <= 1.1.
 Timings are the best of `--repeat` interleaved runs (on a shared machine the other runs only lose time); `load_1min`
 is the load average before and after: far above `cores`, the CPU figures measure contention.
 """
@@ -66,6 +74,7 @@ import torch
 
 from featcache import cache as C
 from featcache.cache import h5, load
+from featcache.extraction import embed as E
 from featcache.extraction import pipeline as P
 from featcache.extraction.backbones import create_backbone
 from featcache.extraction.datasets import PathImages, load_dataset
@@ -461,6 +470,69 @@ def cache_formats(folder: Path, clients: int, rows: int, dims: list[int], repeat
     return out
 
 
+class Planned(Exception):
+    """Raised in place of the embedding pass once its blocks are recorded."""
+
+
+def planned_blocks(out: Path, **kw) -> list[int]:
+    """The rows of each block an extraction's plan hands to the embedding pass (nothing is embedded: the pass is
+    stopped before it starts, and the extraction removes what it made)."""
+    seen: list[int] = []
+
+    def record(self, blocks, *args):
+        seen.extend(len(b.rows) * max(b.views, 1) for b in blocks)
+        raise Planned
+
+    with mock.patch.object(E.Local, "embed", record):
+        try:
+            extract(out=out, **kw)
+        except Planned:
+            pass
+    return seen
+
+
+def schedules(blocks: list[int], size: int) -> dict[str, list[int]]:
+    """Forward sizes by schedule: `fixed` (packed, exactly `size`, the last padded), `per_chunk` (each block in
+    chunks of `size`, its last short), `per_block_padded` (each block's last chunk padded to `size`)."""
+    total = sum(blocks)
+    return {"fixed": [size] * -(-total // size),
+            "per_chunk": [min(size, n - r) for n in blocks for r in range(0, n, size)],
+            "per_block_padded": [size] * sum(-(-n // size) for n in blocks)}
+
+
+def forward_figure(args, dev: torch.device) -> dict:
+    """Figure 8 (see the module docstring)."""
+    size, b = args.image_size, args.backbone
+    model = create_backbone(b, image_size=size).model.to(dev, memory_format=torch.channels_last)
+    batch = P.forward_batch(dev)
+    x = torch.randn(batch, 3, size, size, device=dev).contiguous(memory_format=torch.channels_last)
+    base = dict(dataset="offline-digits", backbone=[b], image_size=size, device=str(dev), partition="feature")
+    n = args.digits
+    with tempfile.TemporaryDirectory() as tmp:
+        workloads = {"fresh": planned_blocks(Path(tmp), **base, per_class=n, test_per_class=n)}
+        extract(out=Path(tmp), **base, per_class=n, test_per_class=n)  # fills the store: the next plan adds a few
+        workloads["increment"] = planned_blocks(Path(tmp), **base, per_class=n + 2, test_per_class=n + 2)
+
+    def run(sizes: list[int]):
+        with torch.inference_mode(), torch.autocast(dev.type, dtype=torch.float16, enabled=dev.type == "cuda"), \
+                P.forward_threads(dev):
+            for rows in sizes:
+                model(x[:rows]).float()
+            sync(dev)
+
+    run([batch])  # warm-up
+    out = {"forward_batch": batch, "target_ratio": 1.1}
+    for name, blocks in workloads.items():
+        plans = schedules(blocks, batch)
+        timed = interleaved({k: lambda v=v: run(v) for k, v in plans.items()}, args.repeat)
+        out[name] = {"blocks": len(blocks), "images": sum(blocks),
+                     **{f"{k}_rows": sum(v) for k, v in plans.items()},
+                     **{f"{k}_seconds": t for k, (t, _) in timed.items()},
+                     "ratio": timed["fixed"][0] / timed["per_chunk"][0],
+                     "rows_ratio": sum(plans["fixed"]) / sum(plans["per_chunk"]),
+                     "per_block_padded_ratio": timed["per_block_padded"][0] / timed["per_chunk"][0]}
+    return out
+
 def rounded(obj):
     """Floats rounded for printing."""
     if isinstance(obj, (dict, list)):
@@ -540,7 +612,7 @@ def main() -> None:
     ap.add_argument("--script-batch", type=int, default=64, help="fig. 6: the script's DataLoader batch size")
     ap.add_argument("--script-repeat", type=int, default=3, help="fig. 6: runs of each contender (medians)")
     ap.add_argument("--script-budget", type=float, default=100, help="fig. 6: seconds after which no pair starts")
-    ap.add_argument("--figures", default="1,2,3,4,5,6,7", help="figures to measure (1, 2 and 3 run together)")
+    ap.add_argument("--figures", default="1,2,3,4,5,6,7,8", help="figures to measure (1, 2 and 3 run together)")
     ap.add_argument("--repeat", type=int, default=2, help="best of R interleaved runs of each timing")
     ap.add_argument("--quick", action="store_true", help="small sizes, one run each: a smoke run")
     ap.add_argument("--child", action="store_true")
@@ -569,6 +641,8 @@ def main() -> None:
         from store_figures import store_figures
 
         report["store"] = store_figures(args.backbone, args.image_size, "mnist", reproduce=not args.quick)
+    if "8" in figures:
+        report["forward_batches"] = forward_figure(args, dev)
     report["load_1min"] = load + [os.getloadavg()[0]]
     print(json.dumps(rounded(report), indent=1))
 
