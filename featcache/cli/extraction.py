@@ -43,7 +43,8 @@ def extract(
     store: Optional[Path] = typer.Option(None, parser=path_of("--store"),
                                          help="folder of the embedding stores (default: OUT/store); share one "
                                               "between projects or machines"),
-    batch_size: Optional[int] = typer.Option(None, help="images per forward pass (default: 256 on CUDA, 64 on CPU)"),
+    batch_size: Optional[int] = typer.Option(None, help="images decoded per step (default: 256 on CUDA, 64 on CPU); "
+                                                        "every forward holds 256 / 64 rows, so no byte depends on it"),
     workers: Optional[int] = typer.Option(None, help="input worker processes (default: 0 for in-memory arrays, "
                                                      "else one per core)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),

@@ -79,8 +79,9 @@ def extract(
 
     A list for `clients`, `alpha` or `per_class` is a sweep: one cache per combination, all from one fill of the
     stores; the result then lists each cache's summary under `caches`. `store` is the folder of the embedding
-    stores (default `out/store`; a shared folder lets a lab share one). `batch_size` (images per forward) and
-    `workers` (input worker processes) default from the device and the dataset. `backend` 'ray' runs the blocks as
+    stores (default `out/store`; a shared folder lets a lab share one). `batch_size` (images decoded per step) and
+    `workers` (input worker processes) default from the device and the dataset; neither changes a byte (every forward
+    holds `pipeline.FORWARD_BATCH` rows). `backend` 'ray' runs the blocks as
     Ray tasks. `allow_partial` loads checkpoints whose keys do not all match (the rest keeps a seeded random init).
     Without `image_size`, `default_image_size` picks one from the dataset. What was chosen for the user (that size,
     a one-domain partition's domain) is listed under `notes` and passed, one line each, to `note` when known."""
