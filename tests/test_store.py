@@ -4,8 +4,7 @@ images, a cache gathered through a store is the cache an empty store gives byte 
 setting from one pass, stores are shared between --out folders, and `featcache info` / `featcache gc` show and prune
 a store folder; a damaged store is one line.
 
-Image folders, two tiny random-weight timm models (`harness.BACKBONES`), 32 px, batches of 4 (of 1 where caches of
-different fills are compared byte for byte), one torch thread.
+Image folders, two tiny random-weight timm models (`harness.BACKBONES`), 32 px, chunks of 4 images, one torch thread.
 """
 
 from __future__ import annotations
@@ -139,19 +138,13 @@ def test_a_larger_per_class_embeds_exactly_the_new_images(images, tmp_path):
 
 def test_a_cache_through_a_filled_store_equals_the_cache_from_an_empty_store(images, tmp_path):
     """The store already holds images two other partitions needed, and the new command embeds only the missing ones:
-    its cache is still the one an empty store gives, byte for byte.
-
-    One image per forward (batch_size=1): on the CPU an image's embedding depends, by an ulp or so, on the size of the
-    batch it was forwarded in (not on its neighbours' content), and a store filled by other partitions forwarded its
-    images in batches of other sizes. Seen with these two models: batches of 4 on 2 threads, 1 row of 36 differed
-    (by 4.5e-8); batches of 64 on 1 thread, 12 rows of 36 (by up to 6e-8)."""
+    its cache is still the one an empty store gives, byte for byte (`tests/test_embedding_identity.py` explores why)."""
     shared = tmp_path / "shared"
-    one = dict(batch_size=1)
-    run(images, shared, partition="label", clients=2, domains=["d1"], per_class=3, **one)
-    run(images, shared, partition="iid", clients=2, domains=["d2"], per_class=2, seed=5, **one)
-    through = run(images, shared, per_class=4, **one)
+    run(images, shared, partition="label", clients=2, domains=["d1"], per_class=3)
+    run(images, shared, partition="iid", clients=2, domains=["d2"], per_class=2, seed=5)
+    through = run(images, shared, per_class=4)
     assert all(0 < n < through["images"] for n in through["embedded"].values()), through["embedded"]
-    fresh = run(images, tmp_path / "fresh", per_class=4, **one)
+    fresh = run(images, tmp_path / "fresh", per_class=4)
     assert all(n == fresh["images"] for n in fresh["embedded"].values())
     assert Path(through["cache"]).name == Path(fresh["cache"]).name
     assert sha256(through["cache"]) == sha256(fresh["cache"])
@@ -171,8 +164,8 @@ def test_a_sweep_writes_each_settings_cache_from_one_pass(images, tmp_path, monk
     original = PathImages.image
     monkeypatch.setattr(PathImages, "image", lambda self, i: decoded.append((id(self), i)) or original(self, i))
     # per_class cuts each class pool to per_class * clients images: the 3-client caches hold images the 2-client
-    # ones do not. Batches of one image: see the test above.
-    label = dict(partition="label", domains=["d1"], per_class=1, workers=0, batch_size=1)
+    # ones do not.
+    label = dict(partition="label", domains=["d1"], per_class=1, workers=0)
     sweep = run(images, tmp_path / "sweep", alpha=[0.5, 1.0], clients=[2, 3], **label)
     caches = sweep["caches"]
     assert len(caches) == 4 and len({c["cache"] for c in caches}) == 4 and not sweep["cache_hit"]
