@@ -8,15 +8,16 @@ from featcache.testing import synthetic_clients, write_format2  # noqa: F401  (r
 
 
 def write_cache(path, C: int = 4, D: int = 16, K: int = 5, views: int = 0, val_fraction: float = 0.25,
-                n: tuple[int, int] = (30, 60)) -> str:
+                n: tuple[int, int] = (30, 60), spread: float = 1.0) -> str:
     """A cache file holding synthetic features (one backbone, 'synth'), written by featcache's own cache writer as
-    extract writes its caches (for trainer and grid tests); clients hold n[0]..n[1] rows per split."""
+    extract writes its caches (for trainer and grid tests); clients hold n[0]..n[1] rows per split; `spread` the
+    classes' noise (4: overlapping classes, whose training is far from converged in a few rounds)."""
     import numpy as np
 
     from featcache import cache as fc
 
-    train = synthetic_clients(C=C, n=n, D=D, K=K, seed=0, views=views)
-    test = synthetic_clients(C=C, n=n, D=D, K=K, seed=1)
+    train = synthetic_clients(C=C, n=n, D=D, K=K, seed=0, views=views, spread=spread)
+    test = synthetic_clients(C=C, n=n, D=D, K=K, seed=1, spread=spread)
     manifest = {"dataset": {"name": "synthetic"}, "views": views, "versions": versions()}
     rows, clients = [], []
     for c in range(C):
