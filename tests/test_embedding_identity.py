@@ -82,11 +82,11 @@ class Images(SimpleNamespace):
 
 
 def run_pass(data, layout: list[tuple[str, list[int]]], folder: Path, specs: list[str], batch_size: int = 64,
-             threads: int = 1, noise: P.Noise | None = None) -> dict[str, dict[str, dict[int, bytes]]]:
+             threads: int = 1, noise: P.Noise | None = None, views: int = 0) -> dict[str, dict[str, dict[int, bytes]]]:
     """One embedding pass over `layout` ((split, increasing rows) per block, in that order): backbone spec ->
-    split -> source index -> the bytes of its row."""
+    split -> source index -> the bytes of its row (of its `views` rows, with views)."""
     folder.mkdir(parents=True, exist_ok=True)
-    blocks = [E.Block("d", split, 0, np.asarray(rows, np.int64),
+    blocks = [E.Block("d", split, views, np.asarray(rows, np.int64),
                       {j: folder / f"b{b}.{j}.npy" for j in range(len(specs))}) for b, (split, rows) in enumerate(layout)]
     run = E.Settings(tuple(specs), 32, noise, 0, batch_size, 0, "cpu", False,
                      tuple(folder / f"meta{j}.json" for j in range(len(specs))))
@@ -95,7 +95,7 @@ def run_pass(data, layout: list[tuple[str, list[int]]], folder: Path, specs: lis
     out = {spec: {"train": {}, "test": {}} for spec in specs}
     for block in blocks:
         for j, spec in enumerate(specs):
-            rows = np.load(block.files[j])  # [n, D]
+            rows = np.load(block.files[j])  # [n, D] or [n, V, D]
             assert rows.dtype == np.float32 and len(rows) == len(block.rows)
             out[spec][block.split] |= {int(i): row.tobytes() for i, row in zip(block.rows, rows)}
     return out
@@ -166,6 +166,17 @@ def test_efficientnet_lite0_rows_do_not_depend_on_batch_mates_threads_or_noise(p
             got = run_pass(pass_data, layout, tmp_path / f"p{n}{kind is None}", spec, batch, threads, kind)
             assert all(got[spec[0]]["train"][i] == row for i, row in ref.items()), (batch, threads, kind)
 
+
+def test_augmented_views_do_not_depend_on_what_else_the_pass_embeds(pass_data, built_once, tmp_path):
+    """Three views per image (each image's views consecutive rows, which a forward may split): an image's views are
+    the bytes of that image's views embedded alone, in chunks of 1 and 64 images."""
+    ref = {i: run_pass(pass_data, [("train", [i])], tmp_path / f"alone{i}", BACKBONES, views=3)
+           for i in (0, 21, 47)}
+    for batch in (1, 64):
+        layout = [("train", list(range(0, 22))), ("train", list(range(22, 48)))]
+        got = run_pass(pass_data, layout, tmp_path / f"b{batch}", BACKBONES, batch, views=3)
+        for i, one in ref.items():
+            assert all(got[spec]["train"][i] == one[spec]["train"][i] for spec in BACKBONES), (i, batch)
 
 # -- end to end: sweeps and single runs, concurrent fills --------------------------------------------------------------
 
