@@ -20,11 +20,15 @@ from rich.markup import escape
 from .. import provenance
 from ..errors import UserError, first_line
 from ..memory import keep_freed_memory
+from ..threads import passive_wait
 from . import extraction, results, training
 from .app import app, err, json_stdout
 
 # The command owns its process: freed tensors' pages stay in it for the next step to reuse (featcache/memory.py).
 keep_freed_memory()
+# Its idle torch threads sleep instead of spinning (featcache/threads.py): set before torch loads (nothing above
+# imports it), as OpenMP reads it then.
+passive_wait()
 
 # The commands in the order `featcache --help` lists them.
 COMMANDS = (extraction.extract, extraction.info, extraction.gc, extraction.verify, extraction.migrate, training.train,

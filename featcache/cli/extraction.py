@@ -50,6 +50,8 @@ def extract(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     backend: str = typer.Option("local", help="local (this process) | ray (RAY_ADDRESS or a local Ray)"),
     allow_partial: bool = typer.Option(False, help="load checkpoints whose keys do not all match (rest: random)"),
+    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads of the forward passes (default: one fewer "
+                                                             "than the cores)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Run each frozen backbone once over every client's images and write the embeddings to an HDF5 cache."""
@@ -63,7 +65,7 @@ def extract(
             domains=domains, val_fraction=val_fraction, order=order, image_size=image_size, views=views,
             noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
             download=download, out=out_dir, store=store, batch_size=batch_size, workers=workers, device=device, backend=backend,
-            allow_partial=allow_partial, progress=progress,
+            allow_partial=allow_partial, threads=threads, progress=progress,
             note=lambda line: err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True),
         )
     table = Table(title="featcache extract")

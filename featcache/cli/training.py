@@ -39,6 +39,8 @@ def train(
                                                                 "NAME.state.safetensors"),
     checkpoint_every: Optional[int] = typer.Option(None, min=0, help="save a checkpoint every N rounds (0: none; "
                                                    "default: every 60 s); the same command resumes it"),
+    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads torch runs on (default: torch's own; "
+                                          "a checkpoint resumes at the count it was written with)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded). Interrupted (Ctrl-C, kill), the
@@ -79,7 +81,7 @@ def train(
             tick = tick if progress else None
             results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=sets[name], out=out_dir,
                                device=device, backbones=backbones, tensorboard=tensorboard, save_state=save_state,
-                               progress=tick, checkpoint_every=checkpoint_every))
+                               progress=tick, checkpoint_every=checkpoint_every, threads=threads))
             if not as_json:  # each algorithm's result as soon as it is written, not after the last one
                 _print_run(results[-1])
     if as_json:
@@ -130,6 +132,7 @@ def grid(
     chunk: Optional[int] = typer.Option(None, help="models per batched run, >= 1 (default: planned from memory)"),
     retrain: bool = typer.Option(True, help="retrain the best configuration on the full train split and report its "
                                             "test accuracy"),
+    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads torch runs on (default: torch's own)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train a hyperparameter grid batched, select on validation, retrain the best, report test accuracy."""
@@ -141,7 +144,7 @@ def grid(
     with progress_bar(not as_json) as progress:
         result = run(cache=cache, algo=algo, grid=grid, seeds=seed_list, rounds=rounds, set=set, backbones=backbones,
                      out=out_dir, device=device, backend=backend, chunk=chunk, retrain=retrain,
-                     progress=progress)
+                     progress=progress, threads=threads)
     if as_json:
         emit(result, True)
         return

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .datasets.base import ArrayImages, PathImages
 from ..errors import UserError
+from ..threads import asked
 
 FORWARD_BATCH = {"cpu": 64, "cuda": 256}  # rows in every forward, by device type (64: cache-resident on a CPU)
 
@@ -241,16 +242,14 @@ def default_workers(data, views: int) -> int:
 
 @contextmanager
 def forward_threads(device: torch.device):
-    """torch's intra-op threads while the CPU runs the forward passes: one fewer than the cores this process may use
-    (at least 1, never more than were set), restored on exit; a GPU's forward is left alone. torch's OpenMP threads
-    spin at the end of every op until all of them are done: when one loses its core (to an input worker, to this
-    process's own decoding and resizing, to another program on a shared machine), every op waits until it is
-    scheduled again, and on a loaded machine the forward can run slower on all cores than on one fewer, burning the
-    difference in CPU time. The core left over takes those. The count does not depend on the
-    worker count, so neither do the features' bytes."""
+    """torch's intra-op threads while the CPU runs the forward passes: `extract(threads=N)`'s N, else one fewer than
+    the cores this process may use (at least 1, never more than were set), restored on exit; a GPU's forward is left
+    alone. The core left over takes the input workers' decoding and resizing, which would otherwise deschedule a
+    forward thread mid-op (featcache/threads.py: why that costs more than the thread gives). The count does not
+    depend on the worker count, so neither do the features' bytes."""
     before = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(min(before, max(1, cores() - 1)))
+        torch.set_num_threads(asked() or min(before, max(1, cores() - 1)))
     try:
         yield
     finally:

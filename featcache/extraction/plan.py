@@ -39,6 +39,7 @@ from .partition import PartitionSpec, make_partition, partition_counts
 from .partition import _SCHEMES as SCHEMES
 from .pipeline import Noise
 from .store import Need, Store, store_path
+from ..threads import threaded
 
 __all__ = ["extract", "Noise", "DiskFullError"]
 SPLITS = ("train", "test")
@@ -47,6 +48,7 @@ SMALL_IMAGES = 64  # images smaller than this are embedded at this size by defau
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 2048  # below: nothing left after a backbone's strides; above: a typo (memory)
 
 
+@threaded
 def extract(
     dataset: str = "offline-digits",
     backbone: list[str] = ("efficientnet_lite0",),
@@ -72,6 +74,7 @@ def extract(
     device: str = "auto",
     backend: str = "local",
     allow_partial: bool = False,
+    threads: int | None = None,
     progress: Progress | None = None,
     note=None,
 ) -> dict:
@@ -83,6 +86,7 @@ def extract(
     `workers` (input worker processes) default from the device and the dataset; neither changes a byte (every forward
     holds `pipeline.FORWARD_BATCH` rows). `backend` 'ray' runs the blocks as
     Ray tasks. `allow_partial` loads checkpoints whose keys do not all match (the rest keeps a seeded random init).
+    `threads`: the forward's CPU threads (default: one fewer than the cores; featcache/threads.py).
     Without `image_size`, `default_image_size` picks one from the dataset. What was chosen for the user (that size,
     a one-domain partition's domain) is listed under `notes` and passed, one line each, to `note` when known."""
     t0 = time.perf_counter()
@@ -248,6 +252,7 @@ OPTIONS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "views": ("a whole number >= 0", _whole(0)),
     "batch_size": ("a whole number >= 1", _whole(1, none=True)),
     "workers": ("a whole number >= 0", _whole(0, none=True)),
+    "threads": ("a whole number >= 1", _whole(1, none=True)),
     "noise": ("laplace or gaussian noise with its scale and p", lambda v: v is None or isinstance(v, Noise)),
     "download": ("true or false", _is(bool)),
     "allow_partial": ("true or false", _is(bool)),

@@ -32,6 +32,7 @@ from ..errors import UserError, as_list
 from ..memory import available_bytes
 from .metrics import mean_std
 from ..provenance import library_call, provenance
+from ..threads import threaded
 from .config import check, check_clients, check_seeds, merge_rounds, parse_value, resolve, scoped
 from .engine import structural_keys
 from .guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
@@ -138,16 +139,18 @@ def _ray_backend(jobs, progress):
 BACKENDS["ray"] = _ray_backend
 
 
+@threaded
 def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1, 2), rounds: int | None = None,
          set: list[str] | None = None, backbones: list[str] | None = None, out: str | Path = "runs",
          device: str | torch.device = "auto", backend: str = "local", chunk: int | None = None, retrain: bool = True,
-         progress=None) -> dict:
+         progress=None, threads: int | None = None) -> dict:
     """Select on validation, retrain the best on full train, report test mean(std). Resumable by run folder.
 
     `backbones` trains on a subset of the cached backbones' features (default: all, concatenated).
 
     `device` (auto | cpu | cuda[:N]) is checked here and sizes the chunks; each chunk resolves it again where it runs,
-    so with the Ray backend `auto` picks each worker's GPU when it has one."""
+    so with the Ray backend `auto` picks each worker's GPU when it has one. `threads` runs it on that many CPU
+    threads (default: torch's; Ray's workers keep their own; featcache/threads.py)."""
     dev = resolve_device(device)
     grid, backbones = as_list(grid, "grid"), as_list(backbones, "backbones")  # a lone string is one item
     set = [f"{k}={v}" for k, v in set.items()] if isinstance(set, dict) else as_list(set, "set") or []

@@ -29,6 +29,7 @@ from ..devices import resolve_device
 from ..errors import UserError, as_list, as_path
 from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from ..provenance import library_call, provenance
+from ..threads import threaded
 from .states import SUFFIX, state_bytes
 from .checkpoint import Checkpoint, check_every
 from .footprint import fit_at_once
@@ -105,10 +106,12 @@ def commit_folder(tmp: Path, folder: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+@threaded
 def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2),
           set: list[str] | dict | None = None, out: str | Path = "runs", device: str | torch.device = "auto",
           backbones: list[str] | None = None, keep_state: bool = False, tensorboard: str | Path | None = None,
-          save_state: bool = False, progress=None, checkpoint_every: int | None = None) -> dict:
+          save_state: bool = False, progress=None, checkpoint_every: int | None = None,
+          threads: int | None = None) -> dict:
     """Train `algo` on `cache` for each seed on `device` (auto | cpu | cuda[:N]); write the result JSON and its
     metrics CSV; return the result with timings, the device it ran on (the result file does not record it) and the
     paths written (result_file, metrics_csv, state_file, tensorboard: None when not asked for).
@@ -121,7 +124,8 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
 
     The run saves a checkpoint every `checkpoint_every` rounds (None: every ~60 s; 0: never) and on Ctrl-C, which
     raises `checkpoint.Interrupted`; the same call then resumes it, and once finished returns its result without
-    training again (featcache.training.checkpoint)."""
+    training again (featcache.training.checkpoint). `threads` runs it on that many CPU threads (default: torch's;
+    featcache/threads.py)."""
     dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device, tensorboard)
     check_every(checkpoint_every)
     backbones = as_list(backbones, "backbones")  # backbones="dino" is one backbone, not four letters
