@@ -9,10 +9,12 @@ process timed in interleaved turns (the order rotating every repeat, so a noisy 
 
 Phases: `as_is` (the machine as it is: its load is printed, on a shared machine it is not idle), then `one_core_busy`
 (a busy-loop process added). Each child warms up with one run, then every turn times a run of `--rounds` rounds.
-Prints one JSON object: each contender's seconds per round (all turns and the median), the ratios side by side, the
-1-minute load before and after each phase, and the targets as pass/fail (not asserted): with one core busy the
-policy within 1.2x of one thread; as is, the policy no slower than OpenMP's default (within 5 %, the noise of a
-shared machine). Run: `.venv/bin/python bench/threads.py [--repeats 5] [--rounds 2]`.
+Each turn also times one op alone (`OP_SIZE` floats added, `OPS` times: what a parallel op costs beyond its
+arithmetic, a spin or a wake). Prints one JSON object: each contender's seconds per round (all turns and the median)
+and microseconds per op, the ratios side by side, the 1-minute load before and after each phase, and the targets as
+pass/fail (not asserted): with one core busy the policy within 1.2x of one thread; as is, the policy no slower than
+OpenMP's default (within 5 %, the noise of a shared machine).
+Run: `.venv/bin/python bench/threads.py [--repeats 5] [--rounds 2]`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import time
 
+OP_SIZE, OPS = 65536, 5000  # the op timed alone: an add just above torch's grain for a parallel elementwise op
 TARGETS = {"busy_policy_over_one_thread": 1.2, "as_is_policy_over_openmp_default": 1.05}
 
 
@@ -55,26 +58,39 @@ def child(threads: int | None, rounds: int) -> None:
     algo = create("fedavg")
     cfg = resolve(algo, {"rounds": rounds, "eval_every": 1})
     Engine(algo, [cfg], train, test).run(logs=False)  # warm-up
+    x, y = torch.randn(OP_SIZE), torch.randn(OP_SIZE)
     print(json.dumps({"threads": torch.get_num_threads(), "wait": os.environ.get("OMP_WAIT_POLICY")}), flush=True)
-    for _ in sys.stdin:
+    for line in sys.stdin:
         t0 = time.perf_counter()
-        Engine(algo, [cfg], train, test).run(logs=False)
-        print(json.dumps((time.perf_counter() - t0) / rounds), flush=True)
+        if line.strip() == "op":
+            for _ in range(OPS):
+                torch.add(x, y)
+            print(json.dumps((time.perf_counter() - t0) / OPS * 1e6), flush=True)
+        else:
+            Engine(algo, [cfg], train, test).run(logs=False)
+            print(json.dumps((time.perf_counter() - t0) / rounds), flush=True)
+
+
+def ask(proc: subprocess.Popen, what: str) -> float:
+    proc.stdin.write(what + "\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
 
 
 def phase(procs: dict[str, subprocess.Popen], repeats: int) -> dict:
-    """Interleaved turns of every contender: seconds per round (each turn and the median), load before and after."""
+    """Interleaved turns of every contender: seconds per round (each turn and the median), microseconds per op
+    alone (medians), load before and after."""
     load = [os.getloadavg()[0]]
-    runs = {name: [] for name in procs}
+    runs, ops = {name: [] for name in procs}, {name: [] for name in procs}
     names = list(procs)
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            procs[name].stdin.write("run\n")
-            procs[name].stdin.flush()
-            runs[name].append(json.loads(procs[name].stdout.readline()))
+            runs[name].append(ask(procs[name], "round"))
+            ops[name].append(ask(procs[name], "op"))
     load.append(os.getloadavg()[0])
     median = {name: statistics.median(t) for name, t in runs.items()}
     return {"seconds_per_round": {k: round(v, 4) for k, v in median.items()},
+            "microseconds_per_op": {k: round(statistics.median(v), 1) for k, v in ops.items()},
             "all_seconds_per_round": {k: [round(t, 4) for t in v] for k, v in runs.items()},
             "policy_over_one_thread": round(median["policy"] / median["one_thread"], 3),
             "openmp_default_over_one_thread": round(median["openmp_default"] / median["one_thread"], 3),
