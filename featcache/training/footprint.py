@@ -15,6 +15,11 @@ follows what each tensor lives for:
 - evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
 - data, once: the clients' features, labels and views of the train and test splits.
 
+Parameters are made on the meta device too (for real only where an algorithm's `init` cannot run there). The first
+estimate in a process pays for torch's first meta-device ops: importing its Python meta kernels (the engine's vmap
+imports them too) and torch._dynamo, which wraps each of them (seconds, once per process; an estimate after it
+takes hundredths of a second).
+
 `fit_at_once` picks how many participants a pass of local training may hold for a run to fit the available memory
 (the engine trains the rest in further slices); `check_memory` refuses, in one line naming the setting to lower, a
 run whose estimate exceeds it.
