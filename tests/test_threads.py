@@ -84,6 +84,17 @@ def test_a_bad_count_on_the_command_line_is_one_line(command, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("threads", [0, -2, 1.5, "2", True])
+def test_a_bad_count_in_the_api_is_refused_before_anything_is_written(small_cache, tmp_path, threads):
+    calls = {"train": lambda out: train(small_cache, "fedavg", rounds=1, out=out, threads=threads),
+             "grid": lambda out: grid(small_cache, "fedavg", grid=["lr=0.1"], rounds=1, out=out, threads=threads),
+             "extract": lambda out: extract(out=out, threads=threads)}
+    for name, call in calls.items():
+        with pytest.raises(UserError, match="--threads must be a whole number >= 1"):
+            call(tmp_path / name)
+        assert not (tmp_path / name).exists(), name
+
+
 @pytest.fixture(scope="module")
 def small_cache(tmp_path_factory):
     return write_cache(tmp_path_factory.mktemp("threads") / "c.h5", C=3, D=8, K=3)
