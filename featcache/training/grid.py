@@ -8,7 +8,8 @@ report test accuracy mean(std) over seeds
 Continuous hyperparameters (lr, weight decay, τ, μ, ...) become per-model tensors on the engine's configuration axis,
 so H configurations x seeds x C clients train in the same vectorized steps; structural ones (widths, prompt counts,
 option strings) split the grid into buckets. Buckets are cut into chunks sized to the memory budget; each finished
-chunk is written atomically to the run folder, so an interrupted grid resumes at the first unfinished chunk.
+chunk is written atomically to the run folder, so an interrupted grid resumes at the first unfinished chunk, in the
+chunking it started with (`chunked_before`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,27 @@ BUDGET_DIVISOR = {"cuda": 2, "cpu": 4}
 def memory_budget(device: torch.device) -> int:
     """The memory one chunk of a grid may plan for: 1/BUDGET_DIVISOR of the device's available memory."""
     return available_bytes(device) // BUDGET_DIVISOR["cuda" if device.type == "cuda" else "cpu"]
+
+
+def chunk_file(folder: Path, cfgs: list[dict], part: list) -> Path:
+    """The file of the chunk training the models `part` ((config index, seed) pairs): named by what it trains, so
+    any chunking resumes safely."""
+    digest = hashlib.sha256(json.dumps([cfgs[i] | {"seed": int(s)} for i, s in part], sort_keys=True).encode())
+    return folder / f"chunk-{digest.hexdigest()[:16]}.json"
+
+
+def chunked_before(folder: Path, cfgs: list[dict], models: list) -> int | None:
+    """The chunk size an interrupted run of this grid trained the bucket `models` with (its first chunk is in
+    `folder`), or None: a resumed grid keeps its chunking, which its result records, whatever memory the plan
+    would find now."""
+    for path in folder.glob("chunk-*.json"):
+        try:
+            done = [tuple(m) for m in json.loads(path.read_text())["models"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if done and done == models[: len(done)] and chunk_file(folder, cfgs, done) == path:
+            return len(done)
+    return None
 
 
 def _bucket_key(cfg: dict, algo) -> str:
@@ -201,14 +223,13 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
         jobs, chunk_sizes = [], []
         for key, members in buckets.items():
             models = [(i, s) for i in members for s in seeds]  # configurations x seeds share the H axis
-            size = chunk or plan_chunk(len(models), per_model[key], memory_budget(dev))
+            size = chunk or chunked_before(folder, cfgs, models) or plan_chunk(len(models), per_model[key],
+                                                                                memory_budget(dev))
             chunk_sizes.append(size)
             for start in range(0, len(models), size):
                 part = models[start : start + size]
-                digest = hashlib.sha256(json.dumps([cfgs[i] | {"seed": int(s)} for i, s in part],
-                                                   sort_keys=True).encode())
-                name = f"chunk-{digest.hexdigest()[:16]}.json"  # named by what it trains: any chunking resumes safely
-                jobs.append({"file": folder / name, "models": part, "rounds": max(cfgs[i]["rounds"] for i, _ in part),
+                jobs.append({"file": chunk_file(folder, cfgs, part), "models": part,
+                             "rounds": max(cfgs[i]["rounds"] for i, _ in part),
                              "args": (str(cache), spec, [cfgs[i] | {"seed": int(s)} for i, s in part], device,
                                       backbones)})
         todo = [j for j in jobs if not j["file"].is_file()]
