@@ -283,9 +283,9 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_the_same_command_resumes_from
     ref = train(cache, "scaffold", out=tmp_path / "ref", **args)
     monkeypatch.setattr(Path, "write_bytes", disk_full_at(2, ".*.checkpoint.*.tmp"))
     out = tmp_path / "b"
-    with pytest.raises(UserError, match=r"^scaffold \(seeds 0, 1\): no checkpoint of round 4 \(cannot write .*No space "
-                                        r"left on device; disk full.*\); the checkpoint of round 2 is kept: run the same "
-                                        r"command again to resume from it$"):
+    with pytest.raises(UserError, match=r"^scaffold \(seeds 0, 1\): no checkpoint of round 4: cannot write .*No space "
+                                        r"left on device; disk full: free space and run the same command again, which "
+                                        r"resumes from the checkpoint of round 2 \(kept\)$"):
         train(cache, "scaffold", out=out, **args)
     (kept,) = out.glob(".*.checkpoint")
     assert [p.name for p in out.iterdir()] == [kept.name]  # no temporary left
@@ -296,8 +296,8 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_the_same_command_resumes_from
 
 def test_a_full_disk_before_any_checkpoint_says_the_run_starts_again(cache, tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "write_bytes", disk_full_at(1, ".*.checkpoint.*.tmp", errno.EFBIG))
-    with pytest.raises(UserError, match="no checkpoint of round 1 .*ulimit -f.*the same command starts it again from "
-                                        "round 1$"):
+    with pytest.raises(UserError, match=r"no checkpoint of round 1: .*ulimit -f.*, which starts it again from round 1 "
+                                        r"\(no checkpoint was written\)$"):
         train(cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path, checkpoint_every=1)
     assert everything_in(tmp_path) == []
 
@@ -382,6 +382,36 @@ def test_ctrl_c_prints_one_line_exits_130_and_resumes(cache, tmp_path):
                     "command again to resume"), line
     again = driver(out.parent, command(cache, "scaffold"))
     assert again.returncode == 0, again.stderr
+    assert results(out) == results(tmp_path / "ref" / "runs")
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_on_the_next_checkpoint_keeps_the_last_one(cache, tmp_path):
+    """A real kernel refusal (RLIMIT_FSIZE, as `ulimit -f`) of the checkpoint of round 4, in a run resumed from
+    round 2: one line, exit code 2, the checkpoint of round 2 unchanged and no temporary left; without the limit the
+    same command resumes from round 2 to the undisturbed bytes."""
+    import resource
+
+    plain = [a for a in command(cache, "scaffold") if a != "--json"]
+    ref = driver(tmp_path / "ref", plain)
+    assert ref.returncode == 0, ref.stderr
+    out = tmp_path / "b" / "runs"
+    stopped = driver(out.parent, plain, ["--sigint", f"after:{LOCAL_TRAIN}:2:*"])
+    assert stopped.returncode == 130, stopped.stderr
+    (kept,) = out.glob(".*.checkpoint")
+    before = kept.read_bytes()
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) // 2, len(before) // 2))
+    limited = subprocess.run([sys.executable, str(DRIVER), "--", *map(str, plain)], capture_output=True, text=True,
+                             env=ENV, cwd=out.parent, timeout=600, preexec_fn=limit)
+    assert limited.returncode == 2 and "Traceback" not in limited.stderr, limited.stderr
+    line = [x for x in lines(limited.stderr) if not x.startswith(("note:", "progress:"))]
+    assert len(line) == 1 and line[0].startswith("error: scaffold (seeds 0, 1): no checkpoint of round 4"), line
+    line = line[0]
+    assert "ulimit -f" in line and line.endswith("which resumes from the checkpoint of round 2 (kept)"), line
+    assert kept.read_bytes() == before and [p.name for p in out.iterdir()] == [kept.name]
+    again = driver(out.parent, plain)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from its checkpoint after round 2" in again.stderr
     assert results(out) == results(tmp_path / "ref" / "runs")
 
 

@@ -297,10 +297,10 @@ class Checkpoint:
         meta["sha256"] = digest(spans, meta)
         try:
             write_atomic(self.path, save(spans, metadata={"featcache": json.dumps(meta)}), durable=True)
-        except UserError as e:
-            kept = (f"the checkpoint of round {self.saved} is kept: run the same command again to resume from it"
-                    if self.saved else "the same command starts it again from round 1")
-            raise Unsaved(f"{self.label}: no checkpoint of round {rnd} ({e}); {kept}") from None
+        except UserError as e:  # the output layer's line: what failed, and "... run the same command again"
+            kept = (f"resumes from the checkpoint of round {self.saved} (kept)" if self.saved else
+                    "starts it again from round 1 (no checkpoint was written)")
+            raise Unsaved(f"{self.label}: no checkpoint of round {rnd}: {e}, which {kept}") from None
         self.saved, self.last = rnd, time.monotonic()
 
     def _read(self) -> tuple[dict, dict]:
