@@ -23,7 +23,6 @@ from harness import everything_in, lines, one_line_error, run_cli
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from featcache.algorithms import list_algorithms
 from featcache.errors import UserError
 from featcache.training import checkpoint as ck
 from featcache.training.checkpoint import Interrupted
@@ -90,13 +89,6 @@ def test_a_run_resumed_at_partial_participation_keeps_the_undisturbed_figures(ca
     with pytest.raises(Interrupted):
         train(cache, "fedpcl", set=opts, out=tmp_path / "b", progress=ctrl_c_after(2), **kw)
     assert result_bytes(train(cache, "fedpcl", set=opts, out=tmp_path / "b", **kw)) == result_bytes(ref)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("algo", sorted(set(list_algorithms()) - set(CROSS_ROUND)))
-def test_every_algorithm_resumes_identically(cache, tmp_path, algo):
-    ref = train(cache, algo, rounds=3, seeds=[0, 1], set=SMALL, out=tmp_path / "ref", checkpoint_every=0)
-    assert result_bytes(interrupted_then_resumed(cache, algo, tmp_path / "b", at=1, rounds=3)) == result_bytes(ref)
 
 
 def test_a_finished_run_is_returned_without_training(cache, tmp_path, monkeypatch):

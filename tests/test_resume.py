@@ -18,13 +18,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given, seed, settings
 from hypothesis import strategies as st
 
-from featcache.algorithms import list_algorithms
+from featcache.algorithms import create, list_algorithms
+from featcache.training.config import resolve
 from featcache.training.checkpoint import Interrupted
 from featcache.training.train import train
 from tests.synthetic import write_cache
@@ -105,7 +107,7 @@ def runs(draw, algos=tuple(sorted(list_algorithms())), widths=tuple(WIDTHS)):
     """(cache shape, algorithm, settings, seeds, checkpoint interval, stops) of one exploring example."""
     C = draw(st.integers(2, 6))
     batch = draw(st.sampled_from([8, 16, 32]))
-    lo = draw(st.integers(batch, 48))  # every client has a batch
+    lo = draw(st.integers(batch, 40))  # every client has a batch
     shape = {"C": C, "D": draw(st.sampled_from(widths)), "K": draw(st.integers(2, 10)),
              "n": (lo, draw(st.integers(lo, 3 * lo)))}  # uneven clients: sizes drawn from lo..hi
     rounds = draw(st.integers(3, 5))
@@ -116,10 +118,19 @@ def runs(draw, algos=tuple(sorted(list_algorithms())), widths=tuple(WIDTHS)):
         participation = 1.0
     opts = {"optimizer": draw(st.sampled_from(["adam", "sgd"])), "local_epochs": draw(st.integers(1, 2)),
             "participation": participation, "batch_size": batch,
-            "proj_dim": draw(st.sampled_from([8, 32, 256])), "eval_every": draw(st.integers(1, 3))}
-    return {"shape": shape, "algo": draw(st.sampled_from(algos)), "rounds": rounds, "set": opts,
-            "seeds": draw(st.sampled_from([[0], [0, 1]])), "every": draw(st.integers(1, 3)),
-            "stops": list(zip(stops, hows))}
+            "proj_dim": draw(st.sampled_from([8, 32, 256] if shape["D"] <= 512 else [8, 32, 128])),
+            "eval_every": draw(st.integers(1, 3))}
+    algo = draw(st.sampled_from(algos))
+    defaults = resolve(create(algo))
+    if "r_f" in defaults:  # FedPFT's two phases split the local epochs: R = R_f + R_a
+        opts["r_f"] = draw(st.integers(0, opts["local_epochs"]))
+        opts["r_a"] = opts["local_epochs"] - opts["r_f"]
+    for key in ("head_epochs", "inner_steps"):  # FedRep's head epochs, pFedMe's inner steps: 10 and 5 by default
+        if key in defaults:
+            opts[key] = draw(st.integers(1, 2))
+    every = draw(st.integers(1, max(1, min(3, stops[-1] - 1))))  # the last stop comes after a checkpoint
+    return {"shape": shape, "algo": algo, "rounds": rounds, "set": opts, "seeds": draw(st.sampled_from([[0], [0, 1]])),
+            "every": every, "stops": list(zip(stops, hows))}
 
 
 def explore(run: dict) -> None:
@@ -145,10 +156,17 @@ def test_a_run_stopped_anywhere_resumes_to_the_undisturbed_bytes(run):
 
 
 @pytest.mark.slow
-@settings(max_examples=12)
-@given(run=runs())
-def test_every_algorithm_stopped_anywhere_resumes_to_the_undisturbed_bytes(run):
-    explore(run)
+@pytest.mark.parametrize("algo", sorted(list_algorithms()))
+def test_every_algorithm_stopped_anywhere_resumes_to_the_undisturbed_bytes(algo):
+    """Two drawn runs per algorithm (the simplest and one at random), from a seed of its own that is the same every
+    time: a failure reproduces."""
+    @seed(zlib.crc32(algo.encode()))
+    @settings(max_examples=2, derandomize=False)
+    @given(run=runs(algos=(algo,)))
+    def check(run):
+        explore(run)
+
+    check()
 
 
 # -- the issue's case: FedAvg, 5 clients, 1,280-d, default settings, checkpoint every 2 rounds ----------------------
