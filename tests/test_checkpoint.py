@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from harness import everything_in, lines, one_line_error, run_cli
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -248,6 +250,43 @@ def test_the_optimizer_state_round_trips_whatever_persists(tmp_path):
         for o in (opt, fresh):
             o.step({"w": g}, [[True] * 3, [True] * 3])
         assert torch.equal(fresh.params["w"], opt.params["w"]), kind
+
+
+LAYOUTS = {  # name -> a tensor made from t [H, C, A, B] (a fresh one of its own, or a view of t)
+    "itself": lambda t: t,
+    "transposed-view": lambda t: t.mT,
+    "transposed-own": lambda t: t.mT.contiguous().mT,  # what a fused optimizer step leaves: its own memory
+    "broadcast": lambda t: t[:, :1].expand(t.shape),  # FedAvg's one model per configuration
+    "offset-view": lambda t: t[1:, 1:],
+    "gapped-view": lambda t: t[..., ::2],
+    "contiguous-copy": lambda t: t.clone(),
+    "zero-size": lambda t: t[:, :0],
+}
+
+
+@given(shape=st.tuples(*[st.integers(2, 5)] * 4), picks=st.lists(st.sampled_from(sorted(LAYOUTS)), min_size=1,
+                                                                  max_size=6), again=st.booleans())
+def test_a_tree_comes_back_in_the_layouts_it_was_packed_in(shape, picks, again):
+    """Values, shapes, strides, which tensors are views, which share memory (and where in it), which are the same
+    object, and each address modulo 64 bytes: what a kernel's rounding can depend on."""
+    base = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    leaves = [LAYOUTS[name](base) for name in picks] + ([base] if again else [])  # `again`: a leaf twice
+    tree = {"a": {str(i): t for i, t in enumerate(leaves)}, "b": [leaves[0], 3, None, "x"], "c": (1.5, True)}
+    back = ck.unpack(*ck.pack(tree))
+    assert back["b"][1:] == [3, None, "x"] and back["c"] == (1.5, True)
+    got = [*back["a"].values(), back["b"][0]]
+    ours = [*tree["a"].values(), tree["b"][0]]
+    for t, r in zip(ours, got):
+        assert torch.equal(t, r) and t.stride() == r.stride() and (t._base is None) == (r._base is None)
+        assert t.data_ptr() % ck.ALIGN == r.data_ptr() % ck.ALIGN or t.numel() == 0
+    for i, (t, r) in enumerate(zip(ours, got)):  # shared memory, its offsets and object identity as they were
+        for u, q in zip(ours[:i], got[:i]):
+            if t.numel() and u.numel():
+                assert (t.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()) == \
+                       (r.untyped_storage().data_ptr() == q.untyped_storage().data_ptr())
+                assert (t.data_ptr() - u.data_ptr() == r.data_ptr() - q.data_ptr()) or \
+                       t.untyped_storage().data_ptr() != u.untyped_storage().data_ptr()
+            assert (t is u) == (r is q)
 
 
 # -- the checkpoint file's own failures: a full disk, a special file in its place ---------------------------------

@@ -109,15 +109,18 @@ def pack(tree) -> tuple[dict, dict, dict]:
     """(skeleton, spans, pads) of `tree` (nested dicts, lists, tensors, numbers, strings, None), its tensors saved
     with the memory layout they have: each block of memory the tensors view is one span (`spans`: name -> the 1-d
     CPU copy of the elements they cover, named after the first tensor in it), and each tensor in the skeleton says
-    where it lies in its span (shape, strides, offset) and whether it is a view; `pads` (span name -> elements)
-    put a restored span at the address offset (mod ALIGN) it had. So strides, broadcasts (stride 0), memory shared
-    between tensors and alignment come back as they were: what a kernel's rounding can depend on."""
-    leaves = []  # (name, tensor, its skeleton entry, filled in below)
+    where it lies in its span (shape, strides, offset), whether it is a view and which tensor object it is; `pads`
+    (span name -> elements) put a restored span at the address offset (mod ALIGN) it had. So strides, broadcasts
+    (stride 0), memory shared between tensors and alignment come back as they were: what a kernel's rounding can
+    depend on."""
+    leaves, seen = [], {}  # (name, tensor, its skeleton entry, filled in below); id -> entry of a tensor met before
 
     def walk(x, name: str):
         if isinstance(x, torch.Tensor):
-            leaves.append((name, x.detach(), {}))
-            return leaves[-1][2]
+            if id(x) not in seen:  # one entry per tensor object, wherever the tree holds it
+                seen[id(x)] = {"object": len(leaves), "view": x._base is not None}  # (x.detach() is no view)
+                leaves.append((name, x.detach(), seen[id(x)]))
+            return seen[id(x)]
         if isinstance(x, dict):
             return {"dict": [[k, walk(v, f"{name}/{k}" if name else k)] for k, v in x.items()]}
         if isinstance(x, (list, tuple)):
@@ -137,12 +140,12 @@ def pack(tree) -> tuple[dict, dict, dict]:
         lo = min(leaves[i][1].storage_offset() for i in members)
         hi = max(_end(leaves[i][1]) for i in members)
         span = first.as_strided((hi - lo,), (1,), lo)
-        spans[name] = span.cpu().clone()
+        spans[name] = span.to("cpu", copy=True)
         pads[name] = span.data_ptr() % ALIGN // first.element_size() if span.numel() else 0
         for i in members:
             t = leaves[i][1]
             leaves[i][2].update(tensor=name, shape=list(t.shape), stride=list(t.stride()),
-                                offset=t.storage_offset() - lo, view=t._base is not None)
+                                offset=t.storage_offset() - lo)
     return skeleton, spans, pads
 
 
@@ -153,8 +156,8 @@ def _end(t: torch.Tensor) -> int:
 
 def unpack(skeleton: dict, spans: dict, pads: dict, device="cpu"):
     """The tree `pack` described, its tensors on `device` in the layouts they were packed with: one fresh block of
-    memory per span, each tensor a view of it where it was a view (else a tensor of its own over that memory), the
-    same tensor object wherever the same view was."""
+    memory per span, each tensor a view of it where it was a view (else a tensor of its own over that memory), one
+    tensor object wherever the packed tree held one."""
     memory, made = {}, {}
 
     def block(name: str) -> torch.Tensor:
@@ -166,12 +169,11 @@ def unpack(skeleton: dict, spans: dict, pads: dict, device="cpu"):
 
     def walk(s: dict):
         if "tensor" in s:
-            key = json.dumps(s, sort_keys=True)
-            if key not in made:
+            if s["object"] not in made:
                 buf, at = block(s["tensor"]), pads[s["tensor"]] + s["offset"]
-                made[key] = buf.as_strided(s["shape"], s["stride"], at) if s["view"] else \
+                made[s["object"]] = buf.as_strided(s["shape"], s["stride"], at) if s["view"] else \
                     buf.new_empty(0).set_(buf.untyped_storage(), at, s["shape"], s["stride"])
-            return made[key]
+            return made[s["object"]]
         if "dict" in s:
             return {k: walk(v) for k, v in s["dict"]}
         if "list" in s:
