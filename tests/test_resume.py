@@ -153,6 +153,9 @@ ISSUE_LIKE = {"shape": {"C": 5, "D": 1280, "K": 10, "n": (32, 64)}, "rounds": 4,
 @example(run=ISSUE_LIKE | {"algo": "scaffold", "set": ISSUE_LIKE["set"] | {"optimizer": "sgd", "participation": 0.6,
                                                                          "proj_dim": 32},
                            "shape": ISSUE_LIKE["shape"] | {"D": 3840}, "stops": [(3, "kill")]})
+@example(run={"shape": {"C": 3, "D": 16, "K": 2, "n": (8, 8)}, "algo": "fedpcl", "rounds": 3, "seeds": [0], "every": 1,
+              "set": {"optimizer": "adam", "local_epochs": 1, "participation": 1.0, "batch_size": 8, "proj_dim": 8,
+                      "eval_every": 1}, "stops": [(1, "ctrl-c")]})  # FedPCL: its own projection per client
 def test_a_run_stopped_anywhere_resumes_to_the_undisturbed_bytes(run):
     explore(run)
 
