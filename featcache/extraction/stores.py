@@ -20,7 +20,7 @@ import numpy as np
 
 from ..cache import h5
 from ..cache.write import MARKER as CACHE_MARKER
-from ..errors import UserError, not_a_file
+from ..errors import UserError, first_line, not_a_file
 from .files import MARKER as MARKER_FILE
 from .files import claim, own, remove_own, remove_unlocked, write_marker
 from .identity import EMBEDDING_CODE, code_identity, content_key, versions
@@ -196,7 +196,7 @@ def verify(path: str | Path) -> dict:
     except DamagedStore as e:
         problems.append(str(e))
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
-        problems.append(f"store {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        problems.append(f"store {path} is unreadable ({type(e).__name__}: {first_line(e)})")
     size = os.path.getsize(path) if Path(path).is_file() else 0
     return {"path": str(path), "ok": not problems, "problems": problems, "stale": stale, "arrays": arrays,
             "bytes": size, "seconds": round(time.perf_counter() - t0, 3)}
