@@ -374,6 +374,23 @@ def test_claimers_at_once_all_find_the_folder_featcache_made(tmp_path):
     assert errors == [] and F.own(work, "parts") is not None
 
 
+def test_a_claimer_that_looks_before_the_marker_and_scans_after_the_lock_finds_the_folder_featcache_made(
+        tmp_path, monkeypatch):
+    """The interleaving two migrates met: the first look sees no marker yet, the scan sees the marker and the lock
+    file (its maker has since claimed and locked it): the folder is featcache's, not a user's in the way."""
+    work = tmp_path / ".c.h5.migrating"
+    with F.locked(work, "migrating"):
+        own, looks = F.own, []
+
+        def late_own(folder, kind=None):
+            looks.append(folder)
+            return None if len(looks) == 1 else own(folder, kind)
+
+        monkeypatch.setattr(F, "own", late_own)
+        F.claim(work, "migrating")
+    assert len(looks) == 2
+
+
 # -- migrate over random neighbourhoods ----------------------------------------------------------------------------
 
 TARGETS = ("format2", "cache", "store", "foreign", "text")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import timm
 import torch
+from PIL import Image
 from harness import BACKBONES, lines, one_thread, run_cli, sha256, write_folders
 
 from featcache.extraction.identity import content_key, versions
@@ -168,14 +169,19 @@ def test_image_size_gives_a_new_cache(images, tmp_path):
     assert small(images, tmp_path)["cache_hit"]
 
 
-def test_touching_an_image_file_gives_a_new_cache(tmp_path):
+def test_touching_an_image_file_keeps_the_cache_and_a_changed_byte_gives_a_new_one(tmp_path):
+    """A dataset is known by its bytes: a new mtime alone is the same data (one re-hash, no embedding), a changed
+    pixel is new data."""
     images = write_folders(tmp_path / "images", domains=("d1",), classes=("a", "b"), per_class=4)
     first = small(images, tmp_path / "out")
     target = images / "d1" / "a" / "img_000.png"
     st = target.stat()
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # same bytes, new mtime
-    second = small(images, tmp_path / "out")
-    assert not second["cache_hit"] and second["cache"] != first["cache"]
+    touched = small(images, tmp_path / "out")
+    assert touched["cache_hit"] and touched["cache"] == first["cache"]
+    Image.new("RGB", (32, 32), (1, 2, 3)).save(target)
+    changed = small(images, tmp_path / "out")
+    assert not changed["cache_hit"] and changed["cache"] != first["cache"]
 
 
 def test_partition_alpha_gives_a_new_cache(images, tmp_path):

@@ -101,12 +101,14 @@ def claim(folder: Path, kind: str) -> None:
         except FileExistsError:
             if own(folder, kind) is not None:
                 return
-            if not _just_made(folder) or time.monotonic() > deadline:
+            if _just_made(folder) and time.monotonic() <= deadline:
+                time.sleep(0.01)
+                continue
+            if own(folder, kind) is None:  # looked again: its maker may have marked and used it between our looks
                 raise UserError(f"{folder} is in the way: featcache {KINDS[kind]} in a folder of that name, and this "
                                 f"one is not featcache's (it lacks featcache's marker {MARKER}); move or rename it, "
                                 "then run the same command again") from None
-            time.sleep(0.01)
-            continue
+            return
         try:
             write_marker(folder, {"kind": kind})
         except BaseException:
