@@ -78,7 +78,7 @@ from featcache.extraction import embed as E
 from featcache.extraction import pipeline as P
 from featcache.extraction.backbones import create_backbone
 from featcache.extraction.datasets import PathImages, load_dataset
-from featcache.extraction.identity import content_key, versions
+from featcache.cache.identity import content_key, versions
 from featcache.extraction.partition import PartitionSpec, make_partition
 from featcache.extraction.plan import extract
 from featcache.testing import write_format2

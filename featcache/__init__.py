@@ -24,12 +24,12 @@ __version__ = "0.1.0"
 # name -> (submodule, attribute) of the public API, imported when first asked for.
 _LAZY = {
     "extract": ("extraction.plan", "extract"),
-    "train": ("training.train", "train"),
-    "grid": ("training.grid", "grid"),
+    "train": ("runs.train", "train"),
+    "grid": ("runs.grid", "grid"),
     "report": ("results", "report"),
     "plot": ("results", "plot"),
     "load_cache": ("cache", "load_clients"),
-    "load_state": ("training.states", "load_state"),
+    "load_state": ("runs.states", "load_state"),
     "list_algorithms": ("algorithms", "list_algorithms"),
     "register": ("algorithms", "register"),
     "create": ("algorithms", "create"),

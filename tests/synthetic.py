@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from featcache.extraction.identity import content_key, versions
+from featcache.cache.identity import content_key, versions
 from featcache.testing import synthetic_clients, write_format2  # noqa: F401  (re-exported: the tests import them here)
 
 

@@ -54,11 +54,11 @@ def test_import_featcache_is_cheap():
 @pytest.mark.parametrize("first", ["function", "module"])
 def test_api_names_are_plain_functions_whichever_is_imported_first(first):
     function = "from featcache import extract, train, grid, report, plot; fns = (extract, train, grid, report, plot)"
-    module = "import featcache.training.train, featcache.training.grid, featcache.results, featcache.extraction.plan"
+    module = "import featcache.runs.train, featcache.runs.grid, featcache.results, featcache.extraction.plan"
     code = "\n".join([function, module] if first == "function" else [module, function]) + textwrap.dedent("""
         import inspect, featcache
-        from featcache.training.train import load_split, train as train_fn
-        from featcache.training.grid import grid as grid_fn, to_csv
+        from featcache.runs.train import load_split, train as train_fn
+        from featcache.runs.grid import grid as grid_fn, to_csv
         from featcache.extraction.plan import Noise, extract as extract_fn
         assert all(inspect.isfunction(f) for f in fns) and Noise and load_split and to_csv
         assert fns[:3] == (extract_fn, train_fn, grid_fn) == (featcache.extract, featcache.train, featcache.grid)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from harness import run_cli
 
-from featcache.extraction.identity import content_key, versions
+from featcache.cache.identity import content_key, versions
 from featcache import cache as C
 from featcache.cache import h5
 from featcache.errors import UserError

@@ -26,9 +26,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from featcache.errors import UserError
-from featcache.training import checkpoint as ck
-from featcache.training.checkpoint import Interrupted
-from featcache.training.train import train
+from featcache.runs import checkpoint as ck
+from featcache.runs.checkpoint import Interrupted
+from featcache.runs.train import train
 from tests.synthetic import write_cache
 
 DRIVER = Path(__file__).with_name("crashpoint.py")
@@ -96,7 +96,7 @@ def test_a_run_resumed_at_partial_participation_keeps_the_undisturbed_figures(ca
 def test_a_finished_run_is_returned_without_training(cache, tmp_path, monkeypatch):
     first = train(cache, "fedavg", rounds=2, seeds=[0], set=SMALL, out=tmp_path, save_state=True)
     before = {p: p.read_bytes() for p in tmp_path.iterdir()}
-    monkeypatch.setattr("featcache.training.train.run_configs", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr("featcache.runs.train.run_configs", lambda *a, **k: pytest.fail("trained again"))
     again = train(cache, "fedavg", rounds=2, seeds=[0], set=SMALL, out=tmp_path, save_state=True)
     assert again["finished_earlier"] and {k: again[k] for k in first} == first
     assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before

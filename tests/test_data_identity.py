@@ -27,7 +27,7 @@ from featcache.extraction import contents as contents_module
 from featcache.extraction.contents import Contents
 from featcache.extraction.datasets import dataset_identity, list_datasets, load_dataset
 from featcache.extraction.datasets.base import PathImages
-from featcache.extraction.identity import content_key
+from featcache.cache.identity import content_key
 from featcache.extraction.plan import extract
 from featcache.extraction.stores import duplicates, info
 

@@ -11,7 +11,7 @@ from conftest import fast_settings
 
 from featcache.algorithms import list_algorithms
 from featcache.extraction.plan import extract
-from featcache.training.train import train
+from featcache.runs.train import train
 
 
 CHANCE = 2 * 100 / 10  # twice chance with 10 classes: a head that learned nothing cannot reach it
@@ -38,7 +38,7 @@ def test_every_algorithm_trains_on_extracted_digits(digits_cache, tmp_path, algo
 def test_training_never_loads_timm(digits_cache, tmp_path):
     """In a fresh interpreter (this one imported timm for the extraction), training on a real cache whose metadata
     names a timm backbone never imports timm: training never builds a backbone."""
-    code = ("import sys; from featcache.training.train import train; "
+    code = ("import sys; from featcache.runs.train import train; "
             f"train({str(digits_cache)!r}, 'fedpcl', rounds=1, seeds=[0], set=['batch_size=16'], "
             f"out={str(tmp_path)!r}); print(sorted(m for m in sys.modules if m.split('.')[0] == 'timm'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

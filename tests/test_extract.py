@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from featcache.extraction.identity import content_key, versions
+from featcache.cache.identity import content_key, versions
 from featcache import cache as C
 from featcache.errors import UserError
 from featcache.extraction.plan import SMALL_IMAGES, Noise, default_image_size, extract
@@ -136,7 +136,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, args, needle)
 
 def test_keys_cover_featcache_embedding_code_but_not_its_comments(monkeypatch):
     """A change of what pipeline.py computes gives other store and cache keys; a comment or docstring does not."""
-    from featcache.extraction import identity
+    from featcache.cache import identity
 
     real = identity._read_source
     before = identity.code_identity()

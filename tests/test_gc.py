@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 
 from featcache import cache as C
 from featcache.errors import UserError
-from featcache.extraction import files as F
-from featcache.extraction.identity import EMBEDDING_CODE, code_identity, content_key, versions
+from featcache import files as F
+from featcache.cache.identity import EMBEDDING_CODE, code_identity, content_key, versions
 from featcache.extraction.store import Store, store_path
 from featcache.extraction.stores import gc, verify as verify_store
 from tests.synthetic import write_cache

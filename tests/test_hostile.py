@@ -572,7 +572,7 @@ def test_a_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path, monkeyp
         raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
 
     backbone = checkpoint(tmp_path, lambda state: None)
-    monkeypatch.setattr("featcache.extraction.files.os.fsync", too_large)
+    monkeypatch.setattr("featcache.files.os.fsync", too_large)
     result = run_cli("extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), *backbone,
                      "--image-size", "32", "--out", str(tmp_path / "out"))
     line = one_line_error(result, "file size limit reached while writing")

@@ -327,7 +327,7 @@ def state_edited(edit: Callable[[dict, dict], None]) -> Callable[[Ctx], Path]:
     def make(x: Ctx) -> Path:
         from safetensors.torch import save_file
 
-        from featcache.training.states import load_state
+        from featcache.runs.states import load_state
 
         tensors, meta = load_state(x.result.with_suffix("").with_suffix(".state.safetensors"))
         edit(tensors, meta)
@@ -575,7 +575,7 @@ def test_unexpected_exception_is_one_internal_error_line_exit_1(good_cache, tmp_
     def boom(*a, **k):
         raise RuntimeError("simulated bug\nsecond line")
 
-    monkeypatch.setattr("featcache.training.train.run_configs", boom)
+    monkeypatch.setattr("featcache.runs.train.run_configs", boom)
     args = ["train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--out", tmp_path]
     monkeypatch.delenv("FEATCACHE_DEBUG", raising=False)
     res = run_cli(*args)
@@ -607,7 +607,7 @@ def test_out_of_memory_at_run_time_is_one_line_exit_2(good_cache, tmp_path, monk
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you "
                            "tried to allocate 43000000000 bytes")
 
-    monkeypatch.setattr("featcache.training.train.run_configs", oom)
+    monkeypatch.setattr("featcache.runs.train.run_configs", oom)
     res = run_cli("train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--out",
                   tmp_path)
     one_line_error(res, "out of memory")

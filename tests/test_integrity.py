@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from harness import BACKBONES, lines, one_thread, run_cli, sha256, write_folders
 
-from featcache.extraction.identity import content_key, versions
+from featcache.cache.identity import content_key, versions
 from featcache import cache as C
 from featcache.cache import h5, load
 from featcache.extraction.plan import extract

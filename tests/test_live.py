@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from harness import run_cli
 
-from featcache.training.names import run_name, seeds_word
-from featcache.training.train import train
+from featcache.runs.names import run_name, seeds_word
+from featcache.runs.train import train
 from tests.synthetic import write_cache
 
 

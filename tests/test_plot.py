@@ -28,7 +28,7 @@ SEEDS = [0, 3]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(cache, {algo: state file}) for a few algorithms trained 3 rounds on a 5-client, 6-class synthetic cache."""
-    from featcache.training.train import train
+    from featcache.runs.train import train
 
     root = tmp_path_factory.mktemp("plot")
     cache = write_cache(root / "synthetic.h5", C=5, K=6)
@@ -206,7 +206,7 @@ def test_a_plugin_state_plots_without_registering_the_plugin_first(tmp_path):
     import sys
 
     from featcache.algorithms import _ALGOS
-    from featcache.training.train import train
+    from featcache.runs.train import train
     from tests.synthetic import write_cache
 
     cache = write_cache(tmp_path / "c.h5")

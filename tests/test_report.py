@@ -97,7 +97,7 @@ from featcache.results.tables import series  # noqa: E402
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """A folder of real `featcache train` output: two algorithms on one synthetic cache, two seeds each."""
-    from featcache.training.train import train
+    from featcache.runs.train import train
 
     root = tmp_path_factory.mktemp("report")
     cache = write_cache(root / "synthetic.h5")

@@ -367,7 +367,7 @@ def test_backbone_similarity_equals_a_loop_over_models(tmp_path):
     import torch.nn.functional as F
 
     from featcache.reproduce.analyses import backbone_similarity
-    from featcache.training.train import train
+    from featcache.runs.train import train
 
     trained = train(write_cache(tmp_path / "synthetic.h5"), "fedpcl", rounds=2, seeds=[0, 1], out=tmp_path / "runs",
                     device="cpu", keep_state=True)["trained"]

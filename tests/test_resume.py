@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 from featcache.algorithms import create, list_algorithms
 from featcache.training.config import resolve
-from featcache.training.checkpoint import Interrupted
-from featcache.training.train import train
+from featcache.runs.checkpoint import Interrupted
+from featcache.runs.train import train
 from tests.synthetic import write_cache
 
 DRIVER = Path(__file__).with_name("crashpoint.py")

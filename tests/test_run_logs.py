@@ -19,9 +19,9 @@ from featcache.algorithms import create
 from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
 from featcache.errors import UserError
-from featcache.training.metrics import CSV_COLUMNS, TENSORBOARD_MISSING
-from featcache.training.states import load_state, unflatten
-from featcache.training.train import train
+from featcache.runs.metrics import CSV_COLUMNS, TENSORBOARD_MISSING
+from featcache.runs.states import load_state, unflatten
+from featcache.runs.train import train
 from tests.synthetic import synthetic_clients, write_cache
 
 

@@ -20,8 +20,8 @@ from featcache.algorithms.base import FedAvg
 from featcache.errors import UserError, as_list
 from featcache.training.config import (ENGINE_SETTINGS, Setting, defaults, merge_rounds, resolve, scoped,
                                        settings_of, structural_keys)
-from featcache.training.grid import grid
-from featcache.training.train import train
+from featcache.runs.grid import grid
+from featcache.runs.train import train
 
 ALGOS = sorted(list_algorithms())
 

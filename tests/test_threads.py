@@ -24,8 +24,8 @@ from featcache.errors import UserError
 from featcache.extraction import pipeline as P
 from featcache.extraction.plan import extract
 from featcache.threads import WAIT, check_threads, use_threads
-from featcache.training.grid import grid
-from featcache.training.train import train
+from featcache.runs.grid import grid
+from featcache.runs.train import train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -101,7 +101,7 @@ def small_cache(tmp_path_factory):
 
 
 def test_train_runs_on_the_threads_asked_for_and_its_identity_says_so(small_cache, tmp_path):
-    from featcache.training import train as T
+    from featcache.runs import train as T
 
     before, seen, original = torch.get_num_threads(), [], T.run_configs
 

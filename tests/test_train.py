@@ -13,12 +13,12 @@ import pytest
 import torch
 from harness import one_line_error, run_cli
 
-import featcache.training.train as train_mod
-from featcache.training import grid as grid_mod
+import featcache.runs.train as train_mod
+from featcache.runs import grid as grid_mod
 from featcache.devices import resolve_device
 from featcache.errors import UserError
-from featcache.training.grid import grid
-from featcache.training.train import train
+from featcache.runs.grid import grid
+from featcache.runs.train import train
 from tests.synthetic import write_cache
 
 
@@ -211,7 +211,7 @@ def test_cli_bad_device_is_one_line_exit_2_before_any_work(cache, tmp_path, comm
 
 
 def test_std_over_seeds_is_the_sample_std_and_zero_for_one_seed():
-    from featcache.training.metrics import mean_std
+    from featcache.runs.metrics import mean_std
 
     assert mean_std([1.0, 3.0]) == (2.0, 2**0.5)  # ddof=1, as pandas: not the population std 1.0
     assert mean_std([5.0]) == (5.0, 0.0)
@@ -288,7 +288,7 @@ def test_the_cli_keeps_freed_memory_and_importing_featcache_does_not():
         assert done.returncode == 0, done.stderr
         return int(done.stdout)
 
-    plain, cli = faults("featcache.training.train"), faults("featcache.cli")
+    plain, cli = faults("featcache.runs.train"), faults("featcache.cli")
     assert plain > 10 * 16_384 // 2 and cli < plain // 20, (plain, cli)  # 16,384 pages of 4 KB per tensor
     start = "import sys, featcache.cli; print('torch' in sys.modules)"  # the command still starts without torch
     assert subprocess.run([sys.executable, "-c", start], capture_output=True, text=True).stdout.strip() == "False"

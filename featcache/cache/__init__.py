@@ -1,7 +1,7 @@
 """The client cache: one HDF5 file per extraction holding every client's labels and frozen-backbone features (all
-backbones side by side), with checksums on every array and on the metadata. `write.py` holds the writer, `load.py`
-the reader, `check.py` `verify` and `info`, `migrate.py` the conversion of older formats, and `h5.py` the HDF5
-primitives they share.
+backbones side by side), with checksums on every array and on the metadata. `write.py` holds the writer, `open.py`
+opens a cache read-only, `load.py` the reader, `check.py` `verify` and `info`, `migrate.py` the conversion of older
+formats, `identity.py` the content keys of caches and stores, and `h5.py` the HDF5 primitives they share.
 
 Schema (format 3; every attribute that is not a number or string is a JSON string):
 
@@ -32,8 +32,9 @@ only files that carry it, and `featcache gc` never removes a cache.
 
 from .check import info, verify
 from .h5 import read_attrs, write_attrs
-from .load import ClientData, load_clients, open_cache, read_meta
+from .load import ClientData, load_clients
 from .migrate import migrate
+from .open import open_cache, read_meta
 from .write import FORMAT, Client, Split, cache_path, write
 
 __all__ = ["FORMAT", "open_cache", "read_attrs", "read_meta", "write_attrs", "info", "verify", "Split", "Client",

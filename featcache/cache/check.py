@@ -13,8 +13,9 @@ import h5py
 import numpy as np
 
 from ..errors import UserError, first_line
-from ..extraction.identity import content_key, versions
+from .identity import content_key, versions
 from .h5 import meta_sha256, objects, read_attrs, scan
+from .open import open_cache, read_meta
 from .write import BACKBONE_ATTRS, FEATURE_GROUPS, INDEX_DTYPES, ROOT_ATTRS, SPLITS
 
 
@@ -23,8 +24,6 @@ def verify(path: str | Path) -> dict:
     ranges, finite features, array and metadata checksums; and compare the library versions it was extracted with to
     this environment's. Returns {path, ok, problems (one line each), stale (version differences: warnings, not
     problems), arrays, bytes, seconds}."""
-    from .load import open_cache  # cycle: load imports this module's finders
-
     t0 = time.perf_counter()
     problems: list[str] = []
     stale: list[str] = []
@@ -50,8 +49,6 @@ def verify(path: str | Path) -> dict:
 def info(path: str | Path) -> dict:
     """Metadata and per-client counts of a cache, JSON-able. A cache whose metadata is damaged (no `backbones`
     group, an attribute that is not JSON or is an array, counts of the wrong shape) is one UserError line."""
-    from .load import open_cache, read_meta  # cycle: load imports this module's finders
-
     with open_cache(path) as f:
         try:
             if "backbones" not in f or not isinstance(f["backbones"], h5py.Group):

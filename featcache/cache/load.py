@@ -1,5 +1,4 @@
-"""Reading a client cache: `open_cache` (refusing other formats), `read_meta`, and `load_clients`, one split of
-every client as padded tensors. The first load of a file version in a process checks it as `verify` does, the feature
+"""Reading a client cache: `load_clients`, one split of every client as padded tensors. The first load of a file version in a process checks it as `verify` does, the feature
 arrays on the very read that fills the tensors, so every feature byte is read once."""
 
 from __future__ import annotations
@@ -13,50 +12,15 @@ import h5py
 import numpy as np
 import torch
 
-from .. import __version__
-from ..errors import UserError, as_list, as_path, first_line, not_a_file
+from ..errors import UserError, as_list, as_path, first_line
 from .check import _check_structure, _feature_problems, _stale
-from .h5 import plain, read_attrs, rows_per_slice
-from .write import FORMAT, SPLITS
+from .h5 import read_attrs, rows_per_slice
+from .open import open_cache, read_meta
+from .write import SPLITS
 
 # (path, size, mtime, inode) of each cache file version whose structure passed the checks in this process -> the
 # feature arrays of it checked since (each on the read that loaded it)
 _VERIFIED: dict[tuple, set[str]] = {}
-
-
-def read_meta(f: h5py.File) -> dict:
-    """The root attributes, plus `backbone_info`: each backbone's attributes by key."""
-    return read_attrs(f) | {"backbone_info": {k: read_attrs(g) for k, g in f["backbones"].items()}}
-
-
-def _read_only(path: Path, missing_fix: str) -> h5py.File:
-    """`path` opened read-only with h5py; a missing file (`missing_fix` says what to do), a folder, a named pipe or a
-    device (never opened: a pipe would hang), or a file that is not HDF5 is one UserError line."""
-    why = not_a_file(path)
-    if why == "does not exist":
-        raise UserError(f"cache {path} does not exist: {missing_fix}")
-    if why:
-        raise UserError(f"cache {path} {why}: pass the path of a cache file (featcache extract prints it)")
-    try:
-        return h5py.File(path, "r")
-    except OSError as e:
-        raise UserError(f"cache {path} is not a readable HDF5 file ({e}); delete it and run `featcache extract` again")
-
-
-def open_cache(path: str | Path) -> h5py.File:
-    """Open a finished cache read-only, refusing files that are not featcache caches of this format."""
-    path = Path(path)
-    f = _read_only(path, "run `featcache extract` first (it prints the cache path)")
-    fmt = plain(f.attrs.get("featcache_format"))
-    if fmt != FORMAT:
-        from .migrate import _MIGRATIONS  # cycle: migrate imports `_read_only` from here
-
-        wrote = plain(f.attrs.get("featcache_version", "an unknown version"))
-        f.close()
-        how = f"run `featcache migrate {path}` to convert it in place, or " if fmt in _MIGRATIONS else ""
-        raise UserError(f"{path} has cache format {fmt!r} (written by featcache {wrote}), this featcache {__version__} "
-                        f"reads format {FORMAT}: {how}re-run `featcache extract` with the same options to rebuild it")
-    return f
 
 
 @dataclass

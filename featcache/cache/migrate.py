@@ -12,9 +12,9 @@ import h5py
 
 from ..atomic import output_errors, sync
 from ..errors import UserError, not_a_file
-from ..extraction.files import locked, remove_own
+from ..files import locked, remove_own
 from .h5 import meta_sha256, objects, plain, read_attrs
-from .load import _read_only
+from .open import MIGRATES, _read_only
 from .write import FORMAT, HEADER, Client, Split, write
 
 
@@ -102,4 +102,4 @@ def _same_arrays(path: Path, old: h5py.File, staged: Path) -> None:
                                 "and re-run `featcache extract`")
 
 
-_MIGRATIONS = {2: _from_format_2}  # format -> converter(old file, new path)
+_MIGRATIONS = dict(zip(MIGRATES, [_from_format_2]))  # format -> converter(old file, new path)

@@ -113,7 +113,7 @@ CTRL_C = _CtrlC()
 
 def _original(e: KeyboardInterrupt) -> KeyboardInterrupt:
     """The KeyboardInterrupt itself: a training run re-raises it as `training.checkpoint.Interrupted`."""
-    checkpoint = sys.modules.get("featcache.training.checkpoint")  # loaded only where training ran
+    checkpoint = sys.modules.get("featcache.runs.checkpoint")  # loaded only where training ran
     stopped = checkpoint is not None and isinstance(e, checkpoint.Interrupted)
     return e.__context__ if stopped and isinstance(e.__context__, KeyboardInterrupt) else e
 
@@ -132,7 +132,7 @@ def _plugin_interrupt(e: KeyboardInterrupt) -> UserError | None:
 
 def _tell_interrupt(e: KeyboardInterrupt) -> None:
     """One line for a Ctrl-C: where a training run stopped and how to resume it (`training.checkpoint.Interrupted`)."""
-    checkpoint = sys.modules.get("featcache.training.checkpoint")  # loaded only where training ran
+    checkpoint = sys.modules.get("featcache.runs.checkpoint")  # loaded only where training ran
     stopped = checkpoint is not None and isinstance(e, checkpoint.Interrupted)
     what = e if stopped else "run the same command again"
     err.print(f"[yellow]interrupted:[/yellow] {escape(str(what))}", highlight=False, soft_wrap=True)

@@ -47,7 +47,7 @@ def train(
     same command resumes from the last checkpoint and skips the algorithms that finished."""
     from ..algorithms import create, load, objective_note  # lazy: `featcache --help` skips the algorithm registry
     from ..training.config import check_clients, scoped  # lazy: `featcache --help` loads no torch
-    from ..training.train import precheck, train as run
+    from ..runs.train import precheck, train as run
 
     algo = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
     twice = sorted({a for a in algo if algo.count(a) > 1})
@@ -137,7 +137,7 @@ def grid(
 ) -> None:
     """Train a hyperparameter grid batched, select on validation, retrain the best, report test accuracy."""
     from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
-    from ..training.grid import grid as run  # lazy: `featcache --help` loads no torch
+    from ..runs.grid import grid as run  # lazy: `featcache --help` loads no torch
 
     algo = load(algo)  # a plug-in spec: registered here, shown by its name
     seed_list = _seeds(seeds)

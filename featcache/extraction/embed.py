@@ -25,7 +25,7 @@ from ..devices import resolve_device
 from ..errors import UserError
 from . import pipeline as P
 from .backbones import create_backbone
-from .files import npy_file, synced
+from ..files import npy_file, synced
 
 Progress = Callable[[str, int, int], None]  # (task label, items done so far, total items)
 

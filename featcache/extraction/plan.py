@@ -33,8 +33,8 @@ from .backbones import check_weights, weights_identity
 from .contents import Contents
 from .datasets import dataset_identity, image_side, keep_dataset, load_dataset
 from .embed import BACKENDS, Block, Progress, Settings
-from .files import DiskFullError, drop_leftover, locked, remove_own, remove_partials, writing
-from .identity import EMBEDDING_CODE, PARTITION_CODE, code_identity, content_key, versions
+from ..files import DiskFullError, drop_leftover, locked, remove_own, remove_partials, writing
+from ..cache.identity import EMBEDDING_CODE, PARTITION_CODE, code_identity, content_key, versions
 from .partition import PartitionSpec, make_partition, partition_counts
 from .partition import _SCHEMES as SCHEMES
 from .pipeline import Noise

@@ -42,7 +42,7 @@ import numpy as np
 from .. import __version__
 from ..cache import h5
 from ..errors import UserError, first_line
-from .files import writing
+from ..files import writing
 
 FORMAT = 1
 MARKER = "featcache_store"  # the root attribute that marks a file as featcache's store; its value is the format

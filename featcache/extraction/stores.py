@@ -21,9 +21,9 @@ import numpy as np
 from ..cache import h5
 from ..cache.write import MARKER as CACHE_MARKER
 from ..errors import UserError, first_line, not_a_file
-from .files import MARKER as MARKER_FILE
-from .files import claim, own, remove_own, remove_unlocked, write_marker
-from .identity import EMBEDDING_CODE, code_identity, content_key, versions
+from ..files import MARKER as MARKER_FILE
+from ..files import claim, own, remove_own, remove_unlocked, write_marker
+from ..cache.identity import EMBEDDING_CODE, code_identity, content_key, versions
 from .store import FORMAT, MARKER, DamagedStore, checked, groups, kind, open_store
 
 QUARANTINE = ".quarantine"  # gc moves damaged stores into this folder of the store folder (a marked folder)

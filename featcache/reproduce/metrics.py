@@ -22,7 +22,7 @@ import torch
 
 from ..algorithms import create
 from ..extraction.backbones import create_backbone
-from ..training.metrics import mean_std
+from ..runs.metrics import mean_std
 from ..results.tables import fmt
 from .analyses import backbone_similarity, probe_match
 

@@ -25,8 +25,8 @@ from ..atomic import check_folder, write_atomic
 from ..errors import UserError, suggest
 from ..extraction.plan import Noise, extract
 from ..provenance import library_call, provenance
-from ..training.grid import grid
-from ..training.train import train
+from ..runs.grid import grid
+from ..runs.train import train
 from .metrics import NEEDS, RESULT_KEYS
 from .plan import DEFAULT_PROFILE, Job, plan
 from .agreement import comparability, rank_agreement

@@ -17,7 +17,7 @@ from ..training.config import resolve
 from ..errors import UserError, suggest
 from ..extraction.partition import PartitionSpec
 from ..extraction.plan import OPTIONS, Noise, check_options, extract
-from ..training.grid import parse_grid
+from ..runs.grid import parse_grid
 from .metrics import METRICS, metric_problem
 
 PAPERS = ("fedpcl", "fedproc", "fedpft")

@@ -1,6 +1,6 @@
 """`featcache plot`: a t-SNE or PCA of the features a trained head learned, per client and class.
 
-Input: a state saved by `featcache train --save-state` (featcache/training/states.py: `NAME.state.safetensors`, tensors
+Input: a state saved by `featcache train --save-state` (featcache/runs/states.py: `NAME.state.safetensors`, tensors
 `params/<name>` and `buffers/<name>` [S, C, ...] for S seeds and C clients, metadata `algo`, `config`, `seeds`,
 `cache_key`, `backbones`) and the cache it was trained on. The learned features are the algorithm's own
 `embed(params, buffers, x)` (the projection network's output that its classifier reads) of each client's model for
@@ -29,9 +29,9 @@ MIN_POINTS = 5  # fewer rows than this make no picture (and no t-SNE)
 # -- the saved state -------------------------------------------------------------------------------------------------
 
 def load_state(path: str | Path) -> tuple[dict, dict]:
-    """(tensors by name, metadata) of a saved state (`featcache.training.states.load_state`), refused in one line unless it
+    """(tensors by name, metadata) of a saved state (`featcache.runs.states.load_state`), refused in one line unless it
     holds the trained heads (`params/` tensors) and metadata of the expected types."""
-    from ..training.states import load_state as read
+    from ..runs.states import load_state as read
 
     tensors, meta = read(path)
     if not (isinstance(meta["config"], dict) and isinstance(meta["seeds"], list) and meta["seeds"]
@@ -185,7 +185,7 @@ METHODS = {"tsne": tsne, "pca": pca}
 
 def default_out(state: str | Path, method: str, split: str) -> Path:
     """NAME.state.safetensors -> NAME.METHOD-SPLIT.png beside it."""
-    from ..training.states import SUFFIX
+    from ..runs.states import SUFFIX
 
     state = Path(state)
     stem = state.name.removesuffix(SUFFIX) if state.name.endswith(SUFFIX) else state.stem

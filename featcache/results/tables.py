@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-from ..training.metrics import CSV_COLUMNS
+from ..runs.metrics import CSV_COLUMNS
 from .load import Run, cache_of, is_number
 
 CSV_TOLERANCE = 0.05  # percentage points: a metrics.csv whose seed means differ more from its result's curve is stale

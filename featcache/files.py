@@ -27,7 +27,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import UserError
+from .errors import UserError
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # no space, quota, file size limit
 

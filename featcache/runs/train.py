@@ -26,17 +26,17 @@ from .. import cache as C
 from ..algorithms import create, plugin_exits
 from ..atomic import check_folder, output_errors, write_together
 from ..devices import resolve_device
-from ..errors import UserError, as_list, as_path
+from ..errors import as_list, as_path
 from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from ..provenance import library_call, provenance
 from ..threads import threaded
 from .states import SUFFIX, state_bytes
 from .checkpoint import Checkpoint, check_every
-from .footprint import fit_at_once
-from .config import check_clients, check_seeds, merge_rounds, resolve
+from ..training.footprint import fit_at_once
+from ..training.config import check_clients, check_seeds, merge_rounds, resolve
 from .names import run_name
-from .engine import Engine, State
-from .guards import NO_TEST_ROWS, check_features, check_split
+from ..training.engine import Engine, State
+from ..training.guards import NO_TEST_ROWS, check_features, check_split
 
 
 def load_split(path, algo, holdout: str = "none", split: str = "train", backbones=None) -> C.ClientData:
@@ -124,7 +124,7 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
 
     The run saves a checkpoint every `checkpoint_every` rounds (None: every ~60 s; 0: never) and on Ctrl-C, which
     raises `checkpoint.Interrupted`; the same call then resumes it, and once finished returns its result without
-    training again (featcache.training.checkpoint). `threads` runs it on that many CPU threads (default: torch's;
+    training again (featcache.runs.checkpoint). `threads` runs it on that many CPU threads (default: torch's;
     featcache/threads.py)."""
     dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device, tensorboard)
     check_every(checkpoint_every)

@@ -34,10 +34,10 @@ from ..memory import available_bytes
 from .metrics import mean_std
 from ..provenance import library_call, provenance
 from ..threads import threaded
-from .config import check, check_clients, check_seeds, merge_rounds, parse_value, resolve, scoped
-from .engine import structural_keys
-from .guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
-from .footprint import check_memory
+from ..training.config import check, check_clients, check_seeds, merge_rounds, parse_value, resolve, scoped
+from ..training.engine import structural_keys
+from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
+from ..training.footprint import check_memory
 from .train import load_split, run_configs, train
 
 BACKENDS = {}

@@ -16,8 +16,9 @@ import json
 from pathlib import Path
 
 from .. import __version__
+from .write import FORMAT
 
-_ROOT = Path(__file__).resolve().parent  # featcache/extraction
+_ROOT = Path(__file__).resolve().parents[1] / "extraction"  # the code whose files key the embeddings
 # the code whose output is an embedding (which pixels, how they are prepared, how a backbone is built and run) ...
 EMBEDDING_CODE = ("pipeline.py", "embed.py", "backbones/*.py", "datasets/*.py")
 # ... and the code that decides which images a client holds
@@ -77,8 +78,6 @@ def versions() -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _versions() -> dict:
-    from ..cache import FORMAT  # cycle: featcache.cache imports this module
-
     out = {"featcache": __version__, "cache_format": FORMAT}
     for dist in ("torch", "torchvision", "timm", "numpy", "pillow"):
         try:

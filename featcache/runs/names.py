@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from .config import ENGINE_SETTINGS, defaults
+from ..training.config import ENGINE_SETTINGS, defaults
 
 MAX_LABEL = 100  # characters before the hash; a longer description is cut (the hash still tells runs apart)
 

@@ -53,13 +53,13 @@ from safetensors.torch import save
 
 from ..atomic import write_atomic
 from ..errors import UserError, not_a_file
-from ..extraction.identity import code_identity, content_key, versions
+from ..cache.identity import code_identity, content_key, versions
 from ..provenance import cpu_model, gpu_name
 
 FORMAT = "2"
 EVERY_SECONDS = 60.0  # the default: a checkpoint at most this often
 PACKAGE = Path(__file__).resolve().parent.parent  # featcache/
-TRAINING_CODE = ("training/*.py", "algorithms/*.py", "cache/*.py")  # what turns a cache into a result
+TRAINING_CODE = ("training/*.py", "algorithms/*.py", "cache/*.py", "runs/*.py")  # what turns a cache into a result
 ALIGN = 64  # bytes: a restored tensor keeps its address modulo this (vector kernels peel unaligned heads)
 ORIGIN = {"run": "another run (algorithm, config, seeds, cache or backbones)", "code": "other featcache or plug-in code",
           "versions": "other library versions", "format": "another checkpoint format",
