@@ -41,18 +41,71 @@ def cli(*args: str) -> dict:
 
 def write(out: Path) -> dict[str, str]:
     data = images(out / "images")
-    cache = cli("extract", "--dataset", "imagefolder", "--data-root", str(data), "--backbone", "test_resnet=random",
-                "--image-size", "32", "--partition", "label", "--clients", "4", "--alpha", "0.5",
-                "--val-fraction", "0.2", "--views", "2", "--out", str(out / "cache"))["cache"]
+    cache = cli(
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(data),
+        "--backbone",
+        "test_resnet=random",
+        "--image-size",
+        "32",
+        "--partition",
+        "label",
+        "--clients",
+        "4",
+        "--alpha",
+        "0.5",
+        "--val-fraction",
+        "0.2",
+        "--views",
+        "2",
+        "--out",
+        str(out / "cache"),
+    )["cache"]
     algos = [a for a in cli("algos")["algorithms"]]
     for algo in algos:
         cli("train", "--cache", cache, "--algo", algo, *TRAIN, "--out", str(out / "train"))
-    cli("grid", "--cache", cache, "--algo", "fedprox", "--grid", "mu=0,0.1", "--grid", "lr=0.01,0.05",
-        "--seeds", "0,1", "--rounds", "3", "--set", "batch_size=16", "--set", "drop_last=false", "--chunk", "3", "--out", str(out / "grid"))
-    cli("reproduce", "pipelines/fedpcl-table2.toml", "--profile", "quick", "--out", str(out / "reproduce"),
-        "--cache", str(out / "cache"))
-    files = sorted(p for folder in ("train", "grid", "reproduce") for p in (out / folder).rglob("*")
-                   if p.is_file() and not p.name.endswith(".timing.json"))  # wall-clock seconds: never the same
+    cli(
+        "grid",
+        "--cache",
+        cache,
+        "--algo",
+        "fedprox",
+        "--grid",
+        "mu=0,0.1",
+        "--grid",
+        "lr=0.01,0.05",
+        "--seeds",
+        "0,1",
+        "--rounds",
+        "3",
+        "--set",
+        "batch_size=16",
+        "--set",
+        "drop_last=false",
+        "--chunk",
+        "3",
+        "--out",
+        str(out / "grid"),
+    )
+    cli(
+        "reproduce",
+        "pipelines/fedpcl-table2.toml",
+        "--profile",
+        "quick",
+        "--out",
+        str(out / "reproduce"),
+        "--cache",
+        str(out / "cache"),
+    )
+    files = sorted(
+        p
+        for folder in ("train", "grid", "reproduce")
+        for p in (out / folder).rglob("*")
+        if p.is_file() and not p.name.endswith(".timing.json")
+    )  # wall-clock seconds: never the same
     return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 

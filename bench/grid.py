@@ -102,15 +102,25 @@ def main() -> None:
         return time.perf_counter() - t0
 
     Engine(algo, configs(base, 2), train, test, args.device).run()  # warm-up (first-call imports, allocator)
-    out = {"algo": args.algo, "rounds": args.rounds, "clients": 5, "device": args.device,
-           "threads": torch.get_num_threads(), "mm_gflops": round(mm_gflops(args.device), 1), "grids": []}
+    out = {
+        "algo": args.algo,
+        "rounds": args.rounds,
+        "clients": 5,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "mm_gflops": round(mm_gflops(args.device), 1),
+        "grids": [],
+    }
     for H in (int(s) for s in args.sizes.split(",")):
         cfgs = configs(base, H)
         batched = timed(lambda: Engine(create(args.algo), cfgs, train, test, args.device).run())
         eager = {}
         if args.device.startswith("cuda"):  # the same batched run with eager local steps (no CUDA graphs)
-            eager = {"batched_eager_seconds": round(timed(
-                lambda: Engine(create(args.algo), cfgs, train, test, args.device, capture="off").run()), 3)}
+            eager = {
+                "batched_eager_seconds": round(
+                    timed(lambda: Engine(create(args.algo), cfgs, train, test, args.device, capture="off").run()), 3
+                )
+            }
         n_seq = min(H, 16)
         t0 = time.perf_counter()
         for c in cfgs[:n_seq]:
@@ -118,13 +128,21 @@ def main() -> None:
         sync()
         sequential = (time.perf_counter() - t0) * H / n_seq
         gflops = train_flops(base, train, test, H) / batched / 1e9
-        out["grids"].append({
-            "H": H, "batched_seconds": round(batched, 3), **eager, "sequential_seconds": round(sequential, 3),
-            "sequential_measured_configs": n_seq, "speedup": round(sequential / batched, 2),
-            "target_speedup": round(0.5 * H, 1), "batched_gflops": round(gflops, 2),
-            "fraction_of_mm": round(gflops / out["mm_gflops"], 3), "target_fraction_of_mm": 0.4,
-            "optimizer_step": optimizer_step(args.algo, cfgs, train, test, args.device),
-        })
+        out["grids"].append(
+            {
+                "H": H,
+                "batched_seconds": round(batched, 3),
+                **eager,
+                "sequential_seconds": round(sequential, 3),
+                "sequential_measured_configs": n_seq,
+                "speedup": round(sequential / batched, 2),
+                "target_speedup": round(0.5 * H, 1),
+                "batched_gflops": round(gflops, 2),
+                "fraction_of_mm": round(gflops / out["mm_gflops"], 3),
+                "target_fraction_of_mm": 0.4,
+                "optimizer_step": optimizer_step(args.algo, cfgs, train, test, args.device),
+            }
+        )
     print(json.dumps(out, indent=1))
 
 

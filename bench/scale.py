@@ -48,8 +48,9 @@ TARGETS = {"round_ratio_p0.1_C1000": 0.15, "peak_gib_C1000": 3.0, "demo_round_ov
 
 
 def config(algo, C: int, p: float, rounds: int, eval_every: int | None = None) -> dict:
-    return resolve(algo, {"rounds": rounds, "eval_every": eval_every or rounds, "participation": p,
-                          "batch_size": BATCH})
+    return resolve(
+        algo, {"rounds": rounds, "eval_every": eval_every or rounds, "participation": p, "batch_size": BATCH}
+    )
 
 
 def vm(field: str) -> int:
@@ -58,8 +59,15 @@ def vm(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def run_case(name: str, C: int, p: float, rounds: int, at_once: int | None = None, eval_every: int | None = None,
-             reuse: bool = True) -> dict:
+def run_case(
+    name: str,
+    C: int,
+    p: float,
+    rounds: int,
+    at_once: int | None = None,
+    eval_every: int | None = None,
+    reuse: bool = True,
+) -> dict:
     """One case in this (fresh) process: seconds per round, evaluation seconds (all evaluations, and per
     evaluation), peak RSS. `reuse=False` scores every client at every evaluation even where predict is personal."""
     torch.set_num_threads(torch.get_num_threads())
@@ -73,16 +81,22 @@ def run_case(name: str, C: int, p: float, rounds: int, at_once: int | None = Non
     raw = Engine(algo, [config(algo, C, p, rounds, eval_every)], train, test, at_once=at_once).run()
     wall = time.perf_counter() - t0
     times, evals = raw["round_seconds"], len(raw["eval_rounds"])
-    return {"round_seconds": [round(t, 4) for t in times], "seconds_per_round": round(statistics.median(times[1:]), 4),
-            "eval_seconds": round(wall - sum(times), 4), "seconds_per_evaluation": round((wall - sum(times)) / evals, 4),
-            "peak_rss_bytes": vm("VmHWM"), "process_bytes": base}
+    return {
+        "round_seconds": [round(t, 4) for t in times],
+        "seconds_per_round": round(statistics.median(times[1:]), 4),
+        "eval_seconds": round(wall - sum(times), 4),
+        "seconds_per_evaluation": round((wall - sum(times)) / evals, 4),
+        "peak_rss_bytes": vm("VmHWM"),
+        "process_bytes": base,
+    }
 
 
 def fresh_case(spec: str, rounds: int) -> dict:
     """`run_case` for `spec` (algo:C:p:at_once[:eval_every:reuse]) in a fresh process: its figures, or {"failed":
     [its last line of stderr]}."""
-    done = subprocess.run([sys.executable, __file__, "--case", spec, "--rounds", str(rounds)], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [sys.executable, __file__, "--case", spec, "--rounds", str(rounds)], capture_output=True, text=True
+    )
     return {"failed": done.stderr.strip().splitlines()[-1:]} if done.returncode else json.loads(done.stdout)
 
 
@@ -91,11 +105,18 @@ def evaluation_cases(C: int, rounds: int) -> list[dict]:
     clients that did not train keep their figures over those when every client is scored again, each in a fresh
     process."""
     out = {reuse: fresh_case(f"fedpcl:{C}:0.1:0:1:{int(reuse)}", rounds) for reuse in (True, False)}
-    case = {"algo": "fedpcl", "clients": C, "participation": 0.1, "eval_every": 1,
-            "reused": out[True], "every_client": out[False]}
+    case = {
+        "algo": "fedpcl",
+        "clients": C,
+        "participation": 0.1,
+        "eval_every": 1,
+        "reused": out[True],
+        "every_client": out[False],
+    }
     if "seconds_per_evaluation" in out[True] and "seconds_per_evaluation" in out[False]:
-        case["evaluation_reused_over_every_client"] = round(out[True]["seconds_per_evaluation"]
-                                                            / out[False]["seconds_per_evaluation"], 3)
+        case["evaluation_reused_over_every_client"] = round(
+            out[True]["seconds_per_evaluation"] / out[False]["seconds_per_evaluation"], 3
+        )
     print(json.dumps({k: v for k, v in case.items() if k not in ("reused", "every_client")}), file=sys.stderr)
     return [case]
 
@@ -106,8 +127,9 @@ def shapes(C: int, n: int) -> ClientData:
     return ClientData(meta(C, n, D), meta(C, n, dtype=torch.int64), meta(C, dtype=torch.int64), K)
 
 
-def scale_cases(clients: list[int], rounds: int, limit: int, process: int, every_client: bool,
-                budget: int) -> list[dict]:
+def scale_cases(
+    clients: list[int], rounds: int, limit: int, process: int, every_client: bool, budget: int
+) -> list[dict]:
     """Every (algorithm, C, p) case, each in a fresh process unless its estimate exceeds `limit` bytes (with
     `every_client` the estimate with all C clients training); `process`: the RSS of an interpreter with these
     imports (this one's, before any work), added to each estimate. A p = 1.0 case estimated above `budget` bytes
@@ -121,8 +143,14 @@ def scale_cases(clients: list[int], rounds: int, limit: int, process: int, every
             runs = [(p, None) for p in (1.0, 0.1) + ((0.01,) if C >= 10_000 else ())]
             every = config(algo, C, 1.0, rounds)
             try:
-                at_once = fit_at_once(algo, every, 1, train, torch.device("cpu"),
-                                      avail=budget - process - estimate(algo, every, train, test).data)
+                at_once = fit_at_once(
+                    algo,
+                    every,
+                    1,
+                    train,
+                    torch.device("cpu"),
+                    avail=budget - process - estimate(algo, every, train, test).data,
+                )
             except UserError:  # the clients' state alone exceeds the budget
                 at_once = None
             if at_once:
@@ -132,15 +160,25 @@ def scale_cases(clients: list[int], rounds: int, limit: int, process: int, every
                 est = estimate(algo, cfg, train, test, at_once=at_once)
                 est_all = estimate(algo, cfg, train, test, P=C)
                 need, need_all = process + est.total(), process + est_all.total()
-                case = {"algo": name, "clients": C, "participation": p, "participants": est.participants,
-                        "at_once": at_once or est.participants,
-                        "estimate_bytes": need, "estimate_every_client_trains_bytes": need_all,
-                        "estimate_parts": {"process": process, "state": est.state, "training": est.training,
-                                           "evaluation": est.evaluation, "data": est.data}}
+                case = {
+                    "algo": name,
+                    "clients": C,
+                    "participation": p,
+                    "participants": est.participants,
+                    "at_once": at_once or est.participants,
+                    "estimate_bytes": need,
+                    "estimate_every_client_trains_bytes": need_all,
+                    "estimate_parts": {
+                        "process": process,
+                        "state": est.state,
+                        "training": est.training,
+                        "evaluation": est.evaluation,
+                        "data": est.data,
+                    },
+                }
                 judged = need_all if every_client else need
                 if judged > limit:
-                    case["skipped"] = (f"estimate {judged / 2**30:.1f} GiB exceeds the {limit / 2**30:.1f} GiB "
-                                       "available")
+                    case["skipped"] = f"estimate {judged / 2**30:.1f} GiB exceeds the {limit / 2**30:.1f} GiB available"
                 else:
                     case |= fresh_case(f"{name}:{C}:{p}:{at_once or 0}", rounds)
                     if "failed" not in case:
@@ -150,8 +188,9 @@ def scale_cases(clients: list[int], rounds: int, limit: int, process: int, every
                 if p == 1.0 and at_once is None:
                     full = case
                 elif full and "seconds_per_round" in case and "seconds_per_round" in full:
-                    case["round_over_full_participation"] = round(case["seconds_per_round"]
-                                                                  / full["seconds_per_round"], 3)
+                    case["round_over_full_participation"] = round(
+                        case["seconds_per_round"] / full["seconds_per_round"], 3
+                    )
                 print(json.dumps({k: v for k, v in case.items() if k != "estimate_parts"}), file=sys.stderr)
                 out.append(case)
     return out
@@ -204,13 +243,21 @@ def demo_round(rounds: int, repeats: int = 3) -> dict:
         record(engine.algo, engine.state, engine.train, engine.test, engine.last_round, raw["train_loss"][0])
     flops, ev = total.get_total_flops(), evaluation.get_total_flops()
     ratio = per_round / mm
-    return {"clients": 4, "feature_dim": 3840, "rounds": rounds, "seconds_per_round": round(per_round, 4),
-            "matmul_seconds_per_round": round(mm, 4), "round_over_matmul": round(ratio, 2),
-            "round_over_matmul_each": [round(r / m, 2) for r, m in zip(round_s, mm_s)],
-            "target_round_over_matmul": TARGETS["demo_round_over_matmul"],
-            "pass_round_over_matmul": ratio <= TARGETS["demo_round_over_matmul"], "aten_ops_per_round": ops,
-            "gflop_per_round": round(flops / 1e9, 3), "gflop_training": round((flops - ev) / 1e9, 3),
-            "gflop_evaluation": round(ev / 1e9, 3)}
+    return {
+        "clients": 4,
+        "feature_dim": 3840,
+        "rounds": rounds,
+        "seconds_per_round": round(per_round, 4),
+        "matmul_seconds_per_round": round(mm, 4),
+        "round_over_matmul": round(ratio, 2),
+        "round_over_matmul_each": [round(r / m, 2) for r, m in zip(round_s, mm_s)],
+        "target_round_over_matmul": TARGETS["demo_round_over_matmul"],
+        "pass_round_over_matmul": ratio <= TARGETS["demo_round_over_matmul"],
+        "aten_ops_per_round": ops,
+        "gflop_per_round": round(flops / 1e9, 3),
+        "gflop_training": round((flops - ev) / 1e9, 3),
+        "gflop_evaluation": round(ev / 1e9, 3),
+    }
 
 
 def verdicts(cases: list[dict]) -> dict:
@@ -221,21 +268,34 @@ def verdicts(cases: list[dict]) -> dict:
     for name in ("fedavg", "fedpcl"):
         c = at.get((name, 1000, 0.1), {})
         r = c.get("round_over_full_participation")
-        out[f"{name}_round_ratio_p0.1_C1000"] = {"value": r, "target": TARGETS["round_ratio_p0.1_C1000"],
-                                                 "pass": None if r is None else r <= TARGETS["round_ratio_p0.1_C1000"]}
-        for label, c in (("p1.0_sliced", sliced.get((name, 1000), {})), ("p1.0", at.get((name, 1000, 1.0), {})),
-                         ("p0.1", at.get((name, 1000, 0.1), {}))):
+        out[f"{name}_round_ratio_p0.1_C1000"] = {
+            "value": r,
+            "target": TARGETS["round_ratio_p0.1_C1000"],
+            "pass": None if r is None else r <= TARGETS["round_ratio_p0.1_C1000"],
+        }
+        for label, c in (
+            ("p1.0_sliced", sliced.get((name, 1000), {})),
+            ("p1.0", at.get((name, 1000, 1.0), {})),
+            ("p0.1", at.get((name, 1000, 0.1), {})),
+        ):
             peak = round(c["peak_rss_bytes"] / 2**30, 2) if "peak_rss_bytes" in c else None
-            out[f"{name}_peak_gib_C1000_{label}"] = {"value": peak, "target": TARGETS["peak_gib_C1000"],
-                                                     "pass": None if peak is None else peak <= TARGETS["peak_gib_C1000"]}
+            out[f"{name}_peak_gib_C1000_{label}"] = {
+                "value": peak,
+                "target": TARGETS["peak_gib_C1000"],
+                "pass": None if peak is None else peak <= TARGETS["peak_gib_C1000"],
+            }
         c = at.get((name, 10_000, 0.01), {})
         out[f"{name}_runs_C10000_p0.01"] = {"pass": "seconds_per_round" in c if c else None}
     ratios = [c["estimate_over_peak"] for c in cases if "estimate_over_peak" in c]
-    out["estimate_within_25pct"] = {"values": ratios, "pass": all(0.75 <= r <= 1.25 for r in ratios) if ratios
-                                    else None}
+    out["estimate_within_25pct"] = {
+        "values": ratios,
+        "pass": all(0.75 <= r <= 1.25 for r in ratios) if ratios else None,
+    }
     ratios = [c["estimate_every_client_trains_over_peak"] for c in cases if "estimate_over_peak" in c]
-    out["estimate_every_client_trains_within_25pct"] = {"values": ratios, "pass": all(0.75 <= r <= 1.25 for r in ratios)
-                                                       if ratios else None}
+    out["estimate_every_client_trains_within_25pct"] = {
+        "values": ratios,
+        "pass": all(0.75 <= r <= 1.25 for r in ratios) if ratios else None,
+    }
     return out
 
 
@@ -245,10 +305,18 @@ def main() -> None:
     ap.add_argument("--clients", default="100,1000,10000")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per case: one warm-up, the median of the rest")
     ap.add_argument("--max-gb", type=float, default=None, help="skip cases estimated above this (default: available)")
-    ap.add_argument("--budget-gb", type=float, default=TARGETS["peak_gib_C1000"],
-                    help="run p = 1.0 cases estimated above this again in slices that fit it")
-    ap.add_argument("--skip-by", choices=("participants", "every-client"), default="participants",
-                    help="judge a case by the estimate with P participants training, or with all C clients")
+    ap.add_argument(
+        "--budget-gb",
+        type=float,
+        default=TARGETS["peak_gib_C1000"],
+        help="run p = 1.0 cases estimated above this again in slices that fit it",
+    )
+    ap.add_argument(
+        "--skip-by",
+        choices=("participants", "every-client"),
+        default="participants",
+        help="judge a case by the estimate with P participants training, or with all C clients",
+    )
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # algo:C:p:at_once[:eval_every:reuse]
     args = ap.parse_args()
     process = vm("VmRSS")  # an interpreter with the imports a case runs with, before any work
@@ -266,11 +334,29 @@ def main() -> None:
     evaluation = evaluation_cases(1000 if 1000 in clients else max(clients), rounds)
     demo = demo_round(2 if args.quick else 5)
     load.append(os.getloadavg()[0])
-    print(json.dumps({"feature_dim": D, "classes": K, "train_rows": N_TRAIN, "test_rows": N_TEST, "batch_size": BATCH,
-                      "rounds": rounds, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                      "available_gb": round(avail / 2**30, 1), "limit_gb": round(limit / 2**30, 1),
-                      "load_1min": load, "process_gb": round(process / 2**30, 2), "cases": cases, "evaluation": evaluation, "demo": demo,
-                      "targets": verdicts(cases)}, indent=1))
+    print(
+        json.dumps(
+            {
+                "feature_dim": D,
+                "classes": K,
+                "train_rows": N_TRAIN,
+                "test_rows": N_TEST,
+                "batch_size": BATCH,
+                "rounds": rounds,
+                "threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(),
+                "available_gb": round(avail / 2**30, 1),
+                "limit_gb": round(limit / 2**30, 1),
+                "load_1min": load,
+                "process_gb": round(process / 2**30, 2),
+                "cases": cases,
+                "evaluation": evaluation,
+                "demo": demo,
+                "targets": verdicts(cases),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

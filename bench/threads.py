@@ -84,18 +84,20 @@ def phase(procs: dict[str, subprocess.Popen], repeats: int) -> dict:
     runs, ops = {name: [] for name in procs}, {name: [] for name in procs}
     names = list(procs)
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             runs[name].append(ask(procs[name], "round"))
             ops[name].append(ask(procs[name], "op"))
     load.append(os.getloadavg()[0])
     median = {name: statistics.median(t) for name, t in runs.items()}
-    return {"seconds_per_round": {k: round(v, 4) for k, v in median.items()},
-            "microseconds_per_op": {k: round(statistics.median(v), 1) for k, v in ops.items()},
-            "all_seconds_per_round": {k: [round(t, 4) for t in v] for k, v in runs.items()},
-            "policy_over_one_thread": round(median["policy"] / median["one_thread"], 3),
-            "openmp_default_over_one_thread": round(median["openmp_default"] / median["one_thread"], 3),
-            "policy_over_openmp_default": round(median["policy"] / median["openmp_default"], 3),
-            "load_1min": [round(x, 2) for x in load]}
+    return {
+        "seconds_per_round": {k: round(v, 4) for k, v in median.items()},
+        "microseconds_per_op": {k: round(statistics.median(v), 1) for k, v in ops.items()},
+        "all_seconds_per_round": {k: [round(t, 4) for t in v] for k, v in runs.items()},
+        "policy_over_one_thread": round(median["policy"] / median["one_thread"], 3),
+        "openmp_default_over_one_thread": round(median["openmp_default"] / median["one_thread"], 3),
+        "policy_over_openmp_default": round(median["policy"] / median["openmp_default"], 3),
+        "load_1min": [round(x, 2) for x in load],
+    }
 
 
 def main() -> None:
@@ -112,8 +114,7 @@ def main() -> None:
     for name, (env, threads) in contenders().items():
         argv = [sys.executable, __file__, "--child", "--rounds", str(args.rounds)]
         argv += ["--threads", str(threads)] if threads is not None else []
-        procs[name] = subprocess.Popen(argv, env=base | env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       text=True)
+        procs[name] = subprocess.Popen(argv, env=base | env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     for name, p in procs.items():
         told[name] = json.loads(p.stdout.readline())
     report = {"cores": os.cpu_count(), "rounds": args.rounds, "repeats": args.repeats, "contenders": told}
@@ -132,9 +133,11 @@ def main() -> None:
             p.wait()
     busy_ratio = report["one_core_busy"]["policy_over_one_thread"]
     idle_ratio = report["as_is"]["policy_over_openmp_default"]
-    report |= {"targets": TARGETS,
-               "pass_busy_policy_over_one_thread": busy_ratio <= TARGETS["busy_policy_over_one_thread"],
-               "pass_as_is_policy_over_openmp_default": idle_ratio <= TARGETS["as_is_policy_over_openmp_default"]}
+    report |= {
+        "targets": TARGETS,
+        "pass_busy_policy_over_one_thread": busy_ratio <= TARGETS["busy_policy_over_one_thread"],
+        "pass_as_is_policy_over_openmp_default": idle_ratio <= TARGETS["as_is_policy_over_openmp_default"],
+    }
     print(json.dumps(report, indent=1))
 
 

@@ -7,9 +7,9 @@ freed); the medians are compared. On a GPU
 (`--device cuda`) the engine also runs with its local steps eager instead of captured as CUDA graphs, and a profiled
 run gives the share of the round the GPU is busy.
 
-The plain loop is featcache.testing.plain_loop (one Python iteration per client and minibatch, torch.optim). The official
-pattern's round time = (images it pushes through the backbones per round) / (measured images/s of three ResNet18s on
-real 64x64 batches in this run) + the head's own time; backbone throughput is measured here, not assumed.
+The plain loop is featcache.testing.plain_loop (one Python iteration per client and minibatch, torch.optim). The
+official pattern's round time = (images it pushes through the backbones per round) / (measured images/s of three
+ResNet18s on real 64x64 batches in this run) + the head's own time; backbone throughput is measured here, not assumed.
 """
 
 from __future__ import annotations
@@ -73,8 +73,10 @@ def main() -> None:
 
     Engine(algo, [resolve(algo, {"rounds": 1})], train, test, dev).run()  # warm-up: first-call dispatch, allocator
     # logs=False: test accuracy per round, as the plain loop computes (no train accuracy, loss or global model)
-    contenders = {"vectorized": lambda: Engine(algo, [cfg], train, test, dev).run(logs=False),
-                  "plain_loop": lambda: plain_loop(create(args.algo), cfg, train, test, dev)}
+    contenders = {
+        "vectorized": lambda: Engine(algo, [cfg], train, test, dev).run(logs=False),
+        "plain_loop": lambda: plain_loop(create(args.algo), cfg, train, test, dev),
+    }
     if cuda:  # the same engine with its local steps run eagerly, not replayed from CUDA graphs
         contenders["vectorized_eager"] = lambda: Engine(algo, [cfg], train, test, dev, capture="off").run(logs=False)
     runs = {k: [] for k in contenders}
@@ -88,18 +90,37 @@ def main() -> None:
     n_train, n_test = int(train.counts.sum()), int(test.counts.sum())
     images_per_round = n_train * cfg["local_epochs"] + n_train + n_test  # batches + prototype pass + test batches
     official = images_per_round / ips + loop
-    print(json.dumps({
-        "algo": args.algo, "device": dev, "clients": args.clients, "feature_dim": args.dim, "rounds": args.rounds,
-        "threads": torch.get_num_threads(), "repeats": args.repeats,
-        "all_seconds_per_round": {k: [round(t, 4) for t in v] for k, v in runs.items()},
-        "seconds_per_round": {"vectorized": round(vec, 5), "plain_loop": round(loop, 5),
-                              "official_pattern": round(official, 3)},
-        "backbone_images_per_second_3xresnet18_64px": round(ips, 1),
-        "official_images_per_round": images_per_round,
-        "ratio_plain_over_vectorized": round(loop / vec, 2), "target_plain_over_vectorized": 5,
-        "ratio_official_over_cache": round(official / vec, 1), "target_official_over_cache": 200,
-    } | (gpu_figures(runs, lambda: Engine(algo, [cfg], train, test, dev).run(logs=False), args.rounds) if cuda
-         else {}), indent=1))
+    print(
+        json.dumps(
+            {
+                "algo": args.algo,
+                "device": dev,
+                "clients": args.clients,
+                "feature_dim": args.dim,
+                "rounds": args.rounds,
+                "threads": torch.get_num_threads(),
+                "repeats": args.repeats,
+                "all_seconds_per_round": {k: [round(t, 4) for t in v] for k, v in runs.items()},
+                "seconds_per_round": {
+                    "vectorized": round(vec, 5),
+                    "plain_loop": round(loop, 5),
+                    "official_pattern": round(official, 3),
+                },
+                "backbone_images_per_second_3xresnet18_64px": round(ips, 1),
+                "official_images_per_round": images_per_round,
+                "ratio_plain_over_vectorized": round(loop / vec, 2),
+                "target_plain_over_vectorized": 5,
+                "ratio_official_over_cache": round(official / vec, 1),
+                "target_official_over_cache": 200,
+            }
+            | (
+                gpu_figures(runs, lambda: Engine(algo, [cfg], train, test, dev).run(logs=False), args.rounds)
+                if cuda
+                else {}
+            ),
+            indent=1,
+        )
+    )
 
 
 def gpu_figures(runs: dict, run, rounds: int) -> dict:
@@ -117,9 +138,15 @@ def gpu_figures(runs: dict, run, rounds: int) -> dict:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6  # seconds
     vec, eager = statistics.median(runs["vectorized"]), statistics.median(runs["vectorized_eager"])
-    return {"round_ms": round(vec * 1e3, 3), "target_round_ms": 5, "round_ms_eager": round(eager * 1e3, 3),
-            "ratio_eager_over_captured": round(eager / vec, 2), "kernels_per_round": len(kernels) // rounds,
-            "gpu_busy_fraction": round(busy / wall, 3), "target_gpu_busy_fraction": 0.5}
+    return {
+        "round_ms": round(vec * 1e3, 3),
+        "target_round_ms": 5,
+        "round_ms_eager": round(eager * 1e3, 3),
+        "ratio_eager_over_captured": round(eager / vec, 2),
+        "kernels_per_round": len(kernels) // rounds,
+        "gpu_busy_fraction": round(busy / wall, 3),
+        "target_gpu_busy_fraction": 0.5,
+    }
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s#]+)(#[^)\s]*)?(\))")
 def on_files(files, config):
     root = Path(config["config_file_path"]).parent
     for path in ASSETS:
-        files.append(File(path, src_dir=str(root), dest_dir=config["site_dir"],
-                          use_directory_urls=config["use_directory_urls"]))
+        files.append(
+            File(path, src_dir=str(root), dest_dir=config["site_dir"], use_directory_urls=config["use_directory_urls"])
+        )
     return files
 
 

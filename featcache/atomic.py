@@ -1,8 +1,8 @@
 """Atomic file writes for results: a reader sees the old file or the new one, never a half-written one.
 
-The text (or bytes) goes to `.NAME.PID.tmp` beside the target and is renamed over it. A failed write removes its temporary; a
-writer killed outright (kill -9, power loss) cannot, so the next writer of the same file removes the temporaries of
-processes that no longer exist.
+The text (or bytes) goes to `.NAME.PID.tmp` beside the target and is renamed over it. A failed write removes its
+temporary; a writer killed outright (kill -9, power loss) cannot, so the next writer of the same file removes the
+temporaries of processes that no longer exist.
 
 One output layer for every command that writes results (`train`, `grid`, `report`, `reproduce`): `check_folder`
 refuses an unusable `--out` before any work starts, and `output_errors` turns the OS errors of creating a folder or
@@ -71,12 +71,16 @@ def check_names(path: str | Path, flag: str = "--out") -> None:
         size = len(os.fsencode(name))
         if size > limits["PC_NAME_MAX"]:
             shown = name if len(name) <= 40 else f"{name[:40]}..."
-            raise UserError(f"{flag}: the name {shown!r} is {size} bytes, over the file system's limit of "
-                            f"{limits['PC_NAME_MAX']}: pass a shorter {flag}")
+            raise UserError(
+                f"{flag}: the name {shown!r} is {size} bytes, over the file system's limit of "
+                f"{limits['PC_NAME_MAX']}: pass a shorter {flag}"
+            )
     size = len(os.fsencode(os.path.abspath(path)))
     if size >= limits["PC_PATH_MAX"]:
-        raise UserError(f"{flag}: the path is {size} bytes, over the file system's limit of {limits['PC_PATH_MAX']}: "
-                        f"pass a shorter {flag}")
+        raise UserError(
+            f"{flag}: the path is {size} bytes, over the file system's limit of {limits['PC_PATH_MAX']}: "
+            f"pass a shorter {flag}"
+        )
 
 
 def check_folder(folder: str | Path, flag: str = "--out") -> None:
@@ -95,8 +99,9 @@ def check_folder(folder: str | Path, flag: str = "--out") -> None:
         where = "is a file" if probe == folder else f"is below the file {probe}"
         raise UserError(f"{flag} {folder} {where}, not a folder: pass {flag} a folder path")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {folder}: {probe} is not writable (permission denied): pass {flag} a folder you "
-                        "can write to")
+        raise UserError(
+            f"{flag} {folder}: {probe} is not writable (permission denied): pass {flag} a folder you can write to"
+        )
 
 
 def make_folder(folder: str | Path) -> Path:

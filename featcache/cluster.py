@@ -24,8 +24,10 @@ def ray_module():
         try:
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
         except ConnectionError as e:  # something answers there, but not a Ray cluster (or not this Ray's version)
-            raise UserError(f"RAY_ADDRESS={address}: cannot join a Ray cluster there ({first_line(e)}): start it "
-                            "(ray start --head) or fix or unset RAY_ADDRESS") from None
+            raise UserError(
+                f"RAY_ADDRESS={address}: cannot join a Ray cluster there ({first_line(e)}): start it "
+                "(ray start --head) or fix or unset RAY_ADDRESS"
+            ) from None
     return ray
 
 
@@ -42,5 +44,7 @@ def check_answers(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
             pass
     except OSError as e:  # unknown host, refused, unreachable, timed out
         reason = e.strerror or str(e) or type(e).__name__
-        raise UserError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({reason}; waited up to {timeout:g} s): "
-                        "start it (ray start --head) or fix or unset RAY_ADDRESS") from None
+        raise UserError(
+            f"RAY_ADDRESS={address}: no Ray cluster answers there ({reason}; waited up to {timeout:g} s): "
+            "start it (ray start --head) or fix or unset RAY_ADDRESS"
+        ) from None

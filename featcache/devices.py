@@ -30,6 +30,8 @@ def resolve_device(name: str | torch.device) -> torch.device:
         raise UserError(f"--device {name} asked for but CUDA is not available: use --device cpu or auto")
     index, count = found.group(1), torch.cuda.device_count()
     if index is not None and int(index) >= count:
-        raise UserError(f"--device {name} asked for but this machine has {count} CUDA device(s), "
-                        f"cuda:0 to cuda:{count - 1}: pick one of those, or --device cuda")
+        raise UserError(
+            f"--device {name} asked for but this machine has {count} CUDA device(s), "
+            f"cuda:0 to cuda:{count - 1}: pick one of those, or --device cuda"
+        )
     return torch.device(text)

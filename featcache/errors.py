@@ -49,8 +49,13 @@ def as_list(value, name: str, kind: type | tuple[type, ...] = str) -> list | Non
     raise UserError(f"{name} must be a {what} or a list of them, not {type(value).__name__} {value!r}")
 
 
-_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+_KINDS = {
+    stat.S_IFDIR: "a folder",
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def not_a_file(path: str | Path) -> str | None:

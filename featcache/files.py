@@ -48,17 +48,24 @@ def writing(target: Path) -> Iterator[None]:
         if code not in _DISK_FULL:
             raise
         if code == errno.EFBIG:
-            raise DiskFullError(f"file size limit reached while writing {target} ({os.strerror(code)}, ulimit -f): "
-                                "raise the limit and run the same command again; finished blocks are kept and "
-                                "resumed") from None
-        raise DiskFullError(f"disk full while writing {target} ({os.strerror(code)}): free space and run the same "
-                            "command again; finished blocks are kept and resumed") from None
+            raise DiskFullError(
+                f"file size limit reached while writing {target} ({os.strerror(code)}, ulimit -f): "
+                "raise the limit and run the same command again; finished blocks are kept and "
+                "resumed"
+            ) from None
+        raise DiskFullError(
+            f"disk full while writing {target} ({os.strerror(code)}): free space and run the same "
+            "command again; finished blocks are kept and resumed"
+        ) from None
 
 
 MARKER = "featcache.json"  # in every folder featcache stages work in: the proof that the folder is its own
 # kind -> what featcache keeps in a folder of that kind (for the line that refuses a user's folder of the same name)
-KINDS = {"parts": "keeps the finished blocks of a store's fill", "migrating": "stages a cache's migration",
-         "quarantine": "moves damaged stores aside"}
+KINDS = {
+    "parts": "keeps the finished blocks of a store's fill",
+    "migrating": "stages a cache's migration",
+    "quarantine": "moves damaged stores aside",
+}
 CLAIM_WAIT = 2.0  # seconds to wait for the marker of a folder another featcache process has just created
 
 
@@ -105,9 +112,11 @@ def claim(folder: Path, kind: str) -> None:
                 time.sleep(0.01)
                 continue
             if own(folder, kind) is None:  # looked again: its maker may have marked and used it between our looks
-                raise UserError(f"{folder} is in the way: featcache {KINDS[kind]} in a folder of that name, and this "
-                                f"one is not featcache's (it lacks featcache's marker {MARKER}); move or rename it, "
-                                "then run the same command again") from None
+                raise UserError(
+                    f"{folder} is in the way: featcache {KINDS[kind]} in a folder of that name, and this "
+                    f"one is not featcache's (it lacks featcache's marker {MARKER}); move or rename it, "
+                    "then run the same command again"
+                ) from None
             return
         try:
             write_marker(folder, {"kind": kind})

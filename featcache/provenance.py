@@ -49,8 +49,9 @@ def git_commit() -> str | None:
     if not (root / ".git").exists():
         return None
     try:
-        run = lambda *args: subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                                           timeout=10, check=True).stdout.strip()
+        run = lambda *args: subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
         sha = run("rev-parse", "HEAD")
         dirty = bool(run("status", "--porcelain", "--untracked-files=no", "--", "featcache"))
         return f"{sha}-dirty" if dirty else sha or None

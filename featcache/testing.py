@@ -3,10 +3,10 @@
 The vectorized engine trains every client of every configuration in one vmapped step; `plain_loop` trains each
 client alone, one Python iteration per client and minibatch, with torch.optim on ordinary leaf tensors and autograd
 (no vmap, no stacking, no masks beyond the real batch rows; torch.nn.utils.clip_grad_norm_ where a group clips; one
-optimizer per client for the whole run where the algorithm keeps optimizer state). It borrows only the algorithm's per-client local loss,
-its server hooks (run as the engine runs them) and the engine's batch order (a pure function of seed, round, epoch,
-client). An algorithm whose hooks treat each client as its own model gets the same accuracies and parameters from
-both; `assert_matches_plain_loop` says so, or names the first parameter that differs:
+optimizer per client for the whole run where the algorithm keeps optimizer state). It borrows only the algorithm's
+per-client local loss, its server hooks (run as the engine runs them) and the engine's batch order (a pure function of
+seed, round, epoch, client). An algorithm whose hooks treat each client as its own model gets the same accuracies and
+parameters from both; `assert_matches_plain_loop` says so, or names the first parameter that differs:
 
     from featcache.testing import assert_matches_plain_loop
     assert_matches_plain_loop("path/to/my_algo.py:MyAlgo")     # or a registered name, a class, an instance
@@ -37,8 +37,15 @@ from .training.engine import Engine
 from .training.schedule import batch_order, participation
 
 
-def synthetic_clients(C: int = 4, n: tuple[int, int] = (30, 60), D: int = 16, K: int = 5, seed: int = 0,
-                      spread: float = 1.0, views: int = 0) -> ClientData:
+def synthetic_clients(
+    C: int = 4,
+    n: tuple[int, int] = (30, 60),
+    D: int = 16,
+    K: int = 5,
+    seed: int = 0,
+    spread: float = 1.0,
+    views: int = 0,
+) -> ClientData:
     centres = torch.randn(K, D, generator=torch.Generator().manual_seed(1234)) * 2  # same classes for every split
     g = torch.Generator().manual_seed(seed)
     counts = torch.randint(n[0], n[1] + 1, (C,), generator=g)  # [C] clients of different sizes
@@ -55,9 +62,13 @@ def synthetic_clients(C: int = 4, n: tuple[int, int] = (30, 60), D: int = 16, K:
             v[c, : len(labels)] = base[:, None] + spread * torch.randn(len(labels), views, D, generator=g)
     return ClientData(x, y, counts, K, v)
 
-OPT = {"adam": lambda groups, c: torch.optim.Adam(groups, lr=c["lr"], weight_decay=c["weight_decay"]),
-       "sgd": lambda groups, c: torch.optim.SGD(groups, lr=c["lr"], weight_decay=c["weight_decay"],
-                                                momentum=c["momentum"])}
+
+OPT = {
+    "adam": lambda groups, c: torch.optim.Adam(groups, lr=c["lr"], weight_decay=c["weight_decay"]),
+    "sgd": lambda groups, c: torch.optim.SGD(
+        groups, lr=c["lr"], weight_decay=c["weight_decay"], momentum=c["momentum"]
+    ),
+}
 
 
 def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -84,8 +95,14 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
                         p.copy_(state.params[k][0, c])
             else:
                 params = {k: v[0, c].clone().requires_grad_(True) for k, v in state.params.items()}
-                groups = [{"params": [p], "lr": cfg[group_of(algo.groups, k).lr] * algo.lr_scale(k),
-                           "weight_decay": cfg[group_of(algo.groups, k).weight_decay]} for k, p in params.items()]
+                groups = [
+                    {
+                        "params": [p],
+                        "lr": cfg[group_of(algo.groups, k).lr] * algo.lr_scale(k),
+                        "weight_decay": cfg[group_of(algo.groups, k).weight_decay],
+                    }
+                    for k, p in params.items()
+                ]
                 opt = OPT[cfg["optimizer"]](groups, cfg)
                 if algo.keeps_optimizer_state:
                     kept[c] = params, opt
@@ -100,8 +117,9 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
                     rows = order[s : min(s + B, n_eff)]
                     x, y = train.features[c, rows], train.labels[c, rows]
                     extra = {"views": train.views[c, rows]} if train.views is not None else {}
-                    loss, new = algo.local_loss(params, buffers, x, y,
-                                                torch.ones(len(rows), dtype=torch.bool, device=x.device), ctx_c | extra)
+                    loss, new = algo.local_loss(
+                        params, buffers, x, y, torch.ones(len(rows), dtype=torch.bool, device=x.device), ctx_c | extra
+                    )
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     for norm, names in clip_sets(algo.groups, params):
@@ -109,9 +127,12 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
                     opt.step()
                     with torch.no_grad():  # the per-step hook on this one model, as a [1, 1] stack
                         ctx_11 = torch.utils._pytree.tree_map(lambda t: t[0:1, c : c + 1], ctxs[epoch])
-                        algo.after_step({k: p[None, None] for k, p in params.items()}, ctx_11,
-                                        torch.ones(1, 1, dtype=torch.bool, device=x.device),
-                                        replace(now, epoch=epoch, step=s // B))
+                        algo.after_step(
+                            {k: p[None, None] for k, p in params.items()},
+                            ctx_11,
+                            torch.ones(1, 1, dtype=torch.bool, device=x.device),
+                            replace(now, epoch=epoch, step=s // B),
+                        )
                     buffers.update({k: v.detach() for k, v in new.items()})
             for tree, new in ((state.params, params), (state.buffers, buffers)):
                 for k, v in new.items():
@@ -148,13 +169,15 @@ def _setup(algo, rounds: int, train, test, settings: dict):
         algo = create(algo)
     if train is None or test is None:
         train, test = synthetic_clients(seed=0, views=2), synthetic_clients(seed=1, views=2)
-    cfg = resolve(algo, {"rounds": rounds, "batch_size": 16, "drop_last": False, "participation": 0.75,
-                         "proj_dim": 8} | settings) | {"seed": 0}
+    cfg = resolve(
+        algo, {"rounds": rounds, "batch_size": 16, "drop_last": False, "participation": 0.75, "proj_dim": 8} | settings
+    ) | {"seed": 0}
     return algo, train, test, cfg
 
 
-def assert_matches_plain_loop(algo, rounds: int = 3, train: ClientData | None = None, test: ClientData | None = None,
-                              **settings) -> dict[str, float]:
+def assert_matches_plain_loop(
+    algo, rounds: int = 3, train: ClientData | None = None, test: ClientData | None = None, **settings
+) -> dict[str, float]:
     """Train `algo` (a registered name, a plug-in spec `file.py:Class` / `module:Class`, a FedAvg subclass or an
     instance) with the engine and with `plain_loop` on the same data (default: `synthetic_clients` with two cached
     views, uneven clients, 75 % participation, a short last batch) and assert that both give the same test accuracy
@@ -164,12 +187,18 @@ def assert_matches_plain_loop(algo, rounds: int = 3, train: ClientData | None = 
     engine = Engine(algo, [cfg], train, test)
     acc = engine.run()["acc"][:, 0]  # [R, C]
     ref_acc, ref_params = plain_loop(algo, cfg, train, test)
-    torch.testing.assert_close(acc, ref_acc, rtol=0, atol=1e-6,
-                               msg=lambda m: f"{algo.name}: per-round test accuracy differs from the plain loop: {m}")
+    torch.testing.assert_close(
+        acc,
+        ref_acc,
+        rtol=0,
+        atol=1e-6,
+        msg=lambda m: f"{algo.name}: per-round test accuracy differs from the plain loop: {m}",
+    )
     assert set(engine.state.params) == set(ref_params), f"{algo.name}: parameter names differ from the plain loop"
     for k, v in engine.state.params.items():
-        torch.testing.assert_close(v[0], ref_params[k],
-                                   msg=lambda m: f"{algo.name}: parameter {k} differs from the plain loop: {m}")
+        torch.testing.assert_close(
+            v[0], ref_params[k], msg=lambda m: f"{algo.name}: parameter {k} differs from the plain loop: {m}"
+        )
     return {k: float((v[0] - ref_params[k]).abs().max()) for k, v in engine.state.params.items()}
 
 
@@ -185,8 +214,9 @@ def masked_optimizers():
         optim.BY_DEVICE.update(saved)
 
 
-def assert_capturable(algo, rounds: int = 3, train: ClientData | None = None, test: ClientData | None = None,
-                      **settings) -> bool:
+def assert_capturable(
+    algo, rounds: int = 3, train: ClientData | None = None, test: ClientData | None = None, **settings
+) -> bool:
     """Train `algo` (as in `assert_matches_plain_loop`) as two configurations (other rate, other seed) with captured
     steps in "replay" mode and with eager steps, both on the masked optimizers, and assert equal accuracies, losses,
     parameters and buffers, bit for bit. Fails when a hook's step depends on something the capture froze. Returns
@@ -200,12 +230,20 @@ def assert_capturable(algo, rounds: int = 3, train: ClientData | None = None, te
         for mode in ("replay", "off"):
             engine = Engine(algo, cfgs, train, test, capture=mode)
             out = engine.run()
-            runs[mode] = {"accuracy": out["acc"], "training loss": out["train_loss"]} | {
-                f"parameter {k}": v for k, v in engine.state.params.items()} | {
-                f"buffer {k}": v for k, v in engine.state.buffers.items()}
+            runs[mode] = (
+                {"accuracy": out["acc"], "training loss": out["train_loss"]}
+                | {f"parameter {k}": v for k, v in engine.state.params.items()}
+                | {f"buffer {k}": v for k, v in engine.state.buffers.items()}
+            )
     for k, v in runs["off"].items():
-        torch.testing.assert_close(runs["replay"][k], v, rtol=0, atol=0, equal_nan=True,
-                                   msg=lambda m: f"{algo.name}: {k} of the captured steps differs from eager: {m}")
+        torch.testing.assert_close(
+            runs["replay"][k],
+            v,
+            rtol=0,
+            atol=0,
+            equal_nan=True,
+            msg=lambda m: f"{algo.name}: {k} of the captured steps differs from eager: {m}",
+        )
     return True
 
 
@@ -227,8 +265,10 @@ def write_format2(path, header: dict, backbones: list[dict], clients) -> str:
     tests and bench/extract.py's figure 5."""
     images = 0
     with h5.create_h5(path) as f:  # concat assembled in slices of 4096 rows, as format 2's writer did
-        h5.write_attrs(f, header | {"featcache_format": 2, "featcache_version": "0.1.0",
-                                    "backbones": [b["key"] for b in backbones]})
+        h5.write_attrs(
+            f,
+            header | {"featcache_format": 2, "featcache_version": "0.1.0", "backbones": [b["key"] for b in backbones]},
+        )
         for b in backbones:
             h5.write_attrs(f.create_group(f"backbones/{b['key']}"), {k: v for k, v in b.items() if k != "key"})
         for c, client in enumerate(clients):
@@ -243,8 +283,9 @@ def write_format2(path, header: dict, backbones: list[dict], clients) -> str:
                     if blocks is None:
                         continue
                     for b, block in zip(backbones, blocks):
-                        g.create_dataset(f"{split}/{group}/{b['key']}", data=np.asarray(block, np.float32),
-                                         track_times=False)
+                        g.create_dataset(
+                            f"{split}/{group}/{b['key']}", data=np.asarray(block, np.float32), track_times=False
+                        )
                     shape = (*blocks[0].shape[:-1], sum(x.shape[-1] for x in blocks))
                     cat = g.create_dataset(f"{split}/{group}/concat", shape, "f4", track_times=False)
                     for r in range(0, shape[0], 4096):

@@ -22,8 +22,14 @@ from tests.synthetic import synthetic_clients
 
 # Property tests: no example database in the repo, no per-example deadline (a CPU under load swings several-fold),
 # examples drawn from a fixed seed so a CI failure reproduces (HYPOTHESIS_PROFILE=explore draws fresh ones).
-settings.register_profile("ci", database=None, deadline=None, derandomize=True, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile(
+    "ci",
+    database=None,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 settings.register_profile("explore", parent=settings.get_profile("ci"), derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -59,8 +65,11 @@ def configure(algo, *, fast: bool = False, **overrides) -> dict:
 def client_model(eng, c: int, h: int = 0) -> tuple[dict, dict, dict]:
     """Model (h, c) of an engine after its last round: its params, buffers and the context its `predict` reads."""
     ctx = eng.algo.context(eng.state, eng.last_round)
-    return ({k: v[h, c] for k, v in eng.state.params.items()}, {k: v[h, c] for k, v in eng.state.buffers.items()},
-            torch.utils._pytree.tree_map(lambda t: t[h, c], ctx))
+    return (
+        {k: v[h, c] for k, v in eng.state.params.items()},
+        {k: v[h, c] for k, v in eng.state.buffers.items()},
+        torch.utils._pytree.tree_map(lambda t: t[h, c], ctx),
+    )
 
 
 @pytest.fixture(scope="module")

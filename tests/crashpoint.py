@@ -3,8 +3,8 @@
     python tests/crashpoint.py [--kill SPEC] [--sigint SPEC] [--pause SPEC:FILE] [--log FILE] -- featcache arguments...
 
 SPEC is WHEN:FUNCTION:N:PATTERN, e.g. `after:os.replace:3:b*.npy`: the N-th call of FUNCTION (a dotted path:
-`os.replace`, `featcache.extraction.plan._forward`, `h5py.Group.create_dataset`) that has an argument whose file name matches
-PATTERN (`*` counts every call) triggers, `before` or `after` the call runs.
+`os.replace`, `featcache.extraction.plan._forward`, `h5py.Group.create_dataset`) that has an argument whose file name
+matches PATTERN (`*` counts every call) triggers, `before` or `after` the call runs.
 
 --kill   the process sends itself SIGKILL: a real kill -9, no exception handler, finally block or atexit hook runs.
 --sigint the process sends itself SIGINT: a real Ctrl-C, handled by whatever SIGINT handler is installed then.
@@ -84,9 +84,13 @@ def log_to(path: str) -> None:
 
     wrap("os.replace", lambda args: write({"replace": where(args[1])}))
     wrap("featcache.extraction.embed._forward", lambda args: write({"forward": len(args[1])}))
-    wrap("featcache.extraction.store.Store.commit", lambda args: write(
-        {"parts": {where(p): [p.stat().st_ino, p.stat().st_mtime_ns] for p in sorted(args[0].work.glob("*.npy"))}}),
-        when="before")
+    wrap(
+        "featcache.extraction.store.Store.commit",
+        lambda args: write(
+            {"parts": {where(p): [p.stat().st_ino, p.stat().st_mtime_ns] for p in sorted(args[0].work.glob("*.npy"))}}
+        ),
+        when="before",
+    )
 
 
 def wait_for(flag: str) -> None:

@@ -231,15 +231,23 @@ def write_domain_folders(root: Path, domains, classes, per_class: int = 2, size=
 
 
 def _readers() -> dict:
-    from featcache.extraction.datasets.disk import (DOMAINNET_CLASSES, DOMAINNET_SITES, OFFICE10_CLASSES,
-                                                    OFFICE10_SITES, PACS_CLASSES, PACS_DOMAINS)
+    from featcache.extraction.datasets.disk import (
+        DOMAINNET_CLASSES,
+        DOMAINNET_SITES,
+        OFFICE10_CLASSES,
+        OFFICE10_SITES,
+        PACS_CLASSES,
+        PACS_DOMAINS,
+    )
 
     multi = {"partition": "feature"}
     single = {"partition": "iid", "clients": 2}
     return {  # dataset -> (write a complete copy into ROOT, extract's options for it)
         "digit5": (lambda root: write_digit5(root, parts=10, per_part=2, n_test=4), multi),
-        "office10": (lambda root: write_fedbn_sites(root, "office_caltech_10", OFFICE10_SITES, OFFICE10_CLASSES),
-                     multi),
+        "office10": (
+            lambda root: write_fedbn_sites(root, "office_caltech_10", OFFICE10_SITES, OFFICE10_CLASSES),
+            multi,
+        ),
         "domainnet": (lambda root: write_fedbn_sites(root, "DomainNet", DOMAINNET_SITES, DOMAINNET_CLASSES), multi),
         "pacs": (lambda root: write_domain_folders(root / "kfold", PACS_DOMAINS, PACS_CLASSES), multi),
         "imagefolder": (lambda root: write_domain_folders(root, ("d1", "d2"), ("a", "b", "c"), per_class=3), multi),

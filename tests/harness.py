@@ -18,21 +18,42 @@ from fixtures_disk import write_image
 BACKBONES = ["test_resnet=random", "test_efficientnet=random"]
 
 
-def write_folders(root: Path, domains=("d1", "d2"), classes=("a", "b", "c"), per_class: int = 8,
-                  mode: str = "RGB", suffix: str = ".png") -> Path:
+def write_folders(
+    root: Path,
+    domains=("d1", "d2"),
+    classes=("a", "b", "c"),
+    per_class: int = 8,
+    mode: str = "RGB",
+    suffix: str = ".png",
+) -> Path:
     """`root/{domain}/{class}/img_NNN.png`, every image different (seeded by its path)."""
     for d in domains:
         for c in classes:
             for i in range(per_class):
-                write_image(root / d / c / f"img_{i:03d}{suffix}", mode, size=(10, 10),
-                            seed=zlib.crc32(f"{d}/{c}/{i}".encode()))
+                write_image(
+                    root / d / c / f"img_{i:03d}{suffix}", mode, size=(10, 10), seed=zlib.crc32(f"{d}/{c}/{i}".encode())
+                )
     return root
 
 
 def folder_extract_args(root: Path, out: Path, *extra: str) -> list[str]:
     backbones = [arg for spec in BACKBONES for arg in ("--backbone", spec)]
-    return ["extract", "--dataset", "imagefolder", "--data-root", str(root), *backbones, "--image-size", "32",
-            "--batch-size", "4", "--out", str(out), "--json", *extra]
+    return [
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(root),
+        *backbones,
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--out",
+        str(out),
+        "--json",
+        *extra,
+    ]
 
 
 @dataclass

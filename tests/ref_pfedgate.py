@@ -142,8 +142,8 @@ class SwitchNorm1d(nn.Module):
         self.bias = nn.Parameter(torch.zeros(1, num_features))
         self.mean_weight = nn.Parameter(torch.ones(2))
         self.var_weight = nn.Parameter(torch.ones(2))
-        self.register_buffer('running_mean', torch.zeros(1, num_features))
-        self.register_buffer('running_var', torch.zeros(1, num_features))
+        self.register_buffer("running_mean", torch.zeros(1, num_features))
+        self.register_buffer("running_var", torch.zeros(1, num_features))
 
     def forward(self, x):
         mean_ln = x.mean(1, keepdim=True)
@@ -158,7 +158,7 @@ class SwitchNorm1d(nn.Module):
                 self.running_var.add_((1 - self.momentum) * var_bn.data)
             else:
                 self.running_mean.add_(mean_bn.data)
-                self.running_var.add_(mean_bn.data ** 2 + var_bn.data)
+                self.running_var.add_(mean_bn.data**2 + var_bn.data)
         else:
             mean_bn = self.running_mean
             var_bn = self.running_var
@@ -188,8 +188,12 @@ class AdaptedHead(nn.Module):
 
     def adapted_forward(self, x):
         # adapted_op.py AdaptedLeNet.adapted_forward: F.relu after every F.linear, the output layer included
-        x = F.relu(F.linear(x, weight=self.adapted_model_para["proj0.weight"], bias=self.adapted_model_para["proj0.bias"]))
-        x = F.relu(F.linear(x, weight=self.adapted_model_para["cls0.weight"], bias=self.adapted_model_para["cls0.bias"]))
+        x = F.relu(
+            F.linear(x, weight=self.adapted_model_para["proj0.weight"], bias=self.adapted_model_para["proj0.bias"])
+        )
+        x = F.relu(
+            F.linear(x, weight=self.adapted_model_para["cls0.weight"], bias=self.adapted_model_para["cls0.bias"])
+        )
         return x
 
     def set_adapted_para(self, name, val):
@@ -206,8 +210,14 @@ class AdaptedHead(nn.Module):
 class GatingLayer(nn.Module):
     """GatingLayer, with input_feat_size = D (the cached feature) instead of an image's C*H*W."""
 
-    def __init__(self, model_to_mask, input_feat_size, fine_grained_block_split=1, seperate_trans=0,
-                 gate_input_norm="switchnorm1d"):
+    def __init__(
+        self,
+        model_to_mask,
+        input_feat_size,
+        fine_grained_block_split=1,
+        seperate_trans=0,
+        gate_input_norm="switchnorm1d",
+    ):
         super().__init__()
         ori_block_names = [p[0] for p in model_to_mask.named_parameters()]
         ori_block_size_lookup_table = torch.tensor([p.numel() for p in model_to_mask.parameters()])
@@ -250,13 +260,16 @@ class GatingLayer(nn.Module):
                     self.linear_layer_block_idx.append(cur_block_idx)
                 cur_block_idx += 1
             self.block_size_lookup_table = torch.tensor(self.block_size_lookup_table)
-        self.non_linear_layer_block_idx = [i for i in range(len(self.block_size_lookup_table))
-                                           if i not in self.linear_layer_block_idx]
+        self.non_linear_layer_block_idx = [
+            i for i in range(len(self.block_size_lookup_table)) if i not in self.linear_layer_block_idx
+        ]
         # the first sub-block of every tensor is never a knapsack candidate (always kept)
         self.linear_layer_block_idx_filter_first = [
-            idx for idx in self.linear_layer_block_idx if "sub0" not in self.block_names[idx]]
+            idx for idx in self.linear_layer_block_idx if "sub0" not in self.block_names[idx]
+        ]
         self.non_linear_layer_block_idx_filter_first = [
-            idx for idx in self.non_linear_layer_block_idx if "sub0" not in self.block_names[idx]]
+            idx for idx in self.non_linear_layer_block_idx if "sub0" not in self.block_names[idx]
+        ]
 
         # ---------------------------- Build gating layer ----------------------------
         self.norm_input_layer = SwitchNorm1d(input_feat_size) if gate_input_norm == "switchnorm1d" else nn.Identity()
@@ -392,8 +405,9 @@ class GatedLearner:
         else:
             for para_name, para in self.model.named_parameters():
                 mask = torch.ones_like(para).reshape(-1)
-                sub_block_begin, sub_block_end, size_each_sub = \
-                    self.gating_layer.para_name_to_block_split_info[para_name]
+                sub_block_begin, sub_block_end, size_each_sub = self.gating_layer.para_name_to_block_split_info[
+                    para_name
+                ]
                 for i in range(sub_block_begin, sub_block_end):
                     block_element_begin = (i - sub_block_begin) * size_each_sub
                     block_element_end = (i + 1 - sub_block_begin) * size_each_sub
@@ -411,15 +425,16 @@ class GatedLearner:
         if id(trans_weight) != id(gated_scores):
             mask = mask - gated_scores.detach() + gated_scores  # straight-through
         if self.importance_prior_para_num == 1:
-            importance_value_list = np.array(
-                ((gated_scores + self.block_size_lookup_table_normalized()) / 2).tolist())
+            importance_value_list = np.array(((gated_scores + self.block_size_lookup_table_normalized()) / 2).tolist())
         else:
             importance_value_list = np.array(gated_scores.tolist())
         importance_value_list = np.around(importance_value_list * self.gated_scores_scale_factor).astype(np.int64)
         selected_size = self._select_top_sub_blocks(
-            importance_value_list, self.gating_layer.linear_layer_block_idx_filter_first, mask)
+            importance_value_list, self.gating_layer.linear_layer_block_idx_filter_first, mask
+        )
         selected_size += self._select_top_sub_blocks(
-            importance_value_list, self.gating_layer.non_linear_layer_block_idx_filter_first, mask)
+            importance_value_list, self.gating_layer.non_linear_layer_block_idx_filter_first, mask
+        )
         retained_trans_weights *= mask
         return retained_trans_weights, selected_size / self.total_model_size
 
@@ -437,7 +452,8 @@ class GatedLearner:
         importance_value_list = importance_value_list[block_idx]
         capacity = torch.round(torch.sum(weight_list) * (self.sparse_factor - self.min_sparse_factor)).int()
         _, total_weight, _, droped_item_idx = found_max_value_greedy(
-            weight_list=weight_list.tolist(), value_list=importance_value_list, capacity=capacity)
+            weight_list=weight_list.tolist(), value_list=importance_value_list, capacity=capacity
+        )
         droped_item_idx = np.array(block_idx, dtype=np.int64)[droped_item_idx]
         mask[droped_item_idx] *= 0
         return total_weight
@@ -523,7 +539,7 @@ class pFedGateClient:
     def test_iterator(self):
         """get_loader(train=False): dataset order, bz rows per batch, no drop_last."""
         bz = self.args["bz"]
-        return [(self.test_x[s:s + bz], self.test_y[s:s + bz]) for s in range(0, self.test_x.shape[0], bz)]
+        return [(self.test_x[s : s + bz], self.test_y[s : s + bz]) for s in range(0, self.test_x.shape[0], bz)]
 
     def step(self):
         learner = self.learner
@@ -532,11 +548,13 @@ class pFedGateClient:
         for i in range(self.local_steps):
             if self.bi_level_opt == 1:
                 learner.fit_epoch(self.train_iterator(), train_gating_layer=True, train_base_model=False)
-                loss, n_samples, _ = learner.fit_epoch(self.train_iterator(), train_gating_layer=False,
-                                                       train_base_model=True)
+                loss, n_samples, _ = learner.fit_epoch(
+                    self.train_iterator(), train_gating_layer=False, train_base_model=True
+                )
             elif self.bi_level_opt == 0:
-                loss, n_samples, _ = learner.fit_epoch(self.train_iterator(), train_gating_layer=True,
-                                                       train_base_model=True)
+                loss, n_samples, _ = learner.fit_epoch(
+                    self.train_iterator(), train_gating_layer=True, train_base_model=True
+                )
             else:
                 raise NotImplementedError("bi_level_opt 2 is not transcribed")
             trained_sample_n += n_samples
@@ -580,7 +598,7 @@ class pFedGateAggregator:
         target_state_dict = self.global_model.state_dict(keep_vars=True)
         for key in target_state_dict:  # average_model_of_learners, weights n_k / n (its float32 branch: every
             # head tensor is floating; the release tests dtype == float32, its default dtype)
-            target_state_dict[key].data.fill_(0.)
+            target_state_dict[key].data.fill_(0.0)
             for learner_id, client in enumerate(self.clients):
                 state_dict = client.learner.model.state_dict(keep_vars=True)
                 target_state_dict[key].data += self.clients_weights[learner_id] * state_dict[key].data.clone()
@@ -613,8 +631,11 @@ HEAD_NAMES = ("proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias")
 def gate_names(args: dict) -> list[str]:
     """The gating layer's state_dict names (GatingLayer's released attribute names)."""
     head = AdaptedHead(2, 2, 2)
-    return list(GatingLayer(head, 2, args["fine_grained_block_split"], args["seperate_trans"],
-                            args["gate_input_norm"]).state_dict())
+    return list(
+        GatingLayer(
+            head, 2, args["fine_grained_block_split"], args["seperate_trans"], args["gate_input_norm"]
+        ).state_dict()
+    )
 
 
 def released_init(D: int, K: int, proj_dim: int, args: dict, seed: int = 1234) -> dict:
@@ -628,9 +649,11 @@ def released_init(D: int, K: int, proj_dim: int, args: dict, seed: int = 1234) -
 
 def randperm_order(train, bz: int, seed: int = 0):
     """A shuffled DataLoader's batches (the last one shorter): order(client, round, pass) -> [index tensors]."""
+
     def order(client, rnd, epoch):
         g = torch.Generator().manual_seed(seed * 1_000_003 + client * 10_007 + rnd * 101 + epoch)
         return list(torch.randperm(int(train.counts[client]), generator=g).split(bz))
+
     return order
 
 
@@ -642,14 +665,15 @@ def featcache_order(train, bz: int, seed: int):
         n = int(train.counts[client])
         rows = batch_order(torch.tensor([seed]), rnd, epoch, train.counts, train.features.shape[1])[0, client][:n]
         return list(rows.split(bz))
+
     return order
 
 
 def run_released(args: dict, train, test, init: dict, rounds: int, order):
     """`rounds` rounds of pFedGate as released, every client every round.
 
-    args: overrides of RELEASED_DEFAULTS (n_rounds only places the multi_step milestone); train / test: .features [C, N, D],
-    .labels [C, N], .counts [C]; init: head names HEAD_NAMES and the gating layer's names (`gate_names(args)`), the
+    args: overrides of RELEASED_DEFAULTS (n_rounds only places the multi_step milestone); train / test: .features [C, N,
+    D], .labels [C, N], .counts [C]; init: head names HEAD_NAMES and the gating layer's names (`gate_names(args)`), the
     same for every client; order(client, round, pass) -> list of index tensors into the client's rows, the batches
     of a shuffled DataLoader before drop_last (pass = local epoch, or 2 * epoch + {0, 1} with bi_level_opt = 1).
     Returns (clients_out, global_model): clients_out[c] = {"model": head and gating-layer tensors by name as the
@@ -667,8 +691,9 @@ def run_released(args: dict, train, test, init: dict, rounds: int, order):
         head.load_state_dict({k: init[k].clone() for k in head.state_dict()})
         state = gate.state_dict()
         state.update({k: init[k].clone() for k in state if k in init})
-        missing = [k for k in state if k not in init and not k.startswith(("norm_input_layer.", "gating.2.",
-                                                                           "w_transform.2."))]
+        missing = [
+            k for k in state if k not in init and not k.startswith(("norm_input_layer.", "gating.2.", "w_transform.2."))
+        ]
         if missing:
             raise KeyError(f"init lacks {missing}")
         gate.load_state_dict(state)
@@ -678,8 +703,18 @@ def run_released(args: dict, train, test, init: dict, rounds: int, order):
     for c in range(len(train.counts)):
         head, gate = build()
         n, m = int(train.counts[c]), int(test.counts[c])
-        clients.append(pFedGateClient(GatedLearner(head, gate, args), c, train.features[c, :n], train.labels[c, :n],
-                                      test.features[c, :m], test.labels[c, :m], order, args))
+        clients.append(
+            pFedGateClient(
+                GatedLearner(head, gate, args),
+                c,
+                train.features[c, :n],
+                train.labels[c, :n],
+                test.features[c, :m],
+                test.labels[c, :m],
+                order,
+                args,
+            )
+        )
     global_model, _ = build()
     aggregator = pFedGateAggregator(clients, global_model, args)
     for rnd in range(rounds):
@@ -687,8 +722,10 @@ def run_released(args: dict, train, test, init: dict, rounds: int, order):
     out = []
     for client in clients:
         logits = client.write_logs()
-        model = {k: v.detach().clone() for k, v in
-                 (client.learner.model.state_dict() | client.learner.gating_layer.state_dict()).items()}
+        model = {
+            k: v.detach().clone()
+            for k, v in (client.learner.model.state_dict() | client.learner.gating_layer.state_dict()).items()
+        }
         out.append({"model": model, "logits": logits, "train_loss": aggregator.losses[client.node_id]})
     return out, {k: v.detach().clone() for k, v in global_model.state_dict().items()}
 
@@ -712,6 +749,8 @@ if __name__ == "__main__":
     print("init names:", sorted(init))
     losses = torch.tensor([o["train_loss"] for o in out])  # [C, rounds]
     print("mean training loss per round:", [round(v, 4) for v in losses.mean(0).tolist()])
-    acc = [float((o["logits"].argmax(-1) == test.labels[c, :test_counts[c]]).float().mean()) for c, o in enumerate(out)]
+    acc = [
+        float((o["logits"].argmax(-1) == test.labels[c, : test_counts[c]]).float().mean()) for c, o in enumerate(out)
+    ]
     print("test accuracy per client:", [round(a, 3) for a in acc])
     assert losses.mean(0)[-1] < losses.mean(0)[0], "the training loss should decrease"

@@ -123,9 +123,22 @@ def test_scaffold_step_is_corrected_by_c_minus_ci(optimizer, data):
     correction is applied exactly, outside the optimizer's moments, for the clients that take part only."""
     train, test = data
     lr = 0.05
-    eng = Engine(create("scaffold"), [config(create("scaffold"), lr=lr, optimizer=optimizer, momentum=0.0,
-                                             weight_decay=0.0, batch_size=int(train.counts.max()), drop_last=False)],
-                 train, test)
+    eng = Engine(
+        create("scaffold"),
+        [
+            config(
+                create("scaffold"),
+                lr=lr,
+                optimizer=optimizer,
+                momentum=0.0,
+                weight_decay=0.0,
+                batch_size=int(train.counts.max()),
+                drop_last=False,
+            )
+        ],
+        train,
+        test,
+    )
     state = eng.init_state()
     g = torch.Generator().manual_seed(9)
     c = state.server["control"] = {k: torch.randn(v.shape, generator=g) for k, v in state.server["control"].items()}
@@ -164,7 +177,8 @@ def test_scaffold_with_bn_averages_running_statistics(data):
     for k, v in eng.state.buffers.items():
         assert same_across_clients(v), k
     n = sum(v[0, 0].numel() for v in eng.state.params.values()) * 2 + sum(
-        v[0, 0].numel() for v in eng.state.buffers.values())
+        v[0, 0].numel() for v in eng.state.buffers.values()
+    )
     assert eng.out["upload_floats"][0] == n
 
 
@@ -281,13 +295,16 @@ def test_moon_first_round_equals_fedavg(data):
 
 
 # -- parameter sharing: FedBN, FedPer, FedRep, FedRoD, Local ---------------------------------------------------------
-@pytest.mark.parametrize("name, shared, over", [
-    ("fedbn", {"proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias"}, {}),
-    ("fedper", {"proj0.weight", "proj0.bias"}, {}),
-    ("fedrep", {"proj0.weight", "proj0.bias"}, {"head_epochs": 2}),
-    ("fedrod", {"proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias"}, {}),
-    ("local", set(), {}),
-])
+@pytest.mark.parametrize(
+    "name, shared, over",
+    [
+        ("fedbn", {"proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias"}, {}),
+        ("fedper", {"proj0.weight", "proj0.bias"}, {}),
+        ("fedrep", {"proj0.weight", "proj0.bias"}, {"head_epochs": 2}),
+        ("fedrod", {"proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias"}, {}),
+        ("local", set(), {}),
+    ],
+)
 def test_shares_exactly_its_papers_parameters(name, shared, over, data):
     eng = run(name, data, **over)
     assert set(eng.algo.upload(eng.state, eng.last_round)) == shared

@@ -77,8 +77,9 @@ def eq7(params, data, c, j, literal=True):
 
 def contrast(z, y, protos, tau):
     """−log exp(z·C^(y)/τ) / Σ_{a ∈ A(y)} exp(z·C^(a)/τ), A(y) the labels other than y (eq. 8 and 9's summand)."""
-    return -math.log(math.exp(float(z @ protos[y]) / tau)
-                     / sum(math.exp(float(z @ protos[a]) / tau) for a in range(K) if a != y))
+    return -math.log(
+        math.exp(float(z @ protos[y]) / tau) / sum(math.exp(float(z @ protos[a]) / tau) for a in range(K) if a != y)
+    )
 
 
 @pytest.mark.parametrize("global_agg", ["eq6", "mean"])

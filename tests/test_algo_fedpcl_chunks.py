@@ -21,10 +21,12 @@ H, N, D, M, K = 2, 6, 5, 4, 3  # configurations, batch rows, feature width, proj
 
 def plain_pcl(z, y, glob, sets, tau):
     """Eq. 8 + eq. 9 per row [N]: -z·C^y/τ + log Σ_{a≠y} exp(z·C^a/τ), for the global set and the mean over sets."""
+
     def contrast(protos):  # [K, d] -> [N]
         s = z @ protos.T / tau  # [N, K]
         pos = F.one_hot(y.clamp(min=0), K).bool() & (y >= 0)[:, None]  # [N, K]
         return -(s * pos).sum(-1) + torch.logsumexp(s.masked_fill(pos, float("-inf")), -1)
+
     return contrast(glob) + torch.stack([contrast(p) for p in sets]).mean(0)
 
 
@@ -52,8 +54,12 @@ def setup(algo_name, C, seed=0):
     mask = torch.arange(N).expand(H, C, N) < torch.randint(N - 2, N + 1, (H, C, 1), generator=g)  # [H, C, N]
     y = torch.where(mask, torch.randint(0, K, (H, C, N), generator=g), -1)  # padding rows: label -1
     sets = torch.randn(H, C, K, M, generator=g)  # [H, P=C, K, M]
-    ctx = {"hp": {"tau": torch.full((H, C), 0.5)}, "prototypes": torch.randn(H, C, K, M, generator=g),
-           "padded": sets[:, None].expand(H, C, C, K, M), "started": torch.ones(H, C)}
+    ctx = {
+        "hp": {"tau": torch.full((H, C), 0.5)},
+        "prototypes": torch.randn(H, C, K, M, generator=g),
+        "padded": sets[:, None].expand(H, C, C, K, M),
+        "started": torch.ones(H, C),
+    }
     return algo, params, x, y, mask, ctx
 
 
@@ -152,8 +158,9 @@ def test_the_largest_allocation_does_not_grow_with_the_clients(algo_name, monkey
 
 @pytest.mark.parametrize("algo_name", ["fedpcl", "fedpcl-official"])
 @pytest.mark.parametrize("capture", ["off", "replay"])
-def test_a_round_in_chunks_reads_nothing_back_and_trains_as_the_plain_one(algo_name, capture, data, host_reads,
-                                                                          monkeypatch):
+def test_a_round_in_chunks_reads_nothing_back_and_trains_as_the_plain_one(
+    algo_name, capture, data, host_reads, monkeypatch
+):
     """Engine rounds (eager, and captured-and-replayed as a CUDA graph is) with one set a chunk: no host read during
     the local steps, and the models equal those the plain formula trains."""
     train, test = data

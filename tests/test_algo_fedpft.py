@@ -1,7 +1,7 @@
 """FedPFT, FedPFT+Con and FedAvg+Linear against transcriptions of the FedPFT paper's equations (Wu et al., ICLR 2025
-submission): the FTM equals self-attention over [f, p] (eq. 2), the MoCo loss equals eq. 7, each phase trains only the parameters of eq. 4/5 (eq. 8/9 for +Con),
-prompts and the personal linear layer are never uploaded, the server averages like FedAvg, and Table 1's
-Origin / Probe / Match accuracies behave."""
+submission): the FTM equals self-attention over [f, p] (eq. 2), the MoCo loss equals eq. 7, each phase trains only the
+parameters of eq. 4/5 (eq. 8/9 for +Con), prompts and the personal linear layer are never uploaded, the server averages
+like FedAvg, and Table 1's Origin / Probe / Match accuracies behave."""
 
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ from featcache.training.config import settings_of
 from tests.synthetic import synthetic_clients
 
 NAMES = ["fedpft", "fedpft-con", "fedavg-linear"]
-PERSONAL = {"fedpft": {"prompt.kappa"}, "fedpft-con": {"prompt.kappa", "prompt.rho"},
-            "fedavg-linear": {"lin.weight", "lin.bias"}}
+PERSONAL = {
+    "fedpft": {"prompt.kappa"},
+    "fedpft-con": {"prompt.kappa", "prompt.rho"},
+    "fedavg-linear": {"lin.weight", "lin.bias"},
+}
 
 
 def config(algo, **over) -> dict:
@@ -59,8 +62,11 @@ def attention_row0(params, f, prompts, heads, residual):
 def test_ftm_equals_self_attention(heads, residual):
     g = torch.Generator().manual_seed(0)
     m, n, N = 4, 3, 5
-    params = {f"ftm.{s}.{p}": torch.randn(m, m, generator=g) if p == "weight" else torch.randn(m, generator=g)
-              for s in "qkvo" for p in ("weight", "bias")}
+    params = {
+        f"ftm.{s}.{p}": torch.randn(m, m, generator=g) if p == "weight" else torch.randn(m, generator=g)
+        for s in "qkvo"
+        for p in ("weight", "bias")
+    }
     f, prompts = torch.randn(N, m, generator=g), torch.randn(n, m, generator=g)
     got = ftm(params, f, prompts, heads, residual)  # [N, m]
     want = torch.stack([attention_row0(params, f[i], prompts, heads, residual) for i in range(N)])
@@ -100,8 +106,10 @@ def con_setup(data):
     train, _ = data
     eng = engine("fedpft-con", data)
     state = eng.init_state()
-    params = {k: v[0, 0] + 0.1 * torch.randn(v.shape[2:], generator=torch.Generator().manual_seed(2))
-              for k, v in state.params.items()}  # away from the initial zeros / shared init
+    params = {
+        k: v[0, 0] + 0.1 * torch.randn(v.shape[2:], generator=torch.Generator().manual_seed(2))
+        for k, v in state.params.items()
+    }  # away from the initial zeros / shared init
     buffers = {k: v[0, 0] for k, v in state.buffers.items()}
     x, y, views = train.features[0, :6], train.labels[0, :6], train.views[0, :6]  # [6, D], [6], [6, 2, D]
     mask = torch.tensor([True, True, True, True, True, False])
@@ -122,8 +130,10 @@ def test_con_loss_equals_ce_plus_eq7(data):
     ftm_ = lambda f, prompts: attention_row0(params, f, prompts, cfg["heads"], cfg["residual"])
     unit = lambda v: v / v.norm()
     m, beta = float(ctx["hp"]["moco_m"]), float(ctx["hp"]["beta"])  # per-configuration floats
-    ema = {k: m * buffers[f"ema.{k}"] + (1 - m) * params[k] for k in ("proj0.weight", "proj0.bias", "rho0.weight",
-                                                                        "rho0.bias")}
+    ema = {
+        k: m * buffers[f"ema.{k}"] + (1 - m) * params[k]
+        for k in ("proj0.weight", "proj0.bias", "rho0.weight", "rho0.bias")
+    }
     terms = []
     for i in range(6):
         if not mask[i]:
@@ -263,7 +273,9 @@ def test_probe_match(name, data):
     eng.run()
     algo = eng.algo
     untrained = probe_match(algo, eng.state, *data, steps=0)
-    torch.testing.assert_close(untrained["origin"], evaluate(eng.algo, eng.state, data[1], eng.last_round))  # Fig. 6a = the model
+    torch.testing.assert_close(
+        untrained["origin"], evaluate(eng.algo, eng.state, data[1], eng.last_round)
+    )  # Fig. 6a = the model
     torch.testing.assert_close(untrained["match"], untrained["origin"])  # identity transform = the model
     trained = probe_match(algo, eng.state, *data, steps=100, lr=0.05)
     assert trained["probe"].shape == (1, eng.C)

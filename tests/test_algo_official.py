@@ -83,8 +83,14 @@ def test_fedpcl_official_loss_equals_the_released_two_view_conloss():
     ref_grads = torch.autograd.grad(ref, list(ref_leaves.values()))
     for a, b in zip(torch.autograd.grad(ours, list(leaves.values())), ref_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    padded_rows = algo.local_loss(params, {}, torch.cat([x, torch.zeros(3, D)]), torch.cat([y, -torch.ones(3).long()]),
-                                  torch.arange(B + 3) < B, ctx)[0]
+    padded_rows = algo.local_loss(
+        params,
+        {},
+        torch.cat([x, torch.zeros(3, D)]),
+        torch.cat([y, -torch.ones(3).long()]),
+        torch.arange(B + 3) < B,
+        ctx,
+    )[0]
     torch.testing.assert_close(padded_rows, ref.detach())  # padding rows change nothing
 
 
@@ -92,8 +98,7 @@ def test_fedpcl_official_round_zero_only_decays():
     """Round 0 has no global prototypes in the released code: zero loss, so plain SGD leaves the model as it was."""
     train = synthetic_clients(C=3, n=(10, 16), D=6, K=4, seed=0)
     algo = create("fedpcl-official")
-    cfg = configure(algo, proj_dim=5, rounds=2, batch_size=4, optimizer="sgd",
-                    momentum=0.0, weight_decay=0.0, lr=0.1)
+    cfg = configure(algo, proj_dim=5, rounds=2, batch_size=4, optimizer="sgd", momentum=0.0, weight_decay=0.0, lr=0.1)
     eng = Engine(algo, [cfg], train, train)
     state = eng.init_state()
     before = {k: v.clone() for k, v in state.params.items()}
@@ -142,8 +147,12 @@ def test_fedproto_proto_inference_follows_the_released_code():
         ref = released_proto_predictions(z, glob, [k for k in range(4) if own[c, k]], 4)
         assert torch.equal(ours, ref), c
         all_classes = eng.algo.bind(dict(eng.algo.cfg) | {"infer": "proto-all"})
-        differ += int((all_classes.predict(params, {}, x, torch.utils._pytree.tree_map(lambda t: t[0, c], ctx_all))
-                       .argmax(-1) != ours).sum())
+        differ += int(
+            (
+                all_classes.predict(params, {}, x, torch.utils._pytree.tree_map(lambda t: t[0, c], ctx_all)).argmax(-1)
+                != ours
+            ).sum()
+        )
     assert differ > 0  # the two readings differ on these tensors
 
 
@@ -173,8 +182,7 @@ def released_weights(round: int) -> tuple[float, float]:
 def test_fedproc_official_alpha_is_the_released_fixed_100_round_schedule(rounds):
     train = synthetic_clients(C=3, n=(10, 16), D=6, K=4, seed=0)
     algo = create("fedproc-official")
-    eng = Engine(algo, [configure(algo, proj_dim=5, batch_size=4, rounds=rounds)],
-                 train, train)
+    eng = Engine(algo, [configure(algo, proj_dim=5, batch_size=4, rounds=rounds)], train, train)
     state = eng.init_state()
     for t in [0, 1, 5, 9, 50, 99, 100, 101, 249]:
         if t >= rounds:
@@ -193,11 +201,29 @@ def test_fedproc_official_alpha_is_the_released_fixed_100_round_schedule(rounds)
 # differences of two correct implementations grow past 1e-5 within 3 rounds (BatchNorm over a last batch of 2 rows,
 # FedCAC's critical-parameter threshold); in float64 they stay below 1e-12. The hyperparameters and the client
 # sizes' shares n_k / n (sizes summing to 128) are exact in float32, where featcache keeps them.
-FLING_CFG = dict(rounds=3, local_epochs=2, batch_size=8, drop_last=False, optimizer="sgd", lr=0.0625, momentum=0.875,
-                 weight_decay=0.0, participation=1.0, proj_dim=8, seed=0)
-NAMES = {"proj0.weight": "proj0.weight", "proj0.bias": "proj0.bias", "bn.weight": "proj0.bn.weight",
-         "bn.bias": "proj0.bn.bias", "bn.running_mean": "proj0.bn.running_mean",
-         "bn.running_var": "proj0.bn.running_var", "cls0.weight": "cls0.weight", "cls0.bias": "cls0.bias"}
+FLING_CFG = dict(
+    rounds=3,
+    local_epochs=2,
+    batch_size=8,
+    drop_last=False,
+    optimizer="sgd",
+    lr=0.0625,
+    momentum=0.875,
+    weight_decay=0.0,
+    participation=1.0,
+    proj_dim=8,
+    seed=0,
+)
+NAMES = {
+    "proj0.weight": "proj0.weight",
+    "proj0.bias": "proj0.bias",
+    "bn.weight": "proj0.bn.weight",
+    "bn.bias": "proj0.bn.bias",
+    "bn.running_mean": "proj0.bn.running_mean",
+    "bn.running_var": "proj0.bn.running_var",
+    "cls0.weight": "cls0.weight",
+    "cls0.bias": "cls0.bias",
+}
 
 
 def tiny_clients(seed: int, counts=(20, 26, 34, 48)):
@@ -292,12 +318,13 @@ class FedCACClient(FlingClient):
         initial_model = copy.deepcopy(self.model)
         super().train(rnd)
         self.critical_parameter, self.global_mask, self.local_mask = self.evaluate_critical_parameter(
-            prevModel=initial_model, model=self.model, tau=self.args["tau"])
+            prevModel=initial_model, model=self.model, tau=self.args["tau"]
+        )
 
     def evaluate_critical_parameter(self, prevModel, model, tau):
         global_mask, local_mask, critical_parameter = [], [], []
         for (name1, prevparam), (name2, param) in zip(prevModel.named_parameters(), model.named_parameters()):
-            g = (param.data - prevparam.data)
+            g = param.data - prevparam.data
             v = param.data
             c = torch.abs(g * v)
             metric = c.view(-1)
@@ -319,8 +346,12 @@ class FedCACClient(FlingClient):
 def fed_avg(clients, glob_keys):
     """fling/utils/compress_utils/fed_avg.py: sample_num-weighted mean of every key of glob_dict."""
     total_samples = sum([client.sample_num for client in clients])
-    return {k: functools.reduce(lambda x, y: x + y, [client.sample_num / total_samples * client.model.state_dict()[k]
-                                                     for client in clients]) for k in glob_keys}
+    return {
+        k: functools.reduce(
+            lambda x, y: x + y, [client.sample_num / total_samples * client.model.state_dict()[k] for client in clients]
+        )
+        for k in glob_keys
+    }
 
 
 class FedCACGroup:
@@ -343,10 +374,13 @@ class FedCACGroup:
             for client in self.clients:
                 index = 0
                 for (name1, param1), (name2, param2), (name3, param3) in zip(
-                        client.model.named_parameters(), tempGlobalModel.named_parameters(),
-                        client.customized_model.named_parameters()):
-                    param1.data = client.local_mask[index].float() * param3.data + \
-                        client.global_mask[index].float() * param2.data
+                    client.model.named_parameters(),
+                    tempGlobalModel.named_parameters(),
+                    client.customized_model.named_parameters(),
+                ):
+                    param1.data = (
+                        client.local_mask[index].float() * param3.data + client.global_mask[index].float() * param2.data
+                    )
                     index += 1
                 if self.global_stats:
                     client.update_model({k: v for k, v in self.glob_dict.items() if "running" in k})
@@ -416,7 +450,7 @@ class PFedSDClient(FlingClient):
             tau = self.args["tau"]
             q_v = F.softmax(o_pre / tau, dim=-1)
             q_w = F.log_softmax(o / tau, dim=-1)
-            loss += lamda * tau ** 2 * F.kl_div(q_w, q_v, reduction="batchmean")
+            loss += lamda * tau**2 * F.kl_div(q_w, q_v, reduction="batchmean")
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -463,7 +497,8 @@ def featcache_run(name, bn, **settings):
 
 
 def fling_run(name, bn, train, test, init, control=None, **settings):
-    """The transcription's run, 3 rounds of train (every client) -> aggregate -> test, as personalized_model_pipeline."""
+    """The transcription's run, 3 rounds of train (every client) -> aggregate -> test, as
+    personalized_model_pipeline."""
     args = dict(FLING_CFG, bn=bn, **settings)
     if name == "fedcac":
         clients = [FedCACClient(args, c, train, test, init) for c in range(4)]
@@ -475,8 +510,10 @@ def fling_run(name, bn, train, test, init, control=None, **settings):
         for client in clients:
             client.train(rnd)
         group.aggregate()
-    out = [{"model": {NAMES[k]: v for k, v in client.model.state_dict().items() if k in NAMES},
-            "logits": client.test()} for client in clients]
+    out = [
+        {"model": {NAMES[k]: v for k, v in client.model.state_dict().items() if k in NAMES}, "logits": client.test()}
+        for client in clients
+    ]
     return out, {NAMES[k]: v for k, v in group.glob_dict.items() if k in NAMES}
 
 
@@ -486,12 +523,16 @@ def largest_difference(ours, ref) -> float:
     diffs = [(glob[k] - ref_glob[k]).abs().max() for k in glob]
     for a, b in zip(out, ref_out):
         assert set(a["model"]) == set(b["model"])
-        diffs += [(a["model"][k] - b["model"][k]).abs().max() for k in a["model"]] + [(a["logits"] - b["logits"]).abs().max()]
+        diffs += [(a["model"][k] - b["model"][k]).abs().max() for k in a["model"]] + [
+            (a["logits"] - b["logits"]).abs().max()
+        ]
     return float(max(diffs))
 
 
-FLING_CASES = {"fedcac": ({"tau": 0.5, "beta": 100}, {"tau": 0.5, "beta": 100.0}, {"tau": 0.4}),
-               "pfedsd": ({"lamda": 0.5, "tau": 3}, {"lam": 0.5, "temperature": 3.0}, {"lamda": 1.0})}
+FLING_CASES = {
+    "fedcac": ({"tau": 0.5, "beta": 100}, {"tau": 0.5, "beta": 100.0}, {"tau": 0.4}),
+    "pfedsd": ({"lamda": 0.5, "tau": 3}, {"lam": 0.5, "temperature": 3.0}, {"lamda": 1.0}),
+}
 
 
 @pytest.fixture
@@ -511,5 +552,6 @@ def test_fedcac_and_pfedsd_equal_flings_released_code(name, bn, float64):
     assert largest_difference((out, glob), fling_run(name, bn, train, test, init, **fling_args)) < 1e-9
     assert largest_difference((out, glob), fling_run(name, bn, train, test, init, **(fling_args | changed))) > 1e-3
     if bn:
-        assert largest_difference((out, glob), fling_run(name, bn, train, test, init, control="bn",
-                                                         **fling_args)) > 1e-3
+        assert (
+            largest_difference((out, glob), fling_run(name, bn, train, test, init, control="bn", **fling_args)) > 1e-3
+        )

@@ -40,8 +40,10 @@ def trainloader(idx: int, rnd: int, epoch: int, drop_last: bool = True):
     order = batch_order(torch.tensor([SEED]), rnd, epoch, TRAIN.counts, TRAIN.features.shape[1])[0, idx][:n]
     if drop_last:
         order = order[: n // LOCAL_BS * LOCAL_BS]
-    return [(TRAIN.features[idx, order[s : s + LOCAL_BS]], TRAIN.labels[idx, order[s : s + LOCAL_BS]])
-            for s in range(0, len(order), LOCAL_BS)]
+    return [
+        (TRAIN.features[idx, order[s : s + LOCAL_BS]], TRAIN.labels[idx, order[s : s + LOCAL_BS]])
+        for s in range(0, len(order), LOCAL_BS)
+    ]
 
 
 def held_out(idx: int):
@@ -53,8 +55,9 @@ def featcache_run(name: str, **settings):
     """featcache's run of `name` on the same data: (initial parameters name -> [...] (every client starts from
     them), trained parameters name -> [C, ...], per client the scores `predict` gives on its test rows)."""
     algo = create(name)
-    cfg = configure(algo, proj_dim=OUT_DIM, rounds=ROUNDS, batch_size=LOCAL_BS, local_epochs=TRAIN_EP, seed=SEED,
-                    **settings)
+    cfg = configure(
+        algo, proj_dim=OUT_DIM, rounds=ROUNDS, batch_size=LOCAL_BS, local_epochs=TRAIN_EP, seed=SEED, **settings
+    )
     eng = Engine(algo, [cfg], TRAIN, TEST)
     init = {k: v[0, 0].clone() for k, v in eng.state.params.items()}
     eng.run()
@@ -166,14 +169,16 @@ def released_fedpcl(init, lr, pass_drop_last=True):
     """exps/federated_main.py FedPCL: per client its trained model and its test distance matrix."""
     g = torch.Generator().manual_seed(7)  # fc2 only feeds 0 * loss1: featcache's head has no classifier
     fc2 = {"fc2.weight": torch.randn(NUM_CLASSES, OUT_DIM, generator=g) * 0.3, "fc2.bias": torch.zeros(NUM_CLASSES)}
-    local_model_list = [{"fc1.weight": init["proj0.weight"], "fc1.bias": init["proj0.bias"]} | fc2
-                        for _ in range(NUM_USERS)]
+    local_model_list = [
+        {"fc1.weight": init["proj0.weight"], "fc1.bias": init["proj0.bias"]} | fc2 for _ in range(NUM_USERS)
+    ]
     global_protos, global_avg_protos, local_protos = {}, {}, {}
     for round in range(ROUNDS):
         local_weights = []
         for idx in range(NUM_USERS):
-            w, protos = update_weights_lg(idx, global_protos, global_avg_protos, copy.deepcopy(local_model_list[idx]),
-                                          round, lr, pass_drop_last)
+            w, protos = update_weights_lg(
+                idx, global_protos, global_avg_protos, copy.deepcopy(local_model_list[idx]), round, lr, pass_drop_last
+            )
             local_weights.append(w)
             local_protos[idx] = agg_func(protos)
         for idx in range(NUM_USERS):
@@ -190,7 +195,10 @@ def compare_fedpcl(ours, ref) -> float:
     models, dists = ref
     pairs = []
     for c in range(NUM_USERS):
-        pairs += [(params["proj0.weight"][c], models[c]["fc1.weight"]), (params["proj0.bias"][c], models[c]["fc1.bias"])]
+        pairs += [
+            (params["proj0.weight"][c], models[c]["fc1.weight"]),
+            (params["proj0.bias"][c], models[c]["fc1.bias"]),
+        ]
         owned = torch.isfinite(scores[c])  # [n, K] the classes of the client's own prototypes
         assert torch.equal(owned, dists[c] != 100)
         pairs.append((-scores[c][owned] / OUT_DIM, dists[c][owned]))  # squared distance vs nn.MSELoss
@@ -311,11 +319,11 @@ def released_fedproc(init, lr, reg, pass_drop_last=True):
             global_class_center = get_global_class_center(None, nets_this_round, -1, pass_drop_last)
             flag = 1
         for net_id in nets_this_round:
-            nets_this_round[net_id] = train_net_fedproc(round, net_id, nets_this_round[net_id], lr, reg,
-                                                        global_class_center)
+            nets_this_round[net_id] = train_net_fedproc(
+                round, net_id, nets_this_round[net_id], lr, reg, global_class_center
+            )
         global_class_center_old = copy.deepcopy(global_class_center)
-        global_class_center = get_global_class_center(global_class_center_old, nets_this_round, round,
-                                                      pass_drop_last)
+        global_class_center = get_global_class_center(global_class_center_old, nets_this_round, round, pass_drop_last)
         total_data_points = sum(int(TRAIN.counts[r]) for r in range(NUM_USERS))
         fed_avg_freqs = [int(TRAIN.counts[r]) / total_data_points for r in range(NUM_USERS)]
         global_w = {}
@@ -423,8 +431,15 @@ def proto_aggregation_proto(local_protos_list):
 def released_fedproto(init, lr, ld):
     """exps/federated_main.py FedProto_taskheter: per client its trained model and the log-probabilities of
     test_inference_new_het_lt's local-model test."""
-    local_model_list = [{"fc1.weight": init["proj0.weight"], "fc1.bias": init["proj0.bias"],
-                         "fc2.weight": init["cls0.weight"], "fc2.bias": init["cls0.bias"]} for _ in range(NUM_USERS)]
+    local_model_list = [
+        {
+            "fc1.weight": init["proj0.weight"],
+            "fc1.bias": init["proj0.bias"],
+            "fc2.weight": init["cls0.weight"],
+            "fc2.bias": init["cls0.bias"],
+        }
+        for _ in range(NUM_USERS)
+    ]
     global_protos = []
     for round in range(ROUNDS):
         local_weights, local_protos = [], {}
@@ -444,8 +459,11 @@ def compare_fedproto(ours, ref) -> float:
     _, params, scores = ours
     models, outputs = ref
     names = {"proj0": "fc1", "cls0": "fc2"}
-    pairs = [(params[k][c], models[c][names[k.split(".")[0]] + "." + k.split(".")[1]])
-             for k in params for c in range(NUM_USERS)]
+    pairs = [
+        (params[k][c], models[c][names[k.split(".")[0]] + "." + k.split(".")[1]])
+        for k in params
+        for c in range(NUM_USERS)
+    ]
     return largest_difference(pairs + [(F.log_softmax(s, -1), o) for s, o in zip(scores, outputs)])
 
 

@@ -34,10 +34,22 @@ def round_of(part, **hp) -> Round:
     """A Round for server hooks called directly: participation part [H, C] (nonzero = takes part), hp name -> [H]."""
     part = torch.as_tensor(part) != 0
     H, C = part.shape
-    return Round(round=0, rounds=1, epoch=0, step=0, steps_per_epoch=1, client_steps=torch.ones(C, dtype=torch.long),
-                 part=part, H=H, C=C, seeds=torch.zeros(H, dtype=torch.long),
-                 hp={k: torch.as_tensor(v, dtype=torch.float32) for k, v in hp.items()}, cfg=MappingProxyType({}),
-                 data=None, device=torch.device("cpu"))
+    return Round(
+        round=0,
+        rounds=1,
+        epoch=0,
+        step=0,
+        steps_per_epoch=1,
+        client_steps=torch.ones(C, dtype=torch.long),
+        part=part,
+        H=H,
+        C=C,
+        seeds=torch.zeros(H, dtype=torch.long),
+        hp={k: torch.as_tensor(v, dtype=torch.float32) for k, v in hp.items()},
+        cfg=MappingProxyType({}),
+        data=None,
+        device=torch.device("cpu"),
+    )
 
 
 def tiny_model(seed: int) -> dict:
@@ -144,8 +156,9 @@ def test_pfedme_engine_sgd_step_equals_paper():
     """One round, one minibatch per client, SGD without momentum: the engine's update is exactly Alg. 1's."""
     train = synthetic_clients(C=3, n=(8, 8), D=D_IN, K=K, seed=0)
     algo = create("pfedme")
-    cfg = configure(algo, proj_dim=HID, rounds=1, batch_size=8, optimizer="sgd",
-                    momentum=0.0, weight_decay=0.0, lr=0.005)
+    cfg = configure(
+        algo, proj_dim=HID, rounds=1, batch_size=8, optimizer="sgd", momentum=0.0, weight_decay=0.0, lr=0.005
+    )
     eng = Engine(algo, [cfg], train, train)
     w = {k: v[0, 0].clone() for k, v in eng.init_state().params.items()}
     eng.run()
@@ -216,8 +229,11 @@ def test_perfedavg_evaluates_after_one_step_on_training_data():
     x_train, y_train = batch(11, n=7)
     x_test, _ = batch(12, n=4)
     pad = torch.zeros(2, D_IN)  # padding rows of the client's training set
-    ctx = hp(alpha=0.5) | {"train_x": torch.cat([x_train, pad]), "train_y": torch.cat([y_train, -torch.ones(2).long()]),
-                           "train_mask": torch.arange(9) < 7}
+    ctx = hp(alpha=0.5) | {
+        "train_x": torch.cat([x_train, pad]),
+        "train_y": torch.cat([y_train, -torch.ones(2).long()]),
+        "train_mask": torch.arange(9) < 7,
+    }
     g = grad_of(lambda p: ce(p, x_train, y_train), w)
     adapted = {k: w[k] - 0.5 * g[k] for k in w}  # w − α ∇f_i(w)
     torch.testing.assert_close(algo.predict(w, {}, x_test, ctx), logits_of(adapted, x_test))
@@ -228,8 +244,9 @@ def test_perfedavg_server_averages_participants_uniformly():
     uploads = {"cls0.bias": torch.arange(12.0).reshape(1, 4, 3)}  # [H, C, K]
     weights = torch.tensor([[100.0, 0.0, 1.0, 3.0]])
     out = algo.aggregate(uploads, weights, None, round_of(weights))["cls0.bias"]
-    torch.testing.assert_close(out[0], (uploads["cls0.bias"][0, 0] + uploads["cls0.bias"][0, 2]
-                                        + uploads["cls0.bias"][0, 3]) / 3)
+    torch.testing.assert_close(
+        out[0], (uploads["cls0.bias"][0, 0] + uploads["cls0.bias"][0, 2] + uploads["cls0.bias"][0, 3]) / 3
+    )
 
 
 def test_perfedavg_rejects_unknown_order():
@@ -308,9 +325,14 @@ def test_fedamp_rejects_unknown_attention():
 
 
 # -- all three ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, over", [("pfedme", {"lam": 5.0, "beta": 0.7, "personal_lr": 0.03}),
-                                        ("perfedavg", {"alpha": 0.2, "order": "first"}),
-                                        ("fedamp", {"sigma": 5.0, "self_attention": 0.2, "lam": 3.0})])
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        ("pfedme", {"lam": 5.0, "beta": 0.7, "personal_lr": 0.03}),
+        ("perfedavg", {"alpha": 0.2, "order": "first"}),
+        ("fedamp", {"sigma": 5.0, "self_attention": 0.2, "lam": 3.0}),
+    ],
+)
 def test_batched_hyperparameters_equal_single_runs(name, over):
     """The per-config hyperparameters reach the server hooks per configuration, not the first one's for all."""
     assert_batched_equals_alone(name, over, rounds=2)
@@ -320,13 +342,13 @@ def assert_batched_equals_alone(name: str, over: dict, rounds: int) -> None:
     """Two configurations (the defaults, and `over` with another seed) trained as one batched run end with each
     configuration's own accuracies and parameters, as when it is trained alone."""
     train, test = synthetic_clients(C=3, n=(10, 20), seed=0), synthetic_clients(C=3, n=(10, 20), seed=1)
-    base = configure(name, proj_dim=HID, rounds=rounds, batch_size=8, lr=1e-2,
-                     participation=0.67)
+    base = configure(name, proj_dim=HID, rounds=rounds, batch_size=8, lr=1e-2, participation=0.67)
     cfgs = [base, base | over | {"seed": 1}]
     batched = Engine(create(name), cfgs, train, test)
     acc = batched.run()["acc"]  # [R, H, C]
     for h, cfg in enumerate(cfgs):
         alone = Engine(create(name), [cfg], train, test)
         torch.testing.assert_close(acc[:, h], alone.run()["acc"][:, 0])
-        assert_dicts_close({k: v[h] for k, v in batched.state.params.items()},
-                           {k: v[0] for k, v in alone.state.params.items()})
+        assert_dicts_close(
+            {k: v[h] for k, v in batched.state.params.items()}, {k: v[0] for k, v in alone.state.params.items()}
+        )

@@ -9,20 +9,49 @@ import torch
 from conftest import client_model, configure
 
 from featcache.algorithms import create
-from featcache.algorithms.pfedgate import Layout, knapsack
 from featcache.testing import assert_capturable, assert_matches_plain_loop
 from featcache.training.engine import Engine
 from tests import ref_pfedgate as ref
 from tests.test_algo_official import tiny_clients
 
-GATE_NAMES = {"gate0.weight": "gating.1.weight", "gate0.bias": "gating.1.bias", "gate0.bn.weight": "gating.2.weight",
-              "gate0.bn.bias": "gating.2.bias", "gate0.bn.running_mean": "gating.2.running_mean",
-              "gate0.bn.running_var": "gating.2.running_var"}
+GATE_NAMES = {
+    "gate0.weight": "gating.1.weight",
+    "gate0.bias": "gating.1.bias",
+    "gate0.bn.weight": "gating.2.weight",
+    "gate0.bn.bias": "gating.2.bias",
+    "gate0.bn.running_mean": "gating.2.running_mean",
+    "gate0.bn.running_var": "gating.2.running_var",
+}
 HEAD = ("proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias")
-CFG = dict(rounds=3, local_epochs=1, batch_size=8, drop_last=True, optimizer="sgd", lr=0.05, lr_gate=0.5,
-           momentum=0.9, weight_decay=5e-4, sparsity=0.5, blocks=5, proj_dim=8, participation=1.0, seed=0)
-RELEASED = dict(bz=8, lr_model=0.05, lr_gating=0.5, sparse_factor=0.5, fine_grained_block_split=5, seperate_trans=0,
-                lr_scheduler="constant", gate_input_norm="none", online_aggregate=1, bi_level_opt=0, drop_last=True)
+CFG = dict(
+    rounds=3,
+    local_epochs=1,
+    batch_size=8,
+    drop_last=True,
+    optimizer="sgd",
+    lr=0.05,
+    lr_gate=0.5,
+    momentum=0.9,
+    weight_decay=5e-4,
+    sparsity=0.5,
+    blocks=5,
+    proj_dim=8,
+    participation=1.0,
+    seed=0,
+)
+RELEASED = dict(
+    bz=8,
+    lr_model=0.05,
+    lr_gating=0.5,
+    sparse_factor=0.5,
+    fine_grained_block_split=5,
+    seperate_trans=0,
+    lr_scheduler="constant",
+    gate_input_norm="none",
+    online_aggregate=1,
+    bi_level_opt=0,
+    drop_last=True,
+)
 
 
 @pytest.fixture
@@ -46,16 +75,18 @@ def featcache_run(**settings):
         rows = {"rows": torch.ones(n, dtype=torch.bool)}  # every row of x is a real one
         with torch.no_grad():
             logits = eng.algo.predict(params, buffers, test.features[c, :n], ctx_c | rows)
-        model = {k: buffers["held." + k] for k in HEAD} | {GATE_NAMES[k]: v for k, v in (params | buffers).items()
-                                                            if k in GATE_NAMES}
+        model = {k: buffers["held." + k] for k in HEAD} | {
+            GATE_NAMES[k]: v for k, v in (params | buffers).items() if k in GATE_NAMES
+        }
         out.append({"model": model, "logits": logits})
     return train, test, init, out, {k: state.params[k][0, 0] for k in HEAD}
 
 
 def released_run(train, test, init, **args):
     init = {k: init[k] for k in HEAD} | {GATE_NAMES[k]: v for k, v in init.items() if k in GATE_NAMES}
-    out, glob = ref.run_released(RELEASED | args, train, test, init, rounds=3,
-                                 order=ref.featcache_order(train, 8, seed=0))
+    out, glob = ref.run_released(
+        RELEASED | args, train, test, init, rounds=3, order=ref.featcache_order(train, 8, seed=0)
+    )
     return out, glob
 
 
@@ -75,8 +106,9 @@ def test_pfedgate_equals_the_released_code(sparsity, float64):
     train, test, init, out, glob = featcache_run(sparsity=sparsity)
     theirs = released_run(train, test, init, sparse_factor=sparsity)
     assert largest_difference((out, glob), theirs) < 1e-5
-    assert largest_difference((out, glob), released_run(train, test, init, sparse_factor=sparsity,
-                                                        lr_gating=0.25)) > 1e-3
+    assert (
+        largest_difference((out, glob), released_run(train, test, init, sparse_factor=sparsity, lr_gating=0.25)) > 1e-3
+    )
 
 
 def test_pfedgate_sparse_matches_the_plain_loop_and_captures():

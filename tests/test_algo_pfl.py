@@ -13,8 +13,24 @@ from featcache.algorithms import create
 from featcache.algorithms.pfedgate import Layout, knapsack
 from featcache.training.engine import Engine, State
 from tests.synthetic import synthetic_clients
-from tests.test_algo_personal import (D_IN, HID, K, KEYS, assert_batched_equals_alone, assert_dicts_close, batch, ce,
-                                      grad_of, hp, logits_of, loss_and_grad, models, round_of, setup, tiny_model)
+from tests.test_algo_personal import (
+    D_IN,
+    HID,
+    K,
+    KEYS,
+    assert_batched_equals_alone,
+    assert_dicts_close,
+    batch,
+    ce,
+    grad_of,
+    hp,
+    logits_of,
+    loss_and_grad,
+    models,
+    round_of,
+    setup,
+    tiny_model,
+)
 
 
 # -- FedCAC ------------------------------------------------------------------------------------------------------
@@ -36,8 +52,11 @@ def test_fedcac_critical_parameters_are_the_most_sensitive():
     algo = setup("fedcac", tau=0.5)
     old, new = models(3, 0), models(3, 10)
     new["cls0.bias"][0, 1] = old["cls0.bias"][0, 1]  # a layer that did not move: threshold falls to the smallest >0
-    state = State(params={k: v.clone() for k, v in new.items()}, buffers={},
-                  client={"start": old, "critical": {k: torch.zeros_like(v) for k, v in new.items()}})
+    state = State(
+        params={k: v.clone() for k, v in new.items()},
+        buffers={},
+        client={"start": old, "critical": {k: torch.zeros_like(v) for k, v in new.items()}},
+    )
     part = torch.tensor([[1, 1, 0]])
     algo.after_local(state, round_of(part))
     for c in range(3):
@@ -116,9 +135,11 @@ def test_pfedsd_evaluates_and_distils_from_the_personalized_model():
     x, _ = batch(5)
     torch.testing.assert_close(algo.predict(w, {}, x, {"personal": personal}), logits_of(personal, x))
     W = models(3, 40)
-    state = State(params={k: v.clone() for k, v in W.items()}, buffers={},
-                  client={"personal": {k: torch.zeros_like(v) for k, v in W.items()},
-                          "has_teacher": torch.zeros(1, 3)})
+    state = State(
+        params={k: v.clone() for k, v in W.items()},
+        buffers={},
+        client={"personal": {k: torch.zeros_like(v) for k, v in W.items()}, "has_teacher": torch.zeros(1, 3)},
+    )
     algo.after_local(state, round_of(torch.tensor([[1, 0, 1]])))
     for c in range(3):
         for k in KEYS:
@@ -129,8 +150,10 @@ def test_pfedsd_evaluates_and_distils_from_the_personalized_model():
 
 def test_pfedsd_first_round_equals_fedavg():
     train, test = synthetic_clients(C=3, n=(10, 20), seed=0), synthetic_clients(C=3, n=(10, 20), seed=1)
-    sd, avg = (Engine(create(name), [configure(name, proj_dim=HID, rounds=1, batch_size=8)], train, test)
-               for name in ("pfedsd", "fedavg"))
+    sd, avg = (
+        Engine(create(name), [configure(name, proj_dim=HID, rounds=1, batch_size=8)], train, test)
+        for name in ("pfedsd", "fedavg")
+    )
     sd.run(), avg.run()
     assert_dicts_close(sd.state.params, avg.state.params)
 
@@ -175,8 +198,9 @@ def released_scores(p: dict, x: torch.Tensor, algo) -> torch.Tensor:
     sub-block j of every flattened tensor scaled by its gate where kept, ReLU on the logits."""
     lay = algo.layout(tuple(algo.shapes(p)))
     h = x @ p["gate0.weight"].T + p["gate0.bias"]
-    h = (h - p["gate0.bn.running_mean"]) / torch.sqrt(p["gate0.bn.running_var"] + 1e-5) * p["gate0.bn.weight"] \
-        + p["gate0.bn.bias"]
+    h = (h - p["gate0.bn.running_mean"]) / torch.sqrt(p["gate0.bn.running_var"] + 1e-5) * p["gate0.bn.weight"] + p[
+        "gate0.bn.bias"
+    ]
     w = algo.gates(torch.sigmoid(h).mean(0), lay)
     model = {}
     for k, (begin, n, each, numel) in lay.split.items():
@@ -216,7 +240,13 @@ def test_pfedgate_keeps_the_gating_layer_local():
 
 
 # -- all three ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, over", [("fedcac", {"beta": 2.0}), ("pfedsd", {"temperature": 1.5, "lam": 0.3}),
-                                        ("pfedgate", {"lr": 3e-2, "lr_gate": 0.2})])
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        ("fedcac", {"beta": 2.0}),
+        ("pfedsd", {"temperature": 1.5, "lam": 0.3}),
+        ("pfedgate", {"lr": 3e-2, "lr_gate": 0.2}),
+    ],
+)
 def test_batched_hyperparameters_equal_single_runs(name, over):
     assert_batched_equals_alone(name, over, rounds=3)

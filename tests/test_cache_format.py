@@ -32,17 +32,31 @@ def inputs(views: int = 0, rows=((40, 17), (25, 9), (33, 0))) -> tuple[dict, lis
         for split, n in (("train", n_train), ("test", n_test)):
             for group, lead in (("features", (n,)), ("views", (n, views))):
                 blocks[c, split, group] = [rng.standard_normal((*lead, d), dtype=np.float32) for d in DIMS.values()]
-            splits[split] = C.Split(rng.integers(0, 3, n), np.arange(n) * 2, blocks[c, split, "features"],
-                                    blocks[c, split, "views"] if views and split == "train" else None)
+            splits[split] = C.Split(
+                rng.integers(0, 3, n),
+                np.arange(n) * 2,
+                blocks[c, split, "features"],
+                blocks[c, split, "views"] if views and split == "train" else None,
+            )
         val = np.sort(rng.choice(n_train, n_train // 4, replace=False))
         clients.append(C.Client(f"d{c % 2}", splits["train"], splits["test"], val))
         counts.append({"client": c, "domain": f"d{c % 2}", "train": n_train, "val": len(val), "test": n_test})
     manifest = {"dataset": {"name": "fake"}, "views": views, "versions": versions()}
-    header = {"key": content_key(manifest), "manifest": manifest, "dataset": "fake", "classes": ["a", "b", "c"],
-              "domains": ["d0", "d1"], "partition": {}, "counts": {"clients": counts}, "views": views,
-              "versions": manifest["versions"]}
-    backbones = [{"key": k, "name": k, "weights": "random", "weights_sha256": "", "dim": d, "preprocessing": {}}
-                 for k, d in DIMS.items()]
+    header = {
+        "key": content_key(manifest),
+        "manifest": manifest,
+        "dataset": "fake",
+        "classes": ["a", "b", "c"],
+        "domains": ["d0", "d1"],
+        "partition": {},
+        "counts": {"clients": counts},
+        "views": views,
+        "versions": manifest["versions"],
+    }
+    backbones = [
+        {"key": k, "name": k, "weights": "random", "weights_sha256": "", "dim": d, "preprocessing": {}}
+        for k, d in DIMS.items()
+    ]
     return header, backbones, clients, blocks
 
 
@@ -136,8 +150,13 @@ def test_migrate_keeps_every_array_bitwise_and_halves_the_file(tmp_path, views):
     result = run_cli("migrate", str(old), "--json")
     assert result.code == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report == {"path": str(old), "from_format": 2, "to_format": 3, "bytes_before": before,
-                      "bytes": old.stat().st_size}
+    assert report == {
+        "path": str(old),
+        "from_format": 2,
+        "to_format": 3,
+        "bytes_before": before,
+        "bytes": old.stat().st_size,
+    }
     assert report["bytes"] < 0.6 * before  # two backbones: format 2 held every feature twice
     with h5py.File(old) as f, h5py.File(new) as g:
         assert sorted(name for name, _ in h5.objects(f, h5py.Dataset)) == sorted(arrays)

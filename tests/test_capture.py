@@ -24,8 +24,11 @@ ALGOS = sorted(list_algorithms())
 def configs(name: str, **over) -> list[dict]:
     """Two configurations (other rate, other seed), uneven clients with a short last batch, partial participation."""
     algo = create(name)
-    cfg = configure(algo, fast=True, **{"proj_dim": 8, "rounds": 3, "batch_size": 16, "drop_last": False,
-                                        "participation": 0.75} | over)
+    cfg = configure(
+        algo,
+        fast=True,
+        **{"proj_dim": 8, "rounds": 3, "batch_size": 16, "drop_last": False, "participation": 0.75} | over,
+    )
     return [cfg, cfg | {"seed": 1, "lr": cfg["lr"] * 2}]
 
 
@@ -35,15 +38,16 @@ def trained(name: str, data, capture_mode: str, device: str, **over) -> tuple[En
     engine = Engine(create(name), configs(name, **over), train, test, device=device, capture=capture_mode)
     out = engine.run()
     return engine, {"acc": out["acc"], "train_loss": out["train_loss"]} | {
-        f"param {k}": v for k, v in engine.state.params.items()} | {
-        f"buffer {k}": v for k, v in engine.state.buffers.items()}
+        f"param {k}": v for k, v in engine.state.params.items()
+    } | {f"buffer {k}": v for k, v in engine.state.buffers.items()}
 
 
 def assert_close(a: dict, b: dict, name: str) -> None:
     assert a.keys() == b.keys()
     for k in a:  # float tolerance: graphs may pick other kernels than the eager run
-        torch.testing.assert_close(a[k].cpu(), b[k].cpu(), equal_nan=True, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m: f"{name} {k}: {m}")
+        torch.testing.assert_close(
+            a[k].cpu(), b[k].cpu(), equal_nan=True, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {k}: {m}"
+        )
 
 
 @pytest.mark.parametrize("name", ALGOS)

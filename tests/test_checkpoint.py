@@ -53,9 +53,11 @@ def cache(tmp_path_factory):
 
 def ctrl_c_after(round_: int):
     """A progress callback that sends this process SIGINT (a real Ctrl-C) when round `round_` is done."""
+
     def tick(done, total, *rest):
         if done == round_:
             os.kill(os.getpid(), signal.SIGINT)
+
     return tick
 
 
@@ -111,15 +113,20 @@ def test_a_finished_run_is_returned_without_training(cache, tmp_path, monkeypatc
 
 
 def test_checkpoints_off_write_and_read_nothing(cache, tmp_path):
-    with pytest.raises(Interrupted, match="stopped in round 1 of 3; no checkpoint yet: the same command starts it "
-                                          "again from round 1"):
-        train(cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path, checkpoint_every=0,
-              progress=ctrl_c_after(1))  # no handler of ours: KeyboardInterrupt at once, in round 1's progress
+    with pytest.raises(
+        Interrupted, match="stopped in round 1 of 3; no checkpoint yet: the same command starts it again from round 1"
+    ):
+        train(
+            cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path, checkpoint_every=0, progress=ctrl_c_after(1)
+        )  # no handler of ours: KeyboardInterrupt at once, in round 1's progress
     assert everything_in(tmp_path) == []
     r = train(cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path, checkpoint_every=0)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
-    assert "finished_earlier" not in train(cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path,
-                                           checkpoint_every=0) and r
+    assert (
+        "finished_earlier"
+        not in train(cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path, checkpoint_every=0)
+        and r
+    )
 
 
 def test_a_second_ctrl_c_stops_at_once_and_resumes_from_the_last_checkpoint(cache, tmp_path):
@@ -153,9 +160,11 @@ def _rewrite(path: Path, edit) -> None:
 
 def _forged(edit):
     """An edit that a forger makes and then signs: the checksum recomputed, so only the content gives it away."""
+
     def forge(m, t):
         edit(m, t)
         m["sha256"] = ck.digest(t, m)
+
     return forge
 
 
@@ -175,8 +184,10 @@ def _cut_records(m, t):
 TAMPER = {
     "other-code": (lambda m, t: m["identity"].update(code="0" * 64), "comes from other featcache or plug-in code"),
     "other-machine": (lambda m, t: m["identity"]["machine"].update(torch_threads=99), "another machine"),
-    "values-changed": (lambda m, t: next(v for v in t.values() if v.is_floating_point()).add_(1),
-                       "damaged (its checksum does not match)"),
+    "values-changed": (
+        lambda m, t: next(v for v in t.values() if v.is_floating_point()).add_(1),
+        "damaged (its checksum does not match)",
+    ),
     "round-changed": (lambda m, t: m.update(round=2), "damaged (its checksum does not match)"),
     "round-999-of-3": (_forged(lambda m, t: m.update(round=999)), "claims round 999 of a 3-round run"),
     "round-3-of-3": (_forged(lambda m, t: m.update(round=3)), "claims round 3 of a 3-round run"),
@@ -198,8 +209,20 @@ def test_a_mismatched_or_tampered_checkpoint_is_refused_in_one_line_and_kept(cac
     with pytest.raises(UserError, match=re.escape(needle)):
         train(cache, "scaffold", rounds=3, seeds=[0], set=SMALL, out=tmp_path)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
-    res = run_cli("train", "--cache", cache, "--algo", "scaffold", "--rounds", "3", "--seeds", "0", "--out", tmp_path,
-                  *[a for s in SMALL for a in ("--set", s)])
+    res = run_cli(
+        "train",
+        "--cache",
+        cache,
+        "--algo",
+        "scaffold",
+        "--rounds",
+        "3",
+        "--seeds",
+        "0",
+        "--out",
+        tmp_path,
+        *[a for s in SMALL for a in ("--set", s)],
+    )
     assert "delete it to train from round 1" in one_line_error(res, needle)
 
 
@@ -264,8 +287,11 @@ LAYOUTS = {  # name -> a tensor made from t [H, C, A, B] (a fresh one of its own
 }
 
 
-@given(shape=st.tuples(*[st.integers(2, 5)] * 4), picks=st.lists(st.sampled_from(sorted(LAYOUTS)), min_size=1,
-                                                                  max_size=6), again=st.booleans())
+@given(
+    shape=st.tuples(*[st.integers(2, 5)] * 4),
+    picks=st.lists(st.sampled_from(sorted(LAYOUTS)), min_size=1, max_size=6),
+    again=st.booleans(),
+)
 def test_a_tree_comes_back_in_the_layouts_it_was_packed_in(shape, picks, again):
     """Values, shapes, strides, which tensors are views, which share memory (and where in it), which are the same
     object, and each address modulo 64 bytes: what a kernel's rounding can depend on."""
@@ -282,14 +308,17 @@ def test_a_tree_comes_back_in_the_layouts_it_was_packed_in(shape, picks, again):
     for i, (t, r) in enumerate(zip(ours, got)):  # shared memory, its offsets and object identity as they were
         for u, q in zip(ours[:i], got[:i]):
             if t.numel() and u.numel():
-                assert (t.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()) == \
-                       (r.untyped_storage().data_ptr() == q.untyped_storage().data_ptr())
-                assert (t.data_ptr() - u.data_ptr() == r.data_ptr() - q.data_ptr()) or \
-                       t.untyped_storage().data_ptr() != u.untyped_storage().data_ptr()
+                assert (t.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()) == (
+                    r.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+                )
+                assert (
+                    t.data_ptr() - u.data_ptr() == r.data_ptr() - q.data_ptr()
+                ) or t.untyped_storage().data_ptr() != u.untyped_storage().data_ptr()
             assert (t is u) == (r is q)
 
 
 # -- the checkpoint file's own failures: a full disk, a special file in its place ---------------------------------
+
 
 def disk_full_at(n: int, pattern: str, code: int = errno.ENOSPC):
     """A Path.write_bytes whose n-th write of a file named like `pattern` writes half its bytes and fails as a full
@@ -314,9 +343,12 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_the_same_command_resumes_from
     ref = train(cache, "scaffold", out=tmp_path / "ref", **args)
     monkeypatch.setattr(Path, "write_bytes", disk_full_at(2, ".*.checkpoint.*.tmp"))
     out = tmp_path / "b"
-    with pytest.raises(UserError, match=r"^scaffold \(seeds 0, 1\): no checkpoint of round 4: cannot write .*No space "
-                                        r"left on device; disk full: free space and run the same command again, which "
-                                        r"resumes from the checkpoint of round 2 \(kept\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^scaffold \(seeds 0, 1\): no checkpoint of round 4: cannot write .*No space "
+        r"left on device; disk full: free space and run the same command again, which "
+        r"resumes from the checkpoint of round 2 \(kept\)$",
+    ):
         train(cache, "scaffold", out=out, **args)
     (kept,) = out.glob(".*.checkpoint")
     assert [p.name for p in out.iterdir()] == [kept.name]  # no temporary left
@@ -327,8 +359,11 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_the_same_command_resumes_from
 
 def test_a_full_disk_before_any_checkpoint_says_the_run_starts_again(cache, tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "write_bytes", disk_full_at(1, ".*.checkpoint.*.tmp", errno.EFBIG))
-    with pytest.raises(UserError, match=r"no checkpoint of round 1: .*ulimit -f.*, which starts it again from round 1 "
-                                        r"\(no checkpoint was written\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"no checkpoint of round 1: .*ulimit -f.*, which starts it again from round 1 "
+        r"\(no checkpoint was written\)$",
+    ):
         train(cache, "fedavg", rounds=3, seeds=[0], set=SMALL, out=tmp_path, checkpoint_every=1)
     assert everything_in(tmp_path) == []
 
@@ -343,28 +378,64 @@ def test_a_special_file_in_the_checkpoints_place_is_one_line_and_left_alone(cach
     place = tmp_path / "out" / path.with_suffix(f".{which}").name
     place.parent.mkdir()
     SPECIAL[kind](place)
-    with pytest.raises(UserError, match=f"{re.escape(str(place))} is (a folder|a named pipe|a broken symbolic link)"
-                                        ".*: featcache keeps a run's checkpoint under that name; move it away"):
+    with pytest.raises(
+        UserError,
+        match=f"{re.escape(str(place))} is (a folder|a named pipe|a broken symbolic link)"
+        ".*: featcache keeps a run's checkpoint under that name; move it away",
+    ):
         train(cache, "scaffold", rounds=3, seeds=[0], set=SMALL, out=tmp_path / "out")
     assert [p.name for p in place.parent.iterdir()] == [place.name] and os.path.lexists(place)
-    res = run_cli("train", "--cache", cache, "--algo", "scaffold", "--rounds", "3", "--seeds", "0", "--out",
-                  tmp_path / "out", *[a for s in SMALL for a in ("--set", s)])
+    res = run_cli(
+        "train",
+        "--cache",
+        cache,
+        "--algo",
+        "scaffold",
+        "--rounds",
+        "3",
+        "--seeds",
+        "0",
+        "--out",
+        tmp_path / "out",
+        *[a for s in SMALL for a in ("--set", s)],
+    )
     one_line_error(res, "featcache keeps a run's checkpoint under that name")
 
 
 # -- the command, killed or interrupted in a real process (slow: a torch start-up per process) ------------------
 
+
 def driver(cwd: Path, args: list[str], fault: list[str] = ()) -> subprocess.CompletedProcess:
     """`featcache ARGS` in `cwd` (created), with a fault; the command line (recorded in the result) is the same in
     every folder."""
     cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, str(DRIVER), *fault, "--", *map(str, args)], capture_output=True,
-                          text=True, env=ENV, cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(DRIVER), *fault, "--", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=cwd,
+        timeout=600,
+    )
 
 
 def command(cache, *algos: str) -> list[str]:
-    return ["train", "--cache", cache, *[a for algo in algos for a in ("--algo", algo)], "--rounds", "6", "--seeds",
-            "0,1", *[a for s in SMALL for a in ("--set", s)], "--out", "runs", "--checkpoint-every", "2", "--json"]
+    return [
+        "train",
+        "--cache",
+        cache,
+        *[a for algo in algos for a in ("--algo", algo)],
+        "--rounds",
+        "6",
+        "--seeds",
+        "0,1",
+        *[a for s in SMALL for a in ("--set", s)],
+        "--out",
+        "runs",
+        "--checkpoint-every",
+        "2",
+        "--json",
+    ]
 
 
 def results(out: Path) -> dict[str, bytes]:
@@ -409,8 +480,10 @@ def test_ctrl_c_prints_one_line_exits_130_and_resumes(cache, tmp_path):
     stopped = driver(out.parent, command(cache, "scaffold"), ["--sigint", f"after:{LOCAL_TRAIN}:3:*"])
     assert stopped.returncode == 130, stopped.stderr
     (line,) = lines(stopped.stderr)
-    assert line == ("interrupted: scaffold (seeds 0, 1) stopped after round 3 of 6, checkpoint saved: run the same "
-                    "command again to resume"), line
+    assert line == (
+        "interrupted: scaffold (seeds 0, 1) stopped after round 3 of 6, checkpoint saved: run the same "
+        "command again to resume"
+    ), line
     again = driver(out.parent, command(cache, "scaffold"))
     assert again.returncode == 0, again.stderr
     assert results(out) == results(tmp_path / "ref" / "runs")
@@ -432,8 +505,15 @@ def test_a_file_size_limit_on_the_next_checkpoint_keeps_the_last_one(cache, tmp_
     (kept,) = out.glob(".*.checkpoint")
     before = kept.read_bytes()
     limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) // 2, len(before) // 2))
-    limited = subprocess.run([sys.executable, str(DRIVER), "--", *map(str, plain)], capture_output=True, text=True,
-                             env=ENV, cwd=out.parent, timeout=600, preexec_fn=limit)
+    limited = subprocess.run(
+        [sys.executable, str(DRIVER), "--", *map(str, plain)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=out.parent,
+        timeout=600,
+        preexec_fn=limit,
+    )
     assert limited.returncode == 2 and "Traceback" not in limited.stderr, limited.stderr
     line = [x for x in lines(limited.stderr) if not x.startswith(("note:", "progress:"))]
     assert len(line) == 1 and line[0].startswith("error: scaffold (seeds 0, 1): no checkpoint of round 4"), line

@@ -15,8 +15,14 @@ from featcache.cli import COMMANDS, app
 from featcache.reproduce import reproduce
 
 # command -> the library function it calls (the public API, and the pipelines' `reproduce`)
-API = {"extract": featcache.extract, "train": featcache.train, "grid": featcache.grid, "report": featcache.report,
-       "plot": featcache.plot, "reproduce": reproduce}
+API = {
+    "extract": featcache.extract,
+    "train": featcache.train,
+    "grid": featcache.grid,
+    "report": featcache.report,
+    "plot": featcache.plot,
+    "reproduce": reproduce,
+}
 # commands that inspect or maintain files, with no API function of their own beyond the module functions they call
 NO_API = {"info", "gc", "verify", "migrate", "datasets", "algos"}
 CLI_ONLY = {
@@ -33,8 +39,7 @@ API_ONLY = {
 
 def cli_names(name: str) -> set[str]:
     command = typer.main.get_command(app).commands[name]
-    return {(p.opts[0].lstrip("-") if p.opts[0].startswith("--") else p.name).replace("-", "_")
-            for p in command.params}
+    return {(p.opts[0].lstrip("-") if p.opts[0].startswith("--") else p.name).replace("-", "_") for p in command.params}
 
 
 def test_every_command_is_classified():
@@ -48,18 +53,21 @@ def test_cli_options_and_api_arguments_have_the_same_names(name):
     assert cli == api, f"{name}: only on the command line {sorted(cli - api)}; only in the API {sorted(api - cli)}"
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["train", "--cache", "c.h5", "--algo", "fedavg", "--set", "lr", "0.1"], "--set key=value"),
-    (["train", "--cache", "c.h5", "--algo", "fedavg", "--bogus"], "No such option: --bogus"),
-    (["train", "--algo", "fedavg"], "Missing option '--cache'"),
-    (["report"], "Missing argument 'results'"),
-    (["train", "--cache", "c.h5", "--algo", "fedavg", "--rounds", "x"], "Invalid value for '--rounds'"),
-    (["trian"], "No such command 'trian'"),
-    (["train", "--cache", "c.h5", "--algo", "fedavg", "--seeds", "0,,1"], "--seeds '0,,1' has an empty item"),
-    (["train", "--cache", "c.h5", "--algo", "fedavg", "--seeds", "0,1,"], "has an empty item"),
-    (["extract", "--clients", "5,,10"], "--clients '5,,10' has an empty item"),
-    (["extract", "--alpha", "0.1,x"], "--alpha '0.1,x': write comma-separated floats"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["train", "--cache", "c.h5", "--algo", "fedavg", "--set", "lr", "0.1"], "--set key=value"),
+        (["train", "--cache", "c.h5", "--algo", "fedavg", "--bogus"], "No such option: --bogus"),
+        (["train", "--algo", "fedavg"], "Missing option '--cache'"),
+        (["report"], "Missing argument 'results'"),
+        (["train", "--cache", "c.h5", "--algo", "fedavg", "--rounds", "x"], "Invalid value for '--rounds'"),
+        (["trian"], "No such command 'trian'"),
+        (["train", "--cache", "c.h5", "--algo", "fedavg", "--seeds", "0,,1"], "--seeds '0,,1' has an empty item"),
+        (["train", "--cache", "c.h5", "--algo", "fedavg", "--seeds", "0,1,"], "has an empty item"),
+        (["extract", "--clients", "5,,10"], "--clients '5,,10' has an empty item"),
+        (["extract", "--alpha", "0.1,x"], "--alpha '0.1,x': write comma-separated floats"),
+    ],
+)
 def test_usage_errors_are_one_line_exit_2(args, needle):
     one_line_error(run_cli(*args), needle)
 

@@ -15,9 +15,8 @@ import warnings
 from pathlib import Path
 
 import h5py
-import numpy as np
 import pytest
-from fixtures_disk import READERS, write_image
+from fixtures_disk import READERS
 from harness import run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,8 +41,15 @@ def identity(name: str, root, folder=None) -> dict:
 def run(name: str, root, out: Path, store: Path, **extra) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # random weights
-        return extract(dataset=name, backbone=BACKBONE, data_root=root, out=out, store=store, workers=0,
-                       **{"image_size": 16} | READERS[name][1] | extra)
+        return extract(
+            dataset=name,
+            backbone=BACKBONE,
+            data_root=root,
+            out=out,
+            store=store,
+            workers=0,
+            **{"image_size": 16} | READERS[name][1] | extra,
+        )
 
 
 def store_files(store: Path) -> list[str]:
@@ -86,15 +92,24 @@ def spell(where: dict, target: str, cwd: str, dots: int, detour: bool, slash: bo
 
 
 @settings(max_examples=40)
-@given(name=st.sampled_from(sorted(READERS)), target=st.sampled_from(["root", "copy", "link"]),
-       cwd=st.sampled_from(["base", "elsewhere", "data"]), dots=st.integers(0, 2), detour=st.booleans(),
-       slash=st.booleans(), absolute=st.booleans())
+@given(
+    name=st.sampled_from(sorted(READERS)),
+    target=st.sampled_from(["root", "copy", "link"]),
+    cwd=st.sampled_from(["base", "elsewhere", "data"]),
+    dots=st.integers(0, 2),
+    detour=st.booleans(),
+    slash=st.booleans(),
+    absolute=st.booleans(),
+)
 def test_the_key_of_a_dataset_is_its_content_not_its_path(roots, name, target, cwd, dots, detour, slash, absolute):
     where = roots[name]
     reference = identity(name, where["root"])
     text = spell(where, target, cwd, dots, detour, slash, absolute)
-    start = {"base": where["base"], "elsewhere": where["base"] / "elsewhere" / "deeper",
-             "data": where["base"] / "data"}[cwd]
+    start = {
+        "base": where["base"],
+        "elsewhere": where["base"] / "elsewhere" / "deeper",
+        "data": where["base"] / "data",
+    }[cwd]
     before = os.getcwd()
     os.chdir(start)
     try:
@@ -115,15 +130,24 @@ def test_every_reader_embeds_nothing_the_second_time_however_the_root_is_given(r
     assert sum(first["embedded"].values()) > 0
     kept = store_files(store)
     assert len(kept) == 1
-    spellings = {"relative": ("base", os.path.relpath(where["root"], where["base"])),
-                 "relative from elsewhere": ("elsewhere", os.path.relpath(where["root"], where["base"] / "elsewhere"
-                                                                         / "deeper")),
-                 "link": ("base", str(where["link"])),
-                 "dots and slash": ("data", f"./{name}/../{name}/./"),
-                 "copy": ("base", str(where["copy"]))}
+    spellings = {
+        "relative": ("base", os.path.relpath(where["root"], where["base"])),
+        "relative from elsewhere": (
+            "elsewhere",
+            os.path.relpath(where["root"], where["base"] / "elsewhere" / "deeper"),
+        ),
+        "link": ("base", str(where["link"])),
+        "dots and slash": ("data", f"./{name}/../{name}/./"),
+        "copy": ("base", str(where["copy"])),
+    }
     for i, (label, (cwd, text)) in enumerate(spellings.items()):
-        monkeypatch.chdir({"base": where["base"], "data": where["base"] / "data",
-                           "elsewhere": where["base"] / "elsewhere" / "deeper"}[cwd])
+        monkeypatch.chdir(
+            {
+                "base": where["base"],
+                "data": where["base"] / "data",
+                "elsewhere": where["base"] / "elsewhere" / "deeper",
+            }[cwd]
+        )
         again = run(name, text, tmp_path / f"out{i}", store)
         assert again["embedded"] == dict.fromkeys(first["embedded"], 0), label
         assert Path(again["cache"]).name == Path(first["cache"]).name and not again["cache_hit"], label
@@ -312,8 +336,12 @@ def test_a_damaged_or_foreign_sidecar_only_costs_a_read(tmp_path, monkeypatch):
     before = dataset_identity("imagefolder", root, contents=c)[0]
     c.save()
     sidecar = next(store.glob(".contents-*.json"))
-    for text in ("{not json", json.dumps({"root": "/elsewhere", "files": {}}), json.dumps([1, 2]),
-                 json.dumps({"root": os.path.realpath(root), "files": {"d1/a/img_000.png": [1, 2]}})):
+    for text in (
+        "{not json",
+        json.dumps({"root": "/elsewhere", "files": {}}),
+        json.dumps([1, 2]),
+        json.dumps({"root": os.path.realpath(root), "files": {"d1/a/img_000.png": [1, 2]}}),
+    ):
         sidecar.write_text(text)
         c = Contents(store)
         assert dataset_identity("imagefolder", root, contents=c)[0] == before and c.reads >= 1
@@ -372,14 +400,24 @@ def test_info_shows_each_stores_origin_and_flags_duplicates(tmp_path):
     assert shown[old.name]["identity"] == "legacy" and shown[old.name]["sources"] == []
     assert shown[stale.name]["stale"] and shown[old.name]["stale"]
     groups = duplicates(store)
-    assert [[Path(s["file"]).name for s in g] for g in groups] == [[Path(current["file"]).name,
-                                                                   *sorted([stale.name, old.name])]]
+    assert [[Path(s["file"]).name for s in g] for g in groups] == [
+        [Path(current["file"]).name, *sorted([stale.name, old.name])]
+    ]
     assert shown[Path(current["file"]).name]["duplicates"] == sorted([str(stale), str(old)])
     result = run_cli("info", str(store))
     assert result.code == 0, result.stderr
     text = " ".join(result.stdout.split())
-    for fragment in (str(root), "16 px", "24 px", current["fingerprint"][:16], "duplicate", "older featcache",
-                     "not recorded", "bicubic", "damaged"):
+    for fragment in (
+        str(root),
+        "16 px",
+        "24 px",
+        current["fingerprint"][:16],
+        "duplicate",
+        "older featcache",
+        "not recorded",
+        "bicubic",
+        "damaged",
+    ):
         assert fragment in text, fragment
     assert "hold the same embeddings" in result.stderr
     as_json = json.loads(run_cli("info", str(store), "--json").stdout)

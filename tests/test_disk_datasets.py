@@ -284,8 +284,24 @@ def test_cli_refuses_missing_domains_in_one_line_and_extracts_chosen_ones_in_fir
 
     written = write_digit5(tmp_path / "digit", folders=("MNIST", "USPS"), parts=10, per_part=2, n_test=10)
     out = tmp_path / "out"
-    args = ["extract", "--dataset", "digit5", "--data-root", str(tmp_path), "--backbone", "test_resnet=random",
-            "--image-size", "32", "--batch-size", "4", "--per-class", "1", "--out", str(out), "--json"]
+    args = [
+        "extract",
+        "--dataset",
+        "digit5",
+        "--data-root",
+        str(tmp_path),
+        "--backbone",
+        "test_resnet=random",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--per-class",
+        "1",
+        "--out",
+        str(out),
+        "--json",
+    ]
     line = one_line_cli_error(run_cli(*args), "digit5: domains svhn, synth, mnistm not found")
     assert str(tmp_path / "digit" / "SynthDigits" / "partitions" / "train_part{0..9}.pkl") in line
     assert everything_in(out) == []

@@ -26,7 +26,7 @@ def test_layout_names_existing_paths_and_every_package():
         if head and len(head.group(1)) < 4:  # a folder entry: top level, or two spaces in under the last top
             top = head.group(2) if not head.group(1) else top
             folder = head.group(2) if not head.group(1) else top + head.group(2)
-            line = line[head.end():]
+            line = line[head.end() :]
         for name in re.findall(r"(?<![\w{/.-])([\w-]+(?:\.(?:py|md|txt)|/))(?![\w{])", line):
             path = ROOT / folder / name
             assert path.exists(), f"README Layout names {folder}{name}, which does not exist"
@@ -48,9 +48,10 @@ def test_algorithms_table_is_the_generated_one():
 
     text = (ROOT / "featcache/algorithms/README.md").read_text()
     committed = re.search(r"<!-- algos:begin -->\n(.*?)<!-- algos:end -->", text, re.S).group(1).strip()
-    assert committed == markdown_table().strip(), \
-        "featcache/algorithms/README.md's registry table differs from the registry: run `make algos-table` " \
+    assert committed == markdown_table().strip(), (
+        "featcache/algorithms/README.md's registry table differs from the registry: run `make algos-table` "
         "(it writes `featcache algos --markdown` between the algos:begin/end markers)"
+    )
 
 
 def test_algos_markdown_prints_the_table():

@@ -81,15 +81,34 @@ class Images(SimpleNamespace):
         return f"Images({N_ARRAY} arrays, {N_FILES} files)"
 
 
-def run_pass(data, layout: list[tuple[str, list[int]]], folder: Path, specs: list[str], batch_size: int = 64,
-             threads: int = 1, noise: P.Noise | None = None, views: int = 0) -> dict[str, dict[str, dict[int, bytes]]]:
+def run_pass(
+    data,
+    layout: list[tuple[str, list[int]]],
+    folder: Path,
+    specs: list[str],
+    batch_size: int = 64,
+    threads: int = 1,
+    noise: P.Noise | None = None,
+    views: int = 0,
+) -> dict[str, dict[str, dict[int, bytes]]]:
     """One embedding pass over `layout` ((split, increasing rows) per block, in that order): backbone spec ->
     split -> source index -> the bytes of its row (of its `views` rows, with views)."""
     folder.mkdir(parents=True, exist_ok=True)
-    blocks = [E.Block("d", split, views, np.asarray(rows, np.int64),
-                      {j: folder / f"b{b}.{j}.npy" for j in range(len(specs))}) for b, (split, rows) in enumerate(layout)]
-    run = E.Settings(tuple(specs), 32, noise, 0, batch_size, 0, "cpu", False,
-                     tuple(folder / f"meta{j}.json" for j in range(len(specs))))
+    blocks = [
+        E.Block("d", split, views, np.asarray(rows, np.int64), {j: folder / f"b{b}.{j}.npy" for j in range(len(specs))})
+        for b, (split, rows) in enumerate(layout)
+    ]
+    run = E.Settings(
+        tuple(specs),
+        32,
+        noise,
+        0,
+        batch_size,
+        0,
+        "cpu",
+        False,
+        tuple(folder / f"meta{j}.json" for j in range(len(specs))),
+    )
     with forward_threads(threads):
         E.embed(blocks, data, run)
     out = {spec: {"train": {}, "test": {}} for spec in specs}
@@ -114,8 +133,9 @@ def alone(pass_data, built_once, tmp_path_factory):
             for split, n in (("train", N_ARRAY), ("test", N_FILES)):
                 source = P.Chunks(pass_data, [P.Chunk(0, "d", split, np.array([i])) for i in range(n)], [g], None, 0)
                 for i in range(n):
-                    x = P.normalise(P.to_device(source[i][1], [g], dev)[g], bb.preprocessing["mean"],
-                                    bb.preprocessing["std"])  # [1, 3, 32, 32]
+                    x = P.normalise(
+                        P.to_device(source[i][1], [g], dev)[g], bb.preprocessing["mean"], bb.preprocessing["std"]
+                    )  # [1, 3, 32, 32]
                     out[spec][split][i] = E._forward(model, x, dev, P.forward_batch(dev))[0].numpy().tobytes()
     folder = tmp_path_factory.mktemp("alone")
     for split, i in (("train", 0), ("train", N_ARRAY - 1), ("test", 3)):
@@ -140,8 +160,9 @@ def layouts(draw) -> list[tuple[str, list[int]]]:
 
 @settings(max_examples=12)
 @given(layout=layouts(), batch_size=st.sampled_from([1, 2, 3, 5, 16, 63, 64, 65, 100]), threads=st.sampled_from([1, 2]))
-def test_an_images_bytes_do_not_depend_on_what_else_the_pass_embeds(pass_data, built_once, alone, tmp_path_factory,
-                                                                     layout, batch_size, threads):
+def test_an_images_bytes_do_not_depend_on_what_else_the_pass_embeds(
+    pass_data, built_once, alone, tmp_path_factory, layout, batch_size, threads
+):
     """Whatever subset of the images a pass embeds, cut into whatever blocks and chunks (--batch-size), in whatever
     order, on 1 or 2 threads: each image's row is the bytes of the image embedded alone."""
     got = run_pass(pass_data, layout, tmp_path_factory.mktemp("pass"), BACKBONES, batch_size, threads)
@@ -159,8 +180,12 @@ def test_efficientnet_lite0_rows_do_not_depend_on_batch_mates_threads_or_noise(p
     spec = ["efficientnet_lite0"]
     noise = P.Noise("gaussian", 0.05, 0.1)
     for kind in (None, noise):
-        ref = {i: run_pass(pass_data, [("train", [i])], tmp_path / f"alone{i}{kind is None}", spec,
-                           noise=kind)[spec[0]]["train"][i] for i in (0, 17, 39)}
+        ref = {
+            i: run_pass(pass_data, [("train", [i])], tmp_path / f"alone{i}{kind is None}", spec, noise=kind)[spec[0]][
+                "train"
+            ][i]
+            for i in (0, 17, 39)
+        }
         for n, (batch, threads) in enumerate([(1, 2), (7, 1), (64, 2), (40, 1)]):
             layout = [("train", list(range(18))), ("test", list(range(N_FILES))), ("train", list(range(18, 40)))]
             got = run_pass(pass_data, layout, tmp_path / f"p{n}{kind is None}", spec, batch, threads, kind)
@@ -170,34 +195,45 @@ def test_efficientnet_lite0_rows_do_not_depend_on_batch_mates_threads_or_noise(p
 def test_augmented_views_do_not_depend_on_what_else_the_pass_embeds(pass_data, built_once, tmp_path):
     """Three views per image (each image's views consecutive rows, which a forward may split): an image's views are
     the bytes of that image's views embedded alone, in chunks of 1 and 64 images."""
-    ref = {i: run_pass(pass_data, [("train", [i])], tmp_path / f"alone{i}", BACKBONES, views=3)
-           for i in (0, 21, 47)}
+    ref = {i: run_pass(pass_data, [("train", [i])], tmp_path / f"alone{i}", BACKBONES, views=3) for i in (0, 21, 47)}
     for batch in (1, 64):
         layout = [("train", list(range(0, 22))), ("train", list(range(22, 48)))]
         got = run_pass(pass_data, layout, tmp_path / f"b{batch}", BACKBONES, batch, views=3)
         for i, one in ref.items():
             assert all(got[spec]["train"][i] == one[spec]["train"][i] for spec in BACKBONES), (i, batch)
 
+
 # -- end to end: sweeps and single runs, concurrent fills --------------------------------------------------------------
 
+
 def cache_of(images: Path, out: Path, **options) -> dict:
-    args = dict(dataset="imagefolder", data_root=images, backbone=BACKBONES, image_size=32, domains=["d1"],
-                partition="label", out=out)
+    args = dict(
+        dataset="imagefolder",
+        data_root=images,
+        backbone=BACKBONES,
+        image_size=32,
+        domains=["d1"],
+        partition="label",
+        out=out,
+    )
     return extract(**(args | options))
 
 
-SWEEP = st.fixed_dictionaries({
-    "clients": st.lists(st.integers(2, 4), min_size=1, max_size=2, unique=True),
-    "alpha": st.lists(st.sampled_from([0.1, 0.5, 1.0, 5.0]), min_size=1, max_size=2, unique=True),
-    "per_class": st.lists(st.integers(1, 3), min_size=1, max_size=2, unique=True),
-})
+SWEEP = st.fixed_dictionaries(
+    {
+        "clients": st.lists(st.integers(2, 4), min_size=1, max_size=2, unique=True),
+        "alpha": st.lists(st.sampled_from([0.1, 0.5, 1.0, 5.0]), min_size=1, max_size=2, unique=True),
+        "per_class": st.lists(st.integers(1, 3), min_size=1, max_size=2, unique=True),
+    }
+)
 
 
 @pytest.mark.slow
 @settings(max_examples=4)
 @given(sweep=SWEEP, batch_size=st.sampled_from([1, 3, 8, 64]), workers=st.sampled_from([0, 2]))
-def test_every_sweeps_caches_equal_the_single_runs_byte_for_byte(sweep_images, tmp_path_factory, sweep, batch_size,
-                                                                   workers):
+def test_every_sweeps_caches_equal_the_single_runs_byte_for_byte(
+    sweep_images, tmp_path_factory, sweep, batch_size, workers
+):
     """A sweep (clients x alpha x per_class, one fill of the stores for all its settings) and each of its settings
     run alone into an empty folder, at another --batch-size and --workers: the same cache files, byte for byte.
     A first single run fills the sweep's store folder beforehand, so the sweep embeds only what it lacks."""
@@ -205,8 +241,13 @@ def test_every_sweeps_caches_equal_the_single_runs_byte_for_byte(sweep_images, t
     settings_ = list(itertools.product(sweep["clients"], sweep["alpha"], sweep["per_class"]))
     first = dict(zip(("clients", "alpha", "per_class"), settings_[-1]))
     cache_of(sweep_images, root / "sweep", batch_size=5, **first)  # the store holds some of the images already
-    swept = cache_of(sweep_images, root / "sweep", batch_size=batch_size, workers=workers,
-                     **{k: v if len(v) > 1 else v[0] for k, v in sweep.items()})
+    swept = cache_of(
+        sweep_images,
+        root / "sweep",
+        batch_size=batch_size,
+        workers=workers,
+        **{k: v if len(v) > 1 else v[0] for k, v in sweep.items()},
+    )
     caches = swept["caches"] if "caches" in swept else [swept]
     assert len(caches) == len(settings_)
     for n, ((clients, alpha, per_class), one) in enumerate(zip(settings_, caches)):
@@ -224,8 +265,9 @@ def sweep_images(tmp_path_factory):
 def test_the_issues_sweep_on_offline_digits_equals_its_single_run(tmp_path):
     """The command the bug was found with, at a size CI affords: `--partition label --clients 2,4 --alpha 0.1,1`
     vs `--clients 2 --alpha 1` on offline-digits with EfficientNet-Lite0."""
-    common = dict(dataset="offline-digits", partition="label", domains=["mnist"], per_class=7, test_per_class=5,
-                  image_size=32)
+    common = dict(
+        dataset="offline-digits", partition="label", domains=["mnist"], per_class=7, test_per_class=5, image_size=32
+    )
     sweep = extract(clients=[2, 4], alpha=[0.1, 1.0], out=tmp_path / "sweep", **common)
     for (clients, alpha), swept in zip(itertools.product([2, 4], [0.1, 1.0]), sweep["caches"]):
         if (clients, alpha) in ((2, 1.0), (4, 0.1)):
@@ -235,9 +277,29 @@ def test_the_issues_sweep_on_offline_digits_equals_its_single_run(tmp_path):
 
 
 def folder_args(images: Path, out: Path, per_class: int, batch_size: int) -> list[str]:
-    return ["extract", "--dataset", "imagefolder", "--data-root", str(images), "--domains", "d1", "--partition",
-            "label", "--clients", "2", "--per-class", str(per_class), *(a for b in BACKBONES for a in ("--backbone", b)),
-            "--image-size", "32", "--batch-size", str(batch_size), "--out", str(out), "--json"]
+    return [
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(images),
+        "--domains",
+        "d1",
+        "--partition",
+        "label",
+        "--clients",
+        "2",
+        "--per-class",
+        str(per_class),
+        *(a for b in BACKBONES for a in ("--backbone", b)),
+        "--image-size",
+        "32",
+        "--batch-size",
+        str(batch_size),
+        "--out",
+        str(out),
+        "--json",
+    ]
 
 
 @pytest.mark.slow
@@ -246,9 +308,17 @@ def test_two_extractions_filling_one_store_at_once_leave_the_bytes_of_one_after_
     their caches and the store they filled equal those of the two run one after the other, in either order."""
     jobs = {2: 3, 3: 7}  # per_class -> --batch-size
     env = os.environ | {"OMP_NUM_THREADS": "2"}
-    procs = [subprocess.Popen([sys.executable, "-m", "featcache.cli", *folder_args(sweep_images, tmp_path / "at-once", p, b)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-             for p, b in jobs.items()]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "featcache.cli", *folder_args(sweep_images, tmp_path / "at-once", p, b)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        for p, b in jobs.items()
+    ]
     outputs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err for _, err in outputs]
     together = {Path(json.loads(out)["cache"]).name: sha256(json.loads(out)["cache"]) for out, _ in outputs}

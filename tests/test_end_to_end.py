@@ -20,8 +20,16 @@ CHANCE = 2 * 100 / 10  # twice chance with 10 classes: a head that learned nothi
 @pytest.fixture(scope="module")
 def digits_cache(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
-    return extract(dataset="offline-digits", backbone=["efficientnet_lite0"], partition="feature", per_class=16,
-                   test_per_class=5, image_size=32, views=2, out=out)["cache"]
+    return extract(
+        dataset="offline-digits",
+        backbone=["efficientnet_lite0"],
+        partition="feature",
+        per_class=16,
+        test_per_class=5,
+        image_size=32,
+        views=2,
+        out=out,
+    )["cache"]
 
 
 @pytest.mark.slow
@@ -38,9 +46,11 @@ def test_every_algorithm_trains_on_extracted_digits(digits_cache, tmp_path, algo
 def test_training_never_loads_timm(digits_cache, tmp_path):
     """In a fresh interpreter (this one imported timm for the extraction), training on a real cache whose metadata
     names a timm backbone never imports timm: training never builds a backbone."""
-    code = ("import sys; from featcache.runs.train import train; "
-            f"train({str(digits_cache)!r}, 'fedpcl', rounds=1, seeds=[0], set=['batch_size=16'], "
-            f"out={str(tmp_path)!r}); print(sorted(m for m in sys.modules if m.split('.')[0] == 'timm'))")
+    code = (
+        "import sys; from featcache.runs.train import train; "
+        f"train({str(digits_cache)!r}, 'fedpcl', rounds=1, seeds=[0], set=['batch_size=16'], "
+        f"out={str(tmp_path)!r}); print(sorted(m for m in sys.modules if m.split('.')[0] == 'timm'))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

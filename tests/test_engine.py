@@ -100,8 +100,12 @@ def test_a_round_trains_only_its_participants(data):
     """Optimizer moments, gradients and the step's batch exist for the P participants, not the C clients."""
     train, test = data
     algo = create("fedavg")
-    eng = Engine(algo, [config(algo, rounds=2, participation=0.5), config(algo, rounds=2, participation=0.5, seed=1)],
-                 train, test)
+    eng = Engine(
+        algo,
+        [config(algo, rounds=2, participation=0.5), config(algo, rounds=2, participation=0.5, seed=1)],
+        train,
+        test,
+    )
     assert eng.P == eng.C // 2
     shapes = {tuple(v.shape[:2]) for v in (*eng.runner.opt.params.values(), *eng.runner.opt.m.values())}
     assert shapes == {(2, eng.P)}
@@ -138,8 +142,10 @@ def test_training_the_cohort_in_slices_gives_the_same_run(name, data):
     train, test = data
     algo = create(name)
     for p in (1.0, 0.75):
-        cfgs = [config(algo, rounds=2, batch_size=16, drop_last=False, participation=p),
-                config(algo, rounds=2, batch_size=16, drop_last=False, participation=p, seed=1)]
+        cfgs = [
+            config(algo, rounds=2, batch_size=16, drop_last=False, participation=p),
+            config(algo, rounds=2, batch_size=16, drop_last=False, participation=p, seed=1),
+        ]
         whole, sliced = Engine(algo, cfgs, train, test), Engine(algo, cfgs, train, test, at_once=2)
         assert sliced.at_once == (sliced.P if algo.keeps_optimizer_state else 2)
         a, b = whole.run(), sliced.run()
@@ -161,8 +167,9 @@ def test_non_participants_keep_their_scores(name, data, monkeypatch):
     train, test = data
     algo = create(name)
     C = train.features.shape[0]
-    cfgs = [config(algo, rounds=4, batch_size=16, drop_last=False, participation=0.5, eval_every=1, seed=s)
-            for s in (0, 1)]
+    cfgs = [
+        config(algo, rounds=4, batch_size=16, drop_last=False, participation=0.5, eval_every=1, seed=s) for s in (0, 1)
+    ]
     widths, scores, cohort_scores = [], evaluate.scores, evaluate.cohort_scores
 
     def spy(algo, state, data, rnd, model=None, first=False):
@@ -219,10 +226,19 @@ def test_stacked_optimizer_matches_torch(opt_name, layout):
         else:
             ours = opt.load({"w": ours["w"] * 0.5})
             refs = [[(r.detach() * 0.5).requires_grad_(True) for r in row] for row in refs]
-        torch_opts = [[(torch.optim.Adam([refs[h][c]], lr=float(lr[h]), weight_decay=float(wd[h]))
-                        if opt_name == "adam" else torch.optim.SGD([refs[h][c]], lr=float(lr[h]),
-                                                                   weight_decay=float(wd[h]), momentum=[0.9, 0.5][h]))
-                       for c in range(3)] for h in range(2)]
+        torch_opts = [
+            [
+                (
+                    torch.optim.Adam([refs[h][c]], lr=float(lr[h]), weight_decay=float(wd[h]))
+                    if opt_name == "adam"
+                    else torch.optim.SGD(
+                        [refs[h][c]], lr=float(lr[h]), weight_decay=float(wd[h]), momentum=[0.9, 0.5][h]
+                    )
+                )
+                for c in range(3)
+            ]
+            for h in range(2)
+        ]
         for step in range(5):
             grad = torch.randn(2, 3, 4, 5, generator=g)
             grad = grad.mT.contiguous().mT if layout == "transposed" else grad  # how autograd returns x @ W.T's
@@ -307,7 +323,8 @@ def test_hooks_get_a_read_only_round_and_only_shared_settings(data):
 
 
 def test_no_algorithm_imports_another_algorithms_file():
-    """Shared helpers live in algorithms/base.py, protos.py and heads.py; an algorithm file imports no other algorithm's."""
+    """Shared helpers live in algorithms/base.py, protos.py and heads.py; an algorithm file imports no other
+    algorithm's."""
     import ast
     from pathlib import Path
 
@@ -321,7 +338,8 @@ def test_no_algorithm_imports_another_algorithms_file():
 
 
 def test_readme_example_algorithm_equals_fedprox(data):
-    """The training guide's "Write your own algorithm" FedProx runs as written and trains exactly as the built-in one."""
+    """The training guide's "Write your own algorithm" FedProx runs as written and trains exactly as the built-in
+    one."""
     import re
     from pathlib import Path
 

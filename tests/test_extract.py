@@ -11,13 +11,19 @@ import h5py
 import numpy as np
 import pytest
 
-from featcache.cache.identity import content_key, versions
 from featcache import cache as C
 from featcache.errors import UserError
 from featcache.extraction.plan import SMALL_IMAGES, Noise, default_image_size, extract
 
-SMALL = dict(dataset="offline-digits", backbone=["efficientnet_lite0"], partition="feature", per_class=3,
-             test_per_class=2, image_size=32, domains=["mnist", "synth"])
+SMALL = dict(
+    dataset="offline-digits",
+    backbone=["efficientnet_lite0"],
+    partition="feature",
+    per_class=3,
+    test_per_class=2,
+    image_size=32,
+    domains=["mnist", "synth"],
+)
 
 
 def cli(*args):
@@ -65,8 +71,9 @@ def test_other_seed_or_backbone_gives_new_cache_and_same_seed_same_bytes(small_c
     with h5py.File(res["cache"]) as a, h5py.File(twin["cache"]) as b:
         for c in a["clients"]:
             for split in ("train", "test"):
-                np.testing.assert_array_equal(a[f"clients/{c}/{split}/features/concat"][...],
-                                              b[f"clients/{c}/{split}/features/concat"][...])
+                np.testing.assert_array_equal(
+                    a[f"clients/{c}/{split}/features/concat"][...], b[f"clients/{c}/{split}/features/concat"][...]
+                )
 
 
 def test_two_backbones_concatenate_in_order(tmp_path):
@@ -106,9 +113,28 @@ def test_views_and_noise(tmp_path):
 
 def test_cli_json_and_info(small_cache, tmp_path):
     res, out = small_cache
-    run = cli("extract", "--dataset", "offline-digits", "--backbone", "efficientnet_lite0", "--partition", "feature",
-              "--per-class", "3", "--test-per-class", "2", "--image-size", "32", "--domains", "mnist",
-              "--domains", "synth", "--out", str(out), "--json")
+    run = cli(
+        "extract",
+        "--dataset",
+        "offline-digits",
+        "--backbone",
+        "efficientnet_lite0",
+        "--partition",
+        "feature",
+        "--per-class",
+        "3",
+        "--test-per-class",
+        "2",
+        "--image-size",
+        "32",
+        "--domains",
+        "mnist",
+        "--domains",
+        "synth",
+        "--out",
+        str(out),
+        "--json",
+    )
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
     assert got["cache"] == res["cache"] and got["cache_hit"] is True
@@ -117,14 +143,17 @@ def test_cli_json_and_info(small_cache, tmp_path):
     assert info.returncode == 0 and json.loads(info.stdout)["counts"]["clients"][0]["train"] == 30
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--partition", "label", "--alpha", "-1"], "alpha"),
-    (["--backbone", "resnet181"], "resnet18"),
-    (["--domains", "mnst"], "mnist"),
-    (["--partition", "iid", "--clients", "100000", "--domains", "mnist"], "clients"),
-    (["--dataset", "digit5", "--data-root", "/nonexistent"], "digit"),
-    (["--backbone", "resnet18=/nonexistent/model_best.pth.tar"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--partition", "label", "--alpha", "-1"], "alpha"),
+        (["--backbone", "resnet181"], "resnet18"),
+        (["--domains", "mnst"], "mnist"),
+        (["--partition", "iid", "--clients", "100000", "--domains", "mnist"], "clients"),
+        (["--dataset", "digit5", "--data-root", "/nonexistent"], "digit"),
+        (["--backbone", "resnet18=/nonexistent/model_best.pth.tar"], "does not exist"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, args, needle):
     base = ["extract", "--per-class", "2", "--test-per-class", "1", "--image-size", "32", "--out", str(tmp_path / "o")]
     run = cli(*base, *args)
@@ -140,22 +169,30 @@ def test_keys_cover_featcache_embedding_code_but_not_its_comments(monkeypatch):
 
     real = identity._read_source
     before = identity.code_identity()
-    edits = {"comment": b"\n# a comment\n", "docstring": b'\ndef f():\n    """A docstring."""\n',
-             "code": b"\nEXTRA = 1\n"}
+    edits = {
+        "comment": b"\n# a comment\n",
+        "docstring": b'\ndef f():\n    """A docstring."""\n',
+        "code": b"\nEXTRA = 1\n",
+    }
     after = {}
     for name, text in edits.items():
         baseline = b'\ndef f():\n    """Another."""\n' if name == "docstring" else b""
-        monkeypatch.setattr(identity, "_read_source", lambda rel, t=text: real(rel) + (t if rel == "pipeline.py" else b""))
+        monkeypatch.setattr(
+            identity, "_read_source", lambda rel, t=text: real(rel) + (t if rel == "pipeline.py" else b"")
+        )
         after[name] = identity.code_identity()["sha256"]
         if baseline:
-            monkeypatch.setattr(identity, "_read_source",
-                                lambda rel: real(rel) + (baseline if rel == "pipeline.py" else b""))
+            monkeypatch.setattr(
+                identity, "_read_source", lambda rel: real(rel) + (baseline if rel == "pipeline.py" else b"")
+            )
             assert identity.code_identity()["sha256"] == after[name]  # two docstrings, one key
     assert after["comment"] == before["sha256"] and after["code"] != before["sha256"]
     assert {"pipeline.py", "embed.py", "backbones/__init__.py"} <= set(before["files"])
     assert not any(f.startswith("partition/") for f in before["files"])  # stores ignore the partition code
-    assert any(f.startswith("partition/")
-               for f in identity.code_identity(identity.EMBEDDING_CODE + identity.PARTITION_CODE)["files"])
+    assert any(
+        f.startswith("partition/")
+        for f in identity.code_identity(identity.EMBEDDING_CODE + identity.PARTITION_CODE)["files"]
+    )
 
 
 def test_two_backbones_with_the_same_key_get_distinct_keys(tmp_path):
@@ -163,8 +200,15 @@ def test_two_backbones_with_the_same_key_get_distinct_keys(tmp_path):
     the second backbone keyed '-2', instead of failing after the whole embedding pass."""
     import h5py
 
-    r = extract(dataset="offline-digits", backbone=["test_efficientnet=random", "test_efficientnet= random"],
-                domains=["mnist"], per_class=2, test_per_class=2, image_size=32, out=tmp_path)
+    r = extract(
+        dataset="offline-digits",
+        backbone=["test_efficientnet=random", "test_efficientnet= random"],
+        domains=["mnist"],
+        per_class=2,
+        test_per_class=2,
+        image_size=32,
+        out=tmp_path,
+    )
     assert len(r["backbones"]) == 2 and r["backbones"][1] == r["backbones"][0] + "-2"
     with h5py.File(r["cache"]) as f:
         assert sorted(f["backbones"]) == sorted(r["backbones"])

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import h5py
-import numpy as np
 import pytest
 from harness import BACKBONES, everything_in, folder_extract_args, lines, one_thread, sha256, write_folders
 
@@ -54,18 +53,33 @@ KILLS = {
 }
 
 
-def driver(args: list[str], kill: str | None = None, pause: str | None = None, log: Path | None = None,
-           file_limit: int | None = None, wait: bool = True):
-    options = [*(["--kill", kill] if kill else []), *(["--pause", pause] if pause else []),
-               *(["--log", str(log)] if log else [])]
+def driver(
+    args: list[str],
+    kill: str | None = None,
+    pause: str | None = None,
+    log: Path | None = None,
+    file_limit: int | None = None,
+    wait: bool = True,
+):
+    options = [
+        *(["--kill", kill] if kill else []),
+        *(["--pause", pause] if pause else []),
+        *(["--log", str(log)] if log else []),
+    ]
     command = [sys.executable, str(DRIVER), *options, "--", *args]
 
     def limit_files() -> None:  # writes past the limit fail with EFBIG, as on a full disk
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
-    kwargs = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO,
-                  preexec_fn=limit_files if file_limit else None)
+    kwargs = dict(
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=REPO,
+        preexec_fn=limit_files if file_limit else None,
+    )
     if not wait:
         return subprocess.Popen(command, **kwargs)
     return subprocess.run(command, **kwargs, timeout=300)
@@ -77,8 +91,11 @@ def parts_folders(out: Path) -> list[Path]:
 
 def finished_blocks(out: Path) -> dict[str, list[int]]:
     """(inode, mtime_ns) of the finished blocks in the stores' parts folders, by 'folder/name'."""
-    return {f"{w.name}/{p.name}": [p.stat().st_ino, p.stat().st_mtime_ns] for w in parts_folders(out)
-            for p in w.glob("*.npy")}
+    return {
+        f"{w.name}/{p.name}": [p.stat().st_ino, p.stat().st_mtime_ns]
+        for w in parts_folders(out)
+        for p in w.glob("*.npy")
+    }
 
 
 def held_rows(out: Path) -> int:
@@ -134,8 +151,12 @@ def reference(data, tmp_path_factory) -> dict:
     run = driver(folder_extract_args(data, out), log=log)
     assert run.returncode == 0, run.stderr
     _, _, forwarded = read_log(log)
-    return {"cache": Path(json.loads(run.stdout)["cache"]).name, "files": visible(out), "layout": everything_in(out),
-            "forwarded": forwarded}
+    return {
+        "cache": Path(json.loads(run.stdout)["cache"]).name,
+        "files": visible(out),
+        "layout": everything_in(out),
+        "forwarded": forwarded,
+    }
 
 
 def assert_resumes_to_reference(data: Path, out: Path, reference: dict, before: dict, log: Path) -> dict:
@@ -208,8 +229,9 @@ def test_second_extract_waits_on_the_lock_then_finds_the_cache(data, reference, 
     second = driver(folder_extract_args(data, out), wait=False)
 
     def second_waits_on_the_lock() -> bool:
-        return any("->" in line and str(second.pid) in line.split() for line in Path("/proc/locks").read_text()
-                   .splitlines())
+        return any(
+            "->" in line and str(second.pid) in line.split() for line in Path("/proc/locks").read_text().splitlines()
+        )
 
     wait_until(second_waits_on_the_lock, "the second extraction to block on the lock")
     assert first.poll() is None and visible(out) == {}
@@ -238,8 +260,24 @@ def test_two_extracts_at_once_compute_once_and_no_reader_sees_a_partial_cache(da
     assert visible(out) == reference["files"] and everything_in(out) == reference["layout"]
 
 
-GRID = ["grid", "--algo", "fedavg", "--grid", "lr=0.1,0.01,0.001", "--grid", "weight_decay=0,0.0001", "--seeds", "0",
-        "--rounds", "2", "--chunk", "1", "--set", "batch_size=8", "--json"]
+GRID = [
+    "grid",
+    "--algo",
+    "fedavg",
+    "--grid",
+    "lr=0.1,0.01,0.001",
+    "--grid",
+    "weight_decay=0,0.0001",
+    "--seeds",
+    "0",
+    "--rounds",
+    "2",
+    "--chunk",
+    "1",
+    "--set",
+    "batch_size=8",
+    "--json",
+]
 
 
 @pytest.mark.slow
@@ -267,9 +305,12 @@ def test_grid_killed_after_two_chunks_resumes_without_retraining_them(tmp_path):
     assert {k: v for k, v in result.items() if k not in moved} == {k: v for k, v in expected.items() if k not in moved}
     ours, theirs = result.pop("retrain"), expected.pop("retrain")
     files = [json.loads(Path(r.pop("result_file")).read_text()) for r in (ours, theirs)]
-    assert [{k: v for k, v in f.items() if k != "provenance"} for f in files][0] == \
-        {k: v for k, v in files[1].items() if k != "provenance"}
-    assert {k: v for k, v in ours.items() if k != "provenance"} == {k: v for k, v in theirs.items() if k != "provenance"}
+    assert [{k: v for k, v in f.items() if k != "provenance"} for f in files][0] == {
+        k: v for k, v in files[1].items() if k != "provenance"
+    }
+    assert {k: v for k, v in ours.items() if k != "provenance"} == {
+        k: v for k, v in theirs.items() if k != "provenance"
+    }
 
 
 # -- in-process: a full disk simulated at the two places extract writes -----------------------------------------

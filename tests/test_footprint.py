@@ -26,8 +26,9 @@ def test_the_estimate_is_deterministic_and_adds_up():
     a, b = estimate(algo, cfg, clients(6), clients(6, seed=1)), estimate(algo, cfg, clients(6), clients(6, seed=1))
     assert a == b and a.traced
     assert a.total(3) == a.data + 3 * (a.state + a.training + a.evaluation) and a.per_config == a.total(1) - a.data
-    assert a.data == sum(t.numel() * t.element_size() for d in (clients(6), clients(6, seed=1))
-                         for t in (d.features, d.labels, d.counts))
+    assert a.data == sum(
+        t.numel() * t.element_size() for d in (clients(6), clients(6, seed=1)) for t in (d.features, d.labels, d.counts)
+    )
 
 
 def test_training_tensors_scale_with_the_participants_and_state_does_not():
@@ -40,8 +41,9 @@ def test_training_tensors_scale_with_the_participants_and_state_does_not():
     n = sum(p.numel() * 4 for p in params.values())
     assert all_.training == 10 * few.training - 20 * n  # all train at once: their working copies are the state
     assert few.training >= 2 * n * (1 + footprint.MOMENTS["adam"])  # working copies and Adam's two moments
-    assert estimate(algo, configure("fedprox", batch_size=8, optimizer="sgd"), data, P=2).training == \
-        few.training - 2 * n  # SGD keeps one moment
+    assert (
+        estimate(algo, configure("fedprox", batch_size=8, optimizer="sgd"), data, P=2).training == few.training - 2 * n
+    )  # SGD keeps one moment
 
 
 @pytest.mark.parametrize("name, personal", [("fedavg", ()), ("fedper", ("cls0.weight", "cls0.bias"))])
@@ -103,14 +105,19 @@ def test_a_hook_that_reads_values_leaves_its_terms_out():
 def test_the_refusal_names_the_setting_to_lower(monkeypatch):
     monkeypatch.setattr(footprint, "available_bytes", lambda device: 1024)
     cpu = torch.device("cpu")
-    with pytest.raises(UserError, match=r"fedpcl would need about .* but cpu has 0.0 GiB available: lower proj_dim "
-                                        r"\(now 512, default 256\)"):
+    with pytest.raises(
+        UserError,
+        match=r"fedpcl would need about .* but cpu has 0.0 GiB available: lower proj_dim "
+        r"\(now 512, default 256\)",
+    ):
         check_memory(create("fedpcl"), configure("fedpcl", proj_dim=512), 2, clients(4), cpu)
     with pytest.raises(UserError, match=r"\(3 model\(s\) x .*: use fewer --seeds$"):
         check_memory(create("fedavg"), configure("fedavg"), 3, clients(4), cpu, "use fewer --seeds")
     monkeypatch.setattr(footprint, "available_bytes", lambda device: 2**40)
-    assert check_memory(create("fedavg"), configure("fedavg"), 3, clients(4), cpu) == \
-        estimate(create("fedavg"), configure("fedavg"), clients(4)).per_config
+    assert (
+        check_memory(create("fedavg"), configure("fedavg"), 3, clients(4), cpu)
+        == estimate(create("fedavg"), configure("fedavg"), clients(4)).per_config
+    )
 
 
 def test_a_run_that_does_not_fit_trains_its_participants_in_slices_that_do():
@@ -126,8 +133,10 @@ def test_a_run_that_does_not_fit_trains_its_participants_in_slices_that_do():
     with pytest.raises(UserError, match=r"fedprox would need about .*: use fewer --seeds$"):
         footprint.fit_at_once(algo, cfg, 2, data, cpu, "use fewer --seeds", avail=one.per_config)
     fedavg = create("fedavg")  # sliced, the shared tensors are every client's again until the server has them
-    assert estimate(fedavg, configure("fedavg", participation=0.5), data, at_once=5).state == \
-        estimate(fedavg, configure("fedavg"), data).state
+    assert (
+        estimate(fedavg, configure("fedavg", participation=0.5), data, at_once=5).state
+        == estimate(fedavg, configure("fedavg"), data).state
+    )
 
 
 @pytest.mark.slow
@@ -146,7 +155,8 @@ def test_bench_scale_quick_prints_every_case_with_its_estimate_and_ratios():
     out = json.loads(done.stdout)
     cases = out["cases"]
     assert [(c["algo"], c["clients"], c["participation"]) for c in cases] == [
-        (a, C, p) for C in (10, 30) for a in ("fedavg", "fedpcl") for p in (1.0, 0.1)]
+        (a, C, p) for C in (10, 30) for a in ("fedavg", "fedpcl") for p in (1.0, 0.1)
+    ]
     for c in cases:
         assert c["estimate_bytes"] <= c["estimate_every_client_trains_bytes"]
         assert set(c["estimate_parts"]) == {"process", "state", "training", "evaluation", "data"}
@@ -157,16 +167,21 @@ def test_bench_scale_quick_prints_every_case_with_its_estimate_and_ratios():
         assert len(c["round_seconds"]) == out["rounds"]
         assert c["estimate_over_peak"] == round(c["estimate_bytes"] / c["peak_rss_bytes"], 3)
         if c["participation"] < 1:
-            full = next(f for f in cases if (f["algo"], f["clients"], f["participation"]) == (c["algo"], c["clients"], 1.0))
+            full = next(
+                f for f in cases if (f["algo"], f["clients"], f["participation"]) == (c["algo"], c["clients"], 1.0)
+            )
             assert c["round_over_full_participation"] == round(c["seconds_per_round"] / full["seconds_per_round"], 3)
     (ev,) = out["evaluation"]  # FedPCL evaluated every round, kept figures vs every client scored
     assert (ev["clients"], ev["participation"], ev["eval_every"]) == (30, 0.1, 1)
-    assert ev["evaluation_reused_over_every_client"] == round(ev["reused"]["seconds_per_evaluation"]
-                                                              / ev["every_client"]["seconds_per_evaluation"], 3)
+    assert ev["evaluation_reused_over_every_client"] == round(
+        ev["reused"]["seconds_per_evaluation"] / ev["every_client"]["seconds_per_evaluation"], 3
+    )
     demo = out["demo"]
     assert demo["gflop_per_round"] == pytest.approx(demo["gflop_training"] + demo["gflop_evaluation"], abs=2e-3)
     assert demo["gflop_training"] > 0 and demo["gflop_evaluation"] > 0 and demo["matmul_seconds_per_round"] > 0
     assert demo["round_over_matmul"] > 1 and isinstance(demo["pass_round_over_matmul"], bool)
     targets = out["targets"]
     assert targets["fedavg_peak_gib_C1000_p0.1"] == {"value": None, "target": 3.0, "pass": None}  # C = 1,000 not run
-    assert targets["estimate_within_25pct"]["values"] == [c["estimate_over_peak"] for c in cases if "peak_rss_bytes" in c]
+    assert targets["estimate_within_25pct"]["values"] == [
+        c["estimate_over_peak"] for c in cases if "peak_rss_bytes" in c
+    ]

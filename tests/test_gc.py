@@ -44,8 +44,12 @@ from tests.synthetic import write_cache
 def make_store(folder: Path, name: str = "bb", other_versions: bool = False, rows: int = 5) -> Path:
     """A store of `rows` made-up 4-d embeddings, filled as extract fills one (plan, a finished block, commit)."""
     now = versions() | ({"torch": "0.0.0"} if other_versions else {})
-    identity = {"dataset": {"name": "fake"}, "code": code_identity(EMBEDDING_CODE)["sha256"], "versions": now,
-                "backbone": {"name": name}}
+    identity = {
+        "dataset": {"name": "fake"},
+        "code": code_identity(EMBEDDING_CODE)["sha256"],
+        "versions": now,
+        "backbone": {"name": name},
+    }
     key = content_key(identity)
     store = Store(store_path(folder, "fake", name, key), key)
     need, index = ("d1", "train", 0), np.arange(rows) * 3
@@ -53,8 +57,11 @@ def make_store(folder: Path, name: str = "bb", other_versions: bool = False, row
         (block,) = store.plan([(need, index)])
         with F.npy_file(block, (rows, 4)) as fh:
             fh.write(np.random.default_rng(rows).standard_normal((rows, 4), dtype=np.float32).tobytes())
-        (store.work / "meta.json").write_text(json.dumps({"key": name, "name": name, "weights": "random",
-                                                          "weights_sha256": "", "dim": 4, "preprocessing": {}}))
+        (store.work / "meta.json").write_text(
+            json.dumps(
+                {"key": name, "name": name, "weights": "random", "weights_sha256": "", "dim": 4, "preprocessing": {}}
+            )
+        )
         store.commit(identity)
         F.remove_own(store.work)
     return store.path
@@ -115,8 +122,23 @@ def snapshot(root: Path) -> dict[str, tuple]:
 # -- gc over random folders ------------------------------------------------------------------------------------------
 
 STORES = ("store", "stale", "damaged")  # featcache's stores gc checks
-KINDS = (*STORES, "truncated", "cache", "format2", "foreign", "text", "folder", "link_in", "link_out", "fifo",
-         "user_parts", "user_parts_of_a_store", "own_parts_empty", "own_parts_planned", "user_quarantine")
+KINDS = (
+    *STORES,
+    "truncated",
+    "cache",
+    "format2",
+    "foreign",
+    "text",
+    "folder",
+    "link_in",
+    "link_out",
+    "fifo",
+    "user_parts",
+    "user_parts_of_a_store",
+    "own_parts_empty",
+    "own_parts_planned",
+    "user_quarantine",
+)
 
 
 def build(folder: Path, outside: Path, kinds: list[str], templates: dict[str, Path]) -> dict[str, str]:
@@ -165,8 +187,9 @@ def build(folder: Path, outside: Path, kinds: list[str], templates: dict[str, Pa
 
 
 @settings(max_examples=40)
-@given(kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=7), dry_run=st.booleans(),
-       remove_damaged=st.booleans())
+@given(
+    kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=7), dry_run=st.booleans(), remove_damaged=st.booleans()
+)
 def test_gc_removes_nothing_featcache_did_not_make(templates, tmp_path, kinds, dry_run, remove_damaged):
     with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
         root = Path(tmp)
@@ -220,10 +243,15 @@ def test_gc_on_a_folder_of_caches_or_user_data_says_so_and_removes_nothing(templ
     shutil.copy(templates["foreign"], data / "x.h5")
     shutil.copy(templates["foreign"], data / "y.h5")
     before = snapshot(tmp_path)
-    for target, needle in ((caches, f"holds client caches (2), not embedding stores: gc prunes a folder of stores "
-                                    f"and never removes anything else; nothing was removed; pass the folder of the "
-                                    f"stores ({caches / 'store'})"),
-                           (data, "holds no featcache embedding store (2 .h5 file(s) featcache did not make)")):
+    for target, needle in (
+        (
+            caches,
+            f"holds client caches (2), not embedding stores: gc prunes a folder of stores "
+            f"and never removes anything else; nothing was removed; pass the folder of the "
+            f"stores ({caches / 'store'})",
+        ),
+        (data, "holds no featcache embedding store (2 .h5 file(s) featcache did not make)"),
+    ):
         one_line_error(run_cli("gc", str(target)), needle)
         one_line_error(run_cli("gc", str(target), "--dry-run", "--json"), needle)
     assert snapshot(tmp_path) == before
@@ -280,8 +308,9 @@ def test_gc_names_duplicates_and_removes_only_the_one_made_by_other_versions(tmp
     report = json.loads(run_cli("gc", str(folder), "--json").stdout)
     assert report["duplicates"] == [[str(good), str(old)]] and report["kept"] == [{"file": str(good)}]
     (removed,) = report["removed"]
-    assert removed["file"] == str(old) and removed["reason"] == ("made with other library versions (the same "
-                                                                 f"embeddings as {good.name})")
+    assert removed["file"] == str(old) and removed["reason"] == (
+        f"made with other library versions (the same embeddings as {good.name})"
+    )
     assert not old.exists() and good.exists()
 
 
@@ -375,7 +404,8 @@ def test_claimers_at_once_all_find_the_folder_featcache_made(tmp_path):
 
 
 def test_a_claimer_that_looks_before_the_marker_and_scans_after_the_lock_finds_the_folder_featcache_made(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """The interleaving two migrates met: the first look sees no marker yet, the scan sees the marker and the lock
     file (its maker has since claimed and locked it): the folder is featcache's, not a user's in the way."""
     work = tmp_path / ".c.h5.migrating"
@@ -398,10 +428,13 @@ OBSTACLES = (None, "folder", "file", "link")
 
 
 @settings(max_examples=20)
-@given(target=st.sampled_from(TARGETS), links=st.integers(0, 2), obstacle=st.sampled_from(OBSTACLES),
-       neighbours=st.lists(st.sampled_from(("foreign", "text", "cache")), max_size=3))
-def test_migrate_changes_nothing_but_the_cache_it_converts(templates, tmp_path, target, links, obstacle,
-                                                           neighbours):
+@given(
+    target=st.sampled_from(TARGETS),
+    links=st.integers(0, 2),
+    obstacle=st.sampled_from(OBSTACLES),
+    neighbours=st.lists(st.sampled_from(("foreign", "text", "cache")), max_size=3),
+)
+def test_migrate_changes_nothing_but_the_cache_it_converts(templates, tmp_path, target, links, obstacle, neighbours):
     with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
         root = Path(tmp)
         real_dir, link_dir = root / "real", root / "links"
@@ -484,8 +517,7 @@ NAMES = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters
 
 @settings(max_examples=25)
 @given(name=NAMES.filter(lambda n: n not in (".", "..")), linked=st.booleans(), with_cache=st.booleans())
-def test_a_store_filled_under_any_folder_name_verifies_and_gc_keeps_it(templates, tmp_path, name, linked,
-                                                                      with_cache):
+def test_a_store_filled_under_any_folder_name_verifies_and_gc_keeps_it(templates, tmp_path, name, linked, with_cache):
     with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
         folder = Path(tmp) / name
         folder.mkdir()
@@ -498,8 +530,9 @@ def test_a_store_filled_under_any_folder_name_verifies_and_gc_keeps_it(templates
         assert verify_store(store)["ok"], verify_store(store)["problems"]
         report = gc(folder)
         assert report["kept"] == [{"file": str(store)}] and report["removed"] == report["quarantined"] == []
-        assert sorted(p.name for p in folder.iterdir()) == sorted([store.name, *(["fake-0123456789abcdef.h5"]
-                                                                                 if with_cache else [])])
+        assert sorted(p.name for p in folder.iterdir()) == sorted(
+            [store.name, *(["fake-0123456789abcdef.h5"] if with_cache else [])]
+        )
 
 
 # -- the same, through `extract` ----------------------------------------------------------------------------------
@@ -517,8 +550,17 @@ def test_stores_made_under_any_store_path_verify_and_gc_keeps_them(images, tmp_p
     if case == "linked out":
         (tmp_path / "real out").mkdir()
         os.symlink(tmp_path / "real out", out)
-    args = folder_extract_args(images, out, "--partition", "iid", "--domains", "d1", "--clients", "2",
-                               *(["--store", str(store)] if store else []))
+    args = folder_extract_args(
+        images,
+        out,
+        "--partition",
+        "iid",
+        "--domains",
+        "d1",
+        "--clients",
+        "2",
+        *(["--store", str(store)] if store else []),
+    )
     first = run_cli(*args)
     assert first.code == 0, first.stderr
     folder = store or out / "store"
@@ -553,6 +595,7 @@ def test_extract_refuses_a_users_folder_named_like_a_parts_folder_and_leaves_it(
     before = snapshot(out)
     refused = run_cli(*base, "--clients", "3")
     line = one_line_error(refused, "is in the way")
-    assert str(mine) in line and "move or rename it" in line and not [x for x in lines(refused.stderr) if
-                                                                       "Traceback" in x]
+    assert (
+        str(mine) in line and "move or rename it" in line and not [x for x in lines(refused.stderr) if "Traceback" in x]
+    )
     assert snapshot(out) == before and sorted(p.name for p in mine.iterdir()) == ["keep.txt"]

@@ -16,8 +16,19 @@ from featcache.training.evaluate import evaluate, evaluate_global
 from tests.synthetic import synthetic_clients
 
 # Which algorithms have a server model to evaluate (each states why in its module docstring).
-WITH_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "fedproc", "fedproc-official", "fedcac", "fedrod", "pfedme",
-               "pfedsd", "perfedavg"}
+WITH_GLOBAL = {
+    "fedavg",
+    "fedprox",
+    "scaffold",
+    "moon",
+    "fedproc",
+    "fedproc-official",
+    "fedcac",
+    "fedrod",
+    "pfedme",
+    "pfedsd",
+    "perfedavg",
+}
 
 
 def config(algo, **over) -> dict:
@@ -145,7 +156,12 @@ def test_the_global_metric_is_pooled_from_the_clients_only_where_they_hold_the_g
     assert create(name).clients_hold_global == (name in HOLD_GLOBAL)
     if name not in HOLD_GLOBAL:
         return
-    eng = Engine(algo, [config(algo, rounds=2, participation=0.5), config(algo, rounds=2, participation=0.5, seed=1)], train, test)
+    eng = Engine(
+        algo,
+        [config(algo, rounds=2, participation=0.5), config(algo, rounds=2, participation=0.5, seed=1)],
+        train,
+        test,
+    )
     out = eng.run()
     apart = evaluate_global(eng.algo, eng.state, eng.test, eng.last_round)  # [H] its own forward pass
     assert torch.equal(out["global_acc"][-1], apart)

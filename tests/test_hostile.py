@@ -178,12 +178,16 @@ EXTRACT_CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "alpha-negative": (given("--partition", "label", "--clients", "2", "--alpha", "-0.5"), "alpha must be a finite"),
     "alpha-nan": (given("--partition", "label", "--clients", "2", "--alpha", "nan"), "alpha must be a finite number"),
     "seed-too-large": (given("--seed", "18446744073709551616"), "seed must be in 0..4294967295"),
-    "image-size-zero": (given("--image-size", "0"), "--image-size must be a whole number of pixels from 8 to 2048 "
-                        "(got 0)"),
+    "image-size-zero": (
+        given("--image-size", "0"),
+        "--image-size must be a whole number of pixels from 8 to 2048 (got 0)",
+    ),
     "image-size-one": (given("--image-size", "1"), "--image-size must be a whole number of pixels from 8 to 2048"),
     "image-size-huge": (given("--image-size", "100000"), "pixels from 8 to 2048 (got 100000); omit it for the"),
-    "clients-10-to-the-30": (given("--partition", "iid", "--clients", "1" + "0" * 30),  # refused before any list
-                             "1000000000000000000000000000000 clients but only"),
+    "clients-10-to-the-30": (
+        given("--partition", "iid", "--clients", "1" + "0" * 30),  # refused before any list
+        "1000000000000000000000000000000 clients but only",
+    ),
     "out-name-too-long": (lambda t: ["--out", str(t / ("o" * 300))], "is 300 bytes, over the file system's limit"),
     "store-name-too-long": (lambda t: ["--store", str(t / ("s" * 256))], "--store: the name 'sss"),
     "out-empty": (given("--out", ""), "--out is an empty path"),
@@ -200,8 +204,10 @@ EXTRACT_CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "missing-data-root": (lambda t: ["--data-root", str(t / "nowhere")], "is not a folder"),
     "unknown-domain": (given("--domains", "d3"), "unknown domain 'd3'"),
     "unknown-partition": (given("--partition", "dirichlet"), "unknown partition scheme"),
-    "too-many-classes-per-client": (given("--partition", "pathological", "--classes-per-client", "5"),
-                                    "classes_per_client=5"),
+    "too-many-classes-per-client": (
+        given("--partition", "pathological", "--classes-per-client", "5"),
+        "classes_per_client=5",
+    ),
     "val-fraction-one": (given("--val-fraction", "1"), "val_fraction must be in [0, 1)"),
     "negative-views": (given("--views", "-1"), "--views must be a whole number >= 0 (got -1)"),
     "noise-p-too-large": (given("--noise", "gaussian", "--noise-p", "1.5"), "noise needs 0 <= p < 1"),
@@ -235,8 +241,21 @@ def test_bad_extract_input_is_one_line_and_leaves_nothing(tmp_path, case):
     backbone = [] if "--backbone" in extra else checkpoint(tmp_path, lambda state: None)  # random: a warning line
     out = tmp_path / "out"
     before = snapshot(tmp_path)
-    result = run_cli("extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), *backbone,
-                     "--image-size", "32", "--batch-size", "4", "--out", str(out), *extra)
+    result = run_cli(
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(tmp_path / "images"),
+        *backbone,
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--out",
+        str(out),
+        *extra,
+    )
     one_line_error(result, needle)
     assert not out.exists() and snapshot(tmp_path) == before  # not even an empty folder
     assert not (tmp_path / "pwned").exists(), "the pickle's code ran"
@@ -244,8 +263,10 @@ def test_bad_extract_input_is_one_line_and_leaves_nothing(tmp_path, case):
 
 def snapshot(folder: Path) -> dict[str, tuple]:
     """Every path below `folder` (links not followed) with its kind, size and modification time."""
-    return {str(p.relative_to(folder)): (p.lstat().st_mode, p.lstat().st_size, p.lstat().st_mtime_ns)
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): (p.lstat().st_mode, p.lstat().st_size, p.lstat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 DAMAGED_CHECKPOINTS = 64  # random byte strings, and as many prefixes of a real checkpoint
@@ -305,8 +326,13 @@ def test_damaged_images_are_user_errors_naming_the_file_or_still_decode(tmp_path
 def good_cache(tmp_path_factory) -> Path:
     root = write_folders(tmp_path_factory.mktemp("images"), classes=("a", "b"), per_class=16)
     with one_thread():
-        res = extract(dataset="imagefolder", data_root=root, backbone=["test_resnet=random"], image_size=32,
-                      out=tmp_path_factory.mktemp("cache"))
+        res = extract(
+            dataset="imagefolder",
+            data_root=root,
+            backbone=["test_resnet=random"],
+            image_size=32,
+            out=tmp_path_factory.mktemp("cache"),
+        )
     return Path(res["cache"])
 
 
@@ -345,10 +371,11 @@ def tamper(edit: Callable[[h5py.File], None], reseal: bool) -> Callable[[Path, P
 
 # name -> (make the bad cache from a good one in a tmp folder, text the one line contains)
 CACHE_CASES: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
-    "nan-features": (tamper(poke("clients/001/test/features/concat", np.nan), reseal=True),
-                     "clients/001/test/features/concat: NaN or Inf values"),
-    "inf-features": (tamper(poke("clients/000/train/features/concat", np.inf), reseal=True),
-                     "NaN or Inf values"),
+    "nan-features": (
+        tamper(poke("clients/001/test/features/concat", np.nan), reseal=True),
+        "clients/001/test/features/concat: NaN or Inf values",
+    ),
+    "inf-features": (tamper(poke("clients/000/train/features/concat", np.inf), reseal=True), "NaN or Inf values"),
     "bit-flip": (tamper(flip_feature_bit, reseal=False), "clients/000/train/features/concat: sha256 mismatch"),
     "counts-disagree": (tamper(set_attr("images", 1), reseal=True), "images attribute says 1"),
     "metadata-edited": (tamper(set_attr("classes", '["a", "z"]'), reseal=False), "metadata checksum mismatch"),
@@ -365,24 +392,70 @@ def test_bad_cache_is_refused_by_train_and_verify_in_one_line(good_cache, tmp_pa
     make, needle = case
     bad = make(good_cache, tmp_path)
     runs = tmp_path / "runs"
-    args = {"train": ["train", "--cache", str(bad), "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--set",
-                      "batch_size=8", "--out", str(runs)],
-            "verify": ["verify", str(bad)]}[command]
+    args = {
+        "train": [
+            "train",
+            "--cache",
+            str(bad),
+            "--algo",
+            "fedavg",
+            "--rounds",
+            "1",
+            "--seeds",
+            "0",
+            "--set",
+            "batch_size=8",
+            "--out",
+            str(runs),
+        ],
+        "verify": ["verify", str(bad)],
+    }[command]
     one_line_error(run_cli(*args), needle)
     assert everything_in(runs) == []
 
 
 def test_grid_refuses_a_damaged_cache(good_cache, tmp_path):
     bad = CACHE_CASES["bit-flip"][0](good_cache, tmp_path)
-    result = run_cli("grid", "--cache", str(bad), "--algo", "fedavg", "--grid", "lr=0.1,0.01", "--seeds", "0",
-                     "--rounds", "1", "--set", "batch_size=8", "--out", str(tmp_path / "runs"))
+    result = run_cli(
+        "grid",
+        "--cache",
+        str(bad),
+        "--algo",
+        "fedavg",
+        "--grid",
+        "lr=0.1,0.01",
+        "--seeds",
+        "0",
+        "--rounds",
+        "1",
+        "--set",
+        "batch_size=8",
+        "--out",
+        str(tmp_path / "runs"),
+    )
     one_line_error(result, "sha256 mismatch")
 
 
 def test_nan_loss_stops_training_in_one_line(good_cache, tmp_path):
-    result = run_cli("train", "--cache", str(good_cache), "--algo", "fedavg", "--rounds", "2", "--seeds", "0",
-                     "--set", "lr=1e38", "--set", "optimizer=sgd", "--set", "batch_size=8", "--out",
-                     str(tmp_path / "runs"))
+    result = run_cli(
+        "train",
+        "--cache",
+        str(good_cache),
+        "--algo",
+        "fedavg",
+        "--rounds",
+        "2",
+        "--seeds",
+        "0",
+        "--set",
+        "lr=1e38",
+        "--set",
+        "optimizer=sgd",
+        "--set",
+        "batch_size=8",
+        "--out",
+        str(tmp_path / "runs"),
+    )
     one_line_error(result, "loss became NaN/Inf")
     assert everything_in(tmp_path / "runs") == []
 
@@ -390,12 +463,25 @@ def test_nan_loss_stops_training_in_one_line(good_cache, tmp_path):
 # -- inputs that look odd but must work ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,suffix", [("L", ".png"), ("RGBA", ".png"), ("I;16", ".png"), ("P", ".gif"),
-                                         ("RGB", ".jpg")])
+@pytest.mark.parametrize(
+    "mode,suffix", [("L", ".png"), ("RGBA", ".png"), ("I;16", ".png"), ("P", ".gif"), ("RGB", ".jpg")]
+)
 def test_grey_rgba_16bit_and_palette_images_extract(tmp_path, mode, suffix):
     write_folders(tmp_path / "images", domains=("d1",), classes=("a", "b"), per_class=4, mode=mode, suffix=suffix)
-    result = run_cli("extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), "--backbone",
-                     "test_resnet=random", "--image-size", "32", "--out", str(tmp_path / "out"), "--json")
+    result = run_cli(
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(tmp_path / "images"),
+        "--backbone",
+        "test_resnet=random",
+        "--image-size",
+        "32",
+        "--out",
+        str(tmp_path / "out"),
+        "--json",
+    )
     assert result.code == 0, result.stderr
     assert run_cli("verify", *[str(p) for p in (tmp_path / "out").glob("*.h5")]).code == 0
 
@@ -406,19 +492,43 @@ def test_class_only_in_test_is_allowed_with_one_warning_line(tmp_path):
     root = tmp_path / "images"
     for split, classes in (("train", ("a", "b")), ("test", ("a", "b", "c"))):
         write_folders(root / "d1", domains=(split,), classes=classes, per_class=4)
-    result = run_cli("extract", "--dataset", "imagefolder", "--data-root", str(root), "--backbone",
-                     "test_resnet=random", "--image-size", "32", "--out", str(tmp_path / "out"), "--json")
+    result = run_cli(
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(root),
+        "--backbone",
+        "test_resnet=random",
+        "--image-size",
+        "32",
+        "--out",
+        str(tmp_path / "out"),
+        "--json",
+    )
     assert result.code == 0, result.stderr
     warned = [line for line in lines(result.stderr) if "imagefolder:" in line]
-    assert warned == ["warning: imagefolder: domain 'd1' has test images but no training images of ['c']: its "
-                      "clients are never tested on them"]
+    assert warned == [
+        "warning: imagefolder: domain 'd1' has test images but no training images of ['c']: its "
+        "clients are never tested on them"
+    ]
 
 
 def test_allow_partial_loads_a_checkpoint_with_missing_keys_and_says_so(tmp_path):
     images(tmp_path)
-    args = ["extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"),
-            *checkpoint(tmp_path, lambda s: s.pop("conv1.0.weight")), "--image-size", "32", "--out",
-            str(tmp_path / "out"), "--json"]
+    args = [
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(tmp_path / "images"),
+        *checkpoint(tmp_path, lambda s: s.pop("conv1.0.weight")),
+        "--image-size",
+        "32",
+        "--out",
+        str(tmp_path / "out"),
+        "--json",
+    ]
     one_line_error(run_cli(*args), "pass --allow-partial")
     result = run_cli(*args, "--allow-partial")
     assert result.code == 0, result.stderr
@@ -446,28 +556,47 @@ def pipeline_edit(old: str, new: str) -> Callable[[str], bytes]:
 
 # name -> (the toy pipeline of test_reproduce edited, as bytes; text the one line contains)
 PIPELINE_CASES: dict[str, tuple[Callable[[str], bytes], str]] = {
-    "invalid-utf8": (lambda text: text.encode().replace(b"a toy table", b"a toy \xff table"),
-                     "not UTF-8 text (byte 29 is 0xff)"),
-    "views-string": (pipeline_edit("per_class = 10", 'per_class = 10\nviews = "2"'),
-                     "[extract]: views must be a whole number >= 0 (got '2')"),
-    "batch-size-string": (pipeline_edit("set = { tau = 0.1 }", 'set = { tau = 0.1, batch_size = "64" }'),
-                          "[[run]] 2: batch_size: expected an int like 32, not the string '64'"),
-    "extract-batch-size-string": (pipeline_edit("per_class = 10", 'per_class = 10\nbatch_size = "64"'),
-                                  "[extract]: batch_size must be a whole number >= 1 (got '64')"),
-    "dataset-number": (pipeline_edit('dataset = "offline-digits"', "dataset = 5"),
-                       "[extract]: dataset must be a dataset name (a string) (got 5)"),
-    "image-size-negative": (pipeline_edit("per_class = 10", "per_class = 10\nimage_size = -32"),
-                            "[extract]: image_size must be a whole number of pixels from 8 to 2048 (got -32)"),
-    "grid-value-string": (pipeline_edit('algo = "fedavg"', 'algo = "fedavg"\ngrid = { lr = ["12"] }'),
-                          "[[run]] 1: grid lr: expected a float like"),
-    "grid-axis-not-a-list": (pipeline_edit('algo = "fedavg"', 'algo = "fedavg"\ngrid = { lr = "12" }'),
-                             "[[run]] 1: grid lr must be a list of values"),
-    "backbone-not-a-list": (pipeline_edit('backbone = ["efficientnet_lite0", "efficientnet_lite1"]',
-                                          'backbone = "efficientnet_lite0"'),
-                            "[extract]: backbone must be a list of backbone names (got 'efficientnet_lite0'): write "
-                            'backbone = ["efficientnet_lite0"]'),
-    "name-250-characters": (pipeline_edit('name = "toy"', f'name = "{"t" * 250}"'),
-                            "use 1 to 64 letters, digits, '.', '_' and '-'"),
+    "invalid-utf8": (
+        lambda text: text.encode().replace(b"a toy table", b"a toy \xff table"),
+        "not UTF-8 text (byte 29 is 0xff)",
+    ),
+    "views-string": (
+        pipeline_edit("per_class = 10", 'per_class = 10\nviews = "2"'),
+        "[extract]: views must be a whole number >= 0 (got '2')",
+    ),
+    "batch-size-string": (
+        pipeline_edit("set = { tau = 0.1 }", 'set = { tau = 0.1, batch_size = "64" }'),
+        "[[run]] 2: batch_size: expected an int like 32, not the string '64'",
+    ),
+    "extract-batch-size-string": (
+        pipeline_edit("per_class = 10", 'per_class = 10\nbatch_size = "64"'),
+        "[extract]: batch_size must be a whole number >= 1 (got '64')",
+    ),
+    "dataset-number": (
+        pipeline_edit('dataset = "offline-digits"', "dataset = 5"),
+        "[extract]: dataset must be a dataset name (a string) (got 5)",
+    ),
+    "image-size-negative": (
+        pipeline_edit("per_class = 10", "per_class = 10\nimage_size = -32"),
+        "[extract]: image_size must be a whole number of pixels from 8 to 2048 (got -32)",
+    ),
+    "grid-value-string": (
+        pipeline_edit('algo = "fedavg"', 'algo = "fedavg"\ngrid = { lr = ["12"] }'),
+        "[[run]] 1: grid lr: expected a float like",
+    ),
+    "grid-axis-not-a-list": (
+        pipeline_edit('algo = "fedavg"', 'algo = "fedavg"\ngrid = { lr = "12" }'),
+        "[[run]] 1: grid lr must be a list of values",
+    ),
+    "backbone-not-a-list": (
+        pipeline_edit('backbone = ["efficientnet_lite0", "efficientnet_lite1"]', 'backbone = "efficientnet_lite0"'),
+        "[extract]: backbone must be a list of backbone names (got 'efficientnet_lite0'): write "
+        'backbone = ["efficientnet_lite0"]',
+    ),
+    "name-250-characters": (
+        pipeline_edit('name = "toy"', f'name = "{"t" * 250}"'),
+        "use 1 to 64 letters, digits, '.', '_' and '-'",
+    ),
 }
 
 
@@ -478,8 +607,16 @@ def test_bad_pipeline_values_are_one_line_naming_the_key(tmp_path, case):
     edit, needle = case
     (tmp_path / "toy.toml").write_bytes(edit(PIPELINE))
     before = snapshot(tmp_path)
-    result = run_cli("reproduce", str(tmp_path / "toy.toml"), "--profile", "quick", "--out", str(tmp_path / "res"),
-                     "--cache", str(tmp_path / "cache"))
+    result = run_cli(
+        "reproduce",
+        str(tmp_path / "toy.toml"),
+        "--profile",
+        "quick",
+        "--out",
+        str(tmp_path / "res"),
+        "--cache",
+        str(tmp_path / "cache"),
+    )
     one_line_error(result, needle)
     assert snapshot(tmp_path) == before
     with pytest.raises(UserError, match=re.escape(needle)):
@@ -537,8 +674,13 @@ def not_writable(folder: Path, monkeypatch) -> Path:
     folder.chmod(0o555)
     if os.geteuid() == 0:
         real = os.access
-        monkeypatch.setattr(os, "access", lambda p, m, *a, **k: False if m & os.W_OK and Path(p).resolve() ==
-                            folder.resolve() else real(p, m, *a, **k))
+        monkeypatch.setattr(
+            os,
+            "access",
+            lambda p, m, *a, **k: (
+                False if m & os.W_OK and Path(p).resolve() == folder.resolve() else real(p, m, *a, **k)
+            ),
+        )
     return folder
 
 
@@ -546,8 +688,17 @@ def not_writable(folder: Path, monkeypatch) -> Path:
 def test_read_only_output_folders_are_one_line(tmp_path, monkeypatch, where):
     images(tmp_path)
     ro = not_writable(tmp_path / "ro", monkeypatch)
-    extract = ["extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), "--backbone",
-               "test_resnet=random", "--image-size", "32"]
+    extract = [
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(tmp_path / "images"),
+        "--backbone",
+        "test_resnet=random",
+        "--image-size",
+        "32",
+    ]
     if where == "default-out-in-read-only-cwd":
         monkeypatch.chdir(ro)
         args, needle = extract, "--out cache: . is not writable"
@@ -557,8 +708,16 @@ def test_read_only_output_folders_are_one_line(tmp_path, monkeypatch, where):
         from test_reproduce import PIPELINE
 
         (tmp_path / "toy.toml").write_text(PIPELINE)
-        args = ["reproduce", str(tmp_path / "toy.toml"), "--profile", "quick", "--out", str(tmp_path / "res"),
-                "--cache", str(ro / "cache")]
+        args = [
+            "reproduce",
+            str(tmp_path / "toy.toml"),
+            "--profile",
+            "quick",
+            "--out",
+            str(tmp_path / "res"),
+            "--cache",
+            str(ro / "cache"),
+        ]
         needle = f"--cache {ro / 'cache'}: {ro} is not writable"
     before = snapshot(tmp_path)
     one_line_error(run_cli(*args), needle)
@@ -573,8 +732,18 @@ def test_a_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path, monkeyp
 
     backbone = checkpoint(tmp_path, lambda state: None)
     monkeypatch.setattr("featcache.files.os.fsync", too_large)
-    result = run_cli("extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), *backbone,
-                     "--image-size", "32", "--out", str(tmp_path / "out"))
+    result = run_cli(
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(tmp_path / "images"),
+        *backbone,
+        "--image-size",
+        "32",
+        "--out",
+        str(tmp_path / "out"),
+    )
     line = one_line_error(result, "file size limit reached while writing")
     assert "disk full" not in line and "ulimit -f" in line
 
@@ -616,8 +785,9 @@ def test_migrate_onto_a_read_only_file_is_one_line_and_stages_nothing(format2, m
     format2.chmod(0o444)
     if os.geteuid() == 0:  # root writes anywhere: show the check what a user (or an immutable file) gives
         real = os.access
-        monkeypatch.setattr(os, "access", lambda p, m, *a, **k: False if m & os.W_OK and Path(p) == format2
-                            else real(p, m, *a, **k))
+        monkeypatch.setattr(
+            os, "access", lambda p, m, *a, **k: False if m & os.W_OK and Path(p) == format2 else real(p, m, *a, **k)
+        )
     line = one_line_error(run_cli("migrate", str(format2)), "it is read-only or immutable")
     assert str(format2) in line
     assert format2.read_bytes() == original and [p.name for p in format2.parent.iterdir()] == [format2.name]
@@ -655,23 +825,42 @@ class FakeRay(types.ModuleType):
         raise AssertionError("ray.init was called with an address nobody answers at: it would wait forever")
 
 
-@pytest.mark.parametrize("address,needle", [("bogus:1", "no Ray cluster answers there"),
-                                            ("127.0.0.1:1", "Connection refused"),
-                                            ("10.0.0.1:6379", "timed out"),
-                                            ("nonsense", "is not HOST:PORT")])
+@pytest.mark.parametrize(
+    "address,needle",
+    [
+        ("bogus:1", "no Ray cluster answers there"),
+        ("127.0.0.1:1", "Connection refused"),
+        ("10.0.0.1:6379", "timed out"),
+        ("nonsense", "is not HOST:PORT"),
+    ],
+)
 def test_a_ray_address_that_does_not_answer_is_one_line_in_bounded_time(tmp_path, monkeypatch, address, needle):
     images(tmp_path)
     monkeypatch.setitem(sys.modules, "ray", FakeRay())
     monkeypatch.setenv("RAY_ADDRESS", address)
     if address.startswith("10."):  # a host that drops packets: the connect must give up after the timeout
+
         def dropped(where, timeout):
             assert timeout <= 30
             raise TimeoutError("timed out")
 
         monkeypatch.setattr(socket, "create_connection", dropped)
     t0 = time.monotonic()
-    result = run_cli("extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), "--backbone",
-                     "test_resnet=random", "--image-size", "32", "--backend", "ray", "--out", str(tmp_path / "out"))
+    result = run_cli(
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(tmp_path / "images"),
+        "--backbone",
+        "test_resnet=random",
+        "--image-size",
+        "32",
+        "--backend",
+        "ray",
+        "--out",
+        str(tmp_path / "out"),
+    )
     one_line_error(result, needle)
     assert time.monotonic() - t0 < 30 and not (tmp_path / "out").exists()
 
@@ -685,8 +874,23 @@ def store_args(tmp: Path, *extra: str) -> list[str]:
     backbone = ["--backbone", f"test_resnet={tmp / 'ckpt.pth'}"]
     if not (tmp / "ckpt.pth").is_file():
         backbone = checkpoint(tmp, lambda state: None)
-    return ["extract", "--dataset", "imagefolder", "--data-root", str(tmp / "images"), *backbone, "--image-size",
-            "32", "--batch-size", "2", "--workers", "0", "--out", str(tmp / "out"), *extra]
+    return [
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(tmp / "images"),
+        *backbone,
+        "--image-size",
+        "32",
+        "--batch-size",
+        "2",
+        "--workers",
+        "0",
+        "--out",
+        str(tmp / "out"),
+        *extra,
+    ]
 
 
 def store_name(tmp: Path) -> str:
@@ -767,8 +971,11 @@ def test_store_names_taken_by_a_folder_or_a_file_are_one_line(tmp_path):
     (store / name).mkdir(parents=True)
     args = store_args(tmp_path)
     before = snapshot(tmp_path)
-    one_line_error(run_cli(*args), f"{store / name} is a folder, not a file, and featcache keeps a "
-                   "store under that name: move it, or pass --store another folder")
+    one_line_error(
+        run_cli(*args),
+        f"{store / name} is a folder, not a file, and featcache keeps a "
+        "store under that name: move it, or pass --store another folder",
+    )
     assert snapshot(tmp_path) == before
     (store / name).rmdir()
     (store / f".{name}.parts").write_text("mine")  # a user's file where a fill keeps its blocks
@@ -805,21 +1012,37 @@ def test_a_read_only_store_folder_is_one_line_before_any_work(tmp_path, monkeypa
     ro = not_writable(tmp_path / "out" / "store", monkeypatch)
     args = store_args(tmp_path)
     before = snapshot(tmp_path)
-    one_line_error(run_cli(*args), f"--store {ro}: {ro} is not writable (permission denied): pass "
-                   "--store a folder you can write to")
+    one_line_error(
+        run_cli(*args),
+        f"--store {ro}: {ro} is not writable (permission denied): pass --store a folder you can write to",
+    )
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("extra,needle", [(["--backbone", "test_resnett"], "did you mean: test_resnet"),
-                                          (["--partition", "iid", "--clients", "1000"], "1000 clients but only"),
-                                          (["--domains", "d3"], "unknown domain 'd3'")],
-                         ids=["unknown-backbone", "too-many-clients", "unknown-domain"])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--backbone", "test_resnett"], "did you mean: test_resnet"),
+        (["--partition", "iid", "--clients", "1000"], "1000 clients but only"),
+        (["--domains", "d3"], "unknown domain 'd3'"),
+    ],
+    ids=["unknown-backbone", "too-many-clients", "unknown-domain"],
+)
 def test_refused_input_is_its_one_line_without_the_image_size_note(tmp_path, extra, needle):
     """The note on the chosen --image-size comes once the input passed its checks, never before an error line."""
     images(tmp_path)
     backbone = [] if "--backbone" in extra else checkpoint(tmp_path, lambda state: None)
-    args = ["extract", "--dataset", "imagefolder", "--data-root", str(tmp_path / "images"), *backbone, "--out",
-            str(tmp_path / "out"), *extra]
+    args = [
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(tmp_path / "images"),
+        *backbone,
+        "--out",
+        str(tmp_path / "out"),
+        *extra,
+    ]
     one_line_error(run_cli(*args), needle)
     assert not (tmp_path / "out").exists()
 

@@ -41,8 +41,23 @@ def good_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def good_result(good_cache, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("result")
-    res = run_cli("train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "2", "--seeds", "0",
-                  "--set", "batch_size=8", "--out", out, "--json", "--save-state")
+    res = run_cli(
+        "train",
+        "--cache",
+        good_cache,
+        "--algo",
+        "fedavg",
+        "--rounds",
+        "2",
+        "--seeds",
+        "0",
+        "--set",
+        "batch_size=8",
+        "--out",
+        out,
+        "--json",
+        "--save-state",
+    )
     assert res.code == 0, res.stderr
     return Path(json.loads(res.stdout)["result_file"])
 
@@ -64,13 +79,43 @@ class Ctx:
 
 
 def train(*extra: str, algo: str = "fedavg") -> Callable[[Ctx], list]:
-    return lambda x: ["train", "--cache", x.cache(), "--algo", algo, "--rounds", "1", "--seeds", "0", "--set",
-                      "batch_size=8", "--out", x.out, *extra]
+    return lambda x: [
+        "train",
+        "--cache",
+        x.cache(),
+        "--algo",
+        algo,
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--set",
+        "batch_size=8",
+        "--out",
+        x.out,
+        *extra,
+    ]
 
 
 def grid(*extra: str, algo: str = "fedavg", axis: str = "lr=0.1,0.01") -> Callable[[Ctx], list]:
-    return lambda x: ["grid", "--cache", x.cache(), "--algo", algo, "--grid", axis, "--seeds", "0", "--rounds", "1",
-                      "--set", "batch_size=8", "--out", x.out, *extra]
+    return lambda x: [
+        "grid",
+        "--cache",
+        x.cache(),
+        "--algo",
+        algo,
+        "--grid",
+        axis,
+        "--seeds",
+        "0",
+        "--rounds",
+        "1",
+        "--set",
+        "batch_size=8",
+        "--out",
+        x.out,
+        *extra,
+    ]
 
 
 def with_out(make: Callable[[Ctx], list], out: Callable[[Ctx], Path]) -> Callable[[Ctx], list]:
@@ -270,8 +315,10 @@ def no_val_rows(x: Ctx) -> Path:
 
 def plugin(name: str, body: str) -> Callable[[Ctx], str]:
     """A plug-in file in the test's folder: a FedAvg subclass `name` with the methods of `body`."""
-    head = "import sys\nimport torch\nfrom featcache.algorithms.base import FedAvg\nfrom featcache.training.config " \
-           f"import Setting\n\n\nclass P(FedAvg):\n    name = {name!r}\n"
+    head = (
+        "import sys\nimport torch\nfrom featcache.algorithms.base import FedAvg\nfrom featcache.training.config "
+        f"import Setting\n\n\nclass P(FedAvg):\n    name = {name!r}\n"
+    )
     return lambda x: f"{x.file(name + '.py', head + textwrap.indent(textwrap.dedent(body), '    '))}:P"
 
 
@@ -281,15 +328,15 @@ PLUGINS = {
     "predict-all-minus-inf": PREDICT + "    return torch.full_like(s, float('-inf'))\n",
     "predict-classes": PREDICT + "    return s[:, :2]\n",
     "loss-not-scalar": "def local_loss(self, params, buffers, x, y, mask, ctx):\n"
-                       "    loss, new = super().local_loss(params, buffers, x, y, mask, ctx)\n"
-                       "    return loss * torch.ones(3), new\n",
+    "    loss, new = super().local_loss(params, buffers, x, y, mask, ctx)\n"
+    "    return loss * torch.ones(3), new\n",
     "lr-fast": "settings = {'lr': Setting('fast', 'a rate')}\n",
     "exits": "def after_local(self, state, rnd):\n    sys.exit(0)\n",
     "interrupts": "def after_local(self, state, rnd):\n    raise KeyboardInterrupt\n",
     "ctrl-c": "def after_local(self, state, rnd):\n    import os, signal, time\n"
-              "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n",
+    "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n",
     "prints": "def after_local(self, state, rnd):\n    print('a plug-in talks on stdout')\n"
-              "    return super().after_local(state, rnd)\n",
+    "    return super().after_local(state, rnd)\n",
     "raises": "def after_local(self, state, rnd):\n    raise ValueError('boom')\n",
 }
 
@@ -371,8 +418,10 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "train-disk-full": (armed(fail_rename(errno.ENOSPC), train()), "disk full"),
     "train-file-size-limit": (armed(fail_rename(errno.EFBIG), train()), "file size limit"),
     "grid-permission-at-write": (armed(fail_rename(errno.EACCES), grid()), "permission denied"),
-    "report-eperm-at-write": (armed(fail_rename(errno.EPERM), lambda x: ["report", x.result, "--out", x.out]),
-                              "permission denied"),
+    "report-eperm-at-write": (
+        armed(fail_rename(errno.EPERM), lambda x: ["report", x.result, "--out", x.out]),
+        "permission denied",
+    ),
     "train-out-name-too-long": (with_out(train(), long_name), "is 300 bytes, over the file system's limit of 255"),
     "grid-out-name-too-long": (with_out(grid(), long_name), "is 300 bytes, over the file system's limit of 255"),
     "report-out-name-too-long": (lambda x: ["report", x.result, "--out", long_name(x)], "is 300 bytes, over the"),
@@ -422,13 +471,19 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "seeds-negative": (lambda x: train()(x) + ["--seeds", "-1"], "seed -1 is out of range"),
     "grid-seeds-huge": (lambda x: grid()(x) + ["--seeds", "1" + HUGE], "is out of range"),
     "algo-twice": (lambda x: train()(x) + ["--algo", "fedavg"], "--algo fedavg is given twice"),
-    "setting-of-one-algo-unscoped": (lambda x: train("--set", "mu=-1")(x) + ["--algo", "fedprox"],
-                                     "mu is a setting of fedprox only: write fedprox.mu=-1"),
-    "scoped-setting-out-of-range": (lambda x: train("--set", "fedprox.mu=-1")(x) + ["--algo", "fedprox"],
-                                    "fedprox: mu=-1.0 out of range"),
+    "setting-of-one-algo-unscoped": (
+        lambda x: train("--set", "mu=-1")(x) + ["--algo", "fedprox"],
+        "mu is a setting of fedprox only: write fedprox.mu=-1",
+    ),
+    "scoped-setting-out-of-range": (
+        lambda x: train("--set", "fedprox.mu=-1")(x) + ["--algo", "fedprox"],
+        "fedprox: mu=-1.0 out of range",
+    ),
     "scope-not-chosen": (train("--set", "fedprox.mu=1"), "fedprox is not the algorithm of this run (fedavg)"),
-    "scope-not-among-chosen": (lambda x: train("--set", "fedprx.mu=1")(x) + ["--algo", "fedprox"],
-                               "fedprx is not among the chosen algorithms (did you mean: fedprox"),
+    "scope-not-among-chosen": (
+        lambda x: train("--set", "fedprx.mu=1")(x) + ["--algo", "fedprox"],
+        "fedprx is not among the chosen algorithms (did you mean: fedprox",
+    ),
     "scoped-unknown-setting": (train("--set", "fedavg.mu=1"), "unknown setting 'mu' for fedavg"),
     "grid-scope-not-chosen": (grid(axis="fedprox.mu=0.1,1"), "--grid fedprox.mu: fedprox is not the algorithm"),
     "grid-scoped-axis-and-set": (grid("--set", "fedavg.lr=0.5"), "lr is both a --grid axis and --set lr"),
@@ -438,11 +493,15 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "set-scope-empty": (train("--set", ".lr=1"), "--set .lr=1: the algorithm name before the '.' is empty"),
     "set-scoped-key-empty": (train("--set", "fedavg.=1"), "--set fedavg.=1: the setting name after the '.' is empty"),
     "set-key-empty": (train("--set", "=1"), "--set '=1' has no key before '='"),
-    "set-setting-with-a-dot": (train("--set", "fedprox.mu.x=1", algo="fedprox"),
-                               "fedprox has no setting 'mu.x' (did you mean: mu?)"),
+    "set-setting-with-a-dot": (
+        train("--set", "fedprox.mu.x=1", algo="fedprox"),
+        "fedprox has no setting 'mu.x' (did you mean: mu?)",
+    ),
     "grid-scope-empty": (grid(axis=".lr=0.1,0.01"), "--grid .lr=: the algorithm name before the '.' is empty"),
     "participation-of-the-second-algo-selects-nobody": (
-        lambda x: train("--set", "fedprox.participation=1e-9")(x) + ["--algo", "fedprox"], "selects no client of 4"),
+        lambda x: train("--set", "fedprox.participation=1e-9")(x) + ["--algo", "fedprox"],
+        "selects no client of 4",
+    ),
     # 4. devices
     "train-device-foo": (train("--device", "foo"), "is not a device"),
     "grid-device-foo": (grid("--device", "foo"), "is not a device"),
@@ -450,8 +509,10 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "grid-device-cuda-9": (grid("--device", "cuda:9"), "CUDA"),
     # 5. report inputs (a single bad file is refused; see the multi-file test for skipping)
     "report-timing-sidecar": (report(lambda x: x.result.with_suffix(".timing.json")), ".timing.json sidecar"),
-    "report-grid-json": (report(lambda x: x.file("grid.json", json.dumps({"axes": {}, "selection": []}))),
-                         "a grid summary"),
+    "report-grid-json": (
+        report(lambda x: x.file("grid.json", json.dumps({"axes": {}, "selection": []}))),
+        "a grid summary",
+    ),
     "report-empty-object": (report(lambda x: x.file("e.json", "{}")), "no algorithm name"),
     "report-list": (report(lambda x: x.file("l.json", "[1, 2]")), "a JSON list"),
     "report-null": (report(lambda x: x.file("n.json", "null")), "a JSON null"),
@@ -461,8 +522,10 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "report-binary": (report(lambda x: x.file("b.json", bytes(range(256)))), "not JSON"),
     "report-the-cache": (report(lambda x: x.cache()), "not JSON"),
     "report-missing": (report(lambda x: x.tmp / "none.json"), "does not exist"),
-    "report-only-non-results": (lambda x: ["report", x.result.with_suffix(".timing.json"), x.file("e.json", "{}")],
-                                "none of the 2 inputs is a featcache result file"),
+    "report-only-non-results": (
+        lambda x: ["report", x.result.with_suffix(".timing.json"), x.file("e.json", "{}")],
+        "none of the 2 inputs is a featcache result file",
+    ),
     # 6. malformed caches reaching info / verify / train
     "info-no-backbones": (cmd("info", tampered(no_backbones)), "no backbones group"),
     "info-array-attribute": (cmd("info", tampered(array_attr)), "attribute 'classes' is an array"),
@@ -471,16 +534,19 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "train-no-clients": (cmd("train", tampered(no_clients)), "no clients"),
     "verify-zero-row-client": (cmd("verify", tampered(zero_row_client)), "client 001 has no training rows"),
     "train-zero-row-client": (cmd("train", tampered(zero_row_client)), "client 001 has no training rows"),
-    "verify-concat-differs": (cmd("verify", tampered(concat_differs)),
-                              "backbones/synth: columns [1, 17] do not follow the backbones before it"),
+    "verify-concat-differs": (
+        cmd("verify", tampered(concat_differs)),
+        "backbones/synth: columns [1, 17] do not follow the backbones before it",
+    ),
     "verify-label-out-of-range": (cmd("verify", tampered(label_out_of_range)), "labels: values outside 0..4"),
     "train-features-huge": (cmd("train", tampered(feature_value(1e36))), "values of magnitude 1e+36"),
     "train-features-inf": (cmd("train", tampered(feature_value(float("inf")))), "NaN or Inf values"),
-    "train-client-without-test-rows": (cmd("train", tampered(no_test_rows)),
-                                       "client 001 of cache"),
+    "train-client-without-test-rows": (cmd("train", tampered(no_test_rows)), "client 001 of cache"),
     "grid-without-validation-rows": (with_cache(grid(), no_val_rows), "has no validation rows"),
-    "grid-test-split-damaged": (with_cache(grid(), tampered(damaged_test_features, reseal=False)),
-                                "failed verification"),
+    "grid-test-split-damaged": (
+        with_cache(grid(), tampered(damaged_test_features, reseal=False)),
+        "failed verification",
+    ),
     # 7. plug-ins: outputs checked at the first round, exits and exceptions in a hook
     "plugin-predict-nan": (with_plugin(train(), "predict-nan"), "predict returned NaN scores"),
     "plugin-predict-all-minus-inf": (with_plugin(train(), "predict-all-minus-inf"), "predict returned -inf"),
@@ -488,31 +554,55 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "plugin-loss-not-scalar": (with_plugin(train(), "loss-not-scalar"), "local_loss returned a loss of shape [3]"),
     "plugin-lr-fast": (with_plugin(train(), "lr-fast"), "lr is a float"),
     "plugin-sys-exit": (with_plugin(train(), "exits"), "in after_local (sys.exit(0))"),
-    "plugin-raises-keyboard-interrupt": (with_plugin(train(), "interrupts"),
-                                         "in after_local: it raised KeyboardInterrupt with no Ctrl-C pressed"),
-    "grid-plugin-raises-keyboard-interrupt": (with_plugin(grid(), "interrupts", "grid"),
-                                              "it raised KeyboardInterrupt with no Ctrl-C pressed"),
-    "plugin-name-250-characters": (lambda x: train()(x) + ["--algo", plugin("p" * 250, PLUGINS["raises"])(x)],
-                                   "(250 characters) cannot name an algorithm: use 1 to 64 letters"),
+    "plugin-raises-keyboard-interrupt": (
+        with_plugin(train(), "interrupts"),
+        "in after_local: it raised KeyboardInterrupt with no Ctrl-C pressed",
+    ),
+    "grid-plugin-raises-keyboard-interrupt": (
+        with_plugin(grid(), "interrupts", "grid"),
+        "it raised KeyboardInterrupt with no Ctrl-C pressed",
+    ),
+    "plugin-name-250-characters": (
+        lambda x: train()(x) + ["--algo", plugin("p" * 250, PLUGINS["raises"])(x)],
+        "(250 characters) cannot name an algorithm: use 1 to 64 letters",
+    ),
     "grid-plugin-sys-exit": (with_plugin(grid(), "exits", "grid"), "in after_local (sys.exit(0))"),
     "grid-plugin-raises": (with_plugin(grid(), "raises", "grid"), "in after_local: ValueError: boom"),
     # 8. a loss that diverges names the setting
-    "huge-weight-decay": (lambda x: train("--set", "weight_decay=1e8", "--set", "optimizer=sgd")(x)
-                          + ["--rounds", "5"], "weight_decay=1e+08 (default 0.0001) is the likely cause"),
-    "huge-mu": (train("--set", "mu=1e15", "--set", "optimizer=sgd", algo="fedprox"),
-                "mu=1e+15 (default 0.01) is the likely cause"),
+    "huge-weight-decay": (
+        lambda x: train("--set", "weight_decay=1e8", "--set", "optimizer=sgd")(x) + ["--rounds", "5"],
+        "weight_decay=1e+08 (default 0.0001) is the likely cause",
+    ),
+    "huge-mu": (
+        train("--set", "mu=1e15", "--set", "optimizer=sgd", algo="fedprox"),
+        "mu=1e+15 (default 0.01) is the likely cause",
+    ),
     # 9. what report and plot read
-    "report-metrics-garbage": (report(lambda x: result_copy(x, metrics="a,b\n1,2\n"), out=True),
-                               "copy.metrics.csv is not a metrics.csv"),
-    "report-metrics-types": (report(lambda x: result_copy(x, metrics=x.result.with_suffix(".metrics.csv").read_text()
-                                                          .replace("\n2,", "\ntwo,", 1)), out=True),
-                             "is not round,seed,client as integers"),
-    "report-global-curve-length": (report(lambda x: result_copy(x, set_curve("global_acc", [50.0] * 9)), out=True),
-                                   "'curve.global_acc' is not null or a list of 2 numbers"),
-    "report-loss-curve-length": (report(lambda x: result_copy(x, set_curve("train_loss", [1.0])), out=True),
-                                 "'curve.train_loss' is not null or a list of 2 numbers"),
-    "report-mean-acc-1e308": (report(lambda x: result_copy(x, lambda r: r.__setitem__("mean_acc", 1e308))),
-                              "'mean_acc' is 1e+308, not an accuracy in %"),
+    "report-metrics-garbage": (
+        report(lambda x: result_copy(x, metrics="a,b\n1,2\n"), out=True),
+        "copy.metrics.csv is not a metrics.csv",
+    ),
+    "report-metrics-types": (
+        report(
+            lambda x: result_copy(
+                x, metrics=x.result.with_suffix(".metrics.csv").read_text().replace("\n2,", "\ntwo,", 1)
+            ),
+            out=True,
+        ),
+        "is not round,seed,client as integers",
+    ),
+    "report-global-curve-length": (
+        report(lambda x: result_copy(x, set_curve("global_acc", [50.0] * 9)), out=True),
+        "'curve.global_acc' is not null or a list of 2 numbers",
+    ),
+    "report-loss-curve-length": (
+        report(lambda x: result_copy(x, set_curve("train_loss", [1.0])), out=True),
+        "'curve.train_loss' is not null or a list of 2 numbers",
+    ),
+    "report-mean-acc-1e308": (
+        report(lambda x: result_copy(x, lambda r: r.__setitem__("mean_acc", 1e308))),
+        "'mean_acc' is 1e+308, not an accuracy in %",
+    ),
     "plot-state-shapes": (plot(state_edited(wider)), "params/cls0.bias has shape [1, 4, 7]"),
     "plot-state-other-algo": (plot(state_edited(other_algo)), "does not hold fedpcl's model"),
     "plot-state-nan": (plot(state_edited(nan_params)), "params/proj0.weight holds NaN"),
@@ -525,6 +615,7 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
 def snapshot(folder: Path) -> dict[str, str]:
     """Every path below `folder` with its content hash (folders: 'dir'; a named pipe, never read: its mode), hidden
     files included."""
+
     def digest(p: Path) -> str:
         mode = p.lstat().st_mode
         if stat.S_ISDIR(mode):
@@ -565,9 +656,28 @@ def test_report_skips_non_result_files_with_a_note_and_writes_both_files(good_re
 
 def test_legitimate_edges_still_run(good_cache, tmp_path):
     """Values at the edge of their range are accepted: participation=1/C rounds to one client, momentum 0, mu 0."""
-    res = run_cli("train", "--cache", good_cache, "--algo", "fedprox", "--rounds", "1", "--seeds", "0,4294967295",
-                  "--set", "participation=0.25", "--set", "momentum=0", "--set", "mu=0", "--set", "batch_size=8",
-                  "--out", tmp_path, "--json")
+    res = run_cli(
+        "train",
+        "--cache",
+        good_cache,
+        "--algo",
+        "fedprox",
+        "--rounds",
+        "1",
+        "--seeds",
+        "0,4294967295",
+        "--set",
+        "participation=0.25",
+        "--set",
+        "momentum=0",
+        "--set",
+        "mu=0",
+        "--set",
+        "batch_size=8",
+        "--out",
+        tmp_path,
+        "--json",
+    )
     assert res.code == 0, res.stderr
 
 
@@ -591,10 +701,17 @@ def test_unexpected_exception_is_one_internal_error_line_exit_1(good_cache, tmp_
 def test_real_file_size_limit_in_a_subprocess(good_cache, tmp_path):
     """RLIMIT_FSIZE (ulimit -f) reached while writing the result: EFBIG from the kernel, one line, no temporary."""
     out = tmp_path / "runs"
-    code = (f"ulimit -f 1; exec {sys.executable} -m featcache.cli train --cache {good_cache} --algo fedavg "
-            f"--rounds 2 --seeds 0 --set batch_size=8 --out {out}")
-    proc = subprocess.run(["bash", "-c", code], capture_output=True, text=True, cwd=REPO,
-                          env=os.environ | {"PYTHONDONTWRITEBYTECODE": "1"})
+    code = (
+        f"ulimit -f 1; exec {sys.executable} -m featcache.cli train --cache {good_cache} --algo fedavg "
+        f"--rounds 2 --seeds 0 --set batch_size=8 --out {out}"
+    )
+    proc = subprocess.run(
+        ["bash", "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=os.environ | {"PYTHONDONTWRITEBYTECODE": "1"},
+    )
     assert proc.returncode == 2, proc.stderr
     (line,) = lines(proc.stderr)
     assert line.startswith("error:") and "file size limit" in line, line
@@ -603,13 +720,17 @@ def test_real_file_size_limit_in_a_subprocess(good_cache, tmp_path):
 
 def test_out_of_memory_at_run_time_is_one_line_exit_2(good_cache, tmp_path, monkeypatch):
     """Should the up-front estimate be too low, the allocator's failure is still one line naming what to lower."""
+
     def oom(*a, **k):
-        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you "
-                           "tried to allocate 43000000000 bytes")
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you "
+            "tried to allocate 43000000000 bytes"
+        )
 
     monkeypatch.setattr("featcache.runs.train.run_configs", oom)
-    res = run_cli("train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--out",
-                  tmp_path)
+    res = run_cli(
+        "train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--out", tmp_path
+    )
     one_line_error(res, "out of memory")
     assert everything_in(tmp_path) == []
 
@@ -665,11 +786,14 @@ def test_a_stdout_that_cannot_be_written_is_one_line():
 def test_json_stdout_cut_by_a_file_size_limit_is_exit_2_in_a_subprocess(good_cache, tmp_path):
     """ulimit -f caps stdout redirected to a file: Python's buffered writer drops what a short write left over
     without an error, so only a write that checks each count sees it."""
-    code = (f"ulimit -f 6; exec {sys.executable} -m featcache.cli train --cache {good_cache} --algo fedavg --algo "
-            f"fedprox --algo moon --rounds 1 --seeds 0 --set batch_size=8 --out {tmp_path / 'runs'} --json "
-            f"> {tmp_path / 'out.json'}")
-    proc = subprocess.run(["sh", "-c", code], capture_output=True, text=True, cwd=REPO,
-                          env=os.environ | {"PYTHONDONTWRITEBYTECODE": "1"})
+    code = (
+        f"ulimit -f 6; exec {sys.executable} -m featcache.cli train --cache {good_cache} --algo fedavg --algo "
+        f"fedprox --algo moon --rounds 1 --seeds 0 --set batch_size=8 --out {tmp_path / 'runs'} --json "
+        f"> {tmp_path / 'out.json'}"
+    )
+    proc = subprocess.run(
+        ["sh", "-c", code], capture_output=True, text=True, cwd=REPO, env=os.environ | {"PYTHONDONTWRITEBYTECODE": "1"}
+    )
     assert (tmp_path / "out.json").stat().st_size > 0, proc.stderr  # the object was larger than the limit
     assert proc.returncode == 2, proc.stderr
     (line,) = lines(proc.stderr)
@@ -697,8 +821,14 @@ def api_call(args: list) -> Callable[[], object]:
             sets.append(str(value))
         else:
             opts[flag.lstrip("-")] = value
-    return lambda: featcache.train(cache=opts["cache"], algo=str(opts["algo"]), rounds=int(opts["rounds"]),
-                                   seeds=[int(opts["seeds"])], set=sets, out=opts["out"])
+    return lambda: featcache.train(
+        cache=opts["cache"],
+        algo=str(opts["algo"]),
+        rounds=int(opts["rounds"]),
+        seeds=[int(opts["seeds"])],
+        set=sets,
+        out=opts["out"],
+    )
 
 
 @pytest.mark.parametrize("case", API_CASES.values(), ids=API_CASES.keys())
@@ -734,10 +864,30 @@ def test_train_killed_while_writing_its_outputs_leaves_no_finished_looking_file(
     """kill -9 once every output is staged (the state's temporary written): no result, metrics or timing file
     appears, only hidden temporaries; the rerun writes all of them and removes those temporaries."""
     out = tmp_path / "runs"
-    args = ["train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--set",
-            "batch_size=8", "--out", out, "--save-state"]
-    crash = [sys.executable, str(REPO / "tests" / "crashpoint.py"), "--kill",
-             "after:pathlib.Path.write_bytes:1:*.state.safetensors.*.tmp", "--", *map(str, args)]
+    args = [
+        "train",
+        "--cache",
+        good_cache,
+        "--algo",
+        "fedavg",
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--set",
+        "batch_size=8",
+        "--out",
+        out,
+        "--save-state",
+    ]
+    crash = [
+        sys.executable,
+        str(REPO / "tests" / "crashpoint.py"),
+        "--kill",
+        "after:pathlib.Path.write_bytes:1:*.state.safetensors.*.tmp",
+        "--",
+        *map(str, args),
+    ]
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     killed = subprocess.run(crash, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert killed.returncode == -9, killed.stderr

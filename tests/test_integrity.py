@@ -31,8 +31,14 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 @pytest.fixture(scope="module")
 def cache(images, tmp_path_factory) -> Path:
     with one_thread():
-        res = extract(dataset="imagefolder", data_root=images, backbone=BACKBONES, image_size=32, batch_size=4,
-                      out=tmp_path_factory.mktemp("cache"))
+        res = extract(
+            dataset="imagefolder",
+            data_root=images,
+            backbone=BACKBONES,
+            image_size=32,
+            batch_size=4,
+            out=tmp_path_factory.mktemp("cache"),
+        )
     return Path(res["cache"])
 
 
@@ -94,10 +100,26 @@ def test_cache_from_other_library_versions_is_used_with_one_warning_line(cache, 
     manifest = meta["manifest"] | {"versions": stored}
     rewrite(old, versions=stored, manifest=manifest, key=content_key(manifest), featcache_version="0.0.1")
     report = C.verify(old)
-    assert report["ok"] and report["stale"] == [f"featcache 0.0.1 (now {versions()['featcache']})",
-                                                f"torch 1.0.0 (now {versions()['torch']})"]
-    trained = run_cli("train", "--cache", str(old), "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--set",
-                      "batch_size=8", "--out", str(tmp_path / "runs"), "--json")
+    assert report["ok"] and report["stale"] == [
+        f"featcache 0.0.1 (now {versions()['featcache']})",
+        f"torch 1.0.0 (now {versions()['torch']})",
+    ]
+    trained = run_cli(
+        "train",
+        "--cache",
+        str(old),
+        "--algo",
+        "fedavg",
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--set",
+        "batch_size=8",
+        "--out",
+        str(tmp_path / "runs"),
+        "--json",
+    )
     assert trained.code == 0, trained.stderr
     (warning,) = [line for line in lines(trained.stderr) if "extracted with" in line]
     assert warning.startswith(f"warning: cache {old} was extracted with featcache 0.0.1") and "torch 1.0.0" in warning
@@ -124,8 +146,9 @@ def test_loads_check_each_file_version_once_reading_every_feature_byte_once(cach
             read[ds.name[1:]] = read.get(ds.name[1:], 0) + np.asarray(out).nbytes
 
     monkeypatch.setattr(h5py.Dataset, "__getitem__", lambda ds, key: (out := real_getitem(ds, key), count(ds, out))[0])
-    monkeypatch.setattr(h5py.Dataset, "read_direct",
-                        lambda ds, dest, *a, **k: (real_direct(ds, dest, *a, **k), count(ds, dest)))  # all of dest
+    monkeypatch.setattr(
+        h5py.Dataset, "read_direct", lambda ds, dest, *a, **k: (real_direct(ds, dest, *a, **k), count(ds, dest))
+    )  # all of dest
     structure, features = [], []
     real_structure, real_features = load._check_structure, load._feature_problems
     monkeypatch.setattr(load, "_check_structure", lambda f, p: structure.append(1) or real_structure(f, p))
@@ -195,8 +218,9 @@ def test_partition_alpha_gives_a_new_cache(images, tmp_path):
 
 
 def test_same_extract_twice_gives_identical_cache_bytes(images, cache, tmp_path):
-    again = extract(dataset="imagefolder", data_root=images, backbone=BACKBONES, image_size=32, batch_size=4,
-                    out=tmp_path)
+    again = extract(
+        dataset="imagefolder", data_root=images, backbone=BACKBONES, image_size=32, batch_size=4, out=tmp_path
+    )
     assert not again["cache_hit"] and Path(again["cache"]).name == cache.name
     assert sha256(again["cache"]) == sha256(cache)
 
@@ -204,16 +228,45 @@ def test_same_extract_twice_gives_identical_cache_bytes(images, cache, tmp_path)
 def test_same_train_command_twice_gives_identical_result_bytes(cache, tmp_path):
     files, texts = [], []
     for _ in range(2):  # the very same command (its --out too: the result file records the command line)
-        run = run_cli("train", "--cache", str(cache), "--algo", "fedavg", "--rounds", "3", "--seeds", "0,1",
-                      "--set", "batch_size=8", "--out", str(tmp_path / "a"), "--json")
+        run = run_cli(
+            "train",
+            "--cache",
+            str(cache),
+            "--algo",
+            "fedavg",
+            "--rounds",
+            "3",
+            "--seeds",
+            "0,1",
+            "--set",
+            "batch_size=8",
+            "--out",
+            str(tmp_path / "a"),
+            "--json",
+        )
         assert run.code == 0, run.stderr
         files.append(Path(json.loads(run.stdout)["result_file"]))
         texts.append(files[-1].read_bytes())
     assert files[0] == files[1] and texts[0] == texts[1]
-    other = run_cli("train", "--cache", str(cache), "--algo", "fedavg", "--rounds", "3", "--seeds", "0,1",
-                    "--set", "batch_size=8", "--out", str(tmp_path / "b"), "--json")
+    other = run_cli(
+        "train",
+        "--cache",
+        str(cache),
+        "--algo",
+        "fedavg",
+        "--rounds",
+        "3",
+        "--seeds",
+        "0,1",
+        "--set",
+        "batch_size=8",
+        "--out",
+        str(tmp_path / "b"),
+        "--json",
+    )
     moved = json.loads(Path(json.loads(other.stdout)["result_file"]).read_bytes())
     # another --out: the same file name (what it trains) and numbers; only the recorded command differs
     assert Path(json.loads(other.stdout)["result_file"]).name == files[0].name
     assert {k: v for k, v in moved.items() if k != "provenance"} == {
-        k: v for k, v in json.loads(texts[0]).items() if k != "provenance"}
+        k: v for k, v in json.loads(texts[0]).items() if k != "provenance"
+    }

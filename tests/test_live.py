@@ -22,8 +22,15 @@ def cache(tmp_path_factory):
 
 def test_the_library_reports_each_evaluation_rounds_numbers(cache, tmp_path):
     calls = []
-    r = train(cache, "fedavg", rounds=4, seeds=[0, 1], set=["eval_every=2", "batch_size=8"], out=tmp_path,
-              progress=lambda done, total, live: calls.append((done, total, live)))
+    r = train(
+        cache,
+        "fedavg",
+        rounds=4,
+        seeds=[0, 1],
+        set=["eval_every=2", "batch_size=8"],
+        out=tmp_path,
+        progress=lambda done, total, live: calls.append((done, total, live)),
+    )
     assert [(d, t) for d, t, _ in calls] == [(1, 4), (2, 4), (3, 4), (4, 4)]
     assert calls[0][2] is None and calls[2][2] is None  # not evaluation rounds
     for (done, _, live), acc, loss in zip([calls[1], calls[3]], r["curve"]["mean_acc"], r["curve"]["train_loss"]):
@@ -34,15 +41,38 @@ def test_the_library_reports_each_evaluation_rounds_numbers(cache, tmp_path):
 
 
 def test_a_captured_log_has_per_round_lines_with_numbers_and_results_as_they_finish(cache, tmp_path):
-    res = run_cli("train", "--cache", str(cache), "--algo", "fedavg", "--algo", "fedpcl", "--rounds", "4",
-                  "--seeds", "0,1", "--set", "eval_every=2", "--set", "batch_size=8", "--out", str(tmp_path))
+    res = run_cli(
+        "train",
+        "--cache",
+        str(cache),
+        "--algo",
+        "fedavg",
+        "--algo",
+        "fedpcl",
+        "--rounds",
+        "4",
+        "--seeds",
+        "0,1",
+        "--set",
+        "eval_every=2",
+        "--set",
+        "batch_size=8",
+        "--out",
+        str(tmp_path),
+    )
     assert res.code == 0, res.stderr
     number = r"-?\d+(?:\.\d+)?(?:e[+-]\d+)?"
-    live = re.compile(rf"^progress: (fedavg \(1 of 2\)|fedpcl \(2 of 2\)) ([24])/4 \(\d+ %\) \d+ s · acc ({number})% "
-                      rf"loss ({number}) \| seed 0 {number}% {number}, seed 1 {number}% {number}$")
+    live = re.compile(
+        rf"^progress: (fedavg \(1 of 2\)|fedpcl \(2 of 2\)) ([24])/4 \(\d+ %\) \d+ s · acc ({number})% "
+        rf"loss ({number}) \| seed 0 {number}% {number}, seed 1 {number}% {number}$"
+    )
     found = [m for m in map(live.match, res.stderr.splitlines()) if m]
-    assert [(m.group(1).split()[0], m.group(2)) for m in found] == [("fedavg", "2"), ("fedavg", "4"), ("fedpcl", "2"),
-                                                                   ("fedpcl", "4")]
+    assert [(m.group(1).split()[0], m.group(2)) for m in found] == [
+        ("fedavg", "2"),
+        ("fedavg", "4"),
+        ("fedpcl", "2"),
+        ("fedpcl", "4"),
+    ]
     result = {a: json.loads(next(tmp_path.glob(f"{a}-*[0-9a-f].json")).read_text()) for a in ("fedavg", "fedpcl")}
     for m in found:
         curve = result[m.group(1).split()[0]]["curve"]
@@ -79,8 +109,10 @@ def test_run_names_say_what_differs_and_keep_the_hash():
     assert run_name(prox, cfg, [0, 1, 2], None, "c2bce7fc7341") == "fedprox-mu1-lr0.01-seed0-2-c2bce7fc7341"
     assert run_name(prox, resolve(prox), [3], ["b0", "b1"], "0" * 12) == f"fedprox-b0+b1-seed3-{'0' * 12}"
     pcl = create("fedpcl")
-    assert run_name(pcl, resolve(pcl, ["terms=global", "rounds=3", "weight_decay=1e-5"]), [0, 2], None, "a" * 12) == \
-        f"fedpcl-termsglobal-rounds3-weight_decay1e-05-seed0_2-{'a' * 12}"
+    assert (
+        run_name(pcl, resolve(pcl, ["terms=global", "rounds=3", "weight_decay=1e-5"]), [0, 2], None, "a" * 12)
+        == f"fedpcl-termsglobal-rounds3-weight_decay1e-05-seed0_2-{'a' * 12}"
+    )
     assert seeds_word([0, 1]) == "seed0_1" and seeds_word([5]) == "seed5" and seeds_word([2, 3, 4, 5]) == "seed2-5"
     long = run_name(prox, resolve(prox, ["lr=0.0123456789"]), list(range(0, 40, 3)), ["a" * 60, "b" * 60], "f" * 12)
     assert len(long) == 100 + 13 and long.startswith("fedprox-lr0.0123457-aaa") and long.endswith("-" + "f" * 12)

@@ -2,7 +2,8 @@
 the host (`.item()`, `bool()`, `int()`, `float()` on a tensor, `.tolist()`, `.cpu()`, `.numpy()`) while
 `Engine.local_train` runs one round, and asserts there are none. On a CPU the reads dispatch as
 `aten::_local_scalar_dense` / `aten::item` / `aten::is_nonzero` (recorded with a TorchDispatchMode); `.tolist()`,
-`.cpu()` and `.numpy()` of a CPU tensor dispatch nothing, so they are counted by wrapping the methods (conftest.py's `host_reads`). Every registered algorithm."""
+`.cpu()` and `.numpy()` of a CPU tensor dispatch nothing, so they are counted by wrapping the methods (conftest.py's
+`host_reads`). Every registered algorithm."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def test_local_steps_never_read_the_device(name, optimizer, capture, data, host_
     following the CUDA-graph protocol on the CPU)."""
     train, test = data
     algo = create(name)
-    cfg = configure(algo, fast=True, proj_dim=8, rounds=2, batch_size=16, drop_last=False, optimizer=optimizer,
-                    participation=0.75)
+    cfg = configure(
+        algo, fast=True, proj_dim=8, rounds=2, batch_size=16, drop_last=False, optimizer=optimizer, participation=0.75
+    )
     eng = Engine(algo, [cfg, cfg | {"seed": 1}], train, test, capture=capture)
     state = eng.init_state()
     # host [H][C]: clients of different sizes (the masked paths); a cohort of P per configuration, or, where the

@@ -38,8 +38,9 @@ def test_mnist_domain_is_mlxtends_real_digits(digits):
 
     x, y = mnist_data()
     src = x.reshape(-1, 28, 28).astype(np.uint8)
-    resized = {np.asarray(Image.fromarray(s).resize((32, 32), Image.BICUBIC)).tobytes(): int(label)
-               for s, label in zip(src, y)}
+    resized = {
+        np.asarray(Image.fromarray(s).resize((32, 32), Image.BICUBIC)).tobytes(): int(label) for s, label in zip(src, y)
+    }
     for split in ("train", "test"):
         images = digits.domains["mnist"][split]
         for i in range(0, len(images), 97):  # every image is a real MNIST digit, with its own label

@@ -10,8 +10,18 @@ import torch
 
 from featcache.testing import OpCount
 from featcache.training.hparams import HParams
-from featcache.training.optim import (MASKED, OPTIMIZERS, SGD, Adam, Group, MaskedAdam, MaskedSGD, clip_grad_norms,
-                                      clip_sets, optimizer_for)
+from featcache.training.optim import (
+    MASKED,
+    OPTIMIZERS,
+    SGD,
+    Adam,
+    Group,
+    MaskedAdam,
+    MaskedSGD,
+    clip_grad_norms,
+    clip_sets,
+    optimizer_for,
+)
 
 H, C = 3, 4
 LR, WD, MOM = [1e-2, 3e-2, 1e-1], [1e-4, 0.0, 1e-2], [0.9, 0.0, 0.5]
@@ -42,10 +52,14 @@ def torch_models(p0: dict) -> list[list[dict]]:
 
 def torch_optimizers(leaves, opt_name: str):
     """A fresh torch.optim optimizer per model: lr·scale per name, weight decay and momentum of its configuration."""
-    make = {"adam": lambda groups, h: torch.optim.Adam(groups, lr=LR[h], weight_decay=WD[h]),
-            "sgd": lambda groups, h: torch.optim.SGD(groups, lr=LR[h], weight_decay=WD[h], momentum=MOM[h])}[opt_name]
-    return [[make([{"params": [m[k]], "lr": LR[h] * SCALE.get(k, 1.0)} for k in m], h) for m in row]
-            for h, row in enumerate(leaves)]
+    make = {
+        "adam": lambda groups, h: torch.optim.Adam(groups, lr=LR[h], weight_decay=WD[h]),
+        "sgd": lambda groups, h: torch.optim.SGD(groups, lr=LR[h], weight_decay=WD[h], momentum=MOM[h]),
+    }[opt_name]
+    return [
+        [make([{"params": [m[k]], "lr": LR[h] * SCALE.get(k, 1.0)} for k in m], h) for m in row]
+        for h, row in enumerate(leaves)
+    ]
 
 
 def torch_step(leaves, opts, grads: dict, active: torch.Tensor, frozen: set) -> None:
@@ -63,10 +77,12 @@ def gather(leaves, k: str) -> torch.Tensor:
 
 def torch_state(leaves, opts, k: str, key: str) -> torch.Tensor:
     """torch.optim's per-model state `key` of parameter k, stacked [H, C, ...] (zeros where a model has none)."""
+
     def one(h, c):
         leaf = leaves[h][c][k]
         v = opts[h][c].state.get(leaf, {}).get(key)
         return (torch.zeros(()) if key == "step" else torch.zeros_like(leaf)) if v is None else v.detach().float()
+
     return torch.stack([torch.stack([one(h, c) for c in range(C)]) for h in range(H)])
 
 
@@ -122,8 +138,9 @@ def test_models_that_do_not_step_are_bit_identical(make):
     params = stack(g)
     opt = make(params, HParams.of({"lr": LR, "weight_decay": WD, "momentum": MOM}), scale=SCALE)
     for _ in range(3):  # some history first
-        params = opt.step({k: torch.randn(v.shape, generator=g) for k, v in params.items()},
-                          torch.rand(H, C, generator=g) > 0.3)
+        params = opt.step(
+            {k: torch.randn(v.shape, generator=g) for k, v in params.items()}, torch.rand(H, C, generator=g) > 0.3
+        )
     active = torch.rand(H, C, generator=g) > 0.5
     active[0, 0], active[0, 1] = True, False
     grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
@@ -160,8 +177,13 @@ def dispatched(make, H_: int, masked: bool) -> int:
     adopts the gradients' layout), half of the models active."""
     g = torch.Generator().manual_seed(3)
     params = stack(g, H_)
-    hp = HParams.of({"lr": torch.linspace(1e-3, 1e-1, H_), "weight_decay": torch.full((H_,), 1e-4),
-                     "momentum": torch.full((H_,), 0.9)})
+    hp = HParams.of(
+        {
+            "lr": torch.linspace(1e-3, 1e-1, H_),
+            "weight_decay": torch.full((H_,), 1e-4),
+            "momentum": torch.full((H_,), 0.9),
+        }
+    )
     opt = make(params, hp)
     grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
     active = torch.rand(H_, C, generator=g) > 0.5
@@ -184,9 +206,14 @@ def test_optimizer_for_picks_masked_on_cuda_only():
     assert optimizer_for("adam", "cpu") is Adam and optimizer_for("sgd", "cpu") is SGD
 
 
-@pytest.mark.parametrize("algo,extra", [("fedavg", {"optimizer": "adam"}),
-                                        ("scaffold", {"optimizer": "sgd", "momentum": 0.9}),
-                                        ("fedpft", {"optimizer": "sgd", "momentum": 0.9})])
+@pytest.mark.parametrize(
+    "algo,extra",
+    [
+        ("fedavg", {"optimizer": "adam"}),
+        ("scaffold", {"optimizer": "sgd", "momentum": 0.9}),
+        ("fedpft", {"optimizer": "sgd", "momentum": 0.9}),
+    ],
+)
 def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
     """The engine's wiring: forced onto the masked optimizers (the CUDA choice) on the CPU, a run with uneven clients,
     partial participation, a grid of learning rates and (FedPFT) frozen phases gives the fused run's parameters."""
@@ -224,17 +251,35 @@ def test_kept_state_equals_torch_optimizers_kept_alive(opt_name):
     g = torch.Generator().manual_seed(1)
     p0 = stack(g)
     LR_B, WD_B = [0.2, 0.05, 0.3], [0.0, 1e-3, 5e-4]  # the bias group's own settings
-    hp = HParams.of({"lr": torch.tensor(LR), "weight_decay": torch.tensor(WD), "momentum": torch.tensor(MOM),
-                     "lr_b": torch.tensor(LR_B), "wd_b": torch.tensor(WD_B)})
+    hp = HParams.of(
+        {
+            "lr": torch.tensor(LR),
+            "weight_decay": torch.tensor(WD),
+            "momentum": torch.tensor(MOM),
+            "lr_b": torch.tensor(LR_B),
+            "wd_b": torch.tensor(WD_B),
+        }
+    )
     groups = {"w": Group(), "b": Group(lr="lr_b", weight_decay="wd_b")}
     masked = MASKED[opt_name]({k: v.clone() for k, v in p0.items()}, hp, groups=groups)
     fused = OPTIMIZERS[opt_name]({k: v.clone() for k, v in p0.items()}, hp, groups=groups)
     leaves = torch_models(p0)
-    make = {"adam": lambda h, m: torch.optim.Adam([{"params": [m["w"]], "lr": LR[h], "weight_decay": WD[h]},
-                                                   {"params": [m["b"]], "lr": LR_B[h], "weight_decay": WD_B[h]}]),
-            "sgd": lambda h, m: torch.optim.SGD([{"params": [m["w"]], "lr": LR[h], "weight_decay": WD[h]},
-                                                 {"params": [m["b"]], "lr": LR_B[h], "weight_decay": WD_B[h]}],
-                                                lr=LR[h], momentum=MOM[h])}[opt_name]
+    make = {
+        "adam": lambda h, m: torch.optim.Adam(
+            [
+                {"params": [m["w"]], "lr": LR[h], "weight_decay": WD[h]},
+                {"params": [m["b"]], "lr": LR_B[h], "weight_decay": WD_B[h]},
+            ]
+        ),
+        "sgd": lambda h, m: torch.optim.SGD(
+            [
+                {"params": [m["w"]], "lr": LR[h], "weight_decay": WD[h]},
+                {"params": [m["b"]], "lr": LR_B[h], "weight_decay": WD_B[h]},
+            ],
+            lr=LR[h],
+            momentum=MOM[h],
+        ),
+    }[opt_name]
     opts = [[make(h, m) for m in row] for h, row in enumerate(leaves)]  # built once, kept for every round
     for rnd in range(3):
         start = stack(g)  # the round's starting models (a download)
@@ -265,8 +310,12 @@ def test_clip_grad_norms_is_torch_clip_per_model_and_group():
     """Each model's gradients of each clipped group scaled as torch.nn.utils.clip_grad_norm_ scales them alone; a
     frozen name and an unclipped group are left out."""
     g = torch.Generator().manual_seed(2)
-    grads = {"w": torch.randn(H, C, 4, 5, generator=g) * 3, "b": torch.randn(H, C, 4, generator=g),
-             "gate.w": torch.randn(H, C, 3, generator=g) * 5, "free": torch.randn(H, C, 2, generator=g) * 9}
+    grads = {
+        "w": torch.randn(H, C, 4, 5, generator=g) * 3,
+        "b": torch.randn(H, C, 4, generator=g),
+        "gate.w": torch.randn(H, C, 3, generator=g) * 5,
+        "free": torch.randn(H, C, 2, generator=g) * 9,
+    }
     grads["b"][0, 0] *= 1e-3  # a model below the norm: unchanged
     groups = {"": Group(max_norm=2.0), "gate": Group(max_norm=1.0), "free": Group()}
     out = clip_grad_norms(grads, clip_sets(groups, grads), frozen={"w"})

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from featcache.extraction import partition
+from featcache.extraction.partition import schemes, steps
 from featcache.extraction.datasets.base import ArrayImages, Dataset
 from featcache.errors import UserError
 from featcache.extraction.partition import ClientPart, PartitionSpec, list_schemes, make_partition, partition_counts
@@ -209,8 +209,18 @@ def test_partition_counts_sum_and_serialise(name):
 def test_spec_round_trips_and_normalises_numbers():
     spec = PartitionSpec("feature-label", clients=12, alpha=1, domains=["usps", "svhn"], per_class=10)
     data = json.loads(json.dumps(spec.to_dict()))
-    assert list(data) == ["scheme", "clients", "alpha", "per_class", "test_per_class", "classes_per_client",
-                          "domains", "val_fraction", "order", "seed"]
+    assert list(data) == [
+        "scheme",
+        "clients",
+        "alpha",
+        "per_class",
+        "test_per_class",
+        "classes_per_client",
+        "domains",
+        "val_fraction",
+        "order",
+        "seed",
+    ]
     assert PartitionSpec.from_dict(data) == spec and data["alpha"] == 1.0 and spec.domains == ("usps", "svhn")
     assert [p.domain for p in make_partition(DATA, spec)][:3] == ["usps", "svhn", "usps"]
     assert set(list_schemes()) == {"feature", "label", "feature-label", "pathological", "iid"}
@@ -254,16 +264,23 @@ def test_too_many_clients_for_a_small_domain_is_a_user_error():
 
 def test_domains_a_reader_found_missing_are_refused_unless_not_used():
     data = make_dataset(domains=("svhn", "usps"), n_train=200, n_test=100)
-    data.extra.update(missing_domains={"mnist": "ROOT/MNIST/test.pkl", "synth": "ROOT/SynthDigits/test.pkl"},
-                      domain_order=["mnist", "svhn", "usps", "synth"])
-    for spec, absent in [(PartitionSpec(), "domains mnist, synth not found"),  # every domain by default
-                         (PartitionSpec("label", clients=2), "domain mnist not found"),  # the first one by default
-                         (PartitionSpec(domains=("usps", "synth")), "domain synth not found")]:
+    data.extra.update(
+        missing_domains={"mnist": "ROOT/MNIST/test.pkl", "synth": "ROOT/SynthDigits/test.pkl"},
+        domain_order=["mnist", "svhn", "usps", "synth"],
+    )
+    for spec, absent in [
+        (PartitionSpec(), "domains mnist, synth not found"),  # every domain by default
+        (PartitionSpec("label", clients=2), "domain mnist not found"),  # the first one by default
+        (PartitionSpec(domains=("usps", "synth")), "domain synth not found"),
+    ]:
         with pytest.raises(UserError) as err:
             make_partition(data, spec)
         text = str(err.value)
-        assert text.startswith(f"fake: {absent} (expected mnist: ROOT/MNIST/test.pkl" if "mnist" in absent
-                               else f"fake: {absent} (expected synth: ROOT/SynthDigits/test.pkl")
+        assert text.startswith(
+            f"fake: {absent} (expected mnist: ROOT/MNIST/test.pkl"
+            if "mnist" in absent
+            else f"fake: {absent} (expected synth: ROOT/SynthDigits/test.pkl"
+        )
         assert "--domains" in text and "present: svhn, usps" in text and "\n" not in text
     assert [p.domain for p in make_partition(data, PartitionSpec(domains=("usps", "svhn")))] == ["usps", "svhn"]
     assert {p.domain for p in make_partition(data, PartitionSpec("iid", clients=2, domains=("svhn",)))} == {"svhn"}
@@ -273,8 +290,10 @@ def test_domains_a_reader_found_missing_are_refused_unless_not_used():
 
 
 def same_parts(a: list[ClientPart], b: list[ClientPart]) -> bool:
-    return len(a) == len(b) and all(x.domain == y.domain and all(np.array_equal(getattr(x, k), getattr(y, k))
-                                                                  for k in ("train", "test", "val")) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.domain == y.domain and all(np.array_equal(getattr(x, k), getattr(y, k)) for k in ("train", "test", "val"))
+        for x, y in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize("name", ["feature-capped", "iid"])
@@ -283,9 +302,9 @@ def test_a_draw_added_to_one_step_changes_no_other(name, monkeypatch):
     one stream for every step, it shifted the test pools' and validation draws that follow)."""
     spec = SPECS[name]
     before = make_partition(DATA, spec)
-    real = partition._SCHEMES[spec.scheme]
-    drawing = partition._Scheme(lambda *a: (a[-1].random(), real.split(*a))[1], real.multi_domain)
-    monkeypatch.setitem(partition._SCHEMES, spec.scheme, drawing)
+    real = schemes._SCHEMES[spec.scheme]
+    drawing = schemes._Scheme(lambda *a: (a[-1].random(), real.split(*a))[1], real.multi_domain)
+    monkeypatch.setitem(schemes._SCHEMES, spec.scheme, drawing)
     assert same_parts(make_partition(DATA, spec), before)
 
 
@@ -303,5 +322,5 @@ def test_validation_draws_come_from_the_stream_named_by_the_client():
     for i, p in enumerate(make_partition(DATA, spec)):
         words = np.frombuffer(hashlib.sha256(f"val/{i}".encode()).digest(), np.uint32).tolist()
         rng = np.random.default_rng(np.random.SeedSequence([7, *words]))
-        expected = partition._val_positions(train_labels(p), 0.3, rng)
+        expected = steps._val_positions(train_labels(p), 0.3, rng)
         np.testing.assert_array_equal(p.val, expected)

@@ -78,8 +78,9 @@ def test_every_image_is_decoded_once_for_all_backbones(tmp_path, photos, monkeyp
     res = extract(dataset="imagefolder", data_root=photos, backbone=BACKBONES, image_size=32, workers=0, out=tmp_path)
     assert len(decoded) == len(set(decoded)) == res["images"]
     with h5py.File(res["cache"]) as f:  # two backbones of two geometries (bilinear, bicubic) were fed
-        interpolations = [json.loads(f[f"backbones/{k}"].attrs["preprocessing"])["interpolation"]
-                          for k in res["backbones"]]
+        interpolations = [
+            json.loads(f[f"backbones/{k}"].attrs["preprocessing"])["interpolation"] for k in res["backbones"]
+        ]
         assert sorted(interpolations) == ["bicubic", "bilinear"]
         assert f["clients/000/train/features/concat"].shape[1] > 0
 
@@ -91,8 +92,17 @@ def test_arrays_come_as_one_uint8_batch_and_mixed_sizes_per_geometry(tmp_path):
         Image.fromarray(np.full((8 + i, 9, 3), 40 * i, np.uint8)).save(f)
     data = Dataset("t", ["a"], {"d": {"train": arrays, "test": PathImages(files, np.zeros(3))}})
     small, large = P.Geometry(4, 4, "bilinear"), P.Geometry(10, 12, "bicubic")
-    chunks = P.Chunks(data, [P.Chunk(0, "d", "train", np.array([4, 1, 2])), P.Chunk(1, "d", "test", np.arange(3)),
-                             P.Chunk(2, "d", "train", np.array([0, 3]), views=2)], [small, large], None, 0)
+    chunks = P.Chunks(
+        data,
+        [
+            P.Chunk(0, "d", "train", np.array([4, 1, 2])),
+            P.Chunk(1, "d", "test", np.arange(3)),
+            P.Chunk(2, "d", "train", np.array([0, 3]), views=2),
+        ],
+        [small, large],
+        None,
+        0,
+    )
     block, batch = chunks[0]
     assert block == 0 and batch.dtype == torch.uint8 and batch.shape == (3, 3, 6, 7)  # grey repeated to RGB
     assert torch.equal(batch[:, 0], torch.from_numpy(arrays.images[[4, 1, 2]]))
@@ -118,11 +128,32 @@ def test_batched_resize_equals_per_image_resize_and_is_near_pil():
 
 def test_cache_bytes_do_not_depend_on_the_worker_count(tmp_path, photos):
     with one_thread():
-        files = {w: extract(dataset="imagefolder", data_root=photos, backbone=BACKBONES, image_size=32, workers=w,
-                            batch_size=3, out=tmp_path / str(w))["cache"] for w in (0, 2)}
-        digits = {w: extract(dataset="offline-digits", domains=["optdigits"], per_class=2, test_per_class=1,
-                             noise=Noise("laplace", 0.1, 0.1), views=2, image_size=32, workers=w,
-                             out=tmp_path / f"digits{w}")["cache"] for w in (0, 1)}
+        files = {
+            w: extract(
+                dataset="imagefolder",
+                data_root=photos,
+                backbone=BACKBONES,
+                image_size=32,
+                workers=w,
+                batch_size=3,
+                out=tmp_path / str(w),
+            )["cache"]
+            for w in (0, 2)
+        }
+        digits = {
+            w: extract(
+                dataset="offline-digits",
+                domains=["optdigits"],
+                per_class=2,
+                test_per_class=1,
+                noise=Noise("laplace", 0.1, 0.1),
+                views=2,
+                image_size=32,
+                workers=w,
+                out=tmp_path / f"digits{w}",
+            )["cache"]
+            for w in (0, 1)
+        }
     assert sha256(files[0]) == sha256(files[2]) and sha256(digits[0]) == sha256(digits[1])
 
 
@@ -132,8 +163,14 @@ def test_a_damaged_image_read_by_a_worker_is_one_line(tmp_path, photos):
     root = shutil.copytree(photos, tmp_path / "photos")
     (root / "d2" / "flower" / "1.jpg").write_bytes(b"\xff\xd8 not a jpeg")
     with pytest.raises(UserError) as err:
-        extract(dataset="imagefolder", data_root=root, backbone=["test_resnet=random"], image_size=32, workers=2,
-                out=tmp_path / "out")
+        extract(
+            dataset="imagefolder",
+            data_root=root,
+            backbone=["test_resnet=random"],
+            image_size=32,
+            workers=2,
+            out=tmp_path / "out",
+        )
     assert "1.jpg" in str(err.value) and "\n" not in str(err.value) and "repair or delete" in str(err.value)
     assert not any((tmp_path / "out").rglob("*.h5"))
 
@@ -145,18 +182,23 @@ def test_built_in_dataset_is_kept_beside_the_caches_and_read_back(tmp_path):
     again = load_dataset("offline-digits", store=tmp_path, domains=["optdigits"])
     assert again.classes == built.classes and list(again.domains) == ["optdigits"]
     for split in ("train", "test"):
-        np.testing.assert_array_equal(again.domains["optdigits"][split].images, built.domains["optdigits"][split].images)
-        np.testing.assert_array_equal(again.domains["optdigits"][split].labels, built.domains["optdigits"][split].labels)
+        np.testing.assert_array_equal(
+            again.domains["optdigits"][split].images, built.domains["optdigits"][split].images
+        )
+        np.testing.assert_array_equal(
+            again.domains["optdigits"][split].labels, built.domains["optdigits"][split].labels
+        )
     kept.write_bytes(b"damaged")  # a damaged file is built again, never an error
-    assert load_dataset("offline-digits", store=tmp_path, domains=["optdigits"]).domains["optdigits"]["test"].labels.size
+    assert (
+        load_dataset("offline-digits", store=tmp_path, domains=["optdigits"]).domains["optdigits"]["test"].labels.size
+    )
 
 
 def test_extract_keeps_the_built_dataset_only_after_success(tmp_path):
     with pytest.raises(UserError):
         extract(dataset="offline-digits", domains=["mnst"], per_class=1, test_per_class=1, out=tmp_path)
     assert not any(tmp_path.iterdir())
-    extract(dataset="offline-digits", domains=["optdigits"], per_class=1, test_per_class=1, image_size=32,
-            out=tmp_path)
+    extract(dataset="offline-digits", domains=["optdigits"], per_class=1, test_per_class=1, image_size=32, out=tmp_path)
     assert len(list(tmp_path.glob(".offline-digits-*.npz"))) == 1
 
 
@@ -186,7 +228,8 @@ def test_ray_backend_writes_the_same_bytes_as_the_local_one(tmp_path, photos):
     # the cache, the store folder, its two stores and the sidecar of the images' hashes: no parts folder, no partial
     sidecars = [f"store/{p.name}" for p in (tmp_path / "ray" / "store").glob(".contents-*.json")]
     assert len(sidecars) == 1 and everything_in(tmp_path / "ray") == sorted(
-        [Path(local["cache"]).name, "store", *(f"store/{name}" for name in stores), *sidecars])
+        [Path(local["cache"]).name, "store", *(f"store/{name}" for name in stores), *sidecars]
+    )
     for name in stores:  # the stores the Ray tasks filled hold the bytes the local pass wrote
         assert sha256(tmp_path / "ray" / "store" / name) == sha256(tmp_path / "local" / "store" / name)
 
@@ -195,8 +238,15 @@ def test_a_client_without_test_images_gets_empty_blocks(tmp_path):
     from fixtures_disk import write_digit5
 
     write_digit5(tmp_path / "d", folders=("MNIST",), parts=10, per_part=2, n_test=5)
-    res = extract(dataset="digit5", data_root=tmp_path / "d", backbone=["test_resnet=random"], image_size=32,
-                  per_class=1, domains=["mnist"], out=tmp_path / "out")
+    res = extract(
+        dataset="digit5",
+        data_root=tmp_path / "d",
+        backbone=["test_resnet=random"],
+        image_size=32,
+        per_class=1,
+        domains=["mnist"],
+        out=tmp_path / "out",
+    )
     with h5py.File(res["cache"]) as f:
         sizes = [f[f"clients/{c}/test/features/concat"].shape[0] for c in f["clients"]]
         assert 0 in sizes and f["clients/000/train/features/concat"].shape[0] > 0

@@ -34,8 +34,9 @@ def trained(tmp_path_factory):
     cache = write_cache(root / "synthetic.h5", C=5, K=6)
     states = {}
     for algo in ("fedavg", "fedproto", "fedrep", "pfedgate"):
-        run = train(cache, algo, rounds=3, seeds=SEEDS, set={"batch_size": 8}, out=root / "runs", device="cpu",
-                    save_state=True)
+        run = train(
+            cache, algo, rounds=3, seeds=SEEDS, set={"batch_size": 8}, out=root / "runs", device="cpu", save_state=True
+        )
         states[algo] = Path(run["state_file"])
     return Path(cache), states
 
@@ -122,8 +123,9 @@ def test_tsne_of_other_algorithms_writes_a_real_png(trained, algo):
 
     cache, states = trained
     out = plot(states[algo], cache, method="tsne", split="train", max_points=80)
-    assert Path(out["figure"]) == states[algo].with_name(states[algo].name.replace(".state.safetensors",
-                                                                                  ".tsne-train.png"))
+    assert Path(out["figure"]) == states[algo].with_name(
+        states[algo].name.replace(".state.safetensors", ".tsne-train.png")
+    )
     with Image.open(out["figure"]) as im:
         pixels = np.asarray(im.convert("RGB"), dtype=np.float64)
         assert im.text.get("Software") == "featcache plot"
@@ -132,8 +134,21 @@ def test_tsne_of_other_algorithms_writes_a_real_png(trained, algo):
 
 def test_cli_plot_json_and_the_validation_split(trained, tmp_path):
     cache, states = trained
-    res = run_cli("plot", states["fedavg"], "--cache", cache, "--method", "pca", "--split", "val", "--seed", "3",
-                  "--out", tmp_path / "v.png", "--json")
+    res = run_cli(
+        "plot",
+        states["fedavg"],
+        "--cache",
+        cache,
+        "--method",
+        "pca",
+        "--split",
+        "val",
+        "--seed",
+        "3",
+        "--out",
+        tmp_path / "v.png",
+        "--json",
+    )
     assert res.code == 0, res.stderr
     out = json.loads(res.stdout)
     with h5py.File(cache, "r") as f:
@@ -143,6 +158,7 @@ def test_cli_plot_json_and_the_validation_split(trained, tmp_path):
 
 
 # -- refusals --------------------------------------------------------------------------------------------------------
+
 
 def test_a_state_of_another_cache_is_refused(trained, tmp_path):
     from safetensors.torch import load_file, save_file
@@ -163,9 +179,18 @@ def test_files_that_are_not_states_are_refused(trained, tmp_path):
     cache, states = trained
     (tmp_path / "r.json").write_text("{}")
     save_file({"w": torch.zeros(2)}, str(tmp_path / "bare.safetensors"))
-    save_file({"w": torch.zeros(2)}, str(tmp_path / "noparams.safetensors"),
-              metadata={"algo": "fedavg", "config": "{}", "seeds": "[0]", "cache_key": "k", "backbones": "[]",
-                        "result": "r.json"})
+    save_file(
+        {"w": torch.zeros(2)},
+        str(tmp_path / "noparams.safetensors"),
+        metadata={
+            "algo": "fedavg",
+            "config": "{}",
+            "seeds": "[0]",
+            "cache_key": "k",
+            "backbones": "[]",
+            "result": "r.json",
+        },
+    )
     one_line_error(run_cli("plot", tmp_path / "r.json", "--cache", cache), "not a safetensors file")
     one_line_error(run_cli("plot", tmp_path / "bare.safetensors", "--cache", cache), "metadata lacks algo")
     one_line_error(run_cli("plot", tmp_path / "noparams.safetensors", "--cache", cache), "no params/ tensors")
@@ -173,13 +198,16 @@ def test_files_that_are_not_states_are_refused(trained, tmp_path):
     assert not list(tmp_path.glob("*.png"))
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--seed", "7"], "--seed 7 is not one of 0, 3"),
-    (["--method", "umap"], "--method umap is not one of tsne, pca"),
-    (["--split", "tests"], "--split tests is not one of train, val, test (did you mean: test?)"),
-    (["--max-points", "2"], "--max-points 2 is too few"),
-    (["--out", "f.jpg"], "name it FILE.png"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--seed", "7"], "--seed 7 is not one of 0, 3"),
+        (["--method", "umap"], "--method umap is not one of tsne, pca"),
+        (["--split", "tests"], "--split tests is not one of train, val, test (did you mean: test?)"),
+        (["--max-points", "2"], "--max-points 2 is too few"),
+        (["--out", "f.jpg"], "name it FILE.png"),
+    ],
+)
 def test_bad_options_are_one_line(trained, tmp_path, args, needle):
     cache, states = trained
     args = [str(tmp_path / a) if a.endswith(".jpg") else a for a in args]
@@ -190,8 +218,10 @@ def test_a_users_file_is_never_overwritten_but_its_own_figure_is(trained, tmp_pa
     cache, states = trained
     mine = tmp_path / "holiday.png"
     mine.write_bytes(b"\x89PNG not a featcache figure")
-    one_line_error(run_cli("plot", states["fedavg"], "--cache", cache, "--method", "pca", "--out", mine),
-                   "was not written by `featcache plot`")
+    one_line_error(
+        run_cli("plot", states["fedavg"], "--cache", cache, "--method", "pca", "--out", mine),
+        "was not written by `featcache plot`",
+    )
     assert mine.read_bytes() == b"\x89PNG not a featcache figure"
     ours = tmp_path / "ours.png"
     for max_points in (30, 40):  # the second run replaces the first one's figure
@@ -210,11 +240,14 @@ def test_a_plugin_state_plots_without_registering_the_plugin_first(tmp_path):
     from tests.synthetic import write_cache
 
     cache = write_cache(tmp_path / "c.h5")
-    (tmp_path / "myalgo.py").write_text("from featcache.algorithms.base import FedAvg\n\n\n"
-                                        "class MyAvg(FedAvg):\n    name = 'myavg-plot'\n")
+    (tmp_path / "myalgo.py").write_text(
+        "from featcache.algorithms.base import FedAvg\n\n\nclass MyAvg(FedAvg):\n    name = 'myavg-plot'\n"
+    )
     r = train(cache, f"{tmp_path / 'myalgo.py'}:MyAvg", rounds=1, seeds=[0], out=tmp_path / "runs", save_state=True)
-    code = (f"from featcache.results import plot; print(plot({r['state_file']!r}, {str(cache)!r}, method='pca', "
-            f"out={str(tmp_path / 'f.png')!r})['algo'])")
+    code = (
+        f"from featcache.results import plot; print(plot({r['state_file']!r}, {str(cache)!r}, method='pca', "
+        f"out={str(tmp_path / 'f.png')!r})['algo'])"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "myavg-plot" and (tmp_path / "f.png").stat().st_size > 1000

@@ -12,11 +12,19 @@ from featcache.results.tables import labels, markdown_table
 
 
 def result(algo="fedpcl", key="a" * 64, seeds=(0, 1, 2), **config) -> dict:
-    return {"algo": algo, "config": {"lr": 0.001, "terms": "both", "rounds": 3} | config, "seeds": list(seeds),
-            "cache": {"key": key, "dataset": "offline-digits", "backbones": ["b"]},
-            "mean_acc": 60.0, "std_acc": 1.0, "best_round_mean_acc": 61.0, "best_round_std_acc": 0.5,
-            "fairness": {"worst_20": [40.0, 2.0]}, "params_uploaded_per_round": 2570,
-            "curve": {"rounds": [1, 2, 3], "mean_acc": [50.0, 55.0, 60.0]}}
+    return {
+        "algo": algo,
+        "config": {"lr": 0.001, "terms": "both", "rounds": 3} | config,
+        "seeds": list(seeds),
+        "cache": {"key": key, "dataset": "offline-digits", "backbones": ["b"]},
+        "mean_acc": 60.0,
+        "std_acc": 1.0,
+        "best_round_mean_acc": 61.0,
+        "best_round_std_acc": 0.5,
+        "fairness": {"worst_20": [40.0, 2.0]},
+        "params_uploaded_per_round": 2570,
+        "curve": {"rounds": [1, 2, 3], "mean_acc": [50.0, 55.0, 60.0]},
+    }
 
 
 def test_labels_name_the_settings_that_differ():
@@ -172,9 +180,11 @@ def test_cli_report_of_a_folder_prints_notes_and_the_table(runs, tmp_path):
 
 
 def test_global_column_shows_the_global_model_or_n_a():
-    runs_ = [result(lr=0.1) | {"global_mean_acc": 71.25, "global_std_acc": 0.5},
-             result(lr=0.2) | {"global_mean_acc": None, "global_std_acc": None},
-             result(lr=0.3)]  # a result from before the metric
+    runs_ = [
+        result(lr=0.1) | {"global_mean_acc": 71.25, "global_std_acc": 0.5},
+        result(lr=0.2) | {"global_mean_acc": None, "global_std_acc": None},
+        result(lr=0.3),
+    ]  # a result from before the metric
     table = markdown_table(runs_).splitlines()
     header = [c.strip() for c in table[2].strip("|").split("|")]
     column = header.index("global acc %")
@@ -197,8 +207,13 @@ def write_metrics(path: Path, acc: np.ndarray, rounds: list[int], seeds: list[in
 def test_curve_band_is_the_std_over_seeds_of_the_client_means_from_metrics_csv(tmp_path, scale):
     rounds, seeds = [1, 2, 3, 4], [0, 1, 2]
     acc = np.random.default_rng(0).uniform(20, 90, (4, 3, 5))  # [R, S, C] in %
-    r = result(seeds=seeds) | {"curve": {"rounds": rounds, "mean_acc": [round(v, 4) for v in acc.mean((1, 2))],
-                                         "train_loss": [1.0 / x + 1.0 for x in rounds]}}
+    r = result(seeds=seeds) | {
+        "curve": {
+            "rounds": rounds,
+            "mean_acc": [round(v, 4) for v in acc.mean((1, 2))],
+            "train_loss": [1.0 / x + 1.0 for x in rounds],
+        }
+    }
     path = tmp_path / "fedpcl-abc.json"
     path.write_text(json.dumps(r))
     write_metrics(path.with_suffix(".metrics.csv"), acc, rounds, seeds, scale)
@@ -241,8 +256,9 @@ def test_curves_figure_draws_bands_labels_and_a_legend(tmp_path, monkeypatch):
 
     rounds, seeds = [1, 2, 3], [0, 1]
     acc = np.random.default_rng(2).uniform(20, 90, (3, 2, 4))
-    banded = result(seeds=seeds, lr=0.1) | {"curve": {"rounds": rounds, "mean_acc": list(acc.mean((1, 2))),
-                                                      "global_acc": [30.0, 40.0, 50.0]}}
+    banded = result(seeds=seeds, lr=0.1) | {
+        "curve": {"rounds": rounds, "mean_acc": list(acc.mean((1, 2))), "global_acc": [30.0, 40.0, 50.0]}
+    }
     plain = result(seeds=seeds, lr=0.2)
     (tmp_path / "a.json").write_text(json.dumps(banded))
     write_metrics(tmp_path / "a.metrics.csv", acc, rounds, seeds)
@@ -263,8 +279,10 @@ def test_curves_figure_draws_bands_labels_and_a_legend(tmp_path, monkeypatch):
 
 def test_clients_figure_bars_are_client_means_with_std_over_seeds(tmp_path, monkeypatch):
     per = np.random.default_rng(3).uniform(10, 95, (3, 4))  # [S, C]
-    runs_ = [Run(tmp_path / f"{i}.json", result(seeds=(0, 1, 2), lr=lr) | {"per_client_per_seed": (per + i).tolist()})
-             for i, lr in enumerate((0.1, 0.2))]
+    runs_ = [
+        Run(tmp_path / f"{i}.json", result(seeds=(0, 1, 2), lr=lr) | {"per_client_per_seed": (per + i).tolist()})
+        for i, lr in enumerate((0.1, 0.2))
+    ]
     saved = figure_spy(monkeypatch)
     clients_png(runs_)
     (ax,) = saved[0].axes
@@ -325,17 +343,24 @@ def test_the_title_states_partition_backbones_rounds_and_shared_settings():
         r["cache"] = r["cache"] | {"partition": part}
         r["clients"] = 10
     first = markdown_table(runs).splitlines()[0]
-    assert ("offline-digits cache aaaaaaaaaaaaaaaa: label partition α=0.5, 10 clients, 10 train / 50 test images per "
-            "class per client, domains mnist") in first
+    assert (
+        "offline-digits cache aaaaaaaaaaaaaaaa: label partition α=0.5, 10 clients, 10 train / 50 test images per "
+        "class per client, domains mnist"
+    ) in first
     assert "backbones b / b0, b1" in first and "; 3 rounds;" in first
     assert "shared settings lr=0.01 terms=both;" in first and "mu=" not in first  # mu: fedprox's only
 
 
 def test_each_algorithm_gets_its_own_loss_panel_and_runs_stay_distinct(tmp_path, monkeypatch):
     loss = {"fedavg": [1.0, 0.5, 0.2], "fedpcl": [-25.0, -900.0, -5277.0]}
-    runs_ = [Run(tmp_path / f"{i}.json", result(algo, lr=0.1 * (i + 1)) | {
-        "curve": {"rounds": [1, 2, 3], "mean_acc": [50.0, 60.0, 70.0], "train_loss": loss[algo]}})
-        for i, algo in enumerate(["fedavg"] * 5 + ["fedpcl"] * 5)]
+    runs_ = [
+        Run(
+            tmp_path / f"{i}.json",
+            result(algo, lr=0.1 * (i + 1))
+            | {"curve": {"rounds": [1, 2, 3], "mean_acc": [50.0, 60.0, 70.0], "train_loss": loss[algo]}},
+        )
+        for i, algo in enumerate(["fedavg"] * 5 + ["fedpcl"] * 5)
+    ]
     saved = figure_spy(monkeypatch)
     curves_png(runs_)
     acc_ax, avg_ax, pcl_ax = saved[0].axes
@@ -343,8 +368,10 @@ def test_each_algorithm_gets_its_own_loss_panel_and_runs_stay_distinct(tmp_path,
     assert [list(line.get_ydata()) for line in avg_ax.get_lines()] == [loss["fedavg"]] * 5
     assert [list(line.get_ydata()) for line in pcl_ax.get_lines()] == [loss["fedpcl"]] * 5
     lines_ = acc_ax.get_lines()  # ten equal accuracy curves: each its own colour and marker, thinner and thinner
-    assert len({line.get_color() if isinstance(line.get_color(), str) else tuple(line.get_color())
-                for line in lines_}) == 10
+    assert (
+        len({line.get_color() if isinstance(line.get_color(), str) else tuple(line.get_color()) for line in lines_})
+        == 10
+    )
     assert len({line.get_marker() for line in lines_}) == 10
     widths = [line.get_linewidth() for line in lines_]
     assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1]

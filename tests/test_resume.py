@@ -52,12 +52,14 @@ def stop_after(round_: int, how: str):
     """A progress callback that stops the run when round `round_` is done: `ctrl-c` sends SIGINT (the run saves
     a checkpoint at the next round's start and stops), `kill` raises Killed (the run keeps only its last
     checkpoint)."""
+
     def tick(done, total, *rest):
         if done == round_:
             if how == "ctrl-c":
                 os.kill(os.getpid(), signal.SIGINT)
             else:
                 raise Killed
+
     return tick
 
 
@@ -108,18 +110,26 @@ def runs(draw, algos=tuple(sorted(list_algorithms())), widths=tuple(WIDTHS)):
     C = draw(st.integers(2, 6))
     batch = draw(st.sampled_from([8, 16, 32]))
     lo = draw(st.integers(batch, 40))  # every client has a batch
-    shape = {"C": C, "D": draw(st.sampled_from(widths)), "K": draw(st.integers(2, 10)),
-             "n": (lo, draw(st.integers(lo, 3 * lo)))}  # uneven clients: sizes drawn from lo..hi
+    shape = {
+        "C": C,
+        "D": draw(st.sampled_from(widths)),
+        "K": draw(st.integers(2, 10)),
+        "n": (lo, draw(st.integers(lo, 3 * lo))),
+    }  # uneven clients: sizes drawn from lo..hi
     rounds = draw(st.integers(3, 5))
     stops = sorted(draw(st.sets(st.integers(1, rounds - 1), min_size=1, max_size=2)))
     hows = draw(st.lists(st.sampled_from(["ctrl-c", "kill"]), min_size=len(stops), max_size=len(stops)))
     participation = draw(st.sampled_from([1.0, 0.75, 0.5]))
     if round(participation * C) < 2:  # every algorithm trains at least two clients a round
         participation = 1.0
-    opts = {"optimizer": draw(st.sampled_from(["adam", "sgd"])), "local_epochs": draw(st.integers(1, 2)),
-            "participation": participation, "batch_size": batch,
-            "proj_dim": draw(st.sampled_from([8, 32, 256] if shape["D"] <= 512 else [8, 32, 128])),
-            "eval_every": draw(st.integers(1, 3))}
+    opts = {
+        "optimizer": draw(st.sampled_from(["adam", "sgd"])),
+        "local_epochs": draw(st.integers(1, 2)),
+        "participation": participation,
+        "batch_size": batch,
+        "proj_dim": draw(st.sampled_from([8, 32, 256] if shape["D"] <= 512 else [8, 32, 128])),
+        "eval_every": draw(st.integers(1, 3)),
+    }
     algo = draw(st.sampled_from(algos))
     defaults = resolve(create(algo))
     if "r_f" in defaults:  # FedPFT's two phases split the local epochs: R = R_f + R_a
@@ -131,31 +141,77 @@ def runs(draw, algos=tuple(sorted(list_algorithms())), widths=tuple(WIDTHS)):
     if "queue" in defaults:  # FedPFT-con's MoCo queue: 1,024 keys by default
         opts["queue"] = draw(st.sampled_from([16, 128]))
     every = draw(st.integers(1, max(1, min(3, stops[-1] - 1))))  # the last stop comes after a checkpoint
-    return {"shape": shape, "algo": algo, "rounds": rounds, "set": opts, "seeds": draw(st.sampled_from([[0], [0, 1]])),
-            "every": every, "stops": list(zip(stops, hows))}
+    return {
+        "shape": shape,
+        "algo": algo,
+        "rounds": rounds,
+        "set": opts,
+        "seeds": draw(st.sampled_from([[0], [0, 1]])),
+        "every": every,
+        "stops": list(zip(stops, hows)),
+    }
 
 
 def explore(run: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cache = write_cache(Path(tmp) / "c.h5", **run["shape"], views=2, spread=SPREAD)
-        assert_resumes_exactly(cache, run["algo"], run["stops"], run["every"], rounds=run["rounds"],
-                               seeds=run["seeds"], set=[f"{k}={v}" for k, v in run["set"].items()])
+        assert_resumes_exactly(
+            cache,
+            run["algo"],
+            run["stops"],
+            run["every"],
+            rounds=run["rounds"],
+            seeds=run["seeds"],
+            set=[f"{k}={v}" for k, v in run["set"].items()],
+        )
 
 
-ISSUE_LIKE = {"shape": {"C": 5, "D": 1280, "K": 10, "n": (32, 64)}, "rounds": 4, "seeds": [0, 1], "every": 2,
-              "set": {"optimizer": "adam", "local_epochs": 1, "participation": 1.0, "batch_size": 32, "proj_dim": 256,
-                      "eval_every": 1}}
+ISSUE_LIKE = {
+    "shape": {"C": 5, "D": 1280, "K": 10, "n": (32, 64)},
+    "rounds": 4,
+    "seeds": [0, 1],
+    "every": 2,
+    "set": {
+        "optimizer": "adam",
+        "local_epochs": 1,
+        "participation": 1.0,
+        "batch_size": 32,
+        "proj_dim": 256,
+        "eval_every": 1,
+    },
+}
 
 
 @settings(max_examples=2)
 @given(run=runs(algos=tuple(FAMILIES)))
 @example(run=ISSUE_LIKE | {"algo": "fedavg", "stops": [(2, "kill"), (3, "ctrl-c")]})
-@example(run=ISSUE_LIKE | {"algo": "scaffold", "set": ISSUE_LIKE["set"] | {"optimizer": "sgd", "participation": 0.6,
-                                                                         "proj_dim": 32},
-                           "shape": ISSUE_LIKE["shape"] | {"D": 3840}, "stops": [(3, "kill")]})
-@example(run={"shape": {"C": 3, "D": 16, "K": 2, "n": (8, 8)}, "algo": "fedpcl", "rounds": 3, "seeds": [0], "every": 1,
-              "set": {"optimizer": "adam", "local_epochs": 1, "participation": 1.0, "batch_size": 8, "proj_dim": 8,
-                      "eval_every": 1}, "stops": [(1, "ctrl-c")]})  # FedPCL: its own projection per client
+@example(
+    run=ISSUE_LIKE
+    | {
+        "algo": "scaffold",
+        "set": ISSUE_LIKE["set"] | {"optimizer": "sgd", "participation": 0.6, "proj_dim": 32},
+        "shape": ISSUE_LIKE["shape"] | {"D": 3840},
+        "stops": [(3, "kill")],
+    }
+)
+@example(
+    run={
+        "shape": {"C": 3, "D": 16, "K": 2, "n": (8, 8)},
+        "algo": "fedpcl",
+        "rounds": 3,
+        "seeds": [0],
+        "every": 1,
+        "set": {
+            "optimizer": "adam",
+            "local_epochs": 1,
+            "participation": 1.0,
+            "batch_size": 8,
+            "proj_dim": 8,
+            "eval_every": 1,
+        },
+        "stops": [(1, "ctrl-c")],
+    }
+)  # FedPCL: its own projection per client
 def test_a_run_stopped_anywhere_resumes_to_the_undisturbed_bytes(run):
     explore(run)
 
@@ -165,6 +221,7 @@ def test_a_run_stopped_anywhere_resumes_to_the_undisturbed_bytes(run):
 def test_every_algorithm_stopped_anywhere_resumes_to_the_undisturbed_bytes(algo):
     """Two drawn runs per algorithm (the simplest and one at random), from a seed of its own that is the same every
     time: a failure reproduces. Widths up to 512 here; the wide ones are drawn above (the issue's families)."""
+
     @seed(zlib.crc32(algo.encode()))
     @settings(max_examples=2, derandomize=False)
     @given(run=runs(algos=(algo,), widths=(16, 96, 512)))
@@ -175,6 +232,7 @@ def test_every_algorithm_stopped_anywhere_resumes_to_the_undisturbed_bytes(algo)
 
 
 # -- the issue's case: FedAvg, 5 clients, 1,280-d, default settings, checkpoint every 2 rounds ----------------------
+
 
 @pytest.fixture(scope="module")
 def issue_cache(tmp_path_factory):
@@ -190,10 +248,28 @@ def test_the_issues_fedavg_resumes_after_ctrl_c_and_kills_to_the_undisturbed_byt
 def cli(cwd: Path, cache, fault: list[str] = ()) -> subprocess.CompletedProcess:
     """`featcache train` of the issue's case in a fresh process in `cwd`, with a fault (tests/crashpoint.py)."""
     cwd.mkdir(parents=True, exist_ok=True)
-    args = ["train", "--cache", cache, "--algo", "fedavg", "--rounds", "14", "--out", "runs", "--checkpoint-every",
-            "2", "--save-state"]
-    return subprocess.run([sys.executable, str(DRIVER), *fault, "--", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    args = [
+        "train",
+        "--cache",
+        cache,
+        "--algo",
+        "fedavg",
+        "--rounds",
+        "14",
+        "--out",
+        "runs",
+        "--checkpoint-every",
+        "2",
+        "--save-state",
+    ]
+    return subprocess.run(
+        [sys.executable, str(DRIVER), *fault, "--", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.mark.slow

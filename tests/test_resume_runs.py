@@ -57,17 +57,28 @@ def same_files(a: Path, b: Path) -> None:
     ours, theirs = files(a), files(b)
     assert ours and ours.keys() == theirs.keys()
     differ = [k for k in ours if ours[k].replace(bytes(a), bytes(b)) != theirs[k]]
-    assert not differ, [(k, *difflib.unified_diff(ours[k].decode(errors="replace").splitlines(),
-                                                  theirs[k].decode(errors="replace").splitlines(), n=0))[:8]
-                        for k in differ]
+    assert not differ, [
+        (
+            k,
+            *difflib.unified_diff(
+                ours[k].decode(errors="replace").splitlines(), theirs[k].decode(errors="replace").splitlines(), n=0
+            ),
+        )[:8]
+        for k in differ
+    ]
 
 
 def files(folder: Path) -> dict[str, bytes]:
     """Every file below `folder` a user gets, by relative path: hidden files (checkpoints, done records) and
     timing sidecars (wall-clock times, how a run went) aside."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-            and ".timing." not in p.name and p.name != "grid.timing.json"}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        and ".timing." not in p.name
+        and p.name != "grid.timing.json"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +89,9 @@ def cache(tmp_path_factory):
 GRID = dict(grid=["lr=0.1,0.01,0.001"], seeds=[0, 1], rounds=4, set=["batch_size=16", "proj_dim=32"], chunk=2)
 
 
-def test_a_grid_killed_between_chunks_and_in_its_retrain_resumes_to_the_same_bytes(cache, tmp_path, monkeypatch,
-                                                                                    checkpoint_every_round):
+def test_a_grid_killed_between_chunks_and_in_its_retrain_resumes_to_the_same_bytes(
+    cache, tmp_path, monkeypatch, checkpoint_every_round
+):
     ref = grid(cache, "fedprox", out=tmp_path / "ref", **GRID)
     assert ref["chunks"] == 3
     out = tmp_path / "stopped"
@@ -88,6 +100,7 @@ def test_a_grid_killed_between_chunks_and_in_its_retrain_resumes_to_the_same_byt
         def tick(what, done, total):
             if what == label and done == at:
                 raise Killed
+
         return tick
 
     with pytest.raises(Killed):  # after two of the three chunks are written
@@ -121,8 +134,16 @@ def test_a_grid_resumed_where_memory_plans_other_chunks_keeps_its_chunking(cache
 
 
 def job(**change) -> Job:
-    spec = dict(extract=json.dumps({"backbone": ["synth"]}), algo="fedavg", settings=json.dumps({"batch_size": 16}),
-                rounds=3, seeds=(0, 1), backbones=None, grid="{}", needs=())
+    spec = dict(
+        extract=json.dumps({"backbone": ["synth"]}),
+        algo="fedavg",
+        settings=json.dumps({"batch_size": 16}),
+        rounds=3,
+        seeds=(0, 1),
+        backbones=None,
+        grid="{}",
+        needs=(),
+    )
     return Job(**spec | change)
 
 
@@ -130,14 +151,21 @@ JOBS = [job(), job(algo="fedproto", needs=("probe",)), job(algo="fedprox", grid=
 
 
 def run_jobs(cache, out: Path) -> list[dict]:
-    info = {"cache": cache, "key": "synthetic", "client_domains": ["synth"] * 4, "backbones": ["synth"],
-            "dims": [256], "classes": 6}
+    info = {
+        "cache": cache,
+        "key": "synthetic",
+        "client_domains": ["synth"] * 4,
+        "backbones": ["synth"],
+        "dims": [256],
+        "classes": 6,
+    }
     return [run_job(j, info, out) for j in JOBS]
 
 
 @pytest.mark.parametrize("kills", [[2], [5, 4, 5]], ids=["in-the-first-job", "in-the-second-the-grid-the-retrain"])
-def test_a_reproductions_jobs_killed_anywhere_resume_to_the_same_bytes(cache, tmp_path, monkeypatch, kills,
-                                                                       checkpoint_every_round):
+def test_a_reproductions_jobs_killed_anywhere_resume_to_the_same_bytes(
+    cache, tmp_path, monkeypatch, kills, checkpoint_every_round
+):
     """Kills at the N-th local training of each process in turn (the jobs: fedavg, fedproto, a grid over fedprox's
     mu and its retrain, 3 rounds each; [5, 4, 5]: fedproto's round 2, then the grid's round 2, then the retrain's
     round 2): the same jobs run again give the same results, memos and run files."""
@@ -158,19 +186,46 @@ def test_a_reproductions_jobs_killed_anywhere_resume_to_the_same_bytes(cache, tm
 def test_a_grid_killed_with_sigkill_resumes_to_the_same_bytes(cache, tmp_path):
     """`featcache grid` in real processes: kill -9 after its second chunk file, then in its retrain's round 3 (the
     7th local training of that process: its last chunk's 4 rounds come first), then run to the end."""
-    args = ["grid", "--cache", cache, "--algo", "fedprox", "--grid", "lr=0.1,0.01,0.001", "--seeds", "0,1",
-            "--rounds", "4", "--set", "batch_size=16", "--set", "proj_dim=32", "--chunk", "2", "--out", "runs"]
+    args = [
+        "grid",
+        "--cache",
+        cache,
+        "--algo",
+        "fedprox",
+        "--grid",
+        "lr=0.1,0.01,0.001",
+        "--seeds",
+        "0,1",
+        "--rounds",
+        "4",
+        "--set",
+        "batch_size=16",
+        "--set",
+        "proj_dim=32",
+        "--chunk",
+        "2",
+        "--out",
+        "runs",
+    ]
 
     def run(cwd: Path, fault=()):
         cwd.mkdir(parents=True, exist_ok=True)
-        return subprocess.run([sys.executable, str(DRIVER), *fault, "--", *map(str, args)], capture_output=True,
-                              text=True, cwd=cwd, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"})
+        return subprocess.run(
+            [sys.executable, str(DRIVER), *fault, "--", *map(str, args)],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            timeout=600,
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
+        )
 
     ref = run(tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr
     out = tmp_path / "stopped"
-    for fault in (["--kill", "after:os.replace:2:chunk-*.json"],
-                  ["--kill", "after:featcache.training.engine.Engine.local_train:7:*"]):
+    for fault in (
+        ["--kill", "after:os.replace:2:chunk-*.json"],
+        ["--kill", "after:featcache.training.engine.Engine.local_train:7:*"],
+    ):
         killed = run(out, fault)
         assert killed.returncode == -signal.SIGKILL, killed.stderr
     again = run(out)

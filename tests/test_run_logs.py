@@ -34,8 +34,17 @@ def cache(tmp_path_factory):
 def fedavg_run(cache, tmp_path_factory):
     """FedAvg, 3 rounds evaluated after rounds 2 and 3, two seeds, half the clients per round."""
     out = tmp_path_factory.mktemp("runs")
-    return train(cache, "fedavg", rounds=3, seeds=[0, 1], set=["participation=0.5", "eval_every=2", "lr=0.01"],
-                 out=out, keep_state=True, tensorboard=out / "tb", save_state=True)
+    return train(
+        cache,
+        "fedavg",
+        rounds=3,
+        seeds=[0, 1],
+        set=["participation=0.5", "eval_every=2", "lr=0.01"],
+        out=out,
+        keep_state=True,
+        tensorboard=out / "tb",
+        save_state=True,
+    )
 
 
 def read_csv(path) -> list[dict]:
@@ -125,8 +134,9 @@ def test_metrics_csv_agrees_with_the_result_curves_and_is_deterministic(fedavg_r
         assert r["curve"]["train_loss"][i] == pytest.approx(mean(per_seed_loss), abs=1e-4)
         assert r["curve"]["global_acc"][i] == pytest.approx(mean(per_seed_glob), abs=1e-3)
     assert r["global_per_seed"] == pytest.approx(per_seed_glob, abs=1e-3)
-    again = train(cache, "fedavg", rounds=3, seeds=[0, 1], set=["participation=0.5", "eval_every=2", "lr=0.01"],
-                  out=tmp_path)
+    again = train(
+        cache, "fedavg", rounds=3, seeds=[0, 1], set=["participation=0.5", "eval_every=2", "lr=0.01"], out=tmp_path
+    )
     assert Path(again["metrics_csv"]).read_bytes() == Path(r["metrics_csv"]).read_bytes()
     assert again["state_file"] is None and again["tensorboard"] is None
 
@@ -137,10 +147,13 @@ def test_global_model_by_hand_and_null_without_one(fedavg_run, cache, tmp_path):
     trained = fedavg_run["trained"]
     for s in range(2):
         w = {k: v[s, 0] for k, v in trained.state.params.items()}
-        correct = sum(int((head(w, trained.test.features[c, : int(n)]).argmax(-1)
-                           == trained.test.labels[c, : int(n)]).sum()) for c, n in enumerate(trained.test.counts))
-        assert fedavg_run["global_per_seed"][s] == pytest.approx(100 * correct / int(trained.test.counts.sum()),
-                                                                 abs=1e-3)
+        correct = sum(
+            int((head(w, trained.test.features[c, : int(n)]).argmax(-1) == trained.test.labels[c, : int(n)]).sum())
+            for c, n in enumerate(trained.test.counts)
+        )
+        assert fedavg_run["global_per_seed"][s] == pytest.approx(
+            100 * correct / int(trained.test.counts.sum()), abs=1e-3
+        )
     pcl = train(cache, "fedpcl", rounds=1, seeds=[0, 1], out=tmp_path)
     assert pcl["global_mean_acc"] is pcl["global_std_acc"] is pcl["global_per_seed"] is None
     assert pcl["curve"]["global_acc"] is None and len(pcl["curve"]["train_loss"]) == 1
@@ -162,8 +175,7 @@ def test_files_are_written_together_or_not_at_all(cache, tmp_path, monkeypatch):
 
     monkeypatch.setattr(A, "_stage", full_disk)  # under write_together, which train writes its files with
     with pytest.raises(UserError, match="No space left"):
-        train(cache, "fedavg", rounds=1, seeds=[0], out=tmp_path / "runs", tensorboard=tmp_path / "tb",
-              save_state=True)
+        train(cache, "fedavg", rounds=1, seeds=[0], out=tmp_path / "runs", tensorboard=tmp_path / "tb", save_state=True)
     assert everything_in(tmp_path / "runs") == [] and everything_in(tmp_path / "tb") == []
 
 
@@ -187,14 +199,24 @@ def test_tensorboard_holds_the_per_seed_curves(fedavg_run, cache):
         for tag, split, column in (("test/accuracy", "test", "accuracy"), ("train/loss", "train", "loss")):
             expected = []
             for rnd in (2, 3):
-                cells = [float(x[column]) for x in rows if int(x["round"]) == rnd and int(x["seed"]) == seed
-                         and x["split"] == split and x[column]]
+                cells = [
+                    float(x[column])
+                    for x in rows
+                    if int(x["round"]) == rnd and int(x["seed"]) == seed and x["split"] == split and x[column]
+                ]
                 expected.append((rnd, pytest.approx(sum(cells) / len(cells), abs=1e-3)))
             assert logged[tag] == expected
         assert logged["global/accuracy"][-1] == (3, pytest.approx(r["global_per_seed"][seed], abs=1e-3))
     events = sorted(p.name for p in board.rglob("events.*"))
-    train(cache, "fedavg", rounds=3, seeds=[0, 1], set=["participation=0.5", "eval_every=2", "lr=0.01"],
-          out=Path(r["result_file"]).parent, tensorboard=board.parent)  # the same run again: its folder replaced
+    train(
+        cache,
+        "fedavg",
+        rounds=3,
+        seeds=[0, 1],
+        set=["participation=0.5", "eval_every=2", "lr=0.01"],
+        out=Path(r["result_file"]).parent,
+        tensorboard=board.parent,
+    )  # the same run again: its folder replaced
     assert len(sorted(p.name for p in board.rglob("events.*"))) == len(events) == 2
     assert [p.name for p in board.parent.iterdir()] == [board.name]  # no temporary left beside it
 
@@ -204,8 +226,21 @@ def test_missing_tensorboard_is_one_line_before_any_work(cache, tmp_path, monkey
     with pytest.raises(UserError) as refused:
         train(cache, "fedavg", rounds=1, seeds=[0], out=tmp_path / "runs", tensorboard=tmp_path / "tb")
     assert str(refused.value) == TENSORBOARD_MISSING
-    res = run_cli("train", "--cache", cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--out",
-                  tmp_path / "runs", "--tensorboard", tmp_path / "tb")
+    res = run_cli(
+        "train",
+        "--cache",
+        cache,
+        "--algo",
+        "fedavg",
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--out",
+        tmp_path / "runs",
+        "--tensorboard",
+        tmp_path / "tb",
+    )
     one_line_error(res, "--tensorboard needs TensorBoard: pip install 'featcache[tensorboard]'")
     assert everything_in(tmp_path) == []
 
@@ -219,9 +254,11 @@ def test_saved_state_round_trips_nested_algorithm_state(cache, tmp_path):
     tensors, meta = load_state(r["state_file"])
     state = r["trained"].state
     assert Path(r["state_file"]).name == Path(r["result_file"]).stem + ".state.safetensors"
-    expected = ({f"params/{k}": v for k, v in state.params.items()}
-                | {f"client/control/{k}": v for k, v in state.client["control"].items()}
-                | {f"server/{g}/{k}": v for g in ("global", "control") for k, v in state.server[g].items()})
+    expected = (
+        {f"params/{k}": v for k, v in state.params.items()}
+        | {f"client/control/{k}": v for k, v in state.client["control"].items()}
+        | {f"server/{g}/{k}": v for g in ("global", "control") for k, v in state.server[g].items()}
+    )
     assert set(tensors) == set(expected)
     for name, value in expected.items():
         torch.testing.assert_close(tensors[name], value, rtol=0, atol=0)
@@ -251,19 +288,50 @@ def test_load_state_refuses_what_is_not_a_featcache_state(tmp_path):
 
 # -- the command ----------------------------------------------------------------------------------------------
 def test_cli_train_writes_every_log_and_shows_the_global_column(cache, tmp_path):
-    res = run_cli("train", "--cache", cache, "--algo", "fedavg", "--algo", "fedpcl", "--rounds", "1", "--seeds",
-                  "0", "--out", tmp_path / "runs", "--tensorboard", tmp_path / "tb", "--save-state")
+    res = run_cli(
+        "train",
+        "--cache",
+        cache,
+        "--algo",
+        "fedavg",
+        "--algo",
+        "fedpcl",
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--out",
+        tmp_path / "runs",
+        "--tensorboard",
+        tmp_path / "tb",
+        "--save-state",
+    )
     assert res.code == 0, res.stderr
     assert "global" in res.stdout and "n/a" in res.stdout
     everything = everything_in(tmp_path / "runs")
     names = [n for n in everything if not n.startswith(".")]  # hidden: each run's done record (checkpoint.py)
     stems = {n.split(".")[0] for n in names}
-    assert len(stems) == 2 and names == sorted(f"{stem}{suffix}" for stem in stems for suffix in (
-        ".json", ".timing.json", ".metrics.csv", ".state.safetensors"))
+    assert len(stems) == 2 and names == sorted(
+        f"{stem}{suffix}"
+        for stem in stems
+        for suffix in (".json", ".timing.json", ".metrics.csv", ".state.safetensors")
+    )
     assert sorted(n.split("-")[0] for n in everything if n.startswith(".")) == [".fedavg", ".fedpcl"]
     assert len(list((tmp_path / "tb").iterdir())) == 2
-    js = run_cli("train", "--cache", cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--out",
-                 tmp_path / "runs", "--json")
+    js = run_cli(
+        "train",
+        "--cache",
+        cache,
+        "--algo",
+        "fedavg",
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--out",
+        tmp_path / "runs",
+        "--json",
+    )
     res = json.loads(js.stdout)
     assert Path(res["metrics_csv"]).is_file() and res["state_file"] is None and res["tensorboard"] is None
     assert isinstance(res["global_mean_acc"], float) and len(res["curve"]["train_loss"]) == 1

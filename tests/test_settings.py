@@ -18,8 +18,16 @@ from synthetic import write_cache
 from featcache.algorithms import create, list_algorithms
 from featcache.algorithms.base import FedAvg
 from featcache.errors import UserError, as_list
-from featcache.training.config import (ENGINE_SETTINGS, Setting, defaults, merge_rounds, resolve, scoped,
-                                       settings_of, structural_keys)
+from featcache.training.config import (
+    ENGINE_SETTINGS,
+    Setting,
+    defaults,
+    merge_rounds,
+    resolve,
+    scoped,
+    settings_of,
+    structural_keys,
+)
 from featcache.runs.grid import grid
 from featcache.runs.train import train
 
@@ -50,16 +58,23 @@ def test_structural_settings_follow_the_declarations():
     assert {"proto_noise_scale", "proto_noise_p"} <= set(pcl) and "tau" not in pcl
 
 
-@pytest.mark.parametrize("algo,bad,needle", [
-    ("fedcac", "tau=2", "tau=2.0 out of range: tau must satisfy 0 <= tau <= 1"),
-    ("fedcac", "tau=-0.5", "tau=-0.5 out of range"),
-    ("fedpcl", "tau=0", "tau=0.0 out of range: tau must satisfy tau > 0"),
-    ("pfedgate", "sparsity=0", "sparsity=0.0 out of range: sparsity must satisfy 0 < sparsity <= 1"),
-    ("pfedsd", "temperature=0", "temperature=0.0 out of range"),
-    ("fedamp", "attention=cosin", "attention must be one of cosine, distance (got 'cosin') (did you mean: cosine?)"),
-    ("perfedavg", "order=third", "order must be one of first, second"),
-    ("fedavg", "optimizer=rmsprop", "optimizer must be one of adam, sgd"),
-])
+@pytest.mark.parametrize(
+    "algo,bad,needle",
+    [
+        ("fedcac", "tau=2", "tau=2.0 out of range: tau must satisfy 0 <= tau <= 1"),
+        ("fedcac", "tau=-0.5", "tau=-0.5 out of range"),
+        ("fedpcl", "tau=0", "tau=0.0 out of range: tau must satisfy tau > 0"),
+        ("pfedgate", "sparsity=0", "sparsity=0.0 out of range: sparsity must satisfy 0 < sparsity <= 1"),
+        ("pfedsd", "temperature=0", "temperature=0.0 out of range"),
+        (
+            "fedamp",
+            "attention=cosin",
+            "attention must be one of cosine, distance (got 'cosin') (did you mean: cosine?)",
+        ),
+        ("perfedavg", "order=third", "order must be one of first, second"),
+        ("fedavg", "optimizer=rmsprop", "optimizer must be one of adam, sgd"),
+    ],
+)
 def test_values_are_checked_against_their_algorithms_declaration(algo, bad, needle):
     with pytest.raises(UserError, match="^" + algo + ": .*fix --set") as e:
         resolve(create(algo), [bad])
@@ -70,8 +85,9 @@ def test_fedcac_tau_two_is_one_line_exit_2(tmp_path):
     from tests.synthetic import write_cache
 
     cache = write_cache(tmp_path / "c.h5")
-    res = run_cli("train", "--cache", cache, "--algo", "fedcac", "--set", "tau=2", "--rounds", "1", "--out",
-                  tmp_path / "runs")
+    res = run_cli(
+        "train", "--cache", cache, "--algo", "fedcac", "--set", "tau=2", "--rounds", "1", "--out", tmp_path / "runs"
+    )
     one_line_error(res, "fedcac: tau=2.0 out of range")
     assert res.code == 2 and not (tmp_path / "runs").exists()
 
@@ -90,19 +106,22 @@ def test_subclasses_inherit_change_and_remove_settings():
     assert defaults(FedAvg)["bn"] is False  # the parent is unchanged
 
 
-@pytest.mark.parametrize("settings,needle", [
-    ({"gamma": 0.5}, "a new setting needs a declaration"),
-    ({"lr": 1}, "lr is a float: give a default like 0.001"),
-    ({"gamma": Setting(2.0, "a weight", lo=0, hi=1)}, "the default gamma=2.0 is outside its own range"),
-    ({"mode": Setting("a", "a mode", choices=("b", "c"))}, "the default mode='a' is outside its own range"),
-])
+@pytest.mark.parametrize(
+    "settings,needle",
+    [
+        ({"gamma": 0.5}, "a new setting needs a declaration"),
+        ({"lr": 1}, "lr is a float: give a default like 0.001"),
+        ({"gamma": Setting(2.0, "a weight", lo=0, hi=1)}, "the default gamma=2.0 is outside its own range"),
+        ({"mode": Setting("a", "a mode", choices=("b", "c"))}, "the default mode='a' is outside its own range"),
+    ],
+)
 def test_bad_declarations_are_refused(settings, needle):
     bad = type("Bad", (FedAvg,), {"settings": settings, "name": "bad"})
     with pytest.raises(UserError, match=needle):
         settings_of(bad)
 
 
-PLUGIN = '''
+PLUGIN = """
 from featcache.algorithms.fedprox import FedProx
 from featcache.training.config import Setting
 
@@ -117,7 +136,7 @@ class Broken(FedProx):
     name = "broken-plugin"
     paper = "a test plug-in"
     settings = {"damping": 0.9}
-'''
+"""
 
 
 def test_plugins_declare_settings_the_same_way(tmp_path, monkeypatch):
@@ -148,7 +167,9 @@ def test_scoped_settings_apply_to_their_algorithm_only():
     there; a plain setting only some of them have, or a scope naming none of them, is refused."""
     algos = [create("fedavg"), create("fedprox")]
     assert scoped(["fedprox.mu=1", "lr=0.1", "fedprox.lr=0.01"], algos) == {
-        "fedavg": {"lr": "0.1"}, "fedprox": {"lr": "0.01", "mu": "1"}}
+        "fedavg": {"lr": "0.1"},
+        "fedprox": {"lr": "0.01", "mu": "1"},
+    }
     with pytest.raises(UserError, match=r"^mu is a setting of fedprox only: write fedprox.mu=1$"):
         scoped(["mu=1"], algos)
     with pytest.raises(UserError, match="moon is not among the chosen algorithms"):
@@ -160,8 +181,26 @@ def test_scoped_settings_apply_to_their_algorithm_only():
 
 def test_one_train_command_compares_algorithms_with_their_own_settings(tmp_path):
     cache = write_cache(tmp_path / "c.h5")
-    res = run_cli("train", "--cache", cache, "--algo", "fedavg", "--algo", "fedprox", "--rounds", "1", "--seeds", "0",
-                  "--set", "fedprox.mu=0.5", "--set", "batch_size=8", "--out", tmp_path / "runs", "--json")
+    res = run_cli(
+        "train",
+        "--cache",
+        cache,
+        "--algo",
+        "fedavg",
+        "--algo",
+        "fedprox",
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--set",
+        "fedprox.mu=0.5",
+        "--set",
+        "batch_size=8",
+        "--out",
+        tmp_path / "runs",
+        "--json",
+    )
     assert res.code == 0, res.stderr
     fedavg, fedprox = json.loads(res.stdout)["runs"]
     assert fedprox["config"]["mu"] == 0.5 and "mu" not in fedavg["config"]
@@ -172,8 +211,16 @@ def test_one_train_command_compares_algorithms_with_their_own_settings(tmp_path)
 
 def test_a_grid_axis_may_be_scoped(tmp_path):
     cache = write_cache(tmp_path / "c.h5")
-    res = grid(cache, "fedprox", grid=["fedprox.mu=0.1,1"], seeds=[0], rounds=1, set=["fedprox.batch_size=8"],
-               out=tmp_path / "g", retrain=False)
+    res = grid(
+        cache,
+        "fedprox",
+        grid=["fedprox.mu=0.1,1"],
+        seeds=[0],
+        rounds=1,
+        set=["fedprox.batch_size=8"],
+        out=tmp_path / "g",
+        retrain=False,
+    )
     assert res["axes"] == {"mu": [0.1, 1.0]}
 
 
@@ -188,8 +235,12 @@ def _outcome(call):
 
 FEDPROX = sorted(settings_of(create("fedprox")))
 KEY = st.one_of(st.sampled_from(FEDPROX), st.text("abmux._ ", max_size=8))  # real keys and near misses
-OVERRIDE = st.builds(lambda scope, key, value: f"{scope}{key}={value}", st.sampled_from(["", "fedprox.", "fedavg."]),
-                     KEY, st.one_of(st.sampled_from(["0.5", "1", "true", "sgd", ""]), st.text("0.1e-", max_size=4)))
+OVERRIDE = st.builds(
+    lambda scope, key, value: f"{scope}{key}={value}",
+    st.sampled_from(["", "fedprox.", "fedavg."]),
+    KEY,
+    st.one_of(st.sampled_from(["0.5", "1", "true", "sgd", ""]), st.text("0.1e-", max_size=4)),
+)
 
 
 @settings(max_examples=60)
@@ -233,11 +284,23 @@ def test_list_arguments_of_the_api_take_a_lone_string(tmp_path, spelled):
     cache = write_cache(tmp_path / "c.h5")
     data = featcache.load_cache(cache, backbones=spelled)
     assert data.meta["backbones"] == ["synth"] or data.features.shape[-1] > 0
-    run = featcache.train(cache, "fedavg", rounds=1, seeds=0, set="batch_size=8", backbones=spelled,
-                          out=tmp_path / "runs")
+    run = featcache.train(
+        cache, "fedavg", rounds=1, seeds=0, set="batch_size=8", backbones=spelled, out=tmp_path / "runs"
+    )
     assert run["backbones"] == ["synth"] and run["config"]["batch_size"] == 8
-    res = featcache.grid(cache, "fedavg", grid="lr=0.1,0.01", seeds=0, rounds=1, set="batch_size=8",
-                         backbones=spelled, out=tmp_path / "g", retrain=False)
+    res = featcache.grid(
+        cache,
+        "fedavg",
+        grid="lr=0.1,0.01",
+        seeds=0,
+        rounds=1,
+        set="batch_size=8",
+        backbones=spelled,
+        out=tmp_path / "g",
+        retrain=False,
+    )
     assert res["axes"] == {"lr": [0.1, 0.01]} and res["backbones"] == ["synth"]
-    assert "| fedavg |" in featcache.report(run["result_file"] if isinstance(spelled, str) else [run["result_file"]])[
-        "table"]
+    assert (
+        "| fedavg |"
+        in featcache.report(run["result_file"] if isinstance(spelled, str) else [run["result_file"]])["table"]
+    )

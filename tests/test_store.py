@@ -40,6 +40,7 @@ def run(images: Path, out: Path, **options) -> dict:
 
 def no_backbone_built(monkeypatch) -> None:
     """From here on, building a backbone fails the test: whatever this extraction needs must come from the stores."""
+
     def refuse(*a, **k):
         raise AssertionError("a backbone was built: the store should have held every image")
 
@@ -49,8 +50,12 @@ def no_backbone_built(monkeypatch) -> None:
 def held(cache: str | Path) -> set[tuple[str, str, int]]:
     """The (domain, split, source index) of every image a cache holds."""
     with h5py.File(cache, "r") as f:
-        return {(g.attrs["domain"], split, int(i)) for g in f["clients"].values() for split in SPLITS
-                for i in g[f"{split}/source_index"][...]}
+        return {
+            (g.attrs["domain"], split, int(i))
+            for g in f["clients"].values()
+            for split in SPLITS
+            for i in g[f"{split}/source_index"][...]
+        }
 
 
 def stores(out: Path) -> list[Path]:
@@ -83,12 +88,14 @@ def test_a_new_partition_embeds_nothing_and_builds_no_backbone(images, tmp_path,
     nothing = dict.fromkeys(first["embedded"], 0)
     no_backbone_built(monkeypatch)
     caches = {first["cache"]}
-    for options in (dict(partition="label", clients=2, alpha=0.5, domains=["d1"]),
-                    dict(partition="label", clients=2, alpha=1.0, domains=["d1"]),
-                    dict(partition="label", clients=3, alpha=1.0, domains=["d1"]),
-                    dict(partition="iid", clients=2, domains=["d2"]),
-                    dict(val_fraction=0.5),
-                    dict(seed=1)):
+    for options in (
+        dict(partition="label", clients=2, alpha=0.5, domains=["d1"]),
+        dict(partition="label", clients=2, alpha=1.0, domains=["d1"]),
+        dict(partition="label", clients=3, alpha=1.0, domains=["d1"]),
+        dict(partition="iid", clients=2, domains=["d2"]),
+        dict(val_fraction=0.5),
+        dict(seed=1),
+    ):
         again = run(images, tmp_path, **options)
         assert not again["cache_hit"] and again["embedded"] == nothing, (options, again["embedded"])
         assert again["cache"] not in caches, options  # a different cache ...
@@ -100,20 +107,33 @@ def test_a_new_partition_embeds_nothing_and_builds_no_backbone(images, tmp_path,
 
 
 # `featcache ARGS` in a fresh interpreter that, on exit, writes which of timm and torchvision it imported to stderr.
-IMPORTED = ("import atexit, runpy, sys; atexit.register(lambda: print('IMPORTED', sorted({m.split('.')[0] for m in "
-            "sys.modules} & {'timm', 'torchvision'}), file=sys.stderr)); sys.argv = ['featcache', *sys.argv[1:]]; "
-            "runpy.run_module('featcache.cli', run_name='__main__')")
+IMPORTED = (
+    "import atexit, runpy, sys; atexit.register(lambda: print('IMPORTED', sorted({m.split('.')[0] for m in "
+    "sys.modules} & {'timm', 'torchvision'}), file=sys.stderr)); sys.argv = ['featcache', *sys.argv[1:]]; "
+    "runpy.run_module('featcache.cli', run_name='__main__')"
+)
 
 
-@pytest.mark.parametrize("options", [[], ["--partition", "label", "--clients", "2", "--alpha", "0.5"],
-                                     ["--partition", "iid", "--clients", "2,3", "--seed", "1"]],
-                         ids=["cache-hit", "re-partition", "sweep"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        [],
+        ["--partition", "label", "--clients", "2", "--alpha", "0.5"],
+        ["--partition", "iid", "--clients", "2,3", "--seed", "1"],
+    ],
+    ids=["cache-hit", "re-partition", "sweep"],
+)
 def test_no_backbone_built_imports_neither_timm_nor_torchvision(images, tmp_path, options):
     """A cache hit, a re-partition and a sweep through filled stores build no model, so they import neither timm
     nor torchvision (seconds of a command that otherwise takes about two)."""
     run(images, tmp_path)  # fills both stores (feature partition: every image)
-    done = subprocess.run([sys.executable, "-c", IMPORTED, *folder_extract_args(images, tmp_path, *options)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORTED, *folder_extract_args(images, tmp_path, *options)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     for r in result.get("caches", [result]):
@@ -152,9 +172,15 @@ def test_a_cache_through_a_filled_store_equals_the_cache_from_an_empty_store(ima
 
 def test_the_same_command_in_fresh_folders_gives_identical_caches_and_stores(images, tmp_path):
     a = run(images, tmp_path / "a", partition="label", clients=2, domains=["d1"])
-    b = run(images, tmp_path / "b", partition="label", clients=2, domains=["d1"])
-    layout = sorted([Path(a["cache"]).name, "store", *(f"store/{p.name}" for p in stores(tmp_path / "a")),
-                     *(f"store/{p.name}" for p in (tmp_path / "a" / "store").glob(".contents-*.json"))])
+    run(images, tmp_path / "b", partition="label", clients=2, domains=["d1"])
+    layout = sorted(
+        [
+            Path(a["cache"]).name,
+            "store",
+            *(f"store/{p.name}" for p in stores(tmp_path / "a")),
+            *(f"store/{p.name}" for p in (tmp_path / "a" / "store").glob(".contents-*.json")),
+        ]
+    )
     assert everything_in(tmp_path / "a") == layout and len(stores(tmp_path / "a")) == 2  # no parts folder left
     assert files(tmp_path / "a") == files(tmp_path / "b")
 
@@ -206,8 +232,11 @@ def test_a_failed_first_run_leaves_no_store_folder(images, tmp_path):
 
     root = shutil.copytree(images, tmp_path / "images")
     (root / "d2" / "b" / "img_001.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(64))
-    for out, store in ((tmp_path / "out", []), (tmp_path / "out", ["--store", str(tmp_path / "shared")]),
-                       (tmp_path / "o" / "deep" / "out", ["--store", str(tmp_path / "s" / "deep" / "store")])):
+    for out, store in (
+        (tmp_path / "out", []),
+        (tmp_path / "out", ["--store", str(tmp_path / "shared")]),
+        (tmp_path / "o" / "deep" / "out", ["--store", str(tmp_path / "s" / "deep" / "store")]),
+    ):
         result = run_cli(*folder_extract_args(root, out, *store))
         one_line_error(warned_random(result), "cannot read image")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["images"], store
@@ -314,8 +343,11 @@ def test_a_sweep_value_that_is_no_number_is_one_line(images, tmp_path):
 def test_a_clients_list_prints_a_row_per_cache(images, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a short --out: the table cuts cells wider than its 120 columns off a terminal
     out = Path("out")
-    args = [a for a in folder_extract_args(images, out, "--partition", "iid", "--domains", "d1", "--clients", "2,3")
-            if a != "--json"]
+    args = [
+        a
+        for a in folder_extract_args(images, out, "--partition", "iid", "--domains", "d1", "--clients", "2,3")
+        if a != "--json"
+    ]
     shown = run_cli(*args)
     assert shown.code == 0, shown.stderr
     caches = sorted(p.name for p in out.glob("*.h5"))
@@ -328,11 +360,38 @@ def test_a_clients_list_prints_a_row_per_cache(images, tmp_path, monkeypatch):
 
 def test_the_same_weights_spelled_twice_share_one_store_without_deadlock(images, tmp_path):
     out = tmp_path / "out"
-    args = ["extract", "--dataset", "imagefolder", "--data-root", str(images), "--backbone", "test_efficientnet=random",
-            "--backbone", "test_efficientnet= random", "--image-size", "32", "--batch-size", "4", "--domains", "d1",
-            "--partition", "iid", "--clients", "2", "--out", str(out), "--json"]
-    done = subprocess.run([sys.executable, "-m", "featcache.cli", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=180, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    args = [
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-root",
+        str(images),
+        "--backbone",
+        "test_efficientnet=random",
+        "--backbone",
+        "test_efficientnet= random",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--domains",
+        "d1",
+        "--partition",
+        "iid",
+        "--clients",
+        "2",
+        "--out",
+        str(out),
+        "--json",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "featcache.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=180,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr
     res = json.loads(done.stdout)
     assert len(res["backbones"]) == 2 and res["backbones"][1] == res["backbones"][0] + "-2"

@@ -33,8 +33,14 @@ REPO = Path(__file__).resolve().parent.parent
 def fresh(code: str, **env: str) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter whose environment has no OpenMP settings but `env`, OpenMP reporting its own."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env=base | {"OMP_DISPLAY_ENV": "true"} | env)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=base | {"OMP_DISPLAY_ENV": "true"} | env,
+    )
 
 
 def omp_wait_policy(stderr: str) -> str:
@@ -46,8 +52,10 @@ def omp_wait_policy(stderr: str) -> str:
 
 
 def test_the_command_starts_torch_with_its_threads_sleeping():
-    done = fresh("import sys, os, featcache.cli; loaded = 'torch' in sys.modules; import torch; torch.ones(1); "
-                 "print(loaded, os.environ['OMP_WAIT_POLICY'])")
+    done = fresh(
+        "import sys, os, featcache.cli; loaded = 'torch' in sys.modules; import torch; torch.ones(1); "
+        "print(loaded, os.environ['OMP_WAIT_POLICY'])"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", WAIT["OMP_WAIT_POLICY"]]  # set before torch loaded ...
     assert omp_wait_policy(done.stderr) == "PASSIVE"  # ... and OpenMP read it
@@ -55,8 +63,9 @@ def test_the_command_starts_torch_with_its_threads_sleeping():
 
 @pytest.mark.parametrize("theirs", ["ACTIVE", "active"])
 def test_a_wait_policy_the_user_set_is_kept(theirs):
-    done = fresh("import os, featcache.cli, torch; torch.ones(1); print(os.environ['OMP_WAIT_POLICY'])",
-                 OMP_WAIT_POLICY=theirs)
+    done = fresh(
+        "import os, featcache.cli, torch; torch.ones(1); print(os.environ['OMP_WAIT_POLICY'])", OMP_WAIT_POLICY=theirs
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == theirs and omp_wait_policy(done.stderr) == "ACTIVE"
 
@@ -66,8 +75,7 @@ def test_importing_the_library_changes_nothing():
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
 
 
-@given(st.one_of(st.integers(max_value=0), st.booleans(), st.floats(allow_nan=True), st.text(max_size=3),
-                 st.just([2])))
+@given(st.one_of(st.integers(max_value=0), st.booleans(), st.floats(allow_nan=True), st.text(max_size=3), st.just([2])))
 def test_a_bad_count_is_one_line(threads):
     with pytest.raises(UserError) as e:
         check_threads(threads)
@@ -76,8 +84,11 @@ def test_a_bad_count_is_one_line(threads):
 
 @pytest.mark.parametrize("command", ["train", "grid", "extract"])
 def test_a_bad_count_on_the_command_line_is_one_line(command, tmp_path):
-    args = {"train": ["--cache", "c.h5", "--algo", "fedavg"], "grid": ["--cache", "c.h5", "--algo", "fedavg",
-                                                                         "--grid", "lr=0.1"], "extract": []}[command]
+    args = {
+        "train": ["--cache", "c.h5", "--algo", "fedavg"],
+        "grid": ["--cache", "c.h5", "--algo", "fedavg", "--grid", "lr=0.1"],
+        "extract": [],
+    }[command]
     result = run_cli(command, *args, "--threads", "0", "--out", str(tmp_path / "out"))
     assert result.code == 2
     one_line_error(result, "--threads")
@@ -86,9 +97,11 @@ def test_a_bad_count_on_the_command_line_is_one_line(command, tmp_path):
 
 @pytest.mark.parametrize("threads", [0, -2, 1.5, "2", True])
 def test_a_bad_count_in_the_api_is_refused_before_anything_is_written(small_cache, tmp_path, threads):
-    calls = {"train": lambda out: train(small_cache, "fedavg", rounds=1, out=out, threads=threads),
-             "grid": lambda out: grid(small_cache, "fedavg", grid=["lr=0.1"], rounds=1, out=out, threads=threads),
-             "extract": lambda out: extract(out=out, threads=threads)}
+    calls = {
+        "train": lambda out: train(small_cache, "fedavg", rounds=1, out=out, threads=threads),
+        "grid": lambda out: grid(small_cache, "fedavg", grid=["lr=0.1"], rounds=1, out=out, threads=threads),
+        "extract": lambda out: extract(out=out, threads=threads),
+    }
     for name, call in calls.items():
         with pytest.raises(UserError, match="--threads must be a whole number >= 1"):
             call(tmp_path / name)
@@ -126,14 +139,15 @@ def test_grid_runs_on_the_threads_asked_for(small_cache, tmp_path):
     assert result["provenance"]["torch_threads"] == 1 and torch.get_num_threads() == before
 
 
-@pytest.mark.parametrize("cores,torch_threads,asked,expected", [(4, 4, None, 3), (4, 2, None, 2), (1, 1, None, 1),
-                                                                (2, 2, 2, 2), (2, 2, 1, 1), (4, 1, 3, 3)])
+@pytest.mark.parametrize(
+    "cores,torch_threads,asked,expected",
+    [(4, 4, None, 3), (4, 2, None, 2), (1, 1, None, 1), (2, 2, 2, 2), (2, 2, 1, 1), (4, 1, 3, 3)],
+)
 def test_the_forward_runs_on_one_fewer_than_the_cores_unless_asked(cores, torch_threads, asked, expected):
     before = torch.get_num_threads()
     torch.set_num_threads(torch_threads)
     try:
-        with mock.patch.object(P, "cores", lambda: cores), use_threads(asked), \
-                P.forward_threads(torch.device("cpu")):
+        with mock.patch.object(P, "cores", lambda: cores), use_threads(asked), P.forward_threads(torch.device("cpu")):
             inside = torch.get_num_threads()
         with P.forward_threads(torch.device("meta")):  # not a CPU forward: left alone
             assert torch.get_num_threads() == torch_threads
@@ -158,8 +172,21 @@ def test_extract_runs_its_forward_on_the_threads_asked_for(images, tmp_path):
         flags = [a for spec in BACKBONES for a in ("--backbone", spec)]
         flags += ["--threads", str(threads)] if threads else []
         with mock.patch.object(P, "forward_threads", spy):
-            result = run_cli("extract", "--dataset", "imagefolder", "--data-root", str(images), "--image-size", "32",
-                             "--batch-size", "4", "--out", str(tmp_path / str(threads)), "--json", *flags)
+            result = run_cli(
+                "extract",
+                "--dataset",
+                "imagefolder",
+                "--data-root",
+                str(images),
+                "--image-size",
+                "32",
+                "--batch-size",
+                "4",
+                "--out",
+                str(tmp_path / str(threads)),
+                "--json",
+                *flags,
+            )
         assert result.code == 0, result.stderr
         assert seen.pop() == (threads or min(before, max(1, P.cores() - 1))) and not seen
         assert torch.get_num_threads() == before

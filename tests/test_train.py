@@ -42,8 +42,15 @@ def test_train_result_and_determinism(cache, tmp_path):
     assert set(a["fairness"]) == {"average", "worst_10", "worst_20", "worst_40", "best_10", "variance", "std"}
 
 
-@pytest.mark.parametrize("bad,msg", [(["nope=1"], "unknown setting 'nope'"), (["lr=fast"], "expected a float"),
-                                     (["lr"], "write key=value"), (["optimizer=rmsprop"], "optimizer must be")])
+@pytest.mark.parametrize(
+    "bad,msg",
+    [
+        (["nope=1"], "unknown setting 'nope'"),
+        (["lr=fast"], "expected a float"),
+        (["lr"], "write key=value"),
+        (["optimizer=rmsprop"], "optimizer must be"),
+    ],
+)
 def test_train_rejects_bad_settings(cache, tmp_path, bad, msg):
     with pytest.raises(UserError, match=msg):
         train(cache, "fedavg", rounds=1, seeds=[0], set=bad, out=tmp_path)
@@ -55,12 +62,20 @@ def test_nan_loss_is_one_line(cache, tmp_path):
 
 
 def test_cli_train_json_and_errors(cache, tmp_path):
-    ok = cli("train", "--cache", cache, "--algo", "fedpcl", "--rounds", "2", "--seeds", "0", "--out", str(tmp_path),
-             "--json")
+    ok = cli(
+        "train", "--cache", cache, "--algo", "fedpcl", "--rounds", "2", "--seeds", "0", "--out", str(tmp_path), "--json"
+    )
     assert ok.returncode == 0, ok.stderr
     res = json.loads(ok.stdout)
-    for key in ("algo", "mean_acc", "std_acc", "per_seed", "per_client", "seconds_per_round",
-                "params_uploaded_per_round"):
+    for key in (
+        "algo",
+        "mean_acc",
+        "std_acc",
+        "per_seed",
+        "per_client",
+        "seconds_per_round",
+        "params_uploaded_per_round",
+    ):
         assert key in res
     assert res["params_uploaded_per_round"] == 5 * 256 + 5  # prototypes + class counts
     bad = cli("train", "--cache", cache, "--algo", "fedpcll", "--out", str(tmp_path))
@@ -70,23 +85,40 @@ def test_cli_train_json_and_errors(cache, tmp_path):
 
 
 def test_grid_selects_retrains_and_matches_single_runs(cache, tmp_path):
-    res = grid(cache, "fedavg", ["lr=1e-1,1e-3", "weight_decay=1e-4,1e-2"], seeds=[0, 1], rounds=3,
-               out=tmp_path, chunk=3)
+    res = grid(
+        cache, "fedavg", ["lr=1e-1,1e-3", "weight_decay=1e-4,1e-2"], seeds=[0, 1], rounds=3, out=tmp_path, chunk=3
+    )
     assert res["configs"] == 4 and res["chunks"] == 3 and len(res["selection"]) == 4
     vals = [r["val_mean"] for r in res["selection"]]
     assert vals == sorted(vals, reverse=True) and res["best"] == res["selection"][0]["config"]
     assert "mean_acc" in res["retrain"]
     # the batched chunk gives each configuration exactly what it gets alone
-    alone = grid(cache, "fedavg", ["lr=1e-1,1e-3", "weight_decay=1e-4,1e-2"], seeds=[0, 1], rounds=3,
-                 out=tmp_path / "alone", chunk=1, retrain=False)
+    alone = grid(
+        cache,
+        "fedavg",
+        ["lr=1e-1,1e-3", "weight_decay=1e-4,1e-2"],
+        seeds=[0, 1],
+        rounds=3,
+        out=tmp_path / "alone",
+        chunk=1,
+        retrain=False,
+    )
     for a, b in zip(res["selection"], alone["selection"]):
         assert a["config"] == b["config"] and a["val_mean"] == pytest.approx(b["val_mean"], abs=1e-4)
     assert Path(res["run_folder"], "grid.csv").read_text().startswith("lr,weight_decay,val_mean,val_std")
 
 
 def test_grid_resumes_at_first_unfinished_chunk(cache, tmp_path, monkeypatch):
-    args = dict(cache=cache, algo="fedavg", grid=["lr=1e-1,1e-2,1e-3"], seeds=[0], rounds=2, out=tmp_path,
-                chunk=1, retrain=False)
+    args = dict(
+        cache=cache,
+        algo="fedavg",
+        grid=["lr=1e-1,1e-2,1e-3"],
+        seeds=[0],
+        rounds=2,
+        out=tmp_path,
+        chunk=1,
+        retrain=False,
+    )
     first = grid(**args)
     chunks = sorted(Path(first["run_folder"]).glob("chunk-*.json"))
     before = {p: p.read_bytes() for p in chunks}
@@ -100,8 +132,7 @@ def test_grid_resumes_at_first_unfinished_chunk(cache, tmp_path, monkeypatch):
 
 
 def test_grid_resumes_safely_with_other_chunking(cache, tmp_path):
-    args = dict(cache=cache, algo="fedavg", grid=["lr=1e-1,1e-2"], seeds=[0, 1], rounds=2, out=tmp_path,
-                retrain=False)
+    args = dict(cache=cache, algo="fedavg", grid=["lr=1e-1,1e-2"], seeds=[0, 1], rounds=2, out=tmp_path, retrain=False)
     two = grid(**args, chunk=2)
     for p in Path(two["run_folder"]).glob("chunk-*.json"):
         p.unlink()
@@ -125,12 +156,15 @@ def test_grid_rejects_bad_axes(cache, tmp_path):
 @pytest.mark.slow
 def test_grid_on_local_ray_cluster(cache, tmp_path):
     import ray  # a dev dependency: this test must run, not skip
+
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
     try:
-        res = grid(cache, "fedavg", ["lr=1e-1,1e-2"], seeds=[0], rounds=2, out=tmp_path, chunk=1,
-                   backend="ray", retrain=False)
-        local = grid(cache, "fedavg", ["lr=1e-1,1e-2"], seeds=[0], rounds=2, out=tmp_path / "local", chunk=1,
-                     retrain=False)
+        res = grid(
+            cache, "fedavg", ["lr=1e-1,1e-2"], seeds=[0], rounds=2, out=tmp_path, chunk=1, backend="ray", retrain=False
+        )
+        local = grid(
+            cache, "fedavg", ["lr=1e-1,1e-2"], seeds=[0], rounds=2, out=tmp_path / "local", chunk=1, retrain=False
+        )
         assert res["selection"] == local["selection"]
     finally:
         ray.shutdown()
@@ -173,14 +207,17 @@ def test_device_auto_is_cuda_only_where_cuda_is(monkeypatch):
     assert resolve_device("cuda:1") == torch.device("cuda", 1) and resolve_device(torch.device("cuda:0")).index == 0
 
 
-@pytest.mark.parametrize("name, cuda_devices, needle", [
-    ("cuda", 0, "--device cuda asked for but CUDA is not available: use --device cpu or auto"),
-    ("cuda:0", 0, "CUDA is not available"),
-    ("cuda:2", 2, "this machine has 2 CUDA device(s), cuda:0 to cuda:1"),
-    ("foo", 0, "--device 'foo' is not a device: use auto | cpu | cuda[:N]"),
-    ("cuda:x", 2, "is not a device: use auto | cpu | cuda[:N]"),
-    ("gpu", 2, "is not a device"),
-])
+@pytest.mark.parametrize(
+    "name, cuda_devices, needle",
+    [
+        ("cuda", 0, "--device cuda asked for but CUDA is not available: use --device cpu or auto"),
+        ("cuda:0", 0, "CUDA is not available"),
+        ("cuda:2", 2, "this machine has 2 CUDA device(s), cuda:0 to cuda:1"),
+        ("foo", 0, "--device 'foo' is not a device: use auto | cpu | cuda[:N]"),
+        ("cuda:x", 2, "is not a device: use auto | cpu | cuda[:N]"),
+        ("gpu", 2, "is not a device"),
+    ],
+)
 def test_device_refusals_are_one_line(monkeypatch, name, cuda_devices, needle):
     _fake_cuda(monkeypatch, cuda_devices)
     with pytest.raises(UserError) as refused:
@@ -198,14 +235,30 @@ def test_train_and_grid_default_to_auto_and_record_the_device(cache, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["train", "grid"])
-@pytest.mark.parametrize("device, needle", [("foo", "is not a device: use auto | cpu | cuda[:N]"),
-                                            ("cuda", "CUDA is not available"), ("cuda:99", "cuda:99")])
+@pytest.mark.parametrize(
+    "device, needle",
+    [("foo", "is not a device: use auto | cpu | cuda[:N]"), ("cuda", "CUDA is not available"), ("cuda:99", "cuda:99")],
+)
 def test_cli_bad_device_is_one_line_exit_2_before_any_work(cache, tmp_path, command, device, needle):
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is available on this machine")
     axes = ["--grid", "lr=1e-1,1e-2"] if command == "grid" else []
-    result = run_cli(command, "--cache", cache, "--algo", "fedavg", *axes, "--rounds", "1", "--seeds", "0",
-                     "--out", tmp_path / "runs", "--device", device)
+    result = run_cli(
+        command,
+        "--cache",
+        cache,
+        "--algo",
+        "fedavg",
+        *axes,
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--out",
+        tmp_path / "runs",
+        "--device",
+        device,
+    )
     one_line_error(result, needle)
     assert not (tmp_path / "runs").exists()
 
@@ -243,8 +296,7 @@ def test_progress_off_a_terminal_is_plain_periodic_lines():
     for done in range(1, 101):
         tick("fedavg", done, 100)
     assert len(lines) == 11 and lines[0] == "progress: fedavg 1/100 (1 %) 0 s"  # the first update, then every 10 %
-    assert lines[1] == "progress: fedavg 10/100 (10 %) 0 s" and lines[-1].startswith(
-        "progress: fedavg 100/100 (100 %)")
+    assert lines[1] == "progress: fedavg 10/100 (10 %) 0 s" and lines[-1].startswith("progress: fedavg 100/100 (100 %)")
     lines.clear()
     tick = plain_progress(lines.append, clock=lambda: now[0])
     for done in range(1, 6):  # slow: 5 of 1000 steps, 40 s apart -> a line every 30 s anyway
@@ -254,8 +306,9 @@ def test_progress_off_a_terminal_is_plain_periodic_lines():
 
 
 def test_cli_train_under_a_pipe_prints_plain_progress_lines(cache, tmp_path):
-    res = cli("train", "--cache", str(cache), "--algo", "fedavg", "--rounds", "10", "--seeds", "0",
-              "--out", str(tmp_path))
+    res = cli(
+        "train", "--cache", str(cache), "--algo", "fedavg", "--rounds", "10", "--seeds", "0", "--out", str(tmp_path)
+    )
     assert res.returncode == 0, res.stderr
     progress = [line for line in res.stderr.splitlines() if line.startswith("progress: fedavg")]
     assert progress and progress[-1].startswith("progress: fedavg 10/10 (100 %)")
@@ -275,13 +328,15 @@ def test_scaffold_defaults_to_plain_sgd():
 def test_the_cli_keeps_freed_memory_and_importing_featcache_does_not():
     """64 MB tensors allocated and freed ten times: each one faults its pages in afresh after `import featcache`
     (glibc returns them to the kernel), none after `import featcache.cli` (featcache/memory.py)."""
-    code = ("import resource, sys, torch, {module}\n"
-            "def faults():\n"
-            "    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-            "    for _ in range(10):\n"
-            "        torch.ones(16 * 2**20)\n"
-            "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0\n"
-            "faults(); print(faults())")
+    code = (
+        "import resource, sys, torch, {module}\n"
+        "def faults():\n"
+        "    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "    for _ in range(10):\n"
+        "        torch.ones(16 * 2**20)\n"
+        "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0\n"
+        "faults(); print(faults())"
+    )
 
     def faults(module: str) -> int:
         done = subprocess.run([sys.executable, "-c", code.format(module=module)], capture_output=True, text=True)
@@ -302,8 +357,9 @@ def test_a_run_too_big_for_the_memory_trains_in_slices_with_the_same_result(cach
     a = train(cache, "fedpcl", rounds=2, seeds=[0], out=tmp_path / "a")
     seen = []
     original = footprint.fit_at_once
-    monkeypatch.setattr(train_mod, "fit_at_once", lambda *a, **k: seen.append(original(*a, **k, avail=one(a))) or
-                        seen[-1])
+    monkeypatch.setattr(
+        train_mod, "fit_at_once", lambda *a, **k: seen.append(original(*a, **k, avail=one(a))) or seen[-1]
+    )
     one = lambda args: footprint.estimate(args[0], args[1], args[3], at_once=2).per_config  # room for 2 of 4
     b = train(cache, "fedpcl", rounds=2, seeds=[0], out=tmp_path / "b")
     assert seen == [2]

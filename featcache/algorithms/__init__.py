@@ -29,8 +29,8 @@ _ALGOS: dict[str, type] = {}
 # Methods whose mechanism needs something a feature cache cannot give: listed, never faked.
 UNAVAILABLE = {
     "pfedpt": "pFedPT (Li et al., 2023) learns visual prompts added to the input pixels, before the backbone; "
-              "cached features come after the frozen backbone, so its prompts have nothing to act on. "
-              "FedPFT's feature-space prompts (fedpft) are the cached-feature counterpart.",
+    "cached features come after the frozen backbone, so its prompts have nothing to act on. "
+    "FedPFT's feature-space prompts (fedpft) are the cached-feature counterpart.",
 }
 
 
@@ -50,8 +50,10 @@ def plugin_failure(exc: BaseException) -> str | None:
         tb = tb.tb_next
     if hit is None:
         return None
-    return f"{hit.tb_frame.f_code.co_filename}:{hit.tb_lineno}, in {hit.tb_frame.f_code.co_name}: " \
-           f"{type(exc).__name__}: {first_line(exc, 200)}"
+    return (
+        f"{hit.tb_frame.f_code.co_filename}:{hit.tb_lineno}, in {hit.tb_frame.f_code.co_name}: "
+        f"{type(exc).__name__}: {first_line(exc, 200)}"
+    )
 
 
 def plugin_exit(e: SystemExit) -> UserError | None:
@@ -60,8 +62,10 @@ def plugin_exit(e: SystemExit) -> UserError | None:
     where = plugin_failure(e)
     if where is None:
         return None
-    return UserError(f"plug-in exited at {where.rpartition(': SystemExit')[0]} (sys.exit({e.code!r})): a hook must "
-                     "return its value or raise an exception")
+    return UserError(
+        f"plug-in exited at {where.rpartition(': SystemExit')[0]} (sys.exit({e.code!r})): a hook must "
+        "return its value or raise an exception"
+    )
 
 
 @contextmanager
@@ -92,6 +96,7 @@ def objective_text(algo) -> str:
 def markdown_table() -> str:
     """The built-in algorithms and the unavailable methods as the Markdown table of featcache/algorithms/README.md
     (`featcache algos --markdown` prints it; tests/test_docs.py fails when the committed copy differs)."""
+
     def cell(text: str) -> str:
         return " ".join(text.split()).replace("|", "\\|")
 
@@ -116,8 +121,10 @@ def name_problem(name) -> str | None:
     if isinstance(name, str) and NAME.fullmatch(name):
         return None
     shown = f"{name[:40]!r}... ({len(name)} characters)" if isinstance(name, str) and len(name) > 40 else repr(name)
-    return (f"{shown} cannot name an algorithm: use 1 to 64 letters, digits, '_', '+' or '-' (it is part of result "
-            "file names and of --set NAME.key)")
+    return (
+        f"{shown} cannot name an algorithm: use 1 to 64 letters, digits, '_', '+' or '-' (it is part of result "
+        "file names and of --set NAME.key)"
+    )
 
 
 def register(cls):
@@ -162,7 +169,8 @@ def list_algorithms() -> dict[str, type]:
 
 
 def is_plugin(spec: str) -> bool:
-    """Whether `spec` names a plug-in class (`file.py:Class` or `package.module:Class`) rather than a registered name."""
+    """Whether `spec` names a plug-in class (`file.py:Class` or `package.module:Class`) rather than a registered
+    name."""
     return isinstance(spec, str) and ":" in spec
 
 
@@ -210,8 +218,10 @@ def load(spec: str) -> str:
     """Import the plug-in class of `spec` (`path/to/file.py:Class` or `package.module:Class`), register it under its
     `name` and return that name. A registered name is returned as it is."""
     if not isinstance(spec, str):
-        raise UserError(f"algo must be one algorithm name or plug-in spec, not {type(spec).__name__} {spec!r}: "
-                        "call once per algorithm")
+        raise UserError(
+            f"algo must be one algorithm name or plug-in spec, not {type(spec).__name__} {spec!r}: "
+            "call once per algorithm"
+        )
     if not is_plugin(spec):
         return spec
     _import_all()
@@ -226,11 +236,15 @@ def load(spec: str) -> str:
     from .base import FedAvg  # cycle: base imports `register` from here
 
     if not (isinstance(cls, type) and issubclass(cls, FedAvg)):
-        raise UserError(f"--algo {spec}: {cls_name} is not an algorithm (a subclass of featcache.algorithms.base.FedAvg)")
+        raise UserError(
+            f"--algo {spec}: {cls_name} is not an algorithm (a subclass of featcache.algorithms.base.FedAvg)"
+        )
     name = cls.__dict__.get("name")
     if not isinstance(name, str) or not name:
-        raise UserError(f"--algo {spec}: {cls_name} needs a `name` of its own (a class attribute, e.g. name = "
-                        f"{cls_name.lower()!r}); it would otherwise run as {getattr(cls, 'name', None)!r}")
+        raise UserError(
+            f"--algo {spec}: {cls_name} needs a `name` of its own (a class attribute, e.g. name = "
+            f"{cls_name.lower()!r}); it would otherwise run as {getattr(cls, 'name', None)!r}"
+        )
     if (problem := name_problem(name)) is not None:
         raise UserError(f"--algo {spec}: {cls_name}.name {problem}")
     if name in UNAVAILABLE:

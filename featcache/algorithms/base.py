@@ -65,7 +65,8 @@ def one_hot(y: torch.Tensor, K: int) -> torch.Tensor:
 def logsumexp(s: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """torch.logsumexp with exponents clamped at −87 (e^−87 ≈ 1.6e−38: a term that cannot change a float32 sum
     holding e^0 = 1). The CPU's exp is many times slower on arguments that underflow, which at τ = 0.07 and on −inf
-    masks is most of them. A row that is all −inf gives a finite, very negative value instead of −inf (no NaN downstream)."""
+    masks is most of them. A row that is all −inf gives a finite, very negative value instead of −inf (no NaN
+    downstream)."""
     m = s.detach().amax(dim, keepdim=True)
     m = m.masked_fill(~torch.isfinite(m), 0)
     out = (s - m).clamp(min=-87).exp().sum(dim, keepdim=True).log() + m

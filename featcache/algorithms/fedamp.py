@@ -65,8 +65,9 @@ class FedAMP(FedAvg):
     personal_predict = True  # w_i changes only in its own local training; the cloud models only steer it
     # λ, α_k, σ: PFLlib's FedAMP defaults; ξ_ii: our choice (see the module docstring)
     settings = {
-        "attention": Setting("cosine", "HeurFedAMP's cosine attention or FedAMP's distance attention",
-                             choices=tuple(ATTENTION)),
+        "attention": Setting(
+            "cosine", "HeurFedAMP's cosine attention or FedAMP's distance attention", choices=tuple(ATTENTION)
+        ),
         "lam": Setting(1.0, "λ, weight of the attentive proximal term", lo=0),
         "alpha_k": Setting(1.0, "α_k, the server's message-passing step", lo=0, lo_open=True),
         "sigma": Setting(1.0, "σ, the attention's scale", lo=0, lo_open=True),

@@ -71,15 +71,27 @@ def collaborators(ov: torch.Tensor, part: torch.Tensor, t: int, beta: torch.Tens
 @register
 class FedCAC(FedAvg):
     name = "fedcac"
-    paper = "Wu et al., Bold but Cautious: Unlocking the Potential of Personalized FL through Cautiously Aggressive " \
-            "Collaboration, ICCV 2023"
+    paper = (
+        "Wu et al., Bold but Cautious: Unlocking the Potential of Personalized FL through Cautiously Aggressive "
+        "Collaboration, ICCV 2023"
+    )
     uploads = "all head parameters + their critical-parameter masks"
     settings = {  # defaults: Fling's CIFAR-10 config (see the module docstring)
-        "tau": Setting(0.5, "the fraction of each layer's parameters a client marks critical (Fling: 0.5 on "
-                       "CIFAR-10, 0.4 on CIFAR-100)", lo=0, hi=1,
-                       batched=False),  # the number of critical parameters per layer is a shape
-        "beta": Setting(100.0, "β: from round β on, critical parameters collaborate with no one (Fling: 100 on "
-                        "CIFAR-10, 170 on CIFAR-100)", lo=0, lo_open=True),
+        "tau": Setting(
+            0.5,
+            "the fraction of each layer's parameters a client marks critical (Fling: 0.5 on "
+            "CIFAR-10, 0.4 on CIFAR-100)",
+            lo=0,
+            hi=1,
+            batched=False,
+        ),  # the number of critical parameters per layer is a shape
+        "beta": Setting(
+            100.0,
+            "β: from round β on, critical parameters collaborate with no one (Fling: 100 on "
+            "CIFAR-10, 170 on CIFAR-100)",
+            lo=0,
+            lo_open=True,
+        ),
     }
     limitation = "critical parameters are chosen per head tensor (the head's layers)"
 

@@ -15,8 +15,8 @@ Digit-5/Office-10 the two crops are identical, so the cached batch is duplicated
 positive and the denominator doubles), zero loss in round 0 (the code trains only once global prototypes exist; in
 round 0 only weight decay acts), global prototypes as the unweighted mean over owning clients, inference by the
 smallest squared distance to the client's own prototypes, and local prototypes from one pass of the reshuffled
-drop_last training loader (⌊n/B⌋·B random rows, seeded from the run's seed: `protos.loader_rows`), not all rows. (Contrasting two different cached views instead would need
-the trainer to load views for this algorithm; it does not.)
+drop_last training loader (⌊n/B⌋·B random rows, seeded from the run's seed: `protos.loader_rows`), not all rows.
+(Contrasting two different cached views instead would need the trainer to load views for this algorithm; it does not.)
 
 Eq. 6 is implemented literally (`global_agg="eq6"`): the size-weighted mean is divided once more by |N_j|, so global
 prototypes are 1/|N_j| the length of local ones; `global_agg="mean"` is the plain mean over owning clients.
@@ -33,8 +33,15 @@ import torch.nn.functional as F
 from ..training.config import Setting
 from . import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
-from .protos import (NOISE_SETTINGS, global_prototypes, loader_prototypes, mean_prototypes, pad_prototypes, privatize,
-                     refresh_prototypes)
+from .protos import (
+    NOISE_SETTINGS,
+    global_prototypes,
+    loader_prototypes,
+    mean_prototypes,
+    pad_prototypes,
+    privatize,
+    refresh_prototypes,
+)
 
 
 def proto_contrast(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Tensor:
@@ -139,23 +146,29 @@ def conloss(z, y, mask, sets, tau) -> torch.Tensor:
 @register
 class FedPCL(FedAvg):
     name = "fedpcl"
-    paper = "Tan et al., Federated Learning from Pre-Trained Models: A Contrastive Learning Approach, NeurIPS 2022, " \
-            "§4 eq. 5–10, Alg. 1"
+    paper = (
+        "Tan et al., Federated Learning from Pre-Trained Models: A Contrastive Learning Approach, NeurIPS 2022, "
+        "§4 eq. 5–10, Alg. 1"
+    )
     uploads = "local prototypes [K, proj_dim] + class counts [K]"
     personal_predict = True  # the own projection and the own local prototypes
-    objective = ("unbounded below: eq. 8 leaves the positive out of its denominator and z is not normalised, so the "
-                 "loss can fall without limit while accuracy holds; judge runs by accuracy "
-                 "(--set normalize=true bounds it)")
+    objective = (
+        "unbounded below: eq. 8 leaves the positive out of its denominator and z is not normalised, so the "
+        "loss can fall without limit while accuracy holds; judge runs by accuracy "
+        "(--set normalize=true bounds it)"
+    )
     objective_when = {"normalize": False, "loss": "pcl"}
     settings = {
         "bn": True,  # Table 7: FC + ReLU + BN
         "normalize": Setting(False, "L2-normalise the projection output z"),
         "tau": Setting(0.07, "τ, the contrastive temperature (eq. 8-9)", lo=0, lo_open=True),
         "terms": Setting("both", "which prototype terms the loss has (Table 6)", choices=("both", "global", "local")),
-        "loss": Setting("pcl", "pcl (eq. 10), supcon (Table 5) or the released code's", choices=("pcl", "supcon",
-                                                                                                  "official")),
-        "global_agg": Setting("eq6", "global prototypes by eq. 6 as written, or the plain mean", choices=("eq6",
-                                                                                                        "mean")),
+        "loss": Setting(
+            "pcl", "pcl (eq. 10), supcon (Table 5) or the released code's", choices=("pcl", "supcon", "official")
+        ),
+        "global_agg": Setting(
+            "eq6", "global prototypes by eq. 6 as written, or the plain mean", choices=("eq6", "mean")
+        ),
         **NOISE_SETTINGS,
     }
 

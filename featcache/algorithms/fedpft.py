@@ -115,7 +115,10 @@ SCHEDULE = {  # the settings of the schedule and its optimizer (App. D.3), in ea
     "r_f": Setting(4, "R_f, local epochs of the feature transformation phase (App. D.3)", lo=0),
     "r_a": Setting(1, "R_a, local epochs of the model training phase (App. D.3)", lo=0),
     "local_epochs": 5,  # R = R_f + R_a (§4.1)
-    "optimizer": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0,  # SGD lr 0.1 (App. D.3), SGD's 0, 0
+    "optimizer": "sgd",
+    "lr": 0.1,
+    "momentum": 0.0,
+    "weight_decay": 0.0,  # SGD lr 0.1 (App. D.3), SGD's 0, 0
 }
 
 
@@ -129,8 +132,10 @@ class Alternating(FedAvg):
     def init_state(self, state, rnd):
         r_f, r_a, r = self.cfg["r_f"], self.cfg["r_a"], self.cfg["local_epochs"]
         if min(r_f, r_a) < 0 or r_f + r_a != r:
-            raise UserError(f"{self.name}: local epochs split into phases, R = R_f + R_a: need r_f, r_a >= 0 and "
-                            f"local_epochs = r_f + r_a (got r_f={r_f}, r_a={r_a}, local_epochs={r})")
+            raise UserError(
+                f"{self.name}: local epochs split into phases, R = R_f + R_a: need r_f, r_a >= 0 and "
+                f"local_epochs = r_f + r_a (got r_f={r_f}, r_a={r_a}, local_epochs={r})"
+            )
 
     def phase(self, epoch: int) -> str:
         return "transform" if epoch < self.cfg["r_f"] else "model"
@@ -153,8 +158,9 @@ class FedPFT(Alternating):
         "heads": Setting(1, "attention heads of the FTM (ours; divides proj_dim)", lo=1),
         "residual": Setting(True, "residual connection around the FTM (ours, see the docstring)"),
         **SCHEDULE,
-        "ftm_lr_scale": Setting(0.5, "the FTM's learning rate as a multiple of lr (App. D.3)", lo=0,
-                                batched=False),  # a per-parameter-group rate, fixed at construction
+        "ftm_lr_scale": Setting(
+            0.5, "the FTM's learning rate as a multiple of lr (App. D.3)", lo=0, batched=False
+        ),  # a per-parameter-group rate, fixed at construction
     }
     phases = {"transform": ("prompt.kappa", "ftm."), "model": ("proj", "ftm.", "cls")}  # eq. 4, eq. 5
     personal = ("prompt.",)
@@ -193,13 +199,17 @@ class FedPFTCon(FedPFT):
         "beta": Setting(0.07, "β, the MoCo temperature (MoCo v1's τ)", lo=0, lo_open=True),
         "moco_m": Setting(0.999, "m, the momentum encoder's update (MoCo v1's)", lo=0, hi=1),
     }
-    phases = {"transform": ("prompt.kappa", "ftm.", "proj", "rho"),  # eq. 8
-              "model": ("proj", "ftm.", "cls", "prompt.rho")}  # eq. 9
+    phases = {
+        "transform": ("prompt.kappa", "ftm.", "proj", "rho"),  # eq. 8
+        "model": ("proj", "ftm.", "cls", "prompt.rho"),
+    }  # eq. 9
     personal = ("prompt.", "ema.", "queue")  # prompts and the client's MoCo state (buffers) stay local
     momentum = ("proj", "rho")  # parameters with a momentum copy (ϕ̃, h̃_ρ) in buffers "ema.<name>"
     uses_views = True  # train.py loads the cached augmented views for this algorithm
-    limitation = ("the two augmented views are the ones cached at extraction (--views), the same every epoch, "
-                  "not fresh augmentations per step as in MoCo")
+    limitation = (
+        "the two augmented views are the ones cached at extraction (--views), the same every epoch, "
+        "not fresh augmentations per step as in MoCo"
+    )
 
     def init(self, cfg, d_in, num_classes, gen):
         params, buffers = super().init(cfg, d_in, num_classes, gen)
@@ -232,8 +242,11 @@ class FedPFTCon(FedPFT):
         f_q, _ = FedAvg.embed(self, params, buffers, views[:, 0], mask, train=True)  # ϕ(x') [B, m]
         f_q = torch.where(transform, f_q, f_q.detach())  # eq. 9: L_Con does not train ϕ in the model phase
         q = F.normalize(linear(params, "rho0", ftm(params, f_q, params["prompt.rho"], heads, res)), dim=-1)  # [B, d]
-        ema = {k[4:]: hp["moco_m"] * v + (1 - hp["moco_m"]) * params[k[4:]].detach()
-               for k, v in buffers.items() if k.startswith("ema.")}  # ϕ̃, h̃_ρ after the momentum update
+        ema = {
+            k[4:]: hp["moco_m"] * v + (1 - hp["moco_m"]) * params[k[4:]].detach()
+            for k, v in buffers.items()
+            if k.startswith("ema.")
+        }  # ϕ̃, h̃_ρ after the momentum update
         f_k, _ = FedAvg.embed(self, ema, buffers, views[:, 1], mask, train=True)  # ϕ̃(x'') [B, m]
         k = F.normalize(linear(ema, "rho0", ftm(params, f_k, params["prompt.rho"], heads, res)), dim=-1).detach()
         con = masked_mean(info_nce(q, k, buffers["queue"], hp["beta"]), mask)

@@ -66,11 +66,13 @@ class FedProc(FedAvg):
     settings = {
         "bn": None,  # the projection head has no BatchNorm
         "tau": Setting(1.0, "τ, temperature of ℓ_gpc (eq. 4 has none: 1)", lo=0, lo_open=True),
-        "alpha_schedule": Setting("linear", "the weight α of ℓ_gpc over the rounds (eq. 2, Table 4)",
-                                  choices=tuple(ALPHA)),
+        "alpha_schedule": Setting(
+            "linear", "the weight α of ℓ_gpc over the rounds (eq. 2, Table 4)", choices=tuple(ALPHA)
+        ),
         "normalize": Setting(False, "L2-normalise z before f_c (official code: True)"),
-        "proto_average": Setting("clients", "average prototypes over clients (Alg. 1) or samples (official code)",
-                                 choices=tuple(AVERAGE)),
+        "proto_average": Setting(
+            "clients", "average prototypes over clients (Alg. 1) or samples (official code)", choices=tuple(AVERAGE)
+        ),
     }
 
     # -- model ------------------------------------------------------------------------------------------------
@@ -107,8 +109,13 @@ class FedProc(FedAvg):
     # -- prototypes: state.server = {"prototypes": [H, K, d], "has": [H, K]} ----------------------------------------
     def init_state(self, state, rnd):
         self.after_local(state, rnd)  # c^0: the initial model's prototypes (Alg. 1 line 2), from every client
-        state.server = update_global(state.client["protos"], state.client["counts"], rnd.part,
-                                     empty_global(rnd, self.cfg["proj_dim"]), AVERAGE[self.cfg["proto_average"]])
+        state.server = update_global(
+            state.client["protos"],
+            state.client["counts"],
+            rnd.part,
+            empty_global(rnd, self.cfg["proj_dim"]),
+            AVERAGE[self.cfg["proto_average"]],
+        )
 
     def after_local(self, state, rnd):
         state.client["protos"], state.client["counts"] = local_prototypes(self, state, rnd.data)
@@ -118,8 +125,9 @@ class FedProc(FedAvg):
 
     def aggregate(self, uploads, weights, state, rnd):
         params = super().aggregate({k: uploads[k] for k in state.params}, weights, state, rnd)
-        protos = update_global(uploads["protos"], uploads["counts"], rnd.part, state.server,
-                               AVERAGE[self.cfg["proto_average"]])
+        protos = update_global(
+            uploads["protos"], uploads["counts"], rnd.part, state.server, AVERAGE[self.cfg["proto_average"]]
+        )
         return {"params": params, "protos": protos}
 
     def download(self, state, server, rnd):

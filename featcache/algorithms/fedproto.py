@@ -53,8 +53,11 @@ class FedProto(FedAvg):
     uploads = "local prototypes [K, proj_dim] + class counts [K] (no parameters)"
     settings = {
         "lam": Setting(1.0, "λ, weight of the prototype distance (official ld = 1)", lo=0),
-        "infer": Setting("classifier", "predict with the own classifier (official) or the nearest global prototype",
-                         choices=("classifier", "proto", "proto-all")),
+        "infer": Setting(
+            "classifier",
+            "predict with the own classifier (official) or the nearest global prototype",
+            choices=("classifier", "proto", "proto-all"),
+        ),
         **NOISE_SETTINGS,  # as FedPCL (NeurIPS 2022, Table 15)
     }
 
@@ -144,8 +147,10 @@ class FedProtoOfficial(FedProto):
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)
         rows = (one_hot(y, buffers["proto_count"].shape[0]) & mask[:, None]).float() * ctx["collect"]  # [B, K]
-        sums = {"proto_sum": buffers["proto_sum"] + rows.T @ z.detach(),  # [K, d]
-                "proto_count": buffers["proto_count"] + rows.sum(0)}  # [K]
+        sums = {
+            "proto_sum": buffers["proto_sum"] + rows.T @ z.detach(),  # [K, d]
+            "proto_count": buffers["proto_count"] + rows.sum(0),
+        }  # [K]
         return self.proto_loss(params, z, y, mask, ctx), new_buffers | sums
 
     def after_local(self, state, rnd):

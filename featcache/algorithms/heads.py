@@ -32,8 +32,16 @@ def bn_init(params: Params, buffers: Params, name: str, d: int) -> None:
     buffers[f"{name}.running_var"] = torch.ones(d)
 
 
-def batch_norm(params: Params, buffers: Params, name: str, x: torch.Tensor, mask: torch.Tensor | None,
-               train: bool, momentum: float = 0.1, eps: float = 1e-5) -> tuple[torch.Tensor, Params]:
+def batch_norm(
+    params: Params,
+    buffers: Params,
+    name: str,
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    train: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, Params]:
     """BatchNorm1d over the rows where mask is True; returns (output [N, d], updated running statistics)."""
     mean_key, var_key = f"{name}.running_mean", f"{name}.running_var"
     if train:
@@ -42,8 +50,10 @@ def batch_norm(params: Params, buffers: Params, name: str, x: torch.Tensor, mask
         mean = (w * x).sum(0) / n  # [d]
         var = (w * (x - mean) ** 2).sum(0) / n  # [d] biased, used to normalise
         unbiased = var * n / (n - 1).clamp(min=1)
-        new = {mean_key: (1 - momentum) * buffers[mean_key] + momentum * mean,
-               var_key: (1 - momentum) * buffers[var_key] + momentum * unbiased}
+        new = {
+            mean_key: (1 - momentum) * buffers[mean_key] + momentum * mean,
+            var_key: (1 - momentum) * buffers[var_key] + momentum * unbiased,
+        }
     else:
         mean, var, new = buffers[mean_key], buffers[var_key], {}
     y = (x - mean) / torch.sqrt(var + eps) * params[f"{name}.weight"] + params[f"{name}.bias"]
@@ -60,8 +70,16 @@ def mlp_init(dims: list[int], gen: torch.Generator, prefix: str = "fc", bn: bool
     return params, buffers
 
 
-def mlp(params: Params, buffers: Params, x: torch.Tensor, layers: int, prefix: str = "fc",
-        mask: torch.Tensor | None = None, train: bool = False, final_relu: bool = False) -> tuple[torch.Tensor, Params]:
+def mlp(
+    params: Params,
+    buffers: Params,
+    x: torch.Tensor,
+    layers: int,
+    prefix: str = "fc",
+    mask: torch.Tensor | None = None,
+    train: bool = False,
+    final_relu: bool = False,
+) -> tuple[torch.Tensor, Params]:
     """Apply `layers` linear layers (ReLU between; BN after the ReLU where initialised)."""
     new: Params = {}
     for i in range(layers):

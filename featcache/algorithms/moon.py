@@ -60,8 +60,12 @@ class Moon(FedAvg):
 
     def context(self, state, rnd):
         glob = {k: rnd.expand(v) for k, v in state.server["global_buffers"].items()}  # [H, C, ...] views
-        return super().context(state, rnd) | {"global": global_context(state, rnd), "global_buffers": glob,
-                                              "prev": state.client["prev"], "prev_buffers": state.client["prev_buffers"]}
+        return super().context(state, rnd) | {
+            "global": global_context(state, rnd),
+            "global_buffers": glob,
+            "prev": state.client["prev"],
+            "prev_buffers": state.client["prev_buffers"],
+        }
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)

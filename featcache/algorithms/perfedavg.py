@@ -36,8 +36,10 @@ D, D_PRIME = slice(0, None, 2), slice(1, None, 2)  # the two halves of one engin
 @register
 class PerFedAvg(FedAvg):
     name = "perfedavg"
-    paper = ("Fallah, Mokhtari & Ozdaglar, Personalized Federated Learning with Theoretical Guarantees: "
-             "A Model-Agnostic Meta-Learning Approach, NeurIPS 2020, eq. 3, Alg. 1")
+    paper = (
+        "Fallah, Mokhtari & Ozdaglar, Personalized Federated Learning with Theoretical Guarantees: "
+        "A Model-Agnostic Meta-Learning Approach, NeurIPS 2020, eq. 3, Alg. 1"
+    )
     uploads = "all head parameters"
     settings = {
         "alpha": Setting(0.005, "α, the adaptation step (pFedMe's Per-FedAvg setting)", lo=0, lo_open=True),

@@ -77,8 +77,9 @@ class Layout:
         self.M, self.sizes = begin, sizes
         self.s_min = min(max(1 / blocks, 0.1), sparsity)
         self.items = [i for i in (linear_items, other_items) if i]
-        cap = lambda items: float(torch.round(torch.tensor(float(sum(sizes[i] for i in items)), dtype=dtype)
-                                              * (sparsity - self.s_min)))
+        cap = lambda items: float(
+            torch.round(torch.tensor(float(sum(sizes[i] for i in items)), dtype=dtype) * (sparsity - self.s_min))
+        )
         self.capacity = [cap(items) for items in self.items]
 
 
@@ -104,8 +105,14 @@ class PFedGate(FedAvg):
     paper = "Chen et al., Efficient Personalized Federated Learning via Sparse Model-Adaptation, ICML 2023"
     uploads = "projection + classifier parameters (the gating layer stays on the client)"
     settings = {
-        "sparsity": Setting(0.5, "s, the share of the head's parameters each sparse model keeps", lo=0, hi=1,
-                            lo_open=True, batched=False),  # the knapsack's capacity is a per-run constant
+        "sparsity": Setting(
+            0.5,
+            "s, the share of the head's parameters each sparse model keeps",
+            lo=0,
+            hi=1,
+            lo_open=True,
+            batched=False,
+        ),  # the knapsack's capacity is a per-run constant
         "blocks": Setting(5, "contiguous sub-blocks per parameter tensor (fine_grained_block_split)", lo=1),
         "lr_gate": Setting(0.05, "learning rate of the gating layer's optimizer (lr_gating)", lo=0, lo_open=True),
         "optimizer": "sgd",  # get_optimizer: SGD, momentum 0.9, weight decay 5e-4, for both optimizers
@@ -182,8 +189,12 @@ class PFedGate(FedAvg):
         each, from the θ the client holds (rows [N] bool: the real rows)."""
         held = {k: buffers[HELD + k] if self.shared(k) else v for k, v in params.items()}
         B = self.cfg["batch_size"]
-        return torch.cat([self.forward(held, buffers, x[s : s + B], rows[s : s + B], train=False)[out]
-                          for s in range(0, x.shape[0], B)])
+        return torch.cat(
+            [
+                self.forward(held, buffers, x[s : s + B], rows[s : s + B], train=False)[out]
+                for s in range(0, x.shape[0], B)
+            ]
+        )
 
     # -- client -----------------------------------------------------------------------------------------------
     def local_loss(self, params, buffers, x, y, mask, ctx):

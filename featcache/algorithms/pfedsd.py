@@ -53,8 +53,10 @@ class PFedSD(FedAvg):
         state.client["has_teacher"] = torch.zeros(rnd.H, rnd.C, device=rnd.device)  # [H, C] 1 once trained
 
     def context(self, state, rnd):
-        return super().context(state, rnd) | {"personal": state.client["personal"],
-                                              "has_teacher": state.client["has_teacher"]}
+        return super().context(state, rnd) | {
+            "personal": state.client["personal"],
+            "has_teacher": state.client["has_teacher"],
+        }
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)

@@ -39,8 +39,9 @@ def local_prototypes(algo, state, data, rows: torch.Tensor | None = None) -> tup
     if rows is None:
         protos, counts = map_models(one, (state.params, state.buffers), (data.features, data.labels, data.mask))
     else:
-        protos, counts = map_models(lambda p, b, m, x, y: one(p, b, x, y, m), (state.params, state.buffers, rows),
-                                    (data.features, data.labels))
+        protos, counts = map_models(
+            lambda p, b, m, x, y: one(p, b, x, y, m), (state.params, state.buffers, rows), (data.features, data.labels)
+        )
     return protos, counts.contiguous()  # (vmap hands back counts that read no parameters broadcast over H)
 
 
@@ -53,8 +54,10 @@ def refresh_prototypes(algo, state, rnd) -> None:
         return
     h, ids, data = torch.arange(rnd.H, device=rnd.device)[:, None], rnd.clients, rnd.data  # ids [H, P]
     take = lambda d: {k: v[h, ids] for k, v in d.items()}  # [H, P, ...]
-    protos, counts = map_models(_prototypes_of(algo, data.num_classes), (take(state.params), take(state.buffers),
-                                data.features[ids], data.labels[ids], data.mask[ids]))  # [H, P, K, d], [H, P, K]
+    protos, counts = map_models(
+        _prototypes_of(algo, data.num_classes),
+        (take(state.params), take(state.buffers), data.features[ids], data.labels[ids], data.mask[ids]),
+    )  # [H, P, K, d], [H, P, K]
     state.client["protos"][h, ids], state.client["counts"][h, ids] = protos, counts
 
 
@@ -100,8 +103,9 @@ def empty_global(rnd, d: int) -> dict:
     return {"prototypes": torch.zeros(H, K, d, device=dev), "has": torch.zeros(H, K, dtype=torch.bool, device=dev)}
 
 
-def update_global(protos: torch.Tensor, counts: torch.Tensor, part: torch.Tensor, server: dict,
-                  average=mean_prototypes) -> dict:
+def update_global(
+    protos: torch.Tensor, counts: torch.Tensor, part: torch.Tensor, server: dict, average=mean_prototypes
+) -> dict:
     """New global prototypes from the participants (part [H, C] bool) of a round; a class none of them owns keeps its
     previous prototype. protos [H, C, K, d], counts [H, C, K] -> {"prototypes": [H, K, d], "has": [H, K] bool}."""
     counts = counts * part[..., None]  # [H, C, K]  participants only
@@ -123,8 +127,9 @@ _NOISE = {
 NOISE_SETTINGS = {  # the settings `privatize` reads (FedPCL, NeurIPS 2022, Table 15); per run: one noise draw per seed
     "proto_noise": Setting("none", "noise on uploaded prototypes", choices=("none", *_NOISE)),
     "proto_noise_scale": Setting(0.05, "s, the noise's scale", lo=0, batched=False),
-    "proto_noise_p": Setting(0.1, "p, the prototypes' shrink: (1 - p) C + noise", lo=0, hi=1, hi_open=True,
-                             batched=False),
+    "proto_noise_p": Setting(
+        0.1, "p, the prototypes' shrink: (1 - p) C + noise", lo=0, hi=1, hi_open=True, batched=False
+    ),
 }
 
 

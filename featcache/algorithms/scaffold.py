@@ -35,7 +35,8 @@ class Scaffold(FedAvg):
     paper = "Karimireddy et al., SCAFFOLD, ICML 2020, Alg. 1 with option II (eq. 4)"
     uploads = "model delta y_i − x + control delta c_i⁺ − c_i (2 × head parameters)"
     # Plain SGD by default (Alg. 1 line 10 is an SGD step; weight decay only adds to the gradient) at lr 0.01 (the
-    # engine's 1e-3 is Adam's; 0.1 is unstable on the demo cache). Adam or momentum: --set optimizer=... --set momentum=...
+    # engine's 1e-3 is Adam's; 0.1 is unstable on the demo cache). Adam or momentum: --set optimizer=... --set
+    # momentum=...
     settings = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.01}
 
     def init_state(self, state, rnd):

@@ -37,5 +37,19 @@ from .migrate import migrate
 from .open import open_cache, read_meta
 from .write import FORMAT, Client, Split, cache_path, write
 
-__all__ = ["FORMAT", "open_cache", "read_attrs", "read_meta", "write_attrs", "info", "verify", "Split", "Client",
-           "write", "cache_path", "ClientData", "load_clients", "migrate"]
+__all__ = [
+    "FORMAT",
+    "open_cache",
+    "read_attrs",
+    "read_meta",
+    "write_attrs",
+    "info",
+    "verify",
+    "Split",
+    "Client",
+    "write",
+    "cache_path",
+    "ClientData",
+    "load_clients",
+    "migrate",
+]

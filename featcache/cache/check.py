@@ -42,8 +42,15 @@ def verify(path: str | Path) -> dict:
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
         problems.append(f"unreadable ({type(e).__name__}: {first_line(e)})")
     size = os.path.getsize(path) if Path(path).is_file() else 0
-    return {"path": str(path), "ok": not problems, "problems": problems, "stale": stale, "arrays": arrays,
-            "bytes": size, "seconds": round(time.perf_counter() - t0, 3)}
+    return {
+        "path": str(path),
+        "ok": not problems,
+        "problems": problems,
+        "stale": stale,
+        "arrays": arrays,
+        "bytes": size,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
 
 
 def info(path: str | Path) -> dict:
@@ -68,8 +75,10 @@ def info(path: str | Path) -> dict:
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
             problem = problems[0] + more if problems else None
         if problem:
-            raise UserError(f"cache {path} is damaged: {problem}; run `featcache verify {path}`, then delete it and "
-                            "re-run `featcache extract`")
+            raise UserError(
+                f"cache {path} is damaged: {problem}; run `featcache verify {path}`, then delete it and "
+                "re-run `featcache extract`"
+            )
         meta["path"] = str(path)
         meta["bytes"] = os.path.getsize(path)
     return meta
@@ -86,8 +95,10 @@ def _info_problem(meta: dict) -> str | None:
             except (TypeError, ValueError):
                 return f"attribute {k!r} is not JSON"
     for k, b in meta["backbone_info"].items():
-        if not isinstance(b, dict) or any(not isinstance(b.get(a), t) for a, t in
-                                           (("name", str), ("dim", int), ("weights", str), ("weights_sha256", str))):
+        if not isinstance(b, dict) or any(
+            not isinstance(b.get(a), t)
+            for a, t in (("name", str), ("dim", int), ("weights", str), ("weights_sha256", str))
+        ):
             return f"backbones/{k} lacks one of name, dim, weights, weights_sha256"
         if isinstance(b.get("dim"), bool):
             return f"backbones/{k} has a dim that is not a number"
@@ -96,8 +107,9 @@ def _info_problem(meta: dict) -> str | None:
                 return f"backbones/{k} attribute {a!r} is an array"
     counts = meta.get("counts")
     rows = counts.get("clients") if isinstance(counts, dict) else None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(c in r for c in
-                                             ("client", "domain", "train", "val", "test")) for r in rows):
+    if not isinstance(rows, list) or not all(
+        isinstance(r, dict) and all(c in r for c in ("client", "domain", "train", "val", "test")) for r in rows
+    ):
         return "attribute 'counts' is not {clients: [{client, domain, train, val, test}, ...]}"
     return None
 
@@ -112,7 +124,9 @@ def _check_structure(f: h5py.File, problems: list[str], checksums: bool = True) 
         return {}
     meta = read_attrs(f)
     if meta["meta_sha256"] != meta_sha256(f):
-        problems.append("metadata checksum mismatch: names, shapes, dtypes, attributes or placement of arrays changed after writing")
+        problems.append(
+            "metadata checksum mismatch: names, shapes, dtypes, attributes or placement of arrays changed after writing"
+        )
     if content_key(meta["manifest"]) != meta["key"]:
         problems.append("the stored key is not the hash of the stored manifest")
     dims = _column_problems(f, meta["backbones"], problems)
@@ -124,8 +138,10 @@ def _check_structure(f: h5py.File, problems: list[str], checksums: bool = True) 
         return {}
     empty = [f"{c:03d}" for c, row in enumerate(rows) if int(row.get("train", 0)) - int(row.get("val", 0)) < 1]
     if empty:
-        problems.append(f"client {empty[0]} has no training rows (outside validation)"
-                        + (f" (+{len(empty) - 1} more clients)" if len(empty) > 1 else ""))
+        problems.append(
+            f"client {empty[0]} has no training rows (outside validation)"
+            + (f" (+{len(empty) - 1} more clients)" if len(empty) > 1 else "")
+        )
     expected = _expected_datasets(rows, sum(dims), int(meta["views"]))
     found = dict(objects(f, h5py.Dataset))
     problems += [f"{name}: missing" for name in sorted(set(expected) - set(found))]
@@ -156,8 +172,10 @@ def _column_problems(f: h5py.File, order: list[str], problems: list[str]) -> lis
         dims.append(int(g.attrs["dim"]))
         columns = read_attrs(g)["columns"]
         if columns != [start, start + dims[-1]]:
-            problems.append(f"backbones/{b}: columns {columns} do not follow the backbones before it in `backbones` "
-                            f"order (expected {[start, start + dims[-1]]})")
+            problems.append(
+                f"backbones/{b}: columns {columns} do not follow the backbones before it in `backbones` "
+                f"order (expected {[start, start + dims[-1]]})"
+            )
         start += dims[-1]
     return dims
 
@@ -167,8 +185,9 @@ def _is_features(name: str) -> bool:
 
 
 def _feature_problems(name: str, ds: h5py.Dataset, digest: str, finite: bool) -> list[str]:
-    return ([f"{name}: sha256 mismatch (the array bytes changed after writing)"] if ds.attrs.get("sha256") != digest
-            else []) + ([] if finite else [f"{name}: NaN or Inf values"])
+    return (
+        [f"{name}: sha256 mismatch (the array bytes changed after writing)"] if ds.attrs.get("sha256") != digest else []
+    ) + ([] if finite else [f"{name}: NaN or Inf values"])
 
 
 def _expected_datasets(rows: list[dict], width: int, views: int) -> dict[str, tuple[str, tuple]]:
@@ -206,5 +225,6 @@ def _value_problems(f: h5py.File, rows: list[dict], classes: int, domains: int, 
 def _stale(stored: dict) -> list[str]:
     """'torch 2.14.1 (now 2.15.0)' for each library whose version differs from the one the cache was made with (the
     cache format is not one: `open_cache` refuses another format, and a migrated cache keeps its versions)."""
-    return [f"{k} {stored.get(k)} (now {v})" for k, v in versions().items()
-            if stored.get(k) != v and k != "cache_format"]
+    return [
+        f"{k} {stored.get(k)} (now {v})" for k, v in versions().items() if stored.get(k) != v and k != "cache_format"
+    ]

@@ -1,5 +1,6 @@
-"""Reading a client cache: `load_clients`, one split of every client as padded tensors. The first load of a file version in a process checks it as `verify` does, the feature
-arrays on the very read that fills the tensors, so every feature byte is read once."""
+"""Reading a client cache: `load_clients`, one split of every client as padded tensors. The first load of a file version
+in a process checks it as `verify` does, the feature arrays on the very read that fills the tensors, so every feature
+byte is read once."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ class ClientData:
 
     def to(self, device) -> "ClientData":
         move = lambda t: None if t is None else t.to(device)
-        return ClientData(move(self.features), move(self.labels), move(self.counts), self.num_classes,
-                          move(self.views), self.meta)
+        return ClientData(
+            move(self.features), move(self.labels), move(self.counts), self.num_classes, move(self.views), self.meta
+        )
 
     @property
     def mask(self) -> torch.Tensor:  # [C, Nmax] bool
@@ -45,7 +47,11 @@ class ClientData:
 
 
 def load_clients(
-    path: str | Path, split: str = "train", backbones: list[str] | None = None, views: bool = False, holdout: str = "none"
+    path: str | Path,
+    split: str = "train",
+    backbones: list[str] | None = None,
+    views: bool = False,
+    holdout: str = "none",
 ) -> ClientData:
     """Read one split of every client as padded tensors, with the cache's metadata in `.meta`.
 
@@ -72,9 +78,14 @@ def load_clients(
         for c, (g, r) in enumerate(zip(groups, rows)):
             labels[c, : len(r)] = g["labels"][...][r]
         read = lambda group: _read_padded(path, [g[f"{group}/concat"] for g in groups], rows, ranges, checked)
-        return ClientData(features=read("features"), labels=torch.from_numpy(labels),
-                          counts=torch.tensor(counts, dtype=torch.int64),
-                          num_classes=len(meta["classes"]), views=read("views") if views else None, meta=meta)
+        return ClientData(
+            features=read("features"),
+            labels=torch.from_numpy(labels),
+            counts=torch.tensor(counts, dtype=torch.int64),
+            num_classes=len(meta["classes"]),
+            views=read("views") if views else None,
+            meta=meta,
+        )
 
 
 def _refused(path: Path, problems: list[str]) -> UserError:
@@ -98,8 +109,12 @@ def _checked(path: Path, f: h5py.File) -> set[str]:
         if problems:
             raise _refused(path, problems)
         if stale:
-            warnings.warn(f"cache {path} was extracted with {', '.join(stale)}: a fresh `featcache extract` "
-                          "may give other features", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"cache {path} was extracted with {', '.join(stale)}: a fresh `featcache extract` "
+                "may give other features",
+                UserWarning,
+                stacklevel=3,
+            )
         _VERIFIED[ident] = set()
     return _VERIFIED[ident]
 
@@ -115,8 +130,13 @@ def _column_ranges(meta: dict, wanted: list[str] | None, path: Path) -> list[tup
     return [tuple(meta["backbone_info"][b]["columns"]) for b in wanted]
 
 
-def _read_padded(path: Path, datasets: list[h5py.Dataset], rows: list[np.ndarray],
-                 ranges: list[tuple[int, int]] | None, checked: set[str]) -> torch.Tensor:
+def _read_padded(
+    path: Path,
+    datasets: list[h5py.Dataset],
+    rows: list[np.ndarray],
+    ranges: list[tuple[int, int]] | None,
+    checked: set[str],
+) -> torch.Tensor:
     """[C, Nmax, ..., D'] float32, zeros past each client's rows: client c's `rows[c]` of `datasets[c]`, the columns
     of `ranges` side by side (all when None)."""
     width = datasets[0].shape[-1] if ranges is None else sum(b - a for a, b in ranges)
@@ -127,8 +147,14 @@ def _read_padded(path: Path, datasets: list[h5py.Dataset], rows: list[np.ndarray
     return torch.from_numpy(out)
 
 
-def _read_into(path: Path, ds: h5py.Dataset, rows: np.ndarray, ranges: list[tuple[int, int]] | None,
-               out: np.ndarray, checked: set[str]) -> None:
+def _read_into(
+    path: Path,
+    ds: h5py.Dataset,
+    rows: np.ndarray,
+    ranges: list[tuple[int, int]] | None,
+    out: np.ndarray,
+    checked: set[str],
+) -> None:
     """out[:] = ds[rows] (the columns of `ranges` side by side, all when None), reading `ds` once, in slices of
     rows. Unless `checked` already holds it, the same read checks `ds`: its sha256 against the stored one, and that
     every value is finite."""

@@ -33,8 +33,10 @@ def migrate(path: str | Path) -> dict:
         raise UserError(f"cache {given} {why}: pass the path of a cache file")
     path = Path(os.path.realpath(given)) if given.is_symlink() else given  # convert the real file, keep the link
     if not os.access(path, os.W_OK):
-        raise UserError(f"cannot migrate {given} in place: it is read-only or immutable; make it writable (chmod u+w, "
-                        "chattr -i) or migrate a copy")
+        raise UserError(
+            f"cannot migrate {given} in place: it is read-only or immutable; make it writable (chmod u+w, "
+            "chattr -i) or migrate a copy"
+        )
     work = path.with_name(f".{path.name}.migrating")
     try:
         with locked(work, "migrating"):
@@ -46,8 +48,10 @@ def migrate(path: str | Path) -> dict:
     except OSError as e:  # the staging folder or the final rename: a folder or file we may not change
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
-        raise UserError(f"cannot migrate {path} in place: {e.strerror} ({e.filename or path.parent}); make it and its "
-                        "folder writable, or migrate a copy; nothing was changed") from None
+        raise UserError(
+            f"cannot migrate {path} in place: {e.strerror} ({e.filename or path.parent}); make it and its "
+            "folder writable, or migrate a copy; nothing was changed"
+        ) from None
 
 
 def _migrate(path: Path, staged: Path) -> dict:
@@ -55,25 +59,35 @@ def _migrate(path: Path, staged: Path) -> dict:
     with old:
         fmt = plain(old.attrs.get("featcache_format"))
         if fmt is None:
-            raise UserError(f"{path} is not a featcache client cache (it has no featcache_format attribute): pass "
-                            "the path of a cache file; nothing was changed")
+            raise UserError(
+                f"{path} is not a featcache client cache (it has no featcache_format attribute): pass "
+                "the path of a cache file; nothing was changed"
+            )
         if fmt == FORMAT:
             raise UserError(f"{path} is already cache format {FORMAT}: nothing to migrate")
         if fmt not in _MIGRATIONS:
             known = ", ".join(map(str, _MIGRATIONS))
-            raise UserError(f"{path} has cache format {fmt!r}; `featcache migrate` converts format {known}: re-run "
-                            "`featcache extract` with the same options to rebuild it")
+            raise UserError(
+                f"{path} has cache format {fmt!r}; `featcache migrate` converts format {known}: re-run "
+                "`featcache extract` with the same options to rebuild it"
+            )
         if old.attrs.get("meta_sha256") != meta_sha256(old, bind_data=False):
-            raise UserError(f"cache {path} is damaged (metadata checksum mismatch): delete it and re-run "
-                            "`featcache extract`")
+            raise UserError(
+                f"cache {path} is damaged (metadata checksum mismatch): delete it and re-run `featcache extract`"
+            )
         before = os.path.getsize(path)
         with output_errors(staged):  # a full disk or a size limit: one line, the original untouched
             _MIGRATIONS[fmt](old, staged)
         _same_arrays(path, old, staged)
     os.replace(staged, path)
     sync(path.parent)
-    return {"path": str(path), "from_format": fmt, "to_format": FORMAT, "bytes_before": before,
-            "bytes": os.path.getsize(path)}
+    return {
+        "path": str(path),
+        "from_format": fmt,
+        "to_format": FORMAT,
+        "bytes_before": before,
+        "bytes": os.path.getsize(path),
+    }
 
 
 def _from_format_2(old: h5py.File, staged: Path) -> None:
@@ -85,11 +99,17 @@ def _from_format_2(old: h5py.File, staged: Path) -> None:
 
     def split(g: h5py.Group, name: str) -> Split:
         s = g[name]
-        return Split(s["labels"][...], s["source_index"][...], [s["features/concat"]],
-                     [s["views/concat"]] if views and name == "train" else None)
+        return Split(
+            s["labels"][...],
+            s["source_index"][...],
+            [s["features/concat"]],
+            [s["views/concat"]] if views and name == "train" else None,
+        )
 
-    clients = (Client(plain(g.attrs["domain"]), split(g, "train"), split(g, "test"), g["train/val_index"][...])
-               for g in (old["clients"][name] for name in sorted(old["clients"])))
+    clients = (
+        Client(plain(g.attrs["domain"]), split(g, "train"), split(g, "test"), g["train/val_index"][...])
+        for g in (old["clients"][name] for name in sorted(old["clients"]))
+    )
     write(staged, header, backbones, clients, replace=True)
 
 
@@ -98,8 +118,10 @@ def _same_arrays(path: Path, old: h5py.File, staged: Path) -> None:
     with h5py.File(staged, "r") as new:
         for name, ds in objects(new, h5py.Dataset):
             if old[name].attrs.get("sha256") != ds.attrs["sha256"]:
-                raise UserError(f"cache {path} is damaged ({name}: sha256 mismatch), nothing was changed: delete it "
-                                "and re-run `featcache extract`")
+                raise UserError(
+                    f"cache {path} is damaged ({name}: sha256 mismatch), nothing was changed: delete it "
+                    "and re-run `featcache extract`"
+                )
 
 
 _MIGRATIONS = dict(zip(MIGRATES, [_from_format_2]))  # format -> converter(old file, new path)

@@ -31,7 +31,9 @@ def _read_only(path: Path, missing_fix: str) -> h5py.File:
     try:
         return h5py.File(path, "r")
     except OSError as e:
-        raise UserError(f"cache {path} is not a readable HDF5 file ({e}); delete it and run `featcache extract` again")
+        raise UserError(
+            f"cache {path} is not a readable HDF5 file ({e}); delete it and run `featcache extract` again"
+        ) from None
 
 
 def open_cache(path: str | Path) -> h5py.File:
@@ -43,6 +45,8 @@ def open_cache(path: str | Path) -> h5py.File:
         wrote = plain(f.attrs.get("featcache_version", "an unknown version"))
         f.close()
         how = f"run `featcache migrate {path}` to convert it in place, or " if fmt in MIGRATES else ""
-        raise UserError(f"{path} has cache format {fmt!r} (written by featcache {wrote}), this featcache {__version__} "
-                        f"reads format {FORMAT}: {how}re-run `featcache extract` with the same options to rebuild it")
+        raise UserError(
+            f"{path} has cache format {fmt!r} (written by featcache {wrote}), this featcache {__version__} "
+            f"reads format {FORMAT}: {how}re-run `featcache extract` with the same options to rebuild it"
+        )
     return f

@@ -48,8 +48,14 @@ class Client:
     val_index: np.ndarray  # [v] int: positions in train held out for validation
 
 
-def write(path: str | Path, header: dict, backbones: list[dict], clients: Iterable[Client],
-          partial: str | Path | None = None, replace: bool = False) -> int:
+def write(
+    path: str | Path,
+    header: dict,
+    backbones: list[dict],
+    clients: Iterable[Client],
+    partial: str | Path | None = None,
+    replace: bool = False,
+) -> int:
     """Write a cache: into `partial` (default `.NAME.partial` beside `path`), hashing every array from the bytes it
     writes, then synced and renamed to `path`, so `path` exists only complete; returns the number of images.
 
@@ -71,8 +77,9 @@ def write(path: str | Path, header: dict, backbones: list[dict], clients: Iterab
 
 def _write_file(f: h5py.File, header: dict, backbones: list[dict], clients: Iterable[Client]) -> int:
     width = sum(int(b["dim"]) for b in backbones)
-    write_attrs(f, header | {MARKER: FORMAT, "featcache_version": __version__,
-                             "backbones": [b["key"] for b in backbones]})
+    write_attrs(
+        f, header | {MARKER: FORMAT, "featcache_version": __version__, "backbones": [b["key"] for b in backbones]}
+    )
     start = 0
     for b in backbones:
         attrs = {k: v for k, v in b.items() if k != "key"} | {"columns": [start, start + int(b["dim"])]}
@@ -85,8 +92,11 @@ def _write_file(f: h5py.File, header: dict, backbones: list[dict], clients: Iter
         for split in SPLITS:
             s = getattr(client, split)
             n = len(s.labels)
-            index = {"labels": s.labels, "source_index": s.source_index,
-                     "domain": np.full(n, domains.index(client.domain))}
+            index = {
+                "labels": s.labels,
+                "source_index": s.source_index,
+                "domain": np.full(n, domains.index(client.domain)),
+            }
             for name, dtype in INDEX_DTYPES.items():
                 write_array(g, f"{split}/{name}", np.asarray(index[name], dtype))
             write_columns(g, f"{split}/features/concat", s.features, (n,), width)

@@ -31,8 +31,20 @@ keep_freed_memory()
 passive_wait()
 
 # The commands in the order `featcache --help` lists them.
-COMMANDS = (extraction.extract, extraction.info, extraction.gc, extraction.verify, extraction.migrate, training.train,
-            training.grid, training.algos, results.report, results.plot, extraction.datasets, results.reproduce)
+COMMANDS = (
+    extraction.extract,
+    extraction.info,
+    extraction.gc,
+    extraction.verify,
+    extraction.migrate,
+    training.train,
+    training.grid,
+    training.algos,
+    results.report,
+    results.plot,
+    extraction.datasets,
+    results.reproduce,
+)
 
 
 def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:
@@ -41,8 +53,11 @@ def _warn_one_line(message, category, filename, lineno, file=None, line=None) ->
 
 def _out_of_memory(e: BaseException) -> bool:
     text = str(e)
-    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
-        isinstance(e, RuntimeError) and ("can't allocate memory" in text or "CUDA out of memory" in text))
+    return (
+        isinstance(e, MemoryError)
+        or type(e).__name__ == "OutOfMemoryError"
+        or (isinstance(e, RuntimeError) and ("can't allocate memory" in text or "CUDA out of memory" in text))
+    )
 
 
 def main() -> None:
@@ -61,8 +76,9 @@ def main() -> None:
 
 
 def _error(message: str) -> None:
-    err.print(f"[red]error:[/red] {escape(' '.join(message.splitlines()))}", highlight=False, soft_wrap=True,
-              emoji=False)  # `--algo file.py:X: ...` is no :x: emoji
+    err.print(
+        f"[red]error:[/red] {escape(' '.join(message.splitlines()))}", highlight=False, soft_wrap=True, emoji=False
+    )  # `--algo file.py:X: ...` is no :x: emoji
 
 
 class _CtrlC:
@@ -125,9 +141,11 @@ def _plugin_interrupt(e: KeyboardInterrupt) -> UserError | None:
     where = algorithms.plugin_failure(_original(e)) if algorithms is not None else None
     if where is None or CTRL_C.pressed():
         return None
-    return UserError(f"plug-in failed at {where.partition(': KeyboardInterrupt')[0]}: it raised KeyboardInterrupt "
-                     "with no Ctrl-C pressed; a hook must return its value or raise an ordinary exception "
-                     "(FEATCACHE_DEBUG=1 shows the traceback)")
+    return UserError(
+        f"plug-in failed at {where.partition(': KeyboardInterrupt')[0]}: it raised KeyboardInterrupt "
+        "with no Ctrl-C pressed; a hook must return its value or raise an ordinary exception "
+        "(FEATCACHE_DEBUG=1 shows the traceback)"
+    )
 
 
 def _tell_interrupt(e: KeyboardInterrupt) -> None:
@@ -140,13 +158,18 @@ def _tell_interrupt(e: KeyboardInterrupt) -> None:
 
 _RUNNING: list[str] = []  # the command this call of `main` runs (its function's name): an out-of-memory line's advice
 _TRAINING = "lower batch_size or the widths (proj_dim, ...), use fewer --seeds, or a smaller --chunk"
-_OOM_ADVICE = {"extract": "lower --batch-size or --image-size", "train": _TRAINING, "grid": _TRAINING,
-               "reproduce": "lower the pipeline's batch_size or image_size, or run on a machine with more memory"}
+_OOM_ADVICE = {
+    "extract": "lower --batch-size or --image-size",
+    "train": _TRAINING,
+    "grid": _TRAINING,
+    "reproduce": "lower the pipeline's batch_size or image_size, or run on a machine with more memory",
+}
 
 
 def _wrapped(command):
     """`command` with its KeyboardInterrupt told in one line (typer then exits 130 and keeps the exception), a
     plug-in's own KeyboardInterrupt made its error line, and, under --json, stdout kept for the one JSON object."""
+
     @functools.wraps(command)
     def run(*args, **kwargs):
         _RUNNING.append(command.__name__)
@@ -210,13 +233,20 @@ def _main() -> None:
 
         where = plugin_failure(e)
         if where:  # a bug in the user's own algorithm: their input, so one `error:` line naming the file and hook
-            err.print(f"[red]error:[/red] plug-in failed at {escape(where)} (FEATCACHE_DEBUG=1 shows the traceback)",
-                      highlight=False, soft_wrap=True, emoji=False)
+            err.print(
+                f"[red]error:[/red] plug-in failed at {escape(where)} (FEATCACHE_DEBUG=1 shows the traceback)",
+                highlight=False,
+                soft_wrap=True,
+                emoji=False,
+            )
             sys.exit(2)
         if _out_of_memory(e):  # the up-front estimate was too low: still the user's setting, still one line
             advice = _OOM_ADVICE.get(_RUNNING[-1] if _RUNNING else "", _OOM_ADVICE["train"])
             err.print(f"[red]error:[/red] out of memory ({detail}): {advice}", highlight=False, soft_wrap=True)
             sys.exit(2)
-        err.print(f"[red]internal error:[/red] {detail}; run with FEATCACHE_DEBUG=1 for the "
-                  "traceback, and please report it", highlight=False, soft_wrap=True)
+        err.print(
+            f"[red]internal error:[/red] {detail}; run with FEATCACHE_DEBUG=1 for the traceback, and please report it",
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(1)

@@ -8,7 +8,6 @@ import os
 import sys
 import time
 from contextlib import contextmanager, redirect_stdout
-from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -18,8 +17,12 @@ from rich.table import Table
 from ..atomic import output_error
 from ..errors import UserError, as_path
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Run frozen backbones once, cache embeddings in HDF5, train federated heads on them.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Run frozen backbones once, cache embeddings in HDF5, train federated heads on them.",
+)
 # Off a terminal (a pipe, a log file) rich would wrap tables at 80 columns and cut their cells: give it room.
 out = Console(width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
@@ -34,8 +37,11 @@ def _version(asked: bool) -> None:
 
 
 @app.callback()
-def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                          help="print featcache's version and exit")) -> None:
+def _options(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print featcache's version and exit"
+    ),
+) -> None:
     pass  # the options of `featcache` itself (the app's help above describes it)
 
 
@@ -53,8 +59,10 @@ def comma_list(text: str, kind: type, flag: str) -> list:
     try:
         return [kind(t) for t in items]
     except ValueError:
-        raise UserError(f"{flag} {text!r}: write comma-separated {kind.__name__}s, e.g. {flag} "
-                        f"{'0,1,2' if kind is int else '0.1,0.5,1'}") from None
+        raise UserError(
+            f"{flag} {text!r}: write comma-separated {kind.__name__}s, e.g. {flag} "
+            f"{'0,1,2' if kind is int else '0.1,0.5,1'}"
+        ) from None
 
 
 PLAIN_EVERY_S = 30.0  # when stderr is not a terminal: a line per label at least every 30 s ...
@@ -88,11 +96,20 @@ def plain_progress(write=None, clock=time.monotonic):
         start.setdefault(label, now)
         frac = done / total if total else 1.0
         t, f = last.get(label, (None, None))
-        if (note or t is None or frac >= 1.0 and f < 1.0 or int(frac / PLAIN_STEP) > int(f / PLAIN_STEP)
-                or now - t >= PLAIN_EVERY_S and frac > f):
+        if (
+            note
+            or t is None
+            or frac >= 1.0
+            and f < 1.0
+            or int(frac / PLAIN_STEP) > int(f / PLAIN_STEP)
+            or now - t >= PLAIN_EVERY_S
+            and frac > f
+        ):
             last[label] = (now, frac)
-            write(f"progress: {label} {done}/{total} ({100 * frac:.0f} %) {now - start[label]:.0f} s"
-                  + (f" · {note}" if note else ""))
+            write(
+                f"progress: {label} {done}/{total} ({100 * frac:.0f} %) {now - start[label]:.0f} s"
+                + (f" · {note}" if note else "")
+            )
 
     return update
 
@@ -109,9 +126,16 @@ def progress_bar(enabled: bool = True):
     if not err.is_terminal:
         yield plain_progress()
         return
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[note]}"), console=err,
-                   transient=False)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[note]}"),
+        console=err,
+        transient=False,
+    )
     tasks: dict[str, int] = {}
 
     def update(label: str, done: int, total: int, note: str = "") -> None:
@@ -174,7 +198,7 @@ def write_stdout(text: str, stream=None) -> None:
         stream.flush()
         data = memoryview(text.encode(getattr(stream, "encoding", None) or "utf-8", "replace"))
         while data:
-            data = data[os.write(fd, data):]
+            data = data[os.write(fd, data) :]
     except OSError as e:
         mapped = output_error(e, "standard output")
         if mapped is None:

@@ -16,22 +16,33 @@ from .app import comma_list, emit, err, out, path_of, progress_bar
 
 def extract(
     dataset: str = typer.Option("offline-digits", help="dataset name (see `featcache datasets`)"),
-    backbone: list[str] = typer.Option(["efficientnet_lite0"], help="timm name, NAME=CHECKPOINT or NAME=random; repeat for several"),
+    backbone: list[str] = typer.Option(
+        ["efficientnet_lite0"], help="timm name, NAME=CHECKPOINT or NAME=random; repeat for several"
+    ),
     partition: str = typer.Option("feature", help="feature | label | feature-label | pathological | iid"),
-    clients: Optional[str] = typer.Option(None, help="number of clients (default: one per domain / 5); a comma list "
-                                                     "(5,10,20) writes one cache per value"),
+    clients: Optional[str] = typer.Option(
+        None, help="number of clients (default: one per domain / 5); a comma list (5,10,20) writes one cache per value"
+    ),
     alpha: str = typer.Option("0.5", help="Dirichlet concentration for label skew; a comma list sweeps"),
-    per_class: Optional[str] = typer.Option(None, help="train images per class per client (FedPCL: 10); a comma "
-                                                       "list sweeps"),
+    per_class: Optional[str] = typer.Option(
+        None, help="train images per class per client (FedPCL: 10); a comma list sweeps"
+    ),
     test_per_class: Optional[int] = typer.Option(None, help="test images per class per client (FedPCL: 200)"),
     classes_per_client: int = typer.Option(2, help="classes per client for the pathological partition"),
-    domains: Optional[list[str]] = typer.Option(None, "--domains", help="use only these domains (repeat); the "
-                                                "one-domain partitions (label, pathological, iid) take one"),
+    domains: Optional[list[str]] = typer.Option(
+        None,
+        "--domains",
+        help="use only these domains (repeat); the one-domain partitions (label, pathological, iid) take one",
+    ),
     val_fraction: float = typer.Option(0.2, help="share of train held out for validation (grid search)"),
-    order: str = typer.Option("shuffled", help="which images of a class a client takes: shuffled (seeded) | first "
-                                               "(the dataset's order, FedPCL's first 10 per class)"),
-    image_size: Optional[int] = typer.Option(None, help="input size in pixels (default: 64 for images under 64 px, "
-                                                        "else each backbone's own; printed)"),
+    order: str = typer.Option(
+        "shuffled",
+        help="which images of a class a client takes: shuffled (seeded) | first "
+        "(the dataset's order, FedPCL's first 10 per class)",
+    ),
+    image_size: Optional[int] = typer.Option(
+        None, help="input size in pixels (default: 64 for images under 64 px, else each backbone's own; printed)"
+    ),
     views: int = typer.Option(0, help="augmented views per training image (FedPCL two-crop, FedPFT+Con)"),
     noise: Optional[str] = typer.Option(None, help="image noise: laplace or gaussian (FedPCL A.2.4)"),
     noise_scale: float = typer.Option(0.2, help="noise scale s"),
@@ -40,18 +51,25 @@ def extract(
     data_root: Optional[Path] = typer.Option(None, parser=path_of("--data-root"), help="folder holding the dataset"),
     download: bool = typer.Option(False, help="let torchvision datasets download (online users)"),
     out_dir: Path = typer.Option(Path("cache"), "--out", parser=path_of("--out"), help="folder for caches"),
-    store: Optional[Path] = typer.Option(None, parser=path_of("--store"),
-                                         help="folder of the embedding stores (default: OUT/store); share one "
-                                              "between projects or machines"),
-    batch_size: Optional[int] = typer.Option(None, help="images decoded per step (default: 256 on CUDA, 64 on CPU); "
-                                                        "every forward holds 256 / 64 rows, so no byte depends on it"),
-    workers: Optional[int] = typer.Option(None, help="input worker processes (default: 0 for in-memory arrays, "
-                                                     "else one per core)"),
+    store: Optional[Path] = typer.Option(
+        None,
+        parser=path_of("--store"),
+        help="folder of the embedding stores (default: OUT/store); share one between projects or machines",
+    ),
+    batch_size: Optional[int] = typer.Option(
+        None,
+        help="images decoded per step (default: 256 on CUDA, 64 on CPU); "
+        "every forward holds 256 / 64 rows, so no byte depends on it",
+    ),
+    workers: Optional[int] = typer.Option(
+        None, help="input worker processes (default: 0 for in-memory arrays, else one per core)"
+    ),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     backend: str = typer.Option("local", help="local (this process) | ray (RAY_ADDRESS or a local Ray)"),
     allow_partial: bool = typer.Option(False, help="load checkpoints whose keys do not all match (rest: random)"),
-    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads of the forward passes (default: one fewer "
-                                                             "than the cores)"),
+    threads: Optional[int] = typer.Option(
+        None, min=1, help="CPU threads of the forward passes (default: one fewer than the cores)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Run each frozen backbone once over every client's images and write the embeddings to an HDF5 cache."""
@@ -59,13 +77,32 @@ def extract(
 
     with progress_bar(not as_json) as progress:
         result = run(
-            dataset=dataset, backbone=backbone, partition=partition, clients=_sweep(clients, int, "--clients"),
-            alpha=_sweep(alpha, float, "--alpha"), per_class=_sweep(per_class, int, "--per-class"),
-            test_per_class=test_per_class, classes_per_client=classes_per_client,
-            domains=domains, val_fraction=val_fraction, order=order, image_size=image_size, views=views,
-            noise=Noise(noise, noise_scale, noise_p) if noise else None, seed=seed, data_root=data_root,
-            download=download, out=out_dir, store=store, batch_size=batch_size, workers=workers, device=device, backend=backend,
-            allow_partial=allow_partial, threads=threads, progress=progress,
+            dataset=dataset,
+            backbone=backbone,
+            partition=partition,
+            clients=_sweep(clients, int, "--clients"),
+            alpha=_sweep(alpha, float, "--alpha"),
+            per_class=_sweep(per_class, int, "--per-class"),
+            test_per_class=test_per_class,
+            classes_per_client=classes_per_client,
+            domains=domains,
+            val_fraction=val_fraction,
+            order=order,
+            image_size=image_size,
+            views=views,
+            noise=Noise(noise, noise_scale, noise_p) if noise else None,
+            seed=seed,
+            data_root=data_root,
+            download=download,
+            out=out_dir,
+            store=store,
+            batch_size=batch_size,
+            workers=workers,
+            device=device,
+            backend=backend,
+            allow_partial=allow_partial,
+            threads=threads,
+            progress=progress,
             note=lambda line: err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True),
         )
     table = Table(title="featcache extract")
@@ -88,8 +125,10 @@ def _sweep(text: str | None, kind: type, flag: str):
     return values if len(values) > 1 else values[0]
 
 
-def info(cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cache file, store file or folder of stores"),
-         as_json: bool = typer.Option(False, "--json")) -> None:
+def info(
+    cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cache file, store file or folder of stores"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
     """Show a cache's metadata and per-client counts, or what a store (or a folder of them) holds."""
     from ..cache import info as read  # lazy: `featcache --help` loads no torch
     from ..extraction.stores import info as read_store, is_store  # lazy: `featcache --help` loads no torch
@@ -107,7 +146,9 @@ def info(cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cache 
     for k in ("dataset", "backbones", "classes", "domains", "partition", "views", "images", "bytes", "created", "key"):
         head.add_row(k, json.dumps(meta.get(k)))
     for k, b in meta["backbone_info"].items():
-        head.add_row(f"backbone {k}", f"{b['name']} dim={b['dim']} weights={b['weights']} sha256={b['weights_sha256'][:12]}")
+        head.add_row(
+            f"backbone {k}", f"{b['name']} dim={b['dim']} weights={b['weights']} sha256={b['weights_sha256'][:12]}"
+        )
     out.print(head)
     counts = Table(title="clients")
     for col in ("client", "domain", "train", "val", "test"):
@@ -123,16 +164,19 @@ def _show_stores(found: dict, as_json: bool) -> None:
     if as_json:
         emit(found, True)
         return
-    out.print(f"{len(found['stores'])} store(s) in {escape(found['path'])}, {found['bytes'] / 2**20:.1f} MB",
-              soft_wrap=True)
+    out.print(
+        f"{len(found['stores'])} store(s) in {escape(found['path'])}, {found['bytes'] / 2**20:.1f} MB", soft_wrap=True
+    )
     for st in found["stores"]:
         table = Table(title=escape(Path(st["file"]).name), show_header=False, title_justify="left")
         if "problem" in st:
             table.add_row("[red]damaged[/red]", escape(st["problem"]))
             out.print(table)
             continue
-        kind = {"legacy": " (identified by an older featcache: image files by path and modification time)",
-                "recipe": " (built-in recipe: its code and packages)"}.get(st["identity"], " (content)")
+        kind = {
+            "legacy": " (identified by an older featcache: image files by path and modification time)",
+            "recipe": " (built-in recipe: its code and packages)",
+        }.get(st["identity"], " (content)")
         roots = [src.get("root", "?") + (f" -> {src['real']}" if src.get("real") else "") for src in st["sources"]]
         pre = st["preprocessing"]
         size = f"{st['image_size']} px" if st["image_size"] else "the backbone's own"
@@ -143,34 +187,54 @@ def _show_stores(found: dict, as_json: bool) -> None:
             "root": "\n".join(roots) or "not recorded",
             "image size": size,
             "preprocessing": f"{pre.get('interpolation')}, mean {pre.get('mean')}, std {pre.get('std')}, "
-                             f"pipeline v{pre.get('pipeline')}",
+            f"pipeline v{pre.get('pipeline')}",
             "backbone": f"{st['backbone']} ({st['weights']}"
-                        + (f", sha256 {st['weights_sha256'][:12]}" if st["weights_sha256"] else "") + f", dim {st['dim']})",
+            + (f", sha256 {st['weights_sha256'][:12]}" if st["weights_sha256"] else "")
+            + f", dim {st['dim']})",
             "held": " · ".join(f"{k} {n}" for k, n in st["held"].items()) + f" ({st['images']} images, "
-                    f"{st['views']} views, {st['bytes'] / 2**20:.1f} MB)",
+            f"{st['views']} views, {st['bytes'] / 2**20:.1f} MB)",
             "key": st["key"][:16],
         }
         for name, value in rows.items():
             table.add_row(name, escape(str(value)))
         if st["stale"]:
-            table.add_row("[yellow]unused[/yellow]", escape("made with " + "; ".join(st["stale"]) + ": no extraction "
-                                                           "asks for its key again (`featcache gc` removes it)"))
+            table.add_row(
+                "[yellow]unused[/yellow]",
+                escape(
+                    "made with " + "; ".join(st["stale"]) + ": no extraction "
+                    "asks for its key again (`featcache gc` removes it)"
+                ),
+            )
         if st["duplicates"]:
-            table.add_row("[yellow]duplicate[/yellow]", escape("holds the same embeddings as "
-                                                              + ", ".join(Path(f).name for f in st["duplicates"])
-                                                              + " under another key"))
+            table.add_row(
+                "[yellow]duplicate[/yellow]",
+                escape(
+                    "holds the same embeddings as "
+                    + ", ".join(Path(f).name for f in st["duplicates"])
+                    + " under another key"
+                ),
+            )
         out.print(table)
     for group in found["duplicates"]:
-        err.print(f"[yellow]duplicates:[/yellow] {escape(', '.join(Path(f).name for f in group))} hold the same "
-                  "embeddings under different keys", highlight=False, soft_wrap=True)
+        err.print(
+            f"[yellow]duplicates:[/yellow] {escape(', '.join(Path(f).name for f in group))} hold the same "
+            "embeddings under different keys",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
-def gc(store: Path = typer.Argument(..., parser=path_of("STORE"),
-                                    help="folder of embedding stores (default of extract: CACHE/store)"),
-       dry_run: bool = typer.Option(False, help="say what would be removed or moved, change nothing"),
-       remove_damaged: bool = typer.Option(False, help="remove damaged stores (and those moved aside earlier) "
-                                                       "instead of moving them into STORE/.quarantine"),
-       as_json: bool = typer.Option(False, "--json")) -> None:
+def gc(
+    store: Path = typer.Argument(
+        ..., parser=path_of("STORE"), help="folder of embedding stores (default of extract: CACHE/store)"
+    ),
+    dry_run: bool = typer.Option(False, help="say what would be removed or moved, change nothing"),
+    remove_damaged: bool = typer.Option(
+        False,
+        help="remove damaged stores (and those moved aside earlier) instead of moving them into STORE/.quarantine",
+    ),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
     """Check every store in a folder: move damaged ones aside, remove those made by other code or library versions
     and their leftover parts folders. Only what featcache made is touched; everything else is listed as left alone."""
     from ..extraction.stores import gc as collect  # lazy: `featcache --help` loads no torch
@@ -180,20 +244,28 @@ def gc(store: Path = typer.Argument(..., parser=path_of("STORE"),
     for entry in report["removed"]:
         table.add_row("would remove" if dry_run else "removed", escape(entry["file"]), escape(entry["reason"]))
     for entry in report["quarantined"]:
-        table.add_row("would move aside" if dry_run else "moved aside", escape(entry["file"]),
-                      escape(f"{entry['reason']} -> {entry['to']}"))
+        table.add_row(
+            "would move aside" if dry_run else "moved aside",
+            escape(entry["file"]),
+            escape(f"{entry['reason']} -> {entry['to']}"),
+        )
     for entry in report["kept"]:
         table.add_row("kept", escape(entry["file"]), "checksums match")
     for entry in report["left_alone"]:
         table.add_row("left alone", escape(entry["file"]), escape(entry["reason"]))
     for group in report["duplicates"]:
-        table.add_row("duplicates", escape(", ".join(Path(f).name for f in group)),
-                      "the same embeddings under different keys: gc removes only those made by other code or versions")
+        table.add_row(
+            "duplicates",
+            escape(", ".join(Path(f).name for f in group)),
+            "the same embeddings under different keys: gc removes only those made by other code or versions",
+        )
     emit(report, as_json, table)
 
 
-def verify(cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cache file or store file"),
-           as_json: bool = typer.Option(False, "--json")) -> None:
+def verify(
+    cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cache file or store file"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
     """Check a cache (schema, counts, finite features, checksums) or a store (key, finite rows, checksums); report
     library versions that changed since."""
     from ..cache import verify as check  # lazy: `featcache --help` loads no torch
@@ -212,8 +284,10 @@ def verify(cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cach
         raise UserError(f"{first}{more}" if str(cache) in first else f"{cache}: {first}{more}")
 
 
-def migrate(cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cache file of an older format"),
-            as_json: bool = typer.Option(False, "--json")) -> None:
+def migrate(
+    cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cache file of an older format"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
     """Convert a cache of an older format to the current one, in place (its feature bytes are kept and checked)."""
     from ..cache import migrate as convert  # lazy: `featcache --help` loads no torch
 
@@ -221,8 +295,11 @@ def migrate(cache: Path = typer.Argument(..., parser=path_of("CACHE"), help="cac
     if as_json:
         emit(report, True)
     else:
-        out.print(f"migrated: {cache} (format {report['from_format']} -> {report['to_format']}, "
-                  f"{report['bytes_before']} -> {report['bytes']} bytes)", soft_wrap=True)
+        out.print(
+            f"migrated: {cache} (format {report['from_format']} -> {report['to_format']}, "
+            f"{report['bytes_before']} -> {report['bytes']} bytes)",
+            soft_wrap=True,
+        )
 
 
 def datasets(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:

@@ -12,11 +12,14 @@ from .app import emit, err, out, path_of, progress_bar
 
 
 def report(
-    results: list[Path] = typer.Argument(..., parser=path_of("RESULTS"),
-                                         help="result JSON files from `featcache train`, or folders holding them "
-                                              "(the *.json directly in each folder)"),
-    out_dir: Optional[Path] = typer.Option(None, "--out", parser=path_of("--out"),
-                                           help="write report.md, curves.png and clients.png here"),
+    results: list[Path] = typer.Argument(
+        ...,
+        parser=path_of("RESULTS"),
+        help="result JSON files from `featcache train`, or folders holding them (the *.json directly in each folder)",
+    ),
+    out_dir: Optional[Path] = typer.Option(
+        None, "--out", parser=path_of("--out"), help="write report.md, curves.png and clients.png here"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the table, the notes, the files)"),
 ) -> None:
     """Render result files as a markdown table (and PNG curves and per-client bars with --out)."""
@@ -32,16 +35,23 @@ def report(
 
 
 def plot(
-    state: Path = typer.Argument(..., parser=path_of("STATE"),
-                                 help="saved state NAME.state.safetensors (`featcache train --save-state`)"),
+    state: Path = typer.Argument(
+        ..., parser=path_of("STATE"), help="saved state NAME.state.safetensors (`featcache train --save-state`)"
+    ),
     cache: Path = typer.Option(..., parser=path_of("--cache"), help="the cache the state was trained on"),
     method: str = typer.Option("tsne", help="tsne | pca"),
-    split: str = typer.Option("test", help="train | val | test: whose rows to embed (val: the validation rows of the train split, which the saved model also trained on)"),
-    seed: Optional[int] = typer.Option(None, help="which trained seed to draw (default: the first); also seeds the "
-                                                  "subsample and t-SNE"),
+    split: str = typer.Option(
+        "test",
+        help="train | val | test: whose rows to embed (val: the validation rows of the train split, which the saved "
+        "model also trained on)",
+    ),
+    seed: Optional[int] = typer.Option(
+        None, help="which trained seed to draw (default: the first); also seeds the subsample and t-SNE"
+    ),
     max_points: int = typer.Option(2000, help="draw at most this many points (a seeded random subsample)"),
-    out_file: Optional[Path] = typer.Option(None, "--out", parser=path_of("--out"),
-                                            help="PNG file (default: beside the state, NAME.METHOD-SPLIT.png)"),
+    out_file: Optional[Path] = typer.Option(
+        None, "--out", parser=path_of("--out"), help="PNG file (default: beside the state, NAME.METHOD-SPLIT.png)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Draw a t-SNE or PCA of the learned features (the head's embedding) per client and class."""
@@ -51,31 +61,46 @@ def plot(
     if as_json:
         emit(result, True)
         return
-    out.print(f"{result['figure']} ({result['method']} of {result['points']} points: {result['clients']} clients, "
-              f"{result['classes']} classes, seed {result['seed']}, {result['split']} split)", highlight=False,
-              soft_wrap=True)
+    out.print(
+        f"{result['figure']} ({result['method']} of {result['points']} points: {result['clients']} clients, "
+        f"{result['classes']} classes, seed {result['seed']}, {result['split']} split)",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def reproduce(
     pipeline: str = typer.Argument(..., help="pipelines/NAME.toml, or NAME"),
-    profile: str = typer.Option("full", help="full (the papers' rounds and seeds; the default, as for the make "
-                                             "targets) | quick (minutes)"),
-    data_root: Optional[Path] = typer.Option(None, parser=path_of("--data-root"),
-                                             help="folder with the paper's dataset (default: offline data)"),
+    profile: str = typer.Option(
+        "full", help="full (the papers' rounds and seeds; the default, as for the make targets) | quick (minutes)"
+    ),
+    data_root: Optional[Path] = typer.Option(
+        None, parser=path_of("--data-root"), help="folder with the paper's dataset (default: offline data)"
+    ),
     dataset: Optional[str] = typer.Option(None, help="dataset override (with --data-root, default: the paper's)"),
     backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="backbone override, in order; repeat"),
-    out_dir: Path = typer.Option(Path("results"), "--out", parser=path_of("--out"),
-                                 help="folder for NAME.md, NAME.png and job results"),
-    cache: Path = typer.Option(Path("cache"), parser=path_of("--cache"),
-                               help="cache folder (shared by every pipeline)"),
+    out_dir: Path = typer.Option(
+        Path("results"), "--out", parser=path_of("--out"), help="folder for NAME.md, NAME.png and job results"
+    ),
+    cache: Path = typer.Option(
+        Path("cache"), parser=path_of("--cache"), help="cache folder (shared by every pipeline)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Reproduce one paper table or figure: extract, train, write our numbers beside the paper's."""
     from ..reproduce import reproduce as run  # lazy: `featcache --help` loads no torch
 
     with progress_bar(not as_json) as progress:
-        result = run(pipeline=pipeline, profile=profile, data_root=data_root, dataset=dataset, backbones=backbones,
-                     out=out_dir, cache=cache, progress=progress)
+        result = run(
+            pipeline=pipeline,
+            profile=profile,
+            data_root=data_root,
+            dataset=dataset,
+            backbones=backbones,
+            out=out_dir,
+            cache=cache,
+            progress=progress,
+        )
     if as_json:
         emit(result, True)
         return

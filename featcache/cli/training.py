@@ -21,26 +21,41 @@ def _seeds(text: str) -> list[int]:
 
 def train(
     cache: Path = typer.Option(..., parser=path_of("--cache"), help="cache file from `featcache extract`"),
-    algo: list[str] = typer.Option(..., help="algorithm (see `featcache algos`), or a plug-in: path/to/file.py:Class "
-                                             "or package.module:Class; repeat to compare several"),
+    algo: list[str] = typer.Option(
+        ...,
+        help="algorithm (see `featcache algos`), or a plug-in: path/to/file.py:Class "
+        "or package.module:Class; repeat to compare several",
+    ),
     rounds: Optional[int] = typer.Option(None, help="communication rounds (default 50)"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; reported as mean(std) over them"),
-    set: list[str] = typer.Option([], "--set", help="override a setting: key=value, or ALGO.key=value for one "
-                                                    "algorithm (see `featcache algos NAME`)"),
-    backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="train on these cached backbones' "
-                                                  "features only (repeat; default: all, concatenated)"),
-    out_dir: Path = typer.Option(Path("runs"), "--out", parser=path_of("--out"),
-                                 help="folder for result JSON files (and their NAME.metrics.csv)"),
+    set: list[str] = typer.Option(
+        [],
+        "--set",
+        help="override a setting: key=value, or ALGO.key=value for one algorithm (see `featcache algos NAME`)",
+    ),
+    backbones: Optional[list[str]] = typer.Option(
+        None, "--backbones", help="train on these cached backbones' features only (repeat; default: all, concatenated)"
+    ),
+    out_dir: Path = typer.Option(
+        Path("runs"), "--out", parser=path_of("--out"), help="folder for result JSON files (and their NAME.metrics.csv)"
+    ),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
-    tensorboard: Optional[Path] = typer.Option(None, parser=path_of("--tensorboard"),
-                                               help="also log the per-seed curves for TensorBoard here "
-                                                    "(DIR/NAME/seed-S)"),
-    save_state: bool = typer.Option(False, "--save-state", help="also write the trained heads to "
-                                                                "NAME.state.safetensors"),
-    checkpoint_every: Optional[int] = typer.Option(None, min=0, help="save a checkpoint every N rounds (0: none; "
-                                                   "default: every 60 s); the same command resumes it"),
-    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads torch runs on (default: torch's own; "
-                                          "a checkpoint resumes at the count it was written with)"),
+    tensorboard: Optional[Path] = typer.Option(
+        None,
+        parser=path_of("--tensorboard"),
+        help="also log the per-seed curves for TensorBoard here (DIR/NAME/seed-S)",
+    ),
+    save_state: bool = typer.Option(
+        False, "--save-state", help="also write the trained heads to NAME.state.safetensors"
+    ),
+    checkpoint_every: Optional[int] = typer.Option(
+        None, min=0, help="save a checkpoint every N rounds (0: none; default: every 60 s); the same command resumes it"
+    ),
+    threads: Optional[int] = typer.Option(
+        None,
+        min=1,
+        help="CPU threads torch runs on (default: torch's own; a checkpoint resumes at the count it was written with)",
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded). Interrupted (Ctrl-C, kill), the
@@ -57,8 +72,15 @@ def train(
     sets = scoped(set, [create(name) for name in algo])  # fedprox.mu=1 -> fedprox's own mu=1
     notes, clients = {}, None
     for name in algo:  # every algorithm's settings and the output folder, before the first one trains
-        _, _, impl, cfg = precheck(algo=name, rounds=rounds, seeds=seed_list, set=sets[name], out=out_dir,
-                                   device=device, tensorboard=tensorboard)
+        _, _, impl, cfg = precheck(
+            algo=name,
+            rounds=rounds,
+            seeds=seed_list,
+            set=sets[name],
+            out=out_dir,
+            device=device,
+            tensorboard=tensorboard,
+        )
         notes[name] = objective_note(impl, cfg)
         if len(algo) > 1:  # and each one's participation against the cache's clients: no half set of results
             clients = _clients(cache) if clients is None else clients
@@ -68,35 +90,62 @@ def train(
         for i, name in enumerate(algo):
             label = f"{name} ({i + 1} of {len(algo)})" if len(algo) > 1 else name
 
-            def tick(done, total, live, label=label, note=notes[name], told=[]):
+            def tick(done, total, live, label=label, note=notes[name], told=[]):  # noqa: B006 - told: this label's own memory of its first tick
                 if not told:  # once its first round here trained: a refused run stays one error line
                     told.append(done)
                     said = [f"resumed from its checkpoint after round {done - 1}"] if done > 1 else []
                     said += [f"the training loss is {note}"] if note else []
                     for text in said:
-                        err.print(f"[yellow]note:[/yellow] {escape(f'{label}: {text}')}", highlight=False,
-                                  soft_wrap=True)
+                        err.print(
+                            f"[yellow]note:[/yellow] {escape(f'{label}: {text}')}", highlight=False, soft_wrap=True
+                        )
                 progress(label, done, total, live_text(live))
 
             tick = tick if progress else None
-            results.append(run(cache=cache, algo=name, rounds=rounds, seeds=seed_list, set=sets[name], out=out_dir,
-                               device=device, backbones=backbones, tensorboard=tensorboard, save_state=save_state,
-                               progress=tick, checkpoint_every=checkpoint_every, threads=threads))
+            results.append(
+                run(
+                    cache=cache,
+                    algo=name,
+                    rounds=rounds,
+                    seeds=seed_list,
+                    set=sets[name],
+                    out=out_dir,
+                    device=device,
+                    backbones=backbones,
+                    tensorboard=tensorboard,
+                    save_state=save_state,
+                    progress=tick,
+                    checkpoint_every=checkpoint_every,
+                    threads=threads,
+                )
+            )
             if not as_json:  # each algorithm's result as soon as it is written, not after the last one
                 _print_run(results[-1])
     if as_json:
         emit(results[0] if len(results) == 1 else {"runs": results}, True)
         return
     table = Table(title=f"featcache train — {cache.name}")
-    for col in ("algorithm", "final acc % mean(std)", "best-round acc %", "global", "params up/client/round",
-                "KB up/client/round", "s/round"):
+    for col in (
+        "algorithm",
+        "final acc % mean(std)",
+        "best-round acc %",
+        "global",
+        "params up/client/round",
+        "KB up/client/round",
+        "s/round",
+    ):
         table.add_column(col, justify="right" if col != "algorithm" else "left")
     for r in results:
         glob = "n/a" if r["global_mean_acc"] is None else f"{r['global_mean_acc']:.2f}({r['global_std_acc']:.2f})"
-        table.add_row(r["algo"], f"{r['mean_acc']:.2f}({r['std_acc']:.2f})",
-                      f"{r['best_round_mean_acc']:.2f}({r['best_round_std_acc']:.2f})", glob,
-                      f"{r['params_uploaded_per_round']:,}", f"{r['bytes_uploaded_per_round'] / 1024:.1f}",
-                      f"{r['seconds_per_round']:.4f}")
+        table.add_row(
+            r["algo"],
+            f"{r['mean_acc']:.2f}({r['std_acc']:.2f})",
+            f"{r['best_round_mean_acc']:.2f}({r['best_round_std_acc']:.2f})",
+            glob,
+            f"{r['params_uploaded_per_round']:,}",
+            f"{r['bytes_uploaded_per_round'] / 1024:.1f}",
+            f"{r['seconds_per_round']:.4f}",
+        )
     out.print(table)
 
 
@@ -110,28 +159,36 @@ def _clients(cache: Path) -> int:
 def _print_run(r: dict) -> None:
     """One finished algorithm: its final and best-round accuracy, and the files it wrote."""
     written = [r["result_file"], r["metrics_csv"], r["state_file"], r["tensorboard"]]
-    out.print(f"{escape(r['algo'])}: final acc {r['mean_acc']:.2f}({r['std_acc']:.2f}) %, best-round "
-              f"{r['best_round_mean_acc']:.2f}({r['best_round_std_acc']:.2f}) % [dim]→ "
-              f"{', '.join(escape(w) for w in written if w)}[/dim]", soft_wrap=True, highlight=False)
+    out.print(
+        f"{escape(r['algo'])}: final acc {r['mean_acc']:.2f}({r['std_acc']:.2f}) %, best-round "
+        f"{r['best_round_mean_acc']:.2f}({r['best_round_std_acc']:.2f}) % [dim]→ "
+        f"{', '.join(escape(w) for w in written if w)}[/dim]",
+        soft_wrap=True,
+        highlight=False,
+    )
 
 
 def grid(
-    cache: Path = typer.Option(..., parser=path_of("--cache"),
-                               help="cache file from `featcache extract` (with a validation split)"),
+    cache: Path = typer.Option(
+        ..., parser=path_of("--cache"), help="cache file from `featcache extract` (with a validation split)"
+    ),
     algo: str = typer.Option(..., help="algorithm (see `featcache algos`), or a plug-in: path/to/file.py:Class"),
     grid: list[str] = typer.Option(..., "--grid", help="axis: key=v1,v2,... (repeat for more axes)"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds"),
     rounds: Optional[int] = typer.Option(None, help="communication rounds"),
     set: list[str] = typer.Option([], "--set", help="fixed setting key=value for every configuration"),
-    backbones: Optional[list[str]] = typer.Option(None, "--backbones", help="train on these cached backbones' "
-                                                  "features only (repeat; default: all, concatenated)"),
-    out_dir: Path = typer.Option(Path("runs"), "--out", parser=path_of("--out"),
-                                 help="folder for the grid's run folder"),
+    backbones: Optional[list[str]] = typer.Option(
+        None, "--backbones", help="train on these cached backbones' features only (repeat; default: all, concatenated)"
+    ),
+    out_dir: Path = typer.Option(
+        Path("runs"), "--out", parser=path_of("--out"), help="folder for the grid's run folder"
+    ),
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
     backend: str = typer.Option("local", help="local (in-process) | ray (RAY_ADDRESS or a local Ray)"),
     chunk: Optional[int] = typer.Option(None, help="models per batched run, >= 1 (default: planned from memory)"),
-    retrain: bool = typer.Option(True, help="retrain the best configuration on the full train split and report its "
-                                            "test accuracy"),
+    retrain: bool = typer.Option(
+        True, help="retrain the best configuration on the full train split and report its test accuracy"
+    ),
     threads: Optional[int] = typer.Option(None, min=1, help="CPU threads torch runs on (default: torch's own)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -142,15 +199,32 @@ def grid(
     algo = load(algo)  # a plug-in spec: registered here, shown by its name
     seed_list = _seeds(seeds)
     with progress_bar(not as_json) as progress:
-        result = run(cache=cache, algo=algo, grid=grid, seeds=seed_list, rounds=rounds, set=set, backbones=backbones,
-                     out=out_dir, device=device, backend=backend, chunk=chunk, retrain=retrain,
-                     progress=progress, threads=threads)
+        result = run(
+            cache=cache,
+            algo=algo,
+            grid=grid,
+            seeds=seed_list,
+            rounds=rounds,
+            set=set,
+            backbones=backbones,
+            out=out_dir,
+            device=device,
+            backend=backend,
+            chunk=chunk,
+            retrain=retrain,
+            progress=progress,
+            threads=threads,
+        )
     if as_json:
         emit(result, True)
         return
     keys = list(result["axes"])
-    table = Table(*keys, "val acc % mean(std)", title=f"{algo} grid: {result['configs']} configs x "
-                  f"{len(result['seeds'])} seeds, {result['chunks']} chunk(s) of <= {result['chunk_size']} models")
+    table = Table(
+        *keys,
+        "val acc % mean(std)",
+        title=f"{algo} grid: {result['configs']} configs x "
+        f"{len(result['seeds'])} seeds, {result['chunks']} chunk(s) of <= {result['chunk_size']} models",
+    )
     for row in result["selection"]:
         table.add_row(*(str(row["config"][k]) for k in keys), f"{row['val_mean']:.2f}({row['val_std']:.2f})")
     out.print(table)
@@ -160,14 +234,24 @@ def grid(
     out.print(f"[dim]{result['run_folder']}/grid.json, grid.csv[/dim]")
 
 
-def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's settings (a name or file.py:Class)"),
-          as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-          markdown: bool = typer.Option(False, "--markdown", help="print the built-in algorithms as the Markdown "
-                                                                  "table of featcache/algorithms/README.md")) -> None:
+def algos(
+    name: Optional[str] = typer.Argument(None, help="show one algorithm's settings (a name or file.py:Class)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    markdown: bool = typer.Option(
+        False,
+        "--markdown",
+        help="print the built-in algorithms as the Markdown table of featcache/algorithms/README.md",
+    ),
+) -> None:
     """List the registered algorithms with their paper reference and what a client uploads; with a NAME, its
     settings as the algorithm declares them."""
-    from ..algorithms import (UNAVAILABLE, create, list_algorithms, markdown_table,  # lazy: `featcache --help`
-                              objective_text)  # skips the registry
+    from ..algorithms import (
+        UNAVAILABLE,
+        create,
+        list_algorithms,
+        markdown_table,  # lazy: `featcache --help`
+        objective_text,
+    )  # skips the registry
     from ..training.config import describe  # lazy: `featcache --help` loads no torch
 
     if markdown:
@@ -178,15 +262,34 @@ def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's 
     if as_json:
         if name:
             algo = create(name)
-            emit({"algo": algo.name, "paper": algo.paper, "uploads": algo.uploads,
-                  "limitation": getattr(algo, "limitation", ""), "objective": objective_text(algo),
-                  "settings": describe(algo)}, True)
+            emit(
+                {
+                    "algo": algo.name,
+                    "paper": algo.paper,
+                    "uploads": algo.uploads,
+                    "limitation": getattr(algo, "limitation", ""),
+                    "objective": objective_text(algo),
+                    "settings": describe(algo),
+                },
+                True,
+            )
             return
-        emit({"algorithms": {key: {"paper": cls.paper, "uploads": cls.uploads,
-                                   "limitation": getattr(cls, "limitation", ""), "objective": objective_text(cls),
-                                   "settings": describe(cls)}
-                             for key, cls in list_algorithms().items()},
-              "unavailable": dict(UNAVAILABLE)}, True)
+        emit(
+            {
+                "algorithms": {
+                    key: {
+                        "paper": cls.paper,
+                        "uploads": cls.uploads,
+                        "limitation": getattr(cls, "limitation", ""),
+                        "objective": objective_text(cls),
+                        "settings": describe(cls),
+                    }
+                    for key, cls in list_algorithms().items()
+                },
+                "unavailable": dict(UNAVAILABLE),
+            },
+            True,
+        )
         return
     if name:
         algo = create(name)
@@ -201,8 +304,12 @@ def algos(name: Optional[str] = typer.Argument(None, help="show one algorithm's 
     table = Table("algorithm", "reference", "uploads", "limitation / training loss")
     for key, cls in list_algorithms().items():
         note = objective_text(cls)
-        table.add_row(key, cls.paper, cls.uploads, "; ".join(filter(None, [getattr(cls, "limitation", ""),
-                                                                            note and f"training loss {note}"])))
+        table.add_row(
+            key,
+            cls.paper,
+            cls.uploads,
+            "; ".join(filter(None, [getattr(cls, "limitation", ""), note and f"training loss {note}"])),
+        )
     for key, why in UNAVAILABLE.items():
         table.add_row(key, "", "—", f"not available on cached features: {why}")
     out.print(table)

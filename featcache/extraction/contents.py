@@ -141,8 +141,13 @@ def require_regular(path: Path, st: os.stat_result | None = None) -> None:
         raise UserError(f"{path} is {kind}, not an image file: remove it or move it out of the dataset folder")
 
 
-_KINDS = {stat.S_IFIFO: "a named pipe", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}
+_KINDS = {
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a folder",
+}
 
 
 def _hash(path: Path) -> tuple[str, os.stat_result, int]:

@@ -8,7 +8,6 @@ backbone's metadata, which the store records beside its rows.
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections import deque
@@ -62,8 +61,14 @@ def build(run: Settings, j: int):
 
 
 def metadata(bb) -> dict:
-    return {"key": bb.key, "name": bb.name, "weights": bb.weights, "weights_sha256": bb.weights_sha256,
-            "dim": bb.dim, "preprocessing": bb.preprocessing | {"pipeline": P.DESCRIPTION}}
+    return {
+        "key": bb.key,
+        "name": bb.name,
+        "weights": bb.weights,
+        "weights_sha256": bb.weights_sha256,
+        "dim": bb.dim,
+        "preprocessing": bb.preprocessing | {"pipeline": P.DESCRIPTION},
+    }
 
 
 def rows_to_embed(blocks: list[Block]) -> dict[int, int]:
@@ -75,8 +80,9 @@ def rows_to_embed(blocks: list[Block]) -> dict[int, int]:
     return total
 
 
-def embed(blocks: list[Block], data, run: Settings, progress: Progress | None = None,
-          phases: dict | None = None) -> dict[int, dict]:
+def embed(
+    blocks: list[Block], data, run: Settings, progress: Progress | None = None, phases: dict | None = None
+) -> dict[int, dict]:
     """One pass over the images of `blocks`: each chunk of `run.batch_size` images is decoded once, and its rows
     join each of its backbones' queue; a backbone forwards its queue in batches of exactly `P.forward_batch` rows
     whatever block or chunk they came from (the last batch padded), and each block file is renamed into place when
@@ -90,10 +96,15 @@ def embed(blocks: list[Block], data, run: Settings, progress: Progress | None = 
             with synced(run.meta_files[j]) as fh:
                 fh.write(json.dumps(metadata(bb)).encode())
     models = {j: bb.model.to(dev, memory_format=torch.channels_last) for j, bb in built.items()}
-    inputs = {j: (P.Geometry.of(bb.preprocessing), tuple(bb.preprocessing["mean"]), tuple(bb.preprocessing["std"]))
-              for j, bb in built.items()}  # backbones with the same (geometry, mean, std) share one float input
-    chunks = [P.Chunk(b, block.domain, block.split, block.rows[r : r + run.batch_size], block.views)
-              for b, block in enumerate(blocks) for r in range(0, len(block.rows), run.batch_size)]
+    inputs = {
+        j: (P.Geometry.of(bb.preprocessing), tuple(bb.preprocessing["mean"]), tuple(bb.preprocessing["std"]))
+        for j, bb in built.items()
+    }  # backbones with the same (geometry, mean, std) share one float input
+    chunks = [
+        P.Chunk(b, block.domain, block.split, block.rows[r : r + run.batch_size], block.views)
+        for b, block in enumerate(blocks)
+        for r in range(0, len(block.rows), run.batch_size)
+    ]
     source = P.Chunks(data, chunks, list(dict.fromkeys(g for g, _, _ in inputs.values())), run.noise, run.seed)
     queues = {j: _Queue(P.forward_batch(dev)) for j in built}
     if phases is not None:
@@ -159,8 +170,9 @@ class _Files:
         self.writer = _Writer(dev, lag=len(built))
         self.files = ExitStack()  # every file's own context, so an error reaches each open one
         self.open: dict[tuple[int, int], tuple[ExitStack, object]] = {}  # (block, backbone) -> (its context, handle)
-        self.left = {(b, j): len(block.rows) * max(block.views, 1) for b, block in enumerate(blocks)
-                     for j in block.files}  # rows each file still waits for
+        self.left = {
+            (b, j): len(block.rows) * max(block.views, 1) for b, block in enumerate(blocks) for j in block.files
+        }  # rows each file still waits for
         self.done = dict.fromkeys(built, 0)  # images written, by backbone (for progress)
         self.total = rows_to_embed(blocks)
 

@@ -42,13 +42,13 @@ DESCRIPTION = {
     "version": 3,  # bump on any change to what the operations below compute
     "decode": "PIL, converted to RGB (16-bit grey scaled to 0..255); noise at the image's resolution, rounded to uint8",
     "resize": "torchvision.transforms.v2.functional.resize(uint8 [B, 3, h, w], (H, W), interpolation, "
-              "antialias=True) -> uint8; no crop",
+    "antialias=True) -> uint8; no crop",
     "normalise": "x / 255, then (x - mean) / std per channel, float32; channels_last",
     "views": "per (image, view) seed: RandomResizedCrop((H, W), scale=(0.5, 1)), RandomHorizontalFlip, "
-             "ColorJitter(0.4, 0.4, 0.4) on uint8 tensors (torchvision.transforms.v2)",
+    "ColorJitter(0.4, 0.4, 0.4) on uint8 tensors (torchvision.transforms.v2)",
     "forward": f"every forward exactly {FORWARD_BATCH['cpu']} rows on a CPU, {FORWARD_BATCH['cuda']} on CUDA, "
-               "the last padded with zero images; float32 matmuls at 'highest' precision, oneDNN on; on CUDA fp16 "
-               "autocast, cuDNN deterministic without benchmark",
+    "the last padded with zero images; float32 matmuls at 'highest' precision, oneDNN on; on CUDA fp16 "
+    "autocast, cuDNN deterministic without benchmark",
 }
 
 
@@ -140,8 +140,10 @@ class Chunks(Dataset):
             pixels = list(stack)
         tensors = [torch.from_numpy(np.ascontiguousarray(p)).permute(2, 0, 1) for p in pixels]  # each [3, h, w]
         if chunk.views:
-            return {g: torch.cat([self._views(x, chunk, int(i), g) for x, i in zip(tensors, chunk.rows)])
-                    for g in self.geometries}  # [B*V, 3, H, W] uint8
+            return {
+                g: torch.cat([self._views(x, chunk, int(i), g) for x, i in zip(tensors, chunk.rows)])
+                for g in self.geometries
+            }  # [B*V, 3, H, W] uint8
         return {g: torch.cat([resize(x[None], g) for x in tensors]) for g in self.geometries}  # [B, 3, H, W]
 
     def _decode(self, images, chunk: Chunk, i: int) -> np.ndarray:
@@ -168,9 +170,13 @@ class _Checks(Dataset):
     CHUNK = 64  # images per item
 
     def __init__(self, data) -> None:
-        self.items = [(images, range(r, min(r + self.CHUNK, len(images))))
-                      for splits in data.domains.values() for images in splits.values()
-                      if isinstance(images, PathImages) for r in range(0, len(images), self.CHUNK)]
+        self.items = [
+            (images, range(r, min(r + self.CHUNK, len(images))))
+            for splits in data.domains.values()
+            for images in splits.values()
+            if isinstance(images, PathImages)
+            for r in range(0, len(images), self.CHUNK)
+        ]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -199,7 +205,9 @@ def check_images(data, workers: int) -> None:
 
 def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
     """uint8 [B, 3, h, w] -> uint8 [B, 3, H, W], on whatever device x lives."""
-    from torchvision.transforms import InterpolationMode  # lazy: torchvision (a heavy import) only when images are resized
+    from torchvision.transforms import (
+        InterpolationMode,
+    )  # lazy: torchvision (a heavy import) only when images are resized
     from torchvision.transforms.v2 import functional as F
 
     if tuple(x.shape[-2:]) == (g.height, g.width):
@@ -213,12 +221,15 @@ def _augmentation(g: Geometry):
     from torchvision.transforms import InterpolationMode  # lazy: torchvision (a heavy import) only when views are made
     from torchvision.transforms import v2
 
-    return v2.Compose([
-        v2.RandomResizedCrop((g.height, g.width), scale=(0.5, 1.0), interpolation=InterpolationMode(g.interpolation),
-                             antialias=True),
-        v2.RandomHorizontalFlip(),
-        v2.ColorJitter(0.4, 0.4, 0.4),
-    ])
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(
+                (g.height, g.width), scale=(0.5, 1.0), interpolation=InterpolationMode(g.interpolation), antialias=True
+            ),
+            v2.RandomHorizontalFlip(),
+            v2.ColorJitter(0.4, 0.4, 0.4),
+        ]
+    )
 
 
 def image_seed(seed: int, domain: str, split: str, index: int, view: int) -> int:
@@ -271,8 +282,15 @@ def loader(chunks: Dataset, workers: int, device: torch.device):
     """Prepared chunks in order: (block, uint8 images), prepared up to 4 chunks per worker ahead."""
     if workers == 0:
         return (chunks[k] for k in range(len(chunks)))
-    return DataLoader(chunks, batch_size=None, shuffle=False, num_workers=workers, prefetch_factor=4,
-                      pin_memory=device.type == "cuda", persistent_workers=False)
+    return DataLoader(
+        chunks,
+        batch_size=None,
+        shuffle=False,
+        num_workers=workers,
+        prefetch_factor=4,
+        pin_memory=device.type == "cuda",
+        persistent_workers=False,
+    )
 
 
 def to_device(prepared, geometries: list[Geometry], device: torch.device) -> dict[Geometry, torch.Tensor]:

@@ -36,7 +36,7 @@ from .embed import BACKENDS, Block, Progress, Settings
 from ..files import DiskFullError, drop_leftover, locked, remove_own, remove_partials, writing
 from ..cache.identity import EMBEDDING_CODE, PARTITION_CODE, code_identity, content_key, versions
 from .partition import PartitionSpec, make_partition, partition_counts
-from .partition import _SCHEMES as SCHEMES
+from .partition.schemes import _SCHEMES as SCHEMES
 from .pipeline import Noise
 from .store import Need, Store, store_path
 from ..threads import threaded
@@ -103,10 +103,21 @@ def extract(
     for path, flag in ((out, "--out"), (store, "--store"), (data_root, "--data-root")):
         if path is not None:
             check_names(path, flag)
-    specs = [PartitionSpec(scheme=partition, clients=c, alpha=a, per_class=n, test_per_class=test_per_class,
-                           classes_per_client=classes_per_client, domains=tuple(domains) if domains else None,
-                           val_fraction=val_fraction, order=order, seed=seed)
-             for c, a, n in itertools.product(*(_values(v) for v in (clients, alpha, per_class)))]
+    specs = [
+        PartitionSpec(
+            scheme=partition,
+            clients=c,
+            alpha=a,
+            per_class=n,
+            test_per_class=test_per_class,
+            classes_per_client=classes_per_client,
+            domains=tuple(domains) if domains else None,
+            val_fraction=val_fraction,
+            order=order,
+            seed=seed,
+        )
+        for c, a, n in itertools.product(*(_values(v) for v in (clients, alpha, per_class)))
+    ]
     runner = BACKENDS[backend]()
     dev = runner.device(device)
     folder = Path(store or Path(out) / "store")  # of the stores, and of the sidecar of the files' hashes
@@ -123,19 +134,36 @@ def extract(
     if image_size is None:
         image_size, size_note = default_image_size(dataset, image_side(dataset, data))
     embedding = {  # what determines one image's embedding by one backbone, but the backbone itself
-        "dataset": identity, "image_size": image_size, "views": views, "noise": asdict(noise) if noise else None,
+        "dataset": identity,
+        "image_size": image_size,
+        "views": views,
+        "noise": asdict(noise) if noise else None,
         "seed": seed if noise or views else None,  # the seed of the noise and the views, else of nothing embedded
-        "pipeline": P.DESCRIPTION, "code": code_identity(EMBEDDING_CODE)["sha256"],
+        "pipeline": P.DESCRIPTION,
+        "code": code_identity(EMBEDDING_CODE)["sha256"],
         "precision": "float16" if dev.type == "cuda" else "float32",  # CUDA runs under fp16 autocast
-        "allow_partial": allow_partial, "versions": versions()}
+        "allow_partial": allow_partial,
+        "versions": versions(),
+    }
     weights = [weights_identity(b) for b in backbone]
     by_path: dict[Path, Store] = {}  # two specs of the same weights share one store
     source = _source(data_root) if data is not None else None  # a built-in recipe reads no folder
-    stores = [by_path.setdefault(path, Store(path, key, source)) for w in weights
-              for key in [content_key(embedding | {"backbone": w})]
-              for path in [store_path(folder, dataset, w["name"], key)]]
-    manifests = [embedding | {"partition": spec.to_dict(), "seed": seed, "backbones": weights,
-                              "code": code_identity(EMBEDDING_CODE + PARTITION_CODE)["sha256"]} for spec in specs]
+    stores = [
+        by_path.setdefault(path, Store(path, key, source))
+        for w in weights
+        for key in [content_key(embedding | {"backbone": w})]
+        for path in [store_path(folder, dataset, w["name"], key)]
+    ]
+    manifests = [
+        embedding
+        | {
+            "partition": spec.to_dict(),
+            "seed": seed,
+            "backbones": weights,
+            "code": code_identity(EMBEDDING_CODE + PARTITION_CODE)["sha256"],
+        }
+        for spec in specs
+    ]
     keys = [content_key(m) for m in manifests]
     paths = [C.cache_path(Path(out), dataset, key) for key in keys]
     if all(p.is_file() for p in paths):
@@ -150,8 +178,9 @@ def extract(
     check_folder(folder, "--store")
     for s in by_path.values():  # a user's folder, pipe or link named like a store: refused before any work
         if os.path.lexists(s.path) and (why := not_a_file(s.path)) is not None:
-            raise UserError(f"{s.path} {why}, and featcache keeps a store under that name: move it, or pass "
-                            "--store another folder")
+            raise UserError(
+                f"{s.path} {why}, and featcache keeps a store under that name: move it, or pass --store another folder"
+            )
 
     for b, s in zip(backbone, stores):  # weights the hub cannot serve now are refused in seconds, before the
         if not s.path.is_file():  # dataset is read; a store's key proves its backbone was built (timm not imported)
@@ -161,9 +190,17 @@ def extract(
     data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
     _refuse_empty_classes(data)
     parts = [make_partition(data, spec) for spec in specs]
-    run = Settings(tuple(backbone), image_size, noise, seed, batch_size or P.default_batch_size(dev),
-                   P.default_workers(data, views) if workers is None else workers, str(dev), allow_partial,
-                   tuple(s.work / "meta.json" for s in stores))
+    run = Settings(
+        tuple(backbone),
+        image_size,
+        noise,
+        seed,
+        batch_size or P.default_batch_size(dev),
+        P.default_workers(data, views) if workers is None else workers,
+        str(dev),
+        allow_partial,
+        tuple(s.work / "meta.json" for s in stores),
+    )
     if not any(s.path.is_file() or (s.work / "plan.json").is_file() for s in by_path.values()):
         P.check_images(data, run.workers)  # a store of these files exists only after they all decoded
     phases["dataset"] = time.perf_counter() - t
@@ -177,8 +214,10 @@ def extract(
             embedded = _fill(stores, embedding, weights, _needs(parts, views), data, run, runner, progress, phases)
             metas = _distinct_keys([s.backbone() for s in stores])
             t = time.perf_counter()
-            results = [_hit(p, k, t0) if p.is_file() else _write(p, k, m, data, spec_parts, stores, metas, views, t0)
-                       for p, k, m, spec_parts in zip(paths, keys, manifests, parts)]
+            results = [
+                _hit(p, k, t0) if p.is_file() else _write(p, k, m, data, spec_parts, stores, metas, views, t0)
+                for p, k, m, spec_parts in zip(paths, keys, manifests, parts)
+            ]
             phases["assembly"] = time.perf_counter() - t
         except BaseException as e:
             for s in by_path.values():
@@ -188,8 +227,10 @@ def extract(
                         remove_own(s.work)
             kept = [str(s.work) for s in by_path.values() if any(s.work.glob("*.npy"))]
             if isinstance(e, DiskFullError) and kept:  # say where the resume point is, and how to drop it
-                where = (f"the finished blocks are kept in {', '.join(kept)} and resumed (rm -r the folder to start "
-                         "over instead)")
+                where = (
+                    f"the finished blocks are kept in {', '.join(kept)} and resumed (rm -r the folder to start "
+                    "over instead)"
+                )
                 said = str(e).replace("finished blocks are kept and resumed", where)
                 raise DiskFullError(said if where in said else f"{said}; {where}") from None
             raise
@@ -199,8 +240,11 @@ def extract(
         keep_dataset(data, out)
     contents.save()
     embedded = {m["key"]: n for m, n in zip(metas, embedded)}
-    return (_summary(results, embedded, t0) | {"phases": {k: round(v, 3) for k, v in phases.items()}}
-            | _told(tell, notes, partition, domains, results, image_size))
+    return (
+        _summary(results, embedded, t0)
+        | {"phases": {k: round(v, 3) for k, v in phases.items()}}
+        | _told(tell, notes, partition, domains, results, image_size)
+    )
 
 
 def _source(data_root: Path | None) -> dict | None:
@@ -217,8 +261,10 @@ def default_image_size(dataset: str, side: int | None) -> tuple[int | None, str]
     embedded at SMALL_IMAGES px (a backbone's own 224 px or more would cost over 12x the compute and add no
     detail); larger ones, or of unknown size, at each backbone's own pretrained input size (None)."""
     if side and side < SMALL_IMAGES:
-        return SMALL_IMAGES, (f"image size {SMALL_IMAGES} ({dataset} images are {side} px; a backbone's own input "
-                              f"size, typically 224, would cost over 12x more; --image-size N to change)")
+        return SMALL_IMAGES, (
+            f"image size {SMALL_IMAGES} ({dataset} images are {side} px; a backbone's own input "
+            f"size, typically 224, would cost over 12x more; --image-size N to change)"
+        )
     size = f"{dataset} images are {side} px" if side else f"the size of {dataset} images is unknown"
     return None, f"image size: each backbone's own input size ({size}; --image-size N to change)"
 
@@ -227,14 +273,17 @@ def _told(tell, notes: list[str], partition: str, domains, results: list[dict], 
     """The domain a one-domain partition used when none was named, told; the notes and the image size used (None:
     each backbone's own) for the result."""
     if not domains and not SCHEMES[partition].multi_domain:
-        tell(f"partition {partition} splits one domain: {results[0]['domains'][0]}, the dataset's first "
-             "(--domains NAME picks another)")
+        tell(
+            f"partition {partition} splits one domain: {results[0]['domains'][0]}, the dataset's first "
+            "(--domains NAME picks another)"
+        )
     return {"image_size": image_size, "notes": notes}
 
 
 def _whole(least: int, none: bool = False) -> Callable[[object], bool]:
-    return lambda v: (none and v is None) or (isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                                              and v >= least)
+    return lambda v: (
+        (none and v is None) or (isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= least)
+    )
 
 
 def _is(*types: type) -> Callable[[object], bool]:
@@ -245,10 +294,14 @@ def _is(*types: type) -> Callable[[object], bool]:
 # command line, the Python API and pipeline files are checked against this one declaration.
 OPTIONS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "dataset": ("a dataset name (a string)", _is(str)),
-    "backbone": ("a backbone name or a list of them (strings)",
-                 lambda v: isinstance(v, str) or isinstance(v, (list, tuple)) and all(isinstance(b, str) for b in v)),
-    "image_size": (f"a whole number of pixels from {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}",
-                   lambda v: _whole(MIN_IMAGE_SIZE, none=True)(v) and (v is None or v <= MAX_IMAGE_SIZE)),
+    "backbone": (
+        "a backbone name or a list of them (strings)",
+        lambda v: isinstance(v, str) or isinstance(v, (list, tuple)) and all(isinstance(b, str) for b in v),
+    ),
+    "image_size": (
+        f"a whole number of pixels from {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}",
+        lambda v: _whole(MIN_IMAGE_SIZE, none=True)(v) and (v is None or v <= MAX_IMAGE_SIZE),
+    ),
     "views": ("a whole number >= 0", _whole(0)),
     "batch_size": ("a whole number >= 1", _whole(1, none=True)),
     "workers": ("a whole number >= 0", _whole(0, none=True)),
@@ -278,12 +331,17 @@ def _values(value) -> list:
 
 def _refuse_empty_classes(data) -> None:
     """A class without a single image in any domain could be neither learned nor tested (an empty class folder)."""
-    seen = sum(np.bincount(images.labels, minlength=len(data.classes))[: len(data.classes)]
-               for splits in data.domains.values() for images in splits.values())  # [K] images per class
+    seen = sum(
+        np.bincount(images.labels, minlength=len(data.classes))[: len(data.classes)]
+        for splits in data.domains.values()
+        for images in splits.values()
+    )  # [K] images per class
     empty = [c for c, n in zip(data.classes, seen) if n == 0]
     if empty:
-        raise UserError(f"{data.name}: class {empty[0]!r} has no images in any domain (an empty class folder?): "
-                        "add images of it or remove it")
+        raise UserError(
+            f"{data.name}: class {empty[0]!r} has no images in any domain (an empty class folder?): "
+            "add images of it or remove it"
+        )
 
 
 class _made:
@@ -324,8 +382,17 @@ def _needs(parts_by_setting, views: int) -> dict[Need, np.ndarray]:
     return {need: np.unique(np.concatenate(r)).astype(np.int64) for need, r in rows.items()}
 
 
-def _fill(stores: list[Store], embedding: dict, weights: list[dict], needs: dict[Need, np.ndarray], data,
-          run: Settings, runner, progress, phases) -> list[int]:
+def _fill(
+    stores: list[Store],
+    embedding: dict,
+    weights: list[dict],
+    needs: dict[Need, np.ndarray],
+    data,
+    run: Settings,
+    runner,
+    progress,
+    phases,
+) -> list[int]:
     """Embed what `needs` asks for and the stores do not hold, one decode per image for all backbones; returns the
     images each backbone's store gained (a killed fill's finished blocks are committed first)."""
     first: dict[Store, int] = {}  # each store is filled by its first backbone
@@ -361,22 +428,34 @@ def _distinct_keys(metas: list[dict]) -> list[dict]:
     return out
 
 
-def _write(path: Path, key: str, manifest: dict, data, parts, stores: list[Store], metas: list[dict], views: int,
-           t0: float) -> dict:
+def _write(
+    path: Path, key: str, manifest: dict, data, parts, stores: list[Store], metas: list[dict], views: int, t0: float
+) -> dict:
     """One client cache gathered from the stores' rows (`cache.write`: hashed as written, synced, renamed)."""
     domains = list(dict.fromkeys(p.domain for p in parts))  # the domains clients hold, in client order
-    header = {"key": key, "manifest": manifest, "dataset": data.name, "classes": list(data.classes),
-              "domains": domains, "partition": manifest["partition"], "counts": partition_counts(data, parts),
-              "views": views, "versions": manifest["versions"]}
+    header = {
+        "key": key,
+        "manifest": manifest,
+        "dataset": data.name,
+        "classes": list(data.classes),
+        "domains": domains,
+        "partition": manifest["partition"],
+        "counts": partition_counts(data, parts),
+        "views": views,
+        "versions": manifest["versions"],
+    }
 
     def clients():
         for part in parts:
+
             def split(name: str) -> C.Split:
                 rows = getattr(part, name)
-                return C.Split(data.domains[part.domain][name].labels[rows], rows,
-                               [s.gather((part.domain, name, 0), rows) for s in stores],
-                               [s.gather((part.domain, name, views), rows) for s in stores]
-                               if views and name == "train" else None)
+                return C.Split(
+                    data.domains[part.domain][name].labels[rows],
+                    rows,
+                    [s.gather((part.domain, name, 0), rows) for s in stores],
+                    [s.gather((part.domain, name, views), rows) for s in stores] if views and name == "train" else None,
+                )
 
             yield C.Client(part.domain, split("train"), split("test"), part.val)
 
@@ -392,8 +471,15 @@ def _hit(path: Path, key: str, t0: float) -> dict:
 
 
 def _result(path: Path, hit: bool, key: str, images: int, keys: list[str], domains: list[str], t0: float) -> dict:
-    return {"cache": str(path), "cache_hit": hit, "key": key, "images": images, "backbones": keys,
-            "domains": domains, "seconds": round(time.perf_counter() - t0, 3)}
+    return {
+        "cache": str(path),
+        "cache_hit": hit,
+        "key": key,
+        "images": images,
+        "backbones": keys,
+        "domains": domains,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
 
 
 def _summary(results: list[dict], embedded: dict, t0: float) -> dict:
@@ -401,5 +487,9 @@ def _summary(results: list[dict], embedded: dict, t0: float) -> dict:
     seconds = round(time.perf_counter() - t0, 3)
     if len(results) == 1:
         return results[0] | {"embedded": embedded, "seconds": seconds}
-    return {"caches": results, "cache_hit": all(r["cache_hit"] for r in results), "embedded": embedded,
-            "seconds": seconds}
+    return {
+        "caches": results,
+        "cache_hit": all(r["cache_hit"] for r in results),
+        "embedded": embedded,
+        "seconds": seconds,
+    }

@@ -95,8 +95,10 @@ class Store:
         index, rows = self._read(need)
         at = np.searchsorted(index, wanted)
         if len(wanted) and (at.max() >= len(index) or not np.array_equal(index[at], wanted)):
-            raise UserError(f"store {self.path} lacks images of {need[0]}/{need[1]} it was filled with: delete it "
-                            "and run the same command again")
+            raise UserError(
+                f"store {self.path} lacks images of {need[0]}/{need[1]} it was filled with: delete it "
+                "and run the same command again"
+            )
         return rows[at]
 
     def _read(self, need: Need) -> tuple[np.ndarray, np.ndarray]:
@@ -120,8 +122,10 @@ class Store:
     def plan(self, blocks: list[tuple[Need, np.ndarray]]) -> list[Path]:
         """Write the plan of a fill (its blocks, in order) and return each block's file."""
         files = [self.work / block_name(need, rows) for need, rows in blocks]
-        plan = [{"domain": d, "split": s, "views": v, "rows": rows.tolist(), "file": file.name}
-                for ((d, s, v), rows), file in zip(blocks, files)]
+        plan = [
+            {"domain": d, "split": s, "views": v, "rows": rows.tolist(), "file": file.name}
+            for ((d, s, v), rows), file in zip(blocks, files)
+        ]
         with writing(self.work):
             (self.work / "plan.json.partial").write_text(json.dumps(plan))
             os.replace(self.work / "plan.json.partial", self.work / "plan.json")
@@ -133,15 +137,21 @@ class Store:
         try:  # what a killed fill left: a plan, blocks and meta.json that another program may have damaged since
             plan = json.loads(plan_file.read_text()) if plan_file.is_file() else []
             held = self.held() if plan else {}
-            done = [b for b in plan if (self.work / b["file"]).is_file()  # and not merged by a fill killed after it
-                    and not np.isin(b["rows"], held.get((b["domain"], b["split"], b["views"]), ())).all()]
+            done = [
+                b
+                for b in plan
+                if (self.work / b["file"]).is_file()  # and not merged by a fill killed after it
+                and not np.isin(b["rows"], held.get((b["domain"], b["split"], b["views"]), ())).all()
+            ]
             if done:
                 backbone = self.backbone() or json.loads((self.work / "meta.json").read_text())
                 merged = self._merged(done)
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise UserError(f"the parts folder {self.work} (finished blocks of a killed fill) is damaged "
-                            f"({type(e).__name__}: {first_line(e, 120)}): remove it (rm -r) and run the same command "
-                            "again") from None
+            raise UserError(
+                f"the parts folder {self.work} (finished blocks of a killed fill) is damaged "
+                f"({type(e).__name__}: {first_line(e, 120)}): remove it (rm -r) and run the same command "
+                "again"
+            ) from None
         if done:
             with writing(self.path):
                 _write(self.path, self.key, identity, backbone, merged, self._sources())
@@ -205,8 +215,11 @@ class DamagedStore(UserError):
 
 
 def _damaged(path: Path, problem: str) -> DamagedStore:
-    return DamagedStore(f"store {path} is damaged ({problem}): move it aside (`featcache gc {path.parent}` moves "
-                        "damaged stores into its .quarantine folder) and run the same command again", problem)
+    return DamagedStore(
+        f"store {path} is damaged ({problem}): move it aside (`featcache gc {path.parent}` moves "
+        "damaged stores into its .quarantine folder) and run the same command again",
+        problem,
+    )
 
 
 def groups(f: h5py.File):
@@ -229,9 +242,19 @@ def _write(path: Path, key: str, identity: dict, backbone: dict, merged: dict, s
     """A new store file holding `merged` (Need -> (index, rows)), written beside `path` and renamed over it."""
     views = max((v for _, _, v in merged), default=0)
     with h5.written(path, path.with_name(path.name + ".partial")) as f:
-        h5.write_attrs(f, {MARKER: FORMAT, "featcache_version": __version__, "key": key,
-                           "identity": identity, "backbone": backbone, "views": views, "sources": sources,
-                           "images": sum(len(index) for (_, _, v), (index, _) in merged.items() if not v)})
+        h5.write_attrs(
+            f,
+            {
+                MARKER: FORMAT,
+                "featcache_version": __version__,
+                "key": key,
+                "identity": identity,
+                "backbone": backbone,
+                "views": views,
+                "sources": sources,
+                "images": sum(len(index) for (_, _, v), (index, _) in merged.items() if not v),
+            },
+        )
         for (domain, split, v), (index, rows) in sorted(merged.items()):
             g = f.require_group(f"{domain}/{split}/{kind(v)}")
             h5.write_array(g, "index", index)

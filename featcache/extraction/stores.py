@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -59,15 +58,24 @@ def _not_stores(folder: Path, found: list[Path], command: str) -> UserError:
     for `command` (info or gc)."""
     caches = [p for p in found if (what_is(p) or ("",))[0] == "cache"]
     stores = folder / "store"
-    where = (f"the folder of the stores ({stores})" if stores.is_dir() else
-             "the folder of the stores (extract's --store, default OUT/store)")
-    held = (f"client caches ({len(caches)}), not embedding stores" if caches else
-            f"no featcache embedding store ({len(found)} .h5 file(s) featcache did not make)")
+    where = (
+        f"the folder of the stores ({stores})"
+        if stores.is_dir()
+        else "the folder of the stores (extract's --store, default OUT/store)"
+    )
+    held = (
+        f"client caches ({len(caches)}), not embedding stores"
+        if caches
+        else f"no featcache embedding store ({len(found)} .h5 file(s) featcache did not make)"
+    )
     if command == "gc":
-        return UserError(f"{folder} holds {held}: gc prunes a folder of stores and never removes anything else; "
-                         f"nothing was removed; pass {where}")
-    return UserError(f"{folder} holds {held}: pass " + (f"a cache file (e.g. {caches[0]}) or " if caches else "")
-                     + where)
+        return UserError(
+            f"{folder} holds {held}: gc prunes a folder of stores and never removes anything else; "
+            f"nothing was removed; pass {where}"
+        )
+    return UserError(
+        f"{folder} holds {held}: pass " + (f"a cache file (e.g. {caches[0]}) or " if caches else "") + where
+    )
 
 
 def _files(path: Path) -> list[Path]:
@@ -100,8 +108,12 @@ def info(path: str | Path) -> dict:
     for group in groups_:
         for st in group:
             st["duplicates"] = [o["file"] for o in group if o is not st]
-    return {"path": str(path), "stores": stores, "duplicates": [[st["file"] for st in g] for g in groups_],
-            "bytes": sum(st["bytes"] for st in stores)}
+    return {
+        "path": str(path),
+        "stores": stores,
+        "duplicates": [[st["file"] for st in g] for g in groups_],
+        "bytes": sum(st["bytes"] for st in stores),
+    }
 
 
 def duplicates(path: str | Path) -> list[list[dict]]:
@@ -133,8 +145,11 @@ def _duplicate_groups(stores: list[dict]) -> list[list[dict]]:
     members: dict[int, list[dict]] = {}
     for i, st in enumerate(good):
         members.setdefault(top(i), []).append(st)
-    return [sorted(g, key=lambda st: (bool(st["stale"]), st["file"]))
-            for g in members.values() if len({st["key"] for st in g}) > 1]
+    return [
+        sorted(g, key=lambda st: (bool(st["stale"]), st["file"]))
+        for g in members.values()
+        if len({st["key"] for st in g}) > 1
+    ]
 
 
 def _describe(file: Path) -> dict:
@@ -144,8 +159,10 @@ def _describe(file: Path) -> dict:
         with open_store(file) as f:
             attrs = h5.read_attrs(f)
             held = {f"{d}/{s}/{kind(v)}": int(g["index"].shape[0]) for (d, s, v), g in groups(f)}
-            sums = sorted((g.name, str(h5.plain(g["index"].attrs.get("sha256"))), str(h5.plain(g["rows"].attrs.get(
-                "sha256")))) for _, g in groups(f))
+            sums = sorted(
+                (g.name, str(h5.plain(g["index"].attrs.get("sha256"))), str(h5.plain(g["rows"].attrs.get("sha256"))))
+                for _, g in groups(f)
+            )
     except DamagedStore as e:
         return {"file": str(file), "problem": e.problem, "bytes": size}
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
@@ -153,20 +170,35 @@ def _describe(file: Path) -> dict:
     identity, backbone = attrs.get("identity") or {}, attrs.get("backbone") or {}
     dataset = identity.get("dataset") or {}
     preprocessing = backbone.get("preprocessing") or {}
-    same = {"dataset": {k: v for k, v in dataset.items() if k != "by"},
-            "weights": [backbone.get("name"), backbone.get("weights_sha256")], "preprocessing": preprocessing,
-            **{k: identity.get(k) for k in ("views", "noise", "seed", "precision", "allow_partial")}}
-    return {"file": str(file), "key": str(attrs.get("key")), "dataset": dataset.get("name"),
-            "identity": "recipe" if "recipe" in dataset else dataset.get("by", "legacy"),
-            "fingerprint": dataset.get("fingerprint") or dataset.get("recipe"),
-            "sources": attrs.get("sources") or [], "image_size": identity.get("image_size"),
-            "preprocessing": {k: preprocessing.get(k) for k in ("input_size", "interpolation", "mean", "std")}
-            | {"pipeline": (preprocessing.get("pipeline") or {}).get("version")},
-            "backbone": backbone.get("key"), "weights": backbone.get("weights"),
-            "weights_sha256": backbone.get("weights_sha256"), "dim": backbone.get("dim"),
-            "views": int(attrs.get("views", 0)), "images": int(attrs.get("images", 0)), "held": held, "bytes": size,
-            "stale": _stale(identity), "content": content_key(same) if dataset else None,
-            "rows": content_key({"rows": sums}) if sums else None, "duplicates": []}
+    same = {
+        "dataset": {k: v for k, v in dataset.items() if k != "by"},
+        "weights": [backbone.get("name"), backbone.get("weights_sha256")],
+        "preprocessing": preprocessing,
+        **{k: identity.get(k) for k in ("views", "noise", "seed", "precision", "allow_partial")},
+    }
+    return {
+        "file": str(file),
+        "key": str(attrs.get("key")),
+        "dataset": dataset.get("name"),
+        "identity": "recipe" if "recipe" in dataset else dataset.get("by", "legacy"),
+        "fingerprint": dataset.get("fingerprint") or dataset.get("recipe"),
+        "sources": attrs.get("sources") or [],
+        "image_size": identity.get("image_size"),
+        "preprocessing": {k: preprocessing.get(k) for k in ("input_size", "interpolation", "mean", "std")}
+        | {"pipeline": (preprocessing.get("pipeline") or {}).get("version")},
+        "backbone": backbone.get("key"),
+        "weights": backbone.get("weights"),
+        "weights_sha256": backbone.get("weights_sha256"),
+        "dim": backbone.get("dim"),
+        "views": int(attrs.get("views", 0)),
+        "images": int(attrs.get("images", 0)),
+        "held": held,
+        "bytes": size,
+        "stale": _stale(identity),
+        "content": content_key(same) if dataset else None,
+        "rows": content_key({"rows": sums}) if sums else None,
+        "duplicates": [],
+    }
 
 
 def verify(path: str | Path) -> dict:
@@ -198,8 +230,15 @@ def verify(path: str | Path) -> dict:
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
         problems.append(f"store {path} is unreadable ({type(e).__name__}: {first_line(e)})")
     size = os.path.getsize(path) if Path(path).is_file() else 0
-    return {"path": str(path), "ok": not problems, "problems": problems, "stale": stale, "arrays": arrays,
-            "bytes": size, "seconds": round(time.perf_counter() - t0, 3)}
+    return {
+        "path": str(path),
+        "ok": not problems,
+        "problems": problems,
+        "stale": stale,
+        "arrays": arrays,
+        "bytes": size,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
 
 
 def _stale(identity: dict) -> list[str]:
@@ -229,8 +268,14 @@ def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) ->
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder: pass the folder of the stores (default CACHE/store)")
     now = {"code": code_identity(EMBEDDING_CODE)["sha256"], "versions": versions()}
-    report: dict = {"path": str(folder), "dry_run": dry_run, "kept": [], "removed": [], "quarantined": [],
-                    "left_alone": []}
+    report: dict = {
+        "path": str(folder),
+        "dry_run": dry_run,
+        "kept": [],
+        "removed": [],
+        "quarantined": [],
+        "left_alone": [],
+    }
     leave = lambda p, why: report["left_alone"].append({"file": str(p), "reason": why})  # noqa: E731
     stores, others, damaged, stale = [], [], [], []  # stores of this format, of others; (store, why) damaged, stale
     for file in _candidates(folder):
@@ -241,7 +286,9 @@ def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) ->
             leave(file, "a client cache (gc prunes stores only): left alone")
         elif made[1] != FORMAT:
             others.append(file)
-            leave(file, f"a store of format {made[1]}, which this featcache (format {FORMAT}) does not read: left alone")
+            leave(
+                file, f"a store of format {made[1]}, which this featcache (format {FORMAT}) does not read: left alone"
+            )
         else:
             stores.append(file)
             problem, is_damage = _unusable(file, now)
@@ -305,8 +352,9 @@ def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) ->
             report["removed"].append({"file": str(work), "reason": why})
     for folder_gone in gone:
         if dry_run or remove_unlocked(folder_gone):
-            report["removed"].append({"file": str(folder_gone), "reason": "a folder featcache was removing when "
-                                                                          "it was stopped"})
+            report["removed"].append(
+                {"file": str(folder_gone), "reason": "a folder featcache was removing when it was stopped"}
+            )
     return report
 
 
@@ -348,8 +396,13 @@ def _quarantine(folder: Path, file: Path, problem: str, dry_run: bool, report: d
         write_marker(where, {"kind": "quarantine", "files": own(where).get("files", {}) | {target.name: problem}})
     except (UserError, OSError) as e:
         why = str(e) if isinstance(e, UserError) else e.strerror
-        report["left_alone"].append({"file": str(file), "reason": f"damaged ({problem}); could not move it aside "
-                                     f"({why}): left as it is; `featcache gc --remove-damaged` removes it"})
+        report["left_alone"].append(
+            {
+                "file": str(file),
+                "reason": f"damaged ({problem}); could not move it aside "
+                f"({why}): left as it is; `featcache gc --remove-damaged` removes it",
+            }
+        )
         return
     report["quarantined"].append(entry)
 

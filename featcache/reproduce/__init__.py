@@ -43,6 +43,25 @@ from .render import cell_values, column_labels, command_line, render, table_mark
 from .run import TRAIN_DEVICE, load_pipeline, pipeline_dirs, pipeline_path, reproduce, run_job
 from .schema import Pipeline, parse_pipeline
 
-__all__ = ["DEFAULT_PROFILE", "METRICS", "TRAIN_DEVICE", "Job", "Pipeline", "cell_values", "column_labels",
-           "command_line", "fmt_value", "load_pipeline", "metric_value", "parse_pipeline", "pipeline_dirs",
-           "pipeline_path", "plan", "render", "reproduce", "resolve_extract", "run_job", "table_markdown"]
+__all__ = [
+    "DEFAULT_PROFILE",
+    "METRICS",
+    "TRAIN_DEVICE",
+    "Job",
+    "Pipeline",
+    "cell_values",
+    "column_labels",
+    "command_line",
+    "fmt_value",
+    "load_pipeline",
+    "metric_value",
+    "parse_pipeline",
+    "pipeline_dirs",
+    "pipeline_path",
+    "plan",
+    "render",
+    "reproduce",
+    "resolve_extract",
+    "run_job",
+    "table_markdown",
+]

@@ -35,8 +35,7 @@ def comparability(pipe: Pipeline, profile: str, jobs, backbones: list[list[dict]
     caps = {("per_class", "train"), ("test_per_class", "test")}
     for key, split in sorted(caps):
         if key in prof.extract and prof.extract[key] != pipe.extract.get(key):
-            why.append(f"{prof.extract[key]} {split} images per class (the pipeline's: "
-                       f"{pipe.extract.get(key, 'all')})")
+            why.append(f"{prof.extract[key]} {split} images per class (the pipeline's: {pipe.extract.get(key, 'all')})")
     datasets = sorted({json.loads(job.extract)["dataset"] for job in jobs})
     if not pipe.paper_dataset:
         why.append("the pipeline does not name the paper's data set (paper_dataset)")
@@ -50,8 +49,11 @@ def _backbone_reasons(paper: tuple[PaperBackbone, ...], used: list[list[dict]]) 
     training them end to end."""
     if not paper:
         return ["the pipeline does not name the paper's backbones ([paper] backbones)"]
-    why = [f"the paper trains its {b.arch} end to end; featcache trains heads on frozen backbones"
-           for b in paper if not b.frozen]
+    why = [
+        f"the paper trains its {b.arch} end to end; featcache trains heads on frozen backbones"
+        for b in paper
+        if not b.frozen
+    ]
     theirs = ", ".join(f"{b.arch} ({b.weights}" + (f", {b.dim}-d)" if b.dim else ")") for b in paper)
     for ours in {json.dumps(u, sort_keys=True): u for u in used}.values():
         if len(ours) != len(paper) or not all(map(_same_backbone, paper, ours)):
@@ -62,8 +64,12 @@ def _backbone_reasons(paper: tuple[PaperBackbone, ...], used: list[list[dict]]) 
 def _same_backbone(paper: PaperBackbone, ours: dict) -> bool:
     """Same architecture, width and weights: the paper's weights word names our checkpoint (random never does)."""
     weights = str(ours["weights"])
-    return (ours["name"] == paper.arch and paper.dim in (None, int(ours["dim"])) and weights != "random"
-            and paper.weights.lower() in weights.lower())
+    return (
+        ours["name"] == paper.arch
+        and paper.dim in (None, int(ours["dim"]))
+        and weights != "random"
+        and paper.weights.lower() in weights.lower()
+    )
 
 
 def _describe(ours: dict) -> str:
@@ -109,30 +115,50 @@ def rank_agreement(pipe: Pipeline, values: dict) -> dict[str, dict]:
     for col in pipe.paper_columns:
         if col in metric and not METRICS[metric[col]].result:
             continue
-        rows = [r for r in pipe.rows if r in pipe.paper_rows and number(values.get((r, col))) is not None
-                and number(pipe.paper_rows[r][pipe.paper_columns.index(col)]) is not None]
+        rows = [
+            r
+            for r in pipe.rows
+            if r in pipe.paper_rows
+            and number(values.get((r, col))) is not None
+            and number(pipe.paper_rows[r][pipe.paper_columns.index(col)]) is not None
+        ]
         if len(rows) < 3:
             continue
         ours = [number(values[(r, col)]) for r in rows]
         paper = [number(pipe.paper_rows[r][pipe.paper_columns.index(col)]) for r in rows]
-        out[col] = {"rows": len(rows), "tau": kendall_tau_b(ours, paper),
-                    "best_ours": rows[ours.index(max(ours))], "best_paper": rows[paper.index(max(paper))]}
+        out[col] = {
+            "rows": len(rows),
+            "tau": kendall_tau_b(ours, paper),
+            "best_ours": rows[ours.index(max(ours))],
+            "best_paper": rows[paper.index(max(paper))],
+        }
     return out
 
 
 def agreement_lines(why: list[str], ranks: dict[str, dict]) -> list[str]:
     """The markdown lines at the top of NAME.md: comparable or not (and why), then the rank agreement."""
-    lines = [f"**Comparable with the paper: {'no' if why else 'yes'}**"
-             + (f" — {'; '.join(why)}." if why else " (the paper's data set, backbones, rounds, seeds and images per "
-                "class).")]
+    lines = [
+        f"**Comparable with the paper: {'no' if why else 'yes'}**"
+        + (
+            f" — {'; '.join(why)}."
+            if why
+            else " (the paper's data set, backbones, rounds, seeds and images per class)."
+        )
+    ]
     if not ranks:
         return lines + ["", "Rank agreement: fewer than 3 rows with numbers on both sides in every column."]
     exact = sum(r["tau"] == 1 for r in ranks.values())
     best = sum(r["best_ours"] == r["best_paper"] for r in ranks.values())
     tau = lambda r: "n/a" if r["tau"] is None else f"{r['tau']:.2f}"
-    cells = "; ".join(f"{c} {tau(r)} ({r['rows']} rows"
-                      + ("" if r["best_ours"] == r["best_paper"] else f", best: ours {r['best_ours']}, paper "
-                         f"{r['best_paper']}") + ")" for c, r in ranks.items())
-    return lines + ["", f"**Does the paper's ranking hold?** Its order of rows holds exactly in {exact} of "
-                        f"{len(ranks)} columns, and its best row is ours too in {best} of {len(ranks)}. Kendall's "
-                        f"τ-b per column (1 = the paper's order, 0 = unrelated, −1 = reversed): {cells}."]
+    cells = "; ".join(
+        f"{c} {tau(r)} ({r['rows']} rows"
+        + ("" if r["best_ours"] == r["best_paper"] else f", best: ours {r['best_ours']}, paper {r['best_paper']}")
+        + ")"
+        for c, r in ranks.items()
+    )
+    return lines + [
+        "",
+        f"**Does the paper's ranking hold?** Its order of rows holds exactly in {exact} of "
+        f"{len(ranks)} columns, and its best row is ours too in {best} of {len(ranks)}. Kendall's "
+        f"τ-b per column (1 = the paper's order, 0 = unrelated, −1 = reversed): {cells}.",
+    ]

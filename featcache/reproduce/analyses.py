@@ -40,16 +40,21 @@ def probe_match(algo, state, train, test, steps: int = 200, lr: float = 1e-2) ->
     K = train.num_classes
     eye = torch.eye(m, device=z_train.device)
     heads = {
-        "probe": ({"w.weight": torch.zeros(H, C, K, m), "w.bias": torch.zeros(H, C, K)},
-                  lambda w, p, z: linear(w, "w", z)),
-        "match": ({"w.weight": eye.expand(H, C, m, m).clone(), "w.bias": torch.zeros(H, C, m)},
-                  lambda w, p, z: algo.logits(p, linear(w, "w", z))),
+        "probe": (
+            {"w.weight": torch.zeros(H, C, K, m), "w.bias": torch.zeros(H, C, K)},
+            lambda w, p, z: linear(w, "w", z),
+        ),
+        "match": (
+            {"w.weight": eye.expand(H, C, m, m).clone(), "w.bias": torch.zeros(H, C, m)},
+            lambda w, p, z: algo.logits(p, linear(w, "w", z)),
+        ),
     }
     out = {"origin": _accuracy(map_models(algo.logits, (state.params, z_test)), test)}
     for kind, (w, head) in heads.items():
         w = {k: v.to(z_train) for k, v in w.items()}
-        w = _fit(w, lambda w_, p, z, y, mask: masked_ce(head(w_, p, z), y, mask), state.params, z_train, train,
-                 steps, lr)
+        w = _fit(
+            w, lambda w_, p, z, y, mask: masked_ce(head(w_, p, z), y, mask), state.params, z_train, train, steps, lr
+        )
         out[kind] = _accuracy(map_models(head, (w, state.params, z_test)), test)
     return out
 

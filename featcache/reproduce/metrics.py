@@ -74,8 +74,9 @@ def _similarity(trained, job, info, result) -> list:
 def _trainable(trained, job, info, result) -> int:
     """Parameters one client trains (the head on top of the frozen backbones)."""
     d_in = sum(info["dims"][i] for i in job.chosen(len(info["dims"])))
-    params, _ = create(job.algo, result["config"]).init(result["config"], d_in, info["classes"],
-                                                        torch.Generator().manual_seed(0))
+    params, _ = create(job.algo, result["config"]).init(
+        result["config"], d_in, info["classes"], torch.Generator().manual_seed(0)
+    )
     return int(sum(p.numel() for p in params.values()))
 
 
@@ -122,24 +123,55 @@ def _global(run: dict, arg: str, pick: int | None) -> Value:
 
 
 METRICS = {
-    "acc": Metric("final-round accuracy", lambda r, arg, pick: (r["mean_acc"], r["std_acc"]),
-                  reads=("mean_acc", "std_acc")),
-    "best": Metric("best-round accuracy", lambda r, arg, pick: (r["best_round_mean_acc"], r["best_round_std_acc"]),
-                   reads=("best_round_mean_acc", "best_round_std_acc")),
+    "acc": Metric(
+        "final-round accuracy", lambda r, arg, pick: (r["mean_acc"], r["std_acc"]), reads=("mean_acc", "std_acc")
+    ),
+    "best": Metric(
+        "best-round accuracy",
+        lambda r, arg, pick: (r["best_round_mean_acc"], r["best_round_std_acc"]),
+        reads=("best_round_mean_acc", "best_round_std_acc"),
+    ),
     "global": Metric("global model on all clients' test data", _global, reads=("global_mean_acc", "global_std_acc")),
-    "params": Metric("floats uploaded per round", lambda r, arg, pick: int(r["params_uploaded_per_round"]),
-                     reads=("params_uploaded_per_round",), result=False),
-    "trainable": Metric("trainable head parameters", lambda r, arg, pick: int(r["trainable_params"]),
-                        need=Need("trainable_params", _trainable, always=True), result=False),
-    "fixed": Metric("frozen backbone parameters", lambda r, arg, pick: int(r["fixed"]), need=Need("fixed", _fixed),
-                    show=lambda v: f"{v / 1e6:.1f}M", result=False),
+    "params": Metric(
+        "floats uploaded per round",
+        lambda r, arg, pick: int(r["params_uploaded_per_round"]),
+        reads=("params_uploaded_per_round",),
+        result=False,
+    ),
+    "trainable": Metric(
+        "trainable head parameters",
+        lambda r, arg, pick: int(r["trainable_params"]),
+        need=Need("trainable_params", _trainable, always=True),
+        result=False,
+    ),
+    "fixed": Metric(
+        "frozen backbone parameters",
+        lambda r, arg, pick: int(r["fixed"]),
+        need=Need("fixed", _fixed),
+        show=lambda v: f"{v / 1e6:.1f}M",
+        result=False,
+    ),
     "domain": Metric("domain", _domain, reads=("per_client_per_seed",), per_domain=True, args=None),
-    "fair": Metric("fairness", lambda r, arg, pick: tuple(r["fairness"][arg]), reads=("fairness",),
-                   args=("average", "worst_10", "worst_20", "worst_40", "best_10", "variance", "std")),
-    "probe": Metric("probe_match", lambda r, arg, pick: mean_std(r["probe"][arg]), need=Need("probe", _probe, True),
-                    args=("origin", "probe", "match")),
-    "protosim": Metric("prototype similarity", _protosim, need=Need("similarity", _similarity, True),
-                       per_domain=True, picks_backbone=True, args=None),
+    "fair": Metric(
+        "fairness",
+        lambda r, arg, pick: tuple(r["fairness"][arg]),
+        reads=("fairness",),
+        args=("average", "worst_10", "worst_20", "worst_40", "best_10", "variance", "std"),
+    ),
+    "probe": Metric(
+        "probe_match",
+        lambda r, arg, pick: mean_std(r["probe"][arg]),
+        need=Need("probe", _probe, True),
+        args=("origin", "probe", "match"),
+    ),
+    "protosim": Metric(
+        "prototype similarity",
+        _protosim,
+        need=Need("similarity", _similarity, True),
+        per_domain=True,
+        picks_backbone=True,
+        args=None,
+    ),
 }
 NEEDS = {m.need.name: m.need for m in METRICS.values() if m.need}  # need name -> Need
 RESULT_KEYS = ("algo", "config", "seeds", *dict.fromkeys(k for m in METRICS.values() for k in m.reads))

@@ -73,12 +73,14 @@ def resolve_extract(pipe: Pipeline, overrides: list[dict], dataset: str | None, 
     return {k: v for k, v in ex.items() if v is not None}
 
 
-def plan(pipe: Pipeline, profile: str = DEFAULT_PROFILE, dataset: str | None = None, data_root=None, backbones=None
-         ) -> dict[tuple[str, str], Job]:
+def plan(
+    pipe: Pipeline, profile: str = DEFAULT_PROFILE, dataset: str | None = None, data_root=None, backbones=None
+) -> dict[tuple[str, str], Job]:
     """Every (row, column) cell the profile runs -> its job (a picks_backbone metric: the all-backbone job)."""
     if profile not in pipe.profiles:
-        raise UserError(f"{pipe.path}: no profile {profile!r}{suggest(profile, pipe.profiles)}; "
-                        f"known: {', '.join(pipe.profiles)}")
+        raise UserError(
+            f"{pipe.path}: no profile {profile!r}{suggest(profile, pipe.profiles)}; known: {', '.join(pipe.profiles)}"
+        )
     prof = pipe.profiles[profile]
     cells = {}
     for run in pipe.runs:
@@ -97,14 +99,20 @@ def plan(pipe: Pipeline, profile: str = DEFAULT_PROFILE, dataset: str | None = N
                 chosen = None
             need = metric.need.name if metric.need and not metric.need.always else None
             cells[(run.row, col.name)] = Job(
-                extract=json.dumps(ex, sort_keys=True), algo=run.algo,
-                settings=json.dumps(pipe.set | col.set | run.set | prof.set, sort_keys=True), rounds=prof.rounds,
-                seeds=prof.seeds, backbones=_subset(pipe, run, chosen, ex["backbone"]),
-                grid=json.dumps(run.grid, sort_keys=True), needs=(need,) if need else (),
+                extract=json.dumps(ex, sort_keys=True),
+                algo=run.algo,
+                settings=json.dumps(pipe.set | col.set | run.set | prof.set, sort_keys=True),
+                rounds=prof.rounds,
+                seeds=prof.seeds,
+                backbones=_subset(pipe, run, chosen, ex["backbone"]),
+                grid=json.dumps(run.grid, sort_keys=True),
+                needs=(need,) if need else (),
             )
             if run.grid and cells[(run.row, col.name)].backbones is not None:
-                raise UserError(f"{pipe.path}: row {run.row!r} has a grid and picks backbones: a grid selects on "
-                                "every cached backbone; drop backbones or the grid")
+                raise UserError(
+                    f"{pipe.path}: row {run.row!r} has a grid and picks backbones: a grid selects on "
+                    "every cached backbone; drop backbones or the grid"
+                )
     return _merge_needs(cells)
 
 
@@ -121,6 +129,8 @@ def _subset(pipe: Pipeline, run: Run, chosen: tuple[int, ...] | None, names: lis
     if chosen is None or chosen == tuple(range(len(names))):
         return None
     if max(chosen) >= len(names):
-        raise UserError(f"{pipe.path}: row {run.row!r} picks backbone {max(chosen)} but the extraction has "
-                        f"{len(names)} ({', '.join(names)}): pass {max(chosen) + 1} or more backbones")
+        raise UserError(
+            f"{pipe.path}: row {run.row!r} picks backbone {max(chosen)} but the extraction has "
+            f"{len(names)} ({', '.join(names)}): pass {max(chosen) + 1} or more backbones"
+        )
     return chosen

@@ -30,8 +30,9 @@ def cell_values(pipe: Pipeline, cells: dict, runs: dict) -> dict[tuple[str, str]
     col_pick = {c.name: c.backbones[0] for c in pipe.columns if c.backbones}
     row_pick = {r.row: r.backbones[0] for r in pipe.runs if r.backbones}
     pick = lambda row, col: row_pick.get(row, col_pick.get(col))  # the backbone a cell reads: its run's, else column's
-    values = {(row, col): metric_value(runs[job.key()], metric[col], pick(row, col))
-              for (row, col), job in cells.items()}
+    values = {
+        (row, col): metric_value(runs[job.key()], metric[col], pick(row, col)) for (row, col), job in cells.items()
+    }
     if pipe.figure.get("normalize") == "column":
         for col in {c for _, c in values}:
             total = sum(v[0] for (_, c), v in values.items() if c == col and isinstance(v, tuple))
@@ -51,8 +52,11 @@ def column_labels(pipe: Pipeline, cells: dict, runs: dict) -> dict[str, str]:
             labels[col.name] = "not run in this profile"
         elif METRICS[kind].per_domain:
             found = {domain_clients(runs[j.key()], arg)[0] for j in jobs} - {None}
-            labels[col.name] = f"clients of domain {', '.join(sorted(found))}" if found else \
-                f"n/a (the data has no domain {arg.replace('|', ' or ')})"
+            labels[col.name] = (
+                f"clients of domain {', '.join(sorted(found))}"
+                if found
+                else f"n/a (the data has no domain {arg.replace('|', ' or ')})"
+            )
         else:
             labels[col.name] = METRICS[kind].text + (f" {arg}" if arg else "")
     return labels
@@ -90,8 +94,11 @@ def table_markdown(pipe: Pipeline, values: dict[tuple[str, str], Value], domains
     (column_domains) names the domain our column really holds: `USPS (optdigits) ours`."""
     metric = {c.name: c.metric for c in pipe.columns}
     domains = domains or {}
-    head = ["row"] + [f"{c} ({domains[c]}) ours" if c in domains and side == "ours" else f"{c} {side}"
-                      for c in pipe.paper_columns for side in ("ours", "paper")]
+    head = ["row"] + [
+        f"{c} ({domains[c]}) ours" if c in domains and side == "ours" else f"{c} {side}"
+        for c in pipe.paper_columns
+        for side in ("ours", "paper")
+    ]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for row in pipe.rows:
         cells = [row]
@@ -125,46 +132,78 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def render(pipe: Pipeline, profile: str, command: str, cells: dict, runs: dict, caches: dict,
-           figures: list[str], why: list[str]) -> str:
+def render(
+    pipe: Pipeline,
+    profile: str,
+    command: str,
+    cells: dict,
+    runs: dict,
+    caches: dict,
+    figures: list[str],
+    why: list[str],
+) -> str:
     """The whole OUT/NAME.md: whether it is comparable with the paper (`why` not: agreement.comparability) and
     whether the paper's ranking holds, header (command, profile, caches and keys), mapping note, table, claims,
     config (`caches`: job.extract -> the extraction's summary)."""
     prof = pipe.profiles[profile]
     labels = column_labels(pipe, cells, runs)
     values = cell_values(pipe, cells, runs)
-    out = [f"# {pipe.name}: {pipe.paper} {pipe.table}: {pipe.title}", "",
-           *agreement_lines(why, rank_agreement(pipe, values)), "",
-           f"- command: `{command}`",
-           f"- paper: {pipe.source}",
-           f"- profile `{profile}`: rounds {prof.rounds}, seeds {', '.join(map(str, prof.seeds))}"
-           + (f", settings {json.dumps(prof.set, sort_keys=True)}" if prof.set else "")
-           + (f", extract {json.dumps(prof.extract, sort_keys=True)}" if prof.extract else ""),
-           f"- made by featcache {__version__} on {made_on()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
-           "- caches (content keys):"]
+    out = [
+        f"# {pipe.name}: {pipe.paper} {pipe.table}: {pipe.title}",
+        "",
+        *agreement_lines(why, rank_agreement(pipe, values)),
+        "",
+        f"- command: `{command}`",
+        f"- paper: {pipe.source}",
+        f"- profile `{profile}`: rounds {prof.rounds}, seeds {', '.join(map(str, prof.seeds))}"
+        + (f", settings {json.dumps(prof.set, sort_keys=True)}" if prof.set else "")
+        + (f", extract {json.dumps(prof.extract, sort_keys=True)}" if prof.extract else ""),
+        f"- made by featcache {__version__} on {made_on()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
+        "- caches (content keys):",
+    ]
     for info in caches.values():
-        out.append(f"  - `{Path(info['cache']).name}` key `{info['key']}` ({info['images']} images, "
-                   f"backbones {', '.join(info['backbones'])})")
+        out.append(
+            f"  - `{Path(info['cache']).name}` key `{info['key']}` ({info['images']} images, "
+            f"backbones {', '.join(info['backbones'])})"
+        )
     out += ["", pipe.note, "", "Our columns: " + "; ".join(f"**{c}** = {labels[c]}" for c in labels), ""]
-    out += [table_markdown(pipe, values, column_domains(pipe, cells, runs)),
-            "ours: mean(std) over seeds; '—' not run (no implementation, or not in this profile); "
-            "'n/a' no counterpart in this data.", ""]
+    out += [
+        table_markdown(pipe, values, column_domains(pipe, cells, runs)),
+        "ours: mean(std) over seeds; '—' not run (no implementation, or not in this profile); "
+        "'n/a' no counterpart in this data.",
+        "",
+    ]
     if pipe.claims:
         out += ["The paper's claims for this target:", ""] + [f"- {c}" for c in pipe.claims] + [""]
     out += [f"![{pipe.name}]({Path(f).name})" for f in figures] + ([""] if figures else [])
-    config = {"profile": profile,
-              "jobs": [_job_config(job, cells, runs, caches) for job in dict.fromkeys(cells.values())]}
-    out += ["<details><summary>Resolved configuration</summary>", "", "```json",
-            json.dumps(config, indent=1, sort_keys=True), "```", "", "</details>", ""]
+    config = {
+        "profile": profile,
+        "jobs": [_job_config(job, cells, runs, caches) for job in dict.fromkeys(cells.values())],
+    }
+    out += [
+        "<details><summary>Resolved configuration</summary>",
+        "",
+        "```json",
+        json.dumps(config, indent=1, sort_keys=True),
+        "```",
+        "",
+        "</details>",
+        "",
+    ]
     return "\n".join(out)
 
 
 def _job_config(job, cells: dict, runs: dict, caches: dict) -> dict:
     """One job in the resolved configuration: its cells, algorithm, cache file, backbones, seeds and full config."""
     names = job.extract_kwargs["backbone"]
-    return {"cells": [f"{r} / {c}" for (r, c), j in cells.items() if j == job], "algo": job.algo,
-            "cache": Path(caches[job.extract]["cache"]).name, "backbones": [names[i] for i in job.chosen(len(names))],
-            "seeds": list(job.seeds), "config": runs[job.key()]["config"]}
+    return {
+        "cells": [f"{r} / {c}" for (r, c), j in cells.items() if j == job],
+        "algo": job.algo,
+        "cache": Path(caches[job.extract]["cache"]).name,
+        "backbones": [names[i] for i in job.chosen(len(names))],
+        "seeds": list(job.seeds),
+        "config": runs[job.key()]["config"],
+    }
 
 
 def figure_png(pipe: Pipeline, values: dict) -> bytes:
@@ -181,8 +220,14 @@ def figure_png(pipe: Pipeline, values: dict) -> bytes:
     if pipe.figure["kind"] == "lines":
         for row in rows:
             pts = [(c.x, values[(row, c.name)]) for c in cols if number(row, c)]
-            ax.errorbar([p[0] for p in pts], [p[1][0] for p in pts], yerr=[p[1][1] for p in pts], marker="o",
-                        capsize=3, label=row)
+            ax.errorbar(
+                [p[0] for p in pts],
+                [p[1][0] for p in pts],
+                yerr=[p[1][1] for p in pts],
+                marker="o",
+                capsize=3,
+                label=row,
+            )
         ax.set_xscale(pipe.figure.get("xscale", "linear"))
         ax.set_xticks([c.x for c in cols], [f"{c.x:g}" for c in cols])
         ax.minorticks_off()

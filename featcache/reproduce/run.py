@@ -40,9 +40,16 @@ REPO_PIPELINE_DIR = Path(__file__).resolve().parents[2] / "pipelines"  # ... bes
 TRAIN_DEVICE = "cpu"
 
 
-def reproduce(pipeline: str | Path, profile: str = DEFAULT_PROFILE, data_root: str | Path | None = None,
-              dataset: str | None = None, backbones: list[str] | None = None, out: str | Path = "results",
-              cache: str | Path = "cache", progress=None) -> dict:
+def reproduce(
+    pipeline: str | Path,
+    profile: str = DEFAULT_PROFILE,
+    data_root: str | Path | None = None,
+    dataset: str | None = None,
+    backbones: list[str] | None = None,
+    out: str | Path = "results",
+    cache: str | Path = "cache",
+    progress=None,
+) -> dict:
     """Run one pipeline: extract (shared cache folder), train every job, write OUT/NAME.md (+ NAME.png, NAME.json)."""
     t0 = time.perf_counter()
     pipe = load_pipeline(pipeline)
@@ -67,28 +74,57 @@ def reproduce(pipeline: str | Path, profile: str = DEFAULT_PROFILE, data_root: s
     command = command_line(pipe, profile, data_root, dataset, backbones, out, cache)
     why = comparability(pipe, profile, jobs, [_backbones(info["cache"]) for info in caches.values()])
     write_atomic(out / f"{pipe.name}.md", render(pipe, profile, command, cells, runs, caches, figures, why))
-    write_atomic(out / f"{pipe.name}.json", json.dumps(
-        {"pipeline": pipe.name, "profile": profile, "command": command,
-         "provenance": provenance(TRAIN_DEVICE, library_call(
-             "featcache.reproduce", pipeline=str(pipeline), profile=profile, data_root=data_root and str(data_root),
-             dataset=dataset, backbones=backbones, out=str(out), cache=str(cache))),
-         "cells": [{"row": r, "column": c, "ours": v, "paper": paper_cell(pipe, r, c)}
-                   for (r, c), v in values.items()],
-         "comparable": not why, "not_comparable_because": why,
-         "rank_agreement": rank_agreement(pipe, values)},
-        indent=1, sort_keys=True))
-    return {"pipeline": pipe.name, "markdown": str(out / f"{pipe.name}.md"), "figures": figures, "jobs": len(jobs),
-            "caches": [info["cache"] for info in caches.values()], "embedded": _embedded(caches.values()),
-            "images": _embedded(caches.values(), "images"),
-            "table": table_markdown(pipe, values, column_domains(pipe, cells, runs)), "seconds": round(time.perf_counter() - t0, 1)}
+    write_atomic(
+        out / f"{pipe.name}.json",
+        json.dumps(
+            {
+                "pipeline": pipe.name,
+                "profile": profile,
+                "command": command,
+                "provenance": provenance(
+                    TRAIN_DEVICE,
+                    library_call(
+                        "featcache.reproduce",
+                        pipeline=str(pipeline),
+                        profile=profile,
+                        data_root=data_root and str(data_root),
+                        dataset=dataset,
+                        backbones=backbones,
+                        out=str(out),
+                        cache=str(cache),
+                    ),
+                ),
+                "cells": [
+                    {"row": r, "column": c, "ours": v, "paper": paper_cell(pipe, r, c)} for (r, c), v in values.items()
+                ],
+                "comparable": not why,
+                "not_comparable_because": why,
+                "rank_agreement": rank_agreement(pipe, values),
+            },
+            indent=1,
+            sort_keys=True,
+        ),
+    )
+    return {
+        "pipeline": pipe.name,
+        "markdown": str(out / f"{pipe.name}.md"),
+        "figures": figures,
+        "jobs": len(jobs),
+        "caches": [info["cache"] for info in caches.values()],
+        "embedded": _embedded(caches.values()),
+        "images": _embedded(caches.values(), "images"),
+        "table": table_markdown(pipe, values, column_domains(pipe, cells, runs)),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def _backbones(cache: str) -> list[dict]:
     """A cache's backbones in order, as it records them: key, timm architecture, weights source, feature width."""
     with C.open_cache(cache) as f:
         meta = C.read_meta(f)
-    return [{"key": k, **{a: meta["backbone_info"][k][a] for a in ("name", "weights", "dim")}}
-            for k in meta["backbones"]]
+    return [
+        {"key": k, **{a: meta["backbone_info"][k][a] for a in ("name", "weights", "dim")}} for k in meta["backbones"]
+    ]
 
 
 def _embedded(infos, field: str = "embedded") -> dict[str, int]:
@@ -131,8 +167,9 @@ def load_pipeline(pipeline: str | Path) -> Pipeline:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}): save the pipeline as "
-                        "UTF-8") from None
+        raise UserError(
+            f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}): save the pipeline as UTF-8"
+        ) from None
     return parse_pipeline(text, str(path))
 
 
@@ -170,8 +207,9 @@ def run_job(job: Job, info: dict, out: Path) -> dict:
         outputs[need.name] = need.compute(trained, job, info, result)
     outputs = json.loads(json.dumps(outputs))  # as JSON holds it: lists, not tuples or tensors
     if missing or not found:
-        write_atomic(memo, json.dumps({"result_file": result_file, "grid_file": grid_file, "outputs": outputs},
-                                      sort_keys=True))
+        write_atomic(
+            memo, json.dumps({"result_file": result_file, "grid_file": grid_file, "outputs": outputs}, sort_keys=True)
+        )
     run = {k: result[k] for k in RESULT_KEYS if k in result}
     run |= {"result_file": str(out / result_file), "client_domains": info["client_domains"]} | outputs
     if grid_file:
@@ -213,11 +251,28 @@ def _train(job: Job, info: dict, out: Path, keep_state: bool) -> tuple[dict, str
     """train() the job (the settings a grid selects on validation first) -> (its result, the grid's grid.json)."""
     settings, axes, grid_file = json.loads(job.settings), json.loads(job.grid), None
     if axes:
-        found = grid(info["cache"], job.algo, [f"{k}={','.join(str(v) for v in values)}" for k, values in axes.items()],
-                     seeds=list(job.seeds), rounds=job.rounds, set=[f"{k}={v}" for k, v in settings.items()],
-                     out=out / "runs", device=TRAIN_DEVICE, retrain=False)
+        found = grid(
+            info["cache"],
+            job.algo,
+            [f"{k}={','.join(str(v) for v in values)}" for k, values in axes.items()],
+            seeds=list(job.seeds),
+            rounds=job.rounds,
+            set=[f"{k}={v}" for k, v in settings.items()],
+            out=out / "runs",
+            device=TRAIN_DEVICE,
+            retrain=False,
+        )
         settings, grid_file = settings | found["best"], _relative(Path(found["run_folder"]) / "grid.json", out)
     names = [info["backbones"][i] for i in job.backbones] if job.backbones is not None else None
-    result = train(info["cache"], job.algo, rounds=job.rounds, seeds=list(job.seeds), set=settings, out=out / "runs",
-                   device=TRAIN_DEVICE, backbones=names, keep_state=keep_state)
+    result = train(
+        info["cache"],
+        job.algo,
+        rounds=job.rounds,
+        seeds=list(job.seeds),
+        set=settings,
+        out=out / "runs",
+        device=TRAIN_DEVICE,
+        backbones=names,
+        keep_state=keep_state,
+    )
     return result, grid_file

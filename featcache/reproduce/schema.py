@@ -27,20 +27,61 @@ FIXED_EXTRACT = ("dataset", "backbone")  # set once per pipeline (and by --datas
 _CELL = re.compile(r"^-?\d[\d,]*(\.\d+)?(\(\d+(\.\d+)?\))?M?$")  # "82.75(0.40)", "133,632", "11M"
 
 # key -> (type or types, required); every table is checked against its spec
-_TOP = {"name": (str, True), "title": (str, True), "paper_dataset": (str, False), "note": (str, False),
-        "extra_rows": (list, False), "set": (dict, False), "extract": (dict, True), "columns": (dict, True),
-        "run": (list, True), "paper": (dict, True), "figure": (dict, False), "profiles": (dict, True)}
-_PAPER = {"name": (str, True), "table": (str, True), "source": (str, True), "columns": (list, True),
-          "rows": (dict, False), "claims": (list, False), "backbones": (list, False)}
+_TOP = {
+    "name": (str, True),
+    "title": (str, True),
+    "paper_dataset": (str, False),
+    "note": (str, False),
+    "extra_rows": (list, False),
+    "set": (dict, False),
+    "extract": (dict, True),
+    "columns": (dict, True),
+    "run": (list, True),
+    "paper": (dict, True),
+    "figure": (dict, False),
+    "profiles": (dict, True),
+}
+_PAPER = {
+    "name": (str, True),
+    "table": (str, True),
+    "source": (str, True),
+    "columns": (list, True),
+    "rows": (dict, False),
+    "claims": (list, False),
+    "backbones": (list, False),
+}
 _PAPER_BACKBONE = {"arch": (str, True), "weights": (str, True), "dim": (int, False), "frozen": (bool, False)}
-_COLUMN = {"metric": (str, True), "extract": (dict, False), "set": (dict, False), "backbones": (list, False),
-           "x": ((int, float), False)}
-_RUN = {"row": (str, True), "algo": (str, True), "set": (dict, False), "backbones": (list, False),
-        "extract": (dict, False), "columns": (list, False), "grid": (dict, False)}
-_FIGURE = {"kind": (str, True), "xlabel": (str, False), "ylabel": (str, False), "xscale": (str, False),
-           "normalize": (str, False)}
-_PROFILE = {"rounds": (int, True), "seeds": (list, True), "set": (dict, False), "extract": (dict, False),
-            "columns": (list, False), "rows": (list, False)}
+_COLUMN = {
+    "metric": (str, True),
+    "extract": (dict, False),
+    "set": (dict, False),
+    "backbones": (list, False),
+    "x": ((int, float), False),
+}
+_RUN = {
+    "row": (str, True),
+    "algo": (str, True),
+    "set": (dict, False),
+    "backbones": (list, False),
+    "extract": (dict, False),
+    "columns": (list, False),
+    "grid": (dict, False),
+}
+_FIGURE = {
+    "kind": (str, True),
+    "xlabel": (str, False),
+    "ylabel": (str, False),
+    "xscale": (str, False),
+    "normalize": (str, False),
+}
+_PROFILE = {
+    "rounds": (int, True),
+    "seeds": (list, True),
+    "set": (dict, False),
+    "extract": (dict, False),
+    "columns": (list, False),
+    "rows": (list, False),
+}
 
 
 @dataclass(frozen=True)
@@ -124,9 +165,11 @@ def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
         raise UserError(f"{path}: not valid TOML ({e})") from None
     _check(path, doc, _TOP)
     if not _NAME.fullmatch(doc["name"]):
-        raise UserError(f"{path}: name {doc['name']!r} names the output files NAME.md and NAME.json inside --out: use "
-                        "1 to 64 letters, digits, '.', '_' and '-', starting with a letter or digit (e.g. "
-                        "fedpcl-table3)")
+        raise UserError(
+            f"{path}: name {doc['name']!r} names the output files NAME.md and NAME.json inside --out: use "
+            "1 to 64 letters, digits, '.', '_' and '-', starting with a letter or digit (e.g. "
+            "fedpcl-table3)"
+        )
     paper = doc["paper"]
     _check(f"{path} [paper]", paper, _PAPER)
     if paper["name"] not in PAPERS:
@@ -137,17 +180,33 @@ def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
     columns = _columns(path, doc, paper_columns)
     extra_rows = tuple(doc.get("extra_rows", ()))
     runs = _runs(path, doc, columns, [*rows, *extra_rows])
-    profiles = {name: _profile(f"{path} [profiles.{name}]", spec, doc, columns, runs, [*rows, *extra_rows])
-                for name, spec in doc["profiles"].items()}
+    profiles = {
+        name: _profile(f"{path} [profiles.{name}]", spec, doc, columns, runs, [*rows, *extra_rows])
+        for name, spec in doc["profiles"].items()
+    }
     figure = doc.get("figure", {})
     if figure:
         _figure(f"{path} [figure]", figure, columns)
     return Pipeline(
-        name=doc["name"], paper=paper["name"], table=paper["table"], title=doc["title"], extract=doc["extract"],
-        columns=columns, runs=runs, source=paper["source"], paper_columns=paper_columns, paper_rows=rows,
-        profiles=profiles, paper_dataset=doc.get("paper_dataset"), note=doc.get("note", "").strip(),
-        extra_rows=extra_rows, set=doc.get("set", {}), claims=tuple(paper.get("claims", ())), figure=figure,
-        path=path, paper_backbones=_paper_backbones(path, paper.get("backbones", [])),
+        name=doc["name"],
+        paper=paper["name"],
+        table=paper["table"],
+        title=doc["title"],
+        extract=doc["extract"],
+        columns=columns,
+        runs=runs,
+        source=paper["source"],
+        paper_columns=paper_columns,
+        paper_rows=rows,
+        profiles=profiles,
+        paper_dataset=doc.get("paper_dataset"),
+        note=doc.get("note", "").strip(),
+        extra_rows=extra_rows,
+        set=doc.get("set", {}),
+        claims=tuple(paper.get("claims", ())),
+        figure=figure,
+        path=path,
+        paper_backbones=_paper_backbones(path, paper.get("backbones", [])),
     )
 
 
@@ -171,8 +230,9 @@ def _check_extract(where: str, overrides: dict, base: dict, *, base_table: bool 
     overrides applied to the pipeline's [extract]; per-dataset domains are checked when the dataset is known)."""
     for key in overrides:
         if key not in EXTRACT_KEYS:
-            raise UserError(f"{where}: unknown extract option {key!r}{suggest(key, EXTRACT_KEYS)}; "
-                            f"known: {', '.join(EXTRACT_KEYS)}")
+            raise UserError(
+                f"{where}: unknown extract option {key!r}{suggest(key, EXTRACT_KEYS)}; known: {', '.join(EXTRACT_KEYS)}"
+            )
         if not base_table and key in FIXED_EXTRACT:
             raise UserError(f"{where}: {key} is set once in [extract] (pick backbones per cell with backbones = [i])")
         if key == "backbone" and not isinstance(overrides[key], list):  # runs and columns pick them by index
@@ -217,8 +277,12 @@ def _paper_rows(path: str, rows: dict, n_columns: int) -> dict[str, list]:
         if not isinstance(cells, list) or len(cells) != n_columns:
             raise UserError(f"{path} [paper.rows] {row!r}: give one cell per paper column ({n_columns})")
         for cell in cells:
-            if not (isinstance(cell, (int, float)) and not isinstance(cell, bool)
-                    or isinstance(cell, str) and (cell == "-" or _CELL.match(cell))):
+            if not (
+                isinstance(cell, (int, float))
+                and not isinstance(cell, bool)
+                or isinstance(cell, str)
+                and (cell == "-" or _CELL.match(cell))
+            ):
                 raise UserError(f"{path} [paper.rows] {row!r}: cell {cell!r} is not a number, 'mean(std)' or '-'")
     return rows
 
@@ -232,14 +296,23 @@ def _columns(path: str, doc: dict, paper_columns: list[str]) -> list[Column]:
             raise UserError(f"{where}: not a paper column{suggest(name, paper_columns)}; paper: {paper_columns}")
         kind = spec["metric"].partition(":")[0]
         if kind not in METRICS:
-            raise UserError(f"{where}: unknown metric {spec['metric']!r}{suggest(kind, METRICS)}; "
-                            f"known: {', '.join(METRICS)}")
+            raise UserError(
+                f"{where}: unknown metric {spec['metric']!r}{suggest(kind, METRICS)}; known: {', '.join(METRICS)}"
+            )
         problem = metric_problem(spec["metric"])
         if problem:
             raise UserError(f"{where}: {problem}")
         _check_extract(where, spec.get("extract", {}), doc["extract"])
-        columns.append(Column(name, spec["metric"], spec.get("extract", {}), spec.get("set", {}),
-                              _indices(where, spec.get("backbones")), spec.get("x")))
+        columns.append(
+            Column(
+                name,
+                spec["metric"],
+                spec.get("extract", {}),
+                spec.get("set", {}),
+                _indices(where, spec.get("backbones")),
+                spec.get("x"),
+            )
+        )
     return columns
 
 
@@ -249,17 +322,29 @@ def _runs(path: str, doc: dict, columns: list[Column], rows: list[str]) -> list[
         where = f"{path} [[run]] {i}"
         _check(where, spec, _RUN)
         if spec["row"] not in rows:
-            raise UserError(f"{where}: row {spec['row']!r} is not a paper row{suggest(spec['row'], rows)}: "
-                            "fix it or list it in extra_rows")
+            raise UserError(
+                f"{where}: row {spec['row']!r} is not a paper row{suggest(spec['row'], rows)}: "
+                "fix it or list it in extra_rows"
+            )
         unknown = [c for c in spec.get("columns", ()) if c not in {col.name for col in columns}]
         if unknown:
             raise UserError(f"{where}: column {unknown[0]!r} has no [columns] entry")
         _check_extract(where, spec.get("extract", {}), doc["extract"])
         for col in columns:
-            _check_settings(where, spec["algo"], doc.get("set", {}) | col.set | spec.get("set", {}),
-                            spec.get("grid", {}))
-        runs.append(Run(spec["row"], spec["algo"], spec.get("set", {}), _indices(where, spec.get("backbones")),
-                        spec.get("extract", {}), tuple(spec.get("columns", ())), spec.get("grid", {})))
+            _check_settings(
+                where, spec["algo"], doc.get("set", {}) | col.set | spec.get("set", {}), spec.get("grid", {})
+            )
+        runs.append(
+            Run(
+                spec["row"],
+                spec["algo"],
+                spec.get("set", {}),
+                _indices(where, spec.get("backbones")),
+                spec.get("extract", {}),
+                tuple(spec.get("columns", ())),
+                spec.get("grid", {}),
+            )
+        )
     return runs
 
 
@@ -274,8 +359,14 @@ def _profile(where: str, spec: dict, doc: dict, columns: list[Column], runs: lis
             raise UserError(f"{where}: {key} names {unknown[0]!r}, which is not one of the pipeline's {key}")
     for run in runs:
         _check_settings(where, run.algo, doc.get("set", {}) | run.set | spec.get("set", {}), {})
-    return Profile(spec["rounds"], tuple(spec["seeds"]), spec.get("set", {}), spec.get("extract", {}),
-                   tuple(spec.get("columns", ())), tuple(spec.get("rows", ())))
+    return Profile(
+        spec["rounds"],
+        tuple(spec["seeds"]),
+        spec.get("set", {}),
+        spec.get("extract", {}),
+        tuple(spec.get("columns", ())),
+        tuple(spec.get("rows", ())),
+    )
 
 
 def _figure(where: str, figure: dict, columns: list[Column]) -> None:
@@ -297,8 +388,9 @@ def _check_settings(where: str, algo: str, settings: dict, grid: dict) -> None:
             _typed(key, value, defaults)
         for key, values in grid.items():
             if not isinstance(values, list) or not values:
-                raise UserError(f"grid {key} must be a list of values, e.g. {key} = [{defaults.get(key, 0.1)!r}] "
-                                f"(got {values!r})")
+                raise UserError(
+                    f"grid {key} must be a list of values, e.g. {key} = [{defaults.get(key, 0.1)!r}] (got {values!r})"
+                )
             for value in values:
                 _typed(f"grid {key}", value, defaults, key)
         resolve(impl, settings)
@@ -314,5 +406,7 @@ def _typed(label: str, value, defaults: dict, key: str | None = None) -> None:
     default = defaults.get(key or label)
     if isinstance(value, str) and isinstance(default, (bool, int, float)):
         kind = type(default).__name__
-        raise UserError(f"{label}: expected {'an' if kind == 'int' else 'a'} {kind} like {default!r}, not the string "
-                        f"{value!r} (write it without quotes)")
+        raise UserError(
+            f"{label}: expected {'an' if kind == 'int' else 'a'} {kind} like {default!r}, not the string "
+            f"{value!r} (write it without quotes)"
+        )

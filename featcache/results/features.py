@@ -28,21 +28,28 @@ MIN_POINTS = 5  # fewer rows than this make no picture (and no t-SNE)
 
 # -- the saved state -------------------------------------------------------------------------------------------------
 
+
 def load_state(path: str | Path) -> tuple[dict, dict]:
     """(tensors by name, metadata) of a saved state (`featcache.runs.states.load_state`), refused in one line unless it
     holds the trained heads (`params/` tensors) and metadata of the expected types."""
     from ..runs.states import load_state as read
 
     tensors, meta = read(path)
-    if not (isinstance(meta["config"], dict) and isinstance(meta["seeds"], list) and meta["seeds"]
-            and isinstance(meta["backbones"], list)):
+    if not (
+        isinstance(meta["config"], dict)
+        and isinstance(meta["seeds"], list)
+        and meta["seeds"]
+        and isinstance(meta["backbones"], list)
+    ):
         why = "its config, seeds or backbones metadata has the wrong type"
     elif not any(k.startswith("params/") for k in tensors):
         why = "no params/ tensors"
     else:
         return tensors, meta
-    raise UserError(f"{path} is not a featcache state ({why}): pass the NAME.state.safetensors file that "
-                    "`featcache train --save-state` writes")
+    raise UserError(
+        f"{path} is not a featcache state ({why}): pass the NAME.state.safetensors file that "
+        "`featcache train --save-state` writes"
+    )
 
 
 def check_state(path, tensors: dict, meta: dict, name: str, d_in: int, K: int, C: int):
@@ -64,24 +71,30 @@ def check_state(path, tensors: dict, meta: dict, name: str, d_in: int, K: int, C
         params, buffers = impl.init(cfg, d_in, K, torch.Generator())
     lead = (len(meta["seeds"]), C)
     for group, want in (("params", params), ("buffers", buffers)):
-        have = {k[len(group) + 1:]: v for k, v in tensors.items() if k.startswith(group + "/")}
+        have = {k[len(group) + 1 :]: v for k, v in tensors.items() if k.startswith(group + "/")}
         names = set(want) ^ set(have) if group == "params" else set(want) - set(have)
         if names:
-            raise UserError(f"state {path} does not hold {name}'s model: {group}/{sorted(names)[0]} is "
-                            f"{'missing' if sorted(names)[0] in want else 'not one of its tensors'}: {fix}")
+            raise UserError(
+                f"state {path} does not hold {name}'s model: {group}/{sorted(names)[0]} is "
+                f"{'missing' if sorted(names)[0] in want else 'not one of its tensors'}: {fix}"
+            )
         for k, v in want.items():
             if tuple(have[k].shape) != (*lead, *v.shape):
-                raise UserError(f"state {path}: {group}/{k} has shape {list(have[k].shape)}, {name} on this cache "
-                                f"needs {[*lead, *v.shape]}: {fix}")
+                raise UserError(
+                    f"state {path}: {group}/{k} has shape {list(have[k].shape)}, {name} on this cache "
+                    f"needs {[*lead, *v.shape]}: {fix}"
+                )
             if have[k].is_floating_point() and not bool(torch.isfinite(have[k]).all()):
-                raise UserError(f"state {path}: {group}/{k} holds NaN or infinite values (the training diverged, "
-                                f"or the file was changed): {fix}")
+                raise UserError(
+                    f"state {path}: {group}/{k} holds NaN or infinite values (the training diverged, "
+                    f"or the file was changed): {fix}"
+                )
     return impl.bind(shared_settings(cfg, impl))
 
 
 def part(tensors: dict, prefix: str, s: int, c: int) -> dict:
     """The `prefix/<name>` tensors of seed s and client c: name -> [...]."""
-    return {k[len(prefix) + 1:]: v[s, c] for k, v in tensors.items() if k.startswith(prefix + "/")}
+    return {k[len(prefix) + 1 :]: v[s, c] for k, v in tensors.items() if k.startswith(prefix + "/")}
 
 
 def cache_facts(cache: str | Path) -> dict:
@@ -93,6 +106,7 @@ def cache_facts(cache: str | Path) -> dict:
 
 
 # -- the learned features --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Features:
@@ -127,8 +141,10 @@ def learned_features(state: str | Path, cache: str | Path, split: str = "test", 
     tensors, meta = load_state(state)
     facts = cache_facts(cache)
     if facts.get("key") != meta["cache_key"]:
-        raise UserError(f"state {state} was trained on cache {str(meta['cache_key'])[:16]}, not on {cache} "
-                        f"({str(facts.get('key'))[:16]}): pass --cache the cache it was trained on")
+        raise UserError(
+            f"state {state} was trained on cache {str(meta['cache_key'])[:16]}, not on {cache} "
+            f"({str(facts.get('key'))[:16]}): pass --cache the cache it was trained on"
+        )
     seed = meta["seeds"][0] if seed is None else seed
     _choose("seed", seed, meta["seeds"])
     s = meta["seeds"].index(seed)
@@ -136,8 +152,10 @@ def learned_features(state: str | Path, cache: str | Path, split: str = "test", 
     data = load_clients(cache, **SPLITS[split], backbones=meta["backbones"] or None)
     C = int(data.features.shape[0])
     if next(v for k, v in tensors.items() if k.startswith("params/")).shape[:2] != (len(meta["seeds"]), C):
-        raise UserError(f"state {state} does not hold {len(meta['seeds'])} seeds x {C} clients of {cache}: pass the "
-                        "cache it was trained on")
+        raise UserError(
+            f"state {state} does not hold {len(meta['seeds'])} seeds x {C} clients of {cache}: pass the "
+            "cache it was trained on"
+        )
     algo = check_state(state, tensors, meta, algo, data.features.shape[-1], data.num_classes, C)
     zs, clients, labels = [], [], []
     with torch.no_grad():
@@ -147,8 +165,16 @@ def learned_features(state: str | Path, cache: str | Path, split: str = "test", 
             zs.append(z.float().numpy())  # [n, d]
             clients.append(np.full(n, c))
             labels.append(data.labels[c, :n].numpy())
-    return Features(np.concatenate(zs), np.concatenate(clients), np.concatenate(labels), meta["algo"], seed, C,
-                    list(facts.get("classes") or range(data.num_classes)), facts)
+    return Features(
+        np.concatenate(zs),
+        np.concatenate(clients),
+        np.concatenate(labels),
+        meta["algo"],
+        seed,
+        C,
+        list(facts.get("classes") or range(data.num_classes)),
+        facts,
+    )
 
 
 def subsample(n: int, max_points: int, seed: int) -> np.ndarray:
@@ -159,6 +185,7 @@ def subsample(n: int, max_points: int, seed: int) -> np.ndarray:
 
 
 # -- projections -----------------------------------------------------------------------------------------------------
+
 
 def pca(z: np.ndarray, seed: int) -> tuple[np.ndarray, list[str]]:
     """The first two principal components of z [P, d] -> ([P, 2], axis labels with their share of the variance)."""
@@ -182,6 +209,7 @@ METHODS = {"tsne": tsne, "pca": pca}
 
 
 # -- the output file -------------------------------------------------------------------------------------------------
+
 
 def default_out(state: str | Path, method: str, split: str) -> Path:
     """NAME.state.safetensors -> NAME.METHOD-SPLIT.png beside it."""
@@ -217,23 +245,38 @@ class Projection:
     axes: list[str]
 
 
-def project(state: str | Path, cache: str | Path, method: str = "tsne", split: str = "test", seed: int | None = None,
-            max_points: int = 2000) -> Projection:
+def project(
+    state: str | Path,
+    cache: str | Path,
+    method: str = "tsne",
+    split: str = "test",
+    seed: int | None = None,
+    max_points: int = 2000,
+) -> Projection:
     """The learned features of `state` (one seed) on `cache`'s `split` rows, subsampled and projected to 2-D."""
     _choose("method", method, METHODS)
     if max_points < MIN_POINTS:
         raise UserError(f"--max-points {max_points} is too few: pass at least {MIN_POINTS}")
     feats = learned_features(state, cache, split, seed)
     if len(feats.z) < MIN_POINTS:
-        raise UserError(f"the {split} split of {cache} has {len(feats.z)} rows: pick a split with at least "
-                        f"{MIN_POINTS} (--split train)")
+        raise UserError(
+            f"the {split} split of {cache} has {len(feats.z)} rows: pick a split with at least "
+            f"{MIN_POINTS} (--split train)"
+        )
     keep = subsample(len(feats.z), max_points, feats.seed)  # [P]
     xy, axes = METHODS[method](feats.z[keep], feats.seed)  # [P, 2]
     return Projection(feats, keep, xy, axes)
 
 
-def plot(state: str | Path, cache: str | Path, method: str = "tsne", split: str = "test", seed: int | None = None,
-         max_points: int = 2000, out: str | Path | None = None) -> dict:
+def plot(
+    state: str | Path,
+    cache: str | Path,
+    method: str = "tsne",
+    split: str = "test",
+    seed: int | None = None,
+    max_points: int = 2000,
+    out: str | Path | None = None,
+) -> dict:
     """Draw the learned features of `state` (one seed) on `cache`'s `split` rows with `method` (tsne | pca) to
     `out` (default NAME.METHOD-SPLIT.png beside the state). Returns what was drawn: figure path, method, split,
     seed, points drawn, rows, clients, classes, algo."""
@@ -244,10 +287,20 @@ def plot(state: str | Path, cache: str | Path, method: str = "tsne", split: str 
     p = project(state, cache, method, split, seed, max_points)
     facts = p.feats.cache
     domains = [row.get("domain") for row in (facts.get("counts") or {}).get("clients", [])]
-    heading = (f"{p.feats.algo}: learned features (embed), {'PCA' if method == 'pca' else 't-SNE'}, seed "
-               f"{p.feats.seed}, {split} split, {len(p.keep)} of {len(p.feats.z)} points — {facts.get('dataset')} "
-               f"cache {str(facts.get('key'))[:16]}")
+    heading = (
+        f"{p.feats.algo}: learned features (embed), {'PCA' if method == 'pca' else 't-SNE'}, seed "
+        f"{p.feats.seed}, {split} split, {len(p.keep)} of {len(p.feats.z)} points — {facts.get('dataset')} "
+        f"cache {str(facts.get('key'))[:16]}"
+    )
     write_atomic(out, figure_png(p.xy, p.feats, p.keep, p.axes, heading, domains))
-    return {"figure": str(out), "method": method, "split": split, "seed": p.feats.seed, "points": int(len(p.keep)),
-            "rows": int(len(p.feats.z)), "clients": p.feats.clients, "classes": len(p.feats.classes),
-            "algo": p.feats.algo}
+    return {
+        "figure": str(out),
+        "method": method,
+        "split": split,
+        "seed": p.feats.seed,
+        "points": int(len(p.keep)),
+        "rows": int(len(p.feats.z)),
+        "clients": p.feats.clients,
+        "classes": len(p.feats.classes),
+        "algo": p.feats.algo,
+    }

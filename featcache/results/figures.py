@@ -70,8 +70,10 @@ def run_styles(n: int) -> list[dict]:
     """A look per run: distinct colours (tab10 up to 10 runs, tab20 up to 20), a marker each, and lines that thin
     from the first run to the last, so a run drawn over an equal one (FedProx over FedAvg) leaves it visible."""
     cmap = pyplot().get_cmap("tab10" if n <= 10 else "tab20")
-    return [{"color": cmap(i % cmap.N), "marker": MARKERS[i % len(MARKERS)],
-             "linewidth": 2.8 - 1.6 * i / max(n - 1, 1)} for i in range(n)]
+    return [
+        {"color": cmap(i % cmap.N), "marker": MARKERS[i % len(MARKERS)], "linewidth": 2.8 - 1.6 * i / max(n - 1, 1)}
+        for i in range(n)
+    ]
 
 
 def _draw(ax, s: Series, style: dict, label: str, i: int, n: int, dashes: str = "-") -> bool:
@@ -125,12 +127,17 @@ def curves_png(runs: list[Run], path: str | Path | None = None) -> bytes:
             banded += _draw(loss_ax[r["algo"]], c["loss"], styles[i], label, i, n)
     acc_ax.set_ylabel("test accuracy (%)")
     with_global = any("global" in c for c in curves)
-    acc_ax.set_title("solid: mean over clients (own test rows); dashed: global model (all test rows)" if with_global
-                     else "mean over clients, each on its own test rows", fontsize=9)
+    acc_ax.set_title(
+        "solid: mean over clients (own test rows); dashed: global model (all test rows)"
+        if with_global
+        else "mean over clients, each on its own test rows",
+        fontsize=9,
+    )
     for algo, ax in loss_ax.items():
         note = objective_of(algo)
-        ax.set_title(f"{algo}: mean local training loss" + (" (unbounded below: not a fit measure)" if note else ""),
-                     fontsize=8)
+        ax.set_title(
+            f"{algo}: mean local training loss" + (" (unbounded below: not a fit measure)" if note else ""), fontsize=8
+        )
         ax.tick_params(labelsize=7)
     for ax in [acc_ax, *loss_ax.values()]:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
@@ -140,8 +147,11 @@ def curves_png(runs: list[Run], path: str | Path | None = None) -> bytes:
         list(loss_ax.values())[-1].set_xlabel("communication round (rounds)")
     entries = len(acc_ax.get_legend_handles_labels()[1])
     acc_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=min(3, 1 + (entries - 1) // 3))
-    band = ("shaded: ±1 std over seeds (ddof=1, from metrics.csv)" if banded else
-            "mean over seeds (no per-seed metrics.csv: no band)")
+    band = (
+        "shaded: ±1 std over seeds (ddof=1, from metrics.csv)"
+        if banded
+        else "mean over seeds (no per-seed metrics.csv: no band)"
+    )
     fig.suptitle(wrapped_title(results, band, fig), fontsize=8)
     return _finish(fig, path)
 
@@ -166,9 +176,16 @@ def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
     cmap = plt.get_cmap("tab10" if C <= 10 else "tab20")
     for gi, (_, (mean, std)) in enumerate(groups):
         for c in range(len(mean)):
-            ax.bar(gi + (c - (C - 1) / 2) * width, mean[c], width, color=cmap(c % cmap.N),
-                   yerr=None if std is None else std[c], capsize=2, error_kw={"linewidth": 0.8},
-                   label=f"client {c}" if gi == 0 else None)
+            ax.bar(
+                gi + (c - (C - 1) / 2) * width,
+                mean[c],
+                width,
+                color=cmap(c % cmap.N),
+                yerr=None if std is None else std[c],
+                capsize=2,
+                error_kw={"linewidth": 0.8},
+                label=f"client {c}" if gi == 0 else None,
+            )
     ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
     ax.set_xlabel("run (one bar per client)")
     ax.set_ylabel("final test accuracy (%)")
@@ -176,8 +193,9 @@ def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
     ax.grid(axis="y", alpha=0.3)
     if groups:
         ax.legend(fontsize=7, ncol=1 + (C - 1) // 20, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title(wrapped_title(results, "error bars: ±1 std over seeds (ddof=1); the y axis spans the data", fig),
-                 fontsize=8)
+    ax.set_title(
+        wrapped_title(results, "error bars: ±1 std over seeds (ddof=1); the y axis spans the data", fig), fontsize=8
+    )
     return _finish(fig, path)
 
 
@@ -197,8 +215,9 @@ def _colours(K: int):
     return [cmap(k if K <= 20 else k / max(K - 1, 1)) for k in range(K)]
 
 
-def figure_png(xy: np.ndarray, feats: Features, keep: np.ndarray, axes_labels: list[str], heading: str,
-               domains: list) -> bytes:
+def figure_png(
+    xy: np.ndarray, feats: Features, keep: np.ndarray, axes_labels: list[str], heading: str, domains: list
+) -> bytes:
     """One panel per client: that client's points coloured by class over every client's points in grey."""
     plt = pyplot()
 
@@ -206,8 +225,9 @@ def figure_png(xy: np.ndarray, feats: Features, keep: np.ndarray, axes_labels: l
     C, K = feats.clients, len(feats.classes)
     cols = math.ceil(math.sqrt(C))
     rows = math.ceil(C / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.1 * cols, 2.9 * rows + 0.9), sharex=True, sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.1 * cols, 2.9 * rows + 0.9), sharex=True, sharey=True, squeeze=False
+    )
     colours = np.asarray(_colours(K))  # [K, 4]
     for c, ax in enumerate(axes.flat):
         if c >= C:
@@ -222,11 +242,18 @@ def figure_png(xy: np.ndarray, feats: Features, keep: np.ndarray, axes_labels: l
         if c + cols >= C:
             ax.set_xlabel(axes_labels[0], fontsize=8)
         ax.tick_params(labelsize=7)
-    handles = [plt.Line2D([], [], marker="o", linestyle="", color=colours[k], label=str(name))
-               for k, name in enumerate(feats.classes)][:20]
+    handles = [
+        plt.Line2D([], [], marker="o", linestyle="", color=colours[k], label=str(name))
+        for k, name in enumerate(feats.classes)
+    ][:20]
     handles.append(plt.Line2D([], [], marker="o", linestyle="", color="0.85", label="other clients"))
-    fig.legend(handles=handles, title="class" + (f" (first 20 of {K})" if K > 20 else ""), loc="center right",
-               fontsize=7, title_fontsize=8)
+    fig.legend(
+        handles=handles,
+        title="class" + (f" (first 20 of {K})" if K > 20 else ""),
+        loc="center right",
+        fontsize=7,
+        title_fontsize=8,
+    )
     fig.suptitle(heading, fontsize=9)
     fig.tight_layout(rect=(0, 0, 0.9, 1))
     return png(fig, PLOT_MARK, dpi=110)

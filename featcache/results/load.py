@@ -20,8 +20,11 @@ from ..errors import UserError, as_list, not_a_file
 _NUMBERS = ("mean_acc", "std_acc", "best_round_mean_acc", "best_round_std_acc")
 
 # What `train` writes beside a result `NAME.json`: never results themselves, skipped together in one note.
-SIDECARS = {".timing.json": "a .timing.json sidecar", ".metrics.csv": "a .metrics.csv sidecar",
-            ".state.safetensors": "a saved state (.state.safetensors): draw it with `featcache plot`"}
+SIDECARS = {
+    ".timing.json": "a .timing.json sidecar",
+    ".metrics.csv": "a .metrics.csv sidecar",
+    ".state.safetensors": "a saved state (.state.safetensors): draw it with `featcache plot`",
+}
 SKIPPED_LINES = 3  # more skipped inputs than this are told in one line: their count and the first few
 MAX_RESULT_BYTES = 64 * 2**20  # a result file is a few kB; a larger input is some other file, not read
 
@@ -49,8 +52,11 @@ def result_problem(r) -> str | None:
     w20 = (r.get("fairness") or {}).get("worst_20") if isinstance(r.get("fairness"), dict) else None
     if not (isinstance(w20, list) and len(w20) == 2 and all(is_number(v) and is_percent(v) for v in w20)):
         return "'fairness.worst_20' is missing or not [mean, std] in %"
-    if not (isinstance(r.get("params_uploaded_per_round"), int) and not isinstance(r["params_uploaded_per_round"], bool)
-            and r["params_uploaded_per_round"] >= 0):
+    if not (
+        isinstance(r.get("params_uploaded_per_round"), int)
+        and not isinstance(r["params_uploaded_per_round"], bool)
+        and r["params_uploaded_per_round"] >= 0
+    ):
         return "'params_uploaded_per_round' is missing or not a count"
     if not (isinstance(r.get("seeds"), list) and r["seeds"]):
         return "'seeds' is missing or empty"
@@ -60,15 +66,23 @@ def result_problem(r) -> str | None:
     if not isinstance(curve, dict):
         return "no accuracy 'curve'"
     rounds, acc = curve.get("rounds"), curve.get("mean_acc")
-    if not (isinstance(rounds, list) and isinstance(acc, list) and rounds and len(rounds) == len(acc)
-            and all(is_number(v) for v in rounds + acc)):
+    if not (
+        isinstance(rounds, list)
+        and isinstance(acc, list)
+        and rounds
+        and len(rounds) == len(acc)
+        and all(is_number(v) for v in rounds + acc)
+    ):
         return "'curve' needs lists 'rounds' and 'mean_acc' of numbers, of the same length"
     if not all(is_percent(v) for v in acc):
         return "'curve.mean_acc' holds values that are not accuracies in % (0 to 100)"
     for k in ("global_acc", "train_loss"):  # optional curves: null, or one number per evaluation round
         v = curve.get(k)
-        if v is not None and not (isinstance(v, list) and len(v) == len(rounds) and all(
-                is_number(x) and (k != "global_acc" or is_percent(x)) or x is None for x in v)):
+        if v is not None and not (
+            isinstance(v, list)
+            and len(v) == len(rounds)
+            and all(is_number(x) and (k != "global_acc" or is_percent(x)) or x is None for x in v)
+        ):
             return f"'curve.{k}' is not null or a list of {len(rounds)} numbers (one per evaluation round)"
     return None
 
@@ -101,12 +115,15 @@ class Inputs:
             kinds = {}
             for p in self.sidecars:
                 kinds[_sidecar(p)] = kinds.get(_sidecar(p), 0) + 1
-            lines.append(f"skipped {len(self.sidecars)} sidecar file(s) beside the results ("
-                         f"{', '.join(f'{k} x{n}' for k, n in kinds.items())}): not result files")
+            lines.append(
+                f"skipped {len(self.sidecars)} sidecar file(s) beside the results ("
+                f"{', '.join(f'{k} x{n}' for k, n in kinds.items())}): not result files"
+            )
         if len(self.skipped) > SKIPPED_LINES:  # a folder of someone else's JSON: one line, not thousands
             first = "; ".join(self.skipped[:SKIPPED_LINES])
-            return lines + [f"skipped {len(self.skipped)} files that are not results, the first {SKIPPED_LINES}: "
-                            f"{first}; ..."]
+            return lines + [
+                f"skipped {len(self.skipped)} files that are not results, the first {SKIPPED_LINES}: {first}; ..."
+            ]
         return lines + [f"skipped {line}" for line in self.skipped]
 
 
@@ -153,8 +170,10 @@ def load_inputs(paths) -> Inputs:
         raise UserError("no result files given: pass the result JSON files of `featcache train` or their folder")
     given, found = expand(paths)
     if not given and not found:
-        raise UserError(f"no .json files in {', '.join(map(str, paths))}: pass the result JSON files of "
-                        "`featcache train` or the folder holding them, e.g. runs/")
+        raise UserError(
+            f"no .json files in {', '.join(map(str, paths))}: pass the result JSON files of "
+            "`featcache train` or the folder holding them, e.g. runs/"
+        )
     single = len(given) == 1 and not found and len(paths) == 1
     inputs = Inputs()
     for p in given + found:
@@ -170,8 +189,10 @@ def load_inputs(paths) -> Inputs:
             inputs.skipped.append(f"{p}: not a result file ({why})")
     if not inputs.runs:
         first = inputs.notes()[0]
-        raise UserError(f"none of the {len(given) + len(found)} inputs is a featcache result file ({first}): pass the "
-                        "result JSON files of `featcache train` or their folder, e.g. runs/*.json or runs/")
+        raise UserError(
+            f"none of the {len(given) + len(found)} inputs is a featcache result file ({first}): pass the "
+            "result JSON files of `featcache train` or their folder, e.g. runs/*.json or runs/"
+        )
     return inputs
 
 
@@ -189,5 +210,7 @@ def check_one_cache(results: list[dict], names: list[str] | None = None) -> None
             keys.setdefault(key, names[i] if names else r["algo"])
     if len(keys) > 1:
         (a, fa), (b, fb) = list(keys.items())[:2]
-        raise UserError(f"the results come from {len(keys)} different caches ({fa}: {a[:16]}, {fb}: {b[:16]}): report "
-                        "the files of each cache separately")
+        raise UserError(
+            f"the results come from {len(keys)} different caches ({fa}: {a[:16]}, {fb}: {b[:16]}): report "
+            "the files of each cache separately"
+        )

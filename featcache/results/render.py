@@ -45,13 +45,21 @@ def report(results: list[str | Path], out: str | Path | None = None, note=None) 
     written = {}
     if out:
         figures = {"curves.png": curves_png(inputs.runs), "clients.png": clients_png(inputs.runs)}  # before any write
-        markdown = (f"<!-- {REPORT_MARK} -->\n" + table
-                    + "\n![accuracy curves](curves.png)\n\n![per-client accuracy](clients.png)\n")
+        markdown = (
+            f"<!-- {REPORT_MARK} -->\n"
+            + table
+            + "\n![accuracy curves](curves.png)\n\n![per-client accuracy](clients.png)\n"
+        )
         theirs = [n for n in (*figures, "report.md") if (Path(out) / n).exists() and not written_by_us(Path(out) / n)]
         if theirs:
-            raise UserError(f"--out {out}: {theirs[0]} exists and was not written by `featcache report`: pass another "
-                            "--out or move it (a report never overwrites a file it did not write)")
+            raise UserError(
+                f"--out {out}: {theirs[0]} exists and was not written by `featcache report`: pass another "
+                "--out or move it (a report never overwrites a file it did not write)"
+            )
         write_together([(Path(out) / name, body) for name, body in (figures | {"report.md": markdown}).items()])
-        written = {"markdown": str(Path(out) / "report.md"), "figure": str(Path(out) / "curves.png"),
-                   "clients_figure": str(Path(out) / "clients.png")}
+        written = {
+            "markdown": str(Path(out) / "report.md"),
+            "figure": str(Path(out) / "curves.png"),
+            "clients_figure": str(Path(out) / "clients.png"),
+        }
     return {"table": table, "skipped": inputs.notes(), **written}

@@ -54,9 +54,17 @@ def labels(results: list[dict]) -> list[str]:
     defaults = {a: _defaults(a) for a in {r["algo"] for r in results}}
     keys = list(dict.fromkeys(k for s in every for k in s))
     text = lambda v: json.dumps(v, sort_keys=True)
-    differ = [k for k in keys if len({text(s.get(k)) for s in every}) > 1 and (
-        k in ("algo", "seeds") or any(k in s and (k not in defaults[s["algo"]] or text(s[k]) != text(
-            defaults[s["algo"]][k])) for s in every))]
+    differ = [
+        k
+        for k in keys
+        if len({text(s.get(k)) for s in every}) > 1
+        and (
+            k in ("algo", "seeds")
+            or any(
+                k in s and (k not in defaults[s["algo"]] or text(s[k]) != text(defaults[s["algo"]][k])) for s in every
+            )
+        )
+    ]
     out = []
     for s in every:
         parts = [s["algo"]] if "algo" in differ or not differ else []
@@ -92,8 +100,11 @@ def shared_text(results: list[dict]) -> str:
     """The settings every run has with the same value (`lr=0.001 batch_size=32 ...`), rounds and seeds aside."""
     configs = [r.get("config") if isinstance(r.get("config"), dict) else {} for r in results]
     text = lambda v: json.dumps(v, sort_keys=True)
-    same = [k for k in configs[0] if k not in UNTITLED and all(k in c and text(c[k]) == text(configs[0][k])
-                                                                 for c in configs)]
+    same = [
+        k
+        for k in configs[0]
+        if k not in UNTITLED and all(k in c and text(c[k]) == text(configs[0][k]) for c in configs)
+    ]
     return " ".join(f"{k}={configs[0][k]}" for k in same)
 
 
@@ -102,32 +113,43 @@ def title(results: list[dict]) -> str:
     train / 50 test images per class per client; backbones b0, b1; 50 rounds; shared settings lr=0.001 ...; seeds
     0,1,2`."""
     caches = {(cache_of(r).get("dataset"), cache_of(r).get("key")): r for r in results}
-    names = ", ".join(f"{d or '?'} cache {k[:16]}: {partition_text(r)}" if isinstance(k, str) else
-                      "cache not recorded" for (d, k), r in sorted(caches.items(), key=lambda kv: str(kv[0])))
+    names = ", ".join(
+        f"{d or '?'} cache {k[:16]}: {partition_text(r)}" if isinstance(k, str) else "cache not recorded"
+        for (d, k), r in sorted(caches.items(), key=lambda kv: str(kv[0]))
+    )
     backbones = sorted({", ".join(r.get("backbones") or cache_of(r).get("backbones") or ["?"]) for r in results})
     rounds = sorted({str((r.get("config") or {}).get("rounds", "?")) for r in results})
     seeds = sorted({",".join(map(str, r["seeds"])) for r in results})
     shared = shared_text(results)
-    return (f"{names}; backbones {' / '.join(backbones)}; {' / '.join(rounds)} rounds"
-            + (f"; shared settings {shared}" if shared else "") + f"; seeds {' / '.join(seeds)}")
+    return (
+        f"{names}; backbones {' / '.join(backbones)}; {' / '.join(rounds)} rounds"
+        + (f"; shared settings {shared}" if shared else "")
+        + f"; seeds {' / '.join(seeds)}"
+    )
 
 
 def markdown_table(results: list[dict]) -> str:
     """A title (cache, seeds), then one row per run: its label (the settings that differ between the runs), final
     mean(std) over seeds, best-round mean(std), the global model's accuracy ("n/a" without one), worst-20 %, uploads.
     std is the sample std over seeds (ddof=1; 0 with one seed)."""
-    rows = [f"**{title(results)}** — mean(std) over seeds, std = sample std (ddof=1; 0 with one seed)", "",
-            "| run | final acc % | best-round acc % | global acc % | worst 20 % | params up / client / round | seeds |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        f"**{title(results)}** — mean(std) over seeds, std = sample std (ddof=1; 0 with one seed)",
+        "",
+        "| run | final acc % | best-round acc % | global acc % | worst 20 % | params up / client / round | seeds |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r, label in zip(results, labels(results)):
         w20 = r["fairness"]["worst_20"]
-        rows.append(f"| {label} | {fmt(r['mean_acc'], r['std_acc'])} | "
-                    f"{fmt(r['best_round_mean_acc'], r['best_round_std_acc'])} | {fmt_global(r)} | {fmt(*w20)} | "
-                    f"{r['params_uploaded_per_round']:,} | {len(r['seeds'])} |")
+        rows.append(
+            f"| {label} | {fmt(r['mean_acc'], r['std_acc'])} | "
+            f"{fmt(r['best_round_mean_acc'], r['best_round_std_acc'])} | {fmt_global(r)} | {fmt(*w20)} | "
+            f"{r['params_uploaded_per_round']:,} | {len(r['seeds'])} |"
+        )
     return "\n".join(rows) + "\n"
 
 
 # -- per-seed curves from metrics.csv ----------------------------------------------------------------------------------
+
 
 def metrics_csv(result_file: Path) -> Path:
     """The `.metrics.csv` sidecar `train` writes beside `result_file` (NAME.json -> NAME.metrics.csv)."""
@@ -150,8 +172,10 @@ def read_metrics(path: Path) -> list[dict] | None:
         why = _metrics_problem(reader.fieldnames, rows)
     if why is None:
         return rows or None
-    raise UserError(f"{path} is not a metrics.csv of `featcache train` ({why}): delete it (the figures then draw "
-                    "no std band) or re-run the training that wrote its result")
+    raise UserError(
+        f"{path} is not a metrics.csv of `featcache train` ({why}): delete it (the figures then draw "
+        "no std band) or re-run the training that wrote its result"
+    )
 
 
 def _metrics_problem(columns, rows: list[dict]) -> str | None:
@@ -163,8 +187,9 @@ def _metrics_problem(columns, rows: list[dict]) -> str | None:
             return f"line {i} does not have {len(CSV_COLUMNS)} cells"
         try:
             ok = all(int(row[k]) >= 0 for k in ("round", "seed", "client")) and row["split"] in ("train", "test")
-            ok = ok and all(row[k] == "" or not math.isnan(float(row[k])) for k in ("loss", "accuracy",
-                                                                                       "global_accuracy"))
+            ok = ok and all(
+                row[k] == "" or not math.isnan(float(row[k])) for k in ("loss", "accuracy", "global_accuracy")
+            )
         except (TypeError, ValueError):
             ok = False
         if not ok:
@@ -215,17 +240,25 @@ def series(run: Run) -> dict[str, Series]:
     rounds, seeds = [int(v) for v in curve["rounds"]], [int(s) for s in r["seeds"]]
     rows = read_metrics(metrics_csv(run.path))
     out = {}
-    for name, key, split, column, percent in (("accuracy", "mean_acc", "test", "accuracy", True),
-                                              ("global", "global_acc", "test", "global_accuracy", True),
-                                              ("loss", "train_loss", "train", "loss", False)):
+    for name, key, split, column, percent in (
+        ("accuracy", "mean_acc", "test", "accuracy", True),
+        ("global", "global_acc", "test", "global_accuracy", True),
+        ("loss", "train_loss", "train", "loss", False),
+    ):
         mean = curve.get(key)
         if not (isinstance(mean, list) and len(mean) == len(rounds) and all(is_number(v) for v in mean)):
             continue
         values = per_seed(rows, split, column, rounds, seeds) if rows and len(seeds) > 1 else None
         if values is not None:
-            values = _in_percent(values, mean) if percent else (
-                values if np.abs(values.mean(1) - np.asarray(mean)).max() <= 1e-3 * max(1.0, max(map(abs, mean)))
-                else None)
+            values = (
+                _in_percent(values, mean)
+                if percent
+                else (
+                    values
+                    if np.abs(values.mean(1) - np.asarray(mean)).max() <= 1e-3 * max(1.0, max(map(abs, mean)))
+                    else None
+                )
+            )
         std = values.std(1, ddof=1) if values is not None else None
         out[name] = Series(rounds, np.asarray(mean, dtype=np.float64), std)
     return out

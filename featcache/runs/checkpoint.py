@@ -61,9 +61,13 @@ EVERY_SECONDS = 60.0  # the default: a checkpoint at most this often
 PACKAGE = Path(__file__).resolve().parent.parent  # featcache/
 TRAINING_CODE = ("training/*.py", "algorithms/*.py", "cache/*.py", "runs/*.py")  # what turns a cache into a result
 ALIGN = 64  # bytes: a restored tensor keeps its address modulo this (vector kernels peel unaligned heads)
-ORIGIN = {"run": "another run (algorithm, config, seeds, cache or backbones)", "code": "other featcache or plug-in code",
-          "versions": "other library versions", "format": "another checkpoint format",
-          "machine": "another machine (device, CPU or GPU model, or torch threads)"}  # identity field -> refusal
+ORIGIN = {
+    "run": "another run (algorithm, config, seeds, cache or backbones)",
+    "code": "other featcache or plug-in code",
+    "versions": "other library versions",
+    "format": "another checkpoint format",
+    "machine": "another machine (device, CPU or GPU model, or torch threads)",
+}  # identity field -> refusal
 
 
 class Interrupted(KeyboardInterrupt):
@@ -82,8 +86,10 @@ def check_every(every) -> int | None:
     """`checkpoint_every` checked: None (every ~60 s), 0 (off) or a number of rounds."""
     if every is None or (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
         return every
-    raise UserError(f"checkpoint_every={every!r}: give a number of rounds >= 0 (0: no checkpoints), or leave it out "
-                    f"for one every {EVERY_SECONDS:.0f} s")
+    raise UserError(
+        f"checkpoint_every={every!r}: give a number of rounds >= 0 (0: no checkpoints), or leave it out "
+        f"for one every {EVERY_SECONDS:.0f} s"
+    )
 
 
 def identity(impl, cfg: dict, seeds: list[int], cache_key: str, backbones: list[str], device) -> dict:
@@ -98,11 +104,24 @@ def identity(impl, cfg: dict, seeds: list[int], cache_key: str, backbones: list[
         except TypeError:  # a class without a file (defined in exec'd text): known by its name only
             plugin = f"{cls.__module__}:{cls.__qualname__}"
         code = content_key({"featcache": code, "plugin": plugin})
-    return {"run": {"algo": impl.name, "config": cfg, "seeds": list(seeds), "cache": cache_key,
-                    "backbones": list(backbones)},
-            "code": code, "versions": versions(), "format": FORMAT,
-            "machine": {"device": torch.device(device).type, "gpu": gpu_name(device), "cpu": cpu_model(),
-                        "torch_threads": torch.get_num_threads()}}
+    return {
+        "run": {
+            "algo": impl.name,
+            "config": cfg,
+            "seeds": list(seeds),
+            "cache": cache_key,
+            "backbones": list(backbones),
+        },
+        "code": code,
+        "versions": versions(),
+        "format": FORMAT,
+        "machine": {
+            "device": torch.device(device).type,
+            "gpu": gpu_name(device),
+            "cpu": cpu_model(),
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
 
 
 def pack(tree) -> tuple[dict, dict, dict]:
@@ -127,8 +146,10 @@ def pack(tree) -> tuple[dict, dict, dict]:
             return {"list": [walk(v, f"{name}/{i}") for i, v in enumerate(x)], "tuple": isinstance(x, tuple)}
         if x is None or isinstance(x, (bool, int, float, str)):
             return {"value": x}
-        raise UserError(f"cannot checkpoint {name} (a {type(x).__name__}): an algorithm's state holds tensors, "
-                        "numbers and strings; train it with checkpoint_every=0 (--checkpoint-every 0)")
+        raise UserError(
+            f"cannot checkpoint {name} (a {type(x).__name__}): an algorithm's state holds tensors, "
+            "numbers and strings; train it with checkpoint_every=0 (--checkpoint-every 0)"
+        )
 
     skeleton = walk(tree, "")
     blocks: dict = {}  # (device, dtype, storage address) -> the leaves that view it
@@ -144,8 +165,9 @@ def pack(tree) -> tuple[dict, dict, dict]:
         pads[name] = span.data_ptr() % ALIGN // first.element_size() if span.numel() else 0
         for i in members:
             t = leaves[i][1]
-            leaves[i][2].update(tensor=name, shape=list(t.shape), stride=list(t.stride()),
-                                offset=t.storage_offset() - lo)
+            leaves[i][2].update(
+                tensor=name, shape=list(t.shape), stride=list(t.stride()), offset=t.storage_offset() - lo
+            )
     return skeleton, spans, pads
 
 
@@ -171,8 +193,11 @@ def unpack(skeleton: dict, spans: dict, pads: dict, device="cpu"):
         if "tensor" in s:
             if s["object"] not in made:
                 buf, at = block(s["tensor"]), pads[s["tensor"]] + s["offset"]
-                made[s["object"]] = buf.as_strided(s["shape"], s["stride"], at) if s["view"] else \
-                    buf.new_empty(0).set_(buf.untyped_storage(), at, s["shape"], s["stride"])
+                made[s["object"]] = (
+                    buf.as_strided(s["shape"], s["stride"], at)
+                    if s["view"]
+                    else buf.new_empty(0).set_(buf.untyped_storage(), at, s["shape"], s["stride"])
+                )
             return made[s["object"]]
         if "dict" in s:
             return {k: walk(v) for k, v in s["dict"]}
@@ -221,8 +246,17 @@ class Checkpoint:
     start of each round), turns Ctrl-C into a stop at the round's end (`watch`) and records the finished run
     (`finish`)."""
 
-    def __init__(self, out, impl, cfg: dict, seeds: list[int], cache_key: str, backbones: list[str], device,
-                 every: int | None = None):
+    def __init__(
+        self,
+        out,
+        impl,
+        cfg: dict,
+        seeds: list[int],
+        cache_key: str,
+        backbones: list[str],
+        device,
+        every: int | None = None,
+    ):
         self.every = check_every(every)
         self.identity = identity(impl, cfg, seeds, cache_key, backbones, device)
         stem = f".{impl.name}-{content_key(self.identity['run'])[:16]}"
@@ -238,8 +272,10 @@ class Checkpoint:
             for path in (self.path, self.done_path):
                 why = os.path.lexists(path) and not_a_file(path)
                 if why:
-                    raise Refused(f"{path} {why}: featcache keeps a run's checkpoint under that name; move it away "
-                                  "or pass another --out")
+                    raise Refused(
+                        f"{path} {why}: featcache keeps a run's checkpoint under that name; move it away "
+                        "or pass another --out"
+                    )
 
     # -- the round loop (Engine.run) --------------------------------------------------------------------------
     def restore(self, engine, carried: dict) -> int:
@@ -271,9 +307,15 @@ class Checkpoint:
             return f"claims round {rnd!r} of a {self.rounds}-round run"
         loop = saved.get("loop") if isinstance(saved, dict) else None
         evals = [r for r in range(1, rnd + 1) if r % self.eval_every == 0]
-        if not (isinstance(loop, dict) and loop.keys() == carried.keys() and loop["eval_rounds"] == evals
-                and all(isinstance(v, list) for v in loop.values()) and len(loop["records"]) == len(evals)
-                and len(loop["upload_floats"]) == rnd and len(loop["round_seconds"]) == rnd):
+        if not (
+            isinstance(loop, dict)
+            and loop.keys() == carried.keys()
+            and loop["eval_rounds"] == evals
+            and all(isinstance(v, list) for v in loop.values())
+            and len(loop["records"]) == len(evals)
+            and len(loop["upload_floats"]) == rnd
+            and len(loop["round_seconds"]) == rnd
+        ):
             return f"holds records that do not fit its round {rnd}"
         if not fits(outline(engine.state_dict()), outline(saved.get("engine"))):
             return "holds a state of other names or shapes than this run's"
@@ -288,8 +330,10 @@ class Checkpoint:
         if due or self.stop:
             self.save({"engine": engine.state_dict(), "loop": carried}, rnd)
         if self.stop:
-            raise Interrupted(f"{self.label} stopped after round {rnd} of {self.rounds}, checkpoint saved: run the "
-                              "same command again to resume")
+            raise Interrupted(
+                f"{self.label} stopped after round {rnd} of {self.rounds}, checkpoint saved: run the "
+                "same command again to resume"
+            )
 
     def save(self, tree: dict, rnd: int) -> None:
         """Write `tree` (the engine's state_dict and the loop's lists) as the checkpoint of round `rnd`, replacing
@@ -300,8 +344,11 @@ class Checkpoint:
         try:
             write_atomic(self.path, save(spans, metadata={"featcache": json.dumps(meta)}), durable=True)
         except UserError as e:  # the output layer's line: what failed, and "... run the same command again"
-            kept = (f"resumes from the checkpoint of round {self.saved} (kept)" if self.saved else
-                    "starts it again from round 1 (no checkpoint was written)")
+            kept = (
+                f"resumes from the checkpoint of round {self.saved} (kept)"
+                if self.saved
+                else "starts it again from round 1 (no checkpoint was written)"
+            )
             raise Unsaved(f"{self.label}: no checkpoint of round {rnd}: {e}, which {kept}") from None
         self.saved, self.last = rnd, time.monotonic()
 
@@ -344,8 +391,11 @@ class Checkpoint:
         except Interrupted:
             raise
         except KeyboardInterrupt:
-            where = (f"the checkpoint holds round {self.saved}: run the same command again to resume from there"
-                     if self.saved else "no checkpoint yet: the same command starts it again from round 1")
+            where = (
+                f"the checkpoint holds round {self.saved}: run the same command again to resume from there"
+                if self.saved
+                else "no checkpoint yet: the same command starts it again from round 1"
+            )
             raise Interrupted(f"{self.label} stopped in round {self.current + 1} of {self.rounds}; {where}") from None
         except UserError as e:
             if not isinstance(e, (Refused, Unsaved)):
@@ -361,13 +411,19 @@ class Checkpoint:
         during the last round stops here, the result written."""
         if self.every != 0:
             files = [Path(paths[k]) for k in ("result_file", "timing_file", "metrics_csv", "state_file") if paths[k]]
-            record = {"identity": self.identity, "paths": {k: v and Path(v).name for k, v in paths.items()},
-                      "tensorboard": paths["tensorboard"], "sha256": {p.name: _sha256(p) for p in files}}
+            record = {
+                "identity": self.identity,
+                "paths": {k: v and Path(v).name for k, v in paths.items()},
+                "tensorboard": paths["tensorboard"],
+                "sha256": {p.name: _sha256(p) for p in files},
+            }
             write_atomic(self.done_path, json.dumps(record, sort_keys=True, indent=1), durable=True)
             self.path.unlink(missing_ok=True)
         if self.stop:
-            raise Interrupted(f"{self.label} stopped after its last round, result written: run the same command "
-                              "again to go on with the next")
+            raise Interrupted(
+                f"{self.label} stopped after its last round, result written: run the same command "
+                "again to go on with the next"
+            )
 
     def finished(self, save_state: bool, tensorboard) -> dict | None:
         """What `train` returns for a run the same command finished before, with this code on this machine, whose
@@ -379,9 +435,12 @@ class Checkpoint:
             record = json.loads(self.done_path.read_text())
             paths, sums = record["paths"], record["sha256"]
             board = str(Path(tensorboard) / Path(paths["result_file"]).stem) if tensorboard is not None else None
-            same = (record["identity"] == self.identity and all(_sha256(folder / n) == h for n, h in sums.items())
-                    and (paths["state_file"] is not None or not save_state)
-                    and (board is None or record["tensorboard"] == board and Path(board).is_dir()))
+            same = (
+                record["identity"] == self.identity
+                and all(_sha256(folder / n) == h for n, h in sums.items())
+                and (paths["state_file"] is not None or not save_state)
+                and (board is None or record["tensorboard"] == board and Path(board).is_dir())
+            )
             if not same:
                 return None
             result = json.loads((folder / paths["result_file"]).read_text())
@@ -390,8 +449,16 @@ class Checkpoint:
             return None
         self.path.unlink(missing_ok=True)  # left by a run killed between the record and the removal
         written = {k: str(folder / paths[k]) if paths[k] else None for k in ("result_file", "metrics_csv")}
-        return result | timing | written | {"state_file": str(folder / paths["state_file"]) if save_state else None,
-                                            "tensorboard": board, "finished_earlier": True}
+        return (
+            result
+            | timing
+            | written
+            | {
+                "state_file": str(folder / paths["state_file"]) if save_state else None,
+                "tensorboard": board,
+                "finished_earlier": True,
+            }
+        )
 
 
 def _sha256(path: Path) -> str | None:

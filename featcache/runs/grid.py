@@ -1,8 +1,8 @@
 """`featcache grid`: a hyperparameter grid trained as batched runs, validation-selected, then retrained.
 
-Protocol of the papers (Tan et al., FedPCL, NeurIPS 2022, App. A.1.4): train every configuration on train-minus-validation (the 20 % held out
-at extraction), score it by mean client accuracy on the validation rows, retrain the best on the full train split and
-report test accuracy mean(std) over seeds
+Protocol of the papers (Tan et al., FedPCL, NeurIPS 2022, App. A.1.4): train every configuration on
+train-minus-validation (the 20 % held out at extraction), score it by mean client accuracy on the validation rows,
+retrain the best on the full train split and report test accuracy mean(std) over seeds
 (std: the sample std over seeds, ddof=1; 0 with one seed).
 
 Continuous hyperparameters (lr, weight decay, τ, μ, ...) become per-model tensors on the engine's configuration axis,
@@ -115,14 +115,24 @@ def _write_json(path: Path, obj) -> None:
 
 def _split_data(cache: str, algo, backbones=None) -> tuple:
     """The chunk's training rows (train minus validation) and its validation rows."""
-    return (load_split(cache, algo, holdout="fit", backbones=backbones),
-            load_clients(cache, "train", holdout="val", backbones=backbones))
+    return (
+        load_split(cache, algo, holdout="fit", backbones=backbones),
+        load_clients(cache, "train", holdout="val", backbones=backbones),
+    )
 
 
-def _run_chunk(cache: str, algo_name: str, cfgs: list[dict], device: str | torch.device, backbones=None,
-               progress=None, data: tuple | None = None) -> list[list[float]]:
+def _run_chunk(
+    cache: str,
+    algo_name: str,
+    cfgs: list[dict],
+    device: str | torch.device,
+    backbones=None,
+    progress=None,
+    data: tuple | None = None,
+) -> list[list[float]]:
     """Train a chunk on train-minus-validation and score on validation: per model, per-client final accuracy.
-    `progress(round, rounds, live)` is called after each round (Engine.run); `data` = (fit, val) when the caller already loaded them."""
+    `progress(round, rounds, live)` is called after each round (Engine.run); `data` = (fit, val) when the caller already
+    loaded them."""
     algo = create(algo_name)
     fit, val = data or _split_data(cache, algo, backbones)
     acc = run_configs(algo, cfgs, fit, val, device, progress, logs=False)["acc"][-1]  # [H, C]
@@ -162,10 +172,22 @@ BACKENDS["ray"] = _ray_backend
 
 
 @threaded
-def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1, 2), rounds: int | None = None,
-         set: list[str] | None = None, backbones: list[str] | None = None, out: str | Path = "runs",
-         device: str | torch.device = "auto", backend: str = "local", chunk: int | None = None, retrain: bool = True,
-         progress=None, threads: int | None = None) -> dict:
+def grid(
+    cache: str | Path,
+    algo: str,
+    grid: list[str],
+    seeds: list[int] = (0, 1, 2),
+    rounds: int | None = None,
+    set: list[str] | None = None,
+    backbones: list[str] | None = None,
+    out: str | Path = "runs",
+    device: str | torch.device = "auto",
+    backend: str = "local",
+    chunk: int | None = None,
+    retrain: bool = True,
+    progress=None,
+    threads: int | None = None,
+) -> dict:
     """Select on validation, retrain the best on full train, report test mean(std). Resumable by run folder.
 
     `backbones` trains on a subset of the cached backbones' features (default: all, concatenated).
@@ -198,9 +220,13 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
     check_folder(out)
     picked = {"backbones": list(backbones)} if backbones else {}  # recorded only when a subset is asked for
 
-    run_id = hashlib.sha256(json.dumps({"cache": str(Path(cache).resolve()), "algo": algo, "base": base_cfg,
-                                        "axes": axes, "seeds": list(seeds)} | picked, sort_keys=True
-                                       ).encode()).hexdigest()[:12]
+    run_id = hashlib.sha256(
+        json.dumps(
+            {"cache": str(Path(cache).resolve()), "algo": algo, "base": base_cfg, "axes": axes, "seeds": list(seeds)}
+            | picked,
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:12]
     folder = Path(out) / f"grid-{algo}-{run_id}"
 
     fit = load_split(cache, impl, holdout="fit", backbones=backbones)
@@ -215,23 +241,31 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
         buckets.setdefault(_bucket_key(c, impl), []).append(i)
     per_model = {}  # memory of one model per bucket: refuse a bucket whose smallest chunk cannot fit, before training
     for key, members in buckets.items():
-        per_model[key] = check_memory(impl, cfgs[members[0]], min(chunk or 1, len(members) * len(seeds)), fit, dev,
-                                      "use a smaller --chunk")
+        per_model[key] = check_memory(
+            impl, cfgs[members[0]], min(chunk or 1, len(members) * len(seeds)), fit, dev, "use a smaller --chunk"
+        )
     made = missing_folders(folder)
     make_folder(folder)
     try:
         jobs, chunk_sizes = [], []
         for key, members in buckets.items():
             models = [(i, s) for i in members for s in seeds]  # configurations x seeds share the H axis
-            size = chunk or chunked_before(folder, cfgs, models) or plan_chunk(len(models), per_model[key],
-                                                                                memory_budget(dev))
+            size = (
+                chunk
+                or chunked_before(folder, cfgs, models)
+                or plan_chunk(len(models), per_model[key], memory_budget(dev))
+            )
             chunk_sizes.append(size)
             for start in range(0, len(models), size):
                 part = models[start : start + size]
-                jobs.append({"file": chunk_file(folder, cfgs, part), "models": part,
-                             "rounds": max(cfgs[i]["rounds"] for i, _ in part),
-                             "args": (str(cache), spec, [cfgs[i] | {"seed": int(s)} for i, s in part], device,
-                                      backbones)})
+                jobs.append(
+                    {
+                        "file": chunk_file(folder, cfgs, part),
+                        "models": part,
+                        "rounds": max(cfgs[i]["rounds"] for i, _ in part),
+                        "args": (str(cache), spec, [cfgs[i] | {"seed": int(s)} for i, s in part], device, backbones),
+                    }
+                )
         todo = [j for j in jobs if not j["file"].is_file()]
         if progress:
             progress("grid chunks", len(jobs) - len(todo), len(jobs))
@@ -243,28 +277,73 @@ def grid(cache: str | Path, algo: str, grid: list[str], seeds: list[int] = (0, 1
         scores = {i: [] for i in range(len(cfgs))}
         for job in jobs:
             saved = json.loads(job["file"].read_text())
-            for (i, s), per_client in zip(saved["models"], saved["val_acc"]):
+            for (i, _seed), per_client in zip(saved["models"], saved["val_acc"]):
                 scores[i].append(float(np.mean(per_client)))
-        table = sorted(({"config": points[i], "val_mean": mean_std(v)[0], "val_std": mean_std(v)[1]}
-                        for i, v in scores.items()), key=lambda r: -r["val_mean"])
-        result = {"algo": algo, "cache": str(cache), "axes": axes, "seeds": list(seeds), "configs": len(cfgs),
-                  "models": len(cfgs) * len(seeds) * C, "chunks": len(jobs), "chunk_size": max(chunk_sizes),
-                  "backend": backend, "device": str(dev),
-                  "run_folder": str(folder), "selection": table, "best": table[0]["config"]} | picked
+        table = sorted(
+            ({"config": points[i], "val_mean": mean_std(v)[0], "val_std": mean_std(v)[1]} for i, v in scores.items()),
+            key=lambda r: -r["val_mean"],
+        )
+        result = {
+            "algo": algo,
+            "cache": str(cache),
+            "axes": axes,
+            "seeds": list(seeds),
+            "configs": len(cfgs),
+            "models": len(cfgs) * len(seeds) * C,
+            "chunks": len(jobs),
+            "chunk_size": max(chunk_sizes),
+            "backend": backend,
+            "device": str(dev),
+            "run_folder": str(folder),
+            "selection": table,
+            "best": table[0]["config"],
+        } | picked
         if retrain:
-            final = train(cache, spec, seeds=seeds, set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
-                          out=folder, device=dev, backbones=backbones,
-                          progress=(lambda done, total, _: progress("grid retrain", done, total)) if progress else None)
-            keep = ("mean_acc", "std_acc", "per_seed", "best_round_mean_acc", "best_round_std_acc", "result_file",
-                    "params_uploaded_per_round")
+            final = train(
+                cache,
+                spec,
+                seeds=seeds,
+                set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
+                out=folder,
+                device=dev,
+                backbones=backbones,
+                progress=(lambda done, total, _: progress("grid retrain", done, total)) if progress else None,
+            )
+            keep = (
+                "mean_acc",
+                "std_acc",
+                "per_seed",
+                "best_round_mean_acc",
+                "best_round_std_acc",
+                "result_file",
+                "params_uploaded_per_round",
+            )
             result["retrain"] = {k: final[k] for k in keep}
-        result["provenance"] = provenance(dev, library_call(
-            "featcache.grid", cache=str(cache), algo=spec, grid=list(grid), seeds=list(seeds), rounds=rounds,
-            set=set, device=str(device), backend=backend, chunk=chunk, retrain=retrain, **picked))
+        result["provenance"] = provenance(
+            dev,
+            library_call(
+                "featcache.grid",
+                cache=str(cache),
+                algo=spec,
+                grid=list(grid),
+                seeds=list(seeds),
+                rounds=rounds,
+                set=set,
+                device=str(device),
+                backend=backend,
+                chunk=chunk,
+                retrain=retrain,
+                **picked,
+            ),
+        )
         resumed = {"chunks_resumed": len(jobs) - len(todo)}  # how this run went, not what it found: beside the result
-        write_together([(folder / "grid.csv", to_csv(table)),  # all three or none; grid.json last: its presence
-                        (folder / "grid.timing.json", json.dumps(resumed, sort_keys=True, indent=1)),  # means the
-                        (folder / "grid.json", json.dumps(result, sort_keys=True, indent=1))])  # folder is complete
+        write_together(
+            [
+                (folder / "grid.csv", to_csv(table)),  # all three or none; grid.json last: its presence
+                (folder / "grid.timing.json", json.dumps(resumed, sort_keys=True, indent=1)),  # means the
+                (folder / "grid.json", json.dumps(result, sort_keys=True, indent=1)),
+            ]
+        )  # folder is complete
     except BaseException:
         remove_empty(made)  # a run folder that got nothing (and --out, when this run made it): not left behind
         raise

@@ -55,8 +55,9 @@ def _r4(values) -> list[float]:
     return [round(float(v), 4) for v in values]
 
 
-def summarize(acc: np.ndarray, eval_rounds: list[int], global_acc: np.ndarray | None = None,
-              train_loss: np.ndarray | None = None) -> dict:
+def summarize(
+    acc: np.ndarray, eval_rounds: list[int], global_acc: np.ndarray | None = None, train_loss: np.ndarray | None = None
+) -> dict:
     """acc [R_eval, S, C] in [0, 1] -> the result numbers, all in %, named plainly.
 
     final: accuracy after the last round. best_round: for each seed, the evaluation round with the highest
@@ -83,9 +84,12 @@ def summarize(acc: np.ndarray, eval_rounds: list[int], global_acc: np.ndarray | 
         "best_round_std_acc": round(best_std, 4),
         "best_round": [int(eval_rounds[i]) for i in best_idx],
         "fairness": {k: [round(x, 4) for x in mean_std([f[k] for f in fair])] for k in fair[0]},
-        "curve": {"rounds": list(eval_rounds), "mean_acc": _r4(curve.mean(1)),
-                  "global_acc": None if global_acc is None else _r4(100 * np.asarray(global_acc).mean(1)),
-                  "train_loss": None if train_loss is None else _r4(np.nanmean(train_loss, 2).mean(1))},
+        "curve": {
+            "rounds": list(eval_rounds),
+            "mean_acc": _r4(curve.mean(1)),
+            "global_acc": None if global_acc is None else _r4(100 * np.asarray(global_acc).mean(1)),
+            "train_loss": None if train_loss is None else _r4(np.nanmean(train_loss, 2).mean(1)),
+        },
     } | summarize_global(global_acc)
 
 

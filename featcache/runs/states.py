@@ -9,9 +9,9 @@ Tensor names (S = seeds, C = clients; nested dicts flattened with "/"):
     server/<name>    [S, ...]     per-seed server state (global prototypes, the global model, ...)
 
 Metadata: one key, `featcache`, a JSON object (sorted keys) with `algo`, `algo_spec` (the algorithm's name, or for a
-plug-in its `file.py:Class`, so the state can be used without registering it first), `config`, `seeds`, `cache_key`, `backbones`,
-`result` (the result file's name) and `featcache_state` (the format version). One key, because safetensors writes
-several metadata keys in a random order, and the same run must give the same bytes. (Files with those fields as
+plug-in its `file.py:Class`, so the state can be used without registering it first), `config`, `seeds`, `cache_key`,
+`backbones`, `result` (the result file's name) and `featcache_state` (the format version). One key, because safetensors
+writes several metadata keys in a random order, and the same run must give the same bytes. (Files with those fields as
 separate metadata keys, JSON-encoded where they are not strings, are read too.)
 """
 
@@ -46,8 +46,10 @@ def flatten(tree: dict, prefix: str) -> dict[str, torch.Tensor]:
         elif isinstance(value, (torch.Tensor, int, float, bool)):
             out[name] = torch.as_tensor(value).detach().cpu().contiguous().clone()
         else:
-            raise UserError(f"--save-state: state entry {name} is a {type(value).__name__}; a saved state holds "
-                            "tensors and numbers only")
+            raise UserError(
+                f"--save-state: state entry {name} is a {type(value).__name__}; a saved state holds "
+                "tensors and numbers only"
+            )
     return out
 
 
@@ -74,9 +76,16 @@ def state_bytes(trained, result: dict, result_name: str) -> bytes:
     cls = type(trained.algo)
     builtin = cls.__module__.startswith("featcache.algorithms.")
     spec = result["algo"] if builtin else f"{Path(sys.modules[cls.__module__].__file__).resolve()}:{cls.__name__}"
-    meta = {"algo": result["algo"], "algo_spec": spec, "config": result["config"], "seeds": result["seeds"],
-            "cache_key": result["cache"]["key"], "backbones": result["backbones"], "result": result_name,
-            "featcache_state": FORMAT}
+    meta = {
+        "algo": result["algo"],
+        "algo_spec": spec,
+        "config": result["config"],
+        "seeds": result["seeds"],
+        "cache_key": result["cache"]["key"],
+        "backbones": result["backbones"],
+        "result": result_name,
+        "featcache_state": FORMAT,
+    }
     return save(tensors, metadata={"featcache": json.dumps(meta, sort_keys=True)})
 
 
@@ -99,15 +108,22 @@ def load_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
             meta = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for a damaged or foreign file
-        raise UserError(f"{path} is not a safetensors file ({type(e).__name__}): pass a .state.safetensors file "
-                        "written by `featcache train --save-state`") from None
+        raise UserError(
+            f"{path} is not a safetensors file ({type(e).__name__}): pass a .state.safetensors file "
+            "written by `featcache train --save-state`"
+        ) from None
     try:
-        meta = json.loads(meta["featcache"]) if "featcache" in meta else \
-            meta | {k: json.loads(meta[k]) for k in META_JSON if k in meta}
+        meta = (
+            json.loads(meta["featcache"])
+            if "featcache" in meta
+            else meta | {k: json.loads(meta[k]) for k in META_JSON if k in meta}
+        )
     except (json.JSONDecodeError, TypeError):
         meta = None
     missing = list(META_KEYS) if not isinstance(meta, dict) else [k for k in META_KEYS if k not in meta]
     if missing:
-        raise UserError(f"{path} is not a featcache state (metadata lacks {', '.join(missing)}): pass a file "
-                        "written by `featcache train --save-state`")
+        raise UserError(
+            f"{path} is not a featcache state (metadata lacks {', '.join(missing)}): pass a file "
+            "written by `featcache train --save-state`"
+        )
     return tensors, meta

@@ -55,9 +55,17 @@ class Trained:
     test: C.ClientData
 
 
-def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
-                device: str | torch.device = "cpu", progress=None, logs: bool = True, checkpoint=None,
-                at_once: int | None = None) -> dict:
+def run_configs(
+    algo,
+    cfgs: list[dict],
+    train: C.ClientData,
+    test: C.ClientData,
+    device: str | torch.device = "cpu",
+    progress=None,
+    logs: bool = True,
+    checkpoint=None,
+    at_once: int | None = None,
+) -> dict:
     """Train H configurations batched; returns the engine's raw output (acc [R_eval, H, C], with `logs` the other
     records of `Engine.run`, uploads, timings) and `trained` (a `Trained`). `checkpoint`: see `Engine.run`;
     `at_once`: see `Engine`."""
@@ -67,8 +75,15 @@ def run_configs(algo, cfgs: list[dict], train: C.ClientData, test: C.ClientData,
     return raw | {"trained": Trained(engine.algo, engine.state, engine.train, engine.test)}
 
 
-def precheck(algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2), set: list[str] | dict | None = None,
-             out: str | Path = "runs", device: str | torch.device = "auto", tensorboard: str | Path | None = None):
+def precheck(
+    algo: str,
+    rounds: int | None = None,
+    seeds: list[int] = (0, 1, 2),
+    set: list[str] | dict | None = None,
+    out: str | Path = "runs",
+    device: str | torch.device = "auto",
+    tensorboard: str | Path | None = None,
+):
     """Everything about a run that can be checked without its cache: device, seeds, settings, the output folder(s),
     TensorBoard when asked for. Returns (device, checked seeds, algorithm, resolved config)."""
     dev = resolve_device(device)
@@ -107,11 +122,22 @@ def commit_folder(tmp: Path, folder: Path) -> None:
 
 
 @threaded
-def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[int] = (0, 1, 2),
-          set: list[str] | dict | None = None, out: str | Path = "runs", device: str | torch.device = "auto",
-          backbones: list[str] | None = None, keep_state: bool = False, tensorboard: str | Path | None = None,
-          save_state: bool = False, progress=None, checkpoint_every: int | None = None,
-          threads: int | None = None) -> dict:
+def train(
+    cache: str | Path,
+    algo: str,
+    rounds: int | None = None,
+    seeds: list[int] = (0, 1, 2),
+    set: list[str] | dict | None = None,
+    out: str | Path = "runs",
+    device: str | torch.device = "auto",
+    backbones: list[str] | None = None,
+    keep_state: bool = False,
+    tensorboard: str | Path | None = None,
+    save_state: bool = False,
+    progress=None,
+    checkpoint_every: int | None = None,
+    threads: int | None = None,
+) -> dict:
     """Train `algo` on `cache` for each seed on `device` (auto | cpu | cuda[:N]); write the result JSON and its
     metrics CSV; return the result with timings, the device it ran on (the result file does not record it) and the
     paths written (result_file, metrics_csv, state_file, tensorboard: None when not asked for).
@@ -143,8 +169,16 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     if done:
         return done | {"cache_path": str(cache)}
     with ckpt.watch():
-        raw = run_configs(impl, [cfg | {"seed": int(s)} for s in seeds], train_data, test_data, dev, progress,
-                          checkpoint=ckpt, at_once=at_once)
+        raw = run_configs(
+            impl,
+            [cfg | {"seed": int(s)} for s in seeds],
+            train_data,
+            test_data,
+            dev,
+            progress,
+            checkpoint=ckpt,
+            at_once=at_once,
+        )
     floats = raw["upload_floats"][0]
     result = {
         "algo": algo,
@@ -157,17 +191,29 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
         "clients": int(train_data.features.shape[0]),
         "params_uploaded_per_round": int(floats),
         "bytes_uploaded_per_round": int(floats) * 4,
-    } | summarize(raw["acc"].numpy(), raw["eval_rounds"], none_or_numpy(raw["global_acc"]),
-                  raw["train_loss"].numpy())
+    } | summarize(raw["acc"].numpy(), raw["eval_rounds"], none_or_numpy(raw["global_acc"]), raw["train_loss"].numpy())
     run_id = hashlib.sha256(json.dumps(result, sort_keys=True, indent=1).encode()).hexdigest()[:12]
     result["cache"]["partition"] = meta.get("partition")  # for reports; the cache key above already fixes it
-    result["provenance"] = provenance(dev, library_call("featcache.train", cache=str(cache), algo=spec, rounds=rounds,
-                                                        seeds=list(seeds), set=set, device=str(device),
-                                                        **({"backbones": list(backbones)} if backbones else {})))
+    result["provenance"] = provenance(
+        dev,
+        library_call(
+            "featcache.train",
+            cache=str(cache),
+            algo=spec,
+            rounds=rounds,
+            seeds=list(seeds),
+            set=set,
+            device=str(device),
+            **({"backbones": list(backbones)} if backbones else {}),
+        ),
+    )
     body = json.dumps(result, sort_keys=True, indent=1)
     path = Path(out) / f"{run_name(impl, cfg, seeds, backbones, run_id)}.json"
-    timing = {"seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
-              "seconds_total": round(float(np.sum(raw["round_seconds"])), 3), "device": str(dev)}
+    timing = {
+        "seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
+        "seconds_total": round(float(np.sum(raw["round_seconds"])), 3),
+        "device": str(dev),
+    }
     timing |= {"resumed_after_round": ckpt.resumed} if ckpt.resumed else {}  # how it ran, not what it found
     paths = write_run(path, body, timing, raw, result, save_state, tensorboard)
     ckpt.finish(paths | {"timing_file": str(path.with_suffix(".timing.json"))})
@@ -175,12 +221,15 @@ def train(cache: str | Path, algo: str, rounds: int | None = None, seeds: list[i
     return result | timing | paths | {"cache_path": str(cache)} | kept
 
 
-def write_run(path: Path, body: str, timing: dict, raw: dict, result: dict, save_state: bool,
-              tensorboard: str | Path | None) -> dict:
+def write_run(
+    path: Path, body: str, timing: dict, raw: dict, result: dict, save_state: bool, tensorboard: str | Path | None
+) -> dict:
     """Write the result `body` to `path` with its sidecars (timing, metrics CSV, the state when asked for) and the
     TensorBoard run when asked for: all of them or none. Returns the paths written (None: not asked for)."""
-    files = [(path.with_suffix(".timing.json"), json.dumps(timing)),
-             (path.with_suffix(".metrics.csv"), metrics_csv(raw, result["seeds"]))]
+    files = [
+        (path.with_suffix(".timing.json"), json.dumps(timing)),
+        (path.with_suffix(".metrics.csv"), metrics_csv(raw, result["seeds"])),
+    ]
     if save_state:
         files.append((path.with_suffix(SUFFIX), state_bytes(raw["trained"], result, path.name)))
     board = Path(tensorboard) / path.stem if tensorboard is not None else None
@@ -193,8 +242,12 @@ def write_run(path: Path, body: str, timing: dict, raw: dict, result: dict, save
         raise
     if tmp:
         commit_folder(tmp, board)
-    return {"result_file": str(path), "metrics_csv": str(files[1][0]),
-            "state_file": str(files[2][0]) if save_state else None, "tensorboard": str(board) if board else None}
+    return {
+        "result_file": str(path),
+        "metrics_csv": str(files[1][0]),
+        "state_file": str(files[2][0]) if save_state else None,
+        "tensorboard": str(board) if board else None,
+    }
 
 
 def none_or_numpy(t: torch.Tensor | None):

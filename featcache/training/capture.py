@@ -60,8 +60,10 @@ def signature(tree) -> tuple:
     """What a captured step bakes in about a (nested) context: its structure, each tensor's shape, dtype and
     broadcast axes, and every non-tensor leaf's value."""
     leaves, spec = tree_flatten(tree)
-    sig = tuple((tuple(v.shape), v.dtype, v.device, tuple(s == 0 for s in v.stride())) if torch.is_tensor(v)
-                else ("py", v) for v in leaves)
+    sig = tuple(
+        (tuple(v.shape), v.dtype, v.device, tuple(s == 0 for s in v.stride())) if torch.is_tensor(v) else ("py", v)
+        for v in leaves
+    )
     return (str(spec), sig)
 
 
@@ -73,9 +75,12 @@ class Static:
     def __init__(self, tree, fixed: frozenset = frozenset()):
         leaves, self.spec = tree_flatten(tree)
         self.fixed = fixed
-        self.leaves = [v if not torch.is_tensor(v) or self._fixed(v)
-                       else torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
-                       for v in leaves]
+        self.leaves = [
+            v
+            if not torch.is_tensor(v) or self._fixed(v)
+            else torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
+            for v in leaves
+        ]
         self.tree = tree_unflatten(self.leaves, self.spec)
         self.load(tree)
 

@@ -49,8 +49,11 @@ class Cohort:
             raise ValueError(f"a cohort of {P} models per configuration got {[len(r) for r in self.host]} participants")
         self.ids = torch.tensor(self.host, device=device)  # [H, P] int64
         self.real = P if real is None else real  # the models written back (a last slice is padded to its width)
-        self.part = part if self.everyone else [[part[h][c] and j < self.real for j, c in enumerate(row)]
-                                                for h, row in enumerate(self.host)]  # [H][P] host: who trains
+        self.part = (
+            part
+            if self.everyone
+            else [[part[h][c] and j < self.real for j, c in enumerate(row)] for h, row in enumerate(self.host)]
+        )  # [H][P] host: who trains
         self._h = torch.arange(H, device=device)[:, None]  # [H, 1]
 
     @classmethod
@@ -61,8 +64,16 @@ class Cohort:
         whole = cls(part, P, device)
         if at_once >= P:
             return [whole]
-        return [cls(part, at_once, device, [row[i:i + at_once] + row[:max(0, i + at_once - P)] for row in whole.host],
-                    min(at_once, P - i)) for i in range(0, P, at_once)]
+        return [
+            cls(
+                part,
+                at_once,
+                device,
+                [row[i : i + at_once] + row[: max(0, i + at_once - P)] for row in whole.host],
+                min(at_once, P - i),
+            )
+            for i in range(0, P, at_once)
+        ]
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """[H, C, ...] -> [H, P, ...], the cohort's models (t itself for everyone; a broadcast over clients stays a
@@ -84,7 +95,7 @@ class Cohort:
                 continue
             step = max(1, chunk // (out[0, 0].numel() * out.element_size()))
             for i in range(0, out.shape[1], step):
-                out[:, i:i + step] = t[self._h, self.ids[:, i:i + step]]
+                out[:, i : i + step] = t[self._h, self.ids[:, i : i + step]]
         return dict(dst)
 
     def take_tree(self, tree: dict) -> dict:

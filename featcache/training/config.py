@@ -96,20 +96,24 @@ def settings_of(algo) -> MappingProxyType:
                 table.pop(k, None)
             elif isinstance(s, Setting):
                 if k in table and s.type is not table[k].type:
-                    raise UserError(f"{where} = Setting({s.default!r}, ...): {k} is a {table[k].type.__name__}: "
-                                    f"give a default like {table[k].default!r}")
+                    raise UserError(
+                        f"{where} = Setting({s.default!r}, ...): {k} is a {table[k].type.__name__}: "
+                        f"give a default like {table[k].default!r}"
+                    )
                 table[k] = s
             elif k not in table:
                 raise UserError(f"{where} = {s!r}: a new setting needs a declaration, Setting({s!r}, help=...)")
             elif type(s) is not table[k].type:
-                raise UserError(f"{where} = {s!r}: {k} is a {table[k].type.__name__}: give a default like "
-                                f"{table[k].default!r}")
+                raise UserError(
+                    f"{where} = {s!r}: {k} is a {table[k].type.__name__}: give a default like {table[k].default!r}"
+                )
             else:
                 table[k] = replace(table[k], default=s)
     for k, s in table.items():
         if k != "seed" and not s.holds(s.default):
-            raise UserError(f"{cls.__qualname__}: the default {k}={s.default!r} is outside its own range: "
-                            f"{s.range_text(k)}")
+            raise UserError(
+                f"{cls.__qualname__}: the default {k}={s.default!r} is outside its own range: {s.range_text(k)}"
+            )
     return MappingProxyType(table)
 
 
@@ -123,8 +127,13 @@ def describe(algo) -> dict[str, dict]:
     out = {}
     for k, s in settings_of(algo).items():
         if k != "seed":
-            out[k] = {"default": s.default, "type": s.type.__name__, "range": s.range_text(k),
-                      "batched": s.batched, "help": s.help} | ({"choices": list(s.choices)} if s.choices else {})
+            out[k] = {
+                "default": s.default,
+                "type": s.type.__name__,
+                "range": s.range_text(k),
+                "batched": s.batched,
+                "help": s.help,
+            } | ({"choices": list(s.choices)} if s.choices else {})
     return out
 
 
@@ -203,27 +212,35 @@ def scoped(overrides: dict | list[str] | None, algos: list, flag: str = "--set")
         where, dot, k = str(key).rpartition(".")
         if dot and (not where.strip() or not k.strip()):
             empty = "algorithm name before" if not where.strip() else "setting name after"
-            raise UserError(f"{flag} {key}={value}: the {empty} the '.' is empty: write ALGO.key=value (e.g. "
-                            "fedprox.mu=1) or key=value")
+            raise UserError(
+                f"{flag} {key}={value}: the {empty} the '.' is empty: write ALGO.key=value (e.g. "
+                "fedprox.mu=1) or key=value"
+            )
         if not dot:
             plain[k] = value
         elif where in own:
             own[where][k] = value
         elif (algo := next((n for n in names if str(key).startswith(f"{n}.")), None)) is not None:
             rest = str(key)[len(algo) + 1 :]  # `fedprox.mu.x`: no setting has a '.' in its name
-            raise UserError(f"{flag} {key}: {algo} has no setting {rest!r}{suggest(rest, tables[algo])}: write "
-                            f"{algo}.KEY=value with one of its settings (`featcache algos {algo}` lists them)")
+            raise UserError(
+                f"{flag} {key}: {algo} has no setting {rest!r}{suggest(rest, tables[algo])}: write "
+                f"{algo}.KEY=value with one of its settings (`featcache algos {algo}` lists them)"
+            )
         elif len(names) == 1:
-            raise UserError(f"{flag} {key}: {where} is not the algorithm of this run ({names[0]}): "
-                            f"write {names[0]}.{k} or {k}")
+            raise UserError(
+                f"{flag} {key}: {where} is not the algorithm of this run ({names[0]}): write {names[0]}.{k} or {k}"
+            )
         else:
-            raise UserError(f"{flag} {key}: {where} is not among the chosen algorithms{suggest(where, names)}; "
-                            f"chosen: {', '.join(names)}")
+            raise UserError(
+                f"{flag} {key}: {where} is not among the chosen algorithms{suggest(where, names)}; "
+                f"chosen: {', '.join(names)}"
+            )
     for k, value in plain.items():
         having = [n for n in names if k in tables[n]]
         if having and len(having) < len(names):
-            raise UserError(f"{k} is a setting of {', '.join(having)} only: write "
-                            f"{' '.join(f'{n}.{k}={value}' for n in having)}")
+            raise UserError(
+                f"{k} is a setting of {', '.join(having)} only: write {' '.join(f'{n}.{k}={value}' for n in having)}"
+            )
     return {n: plain | own[n] for n in names}
 
 
@@ -250,8 +267,10 @@ def check(algo, cfg: dict) -> None:
         if k == "seed":
             continue
         if s.choices and v not in s.choices:
-            raise UserError(f"{algo.name}: {k} must be one of {', '.join(map(str, s.choices))} (got {v!r})"
-                            f"{suggest(str(v), s.choices)}: fix --set {k}=...")
+            raise UserError(
+                f"{algo.name}: {k} must be one of {', '.join(map(str, s.choices))} (got {v!r})"
+                f"{suggest(str(v), s.choices)}: fix --set {k}=..."
+            )
         if isinstance(v, (bool, str)):
             continue
         if isinstance(v, float) and not math.isfinite(v):
@@ -260,16 +279,19 @@ def check(algo, cfg: dict) -> None:
             raise UserError(f"{algo.name}: {k}={v} is too large (at most {MAX_INT}): fix --set {k}=...")
         if not s.holds(v):
             why = f" ({s.help})" if s.help else ""
-            raise UserError(f"{algo.name}: {k}={v!r} out of range: {k} must satisfy {s.range_text(k)}{why}: "
-                            f"fix --set {k}=...")
+            raise UserError(
+                f"{algo.name}: {k}={v!r} out of range: {k} must satisfy {s.range_text(k)}{why}: fix --set {k}=..."
+            )
 
 
 def check_clients(cfg: dict, clients: int) -> None:
     """Participation must pick at least one of `clients` clients per round (the engine would round it up silently)."""
     p = cfg["participation"]
     if p < 1 and round(p * clients) < 1:
-        raise UserError(f"participation={p:g} selects no client of {clients} per round: use participation >= "
-                        f"{0.5 / clients:g} (one client) or 1.0 (all)")
+        raise UserError(
+            f"participation={p:g} selects no client of {clients} per round: use participation >= "
+            f"{0.5 / clients:g} (one client) or 1.0 (all)"
+        )
 
 
 def check_seeds(seeds) -> list[int]:

@@ -75,8 +75,16 @@ class Round:
 class Engine:
     """Trains H configurations x C clients of one algorithm on cached features."""
 
-    def __init__(self, algo, cfgs: list[dict], train: ClientData, test: ClientData,
-                 device: str | torch.device = "cpu", capture: str | None = "auto", at_once: int | None = None):
+    def __init__(
+        self,
+        algo,
+        cfgs: list[dict],
+        train: ClientData,
+        test: ClientData,
+        device: str | torch.device = "cpu",
+        capture: str | None = "auto",
+        at_once: int | None = None,
+    ):
         """`at_once`: the most models per configuration one pass of local training holds (None: all the round's
         participants); a round trains its participants in slices of that many, with the same result."""
         self.cfgs, self.device = cfgs, resolve_device(device)
@@ -99,10 +107,14 @@ class Engine:
         self.at_once = slice_size(self.P, at_once, self.algo.keeps_optimizer_state)
         # the shared tensors `serve` reads from the participants as they trained, never written into the [H, C] state
         names = (*self.state.params, *self.state.buffers)
-        self.aside = tuple(k for k in names if self.algo.shared(k)) \
-            if sets_aside(self.algo, self.C, self.P, self.at_once) else ()
-        self.runner = LocalSteps(self.algo, self.cfg["optimizer"], self.hp, self.train, self.plan, self.state,
-                                 self.at_once, capture)
+        self.aside = (
+            tuple(k for k in names if self.algo.shared(k))
+            if sets_aside(self.algo, self.C, self.P, self.at_once)
+            else ()
+        )
+        self.runner = LocalSteps(
+            self.algo, self.cfg["optimizer"], self.hp, self.train, self.plan, self.state, self.at_once, capture
+        )
         self.last_round: Round | None = None  # the context of the last round run
         self.round_loss: torch.Tensor | None = None  # [H, C] the last local_train's mean loss per model (device)
         self.uploads: dict = {}  # name -> [H, P, ...] the last local_train's participants' tensors set aside
@@ -132,18 +144,32 @@ class Engine:
             if len({len(row) for row in ids}) == 1 and len(ids[0]) < self.C:
                 clients = torch.tensor(ids, device=self.device)
             part = torch.tensor(part, dtype=torch.bool)
-        return Round(round=rnd, rounds=self.cfg["rounds"], epoch=epoch, step=step, steps_per_epoch=self.plan.steps,
-                     client_steps=self.plan.client_steps, part=part.to(self.device), H=self.H, C=self.C,
-                     seeds=self.seeds, hp=self.hp, cfg=self.cfg, data=self.train, device=self.device,
-                     clients=clients)
+        return Round(
+            round=rnd,
+            rounds=self.cfg["rounds"],
+            epoch=epoch,
+            step=step,
+            steps_per_epoch=self.plan.steps,
+            client_steps=self.plan.client_steps,
+            part=part.to(self.device),
+            H=self.H,
+            C=self.C,
+            seeds=self.seeds,
+            hp=self.hp,
+            cfg=self.cfg,
+            data=self.train,
+            device=self.device,
+            clients=clients,
+        )
 
     def init_state(self) -> State:
         """The models of round 1, each configuration from its own seed, and the algorithm's initial state."""
         d_in, K = self.train.features.shape[-1], self.train.num_classes
         per_h = [self.algo.init(self.cfg, d_in, K, torch.Generator().manual_seed(int(s))) for s in self.seeds]
         # one model per configuration, broadcast to its clients: a client's own copy is made when it first changes
-        stack = lambda dicts: {k: expand_hc(torch.stack([d[k] for d in dicts]).to(self.device), self.C)
-                               for k in dicts[0]}
+        stack = lambda dicts: {
+            k: expand_hc(torch.stack([d[k] for d in dicts]).to(self.device), self.C) for k in dicts[0]
+        }
         state = State(params=stack([p for p, _ in per_h]), buffers=stack([b for _, b in per_h]))
         self.algo.init_state(state, self.round_context(-1))
         return state
@@ -164,8 +190,14 @@ class Engine:
                 at = replace(now, epoch=epoch)
                 frozen = frozenset(k for k in state.params if not algo.trainable(k, at))
                 ctx = cohort.take_tree(algo.context(state, at))  # server and client state do not change in local steps
-                order = batch_order(self._seeds, rnd, epoch, data.counts, data.features.shape[1],
-                                    None if cohort.everyone else cohort.ids)  # [H, P, N]
+                order = batch_order(
+                    self._seeds,
+                    rnd,
+                    epoch,
+                    data.counts,
+                    data.features.shape[1],
+                    None if cohort.everyone else cohort.ids,
+                )  # [H, P, N]
                 for s in range(self.plan.steps):
                     self.runner.step(self.plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
             done, loss, self.uploads = self.runner.finish(state, aside)  # [H, P], [H, P], name -> [H, P, ...]
@@ -205,13 +237,16 @@ class Engine:
     def live_metrics(self, test_acc: torch.Tensor, round_loss: torch.Tensor) -> dict:
         """What an evaluation round tells a watcher, per configuration (host floats): the seed, the client-mean test
         accuracy in % and the mean local training loss over the clients that took part (test_acc, round_loss [H, C])."""
-        return {"seeds": self.seeds.tolist(), "test_acc": (100 * test_acc.double().mean(1)).tolist(),
-                "train_loss": round_loss.double().nanmean(1).tolist()}
+        return {
+            "seeds": self.seeds.tolist(),
+            "test_acc": (100 * test_acc.double().mean(1)).tolist(),
+            "train_loss": round_loss.double().nanmean(1).tolist(),
+        }
 
     def run(self, progress=None, logs: bool = True, checkpoint=None) -> dict:
         """Train all rounds, calling `progress(round, rounds, live)` after each (`live`: `live_metrics` at an
-        evaluation round, else None); returns, stacked over the evaluation rounds, the records of `evaluate.record` (acc =
-        test_acc [R_eval, H, C], test_loss, train_acc, train_loss [R_eval, H, C], global_acc [R_eval, H] or None),
+        evaluation round, else None); returns, stacked over the evaluation rounds, the records of `evaluate.record` (acc
+        = test_acc [R_eval, H, C], test_loss, train_acc, train_loss [R_eval, H, C], global_acc [R_eval, H] or None),
         the evaluation rounds, upload sizes and timings. logs=False records test accuracy only: a grid's selection
         needs nothing else, and the other records add a forward pass over every training row per evaluation.
         `checkpoint` (checkpoint.Checkpoint) resumes the loop where its file left it and may save the loop's state,
@@ -234,13 +269,29 @@ class Engine:
             live = None
             if (rnd + 1) % self.cfg["eval_every"] == 0 or rnd == R - 1:
                 last = records[-1] if records and algo.personal_predict else None  # its figures kept where unchanged
-                records.append(record(algo, state, self.train, self.test, now, round_loss, logs, first=not records,
-                                      last=last, stale=None if last is None else self.trained_since(rounds[-1], rnd),
-                                      width=self.at_once))
+                records.append(
+                    record(
+                        algo,
+                        state,
+                        self.train,
+                        self.test,
+                        now,
+                        round_loss,
+                        logs,
+                        first=not records,
+                        last=last,
+                        stale=None if last is None else self.trained_since(rounds[-1], rnd),
+                        width=self.at_once,
+                    )
+                )
                 rounds.append(rnd + 1)
                 live = self.live_metrics(records[-1]["test_acc"], round_loss)
             if progress:
                 progress(rnd + 1, R, live)
         stacked = {k: None if records[0][k] is None else torch.stack([r[k] for r in records]) for k in records[0]}
-        return stacked | {"acc": stacked["test_acc"], "eval_rounds": rounds, "upload_floats": upload_floats,
-                          "round_seconds": times}
+        return stacked | {
+            "acc": stacked["test_acc"],
+            "eval_rounds": rounds,
+            "upload_floats": upload_floats,
+            "round_seconds": times,
+        }

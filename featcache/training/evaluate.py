@@ -56,8 +56,9 @@ def cohort_scores(algo, models: tuple, data: ClientData, cohort: Cohort) -> torc
     `cohort.take_tree` ([H, P, ...] each), on their clients' rows of `data`."""
     params, buffers, ctx = models
     ctx = ctx | {"rows": cohort.take_clients(data.mask)}  # [H, P, N] bool
-    out = map_models(lambda p, b, c, x: algo.predict(p, b, x, c), (params, buffers, ctx,
-                                                                    cohort.take_clients(data.features)))
+    out = map_models(
+        lambda p, b, c, x: algo.predict(p, b, x, c), (params, buffers, ctx, cohort.take_clients(data.features))
+    )
     check_scores(algo, "predict", out, data, False)
     return out
 
@@ -71,7 +72,7 @@ def stale_cohorts(stale: list, width: int, device: torch.device) -> list[Cohort]
     if S == C:
         return None
     rows = [row + row[:1] * (S - len(row)) for row in rows]  # [H][S]: a repeat scores a client twice, the same
-    return [Cohort(stale, min(width, S - i), device, [row[i:i + width] for row in rows]) for i in range(0, S, width)]
+    return [Cohort(stale, min(width, S - i), device, [row[i : i + width] for row in rows]) for i in range(0, S, width)]
 
 
 def evaluate(algo, state, data: ClientData, rnd) -> torch.Tensor:
@@ -79,8 +80,9 @@ def evaluate(algo, state, data: ClientData, rnd) -> torch.Tensor:
     return accuracy_loss(scores(algo, state, data, rnd), data)[0]
 
 
-def evaluate_global(algo, state, data: ClientData, rnd, client_hits: torch.Tensor | None = None,
-                    first: bool = False) -> torch.Tensor | None:
+def evaluate_global(
+    algo, state, data: ClientData, rnd, client_hits: torch.Tensor | None = None, first: bool = False
+) -> torch.Tensor | None:
     """The server's global model's accuracy on the union of all clients' rows of `data`: [H] (one correct count
     over every row of every client / all rows), or None when the algorithm has no global model. `client_hits`
     [H, C, N], the clients' own hits on `data`, is that count already where every client holds the global model
@@ -93,8 +95,19 @@ def evaluate_global(algo, state, data: ClientData, rnd, client_hits: torch.Tenso
     return client_hits.sum((1, 2)) / data.counts.sum().clamp(min=1)
 
 
-def record(algo, state, train: ClientData, test: ClientData, rnd, round_loss: torch.Tensor, logs: bool = True,
-           first: bool = False, last: dict | None = None, stale: list | None = None, width: int = 1) -> dict:
+def record(
+    algo,
+    state,
+    train: ClientData,
+    test: ClientData,
+    rnd,
+    round_loss: torch.Tensor,
+    logs: bool = True,
+    first: bool = False,
+    last: dict | None = None,
+    stale: list | None = None,
+    width: int = 1,
+) -> dict:
     """What an evaluation round records, on the host: test_acc, test_loss, train_acc, train_loss [H, C] and
     global_acc [H] (None without a global model); only test_acc without `logs`. `first`: the run's first evaluation,
     where the scores' values are checked too. `last`: the previous evaluation's record, and `stale` [H][C] host
@@ -110,12 +123,26 @@ def record(algo, state, train: ClientData, test: ClientData, rnd, round_loss: to
         return {"test_acc": test_acc.cpu()}
     train_acc, _ = accuracy_loss(scores(algo, state, train, rnd), train)  # [H, C]
     glob = evaluate_global(algo, state, test, rnd, test_hits, first)  # [H] or None
-    return {"test_acc": test_acc.cpu(), "test_loss": test_loss.cpu(), "train_acc": train_acc.cpu(),
-            "train_loss": round_loss, "global_acc": None if glob is None else glob.cpu()}
+    return {
+        "test_acc": test_acc.cpu(),
+        "test_loss": test_loss.cpu(),
+        "train_acc": train_acc.cpu(),
+        "train_loss": round_loss,
+        "global_acc": None if glob is None else glob.cpu(),
+    }
 
 
-def _rescore(algo, state, train: ClientData, test: ClientData, rnd, round_loss: torch.Tensor, logs: bool, last: dict,
-             cohorts: list[Cohort]) -> dict:
+def _rescore(
+    algo,
+    state,
+    train: ClientData,
+    test: ClientData,
+    rnd,
+    round_loss: torch.Tensor,
+    logs: bool,
+    last: dict,
+    cohorts: list[Cohort],
+) -> dict:
     """`record` with only the `cohorts`' models scored again, the other clients' figures kept from `last`."""
     keys = ("test_acc", "test_loss", "train_acc") if logs else ("test_acc",)
     out = {k: last[k].clone() for k in keys}  # [H, C] on the host
@@ -123,11 +150,16 @@ def _rescore(algo, state, train: ClientData, test: ClientData, rnd, round_loss: 
     for cohort in cohorts:
         at = (torch.arange(len(cohort.host))[:, None], torch.tensor(cohort.host))  # [H, 1], [H, P] host indices
         models = tuple(cohort.take_tree(t) for t in (state.params, state.buffers, ctx))  # gathered once, both splits
-        figures = dict(zip(("test_acc", "test_loss"), accuracy_loss(cohort_scores(algo, models, test, cohort),
-                                                                    Rows.of(test, cohort))))  # [H, P] each
+        figures = dict(
+            zip(
+                ("test_acc", "test_loss"),
+                accuracy_loss(cohort_scores(algo, models, test, cohort), Rows.of(test, cohort)),
+            )
+        )  # [H, P] each
         if logs:
-            figures["train_acc"] = accuracy_loss(cohort_scores(algo, models, train, cohort),
-                                                 Rows.of(train, cohort))[0]  # [H, P]
+            figures["train_acc"] = accuracy_loss(cohort_scores(algo, models, train, cohort), Rows.of(train, cohort))[
+                0
+            ]  # [H, P]
         for k in keys:
             out[k][at] = figures[k].cpu()
     if not logs:
@@ -141,8 +173,9 @@ def hits(scores: torch.Tensor, data: ClientData | Rows) -> torch.Tensor:
     return (scores.argmax(-1) == data.labels) & data.mask
 
 
-def accuracy_loss(scores: torch.Tensor, data: ClientData | Rows, hit: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def accuracy_loss(
+    scores: torch.Tensor, data: ClientData | Rows, hit: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Accuracy and mean cross-entropy of the scores over each client's valid rows: ([H, C], [H, C]); `hit` [H, C, N]
     the scores' `hits` when already known. A score of -inf for a row's label (a class the model rules out) gives
     that row an infinite loss."""

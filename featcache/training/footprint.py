@@ -119,8 +119,9 @@ def _meta(shape, dtype=torch.float32) -> torch.Tensor:
 
 
 def _meta_data(C: int, N: int, D: int, K: int, V: int) -> ClientData:
-    return ClientData(_meta((C, N, D)), _meta((C, N), torch.int64), _meta((C,), torch.int64), K,
-                      _meta((C, N, V, D)) if V else None)
+    return ClientData(
+        _meta((C, N, D)), _meta((C, N), torch.int64), _meta((C,), torch.int64), K, _meta((C, N, V, D)) if V else None
+    )
 
 
 def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int, int, int, int]:
@@ -135,10 +136,22 @@ def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int
         params, buffers = algo.init(cfg, D, K, torch.Generator())
     stack = lambda d: {k: _meta((1, C, *v.shape), v.dtype) for k, v in d.items()}
     state = State(params=stack(params), buffers=stack(buffers))
-    rnd = Round(round=-1, rounds=cfg["rounds"], epoch=0, step=0, steps_per_epoch=1, client_steps=_meta((C,), torch.int64),
-                part=_meta((1, C), torch.bool), H=1, C=C, seeds=torch.zeros(1, dtype=torch.int64),
-                hp=HParams.of({k: [float(cfg[k])] for k in floats}, "meta"), cfg=MappingProxyType(dict(shared)),
-                data=meta, device=torch.device("meta"))
+    rnd = Round(
+        round=-1,
+        rounds=cfg["rounds"],
+        epoch=0,
+        step=0,
+        steps_per_epoch=1,
+        client_steps=_meta((C,), torch.int64),
+        part=_meta((1, C), torch.bool),
+        H=1,
+        C=C,
+        seeds=torch.zeros(1, dtype=torch.int64),
+        hp=HParams.of({k: [float(cfg[k])] for k in floats}, "meta"),
+        cfg=MappingProxyType(dict(shared)),
+        data=meta,
+        device=torch.device("meta"),
+    )
     algo.init_state(state, rnd)
     algo.after_local(state, rnd)  # the per-client state some algorithms first make after local training
     kept = _bytes((state.client, state.server))
@@ -150,8 +163,9 @@ def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int
     extra = {"views": _meta((1, TRACED, B, V, D))} if V else {}
     leaves = {k: v.clone().requires_grad_(True) for k, v in models.items()}
     with _Allocated() as step:
-        loss, _ = torch.func.vmap(torch.func.vmap(algo.local_loss))(leaves, bufs, x, y, _meta((1, TRACED, B), torch.bool),
-                                                                   ctx | extra)
+        loss, _ = torch.func.vmap(torch.func.vmap(algo.local_loss))(
+            leaves, bufs, x, y, _meta((1, TRACED, B), torch.bool), ctx | extra
+        )
         torch.autograd.grad(loss.sum(), [v for v in leaves.values()], allow_unused=True)
     rows, xs = {"rows": _meta((1, TRACED, n_eval), torch.bool)}, _meta((TRACED, n_eval, D))  # the data: loaded already
     with _Allocated() as evaluation, torch.no_grad():  # as evaluate.scores runs it: the rows shared by configurations
@@ -159,8 +173,9 @@ def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int
     return kept, step.bytes // TRACED, upload, evaluation.bytes // TRACED
 
 
-def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None, P: int | None = None,
-             at_once: int | None = None) -> Footprint:
+def estimate(
+    algo, cfg: dict, train: ClientData, test: ClientData | None = None, P: int | None = None, at_once: int | None = None
+) -> Footprint:
     """The Footprint of one configuration `cfg` of `algo` (bound or not) on `train` (and `test`, counted as data
     when given); P: the models training per round (default: from cfg's participation), `at_once` the most of them
     one pass of local training holds (the Engine's; None: all P). An algorithm's own checks of its settings (in
@@ -194,18 +209,23 @@ def estimate(algo, cfg: dict, train: ClientData, test: ClientData | None = None,
     once = sets_aside(algo, C, P, S)  # the shared tensors: one per configuration, broadcast to its clients
     lifelong = params | buffers
     shared = _bytes({k: v for k, v in lifelong.items() if once and algo.shared(k)})
-    return Footprint(state=C * (_bytes(lifelong) - shared) + shared + kept,
-                     training=S * (trained + step + upload + rows),
-                     evaluation=C * evaluation, data=_data_bytes(train, test), participants=P,
-                     traced=traced)
+    return Footprint(
+        state=C * (_bytes(lifelong) - shared) + shared + kept,
+        training=S * (trained + step + upload + rows),
+        evaluation=C * evaluation,
+        data=_data_bytes(train, test),
+        participants=P,
+        traced=traced,
+    )
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def fit_at_once(algo, cfg: dict, models: int, data: ClientData, device: torch.device, flag: str = "",
-                avail: int | None = None) -> int | None:
+def fit_at_once(
+    algo, cfg: dict, models: int, data: ClientData, device: torch.device, flag: str = "", avail: int | None = None
+) -> int | None:
     """How many participants per configuration one pass of local training may hold for `models` batched
     configurations to fit in the memory `device` has available (`avail` bytes where given; the data already loaded
     not counted again): None when all of them fit, else the most that do (`Engine(at_once=...)`: the same run, in
@@ -236,7 +256,12 @@ def _refuse(algo, cfg: dict, models: int, one: int, device: torch.device, avail:
         defaults = resolve(algo)
         grown = [k for k in SIZE_SETTINGS if k in cfg and cfg[k] > defaults[k]]
         name = max(grown, key=lambda k: cfg[k] / max(defaults[k], 1)) if grown else None
-        fix = (f"lower {name} (now {cfg[name]}, default {defaults[name]})" if name else
-               flag or "use fewer seeds or a cache with fewer clients")
-        raise UserError(f"{algo.name} would need about {_gib(need)} of memory ({models} model(s) x {_gib(one)}) "
-                        f"but {device} has {_gib(avail)} available: {fix}")
+        fix = (
+            f"lower {name} (now {cfg[name]}, default {defaults[name]})"
+            if name
+            else flag or "use fewer seeds or a cache with fewer clients"
+        )
+        raise UserError(
+            f"{algo.name} would need about {_gib(need)} of memory ({models} model(s) x {_gib(one)}) "
+            f"but {device} has {_gib(avail)} available: {fix}"
+        )

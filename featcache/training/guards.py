@@ -28,8 +28,10 @@ def check_features(data, cache) -> None:
         top = max(-float(low), float(high)) if not bool(torch.isnan(high) | torch.isnan(low)) else float("nan")
         if top != top or top > MAX_FEATURE:  # NaN fails every comparison but this one
             size = "non-finite values" if top != top or top == float("inf") else f"values of magnitude {top:.3g}"
-            raise UserError(f"cache {cache} holds {name} with {size} (a backbone's features stay far below "
-                            f"{MAX_FEATURE:g}): the cache is damaged or not from `featcache extract`; re-extract it")
+            raise UserError(
+                f"cache {cache} holds {name} with {size} (a backbone's features stay far below "
+                f"{MAX_FEATURE:g}): the cache is damaged or not from `featcache extract`; re-extract it"
+            )
 
 
 def check_rows(counts, split: str, cache, fix: str) -> None:
@@ -37,8 +39,9 @@ def check_rows(counts, split: str, cache, fix: str) -> None:
     empty = [c for c, n in enumerate(counts) if int(n) == 0]
     if empty:
         more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
-        raise UserError(f"client {empty[0]:03d}{more} of cache {cache} has no {split} rows, so it cannot be scored: "
-                        f"{fix}")
+        raise UserError(
+            f"client {empty[0]:03d}{more} of cache {cache} has no {split} rows, so it cannot be scored: {fix}"
+        )
 
 
 def check_split(data, split: str, cache, fix: str) -> None:
@@ -50,8 +53,10 @@ def check_split(data, split: str, cache, fix: str) -> None:
 def check_loss(algo, loss: torch.Tensor, models: torch.Size) -> None:
     """local_loss must give one scalar per model: the vmapped losses are `models` ([H, C]), nothing more."""
     if loss.shape != models:
-        raise UserError(f"{algo.name}: local_loss returned a loss of shape {list(loss.shape[len(models):])} per "
-                        "model, not a scalar: return the minibatch's mean loss (a 0-d tensor) and the new buffers")
+        raise UserError(
+            f"{algo.name}: local_loss returned a loss of shape {list(loss.shape[len(models) :])} per "
+            "model, not a scalar: return the minibatch's mean loss (a 0-d tensor) and the new buffers"
+        )
 
 
 def check_scores(algo, hook: str, scores: torch.Tensor, data, first: bool) -> None:
@@ -60,8 +65,10 @@ def check_scores(algo, hook: str, scores: torch.Tensor, data, first: bool) -> No
     K = data.num_classes
     if scores.dim() != 4 or scores.shape[-1] != K:
         got = list(scores.shape[3:]) if scores.dim() >= 3 else list(scores.shape)
-        raise UserError(f"{algo.name}: {hook} returned scores of shape [N, {', '.join(map(str, got))}] per model, "
-                        f"not [N, {K}]: one score per class of the cache ({K} classes)")
+        raise UserError(
+            f"{algo.name}: {hook} returned scores of shape [N, {', '.join(map(str, got))}] per model, "
+            f"not [N, {K}]: one score per class of the cache ({K} classes)"
+        )
     if not first:
         return
     rows = data.mask.expand(*scores.shape[:-1])  # [H, C, N]
@@ -70,8 +77,9 @@ def check_scores(algo, hook: str, scores: torch.Tensor, data, first: bool) -> No
     found = torch.stack([nan.any(), blank.any()]).tolist()  # one read
     if found[0] or found[1]:
         what = "NaN scores" if found[0] else "-inf for every class of a row"
-        raise UserError(f"{algo.name}: {hook} returned {what} at the first evaluation: return finite scores [N, {K}] "
-                        "(logits)")
+        raise UserError(
+            f"{algo.name}: {hook} returned {what} at the first evaluation: return finite scores [N, {K}] (logits)"
+        )
 
 
 def nan_cause(algo, cfgs: list[dict], bad_models: list[int], rnd: int) -> str:

@@ -89,7 +89,7 @@ def _relayout(t: torch.Tensor, layout: torch.Tensor, chunk: int = 2**26) -> torc
     src, dst = t.flatten(0, 1), out.flatten(0, 1)  # [H*C, ...] views: each model's entry is the same memory in both
     step = max(1, chunk // (src[0].numel() * src.element_size()))
     for i in range(0, src.shape[0], step):
-        dst[i:i + step].copy_(src[i:i + step].clone())
+        dst[i : i + step].copy_(src[i : i + step].clone())
     return out
 
 
@@ -219,9 +219,22 @@ class Adam(_Stacked):
     def step(self, grads: Params, active, frozen=(), host=None) -> Params:
         for h, k, models, views, grad in self.groups(grads, active, frozen, host):
             steps = [self.t[k][h, 0]] if models is None else [self.t[k][h, c] for c in models]  # 0-d views
-            adam(views(self.params[k]), views(grad), views(self.m[k]), views(self.v[k]), [], steps, fused=True,
-                 amsgrad=False, lr=self.lr[k][h] * self.scale.get(k, 1.0), beta1=self.betas[0], beta2=self.betas[1],
-                 weight_decay=self.wd[k][h], eps=self.eps, maximize=False)  # counts the steps it is given
+            adam(
+                views(self.params[k]),
+                views(grad),
+                views(self.m[k]),
+                views(self.v[k]),
+                [],
+                steps,
+                fused=True,
+                amsgrad=False,
+                lr=self.lr[k][h] * self.scale.get(k, 1.0),
+                beta1=self.betas[0],
+                beta2=self.betas[1],
+                weight_decay=self.wd[k][h],
+                eps=self.eps,
+                maximize=False,
+            )  # counts the steps it is given
             if models is None:  # one slab stepped on model 0's count: the others keep the same count
                 self.t[k][h, 1:] = self.t[k][h, 0]
         return dict(self.params)
@@ -244,9 +257,18 @@ class SGD(_Stacked):
                 idx = [i for i, s in enumerate(started) if s != is_first]
                 if idx:
                     bufs = [None if is_first else b[i] for i in idx] if mom else []  # None: the first step's
-                    sgd([p[i] for i in idx], [g[i] for i in idx], bufs, fused=True, weight_decay=self.wd[k][h],
-                        momentum=mom, lr=self.lr[k][h] * self.scale.get(k, 1.0), dampening=0.0, nesterov=False,
-                        maximize=False)
+                    sgd(
+                        [p[i] for i in idx],
+                        [g[i] for i in idx],
+                        bufs,
+                        fused=True,
+                        weight_decay=self.wd[k][h],
+                        momentum=mom,
+                        lr=self.lr[k][h] * self.scale.get(k, 1.0),
+                        dampening=0.0,
+                        nesterov=False,
+                        maximize=False,
+                    )
                     for i, new in zip(idx, bufs if mom and is_first else ()):  # sgd made fresh first-step buffers
                         b[i].copy_(new)
         return dict(self.params)

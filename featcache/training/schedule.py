@@ -25,8 +25,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
-def hash_keys(seeds: torch.Tensor, *ids: int, shape: tuple[int, ...], clients: torch.Tensor | None = None
-              ) -> torch.Tensor:
+def hash_keys(
+    seeds: torch.Tensor, *ids: int, shape: tuple[int, ...], clients: torch.Tensor | None = None
+) -> torch.Tensor:
     """Pseudo-random int64 keys [H, *shape] from (seed_h, ids..., position); same inputs, same keys, anywhere (on the
     device of `seeds`: integer arithmetic only, so CPU and GPU give the same bits). `clients` [H, P] replaces the
     first axis's positions by those client ids: the keys of those clients only, [H, P, *shape[1:]]."""
@@ -42,8 +43,9 @@ def hash_keys(seeds: torch.Tensor, *ids: int, shape: tuple[int, ...], clients: t
     return x & _MASK63
 
 
-def batch_order(seeds: torch.Tensor, rnd: int, epoch: int, counts: torch.Tensor, n_max: int,
-                clients: torch.Tensor | None = None) -> torch.Tensor:
+def batch_order(
+    seeds: torch.Tensor, rnd: int, epoch: int, counts: torch.Tensor, n_max: int, clients: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per model, a random permutation of its client's valid rows, padding rows last: [H, C, Nmax] int64, on the
     device of `seeds` (`counts` [C] on the same device); no host synchronisation. `clients` [H, P]: the orders of
     those clients only, [H, P, Nmax] (the same as theirs among all C)."""
@@ -102,11 +104,14 @@ def plan_steps(data: ClientData, batch_size: int, drop_last: bool) -> Plan:
     n_eff = trained_rows(counts, B, drop_last)
     small = sum(n == 0 for n in n_eff)
     if small:
-        raise UserError(f"{small} client(s) have fewer than batch_size={B} training rows and would never train "
-                        "with drop_last: use --set drop_last=false or a smaller --set batch_size")
+        raise UserError(
+            f"{small} client(s) have fewer than batch_size={B} training rows and would never train "
+            "with drop_last: use --set drop_last=false or a smaller --set batch_size"
+        )
     per_client = client_steps(counts, B, drop_last)
     steps, N = max(per_client), data.features.shape[1]
     n_eff_t = torch.tensor(n_eff, device=device)  # [C]
     valid = [(s * B + torch.arange(min(B, N - s * B), device=device)) < n_eff_t[:, None] for s in range(steps)]
-    return Plan(B, steps, torch.tensor(per_client, device=device), [[s * B < n for n in n_eff] for s in range(steps)],
-                valid)
+    return Plan(
+        B, steps, torch.tensor(per_client, device=device), [[s * B < n for n in n_eff] for s in range(steps)], valid
+    )

@@ -54,8 +54,17 @@ class _Context:
 class LocalSteps:
     """Runs every local step of one engine: `start` a round, `step` per minibatch, `finish` the round."""
 
-    def __init__(self, algo, optimizer: str, hp: HParams, data: ClientData, plan: Plan, state, P: int,
-                 capture: str | None = "auto"):
+    def __init__(
+        self,
+        algo,
+        optimizer: str,
+        hp: HParams,
+        data: ClientData,
+        plan: Plan,
+        state,
+        P: int,
+        capture: str | None = "auto",
+    ):
         """Trains cohorts of P models per configuration (P = C: every client, the state's own tensors in place)."""
         device = data.features.device
         self.algo, self.data, self.plan = algo, data, plan
@@ -108,8 +117,9 @@ class LocalSteps:
             return self._replay(key, idx, ctx, at, frozen)
         host = [[p and h for p, h in zip(row, has)] for row, has in zip(self.cohort.part, self.has_batch[at.step])]
         # the live dicts: a fused optimizer's first step may give a parameter a new tensor that after_step must see
-        self._step(Held(self.opt.params, self.buffers, self.acc), Batch(idx, self.valid[at.step], host), ctx,
-                   at, frozen)
+        self._step(
+            Held(self.opt.params, self.buffers, self.acc), Batch(idx, self.valid[at.step], host), ctx, at, frozen
+        )
 
     def finish(self, state, aside: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """End the round: the trained models into `state`, except the names `aside`, returned as the cohort's
@@ -119,10 +129,12 @@ class LocalSteps:
         cohort = self.cohort
         # (the first step may have given a parameter its gradient's layout: the optimizer's dict is the live one)
         trained = self.opt.params | self.buffers  # name -> [H, P, ...]
-        state.params = {k: state.params[k] if k in aside else cohort.put(state.params[k], v)
-                        for k, v in self.opt.params.items()}
-        state.buffers = {k: state.buffers[k] if k in aside else cohort.put(state.buffers[k], v)
-                         for k, v in self.buffers.items()}
+        state.params = {
+            k: state.params[k] if k in aside else cohort.put(state.params[k], v) for k, v in self.opt.params.items()
+        }
+        state.buffers = {
+            k: state.buffers[k] if k in aside else cohort.put(state.buffers[k], v) for k, v in self.buffers.items()
+        }
         acc = self.acc  # (the sums are zeroed and refilled next round)
         return acc["bad"].clone(), acc["loss"] / acc["steps"], {k: trained[k] for k in aside}  # [H, P], [H, P]
 

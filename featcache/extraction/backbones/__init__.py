@@ -24,13 +24,33 @@ from PIL import Image
 from .align import align_state_dicts
 from .models import Lazy, timm
 from .packaged import list_offline_backbones, packaged_file, packaged_model
-from .sources import (WEIGHT_ORDER, Spec, Weights, WeightSource, check_weights, parse_spec, resolve_weights,
-                      weights_identity)
+from .sources import (
+    WEIGHT_ORDER,
+    Spec,
+    Weights,
+    WeightSource,
+    check_weights,
+    parse_spec,
+    resolve_weights,
+    weights_identity,
+)
 
-__all__ = ["Backbone", "Spec", "WEIGHT_ORDER", "WeightSource", "Weights", "align_state_dicts", "check_weights",
-           "create_backbone",
-           "list_offline_backbones", "packaged_file", "packaged_model", "parse_spec", "resolve_weights",
-           "weights_identity"]
+__all__ = [
+    "Backbone",
+    "Spec",
+    "WEIGHT_ORDER",
+    "WeightSource",
+    "Weights",
+    "align_state_dicts",
+    "check_weights",
+    "create_backbone",
+    "list_offline_backbones",
+    "packaged_file",
+    "packaged_model",
+    "parse_spec",
+    "resolve_weights",
+    "weights_identity",
+]
 
 T = Lazy("torchvision.transforms")
 
@@ -53,8 +73,14 @@ class Backbone:
         torchvision `DataLoader` loop would use."""
         size = tuple(self.preprocessing["input_size"][1:])  # (H, W)
         interpolation = T.InterpolationMode(self.preprocessing["interpolation"])
-        return T.Compose([_to_rgb, T.Resize(size, interpolation=interpolation), T.ToTensor(),
-                          T.Normalize(self.preprocessing["mean"], self.preprocessing["std"])])
+        return T.Compose(
+            [
+                _to_rgb,
+                T.Resize(size, interpolation=interpolation),
+                T.ToTensor(),
+                T.Normalize(self.preprocessing["mean"], self.preprocessing["std"]),
+            ]
+        )
 
 
 def create_backbone(spec: str, image_size: int | None = None, allow_partial: bool = False) -> Backbone:

@@ -45,8 +45,9 @@ def npz_model(name: str, path: Path, image_size: int | None, allow_partial: bool
             f"check that {name} is its architecture"
         ) from err
     except (RuntimeError, ValueError) as err:  # a tensor of the wrong shape; a layout timm does not know
-        raise UserError(f"checkpoint {path} does not fit {name} ({first_line(err)}): "
-                        "name the ViT the checkpoint belongs to") from err
+        raise UserError(
+            f"checkpoint {path} does not fit {name} ({first_line(err)}): name the ViT the checkpoint belongs to"
+        ) from err
     _check_npz_complete(name, model, path, seeded, allow_partial)
     return model
 
@@ -55,8 +56,9 @@ def _read_npz(path: Path) -> dict[str, tuple[int, ...]]:
     """Shapes of the arrays in an `.npz`, after reading every one without unpickling (a damaged or pickling file is
     a UserError here, before timm reads it again)."""
     if not zipfile.is_zipfile(path):
-        raise UserError(f"cannot read checkpoint {path}: it is not an .npz (zip) archive, or it is cut short; "
-                        "download it again")
+        raise UserError(
+            f"cannot read checkpoint {path}: it is not an .npz (zip) archive, or it is cut short; download it again"
+        )
     try:
         with np.load(path, allow_pickle=False) as archive:
             shapes = {key: archive[key].shape for key in archive.files}
@@ -70,8 +72,10 @@ def _read_npz(path: Path) -> dict[str, tuple[int, ...]]:
     except Exception as err:  # a damaged member: zipfile.BadZipFile (CRC), EOFError, zlib.error, OSError
         raise UserError(f"cannot read checkpoint {path}: {first_line(err)}") from err
     if not any(key.endswith("embedding/kernel") for key in shapes):
-        raise UserError(f"checkpoint {path} lacks embedding/kernel: it is not a JAX ViT checkpoint in the AugReg "
-                        "layout (embedding/kernel, cls, Transformer/encoderblock_N/...)")
+        raise UserError(
+            f"checkpoint {path} lacks embedding/kernel: it is not a JAX ViT checkpoint in the AugReg "
+            "layout (embedding/kernel, cls, Transformer/encoderblock_N/...)"
+        )
     return shapes
 
 
@@ -99,8 +103,9 @@ def _check_npz_complete(name: str, model: torch.nn.Module, path: Path, seeded: d
             "checkpoint's architecture, or pass --allow-partial to load what fits (the rest stays seeded random)"
         )
     if unset:  # stacklevel: past npz_model, the source's build, resolve_weights and create_backbone to their caller
-        warnings.warn(f"partial load of {path} into {name}, rest left random: {listing(unset)}", UserWarning,
-                      stacklevel=6)
+        warnings.warn(
+            f"partial load of {path} into {name}, rest left random: {listing(unset)}", UserWarning, stacklevel=6
+        )
         with torch.no_grad():
             for key in unset:
                 state[key].copy_(seeded[key])

@@ -20,7 +20,7 @@ from . import hub
 from .checkpoints import state_dict_model
 from .hashing import sha256
 from .keys import checkpoint_key, safe_key
-from .models import Lazy, seeded_model, timm
+from .models import seeded_model, timm
 from .npz import npz_model
 from .packaged import PACKAGED, packaged_file, packaged_model
 
@@ -71,13 +71,15 @@ class WeightSource(ABC):
     def build(self, spec: Spec, image_size: int | None, allow_partial: bool) -> Weights:
         """The model holding the weights, built for `image_size`."""
 
-    def check(self, spec: Spec) -> None:
+    def check(self, spec: Spec) -> None:  # noqa: B027 - a source that can always serve keeps this default
         """Refuse, in one line and in seconds, weights this source cannot serve now (before any work needs them)."""
 
 
 class CheckpointFile(WeightSource):
-    what = ("a local checkpoint: a state dict (e.g. the SUR / Meta-Dataset ResNet18s FedPCL uses), or a JAX ViT "
-            "`.npz` in Google's AugReg layout (FedPCL's ViT rows), read by timm's own loader")
+    what = (
+        "a local checkpoint: a state dict (e.g. the SUR / Meta-Dataset ResNet18s FedPCL uses), or a JAX ViT "
+        "`.npz` in Google's AugReg layout (FedPCL's ViT rows), read by timm's own loader"
+    )
     way_out = "{name}=PATH to a checkpoint"
 
     def serves(self, spec: Spec) -> bool:
@@ -86,8 +88,9 @@ class CheckpointFile(WeightSource):
     def identity(self, spec: Spec) -> dict:
         path = _path(spec)
         if not path.is_file():
-            raise UserError(f"checkpoint {path} for backbone {spec.name} does not exist: "
-                            f"pass {spec.name}=PATH to a file")
+            raise UserError(
+                f"checkpoint {path} for backbone {spec.name} does not exist: pass {spec.name}=PATH to a file"
+            )
         return {"name": spec.name, "weights": f"file:{path}", "sha256": sha256(path)}
 
     def build(self, spec: Spec, image_size: int | None, allow_partial: bool) -> Weights:
@@ -104,13 +107,21 @@ class PackagedWheel(WeightSource):
         return not spec.source and packaged_file(spec.name) is not None
 
     def identity(self, spec: Spec) -> dict:
-        return {"name": spec.name, "weights": f"package:{PACKAGED[spec.name].distribution}",
-                "sha256": sha256(packaged_file(spec.name))}
+        return {
+            "name": spec.name,
+            "weights": f"package:{PACKAGED[spec.name].distribution}",
+            "sha256": sha256(packaged_file(spec.name)),
+        }
 
     def build(self, spec: Spec, image_size: int | None, allow_partial: bool) -> Weights:
         packaged = PACKAGED[spec.name]
-        return Weights(packaged_model(spec.name), packaged.architecture, safe_key(spec.name),
-                       f"package:{packaged.distribution}", sha256(packaged_file(spec.name)))
+        return Weights(
+            packaged_model(spec.name),
+            packaged.architecture,
+            safe_key(spec.name),
+            f"package:{packaged.distribution}",
+            sha256(packaged_file(spec.name)),
+        )
 
 
 class TimmHub(WeightSource):
@@ -126,8 +137,9 @@ class TimmHub(WeightSource):
         name = spec.name
         cfg = timm.models.get_pretrained_cfg(name)
         if cfg is None or not (cfg.hf_hub_id or cfg.url or cfg.file):
-            raise UserError(f"no offline weights for {name} and timm has no pretrained weights for it: pass "
-                            f"{ways_out(name)}")
+            raise UserError(
+                f"no offline weights for {name} and timm has no pretrained weights for it: pass {ways_out(name)}"
+            )
         why = hub.unavailable(cfg)
         if why:
             raise UserError(f"no offline weights for {name} and {why}: pass {ways_out(name)}")
@@ -139,11 +151,9 @@ class TimmHub(WeightSource):
         try:
             model = seeded_model(name, image_size, pretrained=True)
         except OSError as err:  # connection, DNS, hub and cache-miss errors are all OSErrors
-            raise UserError(f"no offline weights for {name} and the hub is unreachable: pass "
-                            f"{ways_out(name)}") from err
+            raise UserError(f"no offline weights for {name} and the hub is unreachable: pass {ways_out(name)}") from err
         cached = hub.cached_file(cfg)
-        return Weights(model, name, safe_key(name), f"hub:{cfg.hf_hub_id or cfg.url}",
-                       sha256(cached) if cached else "")
+        return Weights(model, name, safe_key(name), f"hub:{cfg.hf_hub_id or cfg.url}", sha256(cached) if cached else "")
 
 
 class RandomInit(WeightSource):
@@ -207,8 +217,9 @@ def resolve_weights(spec: str, image_size: int | None = None, allow_partial: boo
 def _timm_spec(spec: str) -> Spec:
     parsed = parse_spec(spec)
     if not timm.is_model(parsed.name):
-        raise UserError(f"unknown backbone {parsed.name!r}{suggest(parsed.name, timm.list_models())}: "
-                        "see timm.list_models()")
+        raise UserError(
+            f"unknown backbone {parsed.name!r}{suggest(parsed.name, timm.list_models())}: see timm.list_models()"
+        )
     return parsed
 
 

@@ -52,8 +52,9 @@ def image_side(name: str, data: Dataset | None) -> int | None:
     return _SIDES.get(name) if data is None else data.side()
 
 
-def dataset_identity(name: str, root: str | Path | None = None, download: bool = False,
-                     contents: Contents | None = None) -> tuple[dict, Dataset | None]:
+def dataset_identity(
+    name: str, root: str | Path | None = None, download: bool = False, contents: Contents | None = None
+) -> tuple[dict, Dataset | None]:
     """What determines a dataset's pixels, and the loaded dataset when identifying it needed loading it.
 
     Built-in recipes are identified by their code and package versions (cheap, so a cache hit needs no images);
@@ -62,8 +63,11 @@ def dataset_identity(name: str, root: str | Path | None = None, download: bool =
     _import_readers()
     if name in _RECIPES:
         code = inspect.getsource(sys.modules[_READERS[name].__module__])
-        return {"name": name, "recipe": hashlib.sha256(code.encode()).hexdigest(),
-                "packages": {d: md.version(d) for d in _RECIPES[name]}}, None
+        return {
+            "name": name,
+            "recipe": hashlib.sha256(code.encode()).hexdigest(),
+            "packages": {d: md.version(d) for d in _RECIPES[name]},
+        }, None
     data = load_dataset(name, root, download=download)
     return {"name": name, "fingerprint": data.fingerprint(contents), "by": "content"}, data
 
@@ -73,8 +77,9 @@ def list_datasets() -> dict[str, str]:
     return dict(_LAYOUTS)
 
 
-def load_dataset(name: str, root: str | Path | None = None, download: bool = False, store: str | Path | None = None,
-                 **options) -> Dataset:
+def load_dataset(
+    name: str, root: str | Path | None = None, download: bool = False, store: str | Path | None = None, **options
+) -> Dataset:
     """Load a registered dataset. `root` is the folder holding it (ignored by built-in offline data). A built-in
     dataset that `keep_dataset` saved in the folder `store` is read from there instead of being built again."""
     _import_readers()
@@ -94,8 +99,12 @@ def keep_dataset(data: Dataset, store: str | Path, **options) -> None:
     a fraction of the build time. Data read from disk is not kept (it is already on disk)."""
     if data.name not in _RECIPES or (file := _stored(data.name, Path(store), options)).is_file():
         return
-    arrays = {f"{d}/{s}/{k}": getattr(images, k) for d, splits in data.domains.items() for s, images in splits.items()
-              for k in ("images", "labels")}
+    arrays = {
+        f"{d}/{s}/{k}": getattr(images, k)
+        for d, splits in data.domains.items()
+        for s, images in splits.items()
+        for k in ("images", "labels")
+    }
     buffer = io.BytesIO()
     np.savez(buffer, classes=np.array(data.classes), source=np.array(data.source), **arrays)
     write_atomic(file, buffer.getvalue())
@@ -120,4 +129,15 @@ def _import_readers() -> None:
     from . import disk, offline_digits, torchvision_sets  # noqa: F401  (they register; cycle: they import this package)
 
 
-__all__ = ["ArrayImages", "Dataset", "ImageSet", "PathImages", "dataset_identity", "image_side", "keep_dataset", "load_dataset", "list_datasets", "register_dataset"]
+__all__ = [
+    "ArrayImages",
+    "Dataset",
+    "ImageSet",
+    "PathImages",
+    "dataset_identity",
+    "image_side",
+    "keep_dataset",
+    "load_dataset",
+    "list_datasets",
+    "register_dataset",
+]

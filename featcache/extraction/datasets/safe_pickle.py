@@ -50,6 +50,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     },
 }
 
+
 class _NumpyOnlyUnpickler(pickle.Unpickler):
     def __init__(self, file, path: Path) -> None:
         super().__init__(file, encoding="latin1")

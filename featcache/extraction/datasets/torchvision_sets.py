@@ -206,8 +206,9 @@ def _loader(name: str, source: _Source) -> Callable[..., Dataset]:
                 f"{name}: {root / missing[0]} not found; expected {source.layout}; pass --download to fetch it"
             )
         classes, splits = source.read(root)
-        return Dataset(name=name, classes=classes, domains={name: splits}, source=f"{source.layout} at {root}",
-                       root=root)
+        return Dataset(
+            name=name, classes=classes, domains={name: splits}, source=f"{source.layout} at {root}", root=root
+        )
 
     load.__name__ = load.__qualname__ = name
     load.__doc__ = f"{name}, one domain '{name}': {source.layout}."

@@ -37,8 +37,12 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
     owners = [domains[i % len(domains)] for i in range(clients)]
 
     n_classes = len(dataset.classes)
-    pools = {d: _class_pools(dataset.domains[d]["train"].labels, n_classes, spec.order,
-                             _stream(spec.seed, f"pools/train/{d}")) for d in used}
+    pools = {
+        d: _class_pools(
+            dataset.domains[d]["train"].labels, n_classes, spec.order, _stream(spec.seed, f"pools/train/{d}")
+        )
+        for d in used
+    }
     train = [np.sort(t) for t in scheme.split(owners, pools, spec, _stream(spec.seed, "split"))]
     for i, (d, t) in enumerate(zip(owners, train)):
         if len(t) == 0:
@@ -47,8 +51,12 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
             )
     test = _test_indices(dataset, owners, train, spec)
     return [
-        ClientPart(d, tr, te, _val_positions(dataset.domains[d]["train"].labels[tr], spec.val_fraction,
-                                             _stream(spec.seed, f"val/{i}")))
+        ClientPart(
+            d,
+            tr,
+            te,
+            _val_positions(dataset.domains[d]["train"].labels[tr], spec.val_fraction, _stream(spec.seed, f"val/{i}")),
+        )
         for i, (d, tr, te) in enumerate(zip(owners, train, test))
     ]
 

@@ -47,8 +47,9 @@ def _gather(parts: list[list[np.ndarray]]) -> list[np.ndarray]:
     return [np.concatenate(p).astype(np.int64) for p in parts]
 
 
-def _test_indices(dataset: Dataset, owners: list[str], train: list[np.ndarray],
-                  spec: PartitionSpec) -> list[np.ndarray]:
+def _test_indices(
+    dataset: Dataset, owners: list[str], train: list[np.ndarray], spec: PartitionSpec
+) -> list[np.ndarray]:
     """Test images per client with its train label distribution.
 
     Client i with n_ik training images of class k gets r_i * n_ik test images of class k (rounded down, or up where
@@ -60,8 +61,9 @@ def _test_indices(dataset: Dataset, owners: list[str], train: list[np.ndarray],
     for d, who in _members(owners).items():
         y_train = dataset.domains[d]["train"].labels
         n = np.stack([np.bincount(y_train[train[i]], minlength=n_classes)[:n_classes] for i in who])  # [c, K]
-        pools = _class_pools(dataset.domains[d]["test"].labels, n_classes, spec.order,
-                             _stream(spec.seed, f"pools/test/{d}"))
+        pools = _class_pools(
+            dataset.domains[d]["test"].labels, n_classes, spec.order, _stream(spec.seed, f"pools/test/{d}")
+        )
         supply = np.array([len(pool) for pool in pools])  # [K]
         demand = n.sum(0)  # [K]
         ratio = np.full(len(who), np.min(supply[demand > 0] / demand[demand > 0]))  # [c]
