@@ -9,7 +9,7 @@ RUNS    ?= runs
 DEMO_BACKBONES := --backbone efficientnet_lite0 --backbone efficientnet_lite1 --backbone efficientnet_lite2
 DEMO_EXTRACT   := --dataset offline-digits $(DEMO_BACKBONES) --partition feature --per-class 10 --test-per-class 50 --image-size 64 --out $(CACHE)
 
-.PHONY: install demo test test-fast bench gpu-check clean reproduce reproduce-quick docs docs-results algos-table
+.PHONY: install demo test test-fast check bench gpu-check clean reproduce reproduce-quick docs docs-results algos-table
 
 install: $(BIN)/featcache
 
@@ -27,6 +27,14 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The code's own checks: the floors (import-linter contracts in pyproject.toml), ruff's lint and format, mypy on the
+# engine kit and the algorithm contract
+check: install
+	$(BIN)/lint-imports
+	$(BIN)/ruff check featcache tests bench docs/hooks.py
+	$(BIN)/ruff format --check featcache tests bench docs/hooks.py
+	$(BIN)/mypy
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m 'not slow'
