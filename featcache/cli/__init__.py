@@ -22,7 +22,7 @@ from ..errors import UserError, first_line
 from ..memory import keep_freed_memory
 from ..threads import passive_wait
 from . import extraction, results, training
-from .app import app, err, json_stdout
+from .app import app, err, help_style, json_stdout
 
 # The command owns its process: freed tensors' pages stay in it for the next step to reuse (featcache/memory.py).
 keep_freed_memory()
@@ -206,11 +206,16 @@ for command in COMMANDS:
 
 
 def _main() -> None:
+    help_style()
     try:
         code = app(standalone_mode=False)  # usage errors reach the handler below, not typer's boxed message
         if isinstance(code, int):  # --help, --version, Ctrl-C (130)
             sys.exit(code)
     except CLICK_ERROR as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `featcache` alone: its help (rich's is printed already)
+            if e.format_message().strip():
+                print(e.format_message().rstrip("\n"))
+            sys.exit(2)
         _error(usage_error(e))
         sys.exit(2)
     except typer.Abort:  # end of input at a prompt

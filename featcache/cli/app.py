@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from contextlib import contextmanager, redirect_stdout
@@ -23,6 +24,17 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Run frozen backbones once, cache embeddings in HDF5, train federated heads on them.",
 )
+RICH_HELP = app.rich_markup_mode
+RICH_HELP_COLUMNS = 100  # rich's boxed help cuts long option names (`--classes-per-cl…`) on narrower screens
+
+
+def help_style() -> None:
+    """`--help` boxed by rich on a terminal at least RICH_HELP_COLUMNS wide; elsewhere (a pipe, a log, a narrow
+    terminal) click's plain help, which wraps the descriptions and never cuts an option name."""
+    wide = sys.stdout.isatty() and shutil.get_terminal_size().columns >= RICH_HELP_COLUMNS
+    app.rich_markup_mode = RICH_HELP if wide else None
+
+
 # Off a terminal (a pipe, a log file) rich would wrap tables at 80 columns and cut their cells: give it room.
 out = Console(width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
