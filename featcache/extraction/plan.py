@@ -78,7 +78,8 @@ def extract(
     progress: Progress | None = None,
     note=None,
 ) -> dict:
-    """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, embedded, seconds}.
+    """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, partition, embedded,
+    seconds}.
 
     A list for `clients`, `alpha` or `per_class` is a sweep: one cache per combination, all from one fill of the
     stores; the result then lists each cache's summary under `caches`. `store` is the folder of the embedding
@@ -173,7 +174,7 @@ def extract(
         if size_note:
             tell(size_note)
         contents.save()  # a run that ends well keeps the files' hashes (a refused one changes nothing)
-        return _summary(results, {}, t0) | _told(tell, notes, partition, domains, results, image_size)
+        return _summary(results, specs, {}, t0) | _told(tell, notes, partition, domains, results, image_size)
     check_folder(out)  # a miss writes: refuse a folder it cannot write before anything is loaded or created
     check_folder(folder, "--store")
     for s in by_path.values():  # a user's folder, pipe or link named like a store: refused before any work
@@ -241,7 +242,7 @@ def extract(
     contents.save()
     embedded = {m["key"]: n for m, n in zip(metas, embedded)}
     return (
-        _summary(results, embedded, t0)
+        _summary(results, specs, embedded, t0)
         | {"phases": {k: round(v, 3) for k, v in phases.items()}}
         | _told(tell, notes, partition, domains, results, image_size)
     )
@@ -482,9 +483,11 @@ def _result(path: Path, hit: bool, key: str, images: int, keys: list[str], domai
     }
 
 
-def _summary(results: list[dict], embedded: dict, t0: float) -> dict:
-    """One setting: its result; a sweep: every setting's under `caches`. Both say what each backbone embedded."""
+def _summary(results: list[dict], specs: list[PartitionSpec], embedded: dict, t0: float) -> dict:
+    """One setting: its result; a sweep: every setting's under `caches`, each with its partition (α, clients, ...).
+    Both say what each backbone embedded."""
     seconds = round(time.perf_counter() - t0, 3)
+    results = [r | {"partition": spec.to_dict()} for r, spec in zip(results, specs)]
     if len(results) == 1:
         return results[0] | {"embedded": embedded, "seconds": seconds}
     return {
