@@ -407,7 +407,7 @@ def test_each_result_is_stored_once(tmp_path):
     run = run_job(synthetic_job(), info, out)
     (memo_file,) = (out / "jobs").glob("fedavg-*.json")
     memo = json.loads(memo_file.read_text())
-    assert set(memo) == {"result_file", "grid_file", "outputs"} and memo["grid_file"] is None
+    assert set(memo) == {"result_file", "grid_file", "outputs", "code"} and memo["grid_file"] is None
     assert memo["outputs"] == {"trainable_params": run["trainable_params"]}  # no accuracy in the memo: a pointer
     stored = json.loads((out / memo["result_file"]).read_text())  # train()'s own result file, in OUT/runs/
     assert Path(run["result_file"]) == out / memo["result_file"] and stored["algo"] == "fedavg"
@@ -483,19 +483,31 @@ def test_an_extract_without_backbones_plans_with_extracts_default():
 
 
 def test_a_plugin_job_is_memoised_by_its_name_and_its_source(tmp_path):
-    """A plug-in job's memo sits in OUT/jobs under the registered name, and an edited plug-in file trains again."""
+    """A plug-in job's memo sits in OUT/jobs under the registered name and its run's key; the memo records the
+    plug-in's source, so an edited plug-in file trains again."""
     from featcache.algorithms import _ALGOS
-    from featcache.reproduce.run import _memo_path
+    from featcache.reproduce.run import _code, _read_memo, job_spec
 
     plugin = tmp_path / "plug.py"
     plugin.write_text("from featcache.algorithms.base import FedAvg\n\n\nclass Mine(FedAvg):\n    name = 'mine-memo'\n")
     job = synthetic_job(algo=f"{plugin}:Mine")
+    info = {"key": "k", "backbones": ["synth"]}
     try:
-        first = _memo_path(job, {"key": "k"}, tmp_path / "out")
-        assert first.parent == tmp_path / "out" / "jobs" and first.name.startswith("mine-memo-")
+        spec = job_spec(job, info)
+        assert spec.label(info).startswith("mine-memo-") and spec.source == str(job.algo)
+        first = _code(spec)
+        out = tmp_path / "out"
+        (out / "runs").mkdir(parents=True)
+        (out / "runs" / "r.json").write_text("{}")
+        memo = out / "jobs" / "m.json"
+        memo.parent.mkdir()
+        memo.write_text(json.dumps({"result_file": "runs/r.json", "grid_file": None, "outputs": {}, "code": first}))
+        assert _read_memo(memo, out, first)
         plugin.write_text(plugin.read_text() + "    uploads = 'edited'\n")
         _ALGOS.pop("mine-memo")
-        assert _memo_path(job, {"key": "k"}, tmp_path / "out") != first
+        edited = job_spec(job, info)
+        assert edited.label(info) == spec.label(info) and _code(edited) != first
+        assert _read_memo(memo, out, _code(edited)) is None
     finally:
         _ALGOS.pop("mine-memo", None)
 

@@ -61,8 +61,12 @@ def train(
     """Train federated algorithms on cached features (backbones are never loaded). Interrupted (Ctrl-C, kill), the
     same command resumes from the last checkpoint and skips the algorithms that finished."""
     from ..algorithms import create, load, objective_note  # lazy: `featcache --help` skips the algorithm registry
-    from ..training.config import check_clients, scoped  # lazy: `featcache --help` loads no torch
-    from ..runs.train import precheck, train as run
+    from ..devices import resolve_device  # lazy: `featcache --help` loads no torch
+    from ..runs.checkpoint import check_every
+    from ..runs.spec import RunSpec
+    from ..runs.train import check_outputs, run
+    from ..threads import check_threads, use_threads
+    from ..training.config import check_clients, scoped
 
     algo = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
     twice = sorted({a for a in algo if algo.count(a) > 1})
@@ -70,27 +74,21 @@ def train(
         raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
     seed_list = _seeds(seeds)
     sets = scoped(set, [create(name) for name in algo])  # fedprox.mu=1 -> fedprox's own mu=1
-    notes, clients = {}, None
-    for name in algo:  # every algorithm's settings and the output folder, before the first one trains
-        _, _, impl, cfg = precheck(
-            algo=name,
-            rounds=rounds,
-            seeds=seed_list,
-            set=sets[name],
-            out=out_dir,
-            device=device,
-            tensorboard=tensorboard,
-        )
-        notes[name] = objective_note(impl, cfg)
-        if len(algo) > 1:  # and each one's participation against the cache's clients: no half set of results
-            clients = _clients(cache) if clients is None else clients
-            check_clients(cfg, clients)
+    dev = resolve_device(device)
+    specs = [RunSpec.resolve(name, rounds, seed_list, sets[name], backbones) for name in algo]
+    check_outputs(out_dir, tensorboard)  # every algorithm's settings and the output folder, before the first trains
+    check_every(checkpoint_every)
+    notes = {spec.name: objective_note(spec.algo, spec.config) for spec in specs}
+    if len(algo) > 1:  # and each one's participation against the cache's clients: no half set of results
+        clients = _clients(cache)
+        for spec in specs:
+            check_clients(spec.config, clients)
     results = []
-    with progress_bar(not as_json) as progress:
-        for i, name in enumerate(algo):
-            label = f"{name} ({i + 1} of {len(algo)})" if len(algo) > 1 else name
+    with progress_bar(not as_json) as progress, use_threads(check_threads(threads)):
+        for i, spec in enumerate(specs):
+            label = f"{spec.name} ({i + 1} of {len(algo)})" if len(algo) > 1 else spec.name
 
-            def tick(done, total, live, label=label, note=notes[name], told=[]):  # noqa: B006 - told: this label's own memory of its first tick
+            def tick(done, total, live, label=label, note=notes[spec.name], told=[]):  # noqa: B006 - told: this label's own memory of its first tick
                 if not told:  # once its first round here trained: a refused run stays one error line
                     told.append(done)
                     said = [f"resumed from its checkpoint after round {done - 1}"] if done > 1 else []
@@ -104,19 +102,14 @@ def train(
             tick = tick if progress else None
             results.append(
                 run(
-                    cache=cache,
-                    algo=name,
-                    rounds=rounds,
-                    seeds=seed_list,
-                    set=sets[name],
-                    out=out_dir,
-                    device=device,
-                    backbones=backbones,
+                    spec,
+                    cache,
+                    out_dir,
+                    dev,
                     tensorboard=tensorboard,
                     save_state=save_state,
                     progress=tick,
                     checkpoint_every=checkpoint_every,
-                    threads=threads,
                 )
             )
             if not as_json:  # each algorithm's result as soon as it is written, not after the last one
@@ -194,27 +187,15 @@ def grid(
 ) -> None:
     """Train a hyperparameter grid batched, select on validation, retrain the best, report test accuracy."""
     from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
-    from ..runs.grid import grid as run  # lazy: `featcache --help` loads no torch
+    from ..runs.grid import check_options, run_grid  # lazy: `featcache --help` loads no torch
+    from ..runs.spec import RunSpec
+    from ..threads import check_threads, use_threads
 
     algo = load(algo)  # a plug-in spec: registered here, shown by its name
-    seed_list = _seeds(seeds)
-    with progress_bar(not as_json) as progress:
-        result = run(
-            cache=cache,
-            algo=algo,
-            grid=grid,
-            seeds=seed_list,
-            rounds=rounds,
-            set=set,
-            backbones=backbones,
-            out=out_dir,
-            device=device,
-            backend=backend,
-            chunk=chunk,
-            retrain=retrain,
-            progress=progress,
-            threads=threads,
-        )
+    check_options(backend, chunk)
+    spec = RunSpec.resolve(algo, rounds, _seeds(seeds), set, backbones, grid)
+    with progress_bar(not as_json) as progress, use_threads(check_threads(threads)):
+        result = run_grid(spec, cache, out_dir, device, backend, chunk, retrain, progress)
     if as_json:
         emit(result, True)
         return

@@ -1,12 +1,14 @@
 """Running a pipeline: find it (a path, or NAME in ./pipelines/ or the checkout's pipelines/), extract each distinct
-extraction once (the content-keyed cache folder is shared by every pipeline), train each job through the library's
-own `train` (after `grid`'s validation selection when the run has a grid), compute what the job's metrics need, then
-write OUT/NAME.md, NAME.json and NAME.png (render.py).
+extraction once (the content-keyed cache folder is shared by every pipeline), resolve each job's run once
+(`RunSpec`, from the pipeline's typed values) and train it through the library's own `train` (after `grid`'s
+validation selection when the run has a grid), compute what the job's metrics need, then write OUT/NAME.md,
+NAME.json and NAME.png (render.py).
 
-Each result is stored once: train() writes it to OUT/runs/. A job's memo, OUT/jobs/ALGO-HASH.json (named by what the
-job trains), holds only where that result is, where the grid's selection is (grid.json), and the outputs its metrics
-needed (probe, similarity, parameter counts); a re-run, or another target with the same job, reads these back
-instead of training. A memo that lacks an output of the trained state retrains (the same seeds give the same result).
+Each result is stored once: train() writes it to OUT/runs/. A job's memo, OUT/jobs/LABEL.json (the run's
+`RunSpec.label`: named by what the job trains), holds only where that result is, where the grid's selection is
+(grid.json), the outputs its metrics needed (probe, similarity, parameter counts) and the code they came from
+(`_code`); a re-run, or another target with the same job, reads these back instead of training. A memo that lacks an
+output of the trained state retrains (the same seeds give the same result).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from pathlib import Path
 
 from .. import __version__
 from .. import cache as C
-from ..algorithms import is_plugin, list_algorithms, load
 from ..atomic import check_folder, write_atomic
 from ..errors import UserError, suggest
 from ..extraction.plan import Noise, extract
+from ..devices import resolve_device
 from ..provenance import library_call, provenance
-from ..runs.grid import grid
-from ..runs.train import train
+from ..runs.grid import run_grid
+from ..runs.spec import RunSpec
+from ..runs.train import check_outputs, run
 from .metrics import NEEDS, RESULT_KEYS
 from .plan import DEFAULT_PROFILE, Job, plan
 from .agreement import comparability, rank_agreement
@@ -192,14 +195,15 @@ def run_job(job: Job, info: dict, out: Path) -> dict:
     result restricted to metrics.RESULT_KEYS, `result_file`, `client_domains`, the needed outputs, and `grid` (the
     selection) for a grid job."""
     out = Path(out)
-    memo = _memo_path(job, info, out)
-    found = _read_memo(memo, out)
+    spec = job_spec(job, info)
+    memo, code = out / "jobs" / f"{spec.label(info)}.json", _code(spec)
+    found = _read_memo(memo, out, code)
     wanted = [NEEDS[name] for name in job.needs] + [need for need in NEEDS.values() if need.always]
     if found and all(not need.state or need.name in found["outputs"] for need in wanted):
         result_file, grid_file, outputs = found["result_file"], found["grid_file"], dict(found["outputs"])
         result, trained = json.loads((out / result_file).read_text()), None
     else:
-        result, grid_file = _train(job, info, out, keep_state=any(need.state for need in wanted))
+        result, grid_file = _train(spec, info, out, keep_state=any(need.state for need in wanted))
         result_file, trained = _relative(result["result_file"], out), result.pop("trained", None)
         outputs = dict(found["outputs"]) if found else {}  # the same training: what it gave before still holds
     missing = [need for need in wanted if need.name not in outputs]
@@ -207,9 +211,8 @@ def run_job(job: Job, info: dict, out: Path) -> dict:
         outputs[need.name] = need.compute(trained, job, info, result)
     outputs = json.loads(json.dumps(outputs))  # as JSON holds it: lists, not tuples or tensors
     if missing or not found:
-        write_atomic(
-            memo, json.dumps({"result_file": result_file, "grid_file": grid_file, "outputs": outputs}, sort_keys=True)
-        )
+        memo_body = {"result_file": result_file, "grid_file": grid_file, "outputs": outputs, "code": code}
+        write_atomic(memo, json.dumps(memo_body, sort_keys=True))
     run = {k: result[k] for k in RESULT_KEYS if k in result}
     run |= {"result_file": str(out / result_file), "client_domains": info["client_domains"]} | outputs
     if grid_file:
@@ -218,25 +221,32 @@ def run_job(job: Job, info: dict, out: Path) -> dict:
     return json.loads(json.dumps(run))
 
 
-def _memo_path(job: Job, info: dict, out: Path) -> Path:
-    """Named by what the job trains (not by what it reads off the state): one training serves every metric. A
-    plug-in algorithm (`file.py:Class`) is named by its registered name, and its source file is part of the digest,
-    so an edited plug-in trains again."""
-    name, source = job.algo, ""
-    if is_plugin(job.algo):
-        name = load(job.algo)
-        source = hashlib.sha256(Path(inspect.getsourcefile(list_algorithms()[name])).read_bytes()).hexdigest()
-    digest = hashlib.sha256(f"{job.trains().key()}|{info['key']}|{__version__}|{source}".encode()).hexdigest()[:16]
-    return out / "jobs" / f"{name}-{digest}.json"
+def job_spec(job: Job, info: dict) -> RunSpec:
+    """The run a job trains on its extraction `info`, resolved from the pipeline's typed values (a grid job: its
+    axes; `_train` retrains the point the grid picks)."""
+    names = [info["backbones"][i] for i in job.backbones] if job.backbones is not None else None
+    axes = json.loads(job.grid) or None
+    return RunSpec.resolve(job.algo, job.rounds, list(job.seeds), json.loads(job.settings), names, axes)
 
 
-def _read_memo(memo: Path, out: Path) -> dict | None:
-    """The memo, or None when there is none, it is from an older layout, or a file it points to is gone."""
+def _code(spec: RunSpec) -> str:
+    """What else a memo's outputs depend on: featcache's version and, for a plug-in, its source file (an edited
+    plug-in trains again)."""
+    cls = type(spec.algo)
+    if cls.__module__.startswith("featcache."):
+        return __version__
+    source = hashlib.sha256(Path(inspect.getsourcefile(cls)).read_bytes()).hexdigest()
+    return f"{__version__}|{source}"
+
+
+def _read_memo(memo: Path, out: Path, code: str) -> dict | None:
+    """The memo, or None when there is none, it is from an older layout or other code (`_code`), or a file it
+    points to is gone."""
     try:
         found = json.loads(memo.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(found, dict) or not isinstance(found.get("outputs"), dict):
+    if not isinstance(found, dict) or not isinstance(found.get("outputs"), dict) or found.get("code") != code:
         return None
     files = [found.get("result_file"), *([found["grid_file"]] if found.get("grid_file") else [])]
     return found if all(isinstance(f, str) and (out / f).is_file() for f in files) else None
@@ -247,32 +257,12 @@ def _relative(path: str | Path, out: Path) -> str:
     return os.path.relpath(path, out)
 
 
-def _train(job: Job, info: dict, out: Path, keep_state: bool) -> tuple[dict, str | None]:
-    """train() the job (the settings a grid selects on validation first) -> (its result, the grid's grid.json)."""
-    settings, axes, grid_file = json.loads(job.settings), json.loads(job.grid), None
-    if axes:
-        found = grid(
-            info["cache"],
-            job.algo,
-            [f"{k}={','.join(str(v) for v in values)}" for k, values in axes.items()],
-            seeds=list(job.seeds),
-            rounds=job.rounds,
-            set=[f"{k}={v}" for k, v in settings.items()],
-            out=out / "runs",
-            device=TRAIN_DEVICE,
-            retrain=False,
-        )
-        settings, grid_file = settings | found["best"], _relative(Path(found["run_folder"]) / "grid.json", out)
-    names = [info["backbones"][i] for i in job.backbones] if job.backbones is not None else None
-    result = train(
-        info["cache"],
-        job.algo,
-        rounds=job.rounds,
-        seeds=list(job.seeds),
-        set=settings,
-        out=out / "runs",
-        device=TRAIN_DEVICE,
-        backbones=names,
-        keep_state=keep_state,
-    )
+def _train(spec: RunSpec, info: dict, out: Path, keep_state: bool) -> tuple[dict, str | None]:
+    """Train the job's `spec` (a grid's: the point it selects on validation) -> (its result, the grid's grid.json)."""
+    grid_file = None
+    check_outputs(out / "runs")
+    if spec.axes:
+        found = run_grid(spec, info["cache"], out / "runs", TRAIN_DEVICE, retrain=False)
+        spec, grid_file = spec.pick(found["best"]), _relative(Path(found["run_folder"]) / "grid.json", out)
+    result = run(spec, info["cache"], out / "runs", resolve_device(TRAIN_DEVICE), keep_state=keep_state)
     return result, grid_file

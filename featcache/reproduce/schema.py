@@ -17,7 +17,7 @@ from ..training.config import resolve
 from ..errors import UserError, suggest
 from ..extraction.partition import PartitionSpec
 from ..extraction.plan import OPTIONS, Noise, check_options, extract
-from ..runs.grid import parse_grid
+from ..runs.spec import grid_axes
 from .metrics import METRICS, metric_problem
 
 PAPERS = ("fedpcl", "fedproc", "fedpft")
@@ -395,7 +395,7 @@ def _check_settings(where: str, algo: str, settings: dict, grid: dict) -> None:
                 _typed(f"grid {key}", value, defaults, key)
         resolve(impl, settings)
         if grid:
-            parse_grid(impl, [f"{k}={','.join(str(v) for v in values)}" for k, values in grid.items()])
+            grid_axes(impl, grid)
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
 

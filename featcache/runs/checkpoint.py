@@ -1,8 +1,8 @@
 """A `train` run's checkpoint: the round loop's carried state, saved atomically so the same command resumes it.
 
-One file per run in its output folder, `.ALGO-KEY.checkpoint` (hidden; KEY hashes what the run trains: algorithm,
-resolved config, seeds, cache key, backbones). It is a safetensors file holding everything the loop carries from
-one round to the next, as the engine hands it over (`Engine.state_dict`):
+One file per run in its output folder, `.NAME.checkpoint` (hidden; NAME is the run's `RunSpec.label`: the algorithm
+and the content key of what it trains, runs/spec.py). It is a safetensors file holding everything the loop carries
+from one round to the next, as the engine hands it over (`Engine.state_dict`):
 
     engine/params|buffers|client|server/...   the engine's `State` (models, per-client and server algorithm state)
     engine/optimizer/...                      the local optimizer's parameters, per-element state and step counts
@@ -25,7 +25,7 @@ When: at the start of a round, every `checkpoint_every` rounds (None: whenever 6
 one; 0: never), and on the first Ctrl-C, which lets the round finish, saves, and stops with `Interrupted` (a second
 Ctrl-C stops at once; the run then resumes from the last checkpoint). Written with fsync before the rename.
 
-After the result is written, the checkpoint is replaced by `.ALGO-KEY.done`, a small JSON record of the identity and
+After the result is written, the checkpoint is replaced by `.NAME.done`, a small JSON record of the identity and
 the sha256 of the files written: the same command then finds the run finished and returns its result without
 training (as `extract` and `grid` reuse finished work), unless the code, machine or files changed or the trained
 state is asked for in memory. A checkpoint written for other code or another machine, one that fails its checksum,
@@ -244,11 +244,12 @@ def digest(spans: dict, meta: dict) -> str:
 class Checkpoint:
     """The checkpoint of one `train` run: restores the round loop (`restore`), saves it when due (`offer`, at the
     start of each round), turns Ctrl-C into a stop at the round's end (`watch`) and records the finished run
-    (`finish`)."""
+    (`finish`). `name` names its files (`RunSpec.label`)."""
 
     def __init__(
         self,
         out,
+        name: str,
         impl,
         cfg: dict,
         seeds: list[int],
@@ -259,8 +260,7 @@ class Checkpoint:
     ):
         self.every = check_every(every)
         self.identity = identity(impl, cfg, seeds, cache_key, backbones, device)
-        stem = f".{impl.name}-{content_key(self.identity['run'])[:16]}"
-        self.path, self.done_path = Path(out) / f"{stem}.checkpoint", Path(out) / f"{stem}.done"
+        self.path, self.done_path = Path(out) / f".{name}.checkpoint", Path(out) / f".{name}.done"
         self.label = f"{impl.name} (seeds {', '.join(map(str, seeds))})"
         self.rounds, self.eval_every = cfg["rounds"], cfg["eval_every"]
         self.saved = 0  # the round the newest checkpoint was taken after (0: none)

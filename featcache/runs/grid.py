@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
-import itertools
 import json
 from pathlib import Path
 
@@ -34,39 +33,14 @@ from ..memory import available_bytes
 from .metrics import mean_std
 from ..provenance import library_call, provenance
 from ..threads import threaded
-from ..training.config import check, check_clients, check_seeds, merge_rounds, parse_value, resolve, scoped
+from ..training.config import check_clients
 from ..training.engine import structural_keys
 from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
 from ..training.footprint import check_memory
-from .train import load_split, run_configs, train
+from .spec import RunSpec
+from .train import load_split, run, run_configs
 
 BACKENDS = {}
-
-
-def parse_grid(algo, grid: list[str]) -> dict[str, list]:
-    """['lr=1e-1,1e-2', 'weight_decay=1e-3,1e-4'] -> {'lr': [0.1, 0.01], 'weight_decay': [...]} (typed, strict:
-    every value of every axis is checked against its setting's range; an axis or a value given twice is refused)."""
-    defaults = resolve(algo)
-    axes = {}
-    for item in grid:
-        key, sep, values = item.partition("=")
-        key = next(iter(scoped({key.strip(): ""}, [algo], "--grid")[algo.name]))  # fedprox.mu -> mu, for fedprox only
-        if not sep or not values.strip():
-            raise UserError(f"--grid {item!r}: write key=v1,v2,..., e.g. --grid lr=1e-1,1e-2")
-        if key in axes:
-            raise UserError(f"--grid {key} is given twice: put all its values in one axis, e.g. --grid {key}=a,b")
-        texts = [v.strip() for v in values.split(",")]
-        if "" in texts:
-            raise UserError(f"--grid {item!r} has an empty value: write key=v1,v2,...")
-        for v in texts:
-            resolve(algo, {key: v})  # unknown key, bad type, out of range -> one-line error naming the value
-        axes[key] = [parse_value(key, v, defaults[key]) for v in texts]
-        twice = [v for i, v in enumerate(axes[key]) if v in axes[key][:i]]
-        if twice:
-            raise UserError(f"--grid {key} lists {twice[0]!r} twice: each value once")
-    if not axes:
-        raise UserError("no --grid axis given: e.g. --grid lr=1e-1,1e-2,1e-3")
-    return axes
 
 
 def plan_chunk(n_models: int, per_model_bytes: int, budget_bytes: int) -> int:
@@ -139,17 +113,15 @@ def _run_chunk(
     return (100 * acc).tolist()
 
 
-def _local_backend(jobs, progress):
-    """In-process, one chunk after another, on data read once; progress is reported per round (in rounds of all
-    chunks to train)."""
+def _local_backend(jobs, progress, data):
+    """In-process, one chunk after another, on the grid's (fit, val) `data`; progress is reported per round (in rounds
+    of all chunks to train)."""
     total = sum(job["rounds"] for job in jobs)
-    done, data = 0, None
+    done = 0
     for job in jobs:
         tick = None
         if progress:
             tick = lambda r, R, _, base=done, n=job["rounds"]: progress("grid rounds", base + round(r * n / R), total)
-        cache, algo_name, _, _, backbones = job["args"]
-        data = data or _split_data(cache, create(algo_name), backbones)
         yield job, _run_chunk(*job["args"], tick, data)
         done += job["rounds"]
 
@@ -157,8 +129,8 @@ def _local_backend(jobs, progress):
 BACKENDS["local"] = _local_backend
 
 
-def _ray_backend(jobs, progress):
-    """Chunks as Ray tasks on the cluster of `cluster.ray_module`."""
+def _ray_backend(jobs, progress, data):
+    """Chunks as Ray tasks on the cluster of `cluster.ray_module`; each loads its (fit, val) rows where it runs."""
     ray = ray_module()
     remote = ray.remote(_run_chunk)
     pending = {remote.remote(*job["args"]): job for job in jobs}
@@ -175,10 +147,10 @@ BACKENDS["ray"] = _ray_backend
 def grid(
     cache: str | Path,
     algo: str,
-    grid: list[str],
+    grid: list[str] | dict,
     seeds: list[int] = (0, 1, 2),
     rounds: int | None = None,
-    set: list[str] | None = None,
+    set: list[str] | dict | None = None,
     backbones: list[str] | None = None,
     out: str | Path = "runs",
     device: str | torch.device = "auto",
@@ -190,50 +162,67 @@ def grid(
 ) -> dict:
     """Select on validation, retrain the best on full train, report test mean(std). Resumable by run folder.
 
-    `backbones` trains on a subset of the cached backbones' features (default: all, concatenated).
+    `grid` gives the axes: `key=v1,v2` strings or a dict of value lists (`{"lr": [0.1, 0.01]}`). `backbones` trains
+    on a subset of the cached backbones' features (default: all, concatenated).
 
-    `device` (auto | cpu | cuda[:N]) is checked here and sizes the chunks; each chunk resolves it again where it runs,
-    so with the Ray backend `auto` picks each worker's GPU when it has one. `threads` runs it on that many CPU
-    threads (default: torch's; Ray's workers keep their own; featcache/threads.py)."""
-    dev = resolve_device(device)
-    grid, backbones = as_list(grid, "grid"), as_list(backbones, "backbones")  # a lone string is one item
-    set = [f"{k}={v}" for k, v in set.items()] if isinstance(set, dict) else as_list(set, "set") or []
+    `device` (auto | cpu | cuda[:N]) is checked before anything is read and sizes the chunks; each chunk resolves it
+    again where it runs, so with the Ray backend `auto` picks each worker's GPU when it has one. `threads` runs it on
+    that many CPU threads (default: torch's; Ray's workers keep their own; featcache/threads.py)."""
+    check_options(backend, chunk)
+    spec = RunSpec.resolve(algo, rounds, seeds, set, backbones, grid if grid is not None else [])
+    call = library_call(
+        "featcache.grid",
+        cache=str(cache),
+        algo=algo,
+        grid=grid if isinstance(grid, dict) else as_list(grid, "grid"),
+        seeds=list(spec.seeds),
+        rounds=rounds,
+        set=set,
+        device=str(device),
+        backend=backend,
+        chunk=chunk,
+        retrain=retrain,
+        **({"backbones": list(spec.backbones)} if spec.backbones else {}),
+    )
+    return run_grid(spec, cache, out, device, backend, chunk, retrain, progress, call)
+
+
+def check_options(backend: str, chunk: int | None) -> None:
+    """A grid's `backend` (a key of BACKENDS) and `chunk` (None, or models per batched run >= 1), checked."""
     if backend not in BACKENDS:
         raise UserError(f"unknown backend {backend!r}: use local or ray")
-    seeds = check_seeds(seeds)
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise UserError(f"--chunk {chunk}: a chunk holds at least 1 model (leave it out to plan it from memory)")
-    impl = create(algo)
-    spec, algo = algo, impl.name  # a plug-in spec names the run as its registered name; chunks load it by its spec
-    base = merge_rounds(set, rounds)
-    base_cfg = resolve(impl, base)
-    axes = parse_grid(impl, grid)
-    fixed = scoped(base, [impl])[impl.name]
-    both = [k for k in axes if k in fixed]
-    if both:
-        flag = "--rounds" if both[0] == "rounds" and rounds is not None else f"--set {both[0]}"
-        raise UserError(f"{both[0]} is both a --grid axis and {flag}: give it in one place")
-    points = [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
-    cfgs = [base_cfg | p for p in points]
-    for c in cfgs:  # the whole grid, every combination, before anything trains
-        check(impl, c)
+
+
+def run_grid(
+    spec: RunSpec,
+    cache: str | Path,
+    out: str | Path,
+    device: str | torch.device = "auto",
+    backend: str = "local",
+    chunk: int | None = None,
+    retrain: bool = True,
+    progress=None,
+    call: str | None = None,
+) -> dict:
+    """`grid` of a resolved `spec` (its axes): what the CLI and reproduce call. Reads fit, validation and test rows
+    once each (the retrain the full train split); the run folder `grid-LABEL` is named by `spec.label`, so a moved
+    or copied cache resumes its grid. `call` is the library call grid.json's provenance records (default: the
+    `featcache.grid` call of `spec`)."""
+    dev = resolve_device(device)
     check_folder(out)
+    impl, backbones, seeds = spec.algo, spec.backbones, spec.seeds
     picked = {"backbones": list(backbones)} if backbones else {}  # recorded only when a subset is asked for
-
-    run_id = hashlib.sha256(
-        json.dumps(
-            {"cache": str(Path(cache).resolve()), "algo": algo, "base": base_cfg, "axes": axes, "seeds": list(seeds)}
-            | picked,
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()[:12]
-    folder = Path(out) / f"grid-{algo}-{run_id}"
-
     fit = load_split(cache, impl, holdout="fit", backbones=backbones)
     check_features(fit, cache)
-    check_split(load_clients(cache, "train", holdout="val", backbones=backbones), "validation", cache, NO_VAL_ROWS)
-    if retrain:  # the whole cache is read and checked before the run folder exists
-        check_split(load_clients(cache, "test", backbones=backbones), "test", cache, NO_TEST_ROWS)
+    val = load_clients(cache, "train", holdout="val", backbones=backbones)
+    check_split(val, "validation", cache, NO_VAL_ROWS)
+    test = load_clients(cache, "test", backbones=backbones) if retrain else None
+    if test is not None:  # the whole cache is read and checked before the run folder exists
+        check_split(test, "test", cache, NO_TEST_ROWS)
+    folder = Path(out) / f"grid-{spec.label(fit.meta)}"
+    points, cfgs = spec.points(), spec.configs()
     C = fit.features.shape[0]
     buckets: dict[str, list[int]] = {}
     for i, c in enumerate(cfgs):
@@ -263,13 +252,19 @@ def grid(
                         "file": chunk_file(folder, cfgs, part),
                         "models": part,
                         "rounds": max(cfgs[i]["rounds"] for i, _ in part),
-                        "args": (str(cache), spec, [cfgs[i] | {"seed": int(s)} for i, s in part], device, backbones),
+                        "args": (
+                            str(cache),
+                            spec.source,
+                            [cfgs[i] | {"seed": int(s)} for i, s in part],
+                            device,
+                            list(backbones) if backbones else None,
+                        ),
                     }
                 )
         todo = [j for j in jobs if not j["file"].is_file()]
         if progress:
             progress("grid chunks", len(jobs) - len(todo), len(jobs))
-        for job, acc in BACKENDS[backend](todo, progress):
+        for job, acc in BACKENDS[backend](todo, progress, (fit, val)):
             _write_json(job["file"], {"models": job["models"], "val_acc": acc})
             if progress:
                 progress("grid chunks", sum(j["file"].is_file() for j in jobs), len(jobs))
@@ -284,9 +279,9 @@ def grid(
             key=lambda r: -r["val_mean"],
         )
         result = {
-            "algo": algo,
+            "algo": spec.name,
             "cache": str(cache),
-            "axes": axes,
+            "axes": spec.axes,
             "seeds": list(seeds),
             "configs": len(cfgs),
             "models": len(cfgs) * len(seeds) * C,
@@ -298,16 +293,16 @@ def grid(
             "selection": table,
             "best": table[0]["config"],
         } | picked
-        if retrain:
-            final = train(
+        if test is not None:
+            del fit, val  # the chunks' rows: the retrain reads the full train split
+            best = spec.pick(table[0]["config"])
+            final = run(
+                best,
                 cache,
-                spec,
-                seeds=seeds,
-                set=base + [f"{k}={v}" for k, v in table[0]["config"].items()],
-                out=folder,
-                device=dev,
-                backbones=backbones,
+                folder,
+                dev,
                 progress=(lambda done, total, _: progress("grid retrain", done, total)) if progress else None,
+                data=(load_split(cache, impl, backbones=backbones), test),
             )
             keep = (
                 "mean_acc",
@@ -320,21 +315,7 @@ def grid(
             )
             result["retrain"] = {k: final[k] for k in keep}
         result["provenance"] = provenance(
-            dev,
-            library_call(
-                "featcache.grid",
-                cache=str(cache),
-                algo=spec,
-                grid=list(grid),
-                seeds=list(seeds),
-                rounds=rounds,
-                set=set,
-                device=str(device),
-                backend=backend,
-                chunk=chunk,
-                retrain=retrain,
-                **picked,
-            ),
+            dev, call or spec.call(cache, device, backend=backend, chunk=chunk, retrain=retrain)
         )
         resumed = {"chunks_resumed": len(jobs) - len(todo)}  # how this run went, not what it found: beside the result
         write_together(

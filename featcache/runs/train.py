@@ -23,18 +23,19 @@ import numpy as np
 import torch
 
 from .. import cache as C
-from ..algorithms import create, plugin_exits
+from ..algorithms import plugin_exits
 from ..atomic import check_folder, output_errors, write_together
 from ..devices import resolve_device
-from ..errors import as_list, as_path
+from ..errors import as_path
 from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from ..provenance import library_call, provenance
 from ..threads import threaded
 from .states import SUFFIX, state_bytes
 from .checkpoint import Checkpoint, check_every
 from ..training.footprint import fit_at_once
-from ..training.config import check_clients, check_seeds, merge_rounds, resolve
+from ..training.config import check_clients
 from .names import run_name
+from .spec import RunSpec
 from ..training.engine import Engine, State
 from ..training.guards import NO_TEST_ROWS, check_features, check_split
 
@@ -75,26 +76,13 @@ def run_configs(
     return raw | {"trained": Trained(engine.algo, engine.state, engine.train, engine.test)}
 
 
-def precheck(
-    algo: str,
-    rounds: int | None = None,
-    seeds: list[int] = (0, 1, 2),
-    set: list[str] | dict | None = None,
-    out: str | Path = "runs",
-    device: str | torch.device = "auto",
-    tensorboard: str | Path | None = None,
-):
-    """Everything about a run that can be checked without its cache: device, seeds, settings, the output folder(s),
-    TensorBoard when asked for. Returns (device, checked seeds, algorithm, resolved config)."""
-    dev = resolve_device(device)
-    seeds = check_seeds(seeds)
-    impl = create(algo)
-    cfg = resolve(impl, merge_rounds(set, rounds))
+def check_outputs(out: str | Path, tensorboard: str | Path | None = None) -> None:
+    """The output folder(s) a run writes, checked before its cache is read: `out`, and TensorBoard (its package
+    and folder) when asked for."""
     check_folder(as_path(out, "out"))
     if tensorboard is not None:
         tensorboard_writer()
         check_folder(as_path(tensorboard, "tensorboard"), "--tensorboard")
-    return dev, seeds, impl, cfg
 
 
 def tensorboard_run(folder: Path, raw: dict, seeds: list[int]) -> Path:
@@ -152,19 +140,52 @@ def train(
     raises `checkpoint.Interrupted`; the same call then resumes it, and once finished returns its result without
     training again (featcache.runs.checkpoint). `threads` runs it on that many CPU threads (default: torch's;
     featcache/threads.py)."""
-    dev, seeds, impl, cfg = precheck(algo, rounds, seeds, set, out, device, tensorboard)
+    dev = resolve_device(device)
+    spec = RunSpec.resolve(algo, rounds, seeds, set, backbones)
+    check_outputs(out, tensorboard)
     check_every(checkpoint_every)
-    backbones = as_list(backbones, "backbones")  # backbones="dino" is one backbone, not four letters
-    spec, algo = algo, impl.name  # a plug-in spec (file.py:Class) runs, and is named, as its registered name
     cache = as_path(cache, "cache")
-    train_data = load_split(cache, impl, backbones=backbones)
+    call = library_call(
+        "featcache.train",
+        cache=str(cache),
+        algo=algo,
+        rounds=rounds,
+        seeds=list(spec.seeds),
+        set=set,
+        device=str(device),
+        **({"backbones": list(spec.backbones)} if spec.backbones else {}),
+    )
+    return run(spec, cache, out, dev, call, keep_state, tensorboard, save_state, progress, checkpoint_every)
+
+
+def run(
+    spec: RunSpec,
+    cache: str | Path,
+    out: str | Path,
+    device: torch.device,
+    call: str | None = None,
+    keep_state: bool = False,
+    tensorboard: str | Path | None = None,
+    save_state: bool = False,
+    progress=None,
+    checkpoint_every: int | None = None,
+    data: tuple[C.ClientData, C.ClientData] | None = None,
+) -> dict:
+    """`train` of a resolved `spec` on `device` (a torch.device), its outputs checked (`check_outputs`): what the
+    CLI, a grid's retrain and reproduce call. `call` is the library call the result's provenance records (default:
+    the `featcache.train` call of `spec`); `data` = (train, test) when the caller loaded them."""
+    cache = as_path(cache, "cache")
+    impl, cfg, seeds, backbones = spec.algo, spec.config, list(spec.seeds), spec.backbones
+    train_data = data[0] if data else load_split(cache, impl, backbones=backbones)
     check_features(train_data, cache)
     check_clients(cfg, int(train_data.features.shape[0]))
-    at_once = fit_at_once(impl, cfg, len(seeds), train_data, dev, "use fewer --seeds")  # None: every participant
-    test_data = C.load_clients(cache, "test", backbones=backbones)
+    at_once = fit_at_once(impl, cfg, len(seeds), train_data, device, "use fewer --seeds")  # None: every participant
+    test_data = data[1] if data else C.load_clients(cache, "test", backbones=backbones)
     check_split(test_data, "test", cache, NO_TEST_ROWS)
     meta = test_data.meta
-    ckpt = Checkpoint(out, impl, cfg, seeds, meta["key"], backbones or meta["backbones"], dev, checkpoint_every)
+    ckpt = Checkpoint(
+        out, spec.label(meta), impl, cfg, seeds, meta["key"], backbones or meta["backbones"], device, checkpoint_every
+    )
     done = None if keep_state else ckpt.finished(save_state, tensorboard)
     if done:
         return done | {"cache_path": str(cache)}
@@ -174,14 +195,14 @@ def train(
             [cfg | {"seed": int(s)} for s in seeds],
             train_data,
             test_data,
-            dev,
+            device,
             progress,
             checkpoint=ckpt,
             at_once=at_once,
         )
     floats = raw["upload_floats"][0]
     result = {
-        "algo": algo,
+        "algo": impl.name,
         "paper": impl.paper,
         "uploads": impl.uploads,
         "config": {k: v for k, v in cfg.items() if k != "seed"},
@@ -194,25 +215,13 @@ def train(
     } | summarize(raw["acc"].numpy(), raw["eval_rounds"], none_or_numpy(raw["global_acc"]), raw["train_loss"].numpy())
     run_id = hashlib.sha256(json.dumps(result, sort_keys=True, indent=1).encode()).hexdigest()[:12]
     result["cache"]["partition"] = meta.get("partition")  # for reports; the cache key above already fixes it
-    result["provenance"] = provenance(
-        dev,
-        library_call(
-            "featcache.train",
-            cache=str(cache),
-            algo=spec,
-            rounds=rounds,
-            seeds=list(seeds),
-            set=set,
-            device=str(device),
-            **({"backbones": list(backbones)} if backbones else {}),
-        ),
-    )
+    result["provenance"] = provenance(device, call or spec.call(cache, device))
     body = json.dumps(result, sort_keys=True, indent=1)
     path = Path(out) / f"{run_name(impl, cfg, seeds, backbones, run_id)}.json"
     timing = {
         "seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
         "seconds_total": round(float(np.sum(raw["round_seconds"])), 3),
-        "device": str(dev),
+        "device": str(device),
     }
     timing |= {"resumed_after_round": ckpt.resumed} if ckpt.resumed else {}  # how it ran, not what it found
     paths = write_run(path, body, timing, raw, result, save_state, tensorboard)
