@@ -31,8 +31,8 @@ on the trained state), protosim:DOMAIN (FedPCL Figure 3, analyses.backbone_simil
 the all-backbone model's prototypes).
 
 The modules, in the order a run goes through them: schema (read and validate the file), plan (cells -> shared jobs),
-run (find the file, extract, train through featcache.train / featcache.grid, memoise), render (values, table,
-markdown, figure); analyses holds the paper analyses of a trained state that metrics compute.
+run (find the file, extract, resolve each job's RunSpec and train it through runs.train / runs.grid, memoise),
+render (values, table, markdown, figure); analyses holds the paper analyses of a trained state that metrics compute.
 """
 
 from __future__ import annotations
