@@ -42,12 +42,14 @@ def test_table_has_a_title_naming_cache_and_seeds_and_rows_by_label():
     assert "| terms=global | 60.00(1.00) |" in table and "| terms=local |" in table
 
 
-def test_results_from_different_caches_are_refused_in_one_line(tmp_path):
+def test_results_of_caches_that_differ_in_nothing_recorded_are_refused_in_one_line(tmp_path):
+    """Two caches, no recorded parameter that tells them apart: no axis for a sweep (test_sweep_report.py has the
+    sweeps)."""
     paths = []
     for i, key in enumerate(("a" * 64, "b" * 64)):
         paths.append(tmp_path / f"r{i}.json")
         paths[-1].write_text(json.dumps(result(key=key)))
-    with pytest.raises(UserError, match="2 different caches") as e:
+    with pytest.raises(UserError, match="2 caches that differ in nothing their result files record") as e:
         report(paths)
     assert "\n" not in str(e.value)
 

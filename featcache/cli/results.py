@@ -18,14 +18,24 @@ def report(
         help="result JSON files from `featcache train`, or folders holding them (the *.json directly in each folder)",
     ),
     out_dir: Optional[Path] = typer.Option(
-        None, "--out", parser=path_of("--out"), help="write report.md, curves.png and clients.png here"
+        None,
+        "--out",
+        parser=path_of("--out"),
+        help="write report.md, curves.png, clients.png (and sweep.png for results of several caches) here",
+    ),
+    x: Optional[str] = typer.Option(
+        None,
+        "--x",
+        help="results of several caches: the cache parameter on the x axis (alpha, clients, partition, per_class, "
+        "backbones, ...; default: the one that differs); the others that differ draw one line per value",
     ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the table, the notes, the files)"),
 ) -> None:
-    """Render result files as a markdown table (and PNG curves and per-client bars with --out)."""
+    """Render result files as a markdown table (and PNG curves and per-client bars with --out); results of several
+    caches (a sweep) as accuracy against the parameter that differs."""
     from ..results import report as render  # lazy: `featcache --help` loads no numpy
 
-    rendered = render(results, out_dir)
+    rendered = render(results, out_dir, x=x)
     for line in rendered["skipped"]:
         err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True)
     if as_json:

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..atomic import write_atomic
-from .tables import Series, labels, per_client, series, title
+from .load import is_number
+from .tables import Series, client_domains, labels, per_client, series, title
 
 if TYPE_CHECKING:
     from .features import Features
     from .load import Run
+    from .sweep import Sweep
 
 REPORT_MARK = "featcache report"  # in report.md's first line and its PNGs' Software text: files report may replace
 PLOT_MARK = "featcache plot"  # the plot PNG's Software text: marks a file plot may overwrite
@@ -37,8 +39,8 @@ def pyplot():
 
 def png(fig, mark: str, dpi: int = 120) -> bytes:
     """The PNG bytes of `fig` (then closed), its Software text `mark`: which command wrote it, and may replace it."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": mark})
+    buf = io.BytesIO()  # tight: a title or a legend outside the axes is inside the picture, never cut
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": mark}, bbox_inches="tight", pad_inches=0.15)
     pyplot().close(fig)
     return buf.getvalue()
 
@@ -76,23 +78,60 @@ def run_styles(n: int) -> list[dict]:
     ]
 
 
-def _draw(ax, s: Series, style: dict, label: str, i: int, n: int, dashes: str = "-") -> bool:
+PERCENT = (0.0, 100.0)  # an accuracy band's limits: ±1 std never reaches past what an accuracy can be
+SAME = 0.005  # percentage points: a global value this close to the personal one is drawn on top of it
+
+
+def band(ax, x, mean, std, color, alpha: float = 0.15, clip: tuple | None = PERCENT) -> None:
+    """The ±1 std band around `mean`, clipped to `clip` (None: not clipped, for losses)."""
+    lo, hi = np.asarray(mean) - np.asarray(std), np.asarray(mean) + np.asarray(std)
+    if clip is not None:
+        lo, hi = np.clip(lo, *clip), np.clip(hi, *clip)
+    ax.fill_between(x, lo, hi, color=color, alpha=alpha, linewidth=0)
+
+
+def _draw(
+    ax, s: Series, style: dict, label: str, i: int, n: int, dashes: str = "-", clip: tuple | None = PERCENT
+) -> bool:
     """One curve with its run's style, markers staggered between runs so equal curves still show every run's, and
-    its ±1 std band when known; whether a band was drawn."""
+    its ±1 std band (clipped to `clip`) when known; whether a band was drawn. A dashed curve gets hollow markers, so
+    it shows on a solid one it equals."""
     every = max(1, len(s.rounds) // 8)
-    ax.plot(s.rounds, s.mean, dashes, label=label, markersize=4, markevery=(i * every // max(n, 1), every), **style)
+    hollow = {"markerfacecolor": "white"} if dashes != "-" else {}
+    ax.plot(
+        s.rounds,
+        s.mean,
+        dashes,
+        label=label,
+        markersize=4,
+        markevery=(i * every // max(n, 1), every),
+        **style,
+        **hollow,
+    )
     if s.std is not None:
-        ax.fill_between(s.rounds, s.mean - s.std, s.mean + s.std, color=style["color"], alpha=0.15, linewidth=0)
+        band(ax, s.rounds, s.mean, s.std, style["color"], clip=clip)
     return s.std is not None
 
 
-def wrapped_title(results: list[dict], extra: str, fig) -> str:
-    """The report's title wrapped to the width of `fig` (at font size 8), then `extra` (what the marks mean): lines
-    break between the title's parts, and inside a part only when it is longer than a line."""
+def same_note(personal, global_, where: list[str], unit: str) -> str:
+    """Where the global model's accuracy equals the personal one (within SAME): ` = personal at every round` /
+    ` = personal at rounds 1, 2` / ` = personal at 37 of 50 rounds`, or ''."""
+    equal = np.abs(np.asarray(global_, dtype=np.float64) - np.asarray(personal, dtype=np.float64)) <= SAME
+    if equal.all():
+        return f" = personal at every {unit}: drawn on it"
+    if not equal.any():
+        return ""
+    at = [w for w, e in zip(where, equal) if e]
+    return f" = personal at {unit} {', '.join(at)}" if len(at) <= 4 else f" = personal at {len(at)} of {len(where)}"
+
+
+def wrapped_title(heading: str, extra: str, fig) -> str:
+    """`heading` wrapped to the width of `fig` (at font size 8), then `extra` (what the marks mean): lines break
+    between the heading's parts (`; `), and inside a part only when it is longer than a line."""
     import textwrap
 
     width, lines = int(fig.get_figwidth() * 13), []
-    for part in title(results).split("; "):
+    for part in heading.split("; "):
         pieces = textwrap.wrap(part, width, break_on_hyphens=False) or [part]
         if lines and len(lines[-1]) + 2 + len(pieces[0]) <= width:
             lines[-1] += f"; {pieces.pop(0)}"
@@ -100,17 +139,21 @@ def wrapped_title(results: list[dict], extra: str, fig) -> str:
     return "\n".join(lines + [extra])
 
 
-def curves_png(runs: list[Run], path: str | Path | None = None) -> bytes:
+def curves_png(
+    runs: list[Run], path: str | Path | None = None, names: list[str] | None = None, heading: str | None = None
+) -> bytes:
     """Test accuracy per evaluation round (solid: mean over clients; dashed: the global model, where the results have
-    one) and, where the results record it, the mean local training loss in a panel per algorithm (objectives differ in
-    scale and meaning: FedPCL's is unbounded below); shaded ±1 std over seeds where the metrics.csv sidecar holds the
-    per-seed values. The legend sits under the accuracy panel. PNG bytes, also written atomically to `path`."""
+    one, its legend entry saying where it equals the solid curve) and, where the results record it, the mean local
+    training loss in a panel per algorithm (objectives differ in scale and meaning: FedPCL's is unbounded below);
+    shaded ±1 std over seeds where the metrics.csv sidecar holds the per-seed values, accuracy bands clipped to
+    0-100 %. `names` label the runs (default: `labels`), `heading` titles the figure (default: `title`). The legend
+    sits under the accuracy panel. PNG bytes, also written atomically to `path`."""
     from matplotlib.ticker import MaxNLocator
 
     plt = pyplot()
     results = [run.result for run in runs]
     curves = [series(run) for run in runs]
-    names = labels(results)
+    names = names or labels(results)
     styles = run_styles(len(runs))
     algos = list(dict.fromkeys(r["algo"] for r, c in zip(results, curves) if "loss" in c))
     rows = max(1, len(algos))
@@ -122,9 +165,11 @@ def curves_png(runs: list[Run], path: str | Path | None = None) -> bytes:
     for i, (r, c, label) in enumerate(zip(results, curves, names)):
         banded += _draw(acc_ax, c["accuracy"], styles[i], label, i, n)
         if "global" in c:
-            banded += _draw(acc_ax, c["global"], styles[i], f"{label} (global model)", i, n, "--")
+            where = [str(x) for x in c["global"].rounds]
+            note = same_note(c["accuracy"].mean, c["global"].mean, where, "round")
+            banded += _draw(acc_ax, c["global"], styles[i], f"{label} (global model{note})", i, n, "--")
         if "loss" in c:
-            banded += _draw(loss_ax[r["algo"]], c["loss"], styles[i], label, i, n)
+            banded += _draw(loss_ax[r["algo"]], c["loss"], styles[i], label, i, n, clip=None)
     acc_ax.set_ylabel("test accuracy (%)")
     with_global = any("global" in c for c in curves)
     acc_ax.set_title(
@@ -147,12 +192,12 @@ def curves_png(runs: list[Run], path: str | Path | None = None) -> bytes:
         list(loss_ax.values())[-1].set_xlabel("communication round (rounds)")
     entries = len(acc_ax.get_legend_handles_labels()[1])
     acc_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=min(3, 1 + (entries - 1) // 3))
-    band = (
-        "shaded: ±1 std over seeds (ddof=1, from metrics.csv)"
+    shade = (
+        "shaded: ±1 std over seeds (ddof=1, from metrics.csv; accuracy clipped to 0-100 %)"
         if banded
         else "mean over seeds (no per-seed metrics.csv: no band)"
     )
-    fig.suptitle(wrapped_title(results, band, fig), fontsize=8)
+    fig.suptitle(wrapped_title(heading or title(results), shade, fig), fontsize=8)
     return _finish(fig, path)
 
 
@@ -163,17 +208,33 @@ def objective_of(algo: str) -> str:
     return getattr(list_algorithms().get(algo), "objective", "")
 
 
-def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
-    """Final test accuracy per client: one group of bars per run, one bar (colour) per client, error bars ±1 std over
-    seeds. PNG bytes, also written atomically to `path` when given."""
+def client_names(runs: list[Run], C: int) -> list[str]:
+    """`client 0: amazon` where every run that knows client 0's domain (`client_domains`) agrees on it and the
+    clients are not all of one domain, else `client 0`."""
+    known = [d for d in map(client_domains, runs) if d]
+    names = []
+    for c in range(C):
+        domains = {d[c] for d in known if c < len(d) and d[c]}
+        names.append(f"client {c}: {domains.pop()}" if len(domains) == 1 else f"client {c}")
+    several = len({name.partition(": ")[2] for name in names}) > 1
+    return names if several else [f"client {c}" for c in range(C)]
+
+
+def clients_png(
+    runs: list[Run], path: str | Path | None = None, names: list[str] | None = None, heading: str | None = None
+) -> bytes:
+    """Final test accuracy per client: one group of bars per run, one bar (colour) per client, named by its domain
+    where known (`client_names`), error bars ±1 std over seeds clipped to 0-100 %. `names` and `heading` as for
+    `curves_png`. PNG bytes, also written atomically to `path` when given."""
     plt = pyplot()
     results = [run.result for run in runs]
-    groups = [(label, per_client(r)) for r, label in zip(results, labels(results))]
+    groups = [(label, per_client(r)) for r, label in zip(results, names or labels(results))]
     groups = [(label, g) for label, g in groups if g is not None]
     C = max((len(g[0]) for _, g in groups), default=0)
     fig, ax = plt.subplots(figsize=(max(7.5, 2.2 + 0.28 * C * max(len(groups), 1)), 4.6))
     width = 0.8 / max(C, 1)
     cmap = plt.get_cmap("tab10" if C <= 10 else "tab20")
+    legend = client_names(runs, C)
     for gi, (_, (mean, std)) in enumerate(groups):
         for c in range(len(mean)):
             ax.bar(
@@ -181,12 +242,19 @@ def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
                 mean[c],
                 width,
                 color=cmap(c % cmap.N),
-                yerr=None if std is None else std[c],
+                yerr=None if std is None else [[min(std[c], mean[c])], [min(std[c], 100.0 - mean[c])]],
                 capsize=2,
                 error_kw={"linewidth": 0.8},
-                label=f"client {c}" if gi == 0 else None,
+                label=legend[c] if gi == 0 else None,
             )
-    ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
+    long = len(groups) > 4 or any(len(label) > 24 for label, _ in groups)
+    ax.set_xticks(
+        range(len(groups)),
+        [label for label, _ in groups],
+        fontsize=8,
+        rotation=25 if long else 0,
+        ha="right" if long else "center",
+    )
     ax.set_xlabel("run (one bar per client)")
     ax.set_ylabel("final test accuracy (%)")
     ax.set_ylim(*zoom([g for _, g in groups]))
@@ -194,20 +262,81 @@ def clients_png(runs: list[Run], path: str | Path | None = None) -> bytes:
     if groups:
         ax.legend(fontsize=7, ncol=1 + (C - 1) // 20, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title(
-        wrapped_title(results, "error bars: ±1 std over seeds (ddof=1); the y axis spans the data", fig), fontsize=8
+        wrapped_title(
+            heading or title(results),
+            "error bars: ±1 std over seeds (ddof=1, within 0-100 %); the y axis spans the data",
+            fig,
+        ),
+        fontsize=8,
     )
     return _finish(fig, path)
 
 
-def zoom(groups: list[tuple]) -> tuple[float, float]:
-    """y limits that span the bars' tops and error bars (groups: (mean [C], std [C] or None)) with a margin, within
-    0-100 %: an 85-98 % spread fills the axis instead of its top eighth."""
+def sweep_png(s: Sweep, path: str | Path | None = None) -> bytes:
+    """Final test accuracy against the swept parameter (`sweep.Sweep`): per line, the personal accuracy (solid: each
+    client's model on its own test rows, averaged) and the global model's (dashed, hollow markers, its legend entry
+    saying where it equals the solid line), each with a ±1 std band over seeds clipped to 0-100 %. A numeric
+    parameter spanning a factor of 10 or more (α 0.1-10) is drawn on a log axis; the others by their values' order.
+    The legend sits right of the axes. PNG bytes, also written atomically to `path`."""
+    from .sweep import PARAMETERS, order_key, sweep_title, text
+
+    plt = pyplot()
+    param = PARAMETERS[s.x]
+    shown = [p for p in s.points if p.x is not None]
+    numeric = param.numeric and all(is_number(p.x) for p in shown)
+    values = sorted({text(p.x) for p in shown}, key=order_key)
+    at = {v: (float(v) if numeric else float(i)) for i, v in enumerate(values)}
+    log = numeric and bool(values) and min(at.values()) > 0 and max(at.values()) >= 10 * min(at.values())
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
+    styles = run_styles(len(s.lines))
+    spans = []
+    for i, line in enumerate(s.lines):
+        pts = [p for p in shown if p.line == line]
+        if not pts:
+            continue
+        style = {"color": styles[i]["color"], "marker": styles[i]["marker"], "markersize": 6}
+        x = [at[text(p.x)] for p in pts]
+        mean, std = np.array([p.acc[0] for p in pts]), np.array([p.acc[1] for p in pts])
+        ax.plot(x, mean, "-", linewidth=2.2, label=f"{line}: personal", **style)
+        band(ax, x, mean, std, style["color"])
+        spans.append((mean, std))
+        glob = [p for p in pts if p.global_acc is not None]
+        if glob:
+            gx = [at[text(p.x)] for p in glob]
+            gmean, gstd = np.array([p.global_acc[0] for p in glob]), np.array([p.global_acc[1] for p in glob])
+            note = same_note([p.acc[0] for p in glob], gmean, [text(p.x) for p in glob], param.label)
+            ax.plot(gx, gmean, "--", linewidth=1.4, markerfacecolor="white", label=f"{line}: global{note}", **style)
+            band(ax, gx, gmean, gstd, style["color"], alpha=0.07)
+            spans.append((gmean, gstd))
+    if log:
+        ax.set_xscale("log")
+    ax.set_xticks([at[v] for v in values], values)
+    ax.minorticks_off()
+    ax.set_xlabel(param.label + (" (log scale)" if log else ""))
+    ax.set_ylabel("final test accuracy (%)")
+    ax.set_ylim(*zoom(spans, top=101.0))  # a point at 100 % keeps its whole marker
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
+    seeds = max((len(p.run.result["seeds"]) for p in shown), default=1)
+    key = "solid: personal (each client's model, own test rows); dashed: global model (all test rows); " + (
+        "shaded: ±1 std over seeds (ddof=1), within 0-100 %" if seeds > 1 else "one seed: no band"
+    )
+    left = len(s.points) - len(shown)
+    key += f"; {left} result(s) without {param.label} left out" if left else ""
+    fig.suptitle(wrapped_title(f"final accuracy vs {param.label}: " + sweep_title(s), key, fig), fontsize=8)
+    return _finish(fig, path)
+
+
+def zoom(groups: list[tuple], top: float = 100.0) -> tuple[float, float]:
+    """y limits that span the bars' tops and error bars, or the lines and their bands (groups: (mean [C], std [C]
+    or None)), clipped to 0-100 %, with a margin up to `top`: an 85-98 % spread fills the axis instead of its top
+    eighth."""
     tops = [v for mean, std in groups for v in (mean if std is None else np.concatenate([mean - std, mean + std]))]
     if not tops:
-        return 0.0, 105.0
-    lo, hi = float(min(tops)), float(max(tops))
+        return 0.0, top
+    lo, hi = float(np.clip(min(tops), *PERCENT)), float(np.clip(max(tops), *PERCENT))
     pad = max(1.0, 0.1 * (hi - lo))
-    return max(0.0, lo - pad), min(100.0 if hi <= 100 else 105.0, hi + pad)
+    return max(0.0, lo - pad), min(top, hi + pad)
 
 
 def _colours(K: int):
@@ -247,13 +376,14 @@ def figure_png(
         for k, name in enumerate(feats.classes)
     ][:20]
     handles.append(plt.Line2D([], [], marker="o", linestyle="", color="0.85", label="other clients"))
-    fig.legend(
+    fig.tight_layout()
+    fig.legend(  # right of the panels, never over them (the PNG's tight bounding box takes it in)
         handles=handles,
         title="class" + (f" (first 20 of {K})" if K > 20 else ""),
-        loc="center right",
+        loc="center left",
+        bbox_to_anchor=(1.0, 0.5),
         fontsize=7,
         title_fontsize=8,
     )
-    fig.suptitle(heading, fontsize=9)
-    fig.tight_layout(rect=(0, 0, 0.9, 1))
+    fig.suptitle(wrapped_title(heading, "", fig).rstrip("\n"), fontsize=9, y=1.0, va="bottom")
     return png(fig, PLOT_MARK, dpi=110)

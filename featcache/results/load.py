@@ -1,10 +1,9 @@
-"""Result files of `featcache train`, found and checked: which inputs are results, and that they share one cache.
+"""Result files of `featcache train`, found and checked: which inputs are results.
 
 Inputs are any mix of result files and folders. A folder stands for the `*.json` files directly in it (one level:
 a grid's run folder inside `runs/` holds chunk files, not results; pass that folder itself to report its retrained
 result). Files that are not results are skipped with one note each (beyond a few, one note counts them); the
 sidecars `train` writes beside a result (`.timing.json`, `.metrics.csv`, `.state.safetensors`) share one note.
-Results from different caches are refused.
 """
 
 from __future__ import annotations
@@ -199,18 +198,3 @@ def load_inputs(paths) -> Inputs:
 def cache_of(r: dict) -> dict:
     c = r.get("cache")
     return c if isinstance(c, dict) else {}
-
-
-def check_one_cache(results: list[dict], names: list[str] | None = None) -> None:
-    """Refuse, in one line, results trained on different caches (their numbers are not comparable in one table)."""
-    keys = {}
-    for i, r in enumerate(results):
-        key = cache_of(r).get("key")
-        if isinstance(key, str):
-            keys.setdefault(key, names[i] if names else r["algo"])
-    if len(keys) > 1:
-        (a, fa), (b, fb) = list(keys.items())[:2]
-        raise UserError(
-            f"the results come from {len(keys)} different caches ({fa}: {a[:16]}, {fb}: {b[:16]}): report "
-            "the files of each cache separately"
-        )

@@ -4,9 +4,12 @@ the sample std (ddof=1)."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import math
+import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,11 +48,11 @@ def _defaults(algo: str) -> dict:
         return {}
 
 
-def labels(results: list[dict]) -> list[str]:
+def labels(results: list[dict], numbered: bool = True) -> list[str]:
     """Each run named by the settings that differ between the files: the algorithm when only it differs
     (`fedpcl`), else `fedpcl terms=global` / `lr=0.01 seeds=0,1`; runs that differ in nothing get #1, #2, ...
-    A setting that differs only because the algorithms' defaults differ (every file at its algorithm's default) does
-    not name a run."""
+    (`numbered`; a sweep tells them apart by their caches). A setting that differs only because the algorithms'
+    defaults differ (every file at its algorithm's default) does not name a run."""
     every = [_settings(r) for r in results]
     defaults = {a: _defaults(a) for a in {r["algo"] for r in results}}
     keys = list(dict.fromkeys(k for s in every for k in s))
@@ -70,7 +73,7 @@ def labels(results: list[dict]) -> list[str]:
         parts = [s["algo"]] if "algo" in differ or not differ else []
         parts += [f"{k}={s.get(k, '—')}" for k in differ if k != "algo"]
         out.append(" ".join(parts))
-    if len(set(out)) < len(out):  # identical settings: tell the rows apart by position
+    if numbered and len(set(out)) < len(out):  # identical settings: tell the rows apart by position
         out = [f"{label} #{i + 1}" for i, label in enumerate(out)]
     return out
 
@@ -86,14 +89,24 @@ def partition_text(r: dict) -> str:
     clients = r.get("clients")
     if not isinstance(p, dict) or not p:
         return f"{clients} clients" if isinstance(clients, int) else "partition not recorded"
-    words = [f"α={p['alpha']:g}"] if p.get("scheme") in ("label", "feature-label") and is_number(p.get("alpha")) else []
-    if p.get("scheme") == "pathological":
-        words.append(f"{p.get('classes_per_client')} classes per client")
+    return partition_words(p, clients)
+
+
+DIRICHLET = ("label", "feature-label")  # the schemes whose α means something
+
+
+def partition_words(p: dict, clients) -> str:
+    """A partition's words; a key `p` lacks (a sweep's caches differ in it) is left out."""
+    scheme = p.get("scheme")
+    words = [f"α={p['alpha']:g}"] if scheme in DIRICHLET and is_number(p.get("alpha")) else []
+    if scheme == "pathological" and p.get("classes_per_client") is not None:
+        words.append(f"{p['classes_per_client']} classes per client")
     words += [f"{clients} clients"] if isinstance(clients, int) else []
     caps = [f"{p[k]} {side}" for k, side in (("per_class", "train"), ("test_per_class", "test")) if p.get(k)]
     words += [f"{' / '.join(caps)} images per class per client"] if caps else []
     words += [f"domains {', '.join(p['domains'])}"] if p.get("domains") else []
-    return f"{p.get('scheme', '?')} partition " + ", ".join(words)
+    head = [f"{scheme} partition" + (f" {words.pop(0)}" if words[:1] and words[0][0] == "α" else "")] if scheme else []
+    return ", ".join(head + words)  # `label partition α=0.5, 10 clients`, `feature partition, 4 clients`
 
 
 def shared_text(results: list[dict]) -> str:
@@ -278,3 +291,51 @@ def per_client(r: dict) -> tuple[np.ndarray, np.ndarray | None] | None:
     if isinstance(flat, list) and flat and all(is_number(v) for v in flat):
         return np.asarray(flat, dtype=np.float64), None
     return None
+
+
+def client_domains(run: Run) -> list | None:
+    """Each client's domain where known: from the partition's own domain list (client i owns domain i mod n), else
+    from the cache its provenance names (`--cache X`), when that file is still there under the result's key; None
+    when neither tells."""
+    r = run.result
+    p = cache_of(r).get("partition")
+    clients = r.get("clients")
+    if not (isinstance(clients, int) and clients > 0):
+        return None
+    if isinstance(p, dict) and isinstance(p.get("domains"), list) and p["domains"]:
+        return [p["domains"][c % len(p["domains"])] for c in range(clients)]
+    for path in _named_caches(run):
+        from ..cache.h5 import peek_attrs  # lazy: h5py loads only where a figure names clients
+
+        attrs = peek_attrs(path, ("key", "counts")) or {}
+        if attrs.get("key") == cache_of(r).get("key"):
+            try:
+                counts = json.loads(attrs["counts"]) if isinstance(attrs.get("counts"), str) else attrs.get("counts")
+                names = [row.get("domain") for row in counts["clients"]]
+            except (KeyError, TypeError, AttributeError, ValueError):
+                return None
+            return names if len(names) == clients else None
+    return None
+
+
+def _named_caches(run: Run) -> list[Path]:
+    """The files the result's provenance names as its cache (`--cache X` of a command, `cache='X'` of a library
+    call), each as given (relative: to the current folder) and beside the result's folder and its parent."""
+    prov = run.result.get("provenance") if isinstance(run.result.get("provenance"), dict) else {}
+    named = []
+    if isinstance(prov.get("command"), str):
+        try:
+            argv = shlex.split(prov["command"])
+        except ValueError:
+            argv = []
+        named += [b for a, b in zip(argv, argv[1:]) if a == "--cache"]
+        named += [a.split("=", 1)[1] for a in argv if a.startswith("--cache=")]
+    if isinstance(prov.get("call"), str):
+        for quoted in re.findall(r"\bcache=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")", prov["call"]):
+            try:
+                named.append(str(ast.literal_eval(quoted)))
+            except (ValueError, SyntaxError):
+                pass
+    places = [Path(), run.path.parent, run.path.parent.parent]
+    found = [Path(n) if Path(n).is_absolute() else place / n for n in named if n for place in places]
+    return list(dict.fromkeys(found))
