@@ -98,7 +98,7 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
                 groups = [
                     {
                         "params": [p],
-                        "lr": cfg[group_of(algo.groups, k).lr] * algo.lr_scale(k),
+                        "lr": cfg[group_of(algo.groups, k).lr] * cfg.get(group_of(algo.groups, k).lr_scale, 1.0),
                         "weight_decay": cfg[group_of(algo.groups, k).weight_decay],
                     }
                     for k, p in params.items()

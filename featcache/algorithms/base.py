@@ -25,8 +25,8 @@ engine calls them:
 at every evaluation round:
     global_model(state, rnd) -> (params, buffers) name -> [H, ...], or None     the server's aggregated model
     predict_global(params, buffers, x, ctx) -> scores [N, K]  its inference on one client's rows (vmapped)
-and, asked once per run: local_epochs(), lr_scale(name), shared(name). Declared as data: `groups` (the local
-optimizer's parameter groups: their learning-rate and weight-decay settings and gradient-norm clip) and
+and, asked once per run: local_epochs(), shared(name). Declared as data: `groups` (the local optimizer's parameter
+groups: the settings giving their learning rate, a multiplier of it and weight decay, and gradient-norm clip) and
 `keeps_optimizer_state` (moments and step counts carry over from round to round, per model) and `personal_predict`
 (predict reads only what the client's own training changes: non-participants keep their scores). Derived from which
 hooks are FedAvg's own: `fedavg_server` (the engine averages the participants' shared tensors where they trained)
@@ -128,7 +128,8 @@ class FedAvg:
     # other draws than an eager run, so `assert_capturable` reports it; set False for such an algorithm.)
     capturable = True
     # The local optimizer's parameter groups by name prefix (longest prefix wins): which settings give a group's
-    # learning rate and weight decay, and the norm each model's gradient of the group is clipped to (None: none).
+    # learning rate, a multiplier of it (a batched=False setting) and weight decay, and the norm each model's gradient
+    # of the group is clipped to (None: none).
     groups = {"": Group()}
     # Whether each model's optimizer moments and step counts carry over from round to round (one optimizer per
     # client kept alive, as torch.optim objects a client holds for the whole run) instead of starting from zero.
@@ -186,10 +187,6 @@ class FedAvg:
     def trainable(self, name: str, rnd) -> bool:
         """Whether parameter `name` is updated in local epoch rnd.epoch of round rnd.round (phases train subsets)."""
         return True
-
-    def lr_scale(self, name: str) -> float:
-        """Learning-rate multiplier of parameter `name` (for per-module rates)."""
-        return 1.0
 
     def init_state(self, state, rnd) -> None:
         pass

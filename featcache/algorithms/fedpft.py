@@ -21,8 +21,8 @@ FedPFT (Alg. 1): each round R = R_f + R_a local epochs (local_epochs must equal 
     feature transformation phase, eq. 4 (R_f epochs): train p_κ and τ; ϕ and h_κ frozen;
     model training phase, eq. 5 (R_a epochs):        train ϕ, τ, h_κ; p_κ frozen.
 Clients upload ϕ, τ, h_κ (FedAvg-averaged, §3.5); p_κ never leaves the client. Inference: h_κ(τ([ϕ(x), p_κ])).
-Optimizer (App. D.3): SGD, lr 0.1, the FTM at 0.05 (lr_scale 0.5). The paper names no momentum or weight decay:
-torch.optim.SGD's defaults (0, 0).
+Optimizer (App. D.3): SGD, lr 0.1, the FTM at 0.05 (ftm_lr_scale 0.5, the FTM group's multiplier). The paper names
+no momentum or weight decay: torch.optim.SGD's defaults (0, 0).
 
 FedPFT+Con (§3.6, App. C): a second prompt set p_ρ (n_ρ = n_κ; the paper gives no number) and a projection head h_ρ
 add eq. 7's MoCo loss on two augmented views x', x'' (cached views 0 and 1):
@@ -38,7 +38,7 @@ and updated every step in MoCo's order: momentum update θ̃ ← m θ̃ + (1 - m
 then the batch's keys enter the queue (newest first; the oldest fall off). The momentum encoder is never reset: it
 tracks the client's downloaded-then-trained model across rounds. Not given by the paper, taken from the MoCo it cites
 (He et al. 2020, v1): linear head FC(m, 128), m = 0.999, β = 0.07, queue initialised with random unit vectors; the
-queue holds 1024 keys (MoCo's 65,536 is 130x a client's 500 images). FTM lr 0.01 (lr_scale 0.1): App. D.3 says "the
+queue holds 1024 keys (MoCo's 65,536 is 130x a client's 500 images). FTM lr 0.01 (ftm_lr_scale 0.1): App. D.3 says "the
 learning rate for the FTM remains 0.01" for FedPFT+Con, contradicting FedPFT's 0.05; each number is used as written.
 
 FedAvg+Linear (App. F, Table 9): a personalised linear layer T_i (m x m, with bias) between the global ϕ and h, in
@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from ..errors import UserError
 from .heads import linear, linear_init
 from ..training.config import Setting
+from ..training.optim import Group
 from . import register
 from .base import FedAvg, logsumexp, masked_ce, masked_mean
 
@@ -160,10 +161,11 @@ class FedPFT(Alternating):
         **SCHEDULE,
         "ftm_lr_scale": Setting(
             0.5, "the FTM's learning rate as a multiple of lr (App. D.3)", lo=0, batched=False
-        ),  # a per-parameter-group rate, fixed at construction
+        ),  # a per-parameter-group rate (`groups`), fixed at construction
     }
     phases = {"transform": ("prompt.kappa", "ftm."), "model": ("proj", "ftm.", "cls")}  # eq. 4, eq. 5
     personal = ("prompt.",)
+    groups = {"": Group(), "ftm.": Group(lr_scale="ftm_lr_scale")}  # the FTM's rate: lr x ftm_lr_scale
 
     def init(self, cfg, d_in, num_classes, gen):
         m = cfg["proj_dim"]
@@ -178,9 +180,6 @@ class FedPFT(Alternating):
         """f' = τ([ϕ(x), p_κ]): the classifier's input [N, m]."""
         f, new = super().embed(params, buffers, x, mask, train)  # [N, m]
         return ftm(params, f, params["prompt.kappa"], self.cfg["heads"], self.cfg["residual"]), new
-
-    def lr_scale(self, name):
-        return self.cfg["ftm_lr_scale"] if name.startswith("ftm.") else 1.0
 
 
 # -- FedPFT+Con -------------------------------------------------------------------------------------------------------

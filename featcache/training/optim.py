@@ -28,13 +28,16 @@ Params = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Group:
-    """One parameter group of the local optimizer: the settings holding its learning rate and weight decay, and the
-    norm its gradient is clipped to per model (None: not clipped). An algorithm declares its groups by name prefix,
-    `groups = {"": Group(), "gate": Group(lr="lr_gate")}`; a parameter belongs to its longest matching prefix."""
+    """One parameter group of the local optimizer: the settings holding its learning rate and weight decay, the
+    shared (batched=False) setting its learning rate is multiplied by (None: 1), and the norm its gradient is clipped
+    to per model (None: not clipped). An algorithm declares its groups by name prefix, `groups = {"": Group(),
+    "gate": Group(lr="lr_gate"), "ftm.": Group(lr_scale="ftm_lr_scale")}`; a parameter belongs to its longest
+    matching prefix."""
 
     lr: str = "lr"
     weight_decay: str = "weight_decay"
     max_norm: float | None = None
+    lr_scale: str | None = None
 
 
 def prefix_of(groups: dict[str, Group], name: str) -> str | None:

@@ -75,7 +75,7 @@ class LocalSteps:
         H, C = next(iter(state.params.values())).shape[:2]
         params = state.params if P == C else {k: v[:, :P] for k, v in state.params.items()}  # [H, P, ...] shapes
         groups = {k: group_of(algo.groups, k) for k in params}  # name -> its optimizer Group
-        self.opt = kind(params, hp, scale={k: algo.lr_scale(k) for k in params}, groups=groups)
+        self.opt = kind(params, hp, scale={k: algo.cfg.get(g.lr_scale, 1.0) for k, g in groups.items()}, groups=groups)
         self.clips = clip_sets(algo.groups, params)  # [(max_norm, names)] of the groups that clip
         self.buffers = {k: v[:, :P].clone() for k, v in state.buffers.items()}  # the cohort's buffers [H, P, ...]
         z = torch.zeros(H, P, device=device)
