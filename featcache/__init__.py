@@ -5,7 +5,7 @@ The Python API, timm style (imported lazily: `import featcache` loads neither to
     featcache.extract(dataset=..., backbone=[...], ...)   -> dict (the cache path under "cache")
     featcache.train(cache, algo, rounds=..., seeds=...)   -> dict (the result, its file under "result_file")
     featcache.grid(cache, algo, grid=[...] or {...}, ...) -> dict
-    featcache.report([result files or folders], out=...)  -> dict (the table, the figures written)
+    featcache.report([result files or folders], out=..., x=...) -> dict (the table, the figures written)
     featcache.plot(state, cache, method="pca" | "tsne")    -> dict (the figure of the learned features)
     featcache.load_cache(path, split="train")             -> ClientData (padded client tensors)
     featcache.load_state(path)                            -> (tensors, metadata) of `train(..., save_state=True)`
