@@ -54,7 +54,7 @@ def group_of(groups: dict[str, Group], name: str) -> Group:
 def clip_sets(groups: dict[str, Group], names) -> list[tuple[float, list[str]]]:
     """(max_norm, member names) of every clipped group of the declaration `groups` (prefix -> Group)."""
     members = {p: [k for k in names if prefix_of(groups, k) == p] for p, g in groups.items() if g.max_norm}
-    return [(groups[p].max_norm, ks) for p, ks in members.items() if ks]
+    return [(norm, ks) for p, ks in members.items() if ks and (norm := groups[p].max_norm)]
 
 
 def clip_grad_norms(grads: Params, sets: list[tuple[float, list[str]]], frozen=()) -> Params:
@@ -125,7 +125,15 @@ def copy_into(dst: Params, src: Params) -> Params:
 
 
 class _Run:
-    """One optimizer for a whole run: `load` starts a round."""
+    """One optimizer for a whole run: `load` starts a round; `state_dict` / `load_state_dict` carry it over."""
+
+    params: Params  # name -> [H, C, ...] the parameters, updated in place
+    state_names: tuple[str, ...] = ()  # per-element state, shaped like the parameters
+    carried: tuple[str, ...] = ()  # what goes from one step to the next: `state_dict`'s names
+
+    def _restart(self) -> None:
+        """Step counts back to zero (a new round of an optimizer that keeps no state)."""
+        raise NotImplementedError
 
     def load(self, params: Params, keep: bool = False) -> Params:
         """Start a round from `params` (name -> [H, C, ...], views and broadcasts welcome): copied into this
@@ -142,24 +150,23 @@ class _Run:
         return dict(self.params)
 
     def state_dict(self) -> dict:
-        """What this optimizer carries from one step to the next, as the live tensors (not copies): its parameters,
-        per-element state (`state_names`), step counts `t` and host step counts `count`, whichever it has. Their
-        memory layout is part of it: a fused step gives parameter and moments the gradient's layout once (`_align`),
-        and a kernel rounds differently on another layout."""
-        names = ("params", *self.state_names, "t", "count")
-        return {name: getattr(self, name) for name in names if hasattr(self, name)}
+        """What this optimizer carries from one step to the next (`carried`), as the live tensors (not copies): its
+        parameters, per-element state (`state_names`) and step counts (device `t`, host `count`: each family keeps
+        its own). Their memory layout is part of it: a fused step gives parameter and moments the gradient's layout
+        once (`_align`), and a kernel rounds differently on another layout."""
+        return {name: getattr(self, name) for name in self.carried}
 
     def load_state_dict(self, saved: dict) -> None:
         """Go on from `state_dict`'s values: their tensors are adopted as they are, layout included (before any step
         is captured: a captured step keeps reading the tensors of the moment of capture)."""
-        for name, values in saved.items():
-            setattr(self, name, dict(values))
+        for name in self.carried:
+            setattr(self, name, dict(saved[name]))
 
 
 class _Stacked(_Run):
     """Shared bookkeeping: which (h, c) models step now, their per-model hyperparameters, their state layout."""
 
-    state_names: tuple[str, ...] = ()  # per-element state, shaped like the parameters
+    count: dict[str, list[list[int]]]  # name -> host [H][C] steps taken per model
 
     def __init__(self, params: Params, hp, scale=None, groups=None):
         groups, self.scale = groups or {}, scale or {}
@@ -210,6 +217,10 @@ class _Stacked(_Run):
 
 class Adam(_Stacked):
     state_names = ("m", "v")
+    carried = ("params", "m", "v", "t", "count")
+    m: Params
+    v: Params
+    t: Params  # name -> [H, C] the kernel's step counts
 
     def __init__(self, params: Params, hp, scale=None, groups=None, betas=(0.9, 0.999), eps: float = 1e-8):
         super().__init__(params, hp, scale, groups)
@@ -245,6 +256,8 @@ class Adam(_Stacked):
 
 class SGD(_Stacked):
     state_names = ("buf",)
+    carried = ("params", "buf", "count")
+    buf: Params
 
     def __init__(self, params: Params, hp, scale=None, groups=None):
         super().__init__(params, hp, scale, groups)
@@ -292,7 +305,7 @@ class _Masked(_Run):
     parameter (`t`), the parameters and their state in their own memory (gradients of any layout are taken as they
     come: elementwise arithmetic mixes layouts, and a captured step must find the parameters where it left them)."""
 
-    state_names: tuple[str, ...] = ()
+    t: Params  # name -> [H, C] steps taken per model
 
     def __init__(self, params: Params, hp, scale=None, groups=None):
         _adopt(self, params)
@@ -326,6 +339,9 @@ class MaskedAdam(_Masked):
     as `Adam`; `active` may be a device bool tensor [H, C] (pass one: a host list costs a copy per step)."""
 
     state_names = ("m", "v")
+    carried = ("params", "m", "v", "t")
+    m: Params
+    v: Params
 
     def __init__(self, params: Params, hp, scale=None, groups=None, betas=(0.9, 0.999), eps: float = 1e-8):
         super().__init__(params, hp, scale, groups)
@@ -349,16 +365,18 @@ class MaskedSGD(_Masked):
     `SGD`; `momentum` None keeps no buffer; a configuration with momentum 0 leaves its buffer at zero, as SGD does."""
 
     state_names = ("buf",)
+    carried = ("params", "buf", "t")
+    buf: Params
 
     def __init__(self, params: Params, hp, scale=None, groups=None):
         super().__init__(params, hp, scale, groups)
-        self.mom = hp.get("momentum")  # [H] or None
-        self.moving = None if self.mom is None else self.mom != 0  # [H] configurations that keep a buffer
+        mom = hp.get("momentum")  # [H] or None
+        self.momentum = None if mom is None else (mom, mom != 0)  # [H] each: and the configurations keeping a buffer
 
     def step(self, grads: Params, active, frozen=(), host=None) -> Params:
         for k, p, g, on, _ in self._stepping(grads, active, frozen):
-            if self.mom is not None:  # structural (fixed at construction), not a value read
-                buf, mom, moving = self.buf[k], _per_config(self.mom, p), _per_config(self.moving, p)
+            if self.momentum is not None:  # structural (fixed at construction), not a value read
+                buf, mom, moving = self.buf[k], *(_per_config(t, p) for t in self.momentum)
                 g = torch.addcmul(g, buf, mom)  # [H, C, ...] mom·buf + g; a first step's buffer is still zero: g
                 torch.where(on & moving, g, buf, out=buf)
             torch.where(on, torch.addcmul(p, g, self.lr[k], value=-1), p, out=p)  # [H, C, ...]
