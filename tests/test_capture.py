@@ -97,9 +97,9 @@ def test_the_comparison_fails_when_the_protocol_is_broken(breakage, data, monkey
     else:
         original_replay = LocalSteps._replay
 
-        def stale_batch(self, key, idx, *rest):  # every step replays on round 1's first batch
+        def stale_batch(self, graphs, key, idx, *rest):  # every step replays on round 1's first batch
             first = self.__dict__.setdefault("first_idx", {}).setdefault(idx.shape, idx.clone())
-            return original_replay(self, key, first, *rest)
+            return original_replay(self, graphs, key, first, *rest)
 
         monkeypatch.setattr(LocalSteps, "_replay", stale_batch)
     with pytest.raises(AssertionError, match="differs from eager"):

@@ -54,6 +54,8 @@ class _Context:
 class LocalSteps:
     """Runs every local step of one engine: `start` a round, `step` per minibatch, `finish` the round."""
 
+    cohort: Cohort  # the round's (`start`)
+
     def __init__(
         self,
         algo,
@@ -82,7 +84,6 @@ class LocalSteps:
         self.acc = {"bad": z.bool(), "loss": z.clone(), "steps": z.clone()}  # [H, P] each, summed over a round
         self.part = torch.zeros(H, P, dtype=torch.bool, device=device)  # who of the cohort trains this round
         self.clients = torch.arange(P, device=device).repeat(H, 1)[..., None]  # [H, P, 1] the cohort's client ids
-        self.cohort: Cohort | None = None  # the round's
         self.valid: list = []  # per step, the cohort's real rows: [C, B] or [H, P, B]
         self.has_batch: list = []  # per step, host [H][P] bools: which of the cohort still have a batch
         self.batches: dict[int, Batch] = {}  # batch width -> its slots
@@ -112,9 +113,10 @@ class LocalSteps:
     def step(self, idx: torch.Tensor, ctx: dict, at, frozen: frozenset) -> None:
         """One local step of every model on the rows idx [H, C, B] (step at.step of its epoch), with the epoch's
         context and `frozen` the names not trained: replayed where its kind is captured, else eager."""
-        key = None if self.graphs is None else (frozen, idx.shape[-1], signature(ctx))
-        if key is not None and self.graphs.admits(key):
-            return self._replay(key, idx, ctx, at, frozen)
+        if self.graphs is not None:
+            key = (frozen, idx.shape[-1], signature(ctx))
+            if self.graphs.admits(key):
+                return self._replay(self.graphs, key, idx, ctx, at, frozen)
         host = [[p and h for p, h in zip(row, has)] for row, has in zip(self.cohort.part, self.has_batch[at.step])]
         # the live dicts: a fused optimizer's first step may give a parameter a new tensor that after_step must see
         self._step(
@@ -163,7 +165,7 @@ class LocalSteps:
             for k, v in new_buffers.items():
                 buffers[k].copy_(torch.where(active.reshape(*active.shape, *[1] * (v.dim() - 2)), v, buffers[k]))
 
-    def _replay(self, key: tuple, idx: torch.Tensor, ctx: dict, at, frozen) -> None:
+    def _replay(self, graphs: Graphs, key: tuple, idx: torch.Tensor, ctx: dict, at, frozen) -> None:
         """The step through the graph of its kind (trained names, batch width, context structure): this step's rows
         and, once per epoch, its context go into the static slots, then the graph replays; a kind seen for the
         first time is captured (warm-up disarmed: no model takes part)."""
@@ -174,13 +176,13 @@ class LocalSteps:
         slot.idx.copy_(idx)  # [H, P, B]
         slot.valid.copy_(valid)  # [C, B] or [H, P, B]
         stamp = (self.calls, at.epoch)  # the context changes between epochs and rounds only
-        if key not in self.graphs:
+        if key not in graphs:
             context = self.contexts[key] = _Context(Static(ctx, self._fixed), stamp)
             held = Held(dict(self.opt.params), dict(self.buffers), dict(self.acc))
             now = replace(at, part=self.part)  # the Round the captured hooks see (its step: the capture's)
             fn = lambda: self._step(held, slot, context.slot.tree, now, frozen)
-            self.graphs.capture(key, fn, disarmed(self.part))
+            graphs.capture(key, fn, disarmed(self.part))
         elif self.contexts[key].loaded != stamp:
             self.contexts[key].slot.load(ctx)
             self.contexts[key].loaded = stamp
-        self.graphs.run(key)
+        graphs.run(key)
