@@ -4,9 +4,10 @@ The vectorized engine trains every client of every configuration in one vmapped 
 client alone, one Python iteration per client and minibatch, with torch.optim on ordinary leaf tensors and autograd
 (no vmap, no stacking, no masks beyond the real batch rows; torch.nn.utils.clip_grad_norm_ where a group clips; one
 optimizer per client for the whole run where the algorithm keeps optimizer state). It borrows only the algorithm's
-per-client local loss, its server hooks (run as the engine runs them) and the engine's batch order (a pure function of
-seed, round, epoch, client). An algorithm whose hooks treat each client as its own model gets the same accuracies and
-parameters from both; `assert_matches_plain_loop` says so, or names the first parameter that differs:
+per-client local loss, the engine's first state, its hooks' order (the engine's own `client_side` and `server_side`)
+and its batch order (a pure function of seed, round, epoch, client). An algorithm whose hooks treat each client as
+its own model gets the same accuracies and parameters from both; `assert_matches_plain_loop` says so, or names the
+first parameter that differs:
 
     from featcache.testing import assert_matches_plain_loop
     assert_matches_plain_loop("path/to/my_algo.py:MyAlgo")     # or a registered name, a class, an instance
@@ -33,7 +34,7 @@ from .cache import ClientData, h5
 from .training import optim
 from .training.config import resolve
 from .training.optim import clip_sets, group_of
-from .training.engine import Engine
+from .training.engine import Engine, client_side, server_side
 from .training.schedule import batch_order, participation
 
 
@@ -77,7 +78,7 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
     eng = Engine(algo, [cfg], train, test, device)
     algo, train, test = eng.algo, eng.train, eng.test  # bound to the run's shared settings; data on the device
     seeds = eng.seeds.to(eng.device)
-    state = eng.init_state()
+    state = eng.state  # round 1's (the engine's `initial_state`)
     B, C = cfg["batch_size"], eng.C
     accs, kept = [], {}  # kept: client -> (leaves, optimizer) when the algorithm keeps optimizer state
     for rnd in range(cfg["rounds"]):
@@ -138,10 +139,7 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
                 for k, v in new.items():
                     tree[k] = tree[k].contiguous()  # a model the server broadcast is a view: give it its own memory
                     tree[k][0, c] = v.detach()
-        algo.after_local(state, now)
-        uploads = algo.upload(state, now)
-        server = algo.aggregate(uploads, train.counts[None].float() * now.part, state, now)
-        algo.download(state, server, now)
+        server_side(algo, state, now, client_side(algo, state, now), train.counts[None].float() * now.part)
         ctx = algo.context(state, now)
         accs.append(torch.stack([_client_accuracy(algo, state, ctx, test, c) for c in range(C)]))
     return torch.stack(accs), {k: v[0].clone() for k, v in state.params.items()}

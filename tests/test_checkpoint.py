@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from featcache.errors import UserError
 from featcache.runs import checkpoint as ck
+from featcache.runs import trees
 from featcache.runs.checkpoint import Interrupted
 from featcache.runs.train import train
 from tests.synthetic import write_cache
@@ -170,7 +171,7 @@ def _forged(edit):
 
 def _shrink(m, t):
     """The first tensor of the saved state one element shorter along its last axis (its layout still in its span)."""
-    node = dict(m["trees"]["dict"])["engine"]
+    node = dict(m["trees"]["dict"])["params"]
     while "tensor" not in node:
         node = node["dict"][0][1]
     node["shape"][-1] -= 1
@@ -260,7 +261,7 @@ def test_the_optimizer_state_round_trips_whatever_persists(tmp_path):
             g = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(step)).mT
             opt.step({"w": g}, [[True, step > 0, True], [False, True, True]])
         fresh = make()
-        fresh.load_state_dict(ck.unpack(*ck.pack(opt.state_dict())))
+        fresh.load_state_dict(trees.unpack(*trees.pack(opt.state_dict())))
         theirs, ours = fresh.state_dict(), opt.state_dict()
         assert theirs.keys() == ours.keys() and "params" in ours
         for name, values in ours.items():
@@ -298,13 +299,13 @@ def test_a_tree_comes_back_in_the_layouts_it_was_packed_in(shape, picks, again):
     base = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
     leaves = [LAYOUTS[name](base) for name in picks] + ([base] if again else [])  # `again`: a leaf twice
     tree = {"a": {str(i): t for i, t in enumerate(leaves)}, "b": [leaves[0], 3, None, "x"], "c": (1.5, True)}
-    back = ck.unpack(*ck.pack(tree))
+    back = trees.unpack(*trees.pack(tree))
     assert back["b"][1:] == [3, None, "x"] and back["c"] == (1.5, True)
     got = [*back["a"].values(), back["b"][0]]
     ours = [*tree["a"].values(), tree["b"][0]]
     for t, r in zip(ours, got):
         assert torch.equal(t, r) and t.stride() == r.stride() and (t._base is None) == (r._base is None)
-        assert t.data_ptr() % ck.ALIGN == r.data_ptr() % ck.ALIGN or t.numel() == 0
+        assert t.data_ptr() % trees.ALIGN == r.data_ptr() % trees.ALIGN or t.numel() == 0
     for i, (t, r) in enumerate(zip(ours, got)):  # shared memory, its offsets and object identity as they were
         for u, q in zip(ours[:i], got[:i]):
             if t.numel() and u.numel():

@@ -36,7 +36,7 @@ def test_training_tensors_scale_with_the_participants_and_state_does_not():
     data = clients(20)
     few, many, all_ = (estimate(algo, cfg, data, P=P) for P in (2, 10, 20))
     assert many.training == 5 * few.training > 0
-    assert (few.state, few.evaluation, few.data) == (all_.state, all_.evaluation, all_.data)
+    assert (few.state, few.evaluation, few.data) == (many.state, many.evaluation, many.data)  # (P = C: see below)
     params, _ = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
     n = sum(p.numel() * 4 for p in params.values())
     assert all_.training == 10 * few.training - 20 * n  # all train at once: their working copies are the state
@@ -155,7 +155,7 @@ def test_bench_scale_quick_prints_every_case_with_its_estimate_and_ratios():
     out = json.loads(done.stdout)
     cases = out["cases"]
     assert [(c["algo"], c["clients"], c["participation"]) for c in cases] == [
-        (a, C, p) for C in (10, 30) for a in ("fedavg", "fedpcl") for p in (1.0, 0.1)
+        (a, C, p) for C in (10, 30) for a in ("fedavg", "fedpcl", "fedprox") for p in (1.0, 0.1)
     ]
     for c in cases:
         assert c["estimate_bytes"] <= c["estimate_every_client_trains_bytes"]

@@ -20,7 +20,8 @@ from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
 from featcache.errors import UserError
 from featcache.runs.metrics import CSV_COLUMNS, TENSORBOARD_MISSING
-from featcache.runs.states import load_state, unflatten
+from featcache.runs.states import load_state
+from featcache.runs.trees import unflatten
 from featcache.runs.train import train
 from tests.synthetic import synthetic_clients, write_cache
 

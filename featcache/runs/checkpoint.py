@@ -2,18 +2,17 @@
 
 One file per run in its output folder, `.NAME.checkpoint` (hidden; NAME is the run's `RunSpec.label`: the algorithm
 and the content key of what it trains, runs/spec.py). It is a safetensors file holding everything the loop carries
-from one round to the next, as the engine hands it over (`Engine.state_dict`):
+from one round to the next, as the engine hands it over (`Engine.state_dict`; the checkpoint reads nothing else):
 
-    engine/params|buffers|client|server/...   the engine's `State` (models, per-client and server algorithm state)
-    engine/optimizer/...                      the local optimizer's parameters, per-element state and step counts
-                                              (host counts in the metadata), saved whether or not they persist
-    loop/...                                  the evaluation records so far, their rounds, upload sizes, round times
+    params|buffers|client|server/...   the engine's `State` (models, per-client and server algorithm state)
+    optimizer/...                      the local optimizer's parameters, per-element state and step counts (host
+                                       counts in the metadata), saved whether or not they persist
+    loop/...                           the evaluation records so far, their rounds, upload sizes, round times
 
-each tensor with the memory layout it had (`pack`): its strides (a fused optimizer step gives a linear weight its
-gradient's transposed layout), broadcast views (stride 0: FedAvg's one model per configuration), which tensors share
-memory, and its address modulo 64 bytes. A resumed run computes on the same layouts as the uninterrupted one: a
-matmul or a reduction rounds differently on another, and a fresh copy would make the first step after a resume
-differ in its last bits.
+each tensor with the memory layout it had (trees.py's `pack`): its strides (a fused optimizer step gives a linear
+weight its gradient's transposed layout), broadcast views (stride 0: FedAvg's one model per configuration), which
+tensors share memory, and its address modulo 64 bytes: a resumed run computes on the same layouts as the
+uninterrupted one.
 
 One metadata key, `featcache`, is a JSON object: the run's identity (what it trains, plus the training code's syntax
 hash, library versions, device, CPU/GPU model and torch threads: what makes a resumed run byte-identical to an
@@ -46,6 +45,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -55,12 +55,12 @@ from ..atomic import write_atomic
 from ..errors import UserError, not_a_file
 from ..cache.identity import code_identity, content_key, versions
 from ..provenance import cpu_model, gpu_name
+from .trees import Unsupported, fits, outline, pack, unpack
 
 FORMAT = "2"
 EVERY_SECONDS = 60.0  # the default: a checkpoint at most this often
 PACKAGE = Path(__file__).resolve().parent.parent  # featcache/
 TRAINING_CODE = ("training/*.py", "algorithms/*.py", "cache/*.py", "runs/*.py")  # what turns a cache into a result
-ALIGN = 64  # bytes: a restored tensor keeps its address modulo this (vector kernels peel unaligned heads)
 ORIGIN = {
     "run": "another run (algorithm, config, seeds, cache or backbones)",
     "code": "other featcache or plug-in code",
@@ -124,113 +124,6 @@ def identity(impl, cfg: dict, seeds: list[int], cache_key: str, backbones: list[
     }
 
 
-def pack(tree) -> tuple[dict, dict, dict]:
-    """(skeleton, spans, pads) of `tree` (nested dicts, lists, tensors, numbers, strings, None), its tensors saved
-    with the memory layout they have: each block of memory the tensors view is one span (`spans`: name -> the 1-d
-    CPU copy of the elements they cover, named after the first tensor in it), and each tensor in the skeleton says
-    where it lies in its span (shape, strides, offset), whether it is a view and which tensor object it is; `pads`
-    (span name -> elements) put a restored span at the address offset (mod ALIGN) it had. So strides, broadcasts
-    (stride 0), memory shared between tensors and alignment come back as they were: what a kernel's rounding can
-    depend on."""
-    leaves, seen = [], {}  # (name, tensor, its skeleton entry, filled in below); id -> entry of a tensor met before
-
-    def walk(x, name: str):
-        if isinstance(x, torch.Tensor):
-            if id(x) not in seen:  # one entry per tensor object, wherever the tree holds it
-                seen[id(x)] = {"object": len(leaves), "view": x._base is not None}  # (x.detach() is no view)
-                leaves.append((name, x.detach(), seen[id(x)]))
-            return seen[id(x)]
-        if isinstance(x, dict):
-            return {"dict": [[k, walk(v, f"{name}/{k}" if name else k)] for k, v in x.items()]}
-        if isinstance(x, (list, tuple)):
-            return {"list": [walk(v, f"{name}/{i}") for i, v in enumerate(x)], "tuple": isinstance(x, tuple)}
-        if x is None or isinstance(x, (bool, int, float, str)):
-            return {"value": x}
-        raise UserError(
-            f"cannot checkpoint {name} (a {type(x).__name__}): an algorithm's state holds tensors, "
-            "numbers and strings; train it with checkpoint_every=0 (--checkpoint-every 0)"
-        )
-
-    skeleton = walk(tree, "")
-    blocks: dict = {}  # (device, dtype, storage address) -> the leaves that view it
-    for i, (_, t, _) in enumerate(leaves):
-        blocks.setdefault((t.device, t.dtype, t.untyped_storage().data_ptr()) if t.numel() else i, []).append(i)
-    spans, pads = {}, {}
-    for members in blocks.values():
-        name, first, _ = leaves[members[0]]
-        lo = min(leaves[i][1].storage_offset() for i in members)
-        hi = max(_end(leaves[i][1]) for i in members)
-        span = first.as_strided((hi - lo,), (1,), lo)
-        spans[name] = span.to("cpu", copy=True)
-        pads[name] = span.data_ptr() % ALIGN // first.element_size() if span.numel() else 0
-        for i in members:
-            t = leaves[i][1]
-            leaves[i][2].update(
-                tensor=name, shape=list(t.shape), stride=list(t.stride()), offset=t.storage_offset() - lo
-            )
-    return skeleton, spans, pads
-
-
-def _end(t: torch.Tensor) -> int:
-    """One past the last storage element `t` covers."""
-    return t.storage_offset() + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0)
-
-
-def unpack(skeleton: dict, spans: dict, pads: dict, device="cpu"):
-    """The tree `pack` described, its tensors on `device` in the layouts they were packed with: one fresh block of
-    memory per span, each tensor a view of it where it was a view (else a tensor of its own over that memory), one
-    tensor object wherever the packed tree held one."""
-    memory, made = {}, {}
-
-    def block(name: str) -> torch.Tensor:
-        if name not in memory:
-            span, pad = spans[name], pads[name]
-            memory[name] = torch.empty(pad + span.numel(), dtype=span.dtype, device=device)
-            memory[name][pad:].copy_(span)
-        return memory[name]
-
-    def walk(s: dict):
-        if "tensor" in s:
-            if s["object"] not in made:
-                buf, at = block(s["tensor"]), pads[s["tensor"]] + s["offset"]
-                made[s["object"]] = (
-                    buf.as_strided(s["shape"], s["stride"], at)
-                    if s["view"]
-                    else buf.new_empty(0).set_(buf.untyped_storage(), at, s["shape"], s["stride"])
-                )
-            return made[s["object"]]
-        if "dict" in s:
-            return {k: walk(v) for k, v in s["dict"]}
-        if "list" in s:
-            items = [walk(v) for v in s["list"]]
-            return tuple(items) if s["tuple"] else items
-        return s["value"]
-
-    return walk(skeleton)
-
-
-def outline(tree):
-    """The structure of a tree of `pack`: dict keys, list lengths, each tensor's shape and dtype (a tuple), each
-    value's type."""
-    if isinstance(tree, torch.Tensor):
-        return ("tensor", tuple(tree.shape), str(tree.dtype))
-    if isinstance(tree, dict):
-        return {k: outline(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [outline(v) for v in tree]
-    return type(tree).__name__
-
-
-def fits(ours, theirs) -> bool:
-    """Whether the outline `theirs` (a checkpoint's state) has every entry of `ours` (the state of an engine not
-    yet run) with the same structure, shapes and dtypes; entries an algorithm adds after round 1 may come on top."""
-    if isinstance(ours, dict):
-        return isinstance(theirs, dict) and all(k in theirs and fits(v, theirs[k]) for k, v in ours.items())
-    if isinstance(ours, list):
-        return isinstance(theirs, list) and len(ours) == len(theirs) and all(map(fits, ours, theirs))
-    return ours == theirs
-
-
 def digest(spans: dict, meta: dict) -> str:
     """sha256 over the metadata's identity, round, trees and pads and every span's name, dtype, shape and bytes."""
     h = hashlib.sha256(json.dumps([meta[k] for k in ("identity", "round", "trees", "pads")], sort_keys=True).encode())
@@ -259,6 +152,7 @@ class Checkpoint:
         every: int | None = None,
     ):
         self.every = check_every(every)
+        self.device = torch.device(device)  # where a restored state goes: the engine's
         self.identity = identity(impl, cfg, seeds, cache_key, backbones, device)
         self.path, self.done_path = Path(out) / f".{name}.checkpoint", Path(out) / f".{name}.done"
         self.label = f"{impl.name} (seeds {', '.join(map(str, seeds))})"
@@ -278,38 +172,36 @@ class Checkpoint:
                     )
 
     # -- the round loop (Engine.run) --------------------------------------------------------------------------
-    def restore(self, engine, carried: dict) -> int:
-        """Load the checkpoint, when there is one, into `engine` (`Engine.load_state_dict`) and the loop's lists
-        `carried` (in place); returns the round to start at (0: none). A checkpoint of other code, another machine,
-        another run's shapes or rounds, or a damaged one is refused."""
+    def restore(self, get: Callable[[], dict], put: Callable[[dict], None]) -> int:
+        """Hand the checkpoint's tree, when there is one, to `put` (`Engine.load_state_dict`), once it is found to fit
+        `get()` (the `state_dict` of the engine not yet run); returns the round to start at (0: none). A checkpoint of
+        other code, another machine, another run's shapes or rounds, or a damaged one is refused."""
         if self.every == 0 or not self.path.is_file():
             return 0
         meta, spans = self._read()
         fix = "delete it to train from round 1"
         try:
-            saved = unpack(meta["trees"], spans, meta["pads"], engine.device)
+            saved = unpack(meta["trees"], spans, meta["pads"], self.device)
         except Exception as e:  # a layout that does not fit its span: torch's own error types
             raise Refused(f"{self.path} is damaged ({type(e).__name__}): {fix}") from None
-        problem = self._misfit(meta["round"], saved, engine, carried)
+        problem = self._misfit(meta["round"], saved, get())
         if problem:
             raise Refused(f"{self.path} {problem}: it is not a checkpoint of this run; {fix}")
-        engine.load_state_dict(saved["engine"])
-        for k, v in saved["loop"].items():
-            carried[k].extend(v)
+        put(saved)
         self.saved = self.resumed = self.current = meta["round"]
         return meta["round"]
 
-    def _misfit(self, rnd, saved, engine, carried: dict) -> str | None:
-        """What in a checkpoint (round `rnd`, unpacked tree `saved`) does not fit this run, or None: a round it never
-        saves at (1 .. rounds - 1), loop lists that do not hold exactly that many rounds and their evaluations, or
-        an engine state of other names or shapes."""
+    def _misfit(self, rnd, saved, ours: dict) -> str | None:
+        """What in a checkpoint (round `rnd`, unpacked tree `saved`) does not fit this run (`ours`: the state_dict of
+        its engine not yet run), or None: a round it never saves at (1 .. rounds - 1), loop records that do not hold
+        exactly that many rounds and their evaluations, or a state of other names or shapes."""
         if type(rnd) is not int or not 0 < rnd < self.rounds:
             return f"claims round {rnd!r} of a {self.rounds}-round run"
         loop = saved.get("loop") if isinstance(saved, dict) else None
         evals = [r for r in range(1, rnd + 1) if r % self.eval_every == 0]
         if not (
             isinstance(loop, dict)
-            and loop.keys() == carried.keys()
+            and loop.keys() == ours["loop"].keys()
             and loop["eval_rounds"] == evals
             and all(isinstance(v, list) for v in loop.values())
             and len(loop["records"]) == len(evals)
@@ -317,18 +209,19 @@ class Checkpoint:
             and len(loop["round_seconds"]) == rnd
         ):
             return f"holds records that do not fit its round {rnd}"
-        if not fits(outline(engine.state_dict()), outline(saved.get("engine"))):
+        if not fits(outline({k: v for k, v in ours.items() if k != "loop"}), outline(saved)):
             return "holds a state of other names or shapes than this run's"
         return None
 
-    def offer(self, engine, rnd: int, carried: dict) -> None:
-        """At the start of round `rnd` (0-based: `rnd` rounds are done): save when due, and stop when Ctrl-C asked."""
+    def offer(self, rnd: int, get: Callable[[], dict]) -> None:
+        """At the start of round `rnd` (0-based: `rnd` rounds are done): save `get()` (the engine's state_dict) when
+        due, and stop when Ctrl-C asked."""
         self.current = rnd
         if self.every == 0 or rnd == self.saved:
             return
         due = (time.monotonic() - self.last >= EVERY_SECONDS) if self.every is None else rnd % self.every == 0
         if due or self.stop:
-            self.save({"engine": engine.state_dict(), "loop": carried}, rnd)
+            self.save(get(), rnd)
         if self.stop:
             raise Interrupted(
                 f"{self.label} stopped after round {rnd} of {self.rounds}, checkpoint saved: run the "
@@ -336,9 +229,15 @@ class Checkpoint:
             )
 
     def save(self, tree: dict, rnd: int) -> None:
-        """Write `tree` (the engine's state_dict and the loop's lists) as the checkpoint of round `rnd`, replacing
-        the last one only once it is written: a failed write (a full disk) keeps the last one and stops the run."""
-        skeleton, spans, pads = pack(tree)
+        """Write `tree` (the engine's state_dict) as the checkpoint of round `rnd`, replacing the last one only once
+        it is written: a failed write (a full disk) keeps the last one and stops the run."""
+        try:
+            skeleton, spans, pads = pack(tree)
+        except Unsupported as e:
+            raise UserError(
+                f"cannot checkpoint {e.name} (a {e.kind}): an algorithm's state holds tensors, numbers and strings; "
+                "train it with checkpoint_every=0 (--checkpoint-every 0)"
+            ) from None
         meta = {"identity": self.identity, "round": rnd, "trees": skeleton, "pads": pads}
         meta["sha256"] = digest(spans, meta)
         try:

@@ -33,8 +33,7 @@ from ..memory import available_bytes
 from .metrics import mean_std
 from ..provenance import library_call, provenance
 from ..threads import threaded
-from ..training.config import check_clients
-from ..training.engine import structural_keys
+from ..training.config import check_clients, structural_keys
 from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
 from ..training.footprint import check_memory
 from .spec import RunSpec

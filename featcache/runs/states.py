@@ -1,7 +1,8 @@
 """A run's final trained state as a safetensors file, `<result stem>.state.safetensors` (`featcache train
 --save-state`), for analyses of the trained heads without retraining (e.g. `featcache plot`).
 
-Tensor names (S = seeds, C = clients; nested dicts flattened with "/"):
+Tensor names (S = seeds, C = clients; the `State`'s groups flattened with "/" by trees.py, each tensor a contiguous
+copy: `trees.unflatten(tensors, "params")` gives a group back):
 
     params/<name>    [S, C, ...]  every client's head parameters
     buffers/<name>   [S, C, ...]  every client's buffers (BN statistics, personal models, MoCo queues, ...)
@@ -27,52 +28,23 @@ from safetensors.torch import save
 
 from ..atomic import write_atomic
 from ..errors import UserError
+from .trees import Unsupported, flatten
 
 FORMAT = "1"
-GROUPS = ("params", "buffers", "client", "server")
 META_JSON = ("config", "seeds", "backbones")  # metadata values stored as JSON text
 META_KEYS = ("algo", "config", "seeds", "cache_key", "backbones", "result")  # what a reader may rely on
 SUFFIX = ".state.safetensors"
 
 
-def flatten(tree: dict, prefix: str) -> dict[str, torch.Tensor]:
-    """{"a": {"b": t}} -> {"prefix/a/b": t}; numbers become 0-d tensors. Every tensor is made a contiguous CPU copy
-    of its own (safetensors refuses views and shared storage)."""
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}/{key}"
-        if isinstance(value, dict):
-            out |= flatten(value, name)
-        elif isinstance(value, (torch.Tensor, int, float, bool)):
-            out[name] = torch.as_tensor(value).detach().cpu().contiguous().clone()
-        else:
-            raise UserError(
-                f"--save-state: state entry {name} is a {type(value).__name__}; a saved state holds "
-                "tensors and numbers only"
-            )
-    return out
-
-
-def unflatten(tensors: dict[str, torch.Tensor], group: str) -> dict:
-    """The nested dict of one group ("params", "buffers", "client" or "server") of a loaded state."""
-    out: dict = {}
-    for name, t in tensors.items():
-        head, *path = name.split("/")
-        if head != group:
-            continue
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = t
-    return out
-
-
 def state_bytes(trained, result: dict, result_name: str) -> bytes:
     """The safetensors bytes of `trained` (a `train.Trained`: its state has H = seeds) with the metadata of
     `result` (the result dict `train` writes, in the file named `result_name`)."""
-    tensors = {}
-    for group in GROUPS:
-        tensors |= flatten(getattr(trained.state, group), group)
+    try:
+        tensors = flatten(trained.state.groups())
+    except Unsupported as e:
+        raise UserError(
+            f"--save-state: state entry {e.name} is a {e.kind}; a saved state holds tensors and numbers only"
+        ) from None
     cls = type(trained.algo)
     builtin = cls.__module__.startswith("featcache.algorithms.")
     spec = result["algo"] if builtin else f"{Path(sys.modules[cls.__module__].__file__).resolve()}:{cls.__name__}"

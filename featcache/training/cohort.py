@@ -32,6 +32,13 @@ def sets_aside(algo, C: int, P: int, S: int) -> bool:
     return S == P < C and algo.fedavg_server
 
 
+def aside_names(algo, state, C: int, P: int, S: int) -> tuple[str, ...]:
+    """The shared parameters and buffers of `state` that go to the server as trained (`sets_aside`; none
+    otherwise): never written into the [H, C] state."""
+    names = (*state.params, *state.buffers)
+    return tuple(k for k in names if algo.shared(k)) if sets_aside(algo, C, P, S) else ()
+
+
 class Cohort:
     """Which clients the [H, P] models of a round are: ids [H, P] (ascending per configuration), on the device and
     as host lists; `everyone` when P = C and the cohort is the whole [H, C] stack in order."""

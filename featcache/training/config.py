@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import cast
 
 from ..errors import UserError, as_list, suggest
 
@@ -108,7 +109,7 @@ def settings_of(algo) -> MappingProxyType:
                     f"{where} = {s!r}: {k} is a {table[k].type.__name__}: give a default like {table[k].default!r}"
                 )
             else:
-                table[k] = replace(table[k], default=s)
+                table[k] = replace(table[k], default=cast(bool | int | float | str, s))  # of the setting's type
     for k, s in table.items():
         if k != "seed" and not s.holds(s.default):
             raise UserError(
@@ -150,6 +151,18 @@ def shared_settings(cfg: dict, algo) -> MappingProxyType:
     return MappingProxyType({k: cfg[k] for k in structural_keys(cfg, algo)})
 
 
+def batched(cfgs: list[dict], algo) -> tuple[MappingProxyType, dict[str, list[float]]]:
+    """(shared settings, per-configuration floats name -> H values) of configurations run as one batch; refuses
+    configurations that differ in a structural setting."""
+    structural = structural_keys(cfgs[0], algo)
+    for c in cfgs[1:]:
+        diff = [k for k in structural if c[k] != cfgs[0][k]]
+        if diff:
+            raise UserError(f"configurations of one batched run must share {diff}: run them as separate buckets")
+    floats = [k for k in cfgs[0] if k not in structural and k != "seed"]
+    return shared_settings(cfgs[0], algo), {k: [float(c[k]) for c in cfgs] for k in floats}
+
+
 def parse_value(key: str, text: str, default):
     """Cast `text` to the type of `default` (bool, int, float, str); a wrong type is a one-line error."""
     try:
@@ -186,7 +199,7 @@ def pairs(overrides: list[str] | tuple | str, flag: str = "--set") -> dict[str, 
     """['lr=0.1', 'mu=1'] -> {'lr': '0.1', 'mu': '1'} (a lone 'lr=0.1' is one override); a key given twice is
     refused (which one would win?)."""
     out: dict[str, str] = {}
-    for item in as_list(overrides, flag):
+    for item in as_list(overrides, flag) or []:
         if "=" not in item:
             raise UserError(f"{flag} {item!r}: write key=value, e.g. {flag} lr=0.01")
         k, v = item.split("=", 1)
@@ -207,7 +220,8 @@ def scoped(overrides: dict | list[str] | None, algos: list, flag: str = "--set")
         overrides = pairs(overrides, flag)
     names = [a.name for a in algos]
     tables = {a.name: settings_of(a) for a in algos}
-    plain, own = {}, {n: {} for n in names}
+    plain: dict = {}
+    own: dict[str, dict] = {n: {} for n in names}
     for key, value in (overrides or {}).items():
         where, dot, k = str(key).rpartition(".")
         if dot and (not where.strip() or not k.strip()):

@@ -113,9 +113,10 @@ def record(
     where the scores' values are checked too. `last`: the previous evaluation's record, and `stale` [H][C] host
     bools the clients whose models may have changed since: the others keep their figures from `last` (where
     `algo.personal_predict`), the stale ones are scored in cohorts of at most `width` models."""
-    cohorts = None if last is None or stale is None else stale_cohorts(stale, width, test.features.device)
-    if cohorts is not None:
-        return _rescore(algo, state, train, test, rnd, round_loss, logs, last, cohorts)
+    if last is not None and stale is not None:
+        cohorts = stale_cohorts(stale, width, test.features.device)
+        if cohorts is not None:
+            return _rescore(algo, state, train, test, rnd, round_loss, logs, last, cohorts)
     test_scores = scores(algo, state, test, rnd, first=first)  # [H, C, N, K]
     test_hits = hits(test_scores, test)  # [H, C, N]
     test_acc, test_loss = accuracy_loss(test_scores, test, test_hits)  # [H, C] each
@@ -166,6 +167,16 @@ def _rescore(
         return out
     glob = evaluate_global(algo, state, test, rnd)  # [H] or None
     return out | {"train_loss": round_loss, "global_acc": None if glob is None else glob.cpu()}
+
+
+def live_metrics(seeds: torch.Tensor, test_acc: torch.Tensor, round_loss: torch.Tensor) -> dict:
+    """What an evaluation round tells a watcher, per configuration (host floats): the seed, the client-mean test
+    accuracy in % and the mean local training loss over the clients that took part (test_acc, round_loss [H, C])."""
+    return {
+        "seeds": seeds.tolist(),
+        "test_acc": (100 * test_acc.double().mean(1)).tolist(),
+        "train_loss": round_loss.double().nanmean(1).tolist(),
+    }
 
 
 def hits(scores: torch.Tensor, data: ClientData | Rows) -> torch.Tensor:

@@ -42,7 +42,7 @@ from ..memory import available_bytes
 from .config import resolve, shared_settings, structural_keys
 from . import schedule
 from .cohort import cohort_size, sets_aside, slice_size
-from .engine import Round, State
+from .engine import Frame, client_side, initial_state
 from .hparams import HParams
 from .models import map_models
 
@@ -52,6 +52,8 @@ MOMENTS = {"adam": 2, "sgd": 1}
 SIZE_SETTINGS = ("proj_dim", "con_dim", "n_prompts", "queue", "heads", "batch_size")
 VIEWS = (torch.ops.aten._unsafe_view.default,)  # views whose schema does not say so
 TRACED = 2  # meta models traced side by side: a batched op that copies per model shows up as it does in the engine
+# The hooks the replay runs, in the engine's order (after_step, aggregate and download allocate nothing it counts).
+REPLAYED = ("init", "init_state", "context", "local_loss", "after_local", "upload", "predict")
 
 
 @dataclass(frozen=True)
@@ -126,47 +128,32 @@ def _meta_data(C: int, N: int, D: int, K: int, V: int) -> ClientData:
 
 def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int, int, int, int]:
     """(state.client + state.server bytes; per model: what its local step allocates, its upload, what its predict on
-    n_eval rows allocates), from a meta run of C clients (state, upload) and TRACED models (step, predict)."""
+    n_eval rows allocates), from a meta run of C clients (state, upload) and TRACED models (step, predict): the
+    engine's first round, its hooks in the engine's order (those of `REPLAYED`), its state and Round made by the
+    engine's own `initial_state` and `Frame`."""
     B, N, D, K = cfg["batch_size"], data.features.shape[1], data.features.shape[2], data.num_classes
     V = data.views.shape[2] if data.views is not None else 0
-    meta = _meta_data(C, N, D, K, V)
-    shared = shared_settings(cfg, algo)
     floats = [k for k in cfg if k not in structural_keys(cfg, algo) and k != "seed"]
+    hp = HParams.of({k: [float(cfg[k])] for k in floats}, "meta")
+    seeds, shared = torch.zeros(1, dtype=torch.int64), MappingProxyType(dict(shared_settings(cfg, algo)))
+    frame = Frame(1, _meta((C,), torch.int64), seeds, hp, shared, _meta_data(C, N, D, K, V), torch.device("meta"))
     with torch.device("meta"):
-        params, buffers = algo.init(cfg, D, K, torch.Generator())
-    stack = lambda d: {k: _meta((1, C, *v.shape), v.dtype) for k, v in d.items()}
-    state = State(params=stack(params), buffers=stack(buffers))
-    rnd = Round(
-        round=-1,
-        rounds=cfg["rounds"],
-        epoch=0,
-        step=0,
-        steps_per_epoch=1,
-        client_steps=_meta((C,), torch.int64),
-        part=_meta((1, C), torch.bool),
-        H=1,
-        C=C,
-        seeds=torch.zeros(1, dtype=torch.int64),
-        hp=HParams.of({k: [float(cfg[k])] for k in floats}, "meta"),
-        cfg=MappingProxyType(dict(shared)),
-        data=meta,
-        device=torch.device("meta"),
-    )
-    algo.init_state(state, rnd)
-    algo.after_local(state, rnd)  # the per-client state some algorithms first make after local training
-    kept = _bytes((state.client, state.server))
-    upload = _bytes(algo.upload(state, rnd)) // C
-    ctx = tree_map(lambda t: t[:, :TRACED] if torch.is_tensor(t) and t.dim() >= 2 else t, algo.context(state, rnd))
-    models = {k: v[:, :TRACED] for k, v in state.params.items()}
-    bufs = {k: v[:, :TRACED] for k, v in state.buffers.items()}
+        model = algo.init(cfg, D, K, torch.Generator())
+    state, rnd = initial_state(algo, [model], frame), frame.round(0)
+    traced = lambda tree: tree_map(lambda t: t[:, :TRACED] if torch.is_tensor(t) and t.dim() >= 2 else t, tree)
+    models, bufs = traced(state.params), traced(state.buffers)
     x, y = _meta((1, TRACED, B, D)), _meta((1, TRACED, B), torch.int64)
     extra = {"views": _meta((1, TRACED, B, V, D))} if V else {}
     leaves = {k: v.clone().requires_grad_(True) for k, v in models.items()}
+    ctx = traced(algo.context(state, rnd))
     with _Allocated() as step:
         loss, _ = torch.func.vmap(torch.func.vmap(algo.local_loss))(
             leaves, bufs, x, y, _meta((1, TRACED, B), torch.bool), ctx | extra
         )
         torch.autograd.grad(loss.sum(), [v for v in leaves.values()], allow_unused=True)
+    upload = _bytes(client_side(algo, state, rnd)) // C
+    kept = _bytes((state.client, state.server))  # the per-client state some algorithms first make in after_local
+    models, bufs, ctx = traced(state.params), traced(state.buffers), traced(algo.context(state, rnd))
     rows, xs = {"rows": _meta((1, TRACED, n_eval), torch.bool)}, _meta((TRACED, n_eval, D))  # the data: loaded already
     with _Allocated() as evaluation, torch.no_grad():  # as evaluate.scores runs it: the rows shared by configurations
         map_models(lambda p, b, c, x: algo.predict(p, b, x, c), (models, bufs, ctx | rows), (xs,))

@@ -71,6 +71,20 @@ def participation(seeds: torch.Tensor, rnd: int, C: int, rate: float) -> torch.T
     return ranks < k
 
 
+def took_part(seeds: torch.Tensor, start: int, end: int, C: int, rate: float) -> list:
+    """[H][C] host bools: the clients that took part in any of rounds start..end (0-based, inclusive), from the
+    seeded draws (so a resumed run knows them too)."""
+    part = torch.zeros(len(seeds), C, dtype=torch.bool)
+    for r in range(start, end + 1):
+        part |= participation(seeds, r, C, rate)
+    return part.tolist()
+
+
+def evaluates(rnd: int, cfg) -> bool:
+    """Whether round `rnd` (0-based) ends with an evaluation: every `eval_every` rounds and after the last."""
+    return (rnd + 1) % cfg["eval_every"] == 0 or rnd == cfg["rounds"] - 1
+
+
 def trained_rows(counts, batch_size: int, drop_last: bool) -> list[int]:
     """Rows each client trains on per local epoch (drop_last drops a short last batch)."""
     return [int(n) // batch_size * batch_size if drop_last else int(n) for n in counts]
