@@ -82,7 +82,7 @@ PLAIN_STEP = 0.1  # ... and at every 10 % of its total
 
 
 def live_text(live: dict | None) -> str:
-    """An evaluation round's numbers (`Engine.live_metrics`) as one short text: the mean over seeds of the test
+    """An evaluation round's numbers (`evaluate.live_metrics`) as one short text: the mean over seeds of the test
     accuracy and training loss, then each seed's, e.g. `acc 92.10% loss 0.3101 | seed 0 91.93% 0.305, seed 1 ...`."""
     if not live:
         return ""
