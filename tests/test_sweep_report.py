@@ -6,6 +6,7 @@ the personal one, domain names on clients, legends outside the axes."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -261,14 +262,17 @@ def test_extract_sweep_train_each_and_report_draws_accuracy_against_alpha(tmp_pa
     from PIL import Image
 
     root = write_folders(tmp_path / "data", domains=("d1",), classes=("a", "b", "c"), per_class=12)
-    res = run_cli(
+    args = (
         "extract", "--dataset", "imagefolder", "--data-root", root, "--backbone", "test_resnet=random",
         "--image-size", "32", "--alpha", "0.1,1,10", "--partition", "label", "--clients", "4",
-        "--out", tmp_path / "cache", "--json",
+        "--out", tmp_path / "cache",
     )  # fmt: skip
+    res = run_cli(*args, "--json")
     assert res.code == 0, res.stderr
     caches = json.loads(res.stdout)["caches"]
     assert [(c["partition"]["alpha"], c["partition"]["clients"]) for c in caches] == [(0.1, 4), (1.0, 4), (10.0, 4)]
+    table = re.sub(r"[\s│]+", "", run_cli(*args).stdout)  # the sweep again (a hit): its table, cells unwrapped
+    assert all(f"images,alpha={a})" in table for a in ("0.1", "1.0", "10.0"))  # each cache with its α
     for c in caches:
         trained = run_cli(
             "train", "--cache", c["cache"], "--algo", "fedavg", "--rounds", "2", "--seeds", "0,1",

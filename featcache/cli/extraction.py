@@ -106,8 +106,11 @@ def extract(
             note=lambda line: err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True),
         )
     table = Table(title="featcache extract")
-    for r in result.get("caches", [result]):
-        table.add_row("cache", f"{r['cache']} ({'hit' if r['cache_hit'] else 'written'}, {r['images']} images)")
+    caches = result.get("caches", [result])
+    swept = [k for k in caches[0]["partition"] if len({str(c["partition"][k]) for c in caches}) > 1]
+    for r in caches:  # a sweep's caches told apart by the values they differ in (alpha=0.1 clients=10)
+        what = "".join(f", {k}={r['partition'][k]}" for k in swept)
+        table.add_row("cache", f"{r['cache']} ({'hit' if r['cache_hit'] else 'written'}, {r['images']} images{what})")
     table.add_row("backbones", ", ".join(result.get("backbones") or result["caches"][0]["backbones"]))
     table.add_row("embedded", ", ".join(f"{k} {n} images" for k, n in result["embedded"].items()) or "nothing")
     table.add_row("seconds", str(result["seconds"]))
