@@ -21,7 +21,7 @@ state and the loop's records): a checkpoint saves it and `load_state_dict` goes 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -51,7 +51,7 @@ class State:
 
     def groups(self) -> dict:
         """The four groups by name (params, buffers, client, server), as the live trees."""
-        return dict(vars(self))
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
