@@ -56,9 +56,11 @@ def png_mark(path: Path) -> str | None:
         return None
 
 
-def _finish(fig, path: Path | None) -> bytes:
-    """Lay out `fig`, return its PNG bytes, and write them to `path` (atomically) when one is given."""
-    fig.tight_layout()
+def _finish(fig, path: Path | None, laid_out: bool = False) -> bytes:
+    """Lay out `fig` (unless `laid_out`), return its PNG bytes, and write them to `path` (atomically) when one is
+    given."""
+    if not laid_out:
+        fig.tight_layout()
     data = png(fig, REPORT_MARK)
     if path is not None:
         write_atomic(path, data)
@@ -113,16 +115,18 @@ def _draw(
     return s.std is not None
 
 
-def same_note(personal, global_, where: list[str], unit: str) -> str:
+def same_note(personal, global_, where: list[str], unit: str, units: str = "") -> str:
     """Where the global model's accuracy equals the personal one (within SAME): ` = personal at every round` /
-    ` = personal at rounds 1, 2` / ` = personal at 37 of 50 rounds`, or ''."""
+    ` = personal at round 1, 2` / ` = personal at 37 of 50 rounds` (`units`, default unit + s), or ''."""
     equal = np.abs(np.asarray(global_, dtype=np.float64) - np.asarray(personal, dtype=np.float64)) <= SAME
     if equal.all():
         return f" = personal at every {unit}: drawn on it"
     if not equal.any():
         return ""
     at = [w for w, e in zip(where, equal) if e]
-    return f" = personal at {unit} {', '.join(at)}" if len(at) <= 4 else f" = personal at {len(at)} of {len(where)}"
+    if len(at) <= 4:
+        return f" = personal at {unit} {', '.join(at)}"
+    return f" = personal at {len(at)} of {len(where)} {units or unit + 's'}"
 
 
 def wrapped_title(heading: str, extra: str, fig) -> str:
@@ -190,15 +194,18 @@ def curves_png(
     acc_ax.set_xlabel("communication round (rounds)")
     if algos:
         list(loss_ax.values())[-1].set_xlabel("communication round (rounds)")
-    entries = len(acc_ax.get_legend_handles_labels()[1])
-    acc_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=min(3, 1 + (entries - 1) // 3))
     shade = (
         "shaded: ±1 std over seeds (ddof=1, from metrics.csv; accuracy clipped to 0-100 %)"
         if banded
         else "mean over seeds (no per-seed metrics.csv: no band)"
     )
     fig.suptitle(wrapped_title(heading or title(results), shade, fig), fontsize=8)
-    return _finish(fig, path)
+    entries = len(acc_ax.get_legend_handles_labels()[1])
+    fig.tight_layout()  # the legend goes under the x label once the axes have their place
+    bottom = acc_ax.xaxis.label.get_window_extent(fig.canvas.get_renderer()).y0
+    under = acc_ax.transAxes.inverted().transform((0, bottom - 4))[1]
+    acc_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, under), ncol=min(3, 1 + (entries - 1) // 3))
+    return _finish(fig, path, laid_out=True)
 
 
 def objective_of(algo: str) -> str:
@@ -304,7 +311,7 @@ def sweep_png(s: Sweep, path: str | Path | None = None) -> bytes:
         if glob:
             gx = [at[text(p.x)] for p in glob]
             gmean, gstd = np.array([p.global_acc[0] for p in glob]), np.array([p.global_acc[1] for p in glob])
-            note = same_note([p.acc[0] for p in glob], gmean, [text(p.x) for p in glob], param.label)
+            note = same_note([p.acc[0] for p in glob], gmean, [text(p.x) for p in glob], param.label, "points")
             ax.plot(gx, gmean, "--", linewidth=1.4, markerfacecolor="white", label=f"{line}: global{note}", **style)
             band(ax, gx, gmean, gstd, style["color"], alpha=0.07)
             spans.append((gmean, gstd))
