@@ -4,6 +4,7 @@ hashed). The problem finders are shared with the first-load check in `load`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -14,7 +15,7 @@ import numpy as np
 
 from ..errors import UserError, first_line
 from .identity import content_key, versions
-from .h5 import meta_sha256, objects, read_attrs, scan
+from .h5 import Node, meta_sha256, read_attrs, scan, walk
 from .open import open_cache, read_meta
 from .write import BACKBONE_ATTRS, FEATURE_GROUPS, INDEX_DTYPES, ROOT_ATTRS, SPLITS
 
@@ -31,10 +32,10 @@ def verify(path: str | Path) -> dict:
     try:
         with open_cache(path) as f:
             found = _check_structure(f, problems)
-            for name, ds in found.items():
+            for name, node in found.items():
                 if _is_features(name):
-                    digest, finite = scan(ds)
-                    problems += _feature_problems(name, ds, digest, finite)
+                    digest, finite = scan(node.id)
+                    problems += _feature_problems(name, node.attrs.get("sha256"), digest, finite)
             arrays = len(found)
             stale = _stale(read_attrs(f)["versions"])
     except UserError as e:
@@ -114,16 +115,18 @@ def _info_problem(meta: dict) -> str | None:
     return None
 
 
-def _check_structure(f: h5py.File, problems: list[str], checksums: bool = True) -> dict[str, h5py.Dataset]:
+def _check_structure(f: h5py.File, problems: list[str], checksums: bool = True) -> dict[str, Node]:
     """Append one line per problem of everything but the feature bytes: attributes, metadata checksum, key, column
     ranges, the datasets the counts call for with their dtypes and shapes, the index arrays' checksums (`checksums`)
-    and values. Returns the datasets found (path -> dataset) whose dtype and shape are right."""
+    and values. Returns the datasets found (path -> `h5.Node`, the index arrays read) whose dtype and shape are right.
+    One walk of the file (`h5.walk`) serves the metadata checksum and every dataset's checks."""
     missing = [a for a in ROOT_ATTRS if a not in f.attrs]
     if missing:
         problems.append(f"root attributes missing: {', '.join(missing)}")
         return {}
     meta = read_attrs(f)
-    if meta["meta_sha256"] != meta_sha256(f):
+    nodes = walk(f)
+    if meta["meta_sha256"] != meta_sha256(f, nodes=nodes):
         problems.append(
             "metadata checksum mismatch: names, shapes, dtypes, attributes or placement of arrays changed after writing"
         )
@@ -143,21 +146,25 @@ def _check_structure(f: h5py.File, problems: list[str], checksums: bool = True) 
             + (f" (+{len(empty) - 1} more clients)" if len(empty) > 1 else "")
         )
     expected = _expected_datasets(rows, sum(dims), int(meta["views"]))
-    found = dict(objects(f, h5py.Dataset))
+    found = {name: node for name, node in nodes.items() if node.dataset}
     problems += [f"{name}: missing" for name in sorted(set(expected) - set(found))]
     problems += [f"{name}: not part of the schema" for name in sorted(set(found) - set(expected))]
     good = {}
     for name in sorted(set(expected) & set(found)):
-        ds, (dtype, shape) = found[name], expected[name]
-        if ds.dtype != np.dtype(dtype) or ds.shape != shape:
-            problems.append(f"{name}: {ds.dtype} {list(ds.shape)}, but the stored counts say {dtype} {list(shape)}")
+        node, (dtype, shape) = found[name], expected[name]
+        if node.dtype != np.dtype(dtype) or node.shape != shape:
+            problems.append(f"{name}: {node.dtype} {list(node.shape)}, but the stored counts say {dtype} {list(shape)}")
             continue
-        good[name] = ds
-        if checksums and not _is_features(name) and ds.attrs.get("sha256") != scan(ds)[0]:
+        good[name] = node
+        if checksums and not _is_features(name) and node.attrs.get("sha256") != _sha256(node.read()):
             problems.append(f"{name}: sha256 mismatch (the array bytes changed after writing)")
     if not problems:
-        problems += _value_problems(f, rows, len(meta["classes"]), len(meta["domains"]), int(meta["images"]))
+        problems += _value_problems(good, rows, len(meta["classes"]), len(meta["domains"]), int(meta["images"]))
     return good
+
+
+def _sha256(data: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(data)).hexdigest()
 
 
 def _column_problems(f: h5py.File, order: list[str], problems: list[str]) -> list[int] | None:
@@ -184,10 +191,11 @@ def _is_features(name: str) -> bool:
     return name.rsplit("/", 2)[-2] in FEATURE_GROUPS
 
 
-def _feature_problems(name: str, ds: h5py.Dataset, digest: str, finite: bool) -> list[str]:
-    return (
-        [f"{name}: sha256 mismatch (the array bytes changed after writing)"] if ds.attrs.get("sha256") != digest else []
-    ) + ([] if finite else [f"{name}: NaN or Inf values"])
+def _feature_problems(name: str, stored, digest: str, finite: bool) -> list[str]:
+    """The problems of a feature array whose stored `sha256` attribute is `stored`, read as `digest` and `finite`."""
+    return ([f"{name}: sha256 mismatch (the array bytes changed after writing)"] if stored != digest else []) + (
+        [] if finite else [f"{name}: NaN or Inf values"]
+    )
 
 
 def _expected_datasets(rows: list[dict], width: int, views: int) -> dict[str, tuple[str, tuple]]:
@@ -204,16 +212,17 @@ def _expected_datasets(rows: list[dict], width: int, views: int) -> dict[str, tu
     return out
 
 
-def _value_problems(f: h5py.File, rows: list[dict], classes: int, domains: int, images: int) -> list[str]:
-    """Labels and domain indices in range, validation positions increasing inside train, the image total."""
+def _value_problems(found: dict[str, Node], rows: list[dict], classes: int, domains: int, images: int) -> list[str]:
+    """Labels and domain indices in range, validation positions increasing inside train, the image total (`found`:
+    every dataset the counts call for, from `_check_structure`)."""
     problems = []
     for c in range(len(rows)):
         for split in SPLITS:
             for name, bound in (("labels", classes), ("domain", domains)):
-                v = f[f"clients/{c:03d}/{split}/{name}"][...]  # [n]
+                v = found[f"clients/{c:03d}/{split}/{name}"].read()  # [n]
                 if v.size and not 0 <= v.min() <= v.max() < bound:
                     problems.append(f"clients/{c:03d}/{split}/{name}: values outside 0..{bound - 1}")
-        val = f[f"clients/{c:03d}/train/val_index"][...]  # [v]
+        val = found[f"clients/{c:03d}/train/val_index"].read()  # [v]
         if val.size and not (np.all(np.diff(val) > 0) and 0 <= val[0] and val[-1] < rows[c]["train"]):
             problems.append(f"clients/{c:03d}/train/val_index: not increasing positions inside train")
     total = sum(row[split] for row in rows for split in SPLITS)

@@ -1,20 +1,27 @@
 """HDF5 primitives shared by the client cache and the embedding store: attributes as numbers, strings or JSON, files
 created without timestamps (the same inputs give the same bytes), arrays written and hashed in slices of rows, and
 the checksums: `sha256` on every dataset (its array bytes in C order) and `meta_sha256` over everything else.
-Nothing here knows a schema."""
+Nothing here knows a schema.
+
+A cache holds about 14 objects per client, so the per-object work is what a 1,000-client cache costs: `walk` reads
+every object's metadata in one visit and `Tree` keeps each new object's entry as it creates it, both with h5py's
+low-level calls (a high-level `Group` or `Dataset` per object costs several times the HDF5 work)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import stat
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import h5py
 import numpy as np
+from h5py import h5a, h5d, h5g, h5o, h5p, h5s, h5t
 
 from ..atomic import sync
 
@@ -22,9 +29,14 @@ CHECKSUM_ATTRS = ("sha256", "meta_sha256")
 READ_BYTES = 1 << 24  # rows are written, hashed and checked in slices of about 16 MiB
 
 
+def stored(value):
+    """An attribute value as `write_attrs` stores it: numbers and strings as they are, anything else as JSON."""
+    return value if isinstance(value, (int, float, str)) else json.dumps(value, sort_keys=True)
+
+
 def write_attrs(obj, attrs: dict) -> None:
     for name, value in attrs.items():
-        obj.attrs[name] = value if isinstance(value, (int, float, str)) else json.dumps(value, sort_keys=True)
+        obj.attrs[name] = stored(value)
 
 
 def read_attrs(obj) -> dict:
@@ -45,8 +57,12 @@ def plain(value):
 
 def plain_attrs(obj) -> dict:
     """The attributes of `obj` but the checksums, JSON-able: arrays as lists, JSON left as its string."""
+    return _plain(dict(obj.attrs.items()))
+
+
+def _plain(attrs: dict) -> dict:
     out = {}
-    for name, value in obj.attrs.items():
+    for name, value in attrs.items():
         if name not in CHECKSUM_ATTRS:
             value = value.decode() if isinstance(value, bytes) else value
             out[name] = value.tolist() if isinstance(value, (np.ndarray, np.generic)) else value
@@ -71,11 +87,11 @@ def create_h5(path: Path) -> h5py.File:
     """A new HDF5 file as `h5py.File(path, "w", track_order=True)` creates it, but without HDF5's sieve buffer: raw
     data reaches the disk when a dataset is written, so a full disk fails that write. With the buffer the failure
     surfaces while datasets close, leaving them half-closed, and freeing them later crashes the interpreter."""
-    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl = h5p.create(h5p.FILE_ACCESS)
     fapl.set_libver_bounds(h5py.h5f.LIBVER_EARLIEST, h5py.h5f.LIBVER_LATEST)
     fapl.set_sieve_buf_size(0)
-    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
-    order = h5py.h5p.CRT_ORDER_TRACKED | h5py.h5p.CRT_ORDER_INDEXED
+    fcpl = h5p.create(h5p.FILE_CREATE)
+    order = h5p.CRT_ORDER_TRACKED | h5p.CRT_ORDER_INDEXED
     fcpl.set_link_creation_order(order)
     fcpl.set_attr_creation_order(order)
     fcpl.set_obj_track_times(False)
@@ -98,30 +114,184 @@ def written(path: Path, partial: Path) -> Iterator[h5py.File]:
     sync(path.parent)
 
 
-def write_array(group: h5py.Group, name: str, data: np.ndarray) -> None:
-    """`name` in `group` holding `data`, with its `sha256`."""
-    data = np.ascontiguousarray(data)
-    ds = group.create_dataset(name, data=data, track_times=False)
-    ds.attrs["sha256"] = hashlib.sha256(data).hexdigest()
+# -- creating objects ------------------------------------------------------------------------------------------------
 
 
-def write_columns(group: h5py.Group, name: str, blocks: Sequence, lead: tuple[int, ...], width: int) -> None:
-    """`name` [*lead, width] float32: the column blocks side by side, written (and hashed) in slices of rows. Each
-    block is anything sliced by rows into a numpy array: an array, a memory map, an h5py dataset."""
+@functools.cache
+def _plists() -> tuple:
+    """(group, dataset) creation property lists as h5py's `create_group` / `create_dataset(track_times=False)` make
+    them: no timestamps, attributes not tracked by creation order."""
+    gcpl = h5p.create(h5p.GROUP_CREATE)
+    gcpl.set_obj_track_times(False)
+    dcpl = h5p.create(h5p.DATASET_CREATE)
+    dcpl.set_obj_track_times(False)
+    dcpl.set_attr_creation_order(0)
+    return gcpl, dcpl
+
+
+@functools.cache
+def _link_plist(cset: int):
+    lcpl = h5p.create(h5p.LINK_CREATE)
+    lcpl.set_char_encoding(cset)
+    return lcpl
+
+
+def _new_group(loc, name: str):
+    """A group as h5py's `create_group` makes it: its name ASCII where it can be, else UTF-8."""
+    try:
+        data, cset = name.encode("ascii"), h5t.CSET_ASCII
+    except UnicodeEncodeError:
+        data, cset = name.encode("utf8"), h5t.CSET_UTF8
+    return h5g.create(loc, data, lcpl=_link_plist(cset), gcpl=_plists()[0])
+
+
+def _new_dataset(loc, name: str, shape: tuple, dtype: np.dtype):
+    """An empty contiguous dataset, made as h5py's `create_dataset(name, shape, dtype, track_times=False)` makes it."""
+    return h5d.create(loc, name.encode("utf8"), _type(dtype), h5s.create_simple(shape), dcpl=_plists()[1])
+
+
+@functools.cache
+def _type(dtype: np.dtype):
+    return h5t.py_create(dtype, logical=1)
+
+
+_STRING = h5py.string_dtype()  # a Python str as h5py stores it: variable-length UTF-8
+
+
+@functools.cache
+def _string_type(cset: int = h5t.CSET_UTF8, logical: bool = False):
+    """The HDF5 type of a variable-length string in `cset`: in memory, or (`logical`) as stored."""
+    return h5t.py_create(h5py.string_dtype("utf-8" if cset == h5t.CSET_UTF8 else "ascii"), logical=logical)
+
+
+@functools.cache
+def _scalar():
+    return h5s.create_simple(())
+
+
+def _string_attr(oid, name: str, value: str) -> None:
+    """`obj.attrs[name] = value` for a str on an object that has no attribute `name`, as h5py stores it."""
+    attr = h5a.create(oid, name.encode(), _string_type(logical=True), _scalar())
+    try:
+        attr.write(np.array(value, dtype=_STRING), mtype=_string_type())
+    finally:
+        attr.close()
+
+
+def write_array(group: h5py.Group, name: str, data: np.ndarray) -> str:
+    """`name` in `group` holding `data`, with its `sha256` (returned); missing groups on the way are made."""
+    return _array(_parent(group.id, name), name.rpartition("/")[2], np.ascontiguousarray(data))
+
+
+def write_columns(group: h5py.Group, name: str, blocks: Sequence, lead: tuple[int, ...], width: int) -> str:
+    """`name` [*lead, width] float32: the column blocks side by side, written (and hashed) in slices of rows; returns
+    its `sha256`. Each block is anything sliced by rows into a numpy array: an array, a memory map, an h5py dataset."""
+    return _columns(_parent(group.id, name), name.rpartition("/")[2], blocks, lead, width)
+
+
+def _array(loc, name: str, data: np.ndarray) -> str:
+    ds = _new_dataset(loc, name, data.shape, data.dtype)
+    if data.size:
+        ds.write(h5s.ALL, h5s.ALL, data)
+    digest = hashlib.sha256(data).hexdigest()
+    _string_attr(ds, "sha256", digest)
+    return digest
+
+
+def _columns(loc, name: str, blocks: Sequence, lead: tuple[int, ...], width: int) -> str:
     if [b.shape[:-1] for b in blocks] != [lead] * len(blocks) or sum(b.shape[-1] for b in blocks) != width:
         raise ValueError(f"{name}: column blocks {[b.shape for b in blocks]} do not make [{lead}, {width}]")
-    ds = group.create_dataset(name, (*lead, width), "<f4", track_times=False)
-    digest, step = hashlib.sha256(), rows_per_slice(ds)
+    shape = (*lead, width)
+    ds = _new_dataset(loc, name, shape, np.dtype("<f4"))
+    digest, step = hashlib.sha256(), _rows_per_slice(shape, 4)
     for r in range(0, lead[0], step):
         rows = np.concatenate([np.asarray(b[r : r + step], "<f4") for b in blocks], -1)  # [k, ..., D]
-        ds[r : r + len(rows)] = rows
+        if len(rows) == lead[0]:  # all of it at once
+            ds.write(h5s.ALL, h5s.ALL, rows)
+        else:
+            space = ds.get_space()
+            space.select_hyperslab((r,) + (0,) * len(lead), rows.shape)
+            ds.write(h5s.create_simple(rows.shape), space, rows)
         digest.update(rows)
-    ds.attrs["sha256"] = digest.hexdigest()
+    _string_attr(ds, "sha256", digest.hexdigest())
+    return digest.hexdigest()
+
+
+def _parent(loc, name: str):
+    """The group that holds `name` (a path relative to `loc`), its missing groups made on the way."""
+    for part in name.split("/")[:-1]:
+        data = part.encode("utf8")
+        loc = h5g.open(loc, data) if loc.links.exists(data) else _new_group(loc, part)
+    return loc
+
+
+class _Held:
+    """A low-level object id where h5py's `AttributeManager` takes an object."""
+
+    def __init__(self, oid) -> None:
+        self.id = oid
+
+    @property
+    def attrs(self) -> h5py.AttributeManager:
+        return h5py.AttributeManager(self)
+
+
+class Tree:
+    """Builds a new file: groups and datasets made with h5py's low-level calls, each object's `meta_sha256` entry kept
+    as it is made, so the metadata checksum of what was written needs no second pass over the file (only the root's
+    attributes are read back). Paths are relative to the root; missing parent groups are made on the way."""
+
+    def __init__(self, f: h5py.File) -> None:
+        self.f = f
+        self.entries: dict[str, list] = {}  # path -> [kind, attributes as `plain_attrs` reads them]
+        self._open: dict[str, object] = {}  # path -> GroupID: the last group made and its parents
+
+    def group(self, path: str, attrs: dict | None = None) -> None:
+        """A new group at `path` holding `attrs` (`write_attrs`' values)."""
+        parent, _, name = path.rpartition("/")
+        gid = _new_group(self._group(parent), name)
+        write_attrs(_Held(gid), attrs or {})
+        self._open = {p: g for p, g in self._open.items() if path.startswith(p + "/")} | {path: gid}
+        self.entries[path] = ["group", {k: stored(v) for k, v in (attrs or {}).items()}]
+
+    def array(self, path: str, data: np.ndarray) -> None:
+        """A dataset at `path` holding `data`, with its `sha256` (`write_array`)."""
+        data = np.ascontiguousarray(data)
+        parent, _, name = path.rpartition("/")
+        digest = _array(self._group(parent), name, data)
+        self.entries[path] = [f"dataset {data.dtype.str} {list(data.shape)} {digest}", {}]
+
+    def columns(self, path: str, blocks: Sequence, lead: tuple[int, ...], width: int) -> None:
+        """A float32 dataset at `path`, the column blocks side by side (`write_columns`)."""
+        parent, _, name = path.rpartition("/")
+        digest = _columns(self._group(parent), name, blocks, lead, width)
+        self.entries[path] = [f"dataset {np.dtype('<f4').str} {[*lead, width]} {digest}", {}]
+
+    def meta_sha256(self) -> str:
+        """`meta_sha256` of the file as built so far."""
+        return _digest(["/", "group", plain_attrs(self.f)], sorted(self.entries.items()))
+
+    def _group(self, path: str):
+        if not path:
+            return self.f.id
+        if path not in self._open:
+            if path in self.entries:
+                self._open[path] = h5g.open(self.f.id, path.encode("utf8"))
+            else:
+                self.group(path)
+        return self._open[path]
 
 
 def rows_per_slice(ds) -> int:
-    """How many leading rows of `ds` make about `READ_BYTES` (at least one)."""
-    return max(READ_BYTES // max(ds.dtype.itemsize * int(np.prod(ds.shape[1:])), 1), 1)
+    """How many leading rows of `ds` (an h5py dataset or its low-level id) make about `READ_BYTES` (at least one)."""
+    return _rows_per_slice(ds.shape, ds.dtype.itemsize)
+
+
+def _rows_per_slice(shape: tuple, itemsize: int) -> int:
+    return max(READ_BYTES // max(itemsize * int(np.prod(shape[1:])), 1), 1)
+
+
+# -- reading ---------------------------------------------------------------------------------------------------------
 
 
 def objects(f: h5py.File, kind: type | None = None) -> list[tuple[str, object]]:
@@ -136,29 +306,143 @@ def objects(f: h5py.File, kind: type | None = None) -> list[tuple[str, object]]:
     return sorted(found, key=lambda item: item[0])
 
 
-def scan(ds: h5py.Dataset) -> tuple[str, bool]:
-    """(sha256 of the array bytes in C order, whether every value is finite), reading slices of rows."""
+@dataclass
+class Node:
+    """One object as `walk` reads it: whether it is a dataset, its dtype and shape (datasets), its attributes as h5py
+    reads them, and its low-level id (None for a group without attributes, which is not opened)."""
+
+    dataset: bool
+    dtype: np.dtype | None
+    shape: tuple | None
+    attrs: dict
+    id: object = None
+    data: np.ndarray | None = None  # the array, once `read`
+
+    def read(self) -> np.ndarray:
+        """The whole array of a dataset in its stored dtype, read once and kept (for small arrays: the index arrays
+        a check reads and the load that follows uses)."""
+        if self.data is None:
+            self.data = np.empty(self.shape, self.dtype)
+            if self.data.size:
+                self.id.read(h5s.ALL, h5s.ALL, self.data)
+        return self.data
+
+
+def node(f: h5py.File, path: str) -> Node:
+    """The dataset at `path` as a `Node`, its attributes not read."""
+    oid = h5d.open(f.id, path.encode("utf8"))
+    return Node(True, oid.dtype, oid.shape, {}, oid)
+
+
+def walk(f: h5py.File) -> dict[str, Node]:
+    """Every object of `f` by path, sorted ('/' the root first): one visit of the file (the objects `objects` and
+    `visititems` reach, as `visititems` names them), each dataset or object with attributes opened once and its
+    attributes read once."""
+    found: list[tuple[bytes, int, int]] = []
+    h5o.visit(f.id, lambda name, info: found.append((name, info.type, info.num_attrs)), info=True)
+    nodes = {"/": Node(False, None, None, _attrs(f.id), f.id)}
+    for name, kind, count in sorted(found, key=lambda item: f._d(item[0])):
+        dataset = kind == h5o.TYPE_DATASET
+        oid = h5o.open(f.id, name) if dataset or count else None
+        attrs = _attrs(oid) if count else {}
+        if dataset:
+            nodes[f._d(name)] = Node(True, oid.dtype, oid.shape, attrs, oid)
+        else:
+            nodes[f._d(name)] = Node(False, None, None, attrs, oid)
+    return nodes
+
+
+def _attrs(oid) -> dict:
+    """Every attribute of the object `oid`, as h5py's `obj.attrs[name]` reads it."""
+    out = {}
+    for i in range(h5a.get_num_attrs(oid)):
+        attr = h5a.open(oid, index=i)
+        name = attr.name
+        try:
+            name = name.decode("utf8")
+        except UnicodeDecodeError:
+            pass
+        out[name] = _attr_value(attr)
+    return out
+
+
+def _attr_value(attr):
+    """h5py's `AttributeManager.__getitem__` on an open attribute (a scalar variable-length string, what featcache
+    writes, read with fewer calls)."""
+    tid = attr.get_type()
+    if (
+        tid.get_class() == h5t.STRING
+        and tid.is_variable_str()
+        and attr.get_space().get_simple_extent_type() == h5s.SCALAR
+    ):
+        arr = np.empty((), _STRING)
+        attr.read(arr, mtype=_string_type(tid.get_cset()))
+        value = arr[()]
+        return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
+    shape = attr.shape
+    if shape is None:
+        return h5py.Empty(attr.dtype)
+    dtype = attr.dtype
+    htype = h5t.py_create(dtype)
+    if dtype.subdtype is not None:
+        dtype, sub = dtype.subdtype
+        shape = shape + sub
+    arr = np.zeros(shape, dtype=dtype, order="C")
+    attr.read(arr, mtype=htype)
+    string = h5t.check_string_dtype(dtype)
+    if string and string.length is None:
+        arr = np.array([b.decode("utf-8", "surrogateescape") for b in arr.flat], dtype=dtype).reshape(arr.shape)
+    return arr[()] if arr.ndim == 0 else arr
+
+
+def scan(ds) -> tuple[str, bool]:
+    """(sha256 of the array bytes in C order, whether every value is finite), reading slices of rows; `ds` is an h5py
+    dataset or its low-level id."""
+    dsid = ds.id if isinstance(ds, h5py.Dataset) else ds
     h = hashlib.sha256()
     finite = True
-    step = rows_per_slice(ds)
-    for r in range(0, ds.shape[0], step):
-        block = ds[r : r + step]  # [rows, ...]
-        h.update(np.ascontiguousarray(block).tobytes())
+    step = rows_per_slice(dsid)
+    for r in range(0, dsid.shape[0], step):
+        block = read_rows(dsid, r, min(r + step, dsid.shape[0]))  # [rows, ...]
+        h.update(block)
         finite = finite and (block.dtype.kind != "f" or bool(np.isfinite(block).all()))
     return h.hexdigest(), finite
 
 
-def meta_sha256(f: h5py.File, bind_data: bool = True) -> str:
+def read_rows(dsid, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of the low-level dataset `dsid`, in its stored dtype."""
+    shape = (stop - start, *dsid.shape[1:])
+    out = np.empty(shape, dsid.dtype)
+    if out.size:
+        space = dsid.get_space()
+        space.select_hyperslab((start,) + (0,) * (len(shape) - 1), shape)
+        dsid.read(h5s.create_simple(shape), space, out)
+    return out
+
+
+def meta_sha256(f: h5py.File, bind_data: bool = True, nodes: dict[str, Node] | None = None) -> str:
     """sha256 over every object's path, kind (dtype and shape for datasets) and attributes; with `bind_data` each
     dataset's own `sha256` is part of its entry, so an array moved to another path (one client's features swapped
-    with another's of the same shape) no longer matches. Without it: the metadata checksum of cache format 2."""
-    entries = [["/", "group", plain_attrs(f)]]
-    for name, obj in objects(f):
-        kind = f"dataset {obj.dtype.str} {list(obj.shape)}" if isinstance(obj, h5py.Dataset) else "group"
-        if bind_data and isinstance(obj, h5py.Dataset):
-            kind += f" {plain(obj.attrs.get('sha256'))}"
-        entries.append([name, kind, plain_attrs(obj)])
-    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+    with another's of the same shape) no longer matches. Without it: the metadata checksum of cache format 2.
+    `nodes`: the file's `walk`, when the caller has it."""
+    nodes = walk(f) if nodes is None else nodes
+    entries = []
+    for name, node in nodes.items():
+        if name == "/":
+            continue
+        kind = "group"
+        if node.dataset:
+            kind = f"dataset {node.dtype.str} {list(node.shape)}"
+            if bind_data:
+                kind += f" {plain(node.attrs.get('sha256'))}"
+        entries.append((name, [kind, _plain(node.attrs)]))
+    return _digest(["/", "group", _plain(nodes["/"].attrs)], entries)
+
+
+def _digest(root: list, entries: list[tuple[str, list]]) -> str:
+    """The metadata checksum of the root's entry and the other objects' (path, [kind, attributes]), sorted by path."""
+    rows = [root] + [[name, kind, attrs] for name, (kind, attrs) in entries]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
 
 def seal(f: h5py.File) -> None:

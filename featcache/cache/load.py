@@ -15,7 +15,7 @@ import torch
 
 from ..errors import UserError, as_list, as_path, first_line
 from .check import _check_structure, _feature_problems, _stale
-from .h5 import read_attrs, rows_per_slice
+from .h5 import Node, node, read_attrs, rows_per_slice
 from .open import open_cache, read_meta
 from .write import SPLITS
 
@@ -66,18 +66,20 @@ def load_clients(
     if split not in SPLITS:
         raise UserError(f"split must be one of {', '.join(SPLITS)} (got {split!r})")
     with open_cache(path) as f:
-        checked = _checked(path, f)
+        checked, found = _checked(path, f)
         meta = read_meta(f)
         ranges = _column_ranges(meta, backbones, path)
-        groups = [f["clients"][name][split] for name in sorted(f["clients"])]
-        if views and any("views" not in g for g in groups):
+        if views and not int(meta["views"]):  # the structure check holds every client to the stored views
             raise UserError(f"cache {path} has no augmented views: re-extract with --views 2")
-        rows = [_rows(g, holdout, split) for g in groups]  # C x [n_c] increasing positions
+        bases = [f"clients/{name}/{split}" for name in sorted(f["clients"])]
+        at = (lambda name: found[name]) if found else (lambda name: node(f, name))  # the check's reads, or fresh
+        labels_of = [at(f"{b}/labels") for b in bases]
+        rows = [_rows(y.shape[0], b, at, holdout, split) for b, y in zip(bases, labels_of)]  # C x [n_c] positions
         counts = [len(r) for r in rows]
-        labels = np.full((len(groups), max(counts, default=0)), -1, np.int64)  # [C, Nmax]
-        for c, (g, r) in enumerate(zip(groups, rows)):
-            labels[c, : len(r)] = g["labels"][...][r]
-        read = lambda group: _read_padded(path, [g[f"{group}/concat"] for g in groups], rows, ranges, checked)
+        labels = np.full((len(bases), max(counts, default=0)), -1, np.int64)  # [C, Nmax]
+        for c, (y, r) in enumerate(zip(labels_of, rows)):
+            labels[c, : len(r)] = y.read()[r]
+        read = lambda group: _read_padded(path, [f"{b}/{group}/concat" for b in bases], at, rows, ranges, checked)
         return ClientData(
             features=read("features"),
             labels=torch.from_numpy(labels),
@@ -93,16 +95,18 @@ def _refused(path: Path, problems: list[str]) -> UserError:
     return UserError(f"cache {path} failed verification: {problems[0]}{more}; delete it and re-run `featcache extract`")
 
 
-def _checked(path: Path, f: h5py.File) -> set[str]:
-    """The feature arrays of this version of the file (path, size, mtime, inode) already checked in this process.
-    A version not seen before has its structure checked first (everything `verify` checks but the feature bytes):
-    one UserError line when it fails, one warning when it was extracted with other library versions."""
+def _checked(path: Path, f: h5py.File) -> tuple[set[str], dict[str, Node] | None]:
+    """The feature arrays of this version of the file (path, size, mtime, inode) already checked in this process,
+    and the datasets its structure check found (None when it was checked before). A version not seen before has its
+    structure checked first (everything `verify` checks but the feature bytes): one UserError line when it fails, one
+    warning when it was extracted with other library versions."""
     st = path.stat()
     ident = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    found = None
     if ident not in _VERIFIED:
         problems: list[str] = []
         try:
-            _check_structure(f, problems)
+            found = _check_structure(f, problems)
             stale = _stale(read_attrs(f)["versions"])
         except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
             problems.append(f"unreadable ({type(e).__name__}: {first_line(e)})")
@@ -116,7 +120,7 @@ def _checked(path: Path, f: h5py.File) -> set[str]:
                 stacklevel=3,
             )
         _VERIFIED[ident] = set()
-    return _VERIFIED[ident]
+    return _VERIFIED[ident], found
 
 
 def _column_ranges(meta: dict, wanted: list[str] | None, path: Path) -> list[tuple[int, int]] | None:
@@ -132,33 +136,37 @@ def _column_ranges(meta: dict, wanted: list[str] | None, path: Path) -> list[tup
 
 def _read_padded(
     path: Path,
-    datasets: list[h5py.Dataset],
+    names: list[str],
+    at,
     rows: list[np.ndarray],
     ranges: list[tuple[int, int]] | None,
     checked: set[str],
 ) -> torch.Tensor:
-    """[C, Nmax, ..., D'] float32, zeros past each client's rows: client c's `rows[c]` of `datasets[c]`, the columns
-    of `ranges` side by side (all when None)."""
-    width = datasets[0].shape[-1] if ranges is None else sum(b - a for a, b in ranges)
+    """[C, Nmax, ..., D'] float32, zeros past each client's rows: client c's `rows[c]` of the dataset `names[c]`
+    (`at` gives its `Node`), the columns of `ranges` side by side (all when None)."""
+    nodes = [at(name) for name in names]
+    shape = nodes[0].shape
+    width = shape[-1] if ranges is None else sum(b - a for a, b in ranges)
     n = max((len(r) for r in rows), default=0)
-    out = np.zeros((len(datasets), n, *datasets[0].shape[1:-1], width), np.float32)  # [C, Nmax, ..., D']
-    for c, (ds, r) in enumerate(zip(datasets, rows)):
-        _read_into(path, ds, r, ranges, out[c, : len(r)], checked)
+    out = np.zeros((len(nodes), n, *shape[1:-1], width), np.float32)  # [C, Nmax, ..., D']
+    for c, (name, ds, r) in enumerate(zip(names, nodes, rows)):
+        _read_into(path, name, ds, r, ranges, out[c, : len(r)], checked)
     return torch.from_numpy(out)
 
 
 def _read_into(
     path: Path,
-    ds: h5py.Dataset,
+    name: str,
+    node: Node,
     rows: np.ndarray,
     ranges: list[tuple[int, int]] | None,
     out: np.ndarray,
     checked: set[str],
 ) -> None:
-    """out[:] = ds[rows] (the columns of `ranges` side by side, all when None), reading `ds` once, in slices of
-    rows. Unless `checked` already holds it, the same read checks `ds`: its sha256 against the stored one, and that
-    every value is finite."""
-    name = ds.name.lstrip("/")
+    """out[:] = the `rows` of the dataset `name` (the columns of `ranges` side by side, all when None), reading it once,
+    in slices of rows. Unless `checked` already holds it, the same read checks it: its sha256 against the stored one,
+    and that every value is finite."""
+    ds = h5py.Dataset(node.id)
     check = name not in checked
     whole = ranges is None and len(rows) == ds.shape[0]  # rows are increasing: all of them, in order
     digest, finite = hashlib.sha256(), True
@@ -183,19 +191,20 @@ def _read_into(
             cut = check and ranges is not None
             out[lo:hi] = np.concatenate([picked[..., a:b] for a, b in ranges], -1) if cut else picked
     if check:
-        problems = _feature_problems(name, ds, digest.hexdigest(), finite)
+        stored = node.attrs["sha256"] if "sha256" in node.attrs else ds.attrs.get("sha256")  # a fresh node: unread
+        problems = _feature_problems(name, stored, digest.hexdigest(), finite)
         if problems:
             raise _refused(path, problems)
         checked.add(name)
 
 
-def _rows(g, holdout: str, split: str) -> np.ndarray:
-    n = g["labels"].shape[0]
+def _rows(n: int, base: str, at, holdout: str, split: str) -> np.ndarray:
+    """The positions of a client's split to load (`base` its group's path, `at` its datasets by path)."""
     if holdout == "none":
         return np.arange(n)
     if split != "train":
         raise UserError(f"holdout={holdout!r} needs split 'train', got {split!r}")
-    val = g["val_index"][...]
+    val = at(f"{base}/val_index").read()
     if holdout == "val":
         return np.sort(val)
     if holdout == "fit":

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import UserError
-from .h5 import meta_sha256, write_array, write_attrs, write_columns, written
+from .h5 import Tree, write_attrs, written
 
 MARKER = "featcache_format"  # the root attribute that marks a file as featcache's client cache; its value: the format
 FORMAT = 3  # 2: checksums (`sha256` on every dataset, `meta_sha256` on the root); 3: features stored once (`concat`)
@@ -80,15 +80,16 @@ def _write_file(f: h5py.File, header: dict, backbones: list[dict], clients: Iter
     write_attrs(
         f, header | {MARKER: FORMAT, "featcache_version": __version__, "backbones": [b["key"] for b in backbones]}
     )
+    tree = Tree(f)
     start = 0
     for b in backbones:
         attrs = {k: v for k, v in b.items() if k != "key"} | {"columns": [start, start + int(b["dim"])]}
-        write_attrs(f.create_group(f"backbones/{b['key']}"), attrs)
+        tree.group(f"backbones/{b['key']}", attrs)
         start += int(b["dim"])
     domains, images = list(header["domains"]), 0
     for c, client in enumerate(clients):
-        g = f.create_group(f"clients/{c:03d}")
-        g.attrs["domain"] = client.domain
+        base = f"clients/{c:03d}"
+        tree.group(base, {"domain": client.domain})
         for split in SPLITS:
             s = getattr(client, split)
             n = len(s.labels)
@@ -98,12 +99,12 @@ def _write_file(f: h5py.File, header: dict, backbones: list[dict], clients: Iter
                 "domain": np.full(n, domains.index(client.domain)),
             }
             for name, dtype in INDEX_DTYPES.items():
-                write_array(g, f"{split}/{name}", np.asarray(index[name], dtype))
-            write_columns(g, f"{split}/features/concat", s.features, (n,), width)
+                tree.array(f"{base}/{split}/{name}", np.asarray(index[name], dtype))
+            tree.columns(f"{base}/{split}/features/concat", s.features, (n,), width)
             if s.views is not None:
-                write_columns(g, f"{split}/views/concat", s.views, (n, int(header["views"])), width)
+                tree.columns(f"{base}/{split}/views/concat", s.views, (n, int(header["views"])), width)
             images += n
-        write_array(g, "train/val_index", np.asarray(client.val_index, np.int64))
+        tree.array(f"{base}/train/val_index", np.asarray(client.val_index, np.int64))
     f.attrs["images"] = images
-    f.attrs["meta_sha256"] = meta_sha256(f)
+    f.attrs["meta_sha256"] = tree.meta_sha256()
     return images
