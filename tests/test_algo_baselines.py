@@ -247,6 +247,7 @@ def test_moon_keeps_the_trained_model_of_participants_as_previous(data):
     state.params = dict(trained)
     part = torch.tensor([[True, False, False, True]])
     algo, now = eng.algo, eng.round_context(0, part)
+    algo.after_local(state, now)  # the server side in the engine's order
     server = algo.aggregate(algo.upload(state, now), train.counts[None].float() * part, state, now)
     algo.download(state, server, now)
     for k in trained:

@@ -15,7 +15,7 @@ import pytest
 from harness import one_line_error, run_cli
 
 import featcache
-from featcache.algorithms import _ALGOS
+from featcache.algorithms.registry import _ALGOS
 from featcache.errors import UserError
 from tests.synthetic import write_cache
 
@@ -272,7 +272,7 @@ def test_readme_plugin_example_passes_the_plain_loop_check(tmp_path, registry, m
 
 
 def test_installed_entry_point_algorithms_are_registered(tmp_path, registry, monkeypatch):
-    from featcache import algorithms
+    from featcache.algorithms import plugins
 
     site = tmp_path / "site"
     write_plugin(site / "epkg", "", "__init__.py")
@@ -284,7 +284,7 @@ def test_installed_entry_point_algorithms_are_registered(tmp_path, registry, mon
         "[featcache.algorithms]\nmyprox = epkg.algo:MyProx\nbroken = epkg.algo:NotAnAlgorithm\n"
     )
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(algorithms, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "_entry_points_loaded", False)
     with pytest.warns(UserWarning, match="installed algorithm 'broken' skipped: .*is not an algorithm"):
         assert "myprox-installed" in featcache.list_algorithms()
     assert featcache.create("myprox-installed").paper == "a test plug-in"

@@ -44,11 +44,11 @@ def test_every_make_target_the_readme_names_exists():
 
 
 def test_algorithms_table_is_the_generated_one():
-    from featcache.algorithms import markdown_table
+    from featcache.cli.training import algos_markdown
 
     text = (ROOT / "featcache/algorithms/README.md").read_text()
     committed = re.search(r"<!-- algos:begin -->\n(.*?)<!-- algos:end -->", text, re.S).group(1).strip()
-    assert committed == markdown_table().strip(), (
+    assert committed == algos_markdown().strip(), (
         "featcache/algorithms/README.md's registry table differs from the registry: run `make algos-table` "
         "(it writes `featcache algos --markdown` between the algos:begin/end markers)"
     )
@@ -57,9 +57,9 @@ def test_algorithms_table_is_the_generated_one():
 def test_algos_markdown_prints_the_table():
     from harness import one_line_error, run_cli
 
-    from featcache.algorithms import markdown_table
+    from featcache.cli.training import algos_markdown
 
     shown = run_cli("algos", "--markdown")
-    assert shown.code == 0 and shown.stdout == markdown_table()
+    assert shown.code == 0 and shown.stdout == algos_markdown()
     assert "| `pfedpt` | — | — | not available: " in shown.stdout
     one_line_error(run_cli("algos", "fedavg", "--markdown"), "--markdown prints the whole registry")

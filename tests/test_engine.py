@@ -120,10 +120,12 @@ def test_a_round_trains_only_its_participants(data):
 
 def test_a_fedavg_server_never_writes_the_shared_tensors_into_every_clients_state(data):
     """FedAvg's server at p < 1: the participants' shared tensors are averaged as they trained, and the [H, C] state
-    keeps one broadcast model per configuration (personal ones, FedPer's classifier, per client); an overridden
-    server side (FedProx's download) gets every tensor written back."""
+    keeps one broadcast model per configuration (personal ones, FedPer's classifier, per client), FedProx's w^t
+    included (`uses_global`); an overridden server side (MOON's after_local, which keeps each client's trained
+    model) gets every tensor written back."""
     train, test = data
-    for name, personal in (("fedavg", set()), ("fedper", {"cls0.weight", "cls0.bias"}), ("fedprox", None)):
+    cases = (("fedavg", set()), ("fedper", {"cls0.weight", "cls0.bias"}), ("fedprox", set()), ("moon", None))
+    for name, personal in cases:
         algo = create(name)
         eng = Engine(algo, [config(algo, rounds=2, participation=0.5)], train, test)
         eng.run()
@@ -311,7 +313,7 @@ def test_hooks_get_a_read_only_round_and_only_shared_settings(data):
     algo = create("fedprox")
     cfgs = [config(algo, rounds=1, lr=lr, mu=mu) for lr, mu in [(1e-2, 0.1), (1e-3, 0.5)]]
     eng = Engine(algo, cfgs, train, test)
-    assert algo.cfg is None and eng.algo is not algo
+    assert not algo.cfg and eng.algo is not algo  # the caller's object stays unbound
     assert "lr" not in eng.algo.cfg and "mu" not in eng.algo.cfg and eng.algo.cfg["batch_size"] == cfgs[0]["batch_size"]
     with pytest.raises(TypeError):
         eng.algo.cfg["proj_dim"] = 3
@@ -330,7 +332,7 @@ def test_no_algorithm_imports_another_algorithms_file():
 
     import featcache.algorithms as pkg
 
-    shared = {"base", "protos", "heads", ""}
+    shared = {"base", "protos", "heads", "registry", "plugins", ""}
     for path in Path(pkg.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 1:
@@ -343,7 +345,7 @@ def test_readme_example_algorithm_equals_fedprox(data):
     import re
     from pathlib import Path
 
-    from featcache.algorithms import _ALGOS
+    from featcache.algorithms.registry import _ALGOS
 
     guide = Path(__file__).resolve().parents[1].joinpath("docs/guides/training.md").read_text()
     section = guide.split("## Write your own algorithm", 1)[1]

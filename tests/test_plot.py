@@ -235,7 +235,7 @@ def test_a_plugin_state_plots_without_registering_the_plugin_first(tmp_path):
     import subprocess
     import sys
 
-    from featcache.algorithms import _ALGOS
+    from featcache.algorithms.registry import _ALGOS
     from featcache.runs.train import train
     from tests.synthetic import write_cache
 

@@ -485,7 +485,7 @@ def test_an_extract_without_backbones_plans_with_extracts_default():
 def test_a_plugin_job_is_memoised_by_its_name_and_its_source(tmp_path):
     """A plug-in job's memo sits in OUT/jobs under the registered name and its run's key; the memo records the
     plug-in's source, so an edited plug-in file trains again."""
-    from featcache.algorithms import _ALGOS
+    from featcache.algorithms.registry import _ALGOS
     from featcache.reproduce.run import _code, _read_memo, job_spec
 
     plugin = tmp_path / "plug.py"

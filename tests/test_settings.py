@@ -140,7 +140,8 @@ class Broken(FedProx):
 
 
 def test_plugins_declare_settings_the_same_way(tmp_path, monkeypatch):
-    monkeypatch.setattr("featcache.algorithms._ALGOS", dict(list_algorithms()))  # the plug-in is forgotten after
+    # the plug-in is forgotten after the test
+    monkeypatch.setattr("featcache.algorithms.registry._ALGOS", dict(list_algorithms()))
     path = tmp_path / "plug.py"
     path.write_text(PLUGIN)
     algo = create(f"{path}:Damped")

@@ -1,13 +1,13 @@
-"""FedAvg (McMahan et al., 2017) and the hooks every other algorithm overrides.
+"""FedAvg (McMahan et al., 2017), the hooks every other algorithm overrides, and the contract they implement.
 
 The model on top of the frozen backbones is the head of the FedPCL baselines (Tan et al., "Federated Learning from
 Pre-Trained Models: A Contrastive Learning Approach", NeurIPS 2022, §5.1): a projection layer FC(D, proj_dim) + ReLU
 (+ BN with bn=True) followed by a classifier FC(proj_dim, K).
 
 An algorithm is bound to the run's shared (structural) settings, `self.cfg` (read-only; `create(name, cfg)` or the
-engine's `bind`). Every hook that runs on the server side gets `rnd`, the read-only `engine.Round` (its fields
-are listed there); per-configuration floats exist only as its tensors rnd.hp (name -> [H]). Hooks, in the order the
-engine calls them:
+engine's `bind`). Every hook that runs on the server side gets `rnd`, the read-only `Round` (training/engine.py
+lists its fields); per-configuration floats exist only as its tensors rnd.hp (name -> [H]). `state` is the engine's
+`State`: params, buffers and client [H, C, ...], server [H, ...]. Hooks, in the order the engine calls them:
 
     init(cfg, d_in, K, gen) -> (params, buffers)       ONE model's initial tensors
     init_state(state, rnd)           once, before round 1 (rnd.round = -1)
@@ -25,12 +25,13 @@ engine calls them:
 at every evaluation round:
     global_model(state, rnd) -> (params, buffers) name -> [H, ...], or None     the server's aggregated model
     predict_global(params, buffers, x, ctx) -> scores [N, K]  its inference on one client's rows (vmapped)
-and, asked once per run: local_epochs(), shared(name). Declared as data: `groups` (the local optimizer's parameter
-groups: the settings giving their learning rate, a multiplier of it and weight decay, and gradient-norm clip) and
-`keeps_optimizer_state` (moments and step counts carry over from round to round, per model) and `personal_predict`
-(predict reads only what the client's own training changes: non-participants keep their scores). Derived from which
-hooks are FedAvg's own: `fedavg_server` (the engine averages the participants' shared tensors where they trained)
-and `clients_hold_global` (the global metric is the clients' pooled one).
+and, asked once per run: local_epochs(), shared(name).
+
+Declared as data, never inferred from which hooks a class overrides (`Algorithm` lists them; `registry.register`
+refuses a class whose hooks contradict them, `contradictions`): `settings`, `groups` (the local optimizer's parameter
+groups: the settings giving their learning rate, a multiplier of it and weight decay, and a gradient-norm clip) and
+the capabilities `uses_views`, `uses_global`, `capturable`, `keeps_optimizer_state`, `personal_predict`,
+`fedavg_server` and `clients_hold_global` (each explained where FedAvg declares it).
 
 The global model is what the FedAvg-family papers evaluate on a global test set (here: the union of all clients'
 test splits). FedAvg's is the averaged model every client downloads; an algorithm whose server holds no complete
@@ -40,15 +41,21 @@ model (nothing shared, or personal layers the server never sees) has none, and s
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
-from .heads import bn_init, linear, mlp, mlp_init
-from ..training.config import Setting
+from ..training.config import Setting, settings_of
 from ..training.optim import Group
-from . import register
+from .heads import Params, bn_init, linear, mlp, mlp_init
+
+if TYPE_CHECKING:
+    from ..training.engine import Round, State
+
+Context = dict[str, Any]  # a hook's per-model tensors (nested dicts of [H, C, ...]; ONE client's inside vmap)
 
 
 def masked_mean(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -77,22 +84,20 @@ def masked_ce(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torc
     return masked_mean(F.cross_entropy(logits, y.clamp(min=0), reduction="none"), mask)
 
 
-def proximal(params: dict, anchor: dict) -> torch.Tensor:
+def proximal(params: Params, anchor: Params) -> torch.Tensor:
     """||w − w^t||² summed over all parameters (a scalar for one client)."""
-    return sum(((params[k] - anchor[k]) ** 2).sum() for k in params)
+    return cast(torch.Tensor, sum(((params[k] - anchor[k]) ** 2).sum() for k in params))
 
 
-def remember_global(state) -> None:
-    """Keep the model every client starts the next round from, w^t [H, ...], in state.server["global"].
+def remember_global(state: State, buffers: bool = False) -> None:
+    """Keep the model every client starts the next round from, w^t [H, ...], in state.server["global"] (with
+    `buffers`, its buffers in state.server["global_buffers"]).
 
     Call it after the download of a FedAvg-style algorithm, when all clients of a configuration hold the same model.
     """
     state.server["global"] = {k: v[:, 0].clone() for k, v in state.params.items()}  # [H, ...]
-
-
-def global_context(state, rnd) -> dict:
-    """The round's global model broadcast to every client: name -> [H, C, ...] (views)."""
-    return {k: rnd.expand(v) for k, v in state.server["global"].items()}
+    if buffers:
+        state.server["global_buffers"] = {k: v[:, 0].clone() for k, v in state.buffers.items()}  # [H, ...]
 
 
 def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -106,76 +111,114 @@ def weighted_mean(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hc,hc...->h...", w.to(v.dtype), v)  # a batched product: no [H, C, ...] temporary
 
 
-@register
+def objective_note(algo, cfg: Mapping[str, Any]) -> str:
+    """The algorithm's (class or instance) `objective` note when it holds under the resolved settings `cfg` (its
+    `objective_when`), else ""."""
+    return algo.objective if all(cfg.get(k) == v for k, v in algo.objective_when.items()) else ""
+
+
+def objective_text(algo) -> str:
+    """The algorithm's note on its training loss, with the settings under which it holds ("" when it has none)."""
+    note, when = algo.objective, algo.objective_when
+    return f"{note} (with {', '.join(f'{k}={v}' for k, v in when.items())})" if note and when else note
+
+
 class FedAvg:
-    name = "fedavg"
-    paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
-    uploads = "all head parameters"
+    name: ClassVar[str] = "fedavg"
+    paper: ClassVar[str] = (
+        "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
+    )
+    uploads: ClassVar[str] = "all head parameters"
     # Declared settings (training/config.py `Setting`): a subclass lists only what it adds or changes.
-    settings = {
+    settings: ClassVar[dict[str, Any]] = {
         "proj_dim": Setting(256, "width of the projection layer", lo=1),
         "bn": Setting(False, "BatchNorm after the projection layer"),
     }
-    uses_views = False  # whether training needs the cached augmented views (train.py loads them)
-    limitation = ""  # what differs from the paper on cached features (shown by `featcache algos`)
+    limitation: ClassVar[str] = ""  # what differs from the paper on cached features (shown by `featcache algos`)
     # Why the training loss is not a fit measure whose fall means a better fit (unbounded below, a bound, ...): `train`
     # prints it once and `featcache algos` shows it; it holds under the settings `objective_when` names ({}: always).
-    objective = ""
-    objective_when: dict = {}
+    objective: ClassVar[str] = ""
+    objective_when: ClassVar[dict[str, Any]] = {}
+    # The local optimizer's parameter groups by name prefix (longest prefix wins): which settings give a group's
+    # learning rate, a multiplier of it (a batched=False setting) and weight decay, and the norm each model's gradient
+    # of the group is clipped to (None: none).
+    groups: ClassVar[dict[str, Group]] = {"": Group()}
+
+    # -- capabilities: what the engine may rely on (a subclass declares each one its hooks change) ---------------
+    # Whether training needs the cached augmented views (train.py loads them).
+    uses_views: ClassVar[bool] = False
+    # Whether local_loss reads w^t, the model every client starts the round from: FedAvg's own hooks then keep it in
+    # state.server ("global", "global_buffers"; after init_state and every download) and `context` hands it over as
+    # ctx["global"] and ctx["global_buffers"] (name -> [H, C, ...] views), without a hook of the server side changed.
+    uses_global: ClassVar[bool] = False
     # Whether the engine may capture the local step (a CUDA graph): local_loss and after_step read their inputs
     # only from tensors, never from the Round's step number or other host values that change from step to step.
     # (Capture first runs the step twice with every model masked out: a local_loss that draws random numbers gets
     # other draws than an eager run, so `assert_capturable` reports it; set False for such an algorithm.)
-    capturable = True
-    # The local optimizer's parameter groups by name prefix (longest prefix wins): which settings give a group's
-    # learning rate, a multiplier of it (a batched=False setting) and weight decay, and the norm each model's gradient
-    # of the group is clipped to (None: none).
-    groups = {"": Group()}
+    capturable: ClassVar[bool] = True
     # Whether each model's optimizer moments and step counts carry over from round to round (one optimizer per
     # client kept alive, as torch.optim objects a client holds for the whole run) instead of starting from zero.
-    keeps_optimizer_state = False
+    keeps_optimizer_state: ClassVar[bool] = False
     # Whether `predict` reads only what a client's own local training changes (its parameters and buffers, and
     # per-client state refreshed for the round's participants only): a client that took part in no round since the
     # last evaluation then keeps its scores, and the engine reuses them rather than scoring it again.
-    personal_predict = False
-    cfg = None  # the shared settings this instance is bound to (see bind)
+    personal_predict: ClassVar[bool] = False
+    # Whether the server side is FedAvg's own (after_local, upload, aggregate and download not overridden): the
+    # participants' shared tensors averaged and the mean handed to every client. Then the engine aggregates the
+    # participants' tensors where they trained and never writes them into the clients' state, which download
+    # replaces anyway: a round costs memory and time in proportion to its participants, not to C.
+    fedavg_server: ClassVar[bool] = True
+    # Whether every client predicts with the global model after `download`, as `predict_global` would: then the
+    # global metric is the clients' pooled one and is not evaluated again. Needs the default `global_model` and
+    # `predict_global` (their contract is FedAvg's download) and every tensor shared.
+    clients_hold_global: ClassVar[bool] = True
 
-    def bind(self, cfg) -> "FedAvg":
+    cfg: Mapping[str, Any] = MappingProxyType({})  # the shared settings this instance is bound to (see bind)
+
+    def bind(self, cfg: Mapping[str, Any]) -> FedAvg:
         """A copy bound to the shared (structural) settings `cfg` (read-only); this instance is unchanged."""
         bound = copy.copy(self)
         bound.cfg = cfg if isinstance(cfg, MappingProxyType) else MappingProxyType(dict(cfg))
         return bound
 
     # -- model ------------------------------------------------------------------------------------------------
-    def init(self, cfg: dict, d_in: int, num_classes: int, gen: torch.Generator):
+    def init(self, cfg: Mapping[str, Any], d_in: int, num_classes: int, gen: torch.Generator) -> tuple[Params, Params]:
         params, buffers = mlp_init([d_in, cfg["proj_dim"]], gen, prefix="proj", bn=False)
         if cfg["bn"]:
             bn_init(params, buffers, "proj0.bn", cfg["proj_dim"])
         head, _ = mlp_init([cfg["proj_dim"], num_classes], gen, prefix="cls")
         return params | head, buffers
 
-    def embed(self, params, buffers, x, mask=None, train=False):
+    def embed(
+        self, params: Params, buffers: Params, x: torch.Tensor, mask: torch.Tensor | None = None, train: bool = False
+    ) -> tuple[torch.Tensor, Params]:
         """Projection network output z [N, proj_dim] and updated BN statistics."""
         return mlp(params, buffers, x, 1, prefix="proj", mask=mask, train=train, final_relu=True)
 
-    def logits(self, params, z):
+    def logits(self, params: Params, z: torch.Tensor) -> torch.Tensor:
         return linear(params, "cls0", z)  # [N, K]
 
     # -- client -----------------------------------------------------------------------------------------------
-    def context(self, state, rnd) -> dict:
+    def context(self, state: State, rnd: Round) -> Context:
         """Per-model tensors for local_loss and predict, leading [H, C]; asked once per local epoch and for
-        evaluation (server and client state do not change during local steps)."""
-        return {"hp": {k: rnd.expand(v) for k, v in rnd.hp.items()}}
+        evaluation (server and client state do not change during local steps). With `uses_global`, w^t too."""
+        ctx: Context = {"hp": {k: rnd.expand(v) for k, v in rnd.hp.items()}}
+        if self.uses_global:
+            ctx["global"] = {k: rnd.expand(v) for k, v in state.server["global"].items()}  # [H, C, ...] views
+            ctx["global_buffers"] = {k: rnd.expand(v) for k, v in state.server["global_buffers"].items()}
+        return ctx
 
-    def local_loss(self, params, buffers, x, y, mask, ctx):
+    def local_loss(
+        self, params: Params, buffers: Params, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, ctx: Context
+    ) -> tuple[torch.Tensor, Params]:
         z, new_buffers = self.embed(params, buffers, x, mask, train=True)
         return masked_ce(self.logits(params, z), y, mask), new_buffers
 
-    def predict(self, params, buffers, x, ctx):
+    def predict(self, params: Params, buffers: Params, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         z, _ = self.embed(params, buffers, x)
         return self.logits(params, z)
 
-    def after_step(self, params: dict, ctx: dict, active: torch.Tensor, rnd) -> None:
+    def after_step(self, params: Params, ctx: Context, active: torch.Tensor, rnd: Round) -> None:
         """Called after every optimizer step (under no_grad) with the stacked parameters name -> [H, C, ...], which it
         may change in place, the epoch's context and active [H, C] bool (the models that stepped; the others must
         stay unchanged). Must not read device tensors back to the host; on CUDA it runs inside the captured step (see
@@ -184,14 +227,16 @@ class FedAvg:
     def local_epochs(self) -> int:
         return self.cfg["local_epochs"]
 
-    def trainable(self, name: str, rnd) -> bool:
+    def trainable(self, name: str, rnd: Round) -> bool:
         """Whether parameter `name` is updated in local epoch rnd.epoch of round rnd.round (phases train subsets)."""
         return True
 
-    def init_state(self, state, rnd) -> None:
-        pass
+    def init_state(self, state: State, rnd: Round) -> None:
+        """The algorithm's state before round 1 (with `uses_global`: w^t, the initial model)."""
+        if self.uses_global:
+            remember_global(state, buffers=True)
 
-    def after_local(self, state, rnd) -> None:
+    def after_local(self, state: State, rnd: Round) -> None:
         pass
 
     # -- server -----------------------------------------------------------------------------------------------
@@ -199,22 +244,24 @@ class FedAvg:
         """Which parameters are uploaded and averaged."""
         return True
 
-    def upload(self, state, rnd) -> dict:
+    def upload(self, state: State, rnd: Round) -> dict[str, Any]:
         """Shared parameters and shared buffers (BN running statistics travel with their layer)."""
         return {k: v for k, v in (state.params | state.buffers).items() if self.shared(k)}
 
-    def aggregate(self, uploads: dict, weights: torch.Tensor, state, rnd) -> dict:
+    def aggregate(self, uploads: dict[str, Any], weights: torch.Tensor, state: State, rnd: Round) -> dict[str, Any]:
         return {k: weighted_mean(v, weights) for k, v in uploads.items()}
 
-    def download(self, state, server: dict, rnd) -> None:
+    def download(self, state: State, server: dict[str, Any], rnd: Round) -> None:
         """Every client receives the server's model: stored once per configuration, [H, ...] broadcast to [H, C, ...]
-        (a view: what a client changes later is copied first)."""
+        (a view: what a client changes later is copied first). With `uses_global` it becomes w^t."""
         for k, v in server.items():
             target = state.params if k in state.params else state.buffers
             target[k] = rnd.expand(v)
+        if self.uses_global:
+            remember_global(state, buffers=True)
 
     # -- the global model -------------------------------------------------------------------------------------
-    def global_model(self, state, rnd) -> tuple[dict, dict] | None:
+    def global_model(self, state: State, rnd: Round) -> tuple[Params, Params] | None:
         """The server's aggregated model after the round, (params, buffers) name -> [H, ...], or None when the
         server holds no complete model. Default: when every parameter and buffer is shared, the model every client
         holds after FedAvg's download (client 0's copy); None as soon as one is not. Override it when `download`
@@ -223,24 +270,105 @@ class FedAvg:
             return None
         return {k: v[:, 0] for k, v in state.params.items()}, {k: v[:, 0] for k, v in state.buffers.items()}
 
-    def predict_global(self, params, buffers, x, ctx):
+    def predict_global(self, params: Params, buffers: Params, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Scores [N, K] of the global model on one client's rows (vmapped like `predict`, which it is by default;
         an algorithm whose `predict` reads a personal model from `ctx` predicts with `params` here)."""
         return self.predict(params, buffers, x, ctx)
 
-    @property
-    def fedavg_server(self) -> bool:
-        """Whether the server side is FedAvg's own (after_local, upload, aggregate and download not overridden): the
-        participants' shared tensors averaged and the mean handed to every client. Then the engine aggregates the
-        participants' tensors where they trained and never writes them into the clients' state, which download
-        replaces anyway: a round costs memory and time in proportion to its participants, not to C."""
-        cls = type(self)
-        return all(getattr(cls, h) is getattr(FedAvg, h) for h in ("after_local", "upload", "aggregate", "download"))
 
+class Algorithm(Protocol):
+    """What the engine and the runs rely on: FedAvg implements it, and a plug-in that subclasses FedAvg inherits
+    every member it leaves alone. Type a helper that takes any algorithm as `Algorithm`; the hooks' order and
+    shapes are in this module's docstring, each capability's meaning where FedAvg declares it."""
+
+    name: ClassVar[str]
+    paper: ClassVar[str]
+    uploads: ClassVar[str]
+    settings: ClassVar[dict[str, Any]]
+    limitation: ClassVar[str]
+    objective: ClassVar[str]
+    objective_when: ClassVar[dict[str, Any]]
+    groups: ClassVar[dict[str, Group]]
+    cfg: Mapping[str, Any]
+
+    # capabilities: class attributes, or a property where one follows a setting (FedProto's personal_predict)
     @property
-    def clients_hold_global(self) -> bool:
-        """Whether every client predicts with the global model after `download`, as `predict_global` would: then the
-        global metric is the clients' pooled one and is not evaluated again. True exactly where the default
-        `global_model` and `predict_global` apply (their contract is FedAvg's download); overriding either opts out."""
-        cls = type(self)
-        return cls.global_model is FedAvg.global_model and cls.predict_global is FedAvg.predict_global
+    def uses_views(self) -> bool: ...
+    @property
+    def uses_global(self) -> bool: ...
+    @property
+    def capturable(self) -> bool: ...
+    @property
+    def keeps_optimizer_state(self) -> bool: ...
+    @property
+    def personal_predict(self) -> bool: ...
+    @property
+    def fedavg_server(self) -> bool: ...
+    @property
+    def clients_hold_global(self) -> bool: ...
+
+    def bind(self, cfg: Mapping[str, Any]) -> Algorithm: ...
+    def init(
+        self, cfg: Mapping[str, Any], d_in: int, num_classes: int, gen: torch.Generator
+    ) -> tuple[Params, Params]: ...
+    def init_state(self, state: State, rnd: Round) -> None: ...
+    def local_epochs(self) -> int: ...
+    def trainable(self, name: str, rnd: Round) -> bool: ...
+    def context(self, state: State, rnd: Round) -> Context: ...
+    def local_loss(
+        self, params: Params, buffers: Params, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, ctx: Context
+    ) -> tuple[torch.Tensor, Params]: ...
+    def after_step(self, params: Params, ctx: Context, active: torch.Tensor, rnd: Round) -> None: ...
+    def after_local(self, state: State, rnd: Round) -> None: ...
+    def shared(self, name: str) -> bool: ...
+    def upload(self, state: State, rnd: Round) -> dict[str, Any]: ...
+    def aggregate(self, uploads: dict[str, Any], weights: torch.Tensor, state: State, rnd: Round) -> dict[str, Any]: ...
+    def download(self, state: State, server: dict[str, Any], rnd: Round) -> None: ...
+    def predict(self, params: Params, buffers: Params, x: torch.Tensor, ctx: Context) -> torch.Tensor: ...
+    def global_model(self, state: State, rnd: Round) -> tuple[Params, Params] | None: ...
+    def predict_global(self, params: Params, buffers: Params, x: torch.Tensor, ctx: Context) -> torch.Tensor: ...
+
+
+CAPABILITIES = (
+    "uses_views",
+    "uses_global",
+    "capturable",
+    "keeps_optimizer_state",
+    "personal_predict",
+    "fedavg_server",
+    "clients_hold_global",
+)
+# The hooks a declaration rests on: overriding one of them contradicts the capability being True.
+RESTS_ON = {
+    "fedavg_server": ("after_local", "upload", "aggregate", "download"),
+    "clients_hold_global": ("global_model", "predict_global"),
+}
+
+
+def contradictions(cls: type[FedAvg]) -> list[str]:
+    """What in `cls`'s declarations its hooks or settings contradict, one line each naming the fix ([]: none):
+    a capability that is not a bool (or a property), a True capability whose hooks are overridden (`RESTS_ON`), a
+    group naming a setting that is not declared, or a learning-rate multiplier a grid could vary per configuration."""
+    out = []
+    for flag in CAPABILITIES:
+        value = getattr(cls, flag)
+        if not isinstance(value, (bool, property)):
+            out.append(f"{flag} = {value!r}: declare True or False")
+        elif value is True:
+            changed = [h for h in RESTS_ON.get(flag, ()) if getattr(cls, h) is not getattr(FedAvg, h)]
+            if changed:
+                out.append(f"declares {flag} = True but overrides {', '.join(changed)}: declare {flag} = False")
+    table = settings_of(cls)
+    for prefix, group in cls.groups.items():
+        for field, key in (("lr", group.lr), ("weight_decay", group.weight_decay), ("lr_scale", group.lr_scale)):
+            if key is not None and key not in table:
+                out.append(f"groups[{prefix!r}].{field} = {key!r} names no setting: declare it in `settings`")
+        if group.lr_scale in table and table[group.lr_scale].batched:
+            out.append(
+                f"groups[{prefix!r}].lr_scale = {group.lr_scale!r} is a batched setting: declare it with batched=False"
+            )
+    return out
+
+
+if TYPE_CHECKING:
+    _: Algorithm = FedAvg()  # FedAvg implements the contract (mypy checks it)

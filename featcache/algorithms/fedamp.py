@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..training.config import Setting
-from . import register
+from .registry import register
 from .base import FedAvg, proximal
 
 
@@ -63,6 +63,8 @@ class FedAMP(FedAvg):
     paper = "Huang et al., Personalized Cross-Silo Federated Learning on Non-IID Data, AAAI 2021 (HeurFedAMP default)"
     uploads = "all head parameters (the personalized model w_i)"
     personal_predict = True  # w_i changes only in its own local training; the cloud models only steer it
+    fedavg_server = False  # each client downloads its own attention-weighted cloud model u_i (aggregate, download)
+    clients_hold_global = False  # the clients hold personalized models
     # λ, α_k, σ: PFLlib's FedAMP defaults; ξ_ii: our choice (see the module docstring)
     settings = {
         "attention": Setting(

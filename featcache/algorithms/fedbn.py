@@ -11,7 +11,7 @@ Global model: none. The server never holds the BatchNorm layers; the paper evalu
 
 from __future__ import annotations
 
-from . import register
+from .registry import register
 from .base import FedAvg
 
 
@@ -20,6 +20,7 @@ class FedBN(FedAvg):
     name = "fedbn"
     paper = "Li et al., FedBN, ICLR 2021, Alg. 1"
     uploads = "head parameters except BatchNorm (projection and classifier weights and biases)"
+    clients_hold_global = False  # BatchNorm stays on the client: no complete server model
     settings = {"bn": True}
 
     def shared(self, name):

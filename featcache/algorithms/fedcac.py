@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..training.config import Setting
-from . import register
+from .registry import register
 from .base import FedAvg, bcast
 
 CRIT = "critical."  # upload prefix of the critical-parameter masks
@@ -76,6 +76,8 @@ class FedCAC(FedAvg):
         "Collaboration, ICCV 2023"
     )
     uploads = "all head parameters + their critical-parameter masks"
+    fedavg_server = False  # masks travel and each client mixes its own model (after_local, ..., download)
+    clients_hold_global = False  # the clients hold mixed models; the server's mean is the global one
     settings = {  # defaults: Fling's CIFAR-10 config (see the module docstring)
         "tau": Setting(
             0.5,

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..training.config import Setting
-from . import register
+from .registry import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
 from .protos import (
     NOISE_SETTINGS,
@@ -152,6 +152,8 @@ class FedPCL(FedAvg):
     )
     uploads = "local prototypes [K, proj_dim] + class counts [K]"
     personal_predict = True  # the own projection and the own local prototypes
+    fedavg_server = False  # prototypes travel, not parameters
+    clients_hold_global = False  # the projection stays on the client: no complete server model
     objective = (
         "unbounded below: eq. 8 leaves the positive out of its denominator and z is not normalised, so the "
         "loss can fall without limit while accuracy holds; judge runs by accuracy "

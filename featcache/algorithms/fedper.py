@@ -9,7 +9,7 @@ Global model: none. The server holds only the base layers; every classifier is p
 
 from __future__ import annotations
 
-from . import register
+from .registry import register
 from .base import FedAvg
 
 
@@ -18,6 +18,7 @@ class FedPer(FedAvg):
     name = "fedper"
     paper = "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv:1912.00818, 2019"
     uploads = "projection parameters (the body)"
+    clients_hold_global = False  # the classifier stays on the client: no complete server model
 
     def shared(self, name):
         return name.startswith("proj")

@@ -60,8 +60,8 @@ from ..errors import UserError
 from .heads import linear, linear_init
 from ..training.config import Setting
 from ..training.optim import Group
-from . import register
 from .base import FedAvg, logsumexp, masked_ce, masked_mean
+from .registry import register
 
 Params = dict[str, torch.Tensor]
 
@@ -129,6 +129,7 @@ class Alternating(FedAvg):
 
     phases: dict[str, tuple[str, ...]] = {}  # phase -> prefixes of the parameter names it trains
     personal: tuple[str, ...] = ()
+    clients_hold_global = False  # the `personal` parameters stay on the client: no complete server model
 
     def init_state(self, state, rnd):
         r_f, r_a, r = self.cfg["r_f"], self.cfg["r_a"], self.cfg["local_epochs"]

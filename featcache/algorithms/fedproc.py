@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .heads import mlp, mlp_init
 from ..training.config import Setting
-from . import register
+from .registry import register
 from .base import FedAvg, logsumexp, masked_mean, one_hot
 from .protos import empty_global, loader_prototypes, local_prototypes, mean_prototypes, update_global
 
@@ -63,6 +63,7 @@ class FedProc(FedAvg):
     name = "fedproc"
     paper = "Mu et al., FedProc: Prototypical Contrastive FL on Non-IID data, arXiv:2109.12273, §3.3 eq. 2–5, Alg. 1"
     uploads = "all head parameters + local prototypes [K, proj_dim] + class counts [K]"
+    fedavg_server = False  # local prototypes travel with the parameters (after_local, ..., download)
     settings = {
         "bn": None,  # the projection head has no BatchNorm
         "tau": Setting(1.0, "τ, temperature of ℓ_gpc (eq. 4 has none: 1)", lo=0, lo_open=True),

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..training.config import Setting
-from . import register
+from .registry import register
 from .base import FedAvg, masked_ce, masked_mean, one_hot
 from .protos import NOISE_SETTINGS, empty_global, privatize, refresh_prototypes, update_global
 
@@ -51,6 +51,8 @@ class FedProto(FedAvg):
     name = "fedproto"
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
     uploads = "local prototypes [K, proj_dim] + class counts [K] (no parameters)"
+    fedavg_server = False  # prototypes travel, not parameters
+    clients_hold_global = False  # nothing is shared: no server model
     settings = {
         "lam": Setting(1.0, "λ, weight of the prototype distance (official ld = 1)", lo=0),
         "infer": Setting(

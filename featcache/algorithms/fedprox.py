@@ -10,8 +10,8 @@ Global model: FedAvg's, the w^t every client starts the next round from.
 from __future__ import annotations
 
 from ..training.config import Setting
-from . import register
-from .base import FedAvg, global_context, proximal, remember_global
+from .base import FedAvg, proximal
+from .registry import register
 
 
 @register
@@ -20,16 +20,7 @@ class FedProx(FedAvg):
     paper = "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020, eq. 2"
     uploads = "all head parameters"
     settings = {"mu": Setting(0.01, "μ, weight of the proximal term (the paper's search set; tune per data set)", lo=0)}
-
-    def init_state(self, state, rnd):
-        remember_global(state)  # w^t: state.server["global"]
-
-    def download(self, state, server, rnd):
-        super().download(state, server, rnd)
-        remember_global(state)
-
-    def context(self, state, rnd):
-        return super().context(state, rnd) | {"global": global_context(state, rnd)}
+    uses_global = True  # w^t: ctx["global"]
 
     def local_loss(self, params, buffers, x, y, mask, ctx):
         ce, new_buffers = super().local_loss(params, buffers, x, y, mask, ctx)

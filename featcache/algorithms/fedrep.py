@@ -12,7 +12,7 @@ Global model: none. The server holds only the body; every head is personal.
 from __future__ import annotations
 
 from ..training.config import Setting
-from . import register
+from .registry import register
 from .base import FedAvg
 
 
@@ -21,6 +21,7 @@ class FedRep(FedAvg):
     name = "fedrep"
     paper = "Collins et al., Exploiting Shared Representations for Personalized FL, ICML 2021, Alg. 1"
     uploads = "projection parameters (the body)"
+    clients_hold_global = False  # the head stays on the client: no complete server model
     settings = {"head_epochs": Setting(10, "local epochs on the head before the body's (§5: 10)", lo=0)}
 
     def local_epochs(self):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .heads import linear
-from . import register
+from .registry import register
 from .base import FedAvg, masked_ce, masked_mean, one_hot
 
 
@@ -36,6 +36,7 @@ class FedRoD(FedAvg):
     name = "fedrod"
     paper = "Chen and Chao, On Bridging Generic and Personalized FL for Image Classification, ICLR 2022, §4"
     uploads = "projection + generic classifier parameters"
+    clients_hold_global = False  # clients predict with their personal heads; the global model has the generic one
 
     def init(self, cfg, d_in, num_classes, gen):
         params, buffers = super().init(cfg, d_in, num_classes, gen)

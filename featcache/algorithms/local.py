@@ -6,7 +6,7 @@ nothing (communication 0) and is evaluated with that head. Global model: none (t
 
 from __future__ import annotations
 
-from . import register
+from .registry import register
 from .base import FedAvg
 
 
@@ -16,6 +16,7 @@ class Local(FedAvg):
     paper = "Solo baseline of Tan et al., FedPCL, NeurIPS 2022, §5.1: every client trains alone"
     uploads = "nothing"
     personal_predict = True
+    clients_hold_global = False  # nothing is shared: no server model
 
     def shared(self, name):
         return False

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..training.config import Setting
-from . import register
-from .base import FedAvg, bcast, global_context, masked_ce, masked_mean, remember_global
+from .base import FedAvg, bcast, masked_ce, masked_mean
+from .registry import register
 
 
 def model_contrast(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau) -> torch.Tensor:
@@ -41,28 +41,21 @@ class Moon(FedAvg):
         "mu": Setting(1.0, "μ, weight of the model-contrastive loss", lo=0),
         "tau": Setting(0.5, "τ, the contrastive temperature", lo=0, lo_open=True),
     }
+    uses_global = True  # the round's global model: ctx["global"], ctx["global_buffers"]
+    fedavg_server = False  # each client keeps its own trained model (the previous model) in its state
 
     def init_state(self, state, rnd):
-        self.remember(state)
+        super().init_state(state, rnd)
         state.client["prev"] = {k: v.clone() for k, v in state.params.items()}  # [H, C, ...]
         state.client["prev_buffers"] = {k: v.clone() for k, v in state.buffers.items()}  # [H, C, ...]
 
-    def download(self, state, server, rnd):
+    def after_local(self, state, rnd):
         # participants' previous model := their model after this round's training, BN statistics included
         for key, now in (("prev", state.params), ("prev_buffers", state.buffers)):
             state.client[key] = {k: torch.where(bcast(rnd.part, v), now[k], v) for k, v in state.client[key].items()}
-        super().download(state, server, rnd)
-        self.remember(state)
-
-    def remember(self, state):
-        remember_global(state)
-        state.server["global_buffers"] = {k: v[:, 0].clone() for k, v in state.buffers.items()}  # [H, ...]
 
     def context(self, state, rnd):
-        glob = {k: rnd.expand(v) for k, v in state.server["global_buffers"].items()}  # [H, C, ...] views
         return super().context(state, rnd) | {
-            "global": global_context(state, rnd),
-            "global_buffers": glob,
             "prev": state.client["prev"],
             "prev_buffers": state.client["prev_buffers"],
         }

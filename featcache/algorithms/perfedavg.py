@@ -26,7 +26,7 @@ from __future__ import annotations
 from torch.func import grad
 
 from ..training.config import Setting
-from . import register
+from .registry import register
 from .base import FedAvg, weighted_mean
 
 ORDERS = ("first", "second")
@@ -41,6 +41,7 @@ class PerFedAvg(FedAvg):
         "A Model-Agnostic Meta-Learning Approach, NeurIPS 2020, eq. 3, Alg. 1"
     )
     uploads = "all head parameters"
+    fedavg_server = False  # the server averages the participants uniformly (aggregate)
     settings = {
         "alpha": Setting(0.005, "α, the adaptation step (pFedMe's Per-FedAvg setting)", lo=0, lo_open=True),
         "order": Setting("first", "first: Per-FedAvg (FO); second: the exact MAML gradient", choices=ORDERS),

@@ -51,7 +51,7 @@ from .base import FedAvg, masked_ce
 from .heads import batch_norm, bn_init, linear, linear_init
 from ..training.config import Setting
 from ..training.optim import Group
-from . import register
+from .registry import register
 
 GATE = "gate0"  # the gating layer: Linear gate0 + BatchNorm1d gate0.bn
 HELD = "held."  # buffers: the θ each client holds for inference (its trained model, or the global one)
@@ -123,6 +123,8 @@ class PFedGate(FedAvg):
     limitation = "no input normalisation before the gating layer (cached features, not images)"
     groups = {"": Group(max_norm=MAX_NORM), GATE: Group(lr="lr_gate", max_norm=MAX_NORM)}
     keeps_optimizer_state = True
+    fedavg_server = False  # clients hold the θ they trained; every client weighs in (after_local, aggregate, download)
+    clients_hold_global = False  # the gating layer stays on the client: no complete server model
 
     def init(self, cfg, d_in, num_classes, gen):
         params, buffers = super().init(cfg, d_in, num_classes, gen)

@@ -31,7 +31,7 @@ from torch.func import grad
 
 from ..errors import UserError
 from ..training.config import Setting
-from . import register
+from .registry import register
 from .base import FedAvg, proximal, remember_global, weighted_mean
 
 PERSONAL = "personal."  # buffer prefix of the personalized model θ̃
@@ -47,6 +47,8 @@ class PFedMe(FedAvg):
     name = "pfedme"
     paper = "Dinh, Tran & Nguyen, Personalized Federated Learning with Moreau Envelopes, NeurIPS 2020, eq. 2–3, Alg. 1"
     uploads = "all head parameters (the local model w; θ̃ stays on the client)"
+    fedavg_server = False  # the server moves w by β towards the participants' mean (aggregate)
+    clients_hold_global = False  # the clients predict with their personalized θ̃
     # where each default comes from: the module docstring's last paragraph
     settings = {
         "lam": Setting(15.0, "λ, weight of the Moreau envelope's proximal term", lo=0),

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..training.config import Setting
-from . import register
+from .registry import register
 from .base import FedAvg, bcast, masked_ce, masked_mean
 
 
@@ -43,6 +43,8 @@ class PFedSD(FedAvg):
     paper = "Jin et al., Personalized Edge Intelligence via Federated Self-Knowledge Distillation, IEEE TPDS 2022"
     uploads = "all head parameters"
     personal_predict = True  # θ̂_i, refreshed for the round's participants only
+    fedavg_server = False  # θ̂_i, the teacher, is taken after local training (after_local)
+    clients_hold_global = False  # the clients predict with their personalized models
     settings = {  # Fling's configs (see the module docstring)
         "temperature": Setting(3.0, "T, the distillation temperature (Fling: 3; CGCL-codes: 1)", lo=0, lo_open=True),
         "lam": Setting(0.5, "λ, weight of the self-distillation term (Fling: 0.5; CGCL-codes: 1)", lo=0),

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import register
+from .registry import register
 from .base import FedAvg, bcast, remember_global, weighted_mean
 
 
@@ -34,6 +34,7 @@ class Scaffold(FedAvg):
     name = "scaffold"
     paper = "Karimireddy et al., SCAFFOLD, ICML 2020, Alg. 1 with option II (eq. 4)"
     uploads = "model delta y_i − x + control delta c_i⁺ − c_i (2 × head parameters)"
+    fedavg_server = False  # model and control deltas travel (upload, aggregate, download)
     # Plain SGD by default (Alg. 1 line 10 is an SGD step; weight decay only adds to the gradient) at lr 0.01 (the
     # engine's 1e-3 is Adam's; 0.1 is unstable on the demo cache). Adam or momentum: --set optimizer=... --set
     # momentum=...
