@@ -328,10 +328,16 @@ class Node:
         return self.data
 
 
-def node(f: h5py.File, path: str) -> Node:
-    """The dataset at `path` as a `Node`, its attributes not read."""
-    oid = h5d.open(f.id, path.encode("utf8"))
-    return Node(True, oid.dtype, oid.shape, {}, oid)
+def node(loc, path: str, attrs: bool = False) -> Node:
+    """The dataset at `path` below `loc` (an h5py File or Group, or a low-level group id) as a `Node`, with its
+    attributes when `attrs`."""
+    oid = h5d.open(loc.id if isinstance(loc, h5py.Group) else loc, path.encode("utf8"))
+    return Node(True, oid.dtype, oid.shape, _attrs(oid) if attrs else {}, oid)
+
+
+def group_id(loc, path: str):
+    """The low-level id of the group at `path` below `loc` (an h5py File or Group)."""
+    return h5g.open(loc.id, path.encode("utf8"))
 
 
 def walk(f: h5py.File) -> dict[str, Node]:
@@ -341,14 +347,15 @@ def walk(f: h5py.File) -> dict[str, Node]:
     found: list[tuple[bytes, int, int]] = []
     h5o.visit(f.id, lambda name, info: found.append((name, info.type, info.num_attrs)), info=True)
     nodes = {"/": Node(False, None, None, _attrs(f.id), f.id)}
-    for name, kind, count in sorted(found, key=lambda item: f._d(item[0])):
-        dataset = kind == h5o.TYPE_DATASET
-        oid = h5o.open(f.id, name) if dataset or count else None
-        attrs = _attrs(oid) if count else {}
-        if dataset:
-            nodes[f._d(name)] = Node(True, oid.dtype, oid.shape, attrs, oid)
+    for name, raw, kind, count in sorted((f._d(raw), raw, kind, count) for raw, kind, count in found):
+        if kind == h5o.TYPE_DATASET:
+            oid = h5o.open(f.id, raw)
+            nodes[name] = Node(True, oid.dtype, oid.shape, _attrs(oid) if count else {}, oid)
+        elif count:
+            oid = h5o.open(f.id, raw)
+            nodes[name] = Node(False, None, None, _attrs(oid), oid)
         else:
-            nodes[f._d(name)] = Node(False, None, None, attrs, oid)
+            nodes[name] = Node(False, None, None, {})
     return nodes
 
 
@@ -371,7 +378,7 @@ def _attr_value(attr):
     writes, read with fewer calls)."""
     tid = attr.get_type()
     if (
-        tid.get_class() == h5t.STRING
+        isinstance(tid, h5t.TypeStringID)
         and tid.is_variable_str()
         and attr.get_space().get_simple_extent_type() == h5s.SCALAR
     ):

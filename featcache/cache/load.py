@@ -15,7 +15,7 @@ import torch
 
 from ..errors import UserError, as_list, as_path, first_line
 from .check import _check_structure, _feature_problems, _stale
-from .h5 import Node, node, read_attrs, rows_per_slice
+from .h5 import Node, group_id, node, read_attrs, rows_per_slice
 from .open import open_cache, read_meta
 from .write import SPLITS
 
@@ -72,14 +72,14 @@ def load_clients(
         if views and not int(meta["views"]):  # the structure check holds every client to the stored views
             raise UserError(f"cache {path} has no augmented views: re-extract with --views 2")
         bases = [f"clients/{name}/{split}" for name in sorted(f["clients"])]
-        at = (lambda name: found[name]) if found else (lambda name: node(f, name))  # the check's reads, or fresh
-        labels_of = [at(f"{b}/labels") for b in bases]
+        at = _datasets(f, found)
+        labels_of = [at(b, "labels") for b in bases]
         rows = [_rows(y.shape[0], b, at, holdout, split) for b, y in zip(bases, labels_of)]  # C x [n_c] positions
         counts = [len(r) for r in rows]
         labels = np.full((len(bases), max(counts, default=0)), -1, np.int64)  # [C, Nmax]
         for c, (y, r) in enumerate(zip(labels_of, rows)):
             labels[c, : len(r)] = y.read()[r]
-        read = lambda group: _read_padded(path, [f"{b}/{group}/concat" for b in bases], at, rows, ranges, checked)
+        read = lambda group: _read_padded(path, [(b, f"{group}/concat") for b in bases], at, rows, ranges, checked)
         return ClientData(
             features=read("features"),
             labels=torch.from_numpy(labels),
@@ -134,22 +134,39 @@ def _column_ranges(meta: dict, wanted: list[str] | None, path: Path) -> list[tup
     return [tuple(meta["backbone_info"][b]["columns"]) for b in wanted]
 
 
+def _datasets(f: h5py.File, found: dict[str, Node] | None):
+    """(group path, dataset name) -> the dataset's `Node`: from the structure check's walk when it just ran (its
+    arrays read once), else opened from its group, each group opened once (the features with their attributes:
+    the sha256 an unchecked array is checked against)."""
+    if found:
+        return lambda base, name: found[f"{base}/{name}"]
+    groups: dict[str, object] = {}
+
+    def at(base: str, name: str) -> Node:
+        if base not in groups:
+            groups[base] = group_id(f, base)
+        return node(groups[base], name, attrs=name.endswith("/concat"))
+
+    return at
+
+
 def _read_padded(
     path: Path,
-    names: list[str],
+    names: list[tuple[str, str]],
     at,
     rows: list[np.ndarray],
     ranges: list[tuple[int, int]] | None,
     checked: set[str],
 ) -> torch.Tensor:
     """[C, Nmax, ..., D'] float32, zeros past each client's rows: client c's `rows[c]` of the dataset `names[c]`
-    (`at` gives its `Node`), the columns of `ranges` side by side (all when None)."""
-    nodes = [at(name) for name in names]
+    ((group path, name): `at` gives its `Node`), the columns of `ranges` side by side (all when None)."""
+    nodes = [at(base, name) for base, name in names]
+    paths = [f"{base}/{name}" for base, name in names]
     shape = nodes[0].shape
     width = shape[-1] if ranges is None else sum(b - a for a, b in ranges)
     n = max((len(r) for r in rows), default=0)
     out = np.zeros((len(nodes), n, *shape[1:-1], width), np.float32)  # [C, Nmax, ..., D']
-    for c, (name, ds, r) in enumerate(zip(names, nodes, rows)):
+    for c, (name, ds, r) in enumerate(zip(paths, nodes, rows)):
         _read_into(path, name, ds, r, ranges, out[c, : len(r)], checked)
     return torch.from_numpy(out)
 
@@ -191,20 +208,19 @@ def _read_into(
             cut = check and ranges is not None
             out[lo:hi] = np.concatenate([picked[..., a:b] for a, b in ranges], -1) if cut else picked
     if check:
-        stored = node.attrs["sha256"] if "sha256" in node.attrs else ds.attrs.get("sha256")  # a fresh node: unread
-        problems = _feature_problems(name, stored, digest.hexdigest(), finite)
+        problems = _feature_problems(name, node.attrs.get("sha256"), digest.hexdigest(), finite)
         if problems:
             raise _refused(path, problems)
         checked.add(name)
 
 
 def _rows(n: int, base: str, at, holdout: str, split: str) -> np.ndarray:
-    """The positions of a client's split to load (`base` its group's path, `at` its datasets by path)."""
+    """The positions of a client's split to load (`base` its group's path, `at` its datasets' `Node`s)."""
     if holdout == "none":
         return np.arange(n)
     if split != "train":
         raise UserError(f"holdout={holdout!r} needs split 'train', got {split!r}")
-    val = at(f"{base}/val_index").read()
+    val = at(base, "val_index").read()
     if holdout == "val":
         return np.sort(val)
     if holdout == "fit":
