@@ -328,16 +328,9 @@ class Node:
         return self.data
 
 
-def node(loc, path: str, attrs: bool = False) -> Node:
-    """The dataset at `path` below `loc` (an h5py File or Group, or a low-level group id) as a `Node`, with its
-    attributes when `attrs`."""
-    oid = h5d.open(loc.id if isinstance(loc, h5py.Group) else loc, path.encode("utf8"))
-    return Node(True, oid.dtype, oid.shape, _attrs(oid) if attrs else {}, oid)
-
-
-def group_id(loc, path: str):
-    """The low-level id of the group at `path` below `loc` (an h5py File or Group)."""
-    return h5g.open(loc.id, path.encode("utf8"))
+def dataset_id(f: h5py.File, path: str):
+    """The low-level id of the dataset at `path`."""
+    return h5d.open(f.id, path.encode("utf8"))
 
 
 def walk(f: h5py.File) -> dict[str, Node]:
@@ -350,19 +343,19 @@ def walk(f: h5py.File) -> dict[str, Node]:
     for name, raw, kind, count in sorted((f._d(raw), raw, kind, count) for raw, kind, count in found):
         if kind == h5o.TYPE_DATASET:
             oid = h5o.open(f.id, raw)
-            nodes[name] = Node(True, oid.dtype, oid.shape, _attrs(oid) if count else {}, oid)
+            nodes[name] = Node(True, oid.dtype, oid.shape, _attrs(oid, count) if count else {}, oid)
         elif count:
             oid = h5o.open(f.id, raw)
-            nodes[name] = Node(False, None, None, _attrs(oid), oid)
+            nodes[name] = Node(False, None, None, _attrs(oid, count), oid)
         else:
             nodes[name] = Node(False, None, None, {})
     return nodes
 
 
-def _attrs(oid) -> dict:
-    """Every attribute of the object `oid`, as h5py's `obj.attrs[name]` reads it."""
+def _attrs(oid, count: int | None = None) -> dict:
+    """Every attribute of the object `oid` (`count` of them, when known), as h5py's `obj.attrs[name]` reads it."""
     out = {}
-    for i in range(h5a.get_num_attrs(oid)):
+    for i in range(h5a.get_num_attrs(oid) if count is None else count):
         attr = h5a.open(oid, index=i)
         name = attr.name
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import h5py
@@ -15,13 +15,24 @@ import torch
 
 from ..errors import UserError, as_list, as_path, first_line
 from .check import _check_structure, _feature_problems, _stale
-from .h5 import Node, group_id, node, read_attrs, rows_per_slice
+from .h5 import Node, dataset_id, read_attrs, rows_per_slice
 from .open import open_cache, read_meta
 from .write import SPLITS
 
-# (path, size, mtime, inode) of each cache file version whose structure passed the checks in this process -> the
-# feature arrays of it checked since (each on the read that loaded it)
-_VERIFIED: dict[tuple, set[str]] = {}
+# (path, size, mtime, inode) of each cache file version whose structure passed the checks in this process -> what
+# the check found (`_Seen`)
+_VERIFIED: dict[tuple, "_Seen"] = {}
+# the index arrays a load reads, kept from the check's read of them for the later loads of the same file version
+_KEPT = ("labels", "val_index")
+
+
+@dataclass
+class _Seen:
+    """What the structure check of one file version found: each dataset's dtype, shape and attributes (no open id),
+    the index arrays a load reads (`_KEPT`), and the feature arrays checked since (each on the read that loaded it)."""
+
+    datasets: dict[str, Node]
+    checked: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -66,13 +77,13 @@ def load_clients(
     if split not in SPLITS:
         raise UserError(f"split must be one of {', '.join(SPLITS)} (got {split!r})")
     with open_cache(path) as f:
-        checked, found = _checked(path, f)
+        checked, found, walked = _checked(path, f)
         meta = read_meta(f)
         ranges = _column_ranges(meta, backbones, path)
         if views and not int(meta["views"]):  # the structure check holds every client to the stored views
             raise UserError(f"cache {path} has no augmented views: re-extract with --views 2")
         bases = [f"clients/{name}/{split}" for name in sorted(f["clients"])]
-        at = _datasets(f, found)
+        at = _datasets(f, found, walked)
         labels_of = [at(b, "labels") for b in bases]
         rows = [_rows(y.shape[0], b, at, holdout, split) for b, y in zip(bases, labels_of)]  # C x [n_c] positions
         counts = [len(r) for r in rows]
@@ -95,32 +106,32 @@ def _refused(path: Path, problems: list[str]) -> UserError:
     return UserError(f"cache {path} failed verification: {problems[0]}{more}; delete it and re-run `featcache extract`")
 
 
-def _checked(path: Path, f: h5py.File) -> tuple[set[str], dict[str, Node] | None]:
-    """The feature arrays of this version of the file (path, size, mtime, inode) already checked in this process,
-    and the datasets its structure check found (None when it was checked before). A version not seen before has its
-    structure checked first (everything `verify` checks but the feature bytes): one UserError line when it fails, one
-    warning when it was extracted with other library versions."""
+def _checked(path: Path, f: h5py.File) -> tuple[set[str], dict[str, Node], bool]:
+    """(the feature arrays of this version of the file (path, size, mtime, inode) already checked in this process,
+    its datasets by path (`_Seen`), whether they are the open ones the structure check just walked). A version not
+    seen before has its structure checked first (everything `verify` checks but the feature bytes): one UserError
+    line when it fails, one warning when it was extracted with other library versions."""
     st = path.stat()
     ident = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
-    found = None
-    if ident not in _VERIFIED:
-        problems: list[str] = []
-        try:
-            found = _check_structure(f, problems)
-            stale = _stale(read_attrs(f)["versions"])
-        except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
-            problems.append(f"unreadable ({type(e).__name__}: {first_line(e)})")
-        if problems:
-            raise _refused(path, problems)
-        if stale:
-            warnings.warn(
-                f"cache {path} was extracted with {', '.join(stale)}: a fresh `featcache extract` "
-                "may give other features",
-                UserWarning,
-                stacklevel=3,
-            )
-        _VERIFIED[ident] = set()
-    return _VERIFIED[ident], found
+    if ident in _VERIFIED:
+        return _VERIFIED[ident].checked, _VERIFIED[ident].datasets, False
+    problems: list[str] = []
+    try:
+        found = _check_structure(f, problems)
+        stale = _stale(read_attrs(f)["versions"])
+    except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
+        problems.append(f"unreadable ({type(e).__name__}: {first_line(e)})")
+    if problems:
+        raise _refused(path, problems)
+    if stale:
+        warnings.warn(
+            f"cache {path} was extracted with {', '.join(stale)}: a fresh `featcache extract` may give other features",
+            UserWarning,
+            stacklevel=3,
+        )
+    kept = {name: replace(n, id=None, data=n.data if name.endswith(_KEPT) else None) for name, n in found.items()}
+    _VERIFIED[ident] = _Seen(kept)
+    return _VERIFIED[ident].checked, found, True
 
 
 def _column_ranges(meta: dict, wanted: list[str] | None, path: Path) -> list[tuple[int, int]] | None:
@@ -134,18 +145,16 @@ def _column_ranges(meta: dict, wanted: list[str] | None, path: Path) -> list[tup
     return [tuple(meta["backbone_info"][b]["columns"]) for b in wanted]
 
 
-def _datasets(f: h5py.File, found: dict[str, Node] | None):
-    """(group path, dataset name) -> the dataset's `Node`: from the structure check's walk when it just ran (its
-    arrays read once), else opened from its group, each group opened once (the features with their attributes:
-    the sha256 an unchecked array is checked against)."""
-    if found:
+def _datasets(f: h5py.File, found: dict[str, Node], walked: bool):
+    """(group path, dataset name) -> the dataset's `Node`: the structure check's (`walked`: open, its arrays read),
+    or, on a later load of the same file version, the index arrays the check read and the features opened to be
+    read (with the attributes the check found)."""
+    if walked:
         return lambda base, name: found[f"{base}/{name}"]
-    groups: dict[str, object] = {}
 
     def at(base: str, name: str) -> Node:
-        if base not in groups:
-            groups[base] = group_id(f, base)
-        return node(groups[base], name, attrs=name.endswith("/concat"))
+        seen = found[f"{base}/{name}"]
+        return seen if seen.data is not None else replace(seen, id=dataset_id(f, f"{base}/{name}"))
 
     return at
 
