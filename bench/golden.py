@@ -1,14 +1,16 @@
 """The golden set: every algorithm's result file, a grid's and a quick reproduction's, written through the CLI into
-OUT and listed by sha256 (OUT/golden.json). Run it before and after a refactor that must not change a number, at
-the same OUT (result files record their command line): `python bench/golden.py OUT && mv OUT/golden.json before.json
-&& rm -r OUT`, change the code, `python bench/golden.py OUT --against before.json` (exit 1, the differing files
-named, when a byte differs). CPU, offline, random-weight backbones: minutes."""
+OUT and listed by sha256 (OUT/golden.json; hex digests, which follow the code's and the commit's, left out). Run it
+before and after a refactor that must not change a number, at the same OUT (result files record their command line):
+`python bench/golden.py OUT && mv OUT/golden.json before.json && rm -r OUT`, change the code, `python bench/golden.py
+OUT --against before.json` (exit 1, the differing files named, when a byte differs). CPU, offline, random-weight
+backbones: minutes."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,23 +102,34 @@ def write(out: Path) -> dict[str, str]:
         "--cache",
         str(out / "cache"),
     )
-    files = sorted(
-        p
-        for folder in ("train", "grid", "reproduce")
-        for p in (out / folder).rglob("*")
-        if p.is_file() and not p.name.endswith(".timing.json")
-    )  # wall-clock seconds: never the same
-    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    return digest(out)
+
+
+HEX = re.compile(rb"\b[0-9a-f]{12,64}\b")  # content keys, result-name digests, the commit: they follow the code
+
+
+def digest(out: Path) -> dict[str, list[str]]:
+    """Each result file's sha256 by its path, both with every hex digest written as `#`: the cache's content key
+    names the code that embedded it, the provenance records the commit, and a result's name digests its body, so
+    across a refactor only the numbers and words are compared (a name shared by several files lists their hashes)."""
+    found: dict[str, list[str]] = {}
+    for folder in ("train", "grid", "reproduce"):
+        for p in sorted((out / folder).rglob("*")):
+            if p.is_file() and not p.name.endswith((".timing.json", ".done")):  # seconds; the code's digest
+                name = HEX.sub(b"#", str(p.relative_to(out)).encode()).decode()
+                found.setdefault(name, []).append(hashlib.sha256(HEX.sub(b"#", p.read_bytes())).hexdigest())
+    return {k: sorted(v) for k, v in found.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--against", type=Path, help="an earlier golden.json: exit 1 when a file's bytes differ")
+    parser.add_argument("--written", action="store_true", help="OUT was written before: list its files only")
     args = parser.parse_args()
-    if args.out.exists():
+    if args.out.exists() and not args.written:
         sys.exit(f"{args.out} exists: pass a new folder")
-    hashes = write(args.out)
+    hashes = digest(args.out) if args.written else write(args.out)
     (args.out / "golden.json").write_text(json.dumps(hashes, indent=1, sort_keys=True))
     print(f"{len(hashes)} files in {args.out}/golden.json")
     if args.against:
