@@ -97,6 +97,48 @@ def test_an_empty_attribute_is_unreadable_as_before(many, tmp_path):
     assert C.verify(path)["problems"][0].startswith("unreadable (TypeError")
 
 
+def high_level_write(path: Path, header: dict, backbones: list[dict], clients: list[C.Client]) -> None:
+    """The schema written with h5py's high-level calls, object by object, its checksum read back from the file."""
+    from featcache import __version__
+    from featcache.cache.write import FORMAT, INDEX_DTYPES, MARKER, SPLITS
+
+    def array(g, name, data):
+        data = np.ascontiguousarray(data)
+        g.create_dataset(name, data=data, track_times=False).attrs["sha256"] = hashlib.sha256(data).hexdigest()
+
+    with h5.create_h5(path) as f:
+        h5.write_attrs(
+            f, header | {MARKER: FORMAT, "featcache_version": __version__, "backbones": [b["key"] for b in backbones]}
+        )
+        start = 0
+        for b in backbones:
+            attrs = {k: v for k, v in b.items() if k != "key"} | {"columns": [start, start + b["dim"]]}
+            h5.write_attrs(f.create_group(f"backbones/{b['key']}"), attrs)
+            start += b["dim"]
+        images = 0
+        for c, client in enumerate(clients):
+            g = f.create_group(f"clients/{c:03d}")
+            g.attrs["domain"] = client.domain
+            for split in SPLITS:
+                s = getattr(client, split)
+                index = {"labels": s.labels, "source_index": s.source_index}
+                index["domain"] = np.full(len(s.labels), header["domains"].index(client.domain))
+                for name, dtype in INDEX_DTYPES.items():
+                    array(g, f"{split}/{name}", np.asarray(index[name], dtype))
+                array(g, f"{split}/features/concat", np.concatenate([np.asarray(x, "<f4") for x in s.features], -1))
+                images += len(s.labels)
+            array(g, "train/val_index", np.asarray(client.val_index, np.int64))
+        f.attrs["images"] = images
+        f.attrs["meta_sha256"] = reference_meta_sha256(f)
+
+
+def test_the_writer_makes_the_bytes_h5pys_high_level_calls_make(tmp_path):
+    header, backbones, clients, _ = inputs(rows=((40, 17), (25, 0), (0, 9), (33, 5)))
+    C.write(tmp_path / "low.h5", header, backbones, clients)
+    high_level_write(tmp_path / "high.h5", header, backbones, clients)
+    assert (tmp_path / "low.h5").read_bytes() == (tmp_path / "high.h5").read_bytes()
+
+
 def test_the_same_clients_give_the_same_bytes(tmp_path):
     a = Path(write_cache(tmp_path / "a.h5", C=CLIENTS, D=8, K=3, n=(3, 9)))
     b = Path(write_cache(tmp_path / "b.h5", C=CLIENTS, D=8, K=3, n=(3, 9)))

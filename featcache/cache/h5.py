@@ -132,12 +132,14 @@ def _plists() -> tuple:
 @functools.cache
 def _link_plist(cset: int):
     lcpl = h5p.create(h5p.LINK_CREATE)
+    lcpl.set_create_intermediate_group(True)
     lcpl.set_char_encoding(cset)
     return lcpl
 
 
 def _new_group(loc, name: str):
-    """A group as h5py's `create_group` makes it: its name ASCII where it can be, else UTF-8."""
+    """A group as h5py's `create_group` makes it: its name ASCII where it can be, else UTF-8; missing groups on the
+    way (`name` a path) made by HDF5."""
     try:
         data, cset = name.encode("ascii"), h5t.CSET_ASCII
     except UnicodeEncodeError:
@@ -191,8 +193,7 @@ def write_columns(group: h5py.Group, name: str, blocks: Sequence, lead: tuple[in
 
 def _array(loc, name: str, data: np.ndarray) -> str:
     ds = _new_dataset(loc, name, data.shape, data.dtype)
-    if data.size:
-        ds.write(h5s.ALL, h5s.ALL, data)
+    ds.write(h5s.ALL, h5s.ALL, data)
     digest = hashlib.sha256(data).hexdigest()
     _string_attr(ds, "sha256", digest)
     return digest
@@ -247,11 +248,17 @@ class Tree:
         self._open: dict[str, object] = {}  # path -> GroupID: the last group made and its parents
 
     def group(self, path: str, attrs: dict | None = None) -> None:
-        """A new group at `path` holding `attrs` (`write_attrs`' values)."""
-        parent, _, name = path.rpartition("/")
-        gid = _new_group(self._group(parent), name)
+        """A new group at `path` holding `attrs` (`write_attrs`' values), its missing parents made with it in one call,
+        as h5py's `create_group(path)` makes them."""
+        known = path.rpartition("/")[0]
+        while known and known not in self.entries:
+            known = known.rpartition("/")[0]
+        gid = _new_group(self._group(known), path[len(known) + 1 :] if known else path)
         write_attrs(_Held(gid), attrs or {})
         self._open = {p: g for p, g in self._open.items() if path.startswith(p + "/")} | {path: gid}
+        parts = path.split("/")
+        for i in range(len(known.split("/")) + 1 if known else 1, len(parts)):
+            self.entries["/".join(parts[:i])] = ["group", {}]
         self.entries[path] = ["group", {k: stored(v) for k, v in (attrs or {}).items()}]
 
     def array(self, path: str, data: np.ndarray) -> None:
