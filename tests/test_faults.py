@@ -24,6 +24,7 @@ import h5py
 import pytest
 from harness import BACKBONES, everything_in, folder_extract_args, lines, one_thread, sha256, write_folders
 
+from featcache.cache import h5
 from featcache.extraction.plan import DiskFullError, extract
 from tests.synthetic import write_cache
 
@@ -43,10 +44,10 @@ KILLS = {
     "after-block-3": ["after:os.replace:3:*.npy"],
     "after-block-5-second-backbone": ["after:os.replace:5:*.npy"],
     "after-forward-2-before-its-blocks": ["after:featcache.extraction.embed._forward:2:*"],
-    "inside-store-commit": ["after:h5py.Group.create_dataset:3:*"],
+    "inside-store-commit": ["after:featcache.cache.h5._new_dataset:3:*"],
     "before-store-rename": [f"before:os.replace:1:{STORE_H5}"],
     "between-store-renames": [f"after:os.replace:1:{STORE_H5}"],
-    "inside-assembly": ["after:h5py.Group.create_dataset:2:concat"],  # client 0's test features, not yet filled
+    "inside-assembly": ["after:featcache.cache.h5._new_dataset:2:concat"],  # client 0's test features, not yet filled
     "before-final-rename": [f"before:os.replace:1:{CACHE_H5}"],
     "after-final-rename": [f"after:os.replace:1:{CACHE_H5}"],
     "killed-twice": ["after:os.replace:2:*.npy", "after:os.replace:3:*.npy"],
@@ -324,7 +325,7 @@ def test_enospc_is_disk_full_error_and_leaves_no_partial_file(data, tmp_path, mo
     if where == "block":
         monkeypatch.setattr(os, "fsync", no_space)  # delayed allocation: the block's space runs out at sync
     else:
-        monkeypatch.setattr(h5py.Group, "create_dataset", no_space)
+        monkeypatch.setattr(h5, "_new_dataset", no_space)  # every HDF5 dataset featcache writes is made there
     out = tmp_path / "out"
     with one_thread(), pytest.raises(DiskFullError, match="disk full while writing .*No space left on device"):
         extract(dataset="imagefolder", data_root=data, backbone=BACKBONES, image_size=32, batch_size=4, out=out)
