@@ -3,8 +3,8 @@
     python tests/crashpoint.py [--kill SPEC] [--sigint SPEC] [--pause SPEC:FILE] [--log FILE] -- featcache arguments...
 
 SPEC is WHEN:FUNCTION:N:PATTERN, e.g. `after:os.replace:3:b*.npy`: the N-th call of FUNCTION (a dotted path:
-`os.replace`, `featcache.extraction.plan._forward`, `h5py.Group.create_dataset`) that has an argument whose file name
-matches PATTERN (`*` counts every call) triggers, `before` or `after` the call runs.
+`os.replace`, `featcache.extraction.plan._forward`, `featcache.cache.h5._new_dataset`) that has an argument whose file
+name matches PATTERN (`*` counts every call) triggers, `before` or `after` the call runs.
 
 --kill   the process sends itself SIGKILL: a real kill -9, no exception handler, finally block or atexit hook runs.
 --sigint the process sends itself SIGINT: a real Ctrl-C, handled by whatever SIGINT handler is installed then.
