@@ -322,6 +322,7 @@ def plugin(name: str, body: str) -> Callable[[Ctx], str]:
     return lambda x: f"{x.file(name + '.py', head + textwrap.indent(textwrap.dedent(body), '    '))}:P"
 
 
+CLIENT_HOOK = "fedavg_server = False\n"  # after_local runs: FedAvg's server path would skip it
 PREDICT = "def predict(self, params, buffers, x, ctx):\n    s = super().predict(params, buffers, x, ctx)\n"
 PLUGINS = {
     "predict-nan": PREDICT + "    return s * float('nan')\n",
@@ -331,13 +332,13 @@ PLUGINS = {
     "    loss, new = super().local_loss(params, buffers, x, y, mask, ctx)\n"
     "    return loss * torch.ones(3), new\n",
     "lr-fast": "settings = {'lr': Setting('fast', 'a rate')}\n",
-    "exits": "def after_local(self, state, rnd):\n    sys.exit(0)\n",
-    "interrupts": "def after_local(self, state, rnd):\n    raise KeyboardInterrupt\n",
-    "ctrl-c": "def after_local(self, state, rnd):\n    import os, signal, time\n"
+    "exits": CLIENT_HOOK + "def after_local(self, state, rnd):\n    sys.exit(0)\n",
+    "interrupts": CLIENT_HOOK + "def after_local(self, state, rnd):\n    raise KeyboardInterrupt\n",
+    "ctrl-c": CLIENT_HOOK + "def after_local(self, state, rnd):\n    import os, signal, time\n"
     "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n",
-    "prints": "def after_local(self, state, rnd):\n    print('a plug-in talks on stdout')\n"
+    "prints": CLIENT_HOOK + "def after_local(self, state, rnd):\n    print('a plug-in talks on stdout')\n"
     "    return super().after_local(state, rnd)\n",
-    "raises": "def after_local(self, state, rnd):\n    raise ValueError('boom')\n",
+    "raises": CLIENT_HOOK + "def after_local(self, state, rnd):\n    raise ValueError('boom')\n",
 }
 
 
