@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError, as_list, as_path, first_line
-from .check import _check_structure, _feature_problems, _stale
+from .check import _check_structure, _feature_problems, _is_features, _stale
 from .h5 import Node, dataset_id, read_attrs, rows_per_slice
 from .open import open_cache, read_meta
 from .write import SPLITS
@@ -28,8 +28,9 @@ _KEPT = ("labels", "val_index")
 
 @dataclass
 class _Seen:
-    """What the structure check of one file version found: each dataset's dtype, shape and attributes (no open id),
-    the index arrays a load reads (`_KEPT`), and the feature arrays checked since (each on the read that loaded it)."""
+    """What the structure check of one file version found that a later load uses: the index arrays it reads
+    (`_KEPT`), each feature array's dtype, shape and attributes (no open id), and the feature arrays checked since
+    (each on the read that loaded it)."""
 
     datasets: dict[str, Node]
     checked: set[str] = field(default_factory=set)
@@ -129,7 +130,7 @@ def _checked(path: Path, f: h5py.File) -> tuple[set[str], dict[str, Node], bool]
             UserWarning,
             stacklevel=3,
         )
-    kept = {name: replace(n, id=None, data=n.data if name.endswith(_KEPT) else None) for name, n in found.items()}
+    kept = {name: replace(n, id=None) for name, n in found.items() if name.endswith(_KEPT) or _is_features(name)}
     _VERIFIED[ident] = _Seen(kept)
     return _VERIFIED[ident].checked, found, True
 
