@@ -42,6 +42,11 @@ def verify(path: str | Path) -> dict:
         problems.append(str(e))
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
         problems.append(f"unreadable ({type(e).__name__}: {first_line(e)})")
+    return report(path, problems, stale, arrays, t0)
+
+
+def report(path: str | Path, problems: list[str], stale: list[str], arrays: int, t0: float) -> dict:
+    """What `verify` (of a cache or a store) returns: {path, ok, problems, stale, arrays, bytes, seconds since t0}."""
     size = os.path.getsize(path) if Path(path).is_file() else 0
     return {
         "path": str(path),

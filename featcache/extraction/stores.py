@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..cache import h5
+from ..cache.check import report
 from ..cache.write import MARKER as CACHE_MARKER
 from ..errors import UserError, first_line, not_a_file
 from ..files import MARKER as MARKER_FILE
@@ -229,16 +230,7 @@ def verify(path: str | Path) -> dict:
         problems.append(str(e))
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
         problems.append(f"store {path} is unreadable ({type(e).__name__}: {first_line(e)})")
-    size = os.path.getsize(path) if Path(path).is_file() else 0
-    return {
-        "path": str(path),
-        "ok": not problems,
-        "problems": problems,
-        "stale": stale,
-        "arrays": arrays,
-        "bytes": size,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
+    return report(path, problems, stale, arrays, t0)
 
 
 def _stale(identity: dict) -> list[str]:
