@@ -28,6 +28,7 @@ from . import (  # noqa: F401  (each module registers its algorithms)
     pfedme,
     pfedsd,
     scaffold,
+    serveropt,
 )
 from .base import FedAvg, objective_note, objective_text
 from .plugins import is_plugin, load, load_entry_points, plugin_exit, plugin_exits, plugin_failure
