@@ -12,6 +12,17 @@ first parameter that differs:
     from featcache.testing import assert_matches_plain_loop
     assert_matches_plain_loop("path/to/my_algo.py:MyAlgo")     # or a registered name, a class, an instance
 
+Both sides of that check run the algorithm's own hooks, so it cannot see an algorithm whose hooks compute the wrong
+mathematics consistently (a server momentum never kept passes it). Two checks test the mathematics:
+
+    assert_reduces_to("fedavgm", "fedavg", server_momentum=0.0)   # settings under which the equations are FedAvg's
+    assert_matches_equations("my_avgm.py:MyAvgM", server=fedavgm_server, server_momentum=0.9)
+
+`assert_reduces_to` trains the algorithm at settings where its equations reduce to another algorithm's and asserts
+the other algorithm's results; `assert_matches_equations` runs `plain_loop` with the server step (and optionally
+the local loss) replaced by plain functions written from the user's own equations (`plain_loop`'s `server`, `loss`).
+docs/guides/training.md says what each check catches and what it cannot.
+
 `assert_capturable` checks the protocol of captured steps (CUDA graphs, featcache/training/capture.py) on the CPU:
 the engine run in "replay" mode must give the eager run's results bit for bit.
 
@@ -30,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .algorithms import create, register
+from .algorithms.base import remember_global, weighted_mean
 from .cache import ClientData, h5
 from .training import optim
 from .training.config import resolve
@@ -72,19 +84,30 @@ OPT = {
 }
 
 
-def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def plain_loop(
+    algo, cfg: dict, train, test, device="cpu", server=None, loss=None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One configuration trained client by client: per-round test accuracy [R, C] and the trained parameters
-    name -> [C, ...] (after the last round's download)."""
+    name -> [C, ...] (after the last round's download).
+
+    `server` replaces the algorithm's server side (after_local, upload, aggregate, download) with the user's
+    equations: server(x, clients, n, memory, cfg) -> the next global model, from x (name -> tensor, the model the
+    round started from), clients (one name -> tensor per participant, as trained), n (their training rows), memory
+    (a dict the loop keeps from round to round, empty at first) and cfg (the configuration's settings); every client
+    then holds it (buffers: the n-weighted mean). `loss` replaces the local loss: loss(params, x, y, start) -> a
+    scalar, from the client's parameters, a minibatch and the model it started the round from."""
     eng = Engine(algo, [cfg], train, test, device)
     algo, train, test = eng.algo, eng.train, eng.test  # bound to the run's shared settings; data on the device
     seeds = eng.seeds.to(eng.device)
     state = eng.state  # round 1's (the engine's `initial_state`)
     B, C = cfg["batch_size"], eng.C
     accs, kept = [], {}  # kept: client -> (leaves, optimizer) when the algorithm keeps optimizer state
+    memory: dict = {}  # the user's server state (`server`)
     for rnd in range(cfg["rounds"]):
         part = participation(eng.seeds, rnd, C, cfg["participation"])  # [1, C]
         now = eng.round_context(rnd, part)
         ctxs = [algo.context(state, replace(now, epoch=e)) for e in range(algo.local_epochs())]  # before training
+        start = {c: {k: v[0, c].clone() for k, v in state.params.items()} for c in range(C)}  # w^t of each client
         for c in range(C):
             if not part[0, c]:
                 continue
@@ -118,11 +141,19 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
                     rows = order[s : min(s + B, n_eff)]
                     x, y = train.features[c, rows], train.labels[c, rows]
                     extra = {"views": train.views[c, rows]} if train.views is not None else {}
-                    loss, new = algo.local_loss(
-                        params, buffers, x, y, torch.ones(len(rows), dtype=torch.bool, device=x.device), ctx_c | extra
-                    )
+                    if loss is None:
+                        value, new = algo.local_loss(
+                            params,
+                            buffers,
+                            x,
+                            y,
+                            torch.ones(len(rows), dtype=torch.bool, device=x.device),
+                            ctx_c | extra,
+                        )
+                    else:
+                        value, new = loss(params, x, y, start[c]), {}
                     opt.zero_grad(set_to_none=True)
-                    loss.backward()
+                    value.backward()
                     for norm, names in clip_sets(algo.groups, params):
                         torch.nn.utils.clip_grad_norm_([params[k] for k in names if params[k].requires_grad], norm)
                     opt.step()
@@ -139,10 +170,28 @@ def plain_loop(algo, cfg: dict, train, test, device="cpu") -> tuple[torch.Tensor
                 for k, v in new.items():
                     tree[k] = tree[k].contiguous()  # a model the server broadcast is a view: give it its own memory
                     tree[k][0, c] = v.detach()
-        server_side(algo, state, now, client_side(algo, state, now), train.counts[None].float() * now.part)
+        if server is None:
+            server_side(algo, state, now, client_side(algo, state, now), train.counts[None].float() * now.part)
+        else:
+            _user_server(algo, server, state, now, train.counts, start[0], memory, cfg)
         ctx = algo.context(state, now)
         accs.append(torch.stack([_client_accuracy(algo, state, ctx, test, c) for c in range(C)]))
     return torch.stack(accs), {k: v[0].clone() for k, v in state.params.items()}
+
+
+def _user_server(algo, server, state, now, counts, x, memory: dict, cfg: dict) -> None:
+    """The user's server step (`plain_loop`'s `server`) on configuration 0's participants; every client takes the
+    model it returns."""
+    ids = [c for c in range(now.C) if bool(now.part[0, c])]
+    clients = [{k: v[0, c].clone() for k, v in state.params.items()} for c in ids]
+    n = [int(counts[c]) for c in ids]
+    new = server({k: v.clone() for k, v in x.items()}, clients, n, memory, dict(cfg))
+    weights = counts[None].float() * now.part  # [1, C]
+    stats = {k: weighted_mean(v, weights) for k, v in state.buffers.items()}  # [1, ...]
+    state.params.update({k: now.expand(v.detach()[None].to(state.params[k].dtype)) for k, v in new.items()})
+    state.buffers.update({k: now.expand(v) for k, v in stats.items()})
+    if algo.uses_global:
+        remember_global(state, buffers=True)
 
 
 def _client_accuracy(algo, state, ctx, test, c: int) -> torch.Tensor:
@@ -198,6 +247,78 @@ def assert_matches_plain_loop(
             v[0], ref_params[k], msg=lambda m: f"{algo.name}: parameter {k} differs from the plain loop: {m}"
         )
     return {k: float((v[0] - ref_params[k]).abs().max()) for k, v in engine.state.params.items()}
+
+
+def _trained(algo, cfg: dict, train, test) -> tuple[str, torch.Tensor, dict[str, torch.Tensor]]:
+    """(name, per-round test accuracy [R, C], parameters name -> [C, ...]) of one engine run."""
+    engine = Engine(algo, [cfg], train, test)
+    acc = engine.run()["acc"][:, 0]  # [R, C]
+    return algo.name, acc, {k: v[0] for k, v in engine.state.params.items()}
+
+
+def _assert_same(name: str, ref: str, acc, params, ref_acc, ref_params, exact: bool) -> dict[str, float]:
+    """Equal per-round accuracy (to 1e-6, or bit for bit) and parameters (float32 tolerance, or bit for bit)."""
+    tol = {"rtol": 0, "atol": 0} if exact else {}
+    torch.testing.assert_close(
+        acc,
+        ref_acc,
+        rtol=0,
+        atol=0 if exact else 1e-6,
+        msg=lambda m: f"{name}: per-round test accuracy differs from {ref}: {m}",
+    )
+    assert set(params) == set(ref_params), f"{name}: parameter names differ from {ref}'s"
+    for k, v in params.items():
+        torch.testing.assert_close(
+            v, ref_params[k], **tol, msg=lambda m: f"{name}: parameter {k} differs from {ref}: {m}"
+        )
+    return {k: float((v - ref_params[k]).abs().max()) for k, v in params.items()}
+
+
+def assert_reduces_to(
+    algo,
+    reference,
+    rounds: int = 3,
+    train: ClientData | None = None,
+    test: ClientData | None = None,
+    exact: bool = False,
+    **settings,
+) -> dict[str, float]:
+    """Train `algo` (as in `assert_matches_plain_loop`) at `settings`, the values under which its equations reduce to
+    `reference`'s (a registered name, plug-in spec, class or instance), and `reference` with the same engine and
+    model settings (every setting both declare) on the same data and seed; assert the same per-round test accuracy
+    (to 1e-6) and trained parameters (float32 tolerance; bit for bit with `exact`). Returns the largest parameter
+    difference per name. `assert_reduces_to("fedavgm", "fedavg", server_momentum=0.0)`: FedAvgM without momentum at
+    server_lr=1 is FedAvg."""
+    algo, train, test, cfg = _setup(algo, rounds, train, test, settings)
+    ref_algo = create(register(reference).name) if isinstance(reference, type) else reference
+    ref_algo = create(ref_algo) if isinstance(ref_algo, str) else ref_algo
+    shared = {k: v for k, v in cfg.items() if k != "seed" and k in resolve(ref_algo)}
+    ref_cfg = resolve(ref_algo, shared) | {"seed": cfg["seed"]}
+    name, acc, params = _trained(algo, cfg, train, test)
+    ref, ref_acc, ref_params = _trained(ref_algo, ref_cfg, train, test)
+    return _assert_same(f"{name} at {settings}", ref, acc, params, ref_acc, ref_params, exact)
+
+
+def assert_matches_equations(
+    algo,
+    server=None,
+    loss=None,
+    rounds: int = 3,
+    train: ClientData | None = None,
+    test: ClientData | None = None,
+    **settings,
+) -> dict[str, float]:
+    """Train `algo` (as in `assert_matches_plain_loop`) with the engine and with `plain_loop` whose server step is
+    `server` and/or whose local loss is `loss`, plain functions written from the algorithm's equations (their
+    signatures: `plain_loop`); assert the same per-round test accuracy (to 1e-6) and trained parameters (float32
+    tolerance). Returns the largest parameter difference per name. What `server` does not replace (or `loss`) is the
+    algorithm's own hook, checked against itself only."""
+    if server is None and loss is None:
+        raise ValueError("assert_matches_equations needs server=..., loss=... or both: the equations to check")
+    algo, train, test, cfg = _setup(algo, rounds, train, test, settings)
+    name, acc, params = _trained(algo, cfg, train, test)
+    ref_acc, ref_params = plain_loop(algo, cfg, train, test, server=server, loss=loss)
+    return _assert_same(name, "the loop written from its equations", acc, params, ref_acc, ref_params, False)
 
 
 @contextmanager
