@@ -47,7 +47,7 @@ from .training import optim
 from .training.config import resolve
 from .training.optim import clip_sets, group_of
 from .training.engine import Engine, client_side, server_side
-from .training.schedule import batch_order, participation
+from .training.schedule import batch_order, participation, trained_rows
 
 
 def synthetic_clients(
@@ -131,7 +131,7 @@ def plain_loop(
                 if algo.keeps_optimizer_state:
                     kept[c] = params, opt
             n = int(train.counts[c])
-            n_eff = n // B * B if cfg["drop_last"] else n
+            n_eff = trained_rows([n], B, cfg["drop_last"])[0]
             for epoch in range(algo.local_epochs()):
                 ctx_c = torch.utils._pytree.tree_map(lambda t: t[0, c], ctxs[epoch])
                 for k, p in params.items():

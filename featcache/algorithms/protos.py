@@ -9,7 +9,7 @@ import torch
 from ..errors import UserError
 from ..training.config import Setting
 from ..training.models import map_models
-from ..training.schedule import batch_order
+from ..training.schedule import batch_order, trained_counts
 from .base import one_hot
 
 PASS_EPOCH = 1 << 21  # batch_order's epoch id of the prototype pass: a shuffle of its own, no training epoch's
@@ -64,10 +64,10 @@ def refresh_prototypes(algo, state, rnd) -> None:
 def loader_rows(rnd) -> torch.Tensor:
     """[H, C, N] bool: the rows one pass of a reshuffled training loader yields (the released codes' prototype pass,
     DataLoader(shuffle=True, drop_last=True)): ⌊n/B⌋·B rows of each client drawn by batch_order from (seed, round,
-    PASS_EPOCH), all n with drop_last=false. On the device, no host read."""
+    PASS_EPOCH), all n with drop_last=false or n < B (`schedule.trained_counts`). On the device, no host read."""
     data, B = rnd.data, rnd.cfg["batch_size"]
     N = data.features.shape[1]
-    n = data.counts // B * B if rnd.cfg["drop_last"] else data.counts  # [C]
+    n = trained_counts(data.counts, B, rnd.cfg["drop_last"])  # [C]
     order = batch_order(rnd.seeds.to(rnd.device), rnd.round, PASS_EPOCH, data.counts, N)  # [H, C, N]
     taken = (torch.arange(N, device=rnd.device) < n[:, None]).expand_as(order)  # [H, C, N] by position in the order
     return torch.zeros_like(taken).scatter_(-1, order, taken)

@@ -18,6 +18,7 @@ import itertools
 import numbers
 import os
 import time
+import warnings
 from contextlib import ExitStack, suppress
 from dataclasses import asdict
 from pathlib import Path
@@ -46,6 +47,8 @@ SPLITS = ("train", "test")
 BLOCK_BATCHES = 16  # a block (the unit of resume) is 16 batches of images
 SMALL_IMAGES = 64  # images smaller than this are embedded at this size by default (FedPCL's size for its digits)
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 2048  # below: nothing left after a backbone's strides; above: a typo (memory)
+# training's default batch_size (training/config.py, which this floor does not import; a test ties the two)
+TRAIN_BATCH = 32
 
 
 @threaded
@@ -191,6 +194,9 @@ def extract(
     data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
     _refuse_empty_classes(data)
     parts = [make_partition(data, spec) for spec in specs]
+    for spec, spec_parts in zip(specs, parts):
+        if line := small_clients(spec, spec_parts, specs):
+            warnings.warn(line, UserWarning, stacklevel=2)
     run = Settings(
         tuple(backbone),
         image_size,
@@ -279,6 +285,22 @@ def _told(tell, notes: list[str], partition: str, domains, results: list[dict], 
             "(--domains NAME picks another)"
         )
     return {"image_size": image_size, "notes": notes}
+
+
+def small_clients(spec: PartitionSpec, parts, specs: list[PartitionSpec]) -> str:
+    """One line naming the clients of `spec` with fewer training images than training's default batch ("" when
+    none); in a sweep, led by the partition values that tell this cache from the others."""
+    small = [(i, len(p.train)) for i, p in enumerate(parts) if len(p.train) < TRAIN_BATCH]
+    if not small:
+        return ""
+    differ = [k for k, v in spec.to_dict().items() if any(s.to_dict()[k] != v for s in specs)]
+    where = f"cache {', '.join(f'{k}={spec.to_dict()[k]}' for k in differ)}: " if differ else ""
+    more = f" and {len(small) - 5} more" if len(small) > 5 else ""
+    who = ", ".join(f"client {i} ({n})" for i, n in small[:5]) + more
+    return (
+        f"{where}{who} hold{'s' if len(small) == 1 else ''} fewer training images than a batch of {TRAIN_BATCH} "
+        "(training's default batch_size): such a client trains on all of them in one step per round"
+    )
 
 
 def _whole(least: int, none: bool = False) -> Callable[[object], bool]:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from .names import run_name
 from .spec import RunSpec
 from ..training.engine import Engine, State
 from ..training.guards import NO_TEST_ROWS, check_features, check_split
+from ..training.schedule import one_step_note
 
 
 def load_split(path, algo, holdout: str = "none", split: str = "train", backbones=None) -> C.ClientData:
@@ -179,6 +181,9 @@ def run(
     train_data = data[0] if data else load_split(cache, impl, backbones=backbones)
     check_features(train_data, cache)
     check_clients(cfg, int(train_data.features.shape[0]))
+    epochs = impl.bind(cfg).local_epochs()
+    if line := one_step_note(train_data.counts.tolist(), cfg["batch_size"], cfg["drop_last"], epochs):
+        warnings.warn(line, UserWarning, stacklevel=2)
     at_once = fit_at_once(impl, cfg, len(seeds), train_data, device, "use fewer --seeds")  # None: every participant
     test_data = data[1] if data else C.load_clients(cache, "test", backbones=backbones)
     check_split(test_data, "test", cache, NO_TEST_ROWS)

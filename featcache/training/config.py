@@ -74,7 +74,11 @@ ENGINE_SETTINGS: dict[str, Setting] = {
     "rounds": Setting(50, "communication rounds", lo=1),
     "local_epochs": Setting(1, "local epochs per round", lo=1),
     "batch_size": Setting(32, "rows per local minibatch", lo=1),
-    "drop_last": Setting(True, "drop each client's last partial minibatch of an epoch"),
+    "drop_last": Setting(
+        True,
+        "drop each client's last partial minibatch of an epoch, unless it is the client's only one: a client with "
+        "fewer rows than batch_size (a Dirichlet sweep's smallest) trains on all of them in one step, never on none",
+    ),
     "optimizer": Setting("adam", "the local optimizer", choices=("adam", "sgd")),
     "lr": Setting(1e-3, "local learning rate", lo=0, lo_open=True),
     "weight_decay": Setting(1e-4, "L2 weight decay added to the gradient", lo=0),

@@ -86,13 +86,40 @@ def evaluates(rnd: int, cfg) -> bool:
 
 
 def trained_rows(counts, batch_size: int, drop_last: bool) -> list[int]:
-    """Rows each client trains on per local epoch (drop_last drops a short last batch)."""
-    return [int(n) // batch_size * batch_size if drop_last else int(n) for n in counts]
+    """Rows each client trains on per local epoch: drop_last drops a short last batch unless it is the client's only
+    one (a client smaller than a batch trains on all its rows in one step, never on none)."""
+    return [int(n) // batch_size * batch_size if drop_last and int(n) >= batch_size else int(n) for n in counts]
+
+
+def trained_counts(counts: torch.Tensor, batch_size: int, drop_last: bool) -> torch.Tensor:
+    """`trained_rows` of a [C] tensor of counts, on its device (no host read)."""
+    if not drop_last:
+        return counts
+    return torch.where(counts >= batch_size, counts // batch_size * batch_size, counts)  # [C]
 
 
 def client_steps(counts, batch_size: int, drop_last: bool) -> list[int]:
     """Minibatches each client takes per local epoch (the one place this is computed; see `Round.client_steps`)."""
     return [(n + batch_size - 1) // batch_size for n in trained_rows(counts, batch_size, drop_last)]
+
+
+def one_step_note(counts, batch_size: int, drop_last: bool, epochs: int, what: str = "") -> str:
+    """One line naming the clients that take a single local step per round ("" when none): that step starts at the
+    global model, so a term pulling toward it (FedProx's proximal term) has no gradient, and settings that change
+    only that term train the same model. `what` names the rows counted (e.g. "validation fit")."""
+    steps = client_steps(counts, batch_size, drop_last)
+    one = [i for i, s in enumerate(steps) if s * epochs == 1]
+    if not one:
+        return ""
+    rows = sorted({int(counts[i]) for i in one})
+    sizes = f"{rows[0]}" if len(rows) == 1 else f"{rows[0]}-{rows[-1]}"
+    who = f"client {one[0]}" if len(one) == 1 else f"{len(one)} of {len(steps)} clients"
+    return (
+        f"{who} take{'s' if len(one) == 1 else ''} one local step per round ({sizes} {what + ' ' if what else ''}rows, "
+        f"batch_size={batch_size}, local_epochs=1): the step starts at the global model, so a proximal term "
+        "(FedProx's mu) has no gradient and settings that change only it train the same model; a smaller --set "
+        "batch_size or more local_epochs gives more steps"
+    )
 
 
 @dataclass(frozen=True)
@@ -116,12 +143,9 @@ def plan_steps(data: ClientData, batch_size: int, drop_last: bool) -> Plan:
     B, device = batch_size, data.features.device
     counts = data.counts.tolist()  # once, before training
     n_eff = trained_rows(counts, B, drop_last)
-    small = sum(n == 0 for n in n_eff)
-    if small:
-        raise UserError(
-            f"{small} client(s) have fewer than batch_size={B} training rows and would never train "
-            "with drop_last: use --set drop_last=false or a smaller --set batch_size"
-        )
+    empty = sum(n == 0 for n in n_eff)
+    if empty:
+        raise UserError(f"{empty} client(s) have no training rows and would never train: extract with fewer clients")
     per_client = client_steps(counts, B, drop_last)
     steps, N = max(per_client), data.features.shape[1]
     n_eff_t = torch.tensor(n_eff, device=device)  # [C]
