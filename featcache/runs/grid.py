@@ -18,6 +18,7 @@ import csv
 import hashlib
 import io
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ from ..provenance import library_call, provenance
 from ..threads import threaded
 from ..training.config import check_clients, structural_keys
 from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
+from ..training.schedule import one_step_note
 from ..training.footprint import check_memory
 from .spec import RunSpec
 from .train import load_split, run, run_configs
@@ -224,8 +226,12 @@ def run_grid(
     points, cfgs = spec.points(), spec.configs()
     C = fit.features.shape[0]
     buckets: dict[str, list[int]] = {}
+    fit_rows = fit.counts.tolist()
     for i, c in enumerate(cfgs):
         check_clients(c, C)
+        line = one_step_note(fit_rows, c["batch_size"], c["drop_last"], impl.bind(c).local_epochs(), "validation-fit")
+        if line:  # each distinct line once (Python's warning registry)
+            warnings.warn(line, UserWarning, stacklevel=2)
         buckets.setdefault(_bucket_key(c, impl), []).append(i)
     per_model = {}  # memory of one model per bucket: refuse a bucket whose smallest chunk cannot fit, before training
     for key, members in buckets.items():
@@ -277,6 +283,14 @@ def run_grid(
             ({"config": points[i], "val_mean": mean_std(v)[0], "val_std": mean_std(v)[1]} for i, v in scores.items()),
             key=lambda r: -r["val_mean"],
         )
+        tied = [r["config"] for r in table if r["val_mean"] == table[0]["val_mean"]]
+        if len(tied) > 1:  # the sort is stable: the first in grid order wins
+            warnings.warn(
+                f"{len(tied)} configurations tie exactly on validation ({table[0]['val_mean']:.4f}): picked "
+                f"{table[0]['config']}, the first of them in grid order (a tie keeps the grid's order)",
+                UserWarning,
+                stacklevel=2,
+            )
         result = {
             "algo": spec.name,
             "cache": str(cache),
