@@ -13,6 +13,14 @@ global model's as downloaded, the previous model's as its training left them; ma
 training a client's previous model is the initial model; in round 1 that equals the global model, so ℓ_con is the
 constant log 2 with zero gradient there (plain FedAvg, as when there is no negative pair yet).
 Global model: FedAvg's; MOON reports the global model's test accuracy (§4).
+
+`moon-official` matches the released code (QinbinLi/MOON @ 8fcba3c, main.py: `init_nets`, `train_net_fedcon`
+and the moon branch of the round loop) where it differs at partial participation: the pool of previous models is
+empty in round 0, so the contrastive logits are the positive alone and ℓ_con = 0 (`moon` reports μ·log 2 there, with
+the same zero gradient); from round 1 on every client's previous model is a copy of its own network (`nets`), which
+for a client that has not trained yet is its own initial network, drawn for each client apart from the global one
+(init_nets), not the global model. Here the clients' own initial heads are the draws that follow the global one
+from the configuration's generator (`own_models`).
 """
 
 from __future__ import annotations
@@ -65,4 +73,43 @@ class Moon(FedAvg):
         z_glob, _ = self.embed(ctx["global"], ctx["global_buffers"], x)
         z_prev, _ = self.embed(ctx["prev"], ctx["prev_buffers"], x)
         con = masked_mean(model_contrast(z, z_glob, z_prev, ctx["hp"]["tau"]), mask)
+        return masked_ce(self.logits(params, z), y, mask) + ctx["hp"]["mu"] * con, new_buffers
+
+
+def own_models(algo, cfg, d_in: int, num_classes: int, seed: int, clients: int) -> list:
+    """Each client's own initial head (params, buffers): the draws that follow the configuration's global model from
+    its generator (the engine's init draws the global one first), so every client's differs from it and from each
+    other's."""
+    gen = torch.Generator().manual_seed(seed)
+    algo.init(cfg, d_in, num_classes, gen)  # the global model's draws
+    return [algo.init(cfg, d_in, num_classes, gen) for _ in range(clients)]
+
+
+@register
+class MoonOfficial(Moon):
+    name = "moon-official"
+    paper = "MOON released code (QinbinLi/MOON, main.py init_nets, train_net_fedcon, the moon round loop)"
+    uploads = "all head parameters"
+
+    def init_state(self, state, rnd):
+        super().init_state(state, rnd)
+        d_in, K = rnd.data.features.shape[-1], rnd.data.num_classes
+        own = [own_models(self, self.cfg, d_in, K, int(s), rnd.C) for s in rnd.seeds]  # [H][C] init_nets' parties
+        for key, at, like in (("prev", 0, state.params), ("prev_buffers", 1, state.buffers)):
+            state.client[key] = {
+                k: torch.stack([torch.stack([m[at][k] for m in row]) for row in own]).to(
+                    v.device, v.dtype
+                )  # [H, C, ...]
+                for k, v in like.items()
+            }
+
+    def context(self, state, rnd):
+        pooled = torch.full((rnd.H, rnd.C), float(rnd.round > 0), device=rnd.device)  # [H, C] a previous model exists
+        return super().context(state, rnd) | {"pooled": pooled}
+
+    def local_loss(self, params, buffers, x, y, mask, ctx):
+        z, new_buffers = self.embed(params, buffers, x, mask, train=True)
+        z_glob, _ = self.embed(ctx["global"], ctx["global_buffers"], x)
+        z_prev, _ = self.embed(ctx["prev"], ctx["prev_buffers"], x)
+        con = masked_mean(model_contrast(z, z_glob, z_prev, ctx["hp"]["tau"]), mask) * ctx["pooled"]
         return masked_ce(self.logits(params, z), y, mask) + ctx["hp"]["mu"] * con, new_buffers
