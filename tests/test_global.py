@@ -28,6 +28,11 @@ WITH_GLOBAL = {
     "pfedme",
     "pfedsd",
     "perfedavg",
+    "fedavgm",
+    "fedadagrad",
+    "fedyogi",
+    "fedadam",
+    "moon-official",
 }
 
 
@@ -142,7 +147,9 @@ def test_which_algorithms_have_a_global_model(name, data):
 
 
 # The algorithms whose clients all predict with the server's model after download: their global metric is pooled.
-HOLD_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "fedproc", "fedproc-official", "perfedavg"}
+SERVER_OPTIMIZERS = {"fedavgm", "fedadagrad", "fedyogi", "fedadam"}
+HOLD_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "moon-official", "fedproc", "fedproc-official", "perfedavg"}
+HOLD_GLOBAL |= SERVER_OPTIMIZERS
 
 
 @pytest.mark.parametrize("name", sorted(list_algorithms()))
