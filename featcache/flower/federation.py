@@ -1,0 +1,426 @@
+"""One featcache run split into a server and its clients, each holding only its own part, torch only (the Flower
+apps in apps.py carry their messages).
+
+A client (`ClientSide`) holds one client's state, its models and per-client state as a federation of one
+([H, C] = [1, 1]) plus its copy of the server state, and trains the way `featcache.testing.plain_loop` trains one
+client of the engine's run: the engine's first model, its batch order for that client (a pure function of seed,
+round, epoch and client id), its optimizer settings, the hooks in the engine's order (`client_side` after local
+training). The server (`ServerSide`) holds the state of all C clients as far as the server hooks read it: it runs
+`init_state`, `aggregate`, `download` and `global_model` on it, with the participants' uploads stacked [1, C, ...]
+and the engine's seeded participation. Each client runs `download` itself on what `aggregate` returned, so state
+that `download` derives from what a client trained (SCAFFOLD's control variates) is computed where that lives.
+
+Where `init_state` exchanges data (FedPCL's initial prototypes), the server's `after_local` and `upload` are the
+clients' own: the clients compute them on their rows and the server aggregates what they send.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+
+import torch
+
+from ..cache import ClientData
+from ..cache.split import client_of as rows_of  # noqa: F401  (the tests slice clients with it)
+from ..errors import UserError
+from ..training.config import batched
+from ..training.engine import Frame, State, client_side, initial_state
+from ..training.evaluate import accuracy_loss, hits, scores
+from ..training.hparams import HParams
+from ..training.optim import clip_sets, group_of
+from ..training.schedule import batch_order, participation, plan_steps
+
+GROUPS = ("params", "buffers", "client", "server")
+
+# What a client alone cannot do as the hooks are written: (test on the bound algorithm, the one-line reason)
+REFUSALS = (
+    (
+        lambda algo: algo.keeps_optimizer_state,
+        "keeps_optimizer_state: its optimizer moments live in one torch.optim object per client for the whole run, "
+        "which Flower's context state does not hold",
+    ),
+    (
+        lambda algo: algo.cfg.get("proto_noise", "none") != "none",
+        "proto_noise: `privatize` draws the noise of all C clients from one (seed, round) generator, which a client "
+        "alone cannot reproduce",
+    ),
+)
+
+OPT = {
+    "adam": lambda groups, c: torch.optim.Adam(groups, lr=c["lr"], weight_decay=c["weight_decay"]),
+    "sgd": lambda groups, c: torch.optim.SGD(
+        groups, lr=c["lr"], weight_decay=c["weight_decay"], momentum=c["momentum"]
+    ),
+}
+
+
+# Built-in algorithms whose hooks, as written, read across clients where a client holds only itself
+HOOKS_ACROSS_CLIENTS = {
+    "fedamp": "aggregate returns one model per client [H, C, ...] that download indexes by client",
+    "fedcac": "aggregate returns one model per client [H, C, ...] that download indexes by client",
+    "fedproc": "init_state reads every client's prototypes from state.client rather than through upload",
+    "fedproc-official": "init_state reads every client's prototypes from state.client rather than through upload",
+}
+
+
+def refuse(algo) -> None:
+    """One line naming what of the bound algorithm cannot run client-side as written, and why."""
+    if algo.name in HOOKS_ACROSS_CLIENTS:
+        raise UserError(
+            f"{algo.name} cannot run as a Flower app: {HOOKS_ACROSS_CLIENTS[algo.name]}; run it with `featcache train`"
+        )
+    for test, why in REFUSALS:
+        if test(algo):
+            raise UserError(f"{algo.name} cannot run as a Flower app: {why}; run it with `featcache train`")
+
+
+def pack(tree) -> tuple[dict[str, torch.Tensor], str]:
+    """A nested dict of tensors (and JSON values) as (path -> tensor, its skeleton as JSON): paths join keys by '/'."""
+    arrays: dict[str, torch.Tensor] = {}
+
+    def walk(node, path):
+        if torch.is_tensor(node):
+            arrays[path] = node.detach().contiguous()
+            return {"@tensor": path}
+        if isinstance(node, dict):
+            bad = [k for k in node if not isinstance(k, str) or "/" in k]
+            if bad:
+                raise UserError(f"state key {bad[0]!r} cannot travel as a Flower record: keys must be '/'-free strings")
+            return {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return {"@items": [walk(v, f"{path}/{i}") for i, v in enumerate(node)], "@tuple": isinstance(node, tuple)}
+        return {"@value": node}
+
+    return arrays, json.dumps(walk(tree, ""))
+
+
+def unpack(arrays: dict[str, torch.Tensor], skeleton: str):
+    """The tree `pack` took apart."""
+
+    def build(node):
+        if "@tensor" in node:
+            return arrays[node["@tensor"]]
+        if "@value" in node:
+            return node["@value"]
+        if "@items" in node:
+            items = [build(v) for v in node["@items"]]
+            return tuple(items) if node["@tuple"] else items
+        return {k: build(v) for k, v in node.items()}
+
+    return build(json.loads(skeleton))
+
+
+def shared_setup(algo, cfg: dict, data: ClientData, device="cpu"):
+    """(bound algorithm, Frame) of one configuration `cfg` (seed included) on `data`, as the engine binds them."""
+    shared, floats = batched([cfg], algo)
+    bound = algo.bind(shared)
+    plan = plan_steps(data, cfg["batch_size"], cfg["drop_last"])
+    seeds = torch.tensor([cfg["seed"]])
+    frame = Frame(plan.steps, plan.client_steps, seeds, HParams.of(floats, device), shared, data, torch.device(device))
+    return bound, frame
+
+
+def first_models(algo, frame: Frame, d_in: int, K: int) -> list:
+    """The engine's round-1 model (`Engine.init_state`): one per configuration, from its seed."""
+    return [algo.init(frame.cfg, d_in, K, torch.Generator().manual_seed(int(s))) for s in frame.seeds]
+
+
+class ClientSide:
+    """Client `index` of the federation: its own rows `train`, `test` (C = 1) and its state."""
+
+    def __init__(self, algo, cfg: dict, train: ClientData, test: ClientData, index: int):
+        self.cfg, self.index = cfg, index
+        self.train, self.test = train, test
+        self.algo, self.frame = shared_setup(algo, cfg, train)
+        refuse(self.algo)
+        self.state: State | None = None
+
+    def start(self) -> None:
+        """Round 1's state, as the engine's `initial_state` gives this client (its `init_state` on its rows)."""
+        models = first_models(self.algo, self.frame, self.train.features.shape[-1], self.train.num_classes)
+        self.state = initial_state(self.algo, models, self.frame)
+
+    def round(self, rnd: int, took_part: bool = True):
+        return self.frame.round(rnd, [[took_part]])
+
+    # -- the state between messages -----------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], str]:
+        return pack(self.state.groups())
+
+    def load_state_dict(self, arrays: dict, skeleton: str) -> None:
+        self.state = State(**unpack(arrays, skeleton))
+
+    # -- hooks --------------------------------------------------------------------------------------------------
+    def init_upload(self) -> dict:
+        """What `init_state`'s `upload` sends from this client (name -> [1, 1, ...])."""
+        return self.algo.upload(self.state, self.round(-1))
+
+    def fit(self, rnd: int) -> tuple[dict, float]:
+        """Round `rnd`'s local epochs, then `client_side`: (uploads name -> [1, 1, ...], mean local loss)."""
+        algo, state, cfg, c = self.algo, self.state, self.cfg, self.index
+        now = self.round(rnd)
+        B, n = cfg["batch_size"], int(self.train.counts[0])
+        ctxs = [algo.context(state, replace(now, epoch=e)) for e in range(algo.local_epochs())]  # before training
+        buffers = {k: v[0, 0].clone() for k, v in state.buffers.items()}
+        params = {k: v[0, 0].clone().requires_grad_(True) for k, v in state.params.items()}
+        groups = []
+        for k, p in params.items():
+            g = group_of(algo.groups, k)
+            groups.append(
+                {"params": [p], "lr": cfg[g.lr] * cfg.get(g.lr_scale, 1.0), "weight_decay": cfg[g.weight_decay]}
+            )
+        opt = OPT[cfg["optimizer"]](groups, cfg)
+        n_eff = n // B * B if cfg["drop_last"] else n
+        counts = torch.zeros(c + 1, dtype=torch.int64)
+        counts[c] = n  # this client's count at its own id: its batch order is the one it has among all C
+        total, steps = torch.zeros(()), 0
+        for epoch in range(algo.local_epochs()):
+            at = replace(now, epoch=epoch)
+            ctx = torch.utils._pytree.tree_map(lambda t: t[0, 0], ctxs[epoch])
+            ctx_11 = torch.utils._pytree.tree_map(lambda t: t[0:1, 0:1], ctxs[epoch])
+            for k, p in params.items():
+                p.requires_grad_(algo.trainable(k, at))
+            order = batch_order(self.frame.seeds, rnd, epoch, counts, n, torch.tensor([[c]]))[0, 0]  # [n]
+            for s in range(0, n_eff, B):
+                rows = order[s : min(s + B, n_eff)]
+                x, y = self.train.features[0, rows], self.train.labels[0, rows]
+                extra = {"views": self.train.views[0, rows]} if self.train.views is not None else {}
+                mask = torch.ones(len(rows), dtype=torch.bool)
+                loss, new = algo.local_loss(params, buffers, x, y, mask, ctx | extra)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                for norm, names in clip_sets(algo.groups, params):
+                    torch.nn.utils.clip_grad_norm_([params[k] for k in names if params[k].requires_grad], norm)
+                opt.step()
+                with torch.no_grad():  # the per-step hook on this one model, as a [1, 1] stack
+                    one = torch.ones(1, 1, dtype=torch.bool)
+                    algo.after_step(
+                        {k: p[None, None] for k, p in params.items()}, ctx_11, one, replace(at, step=s // B)
+                    )
+                buffers.update({k: v.detach() for k, v in new.items()})
+                total, steps = total + loss.detach(), steps + 1
+        state.params = {k: v.detach()[None, None].clone() for k, v in params.items()}
+        state.buffers = {k: v.detach()[None, None].clone() for k, v in buffers.items()}
+        return client_side(algo, state, now), float(total / max(steps, 1))
+
+    def take(self, rnd: int, server, took_part: bool) -> None:
+        """`download` of what the server aggregated in round `rnd` (every client takes it, as in the engine)."""
+        self.algo.download(self.state, server, self.round(rnd, took_part))
+
+    @torch.no_grad()
+    def score(self, rnd: int, took_part: bool, first: bool, model=None) -> dict:
+        """This client's figures after round `rnd` (`evaluate.record`'s, C = 1) and its hits of the global model on
+        its test rows: `model` (params, buffers) name -> [1, ...] when the server sent one, else its own model's."""
+        algo, state, now = self.algo, self.state, self.round(rnd, took_part)
+        test_scores = scores(algo, state, self.test, now, first=first)  # [1, 1, N, K]
+        test_hits = hits(test_scores, self.test)  # [1, 1, N]
+        test_acc, test_loss = accuracy_loss(test_scores, self.test, test_hits)
+        train_acc, _ = accuracy_loss(scores(algo, state, self.train, now), self.train)
+        if model is not None:
+            test_hits = hits(scores(algo, state, self.test, now, model, first), self.test)
+        return {
+            "test_acc": float(test_acc[0, 0]),
+            "test_loss": float(test_loss[0, 0]),
+            "train_acc": float(train_acc[0, 0]),
+            "global_hits": int(test_hits.sum()),
+            "test_rows": int(self.test.counts[0]),
+        }
+
+
+class ServerSide:
+    """The server of a federation of `counts` clients (their training rows), `K` classes, `D` input features."""
+
+    def __init__(self, algo, cfg: dict, counts: list[int], K: int, D: int, views: int = 0):
+        C, N = len(counts), max(counts)
+        skeleton = ClientData(  # the clients' shape, no rows: the server hooks read counts, never features
+            torch.zeros(()).expand(C, N, D),
+            torch.full((C, N), -1),
+            torch.tensor(counts),
+            K,
+            torch.zeros(()).expand(C, N, views, D) if views else None,
+        )
+        self.cfg, self.C, self.K, self.D = cfg, C, K, D
+        self.algo, self.frame = shared_setup(algo, cfg, skeleton)
+        refuse(self.algo)
+        self.counts = skeleton.counts
+        self.state: State | None = None
+
+    def start(self, init_uploads) -> None:
+        """Round 1's state; `init_uploads()` returns the clients' uploads [1, C, ...] where `init_state` asks for
+        them (its `after_local` and `upload` run on the clients)."""
+        proxy = copy.copy(self.algo)
+        proxy.after_local = lambda state, rnd: None
+        proxy.upload = lambda state, rnd: init_uploads()
+        models = first_models(self.algo, self.frame, self.D, self.K)
+        self.state = initial_state(proxy, models, self.frame)
+
+    def participants(self, rnd: int) -> list[int]:
+        """The clients of round `rnd`: the engine's seeded draw."""
+        part = participation(self.frame.seeds, rnd, self.C, self.cfg["participation"])[0]
+        return [c for c in range(self.C) if part[c]]
+
+    def stack(self, uploads: dict[int, dict]) -> dict:
+        """The participants' uploads (client -> name -> [1, 1, ...]) as name -> [1, C, ...], zeros elsewhere."""
+        some = next(iter(uploads.values()))
+        out = {}
+        for k, v in some.items():
+            t = torch.zeros(1, self.C, *v.shape[2:], dtype=v.dtype)
+            for c, up in uploads.items():
+                t[0, c] = up[k][0, 0]
+            out[k] = t
+        return out
+
+    def serve(self, rnd: int, uploads: dict[int, dict]):
+        """Round `rnd`'s server side (`aggregate`, `download` on the server's state): returns what `aggregate`
+        gave, for every client's own `download`."""
+        part = [[c in uploads for c in range(self.C)]]
+        now = self.frame.round(rnd, part)
+        weights = self.counts[None].float() * now.part  # [1, C]
+        server = self.algo.aggregate(self.stack(uploads), weights, self.state, now)
+        self.algo.download(self.state, server, now)
+        return server
+
+    def global_model(self, rnd: int):
+        """The server's model after round `rnd` ((params, buffers) name -> [1, ...]) or None."""
+        part = [[c in self.participants(rnd) for c in range(self.C)]]
+        return self.algo.global_model(self.state, self.frame.round(rnd, part))
+
+
+# -- the messages: what the server asks, what a client answers (trees of tensors and JSON values) -------------------
+def answer(client: ClientSide, kind: str, msg: dict) -> dict:
+    """Client `client`'s reply to a message of `kind` (`KINDS`); starts its state on the first message."""
+    if client.state is None:
+        client.start()
+    return KINDS[kind](client, msg)
+
+
+def _hello(client: ClientSide, msg: dict) -> dict:
+    t = client.train
+    views = 0 if t.views is None else t.views.shape[2]
+    meta = {k: t.meta.get(k) for k in ("key", "dataset", "backbones", "partition")}
+    return {
+        "client": client.index,
+        "train": int(t.counts[0]),
+        "classes": t.num_classes,
+        "dim": t.features.shape[-1],
+        "views": views,
+        "meta": meta,
+    }
+
+
+def _init(client: ClientSide, msg: dict) -> dict:
+    return {"uploads": client.init_upload()}
+
+
+def _server_state(client: ClientSide, msg: dict) -> dict:
+    client.state.server = msg["server"]
+    return {}
+
+
+def _train(client: ClientSide, msg: dict) -> dict:
+    uploads, loss = client.fit(msg["round"])
+    return {"uploads": uploads, "loss": loss}
+
+
+def _download(client: ClientSide, msg: dict) -> dict:
+    rnd, took_part = msg["round"], msg["took_part"]
+    client.take(rnd, msg["server"], took_part)
+    if not msg["evaluate"]:
+        return {}
+    return client.score(rnd, took_part, msg["first"], msg.get("model"))
+
+
+KINDS = {"query": _hello, "train.init": _init, "evaluate.server": _server_state, "train": _train, "evaluate": _download}
+
+
+def run_server(server_of, send, rounds: int, eval_every: int, progress=None) -> dict:
+    """The federation's rounds from the server: `send(kind, {client: message}) -> {client: reply}` carries the
+    messages (all of them answered, or an error raised); `server_of(replies to "query")` makes the `ServerSide`.
+    Returns the engine's raw output (`Loop.result`: test_acc, test_loss, train_acc, train_loss [R_eval, 1, C],
+    global_acc [R_eval, 1] or None, eval_rounds, upload_floats, round_seconds) and the bytes per round."""
+    import time
+
+    hello = send("query", None)
+    server: ServerSide = server_of(hello)
+    everyone = range(server.C)
+    server.start(
+        lambda: server.stack({c: r["uploads"] for c, r in send("train.init", dict.fromkeys(everyone, {})).items()})
+    )
+    send("evaluate.server", {c: {"server": server.state.server} for c in everyone})
+    records, eval_rounds, floats, seconds = [], [], [], []
+    for rnd in range(rounds):
+        t0 = time.perf_counter()
+        chosen = server.participants(rnd)
+        replies = send("train", {c: {"round": rnd} for c in chosen})
+        uploads = {c: replies[c]["uploads"] for c in chosen}
+        payload = server.serve(rnd, uploads)
+        floats.append(sum(v[0, 0].numel() for v in next(iter(uploads.values())).values()))
+        evaluate = (rnd + 1) % eval_every == 0 or rnd == rounds - 1
+        model = server.global_model(rnd) if evaluate else None
+        sent = {"round": rnd, "server": payload, "evaluate": evaluate, "first": not records}
+        if model is not None and not server.algo.clients_hold_global:
+            sent["model"] = model
+        figures = send("evaluate", {c: sent | {"took_part": c in uploads} for c in everyone})
+        seconds.append(time.perf_counter() - t0)
+        if evaluate:
+            row = lambda k: torch.tensor([[figures[c][k] for c in everyone]], dtype=torch.float32)  # [1, C]
+            loss = torch.tensor([[replies[c]["loss"] if c in replies else float("nan") for c in everyone]])
+            glob = None
+            if model is not None:
+                total = sum(figures[c]["global_hits"] for c in everyone)
+                glob = torch.tensor([total]) / max(sum(figures[c]["test_rows"] for c in everyone), 1)
+            records.append(
+                {
+                    "test_acc": row("test_acc"),
+                    "test_loss": row("test_loss"),
+                    "train_acc": row("train_acc"),
+                    "train_loss": loss,
+                    "global_acc": glob,
+                }
+            )
+            eval_rounds.append(rnd + 1)
+        if progress:
+            progress(rnd + 1, rounds)
+    stacked = {k: None if records[0][k] is None else torch.stack([r[k] for r in records]) for k in records[0]}
+    return stacked | {
+        "acc": stacked["test_acc"],
+        "eval_rounds": eval_rounds,
+        "upload_floats": floats,
+        "round_seconds": seconds,
+        "clients": server.C,
+        "algo": server.algo,
+    }
+
+
+def wire(tree):
+    """`tree` as the other side receives it: packed and unpacked, its tensors copied (nothing shared in memory)."""
+    arrays, skeleton = pack(tree)
+    return unpack({k: v.clone() for k, v in arrays.items()}, skeleton)
+
+
+def loopback(clients: list[ClientSide]):
+    """A `send` for `run_server` that hands every message to the clients in this process, through `wire`."""
+
+    def send(kind: str, msgs):
+        msgs = msgs or dict.fromkeys(range(len(clients)), {})
+        return {c: wire(answer(clients[c], kind, wire(m))) for c, m in msgs.items()}
+
+    return send
+
+
+def server_from_hello(algo, cfg: dict):
+    """The `server_of` of `run_server`: a `ServerSide` from the clients' answers to "query"."""
+
+    def make(hello: dict) -> ServerSide:
+        C = len(hello)
+        if sorted(r["client"] for r in hello.values()) != list(range(C)):
+            raise UserError(
+                f"the {C} clients answered as clients {sorted(r['client'] for r in hello.values())}: "
+                f"give each node one client index 0..{C - 1}"
+            )
+        by = {r["client"]: r for r in hello.values()}
+        return ServerSide(algo, cfg, [by[c]["train"] for c in range(C)], by[0]["classes"], by[0]["dim"], by[0]["views"])
+
+    return make

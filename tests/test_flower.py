@@ -1,0 +1,150 @@
+"""featcache.flower: a run split into a server and its clients gives `featcache train`'s numbers (per-client
+accuracies every evaluation round, the global metric, the uploaded values per round) within 1e-5, in process
+(`loopback`: every message packed and unpacked) and as a Flower simulation (ServerApp + ClientApp on Flower's
+simulation runtime, Ray); what cannot run client-side is refused in one line; `featcache split` writes verified
+per-client files from which a client reads only its own rows."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import pytest
+import torch
+from synthetic import write_cache
+
+import featcache
+from featcache.cache import verify
+from featcache.cache.split import node_rows, split
+from featcache.errors import UserError
+from featcache.flower.federation import ClientSide, loopback, rows_of, run_server, server_from_hello
+from featcache.runs.spec import RunSpec
+
+SIX = ("fedavg", "fedprox", "scaffold", "fedproto", "fedpcl", "fedrep")
+SETTINGS = {"batch_size": 16, "drop_last": False, "participation": 0.75, "proj_dim": 8}
+ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return write_cache(tmp_path_factory.mktemp("flower") / "c.h5")
+
+
+def simulated(cache, algo, out) -> dict:
+    """`featcache train`'s result and per-client test accuracies {(round, client): %}."""
+    result = featcache.train(cache, algo, rounds=ROUNDS, seeds=[0], set=SETTINGS, out=out)
+    return result | {"per_client": per_client(result["metrics_csv"])}
+
+
+def per_client(path) -> dict:
+    with open(path) as f:
+        return {(r["round"], r["client"]): float(r["accuracy"]) for r in csv.DictReader(f) if r["split"] == "test"}
+
+
+def assert_same(flower: dict, sim: dict) -> None:
+    assert flower["per_client"].keys() == sim["per_client"].keys()
+    for k, v in sim["per_client"].items():
+        assert abs(flower["per_client"][k] - v) <= 1e-5 * 100, (k, flower["per_client"][k], v)  # CSV holds percent
+    for key in ("mean_acc", "global_acc"):
+        a, b = flower.get(key), sim.get(key)
+        assert (a is None) == (b is None), key
+        if a is not None:
+            assert abs(a - b) <= 1e-5 * 100, (key, a, b)
+    assert flower["params_uploaded_per_round"] == sim["params_uploaded_per_round"]
+
+
+def written(path) -> dict:
+    with open(path) as f:
+        result = json.load(f)
+    return result | {"per_client": per_client(path.replace(".json", ".metrics.csv"))}
+
+
+@pytest.mark.parametrize("algo", SIX)
+def test_a_run_split_into_server_and_clients_gives_train_s_numbers(algo, cache, tmp_path):
+    from featcache.flower.results import write_result
+
+    spec = RunSpec.resolve(algo, ROUNDS, [0], SETTINGS)
+    cfg = spec.config | {"seed": 0}
+    clients = []
+    for c in range(4):
+        _, train, test = node_rows(cache, c)
+        clients.append(ClientSide(spec.algo, cfg, train, test, c))
+    meta = {}
+
+    def server_of(hello):
+        meta.update(hello[0]["meta"])
+        return server_from_hello(spec.algo, cfg)(hello)
+
+    raw = run_server(server_of, loopback(clients), ROUNDS, cfg["eval_every"])
+    path = write_result(tmp_path / "flower", spec.algo, cfg, meta, raw, {})
+    assert_same(written(path), simulated(cache, algo, tmp_path / "sim"))
+
+
+def test_a_flower_simulation_gives_train_s_numbers(cache, tmp_path):
+    run_flower_simulation("fedpcl", cache, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", [a for a in SIX if a != "fedpcl"])
+def test_every_one_of_the_six_as_a_flower_simulation(algo, cache, tmp_path):
+    run_flower_simulation(algo, cache, tmp_path)
+
+
+def run_flower_simulation(algo, cache, tmp_path):
+    """The ServerApp and ClientApp on Flower's simulation runtime (one Ray actor per core), compared with train."""
+    pytest.importorskip("flwr")
+    from flwr.simulation import run_simulation
+
+    from featcache.flower import client_app, server_app
+
+    got = {}
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    run_simulation(
+        server_app(
+            algo,
+            SETTINGS,
+            0,
+            ROUNDS,
+            out=str(tmp_path / "flower"),
+            timeout=120,
+            on_result=lambda raw, wire: got.update(raw=raw, wire=wire),
+        ),
+        client_app(algo, SETTINGS, 0, ROUNDS, cache=cache),
+        num_supernodes=4,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2}},
+    )
+    assert "raw" in got, "the ServerApp did not finish"
+    assert got["wire"]["train up"] and got["wire"]["evaluate down"]
+    assert_same(written(got["raw"]["result"]), simulated(cache, algo, tmp_path / "sim"))
+
+
+@pytest.mark.parametrize(
+    ("algo", "settings", "named"),
+    [
+        ("pfedgate", {}, "keeps_optimizer_state"),
+        ("fedpcl", {"proto_noise": "laplace"}, "proto_noise"),
+        ("fedamp", {}, "aggregate returns one model per client"),
+    ],
+)
+def test_what_a_client_cannot_run_alone_is_refused_in_one_line(algo, settings, named, cache):
+    spec = RunSpec.resolve(algo, ROUNDS, [0], SETTINGS | settings)
+    _, train, test = node_rows(cache, 0)
+    with pytest.raises(UserError, match=named) as e:
+        ClientSide(spec.algo, spec.config | {"seed": 0}, train, test, 0)
+    assert "\n" not in str(e.value) and "featcache train" in str(e.value)
+
+
+def test_split_writes_one_verified_file_per_client_that_holds_only_its_rows(cache, tmp_path):
+    out = split(cache, tmp_path / "split")
+    assert len(out["files"]) == 4
+    whole = featcache.load_cache(cache, "train")
+    for c, path in enumerate(out["files"]):
+        assert verify(path)["ok"]
+        index, train, test = node_rows(path, None)
+        assert index == c and train.features.shape[0] == 1 and train.meta["key"] == whole.meta["key"]
+        torch.testing.assert_close(train.features[0], rows_of(whole, c).features[0], rtol=0, atol=0)
+    with pytest.raises(UserError, match="holds client 0, not client 2"):
+        node_rows(out["files"][0], 2)
+    with pytest.raises(UserError, match="holds one client already"):
+        split(out["files"][0], tmp_path / "again")
