@@ -5,6 +5,7 @@ The Python API, timm style (imported lazily: `import featcache` loads neither to
     featcache.extract(dataset=..., backbone=[...], ...)   -> dict (the cache path under "cache")
     featcache.train(cache, algo, rounds=..., seeds=...)   -> dict (the result, its file under "result_file")
     featcache.grid(cache, algo, grid=[...] or {...}, ...) -> dict
+    featcache.search(cache, algo, space=[...] or {...}, trials=..., sampler=..., pruner=...) -> dict
     featcache.report([result files or folders], out=..., x=...) -> dict (the table, the figures written)
     featcache.plot(state, cache, method="pca" | "tsne")    -> dict (the figure of the learned features)
     featcache.load_cache(path, split="train")             -> ClientData (padded client tensors)
@@ -26,6 +27,7 @@ _LAZY = {
     "extract": ("extraction.plan", "extract"),
     "train": ("runs.train", "train"),
     "grid": ("runs.grid", "grid"),
+    "search": ("runs.search", "search"),
     "report": ("results", "report"),
     "plot": ("results", "plot"),
     "load_cache": ("cache", "load_clients"),

@@ -19,6 +19,7 @@ API = {
     "extract": featcache.extract,
     "train": featcache.train,
     "grid": featcache.grid,
+    "search": featcache.search,
     "report": featcache.report,
     "plot": featcache.plot,
     "reproduce": reproduce,

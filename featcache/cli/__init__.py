@@ -39,6 +39,7 @@ COMMANDS = (
     extraction.migrate,
     training.train,
     training.grid,
+    training.search,
     training.algos,
     results.report,
     results.plot,
@@ -162,6 +163,7 @@ _OOM_ADVICE = {
     "extract": "lower --batch-size or --image-size",
     "train": _TRAINING,
     "grid": _TRAINING,
+    "search": _TRAINING,
     "reproduce": "lower the pipeline's batch_size or image_size, or run on a machine with more memory",
 }
 

@@ -1,4 +1,4 @@
-"""The training commands: train, grid, algos."""
+"""The training commands: train, grid, search, algos."""
 
 from __future__ import annotations
 
@@ -213,6 +213,88 @@ def grid(
         r = result["retrain"]
         out.print(f"best {result['best']} retrained on full train: test acc {r['mean_acc']:.2f}({r['std_acc']:.2f})")
     out.print(f"[dim]{result['run_folder']}/grid.json, grid.csv[/dim]")
+
+
+def search(
+    cache: Path = typer.Option(
+        ..., parser=path_of("--cache"), help="cache file from `featcache extract` (with a validation split)"
+    ),
+    algo: str = typer.Option(..., help="algorithm (see `featcache algos`), or a plug-in: path/to/file.py:Class"),
+    space: list[str] = typer.Option(
+        ..., "--space", help="key=v1,v2,... or key=KIND:low,high, KIND uniform|loguniform|int|logint (repeat)"
+    ),
+    trials: int = typer.Option(16, help="trials to train (each for every seed)"),
+    sampler: str = typer.Option("random", help="random | tpe | grid (Optuna's, seeded by --sampler-seed)"),
+    pruner: str = typer.Option("halving", help="none | halving (successive halving) | hyperband"),
+    seeds: str = typer.Option("0,1,2", help="comma-separated seeds every trial trains"),
+    rounds: Optional[int] = typer.Option(None, help="communication rounds (the pruner's budget)"),
+    set: list[str] = typer.Option([], "--set", help="fixed setting key=value for every trial"),
+    backbones: Optional[list[str]] = typer.Option(
+        None, "--backbones", help="train on these cached backbones' features only (repeat; default: all, concatenated)"
+    ),
+    out_dir: Path = typer.Option(
+        Path("runs"), "--out", parser=path_of("--out"), help="folder for the search's run folder"
+    ),
+    device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
+    batch: Optional[int] = typer.Option(None, help="trials per batched run (default: all; a quarter for tpe)"),
+    sampler_seed: int = typer.Option(0, help="the sampler's seed"),
+    rungs: int = typer.Option(3, help="pruning rungs, the first at round ceil(rounds / reduction^rungs)"),
+    reduction: int = typer.Option(3, help="the pruner's reduction factor η: 1/η of a rung's trials go on"),
+    retrain: bool = typer.Option(
+        True, help="retrain the best trial on the full train split and report its test accuracy"
+    ),
+    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads torch runs on (default: torch's own)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Search sampled hyperparameters batched, pruning trials on validation; retrain the best, report test accuracy."""
+    from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
+    from ..runs.search import check_options, parse_space, run_search  # lazy: `featcache --help` loads no torch
+    from ..runs.spec import RunSpec
+    from ..threads import check_threads, use_threads
+
+    algo = load(algo)  # a plug-in spec: registered here, shown by its name
+    check_options(sampler, pruner, trials, batch, rungs, reduction)
+    spec = RunSpec.resolve(algo, rounds, _seeds(seeds), set, backbones)
+    dims = parse_space(spec.algo, space)
+    options = dict(
+        trials=trials,
+        sampler=sampler,
+        pruner=pruner,
+        batch=batch,
+        sampler_seed=sampler_seed,
+        rungs=rungs,
+        reduction=reduction,
+    )
+    with progress_bar(not as_json) as progress, use_threads(check_threads(threads)):
+        result = run_search(spec, dims, cache, out_dir, device, retrain, progress, **options)
+    if as_json:
+        emit(result, True)
+        return
+    keys = list(result["space"])
+    table = Table(
+        "trial",
+        *keys,
+        "val acc % mean(std)",
+        "stopped",
+        title=f"{algo} search: {result['trials']} trials x {len(result['seeds'])} seeds, {result['sampler']} sampler, "
+        f"{result['pruner']} pruner; {result['model_rounds']} of {result['model_rounds_unpruned']} model-rounds",
+    )
+    for row in result["selection"]:
+        stopped = "-" if row["state"] == "complete" else f"round {row['rounds_trained']}"
+        table.add_row(
+            str(row["trial"]),
+            *(
+                f"{row['config'][k]:.4g}" if isinstance(row["config"][k], float) else str(row["config"][k])
+                for k in keys
+            ),
+            f"{row['val_mean']:.2f}({row['val_std']:.2f})",
+            stopped,
+        )
+    out.print(table)
+    if "retrain" in result:
+        r = result["retrain"]
+        out.print(f"best {result['best']} retrained on full train: test acc {r['mean_acc']:.2f}({r['std_acc']:.2f})")
+    out.print(f"[dim]{result['run_folder']}/search.json, search.csv[/dim]")
 
 
 def algos_markdown() -> str:

@@ -308,25 +308,7 @@ def run_grid(
         } | picked
         if test is not None:
             del fit, val  # the chunks' rows: the retrain reads the full train split
-            best = spec.pick(table[0]["config"])
-            final = run(
-                best,
-                cache,
-                folder,
-                dev,
-                progress=(lambda done, total, _: progress("grid retrain", done, total)) if progress else None,
-                data=(load_split(cache, impl, backbones=backbones), test),
-            )
-            keep = (
-                "mean_acc",
-                "std_acc",
-                "per_seed",
-                "best_round_mean_acc",
-                "best_round_std_acc",
-                "result_file",
-                "params_uploaded_per_round",
-            )
-            result["retrain"] = {k: final[k] for k in keep}
+            result["retrain"] = retrain_best(spec, table[0]["config"], cache, folder, dev, test, progress)
         result["provenance"] = provenance(
             dev, call or spec.call(cache, device, backend=backend, chunk=chunk, retrain=retrain)
         )
@@ -342,6 +324,31 @@ def run_grid(
         remove_empty(made)  # a run folder that got nothing (and --out, when this run made it): not left behind
         raise
     return result | resumed
+
+
+def retrain_best(
+    spec: RunSpec, point: dict, cache, folder: Path, dev, test, progress=None, label: str = "grid retrain"
+) -> dict:
+    """The `retrain` entry of a grid's (or a search's) result: `point` trained on the full train split into
+    `folder`, tested on `test`; progress ticks under `label`."""
+    final = run(
+        spec.pick(point),
+        cache,
+        folder,
+        dev,
+        progress=(lambda done, total, _: progress(label, done, total)) if progress else None,
+        data=(load_split(cache, spec.algo, backbones=spec.backbones), test),
+    )
+    keep = (
+        "mean_acc",
+        "std_acc",
+        "per_seed",
+        "best_round_mean_acc",
+        "best_round_std_acc",
+        "result_file",
+        "params_uploaded_per_round",
+    )
+    return {k: final[k] for k in keep}
 
 
 def to_csv(table: list[dict]) -> str:

@@ -179,6 +179,45 @@ def server_side(algo, state: State, now: Round, uploads: dict, weights: torch.Te
     algo.download(state, algo.aggregate(uploads, weights, state, now), now)
 
 
+def take_models(saved: dict, keep: list[int]) -> dict:
+    """The `state_dict` of the models `keep` (indices into H, in order) alone: the State's tensors, the optimizer's
+    (host step counts too) and the loop's records taken on their leading H axis. Layouts are kept where kernels read
+    them (a broadcast over clients stays one, each model's block keeps its strides) and so is memory that two entries
+    share, so a fresh Engine of those models' configurations that loads it goes on as if it had trained them alone (a
+    search's pruned trials leave the batch this way)."""
+    memo: dict = {}
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        at = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if at not in memo:
+            memo[at] = _take_rows(t, keep)
+        return memo[at]
+
+    def tree(x, lists: bool = False):
+        if torch.is_tensor(x):
+            return rows(x)
+        if isinstance(x, dict):
+            return {k: tree(v, lists) for k, v in x.items()}
+        return [x[i] for i in keep] if lists and isinstance(x, list) else x  # host per-model lists: [H][C] counts
+
+    out = {k: tree(saved[k]) for k in ("params", "buffers", "client", "server")}
+    loop = dict(saved["loop"]) | {"records": [tree(r) for r in saved["loop"]["records"]]}
+    return out | {"optimizer": tree(saved["optimizer"], lists=True), "loop": loop}
+
+
+def _take_rows(t: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """t [H, ...] at rows `keep`, in t's layout: a broadcast over dim 1 (clients) re-expanded, a model block dense
+    with H outermost copied into the same strides; anything else a contiguous copy."""
+    index = torch.tensor(keep, dtype=torch.long, device=t.device)
+    if t.dim() >= 2 and t.stride(1) == 0 and t.shape[1] > 1:
+        return _take_rows(t.select(1, 0), keep).unsqueeze(1).expand(len(keep), *t.shape[1:])
+    picked = t.index_select(0, index)
+    if t.dim() < 2 or t.numel() == 0 or t.stride(0) * t.shape[0] != t.numel() or t.is_contiguous():
+        return picked
+    out = t.new_empty(len(keep) * t.stride(0)).as_strided(picked.shape, t.stride())
+    return out.copy_(picked)
+
+
 class Engine:
     """Trains H configurations x C clients of one algorithm on cached features."""
 
@@ -293,17 +332,19 @@ class Engine:
         loop.eval_rounds.append(now.round + 1)
         return live_metrics(self.seeds, figures["test_acc"], round_loss)
 
-    def run(self, progress=None, logs: bool = True, checkpoint=None) -> dict:
+    def run(self, progress=None, logs: bool = True, checkpoint=None, until: int | None = None) -> dict:
         """Train all rounds, calling `progress(round, rounds, live)` after each (`live`: `evaluate`'s figures at an
         evaluation round, else None); returns `Loop.result` (acc = test_acc [R_eval, H, C], test_loss, train_acc,
         train_loss [R_eval, H, C], global_acc [R_eval, H] or None, the evaluation rounds, upload sizes, timings).
         logs=False records test accuracy only: a grid's selection needs nothing else, and the other records add a
         forward pass over every training row per evaluation. `checkpoint` (runs.checkpoint.Checkpoint) loads the
-        `state_dict` its file holds, and is offered the `state_dict` at the start of each round to save."""
+        `state_dict` its file holds, and is offered the `state_dict` at the start of each round to save. `until` stops
+        after that many rounds (default: all; a search's rung), and a later call goes on from there."""
         if checkpoint:
             checkpoint.restore(self.state_dict, self.load_state_dict)
         R = self.cfg["rounds"]
-        for rnd in range(len(self.loop.round_seconds), R):  # from round 1, or where the checkpoint left off
+        end = R if until is None else min(until, R)
+        for rnd in range(len(self.loop.round_seconds), end):  # from round 1, or where the checkpoint left off
             if checkpoint:
                 checkpoint.offer(rnd, self.state_dict)
             t0 = time.perf_counter()

@@ -1,0 +1,581 @@
+"""`featcache search`: a sampled hyperparameter search trained on the batched configuration axis, pruned as it goes.
+
+A space gives each setting a list of values (as `grid` takes them) or a range (`uniform:a,b`, `loguniform:a,b`,
+`int:a,b`, `logint:a,b`). Optuna decides (seeded sampler: random, TPE or grid; pruner: none, successive halving or
+Hyperband) and featcache trains: its ask-and-tell interface asks a batch of trials, which train as one [H, C] engine
+run (H = trials x seeds; a structural setting given as a list splits the batch into buckets, as grid does). After
+each evaluation round every live trial reports its validation accuracy (mean over clients, then over seeds); the
+trials the pruner stops leave the batch, and the survivors go on in a fresh engine holding only their models
+(`engine.take_models`): the compute of later rounds follows the survivors, and each survivor trains exactly as it
+would alone. Pruned trials keep their curves in the result.
+
+Optuna's successive halving is asynchronous (ASHA): a trial reaching a rung goes on when it is in the top 1/η of the
+trials that reached that rung before it, in trial order; the batch reports in trial order, so a rung keeps its best
+trial and about 1/η of the others. The first rung is round ceil(R / η^rungs), the next ones η times later.
+
+Resumable and deterministic: each finished batch (a "wave") is written to the run folder; a resumed search replays
+the recorded waves into a fresh study (the same asks, reports and decisions, checked) and trains the first unwritten
+one, so a search killed anywhere writes the bytes of one that was not. The best completed trial is retrained on the
+full train split as grid does (`grid.retrain_best`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..algorithms import plugin_exits
+from ..atomic import check_folder, make_folder, missing_folders, remove_empty, write_atomic, write_together
+from ..cache import load_clients
+from ..cache.identity import content_key
+from ..devices import resolve_device
+from ..errors import UserError, as_list
+from ..provenance import library_call, provenance
+from ..threads import threaded
+from ..training.config import check_clients, resolve, scoped, settings_of, structural_keys
+from ..training.engine import Engine, take_models
+from ..training.footprint import check_memory
+from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
+from ..training.schedule import evaluates
+from . import grid
+from .metrics import mean_std
+from .spec import RunSpec
+from .train import load_split
+
+STUDY = "featcache-search"  # the study's name: Hyperband assigns brackets by a hash of it and the trial number
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One setting's space: `kind` (a key of KINDS, or "list") with its `values` (list) or range `low`, `high`."""
+
+    key: str
+    kind: str
+    values: tuple = ()
+    low: float = 0.0
+    high: float = 0.0
+
+    def as_json(self) -> dict | list:
+        return list(self.values) if self.kind == "list" else {self.kind: [self.low, self.high]}
+
+    def distribution(self, optuna):
+        """The Optuna distribution sampling this setting."""
+        if self.kind == "list":
+            return optuna.distributions.CategoricalDistribution(list(self.values))
+        return KINDS[self.kind](optuna, self.low, self.high)
+
+
+# A range kind -> (its Optuna distribution, whether it is an integer range, whether it is logarithmic).
+KINDS = {
+    "uniform": lambda o, a, b: o.distributions.FloatDistribution(a, b),
+    "loguniform": lambda o, a, b: o.distributions.FloatDistribution(a, b, log=True),
+    "int": lambda o, a, b: o.distributions.IntDistribution(int(a), int(b)),
+    "logint": lambda o, a, b: o.distributions.IntDistribution(int(a), int(b), log=True),
+}
+INTEGER = {"int", "logint"}
+LOG = {"loguniform", "logint"}
+
+
+def _optuna():
+    """Optuna, imported when a search runs (the core install does not hold it); its per-trial log lines off."""
+    try:
+        import optuna
+    except ImportError:
+        raise UserError("featcache search needs Optuna: pip install 'featcache[search]'") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+def _sampler_random(optuna, space, seed, batch):
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
+def _sampler_tpe(optuna, space, seed, batch):
+    # the first wave samples at random (TPE's start-up), later waves from the model of the finished ones
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=batch)
+
+
+def _sampler_grid(optuna, space, seed, batch):
+    class Grid(optuna.samplers.GridSampler):
+        def after_trial(self, study, trial, state, values) -> None:
+            """Nothing: the grid's end is `--trials`, and `study.stop` raises outside `optimize` (ask-and-tell)."""
+
+    return Grid({k: list(d.values) for k, d in space.items()}, seed=seed)
+
+
+SAMPLERS = {"random": _sampler_random, "tpe": _sampler_tpe, "grid": _sampler_grid}
+
+
+def _pruner_none(optuna, first, rounds, reduction):
+    return optuna.pruners.NopPruner()
+
+
+def _pruner_halving(optuna, first, rounds, reduction):
+    return optuna.pruners.SuccessiveHalvingPruner(min_resource=first, reduction_factor=reduction)
+
+
+def _pruner_hyperband(optuna, first, rounds, reduction):
+    return optuna.pruners.HyperbandPruner(min_resource=first, max_resource=rounds, reduction_factor=reduction)
+
+
+PRUNERS = {"none": _pruner_none, "halving": _pruner_halving, "hyperband": _pruner_hyperband}
+
+
+# Settings a space cannot hold, and why.
+FIXED = {
+    "rounds": "the rounds are the pruner's budget, one for every trial: give --rounds",
+    "seed": "every trial trains every seed: give --seeds",
+}
+
+
+def parse_space(algo, space: list[str] | dict) -> dict[str, Dim]:
+    """A search space, typed and strict: ['lr=loguniform:1e-4,1e-1', 'mu=0,0.1,1'] or {'lr': 'loguniform:1e-4,1e-1',
+    'mu': [0, 0.1, 1]} -> {key: Dim}. A range is refused when empty or inverted, a log range when it touches 0, a
+    range over a structural setting (not batchable) by name; every value and endpoint is checked as a setting."""
+    given = space.items() if isinstance(space, dict) else (_item(text) for text in as_list(space, "space") or [])
+    table, dims = settings_of(algo), {}
+    for key, value in given:
+        key = next(iter(scoped({str(key).strip(): ""}, [algo], "--space")[algo.name]))
+        if key in FIXED:
+            raise UserError(f"--space {key}: {FIXED[key]}")
+        if key in dims:
+            raise UserError(f"--space {key} is given twice: give one list or range per setting")
+        dims[key] = _dim(algo, key, value, table)
+    if not dims:
+        raise UserError("no --space given: e.g. --space lr=loguniform:1e-4,1e-1")
+    return dims
+
+
+def _item(text: str) -> tuple[str, object]:
+    """'lr=loguniform:1e-4,1e-1' -> ('lr', 'loguniform:1e-4,1e-1'); 'mu=0,1' -> ('mu', ['0', '1'])."""
+    key, sep, value = text.partition("=")
+    if not sep or not value.strip():
+        raise UserError(f"--space {text!r}: write key=v1,v2,... or key=uniform:low,high (loguniform, int, logint)")
+    if re.match(r"^\s*[a-z]+:", value):
+        return key, value.strip()
+    values = [v.strip() for v in value.split(",")]
+    if "" in values:
+        raise UserError(f"--space {text!r} has an empty value: write key=v1,v2,...")
+    return key, values
+
+
+def _dim(algo, key: str, value, table) -> Dim:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise UserError(f"--space {key}: give at least one value")
+        values = [resolve(algo, {key: v})[key] for v in value]
+        if len(set(map(repr, values))) < len(values):
+            raise UserError(f"--space {key} lists a value twice: each value once")
+        return Dim(key, "list", tuple(values))
+    kind, _, ends = str(value).partition(":")
+    kind = kind.strip()
+    text = f"{key}={value}"
+    if kind not in KINDS:
+        raise UserError(f"--space {text}: unknown range {kind!r}; use {', '.join(KINDS)} (or a list v1,v2,...)")
+    parts = [p.strip() for p in ends.split(",")]
+    try:
+        low, high = (float(p) for p in parts)
+    except ValueError:
+        raise UserError(f"--space {text}: write {kind}:low,high with two numbers") from None
+    if not table[key].batched:
+        raise UserError(
+            f"--space {text}: {key} is structural (it fixes a shape or an option of the batched run, so it cannot be "
+            f"sampled): give it a list of values, e.g. --space {key}=v1,v2"
+        )
+    if not low < high:
+        raise UserError(f"--space {text}: the range is empty or inverted: write {kind}:low,high with low < high")
+    if kind in LOG and low <= 0:
+        raise UserError(f"--space {text}: a log range must lie above 0: give low > 0 (or use uniform/int)")
+    if kind in INTEGER and (low != int(low) or high != int(high)):
+        raise UserError(f"--space {text}: an integer range takes integer ends")
+    if kind not in INTEGER and isinstance(table[key].default, int):
+        raise UserError(f"--space {text}: {key} is an integer setting: use int:{low:g},{high:g} or logint")
+    for end in (low, high):
+        resolve(algo, {key: int(end) if kind in INTEGER else end})  # a setting's own range, in one line
+    return Dim(key, kind, (), low, high)
+
+
+def rung_rounds(rounds: int, pruner: str, rungs: int, reduction: int) -> list[int]:
+    """The rounds a halving pruner decides at: ceil(R / η^rungs), then η times later each, all before the last round
+    (none without a pruner). Too few rounds for that many rungs is refused in one line."""
+    if pruner == "none":
+        return []
+    first = math.ceil(rounds / reduction**rungs)
+    at = [first * reduction**k for k in range(rungs)]
+    if at[-1] >= rounds:
+        raise UserError(
+            f"--pruner {pruner} with {rungs} rung(s) (reduction {reduction}) needs more than {at[-1]} rounds, got "
+            f"--rounds {rounds}: give more rounds or fewer --rungs"
+        )
+    return at
+
+
+def check_options(sampler: str, pruner: str, trials: int, batch: int | None, rungs: int, reduction: int) -> None:
+    """A search's sampler and pruner (keys of SAMPLERS, PRUNERS) and its counts, checked before anything is read."""
+    if sampler not in SAMPLERS:
+        raise UserError(f"unknown sampler {sampler!r}: use {', '.join(SAMPLERS)}")
+    if pruner not in PRUNERS:
+        raise UserError(f"unknown pruner {pruner!r}: use {', '.join(PRUNERS)}")
+    for flag, n, lo in (
+        ("--trials", trials, 1),
+        ("--batch", batch, 1),
+        ("--rungs", rungs, 1),
+        ("--reduction", reduction, 2),
+    ):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < lo):
+            raise UserError(f"{flag} {n}: give a whole number >= {lo}")
+
+
+@threaded
+def search(
+    cache: str | Path,
+    algo: str,
+    space: list[str] | dict,
+    trials: int = 16,
+    sampler: str = "random",
+    pruner: str = "halving",
+    seeds: list[int] = (0, 1, 2),
+    rounds: int | None = None,
+    set: list[str] | dict | None = None,
+    backbones: list[str] | None = None,
+    out: str | Path = "runs",
+    device: str | torch.device = "auto",
+    batch: int | None = None,
+    sampler_seed: int = 0,
+    rungs: int = 3,
+    reduction: int = 3,
+    retrain: bool = True,
+    progress=None,
+    threads: int | None = None,
+) -> dict:
+    """Search `space` with `trials` trials, each trained for every seed on train-minus-validation; select the best
+    completed trial on validation, retrain it on the full train split, report test mean(std). Resumable by run folder.
+
+    `space`: `key=v1,v2` or `key=KIND:low,high` strings (KIND: uniform, loguniform, int, logint) or a dict of lists or
+    such strings. `sampler` (random | tpe | grid, seeded by `sampler_seed`) picks the trials, `batch` at a time (one
+    batched run each; default: all of them, a quarter for tpe so that later batches learn from earlier ones);
+    `pruner` (none | halving | hyperband) stops trials at `rungs` rungs `reduction` times apart (η)."""
+    check_options(sampler, pruner, trials, batch, rungs, reduction)
+    spec = RunSpec.resolve(algo, rounds, seeds, set, backbones)
+    dims = parse_space(spec.algo, space)
+    call = library_call(
+        "featcache.search",
+        cache=str(cache),
+        algo=algo,
+        space=space if isinstance(space, dict) else as_list(space, "space"),
+        trials=trials,
+        sampler=sampler,
+        pruner=pruner,
+        seeds=list(spec.seeds),
+        rounds=rounds,
+        set=set,
+        device=str(device),
+        batch=batch,
+        sampler_seed=sampler_seed,
+        rungs=rungs,
+        reduction=reduction,
+        retrain=retrain,
+        **({"backbones": list(spec.backbones)} if spec.backbones else {}),
+    )
+    options = dict(
+        trials=trials,
+        sampler=sampler,
+        pruner=pruner,
+        batch=batch,
+        sampler_seed=sampler_seed,
+        rungs=rungs,
+        reduction=reduction,
+    )
+    return run_search(spec, dims, cache, out, device, retrain, progress, call, **options)
+
+
+def run_search(
+    spec: RunSpec,
+    dims: dict[str, Dim],
+    cache: str | Path,
+    out: str | Path,
+    device: str | torch.device = "auto",
+    retrain: bool = True,
+    progress=None,
+    call: str | None = None,
+    *,
+    trials: int = 16,
+    sampler: str = "random",
+    pruner: str = "halving",
+    batch: int | None = None,
+    sampler_seed: int = 0,
+    rungs: int = 3,
+    reduction: int = 3,
+) -> dict:
+    """`search` of a resolved `spec` and parsed space `dims` (what the CLI and reproduce call). The run folder
+    `search-ALGO-KEY16` is named by what it searches; a finished one returns its result without training."""
+    optuna = _optuna()
+    check_options(sampler, pruner, trials, batch, rungs, reduction)
+    R = spec.config["rounds"]
+    rung_at = rung_rounds(R, pruner, rungs, reduction)
+    if sampler == "grid":
+        ranged = [k for k, d in dims.items() if d.kind != "list"]
+        if ranged:
+            raise UserError(f"--sampler grid takes lists only; {ranged[0]} is a range: use random or tpe")
+        size = math.prod(len(d.values) for d in dims.values())
+        if trials > size:
+            raise UserError(f"--trials {trials} with --sampler grid: the grid holds {size} points, give at most that")
+    batch = min(batch or (max(1, math.ceil(trials / 4)) if sampler == "tpe" else trials), trials)
+    dev = resolve_device(device)
+    check_folder(out)
+    impl, backbones, seeds = spec.algo, spec.backbones, list(spec.seeds)
+    fit = load_split(cache, impl, holdout="fit", backbones=backbones)
+    check_features(fit, cache)
+    val = load_clients(cache, "train", holdout="val", backbones=backbones)
+    check_split(val, "validation", cache, NO_VAL_ROWS)
+    test = load_clients(cache, "test", backbones=backbones) if retrain else None
+    if test is not None:
+        check_split(test, "test", cache, NO_TEST_ROWS)
+    check_clients(spec.config, fit.features.shape[0])
+    check_memory(impl, spec.config, batch * len(seeds), fit, dev, "use a smaller --batch")
+    space = {k: d.as_json() for k, d in dims.items()}
+    searched = {
+        "space": space,
+        "trials": trials,
+        "sampler": sampler,
+        "pruner": pruner,
+        "batch": batch,
+        "sampler_seed": sampler_seed,
+        "rungs": rung_at,
+        "reduction": reduction,
+        "optuna": optuna.__version__,
+    }
+    key = content_key({"run": spec.key(fit.meta), "search": searched})
+    folder = Path(out) / f"search-{spec.name}-{key[:16]}"
+    if (folder / "search.json").is_file():  # finished: its result, nothing trained
+        return json.loads((folder / "search.json").read_text()) | {"waves_resumed": "all"}
+    made = missing_folders(folder)
+    make_folder(folder)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study = optuna.create_study(
+                study_name=STUDY,
+                direction="maximize",
+                sampler=SAMPLERS[sampler](optuna, dims, sampler_seed, batch),
+                pruner=PRUNERS[pruner](optuna, rung_at[0] if rung_at else 1, R, reduction),
+            )
+        dists = {k: d.distribution(optuna) for k, d in dims.items()}
+        waves = [min(batch, trials - start) for start in range(0, trials, batch)]
+        records, resumed = [], 0
+        for w, n in enumerate(waves):
+            path = folder / f"wave-{w:03d}.json"
+            if path.is_file():
+                saved = json.loads(path.read_text())["trials"]
+                if json.loads(json.dumps(drive(study, dists, n, Replay(saved, folder)))) != saved:
+                    raise UserError(f"{path} does not replay to the same decisions: remove {folder} to search again")
+                resumed += 1
+            else:
+                tick = _ticker(progress, sum(waves[:w]) * R, trials * R)
+                trainer = Trainer(impl, spec.config, seeds, fit, val, dev, tick)
+                saved = drive(study, dists, n, trainer)
+                write_atomic(path, json.dumps({"trials": saved}, sort_keys=True, indent=1))
+            records += saved
+            if progress:
+                progress("search trials", sum(waves[: w + 1]), trials)
+        table = sorted(records, key=lambda r: (r["state"] != "complete", -r["val_mean"], r["trial"]))
+        done = [r for r in table if r["state"] == "complete"]
+        model_rounds = sum(r["rounds_trained"] for r in records) * len(seeds)
+        result = {
+            "algo": spec.name,
+            "cache": str(cache),
+            "seeds": seeds,
+            "rounds": R,
+            "clients": int(fit.features.shape[0]),
+            "model_rounds": model_rounds,
+            "model_rounds_unpruned": trials * len(seeds) * R,
+            "device": str(dev),
+            "run_folder": str(folder),
+            "selection": table,
+            "best": done[0]["config"],
+        } | searched
+        result |= {"backbones": list(backbones)} if backbones else {}
+        if test is not None:
+            del fit, val  # the trials' rows: the retrain reads the full train split
+            result["retrain"] = grid.retrain_best(
+                spec, done[0]["config"], cache, folder, dev, test, progress, "search retrain"
+            )
+        result["provenance"] = provenance(dev, call or library_call("featcache.search", cache=str(cache)))
+        write_together(
+            [
+                (folder / "search.csv", to_csv(table)),  # all three or none; search.json last: its presence
+                (folder / "search.timing.json", json.dumps({"waves_resumed": resumed})),  # means the folder is
+                (folder / "search.json", json.dumps(result, sort_keys=True, indent=1)),  # complete
+            ]
+        )
+    except BaseException:
+        remove_empty(made)
+        raise
+    return result | {"waves_resumed": resumed}
+
+
+def _ticker(progress, base: int, total: int):
+    """progress("search rounds", done, total) in trial-rounds of the whole search (pruned trials count in full)."""
+    if not progress:
+        return None
+    return lambda done: progress("search rounds", base + done, total)
+
+
+def drive(study, dists: dict, n: int, source) -> list[dict]:
+    """One wave: ask `n` trials, and after each evaluation round report each live trial's validation accuracy and
+    ask the pruner, in trial order; pruned trials are told at once, the rest after the last round. `source` gives the
+    values (a `Trainer` training them, or a `Replay` reading a written wave: the same calls, so the same study).
+    Returns the wave's trial records."""
+    optuna = _optuna()
+    asked = [study.ask(dists) for _ in range(n)]
+    points = [{k: t.params[k] for k in dists} for t in asked]
+    source.start(points)
+    live, curves, stopped = list(range(n)), [[] for _ in range(n)], [None] * n
+    per_seed: list[list[float]] = [[] for _ in range(n)]
+    for step, values in source.steps(live):
+        pruned = []
+        for i in [i for i in live if i in values]:
+            v, per_seed[i] = values[i]
+            curves[i].append([step, v])
+            asked[i].report(v, step)
+            if asked[i].should_prune():
+                pruned.append(i)
+        for i in pruned:
+            study.tell(asked[i], state=optuna.trial.TrialState.PRUNED)
+            stopped[i] = step
+        live = [i for i in live if i not in pruned]
+        source.drop(pruned)
+    for i in live:
+        study.tell(asked[i], curves[i][-1][1])
+    return [
+        {
+            "trial": asked[i].number,
+            "config": points[i],
+            "state": "complete" if stopped[i] is None else "pruned",
+            "rounds_trained": stopped[i] or curves[i][-1][0],
+            "val_mean": curves[i][-1][1],
+            "val_std": mean_std(per_seed[i])[1],
+            "val_per_seed": per_seed[i],
+            "curve": curves[i],
+        }
+        for i in range(n)
+    ]
+
+
+class Trainer:
+    """A wave's trials trained: one engine per bucket (trials that share their structural settings), models = trials
+    x seeds on H, run round by round; `drop` moves a bucket's survivors to a fresh engine of their models alone."""
+
+    def __init__(self, algo, config: dict, seeds: list[int], fit, val, device, tick=None):
+        self.algo, self.config, self.seeds, self.fit, self.val, self.device, self.tick = (
+            algo,
+            config,
+            seeds,
+            fit,
+            val,
+            device,
+            tick,
+        )
+
+    def start(self, points: list[dict]) -> None:
+        cfgs = [self.config | p for p in points]
+        groups: dict[str, list[int]] = {}
+        for i, c in enumerate(cfgs):
+            groups.setdefault(json.dumps({k: c[k] for k in structural_keys(c, self.algo)}, sort_keys=True), []).append(
+                i
+            )
+        self.cfgs, self.buckets = cfgs, []
+        for members in groups.values():
+            models = [(i, s) for i in members for s in self.seeds]  # trials x seeds share the H axis
+            with plugin_exits():
+                engine = Engine(self.algo, self._configs(models), self.fit, self.val, self.device)
+            self.buckets.append([engine, models])
+        self.done = 0
+
+    def _configs(self, models) -> list[dict]:
+        return [self.cfgs[i] | {"seed": int(s)} for i, s in models]
+
+    def steps(self, live: list[int]):
+        """(round, {trial: (validation accuracy %, per seed)}) after each round some bucket evaluates: mean over the
+        clients per seed, then over the seeds."""
+        R = self.config["rounds"]
+        for rnd in range(R):
+            values = {}
+            for engine, models in self.buckets:
+                with plugin_exits():
+                    engine.run(logs=False, until=rnd + 1)
+                if evaluates(rnd, engine.cfg):
+                    acc = engine.loop.records[-1]["test_acc"]  # [H, C]
+                    for (i, _seed), per_client in zip(models, (100 * acc).tolist()):
+                        values.setdefault(i, []).append(float(np.mean(per_client)))
+            if self.tick:
+                self.done += 1
+                self.tick(self.done * len(self.cfgs))
+            if values:
+                yield rnd + 1, {i: (mean_std(v)[0], v) for i, v in values.items()}
+
+    def drop(self, pruned: list[int]) -> None:
+        if not pruned:
+            return
+        out = []
+        for engine, models in self.buckets:
+            keep = [h for h, (i, _) in enumerate(models) if i not in pruned]
+            if len(keep) == len(models):
+                out.append([engine, models])
+            elif keep:
+                survivors = [models[h] for h in keep]
+                with plugin_exits():
+                    fresh = Engine(self.algo, self._configs(survivors), self.fit, self.val, self.device)
+                fresh.load_state_dict(take_models(engine.state_dict(), keep))
+                out.append([fresh, survivors])
+        self.buckets = out
+
+
+class Replay:
+    """A written wave read back: the same points, values and decisions as when it trained (checked)."""
+
+    def __init__(self, saved: list[dict], folder: Path):
+        self.saved, self.folder = saved, folder
+
+    def start(self, points: list[dict]) -> None:
+        if points != [r["config"] for r in self.saved]:
+            raise UserError(
+                f"{self.folder} was written by another sampler (an Optuna or featcache version): remove the folder "
+                "to search again"
+            )
+
+    def steps(self, live: list[int]):
+        curves = [dict(r["curve"]) for r in self.saved]
+        for step in sorted({step for c in curves for step in c}):
+            yield step, {i: (c[step], self.saved[i]["val_per_seed"]) for i, c in enumerate(curves) if step in c}
+
+    def drop(self, pruned: list[int]) -> None:
+        pass
+
+
+def to_csv(table: list[dict]) -> str:
+    keys = list(table[0]["config"])
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["trial", *keys, "val_mean", "val_std", "state", "rounds_trained"])
+    for r in table:
+        w.writerow(
+            [
+                r["trial"],
+                *(r["config"][k] for k in keys),
+                f"{r['val_mean']:.4f}",
+                f"{r['val_std']:.4f}",
+                r["state"],
+                r["rounds_trained"],
+            ]
+        )
+    return buf.getvalue()

@@ -1,0 +1,229 @@
+"""`featcache search`: spaces parsed strictly, pruned trials leaving the batch without changing the survivors, the
+same bytes from the same seed, resumed or not, and one-line refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from featcache.algorithms import create
+from featcache.cache import load_clients
+from featcache.errors import UserError
+from featcache.runs import checkpoint
+from featcache.runs.search import parse_space, rung_rounds, search
+from featcache.runs.train import load_split
+from featcache.training.config import resolve
+from featcache.training.engine import Engine, take_models
+from tests.synthetic import write_cache
+from tests.test_resume_runs import DRIVER, Killed, kill_at_local_train, same_files
+
+pytest.importorskip("optuna")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return write_cache(tmp_path_factory.mktemp("cache") / "c.h5", C=4, D=64, K=6, n=(40, 90), spread=4.0)
+
+
+SEARCH = dict(
+    space=["lr=loguniform:1e-3,0.3", "mu=uniform:0,1"],
+    trials=8,
+    seeds=[0, 1],
+    rounds=10,
+    set=["batch_size=16", "proj_dim=32"],
+    rungs=2,
+)
+
+
+# -- spaces -------------------------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(low=st.floats(1e-6, 0.5), span=st.floats(1e-6, 0.5), kind=st.sampled_from(["uniform", "loguniform"]))
+def test_a_range_parses_to_its_ends(low, span, kind):
+    high = low + span
+    if not low < high:
+        return
+    (dim,) = parse_space(create("fedprox"), [f"lr={kind}:{low!r},{high!r}"]).values()
+    assert (dim.kind, dim.low, dim.high) == (kind, low, high)
+
+
+@settings(max_examples=40, deadline=None)
+@given(low=st.floats(-1.0, 1.0), high=st.floats(-1.0, 1.0), kind=st.sampled_from(["uniform", "loguniform"]))
+def test_an_empty_inverted_or_log_zero_range_is_one_line(low, high, kind):
+    text = f"mu={kind}:{low!r},{high!r}"
+    bad = not low < high or (kind == "loguniform" and low <= 0) or low < 0
+    if not bad:
+        parse_space(create("fedprox"), [text])
+        return
+    with pytest.raises(UserError) as e:
+        parse_space(create("fedprox"), [text])
+    assert "\n" not in str(e.value)
+
+
+def test_lists_int_ranges_and_dict_spaces():
+    algo = create("fedprox")
+    dims = parse_space(algo, {"lr": [0.1, 0.01], "mu": "uniform:0,1", "proj_dim": ["16", "32"]})
+    assert dims["lr"].values == (0.1, 0.01) and dims["proj_dim"].values == (16, 32) and dims["mu"].kind == "uniform"
+    assert parse_space(algo, ["local_epochs=1,2"])["local_epochs"].values == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "space, says",
+    [
+        ("proj_dim=int:16,64", "proj_dim is structural"),
+        ("lr=loguniform:0,0.1", "above 0"),
+        ("lr=uniform:0.1,0.01", "empty or inverted"),
+        ("lr=uniform:0.1,0.1", "empty or inverted"),
+        ("lr=gauss:0,1", "unknown range"),
+        ("rounds=5,10", "--rounds"),
+        ("lr=0.1,,0.2", "empty value"),
+        ("lr=uniform:1", "two numbers"),
+    ],
+)
+def test_bad_spaces_are_one_line(space, says):
+    with pytest.raises(UserError, match=says) as e:
+        parse_space(create("fedprox"), [space])
+    assert "\n" not in str(e.value)
+
+
+def test_bad_options_are_one_line(cache, tmp_path):
+    for options, says in [
+        ({"trials": 0}, "--trials 0"),
+        ({"rungs": 4}, "needs more than 27 rounds"),
+        ({"sampler": "grid"}, "lists only"),
+        ({"pruner": "median"}, "unknown pruner"),
+    ]:
+        with pytest.raises(UserError, match=says):
+            search(cache, "fedprox", out=tmp_path, **(SEARCH | options))
+    assert not any(tmp_path.iterdir())  # refused before a run folder is made
+
+
+def test_rungs_lie_before_the_last_round():
+    assert rung_rounds(50, "halving", 3, 3) == [2, 6, 18]
+    assert rung_rounds(50, "halving", 2, 4) == [4, 16]
+    assert rung_rounds(50, "none", 3, 3) == []
+    with pytest.raises(UserError, match="fewer --rungs"):
+        rung_rounds(4, "hyperband", 3, 2)
+
+
+def test_without_optuna_one_line_names_the_extra(cache, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    with pytest.raises(UserError, match=r"pip install 'featcache\[search\]'"):
+        search(cache, "fedprox", out=tmp_path, **SEARCH)
+
+
+# -- the batch shrinks, the survivors train as alone --------------------------------------------------------------
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "fedpcl", "fedproto"])
+def test_survivors_of_a_pruned_batch_train_exactly_as_alone(cache, name):
+    algo = create(name)
+    base = resolve(algo, {"batch_size": 16, "rounds": 5})
+    cfgs = [base | {"lr": lr, "seed": s} for lr in (0.1, 0.01, 0.001) for s in (0, 1)]
+    fit, val = load_split(cache, algo, holdout="fit"), load_clients(cache, "train", holdout="val")
+    batch = Engine(algo, cfgs, fit, val)
+    batch.run(logs=False, until=2)
+    keep = [2, 3, 5]
+    survivors = Engine(algo, [cfgs[i] for i in keep], fit, val)
+    survivors.load_state_dict(take_models(batch.state_dict(), keep))
+    assert survivors.H == 3
+    went_on = survivors.run(logs=False)["acc"]  # [R, 3, C]
+    alone = Engine(algo, [cfgs[i] for i in keep], fit, val).run(logs=False)["acc"]
+    assert torch.equal(went_on, alone)
+
+
+def test_a_pruned_search_keeps_every_curve_and_its_survivors_match_the_unpruned_search(cache, tmp_path):
+    pruned = search(cache, "fedprox", out=tmp_path / "a", retrain=False, **SEARCH)
+    full = search(cache, "fedprox", out=tmp_path / "b", retrain=False, pruner="none", **SEARCH)
+    assert pruned["model_rounds"] < full["model_rounds"] == full["model_rounds_unpruned"] == 8 * 2 * 10
+    assert pruned["rungs"] == [2, 6]
+    by_trial = {r["trial"]: r for r in full["selection"]}
+    states = {r["state"] for r in pruned["selection"]}
+    assert states == {"complete", "pruned"}
+    for r in pruned["selection"]:
+        assert r["curve"][-1][0] == r["rounds_trained"]  # a pruned trial's curve up to the round it stopped at
+        assert r["config"] == by_trial[r["trial"]]["config"]  # the seeded sampler asks the same trials
+        assert r["curve"] == by_trial[r["trial"]]["curve"][: len(r["curve"])]  # as trained in the unpruned batch
+        assert r["rounds_trained"] == (10 if r["state"] == "complete" else r["curve"][-1][0])
+
+
+@pytest.mark.parametrize("sampler, pruner", [("tpe", "hyperband"), ("grid", "halving")])
+def test_other_samplers_and_pruners_run(cache, tmp_path, sampler, pruner):
+    space = ["lr=0.1,0.03,0.01,0.003", "mu=0,1"] if sampler == "grid" else SEARCH["space"]
+    r = search(
+        cache, "fedprox", out=tmp_path, retrain=False, sampler=sampler, pruner=pruner, **(SEARCH | {"space": space})
+    )
+    assert len(r["selection"]) == 8 and r["best"] == r["selection"][0]["config"]
+    if sampler == "grid":
+        assert len({json.dumps(row["config"], sort_keys=True) for row in r["selection"]}) == 8  # each point once
+
+
+# -- determinism and resume ----------------------------------------------------------------------------------------
+def test_the_same_search_writes_the_same_bytes_and_a_finished_one_is_skipped(cache, tmp_path, monkeypatch):
+    search(cache, "fedprox", out=tmp_path / "a", batch=3, **SEARCH)
+    search(cache, "fedprox", out=tmp_path / "b", batch=3, **SEARCH)
+    same_files(tmp_path / "a", tmp_path / "b")
+    monkeypatch.setattr(Engine, "run", lambda *a, **k: pytest.fail("a finished search trains nothing"))
+    again = search(cache, "fedprox", out=tmp_path / "a", batch=3, **SEARCH)
+    assert again["waves_resumed"] == "all"
+
+
+def test_a_search_killed_mid_wave_and_in_its_retrain_resumes_to_the_same_bytes(cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "EVERY_SECONDS", 0.0)  # the retrain checkpoints every round
+    ref = search(cache, "fedprox", out=tmp_path / "ref", batch=3, sampler="tpe", **SEARCH)
+    out = tmp_path / "stopped"
+    with monkeypatch.context() as m:
+        kill_at_local_train(m, 11)  # the second wave's round 1 (the first wave trains all 10: its first trial goes on)
+        with pytest.raises(Killed):
+            search(cache, "fedprox", out=out, batch=3, sampler="tpe", **SEARCH)
+    assert [p.name for p in sorted(Path(out).rglob("wave-*.json"))] == ["wave-000.json"]
+
+    def kill_in_retrain(what, done, total):
+        if what == "search retrain" and done == 3:
+            raise Killed
+
+    with pytest.raises(Killed):
+        search(cache, "fedprox", out=out, batch=3, sampler="tpe", progress=kill_in_retrain, **SEARCH)
+    again = search(cache, "fedprox", out=out, batch=3, sampler="tpe", **SEARCH)
+    assert again["waves_resumed"] == 3
+    assert again["selection"] == ref["selection"]
+    same_files(out, tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_featcache_search_killed_with_sigkill_resumes_to_the_same_bytes(cache, tmp_path):
+    """`featcache search` in real processes: kill -9 after its first wave file, then in its second wave, then run to
+    the end: the bytes of a run never killed."""
+    args = ["search", "--cache", cache, "--algo", "fedprox", "--trials", "8", "--batch", "3", "--sampler", "tpe"]
+    args += ["--space", "lr=loguniform:1e-3,0.3", "--space", "mu=uniform:0,1", "--seeds", "0,1", "--rounds", "10"]
+    args += ["--set", "batch_size=16", "--set", "proj_dim=32", "--rungs", "2", "--out", "runs"]
+
+    def run(cwd: Path, fault=()):
+        cwd.mkdir(parents=True, exist_ok=True)
+        return subprocess.run(
+            [sys.executable, str(DRIVER), *fault, "--", *map(str, args)],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            timeout=600,
+            env=os.environ | {"OMP_NUM_THREADS": "1"},
+        )
+
+    ref = run(tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr
+    out = tmp_path / "stopped"
+    for fault in (
+        ["--kill", "after:os.replace:1:wave-*.json"],
+        ["--kill", "after:featcache.training.engine.Engine.local_train:5:*"],
+    ):
+        killed = run(out, fault)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+    done = run(out)
+    assert done.returncode == 0, done.stderr
+    same_files(out / "runs", tmp_path / "ref" / "runs")
