@@ -16,8 +16,9 @@ same names instead (flwr 1.42 server/strategy/fedadam.py, fedyogi.py, fedadagrad
 is bias-corrected, η √(1 − β2^(t+2)) / (1 − β1^(t+2)) in round t = 0, 1, ... (flwr's server_round + 1); flwr's
 FedAdagrad fixes β1 = 0 (give server_beta1=0). FedAvgM is flwr's FedAvgM (server_momentum, server_learning_rate):
 with β = 0 and η = 1 there is no server step and x_{t+1} is FedAvg's mean itself, as in flwr.
-Defaults: β = 0.9 (Hsu et al.); β1 = 0.9, β2 = 0.99, τ = 1e-3 (Reddi et al. §5, Table 5's τ); η = 1 for FedAvgM and
-1e-2 for the adaptive ones (a step of about η per coordinate and round: tune it, as Reddi et al. tune η per task).
+Defaults: β = 0.9 (Hsu et al.); β1 = 0.9, β2 = 0.99, τ = 1e-3 (Reddi et al. §5); η = 1 for FedAvgM, 1e-2 for
+FedYogi and FedAdam and 0.1 for FedAdagrad, whose v only grows (flwr's defaults): an adaptive step moves each
+coordinate by about η per round, so tune η, as Reddi et al. tune it per task.
 
 BN running statistics (bn=True) are statistics, not parameters: the server averages them as FedAvg does. x_t, m and
 v live in the server's state ([H, ...] per configuration), so a checkpoint carries them. Every setting is a float of
@@ -159,6 +160,7 @@ class FedAdagrad(Adaptive):
     name = "fedadagrad"
     paper = f"{REDDI} (FedAdagrad)"
     uploads = "all head parameters"
+    settings = {"server_lr": 0.1}  # v only grows: a larger rate than FedYogi's and FedAdam's (as in flwr)
     second_moment = staticmethod(adagrad)
 
 
