@@ -97,7 +97,8 @@ def test_same_seed_same_parts_other_seed_different(name):
 
 @pytest.mark.parametrize("name", SPECS)
 def test_test_set_has_the_train_label_distribution(name):
-    for p in make_partition(DATA, SPECS[name]):
+    mix = PartitionSpec(**{**SPECS[name].to_dict(), "test_split": "train-mix"})  # feature's default is "whole"
+    for p in make_partition(DATA, mix):
         n_train, n_test = np.bincount(train_labels(p), minlength=10), np.bincount(held_out_labels(p), minlength=10)
         assert np.all(n_test[n_train == 0] == 0), "a class absent from train appears in test"
         has = n_train > 0  # some ratio r gives every class r * n_train test images, rounded either way

@@ -38,6 +38,7 @@ class Split:
     source_index: np.ndarray  # [n] int
     features: Sequence  # each [n, D_j] float32, sum D_j = the backbones' dims
     views: Sequence | None = None  # each [n, V, D_j] float32 (train, with --views V)
+    domain: str | None = None  # the rows' domain when not the client's (a held-out test domain)
 
 
 @dataclass
@@ -96,7 +97,7 @@ def _write_file(f: h5py.File, header: dict, backbones: list[dict], clients: Iter
             index = {
                 "labels": s.labels,
                 "source_index": s.source_index,
-                "domain": np.full(n, domains.index(client.domain)),
+                "domain": np.full(n, domains.index(s.domain or client.domain)),
             }
             for name, dtype in INDEX_DTYPES.items():
                 tree.array(f"{base}/{split}/{name}", np.asarray(index[name], dtype))

@@ -40,6 +40,19 @@ def extract(
         help="which images of a class a client takes: shuffled (seeded) | first "
         "(the dataset's order, FedPCL's first 10 per class)",
     ),
+    test_split: Optional[str] = typer.Option(
+        None,
+        help="a client's test images: whole (each domain's whole test split, FedBN's and FedPCL's; the feature "
+        "partition's default) | train-mix (its train label mix; the other partitions' default); printed",
+    ),
+    percent: Optional[float] = typer.Option(
+        None, help="FedBN's --percent: the share of each domain's train split clients draw from (digit5: its parts)"
+    ),
+    holdout_domain: Optional[str] = typer.Option(
+        None,
+        help="leave-one-domain-out: clients train on the other domains and are all tested on this one, whole "
+        "(feature, feature-label); a comma list writes one cache per held-out domain",
+    ),
     image_size: Optional[int] = typer.Option(
         None, help="input size in pixels (default: 64 for images under 64 px, else each backbone's own; printed)"
     ),
@@ -88,6 +101,9 @@ def extract(
             domains=domains,
             val_fraction=val_fraction,
             order=order,
+            test_split=test_split,
+            percent=percent,
+            holdout_domain=_sweep(holdout_domain, str, "--holdout-domain"),
             image_size=image_size,
             views=views,
             noise=Noise(noise, noise_scale, noise_p) if noise else None,

@@ -38,6 +38,7 @@ from ..files import DiskFullError, drop_leftover, locked, remove_own, remove_par
 from ..cache.identity import EMBEDDING_CODE, PARTITION_CODE, code_identity, content_key, versions
 from .partition import PartitionSpec, make_partition, partition_counts
 from .partition.schemes import _SCHEMES as SCHEMES
+from .partition.spec import TEST_SPLITS
 from .pipeline import Noise
 from .store import Need, Store, store_path
 from ..threads import threaded
@@ -64,6 +65,9 @@ def extract(
     domains: list[str] | None = None,
     val_fraction: float = 0.2,
     order: str = "shuffled",
+    test_split: str | None = None,
+    percent: float | None = None,
+    holdout_domain: str | list[str] | None = None,
     image_size: int | None = None,
     views: int = 0,
     noise: Noise | None = None,
@@ -84,13 +88,14 @@ def extract(
     """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, partition, embedded,
     seconds}.
 
-    A list for `clients`, `alpha` or `per_class` is a sweep: one cache per combination, all from one fill of the
-    stores; the result then lists each cache's summary under `caches`. `store` is the folder of the embedding
-    stores (default `out/store`; a shared folder lets a lab share one). `batch_size` (images decoded per step) and
-    `workers` (input worker processes) default from the device and the dataset; neither changes a byte (every forward
-    holds `pipeline.FORWARD_BATCH` rows). `backend` 'ray' runs the blocks as
-    Ray tasks. `allow_partial` loads checkpoints whose keys do not all match (the rest keeps a seeded random init).
-    `threads`: the forward's CPU threads (default: one fewer than the cores; featcache/threads.py).
+    A list for `clients`, `alpha`, `per_class` or `holdout_domain` is a sweep: one cache per combination, all from
+    one fill of the stores; the result then lists each cache's summary under `caches`. `test_split`, `percent` and
+    `holdout_domain` are the data sets' own protocols (PartitionSpec); the one in force is told as a note.
+    `store` is the folder of the embedding stores (default `out/store`; a shared folder lets a lab share one).
+    `batch_size` (images decoded per step) and `workers` (input worker processes) default from the device and the
+    dataset; neither changes a byte (every forward holds `pipeline.FORWARD_BATCH` rows). `backend` 'ray' runs the
+    blocks as Ray tasks. `allow_partial` loads checkpoints whose keys do not all match (the rest keeps a seeded
+    random init). `threads`: the forward's CPU threads (default: one fewer than the cores; featcache/threads.py).
     Without `image_size`, `default_image_size` picks one from the dataset. What was chosen for the user (that size,
     a one-domain partition's domain) is listed under `notes` and passed, one line each, to `note` when known."""
     t0 = time.perf_counter()
@@ -119,8 +124,11 @@ def extract(
             val_fraction=val_fraction,
             order=order,
             seed=seed,
+            test_split=test_split,
+            percent=percent,
+            holdout_domain=h,
         )
-        for c, a, n in itertools.product(*(_values(v) for v in (clients, alpha, per_class)))
+        for c, a, n, h in itertools.product(*(_values(v) for v in (clients, alpha, per_class, holdout_domain)))
     ]
     runner = BACKENDS[backend]()
     dev = runner.device(device)
@@ -176,6 +184,8 @@ def extract(
         results = [_hit(p, k, t0) for p, k in zip(paths, keys)]
         if size_note:
             tell(size_note)
+        for line in protocol_notes(specs, data):
+            tell(line)
         contents.save()  # a run that ends well keeps the files' hashes (a refused one changes nothing)
         return _summary(results, specs, {}, t0) | _told(tell, notes, partition, domains, results, image_size)
     check_folder(out)  # a miss writes: refuse a folder it cannot write before anything is loaded or created
@@ -213,6 +223,8 @@ def extract(
     phases["dataset"] = time.perf_counter() - t
     if size_note:  # told once the input passed its checks: a refused one is its one error line alone
         tell(size_note)
+    for line in protocol_notes(specs, data, parts):
+        tell(line)
     with output_errors(folder, "--store"), _made(Path(out), *(s.path.parent for s in stores)), ExitStack() as held:
         resumable = {s.path: (s.work / "plan.json").is_file() for s in by_path.values()}
         for s in sorted(by_path.values(), key=lambda s: s.path):  # one lock order: two extractions never deadlock
@@ -285,6 +297,29 @@ def _told(tell, notes: list[str], partition: str, domains, results: list[dict], 
             "(--domains NAME picks another)"
         )
     return {"image_size": image_size, "notes": notes}
+
+
+def protocol_notes(specs: list[PartitionSpec], data, parts=None) -> list[str]:
+    """The data set's protocol in force, one line each: the reader's (PACS's kfold lists or a seeded split), the
+    test split of a multi-domain partition, FedBN's percent, a held-out domain (with its image count when the
+    partition is known: `parts`, one list per spec)."""
+    lines = list((data.extra.get("notes") or []) if data is not None else [])
+    spec = specs[0]
+    if spec.percent is not None:
+        rule = "FedBN's train_part files" if data is not None and data.extra.get("train_parts") else "a prefix"
+        lines.append(f"percent={spec.percent:g}: clients draw from that share of each domain's train split ({rule})")
+    held = [s.holdout_domain for s in specs if s.holdout_domain is not None]
+    if held:
+        sizes = [len(p[0].test) + len(p[0].test_train) for p in parts] if parts else []
+        count = ", ".join(f"{h}: {n} images" for h, n in zip(held, sizes)) or ", ".join(held)
+        lines.append(
+            "leave-one-domain-out: clients train on the other domains and every client is tested on the whole "
+            f"held-out domain, its train and test splits ({count})"
+        )
+    elif SCHEMES[spec.scheme].multi_domain or spec.test_split is not None:
+        other = next(k for k in TEST_SPLITS if k != spec.tests_on)
+        lines.append(f"test split {spec.tests_on}: {TEST_SPLITS[spec.tests_on]} (--test-split {other} to change)")
+    return lines
 
 
 def small_clients(spec: PartitionSpec, parts, specs: list[PartitionSpec]) -> str:
@@ -402,6 +437,9 @@ def _needs(parts_by_setting, views: int) -> dict[Need, np.ndarray]:
                 kinds = (0, views) if views and split == "train" else (0,)
                 for v in kinds:
                     rows.setdefault((part.domain, split, v), []).append(getattr(part, split))
+            if part.test_domain:  # a held-out domain: its test split stands in for the client's, with its train split
+                rows.setdefault((part.test_domain, "test", 0), []).append(part.test)
+                rows.setdefault((part.test_domain, "train", 0), []).append(part.test_train)
     return {need: np.unique(np.concatenate(r)).astype(np.int64) for need, r in rows.items()}
 
 
@@ -456,6 +494,7 @@ def _write(
 ) -> dict:
     """One client cache gathered from the stores' rows (`cache.write`: hashed as written, synced, renamed)."""
     domains = list(dict.fromkeys(p.domain for p in parts))  # the domains clients hold, in client order
+    domains += [d for d in dict.fromkeys(p.tested_on for p in parts) if d not in domains]  # then a held-out one
     header = {
         "key": key,
         "manifest": manifest,
@@ -480,11 +519,27 @@ def _write(
                     [s.gather((part.domain, name, views), rows) for s in stores] if views and name == "train" else None,
                 )
 
-            yield C.Client(part.domain, split("train"), split("test"), part.val)
+            test = split("test") if not part.test_domain else _held_out(data, part, stores)
+            yield C.Client(part.domain, split("train"), test, part.val)
 
     with writing(path):
         images = C.write(path, header, metas, clients())
     return _result(path, False, key, images, [m["key"] for m in metas], domains, t0)
+
+
+def _held_out(data, part, stores: list[Store]) -> C.Split:
+    """A client's test split from the held-out domain: its test split's rows, then its train split's (their source
+    indices offset by the test split's size, so each names one image of the domain)."""
+    d, splits = part.test_domain, data.domains[part.test_domain]
+    return C.Split(
+        np.concatenate([splits["test"].labels[part.test], splits["train"].labels[part.test_train]]),
+        np.concatenate([part.test, part.test_train + len(splits["test"])]),
+        [
+            np.concatenate([s.gather((d, "test", 0), part.test), s.gather((d, "train", 0), part.test_train)])
+            for s in stores
+        ],
+        domain=d,
+    )
 
 
 def _hit(path: Path, key: str, t0: float) -> dict:

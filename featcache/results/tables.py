@@ -105,6 +105,7 @@ def partition_words(p: dict, clients) -> str:
     caps = [f"{p[k]} {side}" for k, side in (("per_class", "train"), ("test_per_class", "test")) if p.get(k)]
     words += [f"{' / '.join(caps)} images per class per client"] if caps else []
     words += [f"domains {', '.join(p['domains'])}"] if p.get("domains") else []
+    words += [f"tested on held-out {p['holdout_domain']}"] if p.get("holdout_domain") else []
     head = [f"{scheme} partition" + (f" {words.pop(0)}" if words[:1] and words[0][0] == "α" else "")] if scheme else []
     return ", ".join(head + words)  # `label partition α=0.5, 10 clients`, `feature partition, 4 clients`
 

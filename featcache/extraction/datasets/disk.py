@@ -22,7 +22,7 @@ import numpy as np
 
 from ...errors import UserError
 from . import register_dataset
-from .base import ArrayImages, Dataset, PathImages, require_regular
+from .base import ArrayImages, Dataset, PathImages, open_regular, require_regular
 from .safe_pickle import safe_load
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -39,8 +39,8 @@ PACS_DOMAINS = ("photo", "art_painting", "cartoon", "sketch")
 PACS_CLASSES = ["dog", "elephant", "giraffe", "guitar", "horse", "house", "person"]
 
 DIGIT5_LAYOUT = (
-    "ROOT/{MNIST,SVHN,USPS,SynthDigits,MNIST_M}/partitions/train_part{0..9}.pkl and .../test.pkl "
-    "(FedBN's Digit-5 pickles: https://github.com/med-air/FedBN, utils/data_preprocess.py)"
+    "ROOT/{MNIST,SVHN,USPS,SynthDigits,MNIST_M}/partitions/train_part{0..9}.pkl and ROOT/{MNIST,...}/test.pkl "
+    "beside partitions/ (FedBN's Digit-5 pickles: https://github.com/med-air/FedBN, utils/data_preprocess.py)"
 )
 OFFICE10_LAYOUT = (
     "ROOT/{amazon,caltech,dslr,webcam}_{train,test}.pkl with the images they list, or ROOT/{site}/{class}/*.jpg "
@@ -51,7 +51,8 @@ DOMAINNET_LAYOUT = (
     "ROOT/{site}/{class}/*.jpg (images: https://ai.bu.edu/M3SDA/, FedBN's splits: https://github.com/med-air/FedBN)"
 )
 PACS_LAYOUT = (
-    "ROOT/{photo,art_painting,cartoon,sketch}/{class}/*.jpg, ROOT may also hold them under kfold/ "
+    "ROOT/{photo,art_painting,cartoon,sketch}/{class}/*.jpg, ROOT may also hold them under kfold/, with the official "
+    "split lists {domain}_{train,crossval,test}_kfold.txt in ROOT, ROOT/kfold or ROOT/pacs_label when present "
     "(PACS: https://domaingeneralization.github.io/#data)"
 )
 IMAGEFOLDER_LAYOUT = "ROOT/{domain}/{class}/*.jpg|png|... or ROOT/{domain}/{train,test}/{class}/* (your own images)"
@@ -181,7 +182,8 @@ def _digit_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def _read_digit_domain(folder: Path, parts: int) -> dict[str, ArrayImages]:
+def _read_digit_domain(folder: Path, parts: int, sizes: list[int]) -> dict[str, ArrayImages]:
+    """One domain's train parts 0..parts-1 (their sizes appended to `sizes`, for FedBN's percent) and test.pkl."""
     part_files = [folder / "partitions" / f"train_part{p}.pkl" for p in range(parts)]
     missing = [p for p in [*part_files, folder / "test.pkl"] if not p.is_file()]
     if missing:
@@ -189,6 +191,7 @@ def _read_digit_domain(folder: Path, parts: int) -> dict[str, ArrayImages]:
             f"digit5: {missing[0]} is missing (parts={parts} reads train_part0..{parts - 1}); expected {DIGIT5_LAYOUT}"
         )
     chunks = [_digit_arrays(p) for p in part_files]
+    sizes += [len(labels) for _, labels in chunks]
     train_images = np.concatenate([images for images, _ in chunks])  # [N, H, W] or [N, H, W, 3] uint8
     train_labels = np.concatenate([labels for _, labels in chunks])  # [N]
     return {"train": ArrayImages(train_images, train_labels), "test": ArrayImages(*_digit_arrays(folder / "test.pkl"))}
@@ -199,9 +202,10 @@ def digit5(root: Path | None, download: bool = False, parts: int = 10) -> Datase
     """FedBN's Digit-5 pickles: domains mnist, svhn, usps, synth, mnistm (those present), classes '0'..'9'.
 
     FedBN cut each domain's training set into ten partitions of ~744 images (`partitions/train_part{0..9}.pkl`);
-    `parts=k` reads train_part0..k-1, i.e. FedBN's `--percent k/10`. The default `parts=10` is what FedPCL runs
-    (its `--percent` defaults to 1, which reads all ten); FedPCL then keeps the first 10 training and 200 test
-    images per class, which is the partition step's business, not the reader's. MNIST/USPS are grey [N, 28, 28] and
+    `parts=k` reads train_part0..k-1. The default `parts=10` is what FedPCL runs (its `--percent` defaults to 1,
+    which reads all ten); FedPCL then keeps the first 10 training and 200 test images per class, and FedBN's
+    `--percent` (extract's `percent`, which follows FedBN's rule through the part sizes recorded in
+    `extra["train_parts"]`) is the partition step's business, not the reader's. MNIST/USPS are grey [N, 28, 28] and
     [N, 16, 16]; SVHN, SynthDigits and MNIST-M are RGB [N, 32, 32, 3] / [N, 28, 28, 3]. `ROOT` may be FedBN's
     `data/` (holding `digit/`) or `data/digit/` itself.
     """
@@ -209,15 +213,14 @@ def digit5(root: Path | None, download: bool = False, parts: int = 10) -> Datase
         raise UserError(f"digit5: parts must be an integer in 1..10 (FedBN's ten train_part files), got {parts!r}")
     root = _folder("digit5", root, download, DIGIT5_LAYOUT)
     base = _descend(root, "digit", lambda d: any((d / f).is_dir() for f in DIGIT5_FOLDERS.values()))
-    domains = {
-        domain: _read_digit_domain(base / folder, parts)
-        for domain, folder in DIGIT5_FOLDERS.items()
-        if (base / folder).is_dir()
-    }
+    sizes: dict[str, list[int]] = {d: [] for d, f in DIGIT5_FOLDERS.items() if (base / f).is_dir()}
+    domains = {domain: _read_digit_domain(base / DIGIT5_FOLDERS[domain], parts, sizes[domain]) for domain in sizes}
     train_parts = "train_part0.pkl" if parts == 1 else f"train_part{{0..{parts - 1}}}.pkl"
     expected = {d: f"{base / f}/partitions/{train_parts} and {base / f}/test.pkl" for d, f in DIGIT5_FOLDERS.items()}
     source = f"FedBN Digit-5 pickles at {base}"
-    return _finish("digit5", DIGIT5_CLASSES, domains, DIGIT5_LAYOUT, root, source, expected, base)
+    data = _finish("digit5", DIGIT5_CLASSES, domains, DIGIT5_LAYOUT, root, source, expected, base)
+    data.extra["train_parts"] = sizes
+    return data
 
 
 # --- Office-Caltech-10 and DomainNet (FedBN path pickles, or image folders) ----------------------------------------
@@ -332,20 +335,67 @@ def domainnet(root: Path | None, download: bool = False, test_fraction: float = 
 # --- PACS and generic image folders ---------------------------------------------------------------------------------
 
 
+PACS_KFOLD = {"train": "train", "test": "crossval"}  # featcache's split -> the official list it reads
+PACS_LISTS = ("", "kfold", "pacs_label")  # where the lists may lie, relative to ROOT
+
+
 @register_dataset("pacs", layout=PACS_LAYOUT)
 def pacs(root: Path | None, download: bool = False, test_fraction: float = 0.3, seed: int = 0) -> Dataset:
-    """PACS: domains photo, art_painting, cartoon, sketch (those present), 7 classes; seeded stratified split."""
+    """PACS: domains photo, art_painting, cartoon, sketch (those present), 7 classes.
+
+    Where the official split lists are present (`{domain}_train_kfold.txt` and `{domain}_crossval_kfold.txt`:
+    lines `art_painting/dog/pic_001.jpg 1`, labels 1..7 in PACS's class order), a domain's train split is its
+    train_kfold list and its test split its crossval_kfold list (Li et al., ICCV 2017); `{domain}_test_kfold.txt`
+    lists the whole domain, which is what a held-out domain is tested on (partition option holdout_domain: its train
+    and test splits). Otherwise a seeded stratified split (`test_fraction`, `seed`). `extra["notes"]` says which."""
     _check_fraction(test_fraction)
     root = _folder("pacs", root, download, PACS_LAYOUT)
     base = _descend(root, "kfold", lambda d: any((d / s).is_dir() for s in PACS_DOMAINS))
+    lists = next((f for f in dict.fromkeys(root / sub for sub in PACS_LISTS) if _kfold_lists(f)), None)
     domains = {
-        domain: _split_folder(base / domain, PACS_CLASSES, test_fraction, seed)
+        domain: _kfold_splits(lists, domain, base, root)
+        if lists is not None
+        else _split_folder(base / domain, PACS_CLASSES, test_fraction, seed)
         for domain in PACS_DOMAINS
         if (base / domain).is_dir()
     }
-    source = f"PACS folders at {base} (test_fraction={test_fraction}, seed={seed})"
+    how = f"official kfold lists in {lists}" if lists else f"test_fraction={test_fraction}, seed={seed}"
+    source = f"PACS folders at {base} ({how})"
     expected = {d: f"{base / d}/{{class}}/*.jpg" for d in PACS_DOMAINS}
-    return _finish("pacs", PACS_CLASSES, domains, PACS_LAYOUT, root, source, expected, base)
+    data = _finish("pacs", PACS_CLASSES, domains, PACS_LAYOUT, root, source, expected, base)
+    data.extra["notes"] = [
+        f"pacs: the official kfold splits ({lists}/{{domain}}_train_kfold.txt for train, _crossval_kfold.txt for test)"
+        if lists
+        else f"pacs: no official kfold lists found (ROOT, ROOT/kfold, ROOT/pacs_label): a seeded {1 - test_fraction:g}"
+        f"/{test_fraction:g} split per class (seed {seed})"
+    ]
+    return data
+
+
+def _kfold_lists(folder: Path) -> bool:
+    return any((folder / f"{d}_{PACS_KFOLD['train']}_kfold.txt").is_file() for d in PACS_DOMAINS)
+
+
+def _kfold_splits(lists: Path, domain: str, base: Path, root: Path) -> dict[str, PathImages]:
+    """One domain's splits from the official lists: `path label` per line, the path relative to the image folder
+    (resolved as FedBN's path lists are: `_resolve_listed`), the label 1..7."""
+    splits = {}
+    for split, name in PACS_KFOLD.items():
+        file = lists / f"{domain}_{name}_kfold.txt"
+        if not file.is_file():
+            raise UserError(f"pacs: {file} is missing beside the other kfold lists in {lists}; expected {PACS_LAYOUT}")
+        with open_regular(file) as fh:
+            rows = [line.split() for line in fh.read().decode("utf-8", "replace").splitlines() if line.strip()]
+        bad = next(
+            (r for r in rows if len(r) != 2 or not r[1].isdigit() or not 1 <= int(r[1]) <= len(PACS_CLASSES)), None
+        )
+        if bad is not None:
+            raise UserError(
+                f"{file}: line {' '.join(bad)!r} is not 'PATH LABEL' with a label in 1..{len(PACS_CLASSES)}"
+            )
+        paths = _resolve_listed([r[0] for r in rows], base, root, file, PACS_LAYOUT)
+        splits[split] = PathImages(paths, np.asarray([int(r[1]) - 1 for r in rows], dtype=np.int64))
+    return splits
 
 
 def _subfolders(folder: Path) -> list[Path]:

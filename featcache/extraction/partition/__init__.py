@@ -25,8 +25,13 @@ Dirichlet draws that leave a client without training images are redrawn (bounded
 
 Shared steps:
 
-* test: a client's test images have its training label distribution, as many as the domain's test pools allow
-  (capped by `test_per_class`), disjoint from the other clients of its domain.
+* test (`test_split`, spec.TEST_SPLITS): "whole", the feature scheme's default, shares each domain's whole test
+  split evenly among its clients (FedBN's and FedPCL's protocol); "train-mix", the other schemes' default, gives a
+  client test images with its training label distribution, as many as the domain's test pools allow. Both are
+  capped by `test_per_class` and disjoint from the other clients of the domain. With `holdout_domain`
+  (leave-one-domain-out, multi-domain schemes) clients train on the other domains and every client is tested on
+  all of the held-out one, its train and test splits.
+* percent (FedBN's `--percent`): clients draw only from a prefix of each domain's train split (`steps._kept_train`).
 * val: positions into the client's train array, stratified by label and seeded; a class keeps at least one image in
   train. Validation picks hyperparameters; the final run trains on the whole train array again (FedPCL, App. A.1.4).
 * indices are sorted ascending (HDF5 reads with increasing indices).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -10,17 +10,25 @@ from ...errors import UserError, suggest
 from ..datasets.base import Dataset
 from .schemes import _SCHEMES
 from .spec import PartitionSpec
-from .steps import _class_pools, _stream, _test_indices, _val_positions
+from .steps import _class_pools, _kept_train, _stream, _test_indices, _val_positions
 
 
 @dataclass
 class ClientPart:
-    """One client's share: indices into its domain's train and test ImageSets, val = positions into `train`."""
+    """One client's share: indices into its domain's train and test ImageSets, val = positions into `train`. With a
+    held-out domain (`test_domain`), `test` indexes that domain's test split and `test_train` its train split: the
+    client is tested on both."""
 
     domain: str
     train: np.ndarray  # [n] int64 indices into dataset.domains[domain]['train'], ascending
-    test: np.ndarray  # [m] int64 indices into dataset.domains[domain]['test'], ascending
+    test: np.ndarray  # [m] int64 indices into dataset.domains[test_domain]['test'], ascending
     val: np.ndarray  # [v] int64 positions into `train` held out for validation, ascending
+    test_domain: str = ""  # the domain tested on: "" is the client's own
+    test_train: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [t] int64, ascending
+
+    @property
+    def tested_on(self) -> str:
+        return self.test_domain or self.domain
 
 
 def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
@@ -29,7 +37,8 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
     domains = _chosen_domains(dataset, spec, scheme.multi_domain)
     clients = spec.clients or (len(domains) if scheme.multi_domain else 5)
     used = domains[: min(clients, len(domains))]  # the domains clients own, known before any list of clients is
-    available = sum(len(dataset.domains[d]["train"]) for d in used)  # built (10**30 clients: refused at once)
+    kept = {d: _kept_train(dataset, d, spec.percent) for d in used}  # FedBN's percent: a prefix of each train split
+    available = sum(kept.values())  # built (10**30 clients: refused at once)
     if clients > available:
         raise UserError(
             f"{clients} clients but only {available} training images in {', '.join(used)}: use fewer clients"
@@ -39,7 +48,7 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
     n_classes = len(dataset.classes)
     pools = {
         d: _class_pools(
-            dataset.domains[d]["train"].labels, n_classes, spec.order, _stream(spec.seed, f"pools/train/{d}")
+            dataset.domains[d]["train"].labels[: kept[d]], n_classes, spec.order, _stream(spec.seed, f"pools/train/{d}")
         )
         for d in used
     }
@@ -49,22 +58,41 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
             raise UserError(
                 f"client {i} (domain {d!r}) got no training images: use fewer clients or a larger per_class"
             )
-    test = _test_indices(dataset, owners, train, spec)
+    held = spec.holdout_domain
+    test = (
+        _test_indices(dataset, owners, train, spec)
+        if held is None
+        else [np.arange(len(dataset.domains[held]["test"]))] * clients
+    )
+    whole = np.arange(len(dataset.domains[held]["train"])) if held is not None else np.zeros(0, np.int64)
     return [
         ClientPart(
             d,
             tr,
             te,
             _val_positions(dataset.domains[d]["train"].labels[tr], spec.val_fraction, _stream(spec.seed, f"val/{i}")),
+            held or "",
+            whole,
         )
         for i, (d, tr, te) in enumerate(zip(owners, train, test))
     ]
 
 
 def _chosen_domains(dataset: Dataset, spec: PartitionSpec, multi_domain: bool) -> list[str]:
+    """The domains clients train on (a held-out domain is checked and left out of them)."""
     _refuse_missing_domains(dataset, spec, multi_domain)
     known = list(dataset.domains)
+    held = spec.holdout_domain
     chosen = list(spec.domains) if spec.domains else (known if multi_domain else known[:1])
+    if held is not None:
+        if held not in dataset.domains:
+            raise UserError(
+                f"unknown holdout domain {held!r} in dataset {dataset.name}{suggest(held, known)}; "
+                f"known: {', '.join(known)}"
+            )
+        chosen = [d for d in chosen if d != held]
+        if not chosen:
+            raise UserError(f"holding out {held!r} leaves no domain to train on: name others with --domains")
     for d in chosen:
         if d not in dataset.domains:
             raise UserError(
@@ -86,6 +114,7 @@ def _refuse_missing_domains(dataset: Dataset, spec: PartitionSpec, multi_domain:
         return
     order = dataset.extra.get("domain_order") or [*dataset.domains, *missing]
     wanted = list(spec.domains) if spec.domains else (order if multi_domain else order[:1])
+    wanted += [spec.holdout_domain] if spec.holdout_domain and spec.holdout_domain not in wanted else []
     absent = [d for d in wanted if d in missing]
     if absent:
         where = "; ".join(f"{d}: {missing[d]}" for d in absent)
@@ -101,17 +130,19 @@ def partition_counts(dataset: Dataset, parts: list[ClientPart]) -> dict:
     n_classes = len(dataset.classes)
     rows = []
     for i, part in enumerate(parts):
-        splits = dataset.domains[part.domain]
+        splits, tested = dataset.domains[part.domain], dataset.domains[part.tested_on]
+        y_test = np.concatenate([tested["test"].labels[part.test], tested["train"].labels[part.test_train]])  # [m]
         rows.append(
             {
                 "client": i,
                 "domain": part.domain,
                 "train": int(len(part.train)),
                 "val": int(len(part.val)),
-                "test": int(len(part.test)),
+                "test": int(len(y_test)),
                 "train_per_class": np.bincount(splits["train"].labels[part.train], minlength=n_classes).tolist(),
-                "test_per_class": np.bincount(splits["test"].labels[part.test], minlength=n_classes).tolist(),
+                "test_per_class": np.bincount(y_test, minlength=n_classes).tolist(),
             }
+            | ({"test_domain": part.test_domain} if part.test_domain else {})
         )
     total = {key: sum(r[key] for r in rows) for key in ("train", "val", "test")}
     return {"classes": list(dataset.classes), "clients": rows, "total": total}

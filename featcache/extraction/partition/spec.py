@@ -12,6 +12,12 @@ from .schemes import _SCHEMES
 from .steps import _ORDERS
 
 MAX_SEED = 2**32 - 1  # numpy's SeedSequence takes more, but the seed also seeds torch and the noise generators
+PROTOCOL = ("test_split", "percent", "holdout_domain")  # the data sets' own protocols, None unless asked for
+# --test-split: how a client's test images are chosen (steps.py)
+TEST_SPLITS = {
+    "whole": "each domain's whole test split, shared evenly by its clients (FedBN's and FedPCL's protocol)",
+    "train-mix": "each client's test images follow its train label mix (as many as the domain's test split allows)",
+}
 
 
 @dataclass(frozen=True)
@@ -28,22 +34,35 @@ class PartitionSpec:
     val_fraction: float = 0.2  # share of each client's train held out for validation (0 disables)
     order: str = "shuffled"  # shuffled | first: which images of a class pool a client takes
     seed: int = 0
+    test_split: str | None = None  # whole | train-mix; default: whole for feature, train-mix otherwise (TEST_SPLITS)
+    percent: float | None = None  # FedBN's --percent: the share of each domain's train split clients draw from
+    holdout_domain: str | None = None  # leave-one-domain-out: clients train on the others, all test on it whole
 
     def __post_init__(self) -> None:
         if isinstance(self.domains, list):
             object.__setattr__(self, "domains", tuple(self.domains))
         _check_types(self)
-        for name in ("alpha", "val_fraction"):  # 1 and 1.0 must give the same to_dict (it feeds cache keys)
-            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("alpha", "val_fraction", "percent"):  # 1 and 1.0 must give the same to_dict (it feeds keys)
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
         for name in ("clients", "per_class", "test_per_class", "classes_per_client", "seed"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         _check_values(self)
 
     def to_dict(self) -> dict:
+        """Plain data; the protocol options (`PROTOCOL`) only when set, so a partition that uses none of them is
+        recorded (in cache keys and result files) by the fields every partition has."""
         out = dataclasses.asdict(self)
         out["domains"] = list(self.domains) if self.domains is not None else None
-        return out
+        return {k: v for k, v in out.items() if k not in PROTOCOL or v is not None}
+
+    @property
+    def tests_on(self) -> str:
+        """The test protocol in force: 'holdout', or `test_split` (the scheme's own when not given)."""
+        if self.holdout_domain is not None:
+            return "holdout"
+        return self.test_split or ("whole" if self.scheme == "feature" else "train-mix")
 
     @classmethod
     def from_dict(cls, data: dict) -> PartitionSpec:
@@ -67,6 +86,9 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "val_fraction": (*_INT, float, np.floating),
     "order": (str,),
     "seed": _INT,
+    "test_split": (str, _NONE),
+    "percent": (*_INT, float, np.floating, _NONE),
+    "holdout_domain": (str, _NONE),
 }
 
 
@@ -102,3 +124,35 @@ def _check_values(spec: PartitionSpec) -> None:
             raise UserError(f"{name} must be >= 1 (got {value})")
     if spec.domains is not None and (not spec.domains or len(set(spec.domains)) != len(spec.domains)):
         raise UserError(f"domains must name each domain once (got {list(spec.domains)!r}); omit it for the default")
+    if spec.test_split is not None and spec.test_split not in TEST_SPLITS:
+        raise UserError(
+            f"unknown test split {spec.test_split!r}{suggest(spec.test_split, TEST_SPLITS)}; "
+            f"known: {', '.join(TEST_SPLITS)}"
+        )
+    if spec.percent is not None and not 0 < spec.percent <= 1:
+        raise UserError(f"percent must be in (0, 1], the share of each domain's train split (got {spec.percent:g})")
+    _check_holdout(spec)
+
+
+def _check_holdout(spec: PartitionSpec) -> None:
+    held = spec.holdout_domain
+    if held is None:
+        return
+    if not _SCHEMES[spec.scheme].multi_domain:
+        multi = ", ".join(k for k, v in _SCHEMES.items() if v.multi_domain)
+        raise UserError(
+            f"holdout_domain needs a partition over several domains ({multi}), not {spec.scheme!r}: "
+            "its clients train on the other domains"
+        )
+    if spec.domains is not None and held in spec.domains:
+        raise UserError(
+            f"{held!r} is held out for testing and listed in domains: leave it out of domains (the training domains)"
+        )
+    if spec.test_split is not None:
+        raise UserError(
+            f"test_split {spec.test_split!r} does not apply with holdout_domain: every client tests on all of {held!r}"
+        )
+    if spec.test_per_class is not None:
+        raise UserError(
+            f"test_per_class does not apply with holdout_domain: every client tests on all of {held!r}; omit it"
+        )

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from ...errors import UserError
 from ..datasets.base import Dataset
 
 if TYPE_CHECKING:
@@ -47,9 +48,44 @@ def _gather(parts: list[list[np.ndarray]]) -> list[np.ndarray]:
     return [np.concatenate(p).astype(np.int64) for p in parts]
 
 
+def _kept_train(dataset: Dataset, domain: str, percent: float | None) -> int:
+    """How many of a domain's train images (a prefix, in the dataset's order) clients draw from: all, or FedBN's
+    `--percent`. A reader that records FedBN's train part files (`extra["train_parts"]`: domain -> their sizes) gets
+    FedBN's DigitsDataset rule: int(percent * 10) whole parts, or below 0.1 that share of the first part."""
+    n = len(dataset.domains[domain]["train"])
+    if percent is None:
+        return n
+    sizes = (dataset.extra.get("train_parts") or {}).get(domain)
+    if sizes:
+        kept = sum(sizes[: int(percent * 10)]) if percent >= 0.1 else int(sizes[0] * percent * 10)
+    else:
+        kept = int(n * percent)
+    if kept < 1:
+        raise UserError(f"percent={percent:g} keeps no training image of domain {domain!r} ({n}): use a larger one")
+    return min(kept, n)
+
+
 def _test_indices(
     dataset: Dataset, owners: list[str], train: list[np.ndarray], spec: PartitionSpec
 ) -> list[np.ndarray]:
+    """Each client's test images, by the spec's test protocol (`spec.tests_on`, TEST_SPLITS)."""
+    return _TEST_SPLITS[spec.tests_on](dataset, owners, train, spec)
+
+
+def _whole_test(dataset: Dataset, owners: list[str], train: list[np.ndarray], spec: PartitionSpec) -> list[np.ndarray]:
+    """Each domain's whole test split: every class pool split evenly among the domain's clients (one client per
+    domain: all of it), capped at `test_per_class` per class."""
+    n_classes = len(dataset.classes)
+    parts: list[list[np.ndarray]] = [[] for _ in owners]
+    for d, who in _members(owners).items():
+        labels = dataset.domains[d]["test"].labels
+        for pool in _class_pools(labels, n_classes, spec.order, _stream(spec.seed, f"pools/test/{d}")):
+            for i, chunk in zip(who, np.array_split(pool, len(who))):
+                parts[i].append(chunk[: spec.test_per_class])
+    return [np.sort(t) for t in _gather(parts)]
+
+
+def _mix_test(dataset: Dataset, owners: list[str], train: list[np.ndarray], spec: PartitionSpec) -> list[np.ndarray]:
     """Test images per client with its train label distribution.
 
     Client i with n_ik training images of class k gets r_i * n_ik test images of class k (rounded down, or up where
@@ -87,3 +123,9 @@ def _val_positions(labels: np.ndarray, fraction: float, rng: np.random.Generator
         take = min(int(np.floor(fraction * len(pos) + 0.5)), len(pos) - 1)
         picks.append(rng.choice(pos, take, replace=False))
     return np.sort(np.concatenate(picks)).astype(np.int64)
+
+
+_TEST_SPLITS: dict[str, Callable[[Dataset, list[str], list[np.ndarray], PartitionSpec], list[np.ndarray]]] = {
+    "whole": _whole_test,
+    "train-mix": _mix_test,
+}
