@@ -17,7 +17,9 @@ import hashlib
 import inspect
 import json
 import os
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from .. import __version__
@@ -41,6 +43,7 @@ REPO_PIPELINE_DIR = Path(__file__).resolve().parents[2] / "pipelines"  # ... bes
 # Jobs are memoised under what they train, not where: every job trains on the CPU, so a memoised result never mixes
 # with one a GPU rounded differently (train and grid default to --device auto).
 TRAIN_DEVICE = "cpu"
+HEARTBEAT_S = 20.0  # while a job runs, a progress line at least this often (a log must not fall silent for minutes)
 
 
 def reproduce(
@@ -64,10 +67,12 @@ def reproduce(
     caches, runs = {}, {}
     for i, job in enumerate(sorted(jobs, key=lambda j: j.extract)):
         if job.extract not in caches:
-            caches[job.extract] = _extract(job.extract_kwargs, cache, progress)
+            with heartbeat(progress, pipe.name, i, len(jobs), "extracting"):
+                caches[job.extract] = _extract(job.extract_kwargs, cache, progress)
         if progress:
             progress(pipe.name, i, len(jobs))
-        runs[job.key()] = run_job(job, caches[job.extract], out)
+        with heartbeat(progress, pipe.name, i, len(jobs), f"job {i + 1} of {len(jobs)} ({job.algo}) training"):
+            runs[job.key()] = run_job(job, caches[job.extract], out)
     if progress:
         progress(pipe.name, len(jobs), len(jobs))
     values = cell_values(pipe, cells, runs)
@@ -119,6 +124,30 @@ def reproduce(
         "table": table_markdown(pipe, values, column_domains(pipe, cells, runs)),
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+@contextmanager
+def heartbeat(progress, label: str, done: int, total: int, what: str, every: float | None = None):
+    """While the block runs, call `progress(label, done, total, note)` every `every` seconds (default HEARTBEAT_S)
+    from a daemon thread, the note saying `what` runs and for how long: a progress line comes at least that often
+    however long one job takes (a note always gets its line)."""
+    if progress is None:
+        yield
+        return
+    every = HEARTBEAT_S if every is None else every
+    stop, t0 = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            progress(label, done, total, f"{what}, {time.monotonic() - t0:.0f} s")
+
+    thread = threading.Thread(target=beat, name="featcache-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _backbones(cache: str) -> list[dict]:
