@@ -49,6 +49,22 @@ def as_list(value, name: str, kind: type | tuple[type, ...] = str) -> list | Non
     raise UserError(f"{name} must be a {what} or a list of them, not {type(value).__name__} {value!r}")
 
 
+def comma_values(value, kind: type, name: str):
+    """The command line's form of a list option, a comma string ('0,1,2', '0.1,0.5'), as the list of `kind` it
+    means, so the Python API takes the option as the command does; any other value is returned unchanged. An empty
+    item, or one that is not a `kind`, is one line naming `name`."""
+    if not isinstance(value, str):
+        return value
+    items = [t.strip() for t in value.split(",")]
+    example = "0,1,2" if kind is int else "0.1,0.5,1" if kind is float else "a,b"
+    if "" in items:
+        raise UserError(f"{name} {value!r} has an empty item: write comma-separated values, e.g. {name} {example}")
+    try:
+        return [kind(t) for t in items]
+    except ValueError:
+        raise UserError(f"{name} {value!r}: write comma-separated {kind.__name__}s, e.g. {name} {example}") from None
+
+
 _KINDS = {
     stat.S_IFDIR: "a folder",
     stat.S_IFIFO: "a named pipe",

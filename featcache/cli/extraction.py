@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError, not_a_file
-from .app import comma_list, emit, err, out, path_of, progress_bar
+from .app import emit, err, out, path_of, progress_bar
 
 
 def extract(
@@ -93,9 +93,9 @@ def extract(
             dataset=dataset,
             backbone=backbone,
             partition=partition,
-            clients=_sweep(clients, int, "--clients"),
-            alpha=_sweep(alpha, float, "--alpha"),
-            per_class=_sweep(per_class, int, "--per-class"),
+            clients=clients,  # comma lists: extract() reads them as the command line writes them
+            alpha=alpha,
+            per_class=per_class,
             test_per_class=test_per_class,
             classes_per_client=classes_per_client,
             domains=domains,
@@ -103,7 +103,7 @@ def extract(
             order=order,
             test_split=test_split,
             percent=percent,
-            holdout_domain=_sweep(holdout_domain, str, "--holdout-domain"),
+            holdout_domain=holdout_domain,
             image_size=image_size,
             views=views,
             noise=Noise(noise, noise_scale, noise_p) if noise else None,
@@ -134,14 +134,6 @@ def extract(
         table.add_row("phases", " · ".join(f"{k} {v:.1f} s" for k, v in result["phases"].items()))
     table.show_header = False
     emit(result, as_json, table)
-
-
-def _sweep(text: str | None, kind: type, flag: str):
-    """'0.1,0.5,1' -> [0.1, 0.5, 1.0]; one value -> that value; None -> None."""
-    if text is None:
-        return None
-    values = comma_list(text, kind, flag)
-    return values if len(values) > 1 else values[0]
 
 
 def info(

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import cache as C
 from ..atomic import check_folder, check_names, make_folder, output_errors
-from ..errors import UserError, as_list, as_path, not_a_file
+from ..errors import UserError, as_list, as_path, comma_values, not_a_file
 from . import pipeline as P
 from .backbones import check_weights, weights_identity
 from .contents import Contents
@@ -57,9 +57,9 @@ def extract(
     dataset: str = "offline-digits",
     backbone: list[str] = ("efficientnet_lite0",),
     partition: str = "feature",
-    clients: int | list[int] | None = None,
-    alpha: float | list[float] = 0.5,
-    per_class: int | list[int] | None = None,
+    clients: int | list[int] | str | None = None,
+    alpha: float | list[float] | str = 0.5,
+    per_class: int | list[int] | str | None = None,
     test_per_class: int | None = None,
     classes_per_client: int = 2,
     domains: list[str] | None = None,
@@ -88,8 +88,9 @@ def extract(
     """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, partition, embedded,
     seconds}.
 
-    A list for `clients`, `alpha`, `per_class` or `holdout_domain` is a sweep: one cache per combination, all from
-    one fill of the stores; the result then lists each cache's summary under `caches`. `test_split`, `percent` and
+    A list for `clients`, `alpha`, `per_class` or `holdout_domain`, or the command line's comma string ("5,10"), is
+    a sweep: one cache per combination, all from one fill of the stores; the result then lists each cache's summary
+    under `caches`. `test_split`, `percent` and
     `holdout_domain` are the data sets' own protocols (PartitionSpec); the one in force is told as a note.
     `store` is the folder of the embedding stores (default `out/store`; a shared folder lets a lab share one).
     `batch_size` (images decoded per step) and `workers` (input worker processes) default from the device and the
@@ -100,6 +101,15 @@ def extract(
     a one-domain partition's domain) is listed under `notes` and passed, one line each, to `note` when known."""
     t0 = time.perf_counter()
     check_options({name: value for name, value in locals().items() if name in OPTIONS})
+    clients, alpha, per_class, holdout_domain = (  # the command line's comma lists ("5,10") mean what they say there
+        comma_values(value, kind, "--" + name.replace("_", "-"))
+        for value, kind, name in (
+            (clients, int, "clients"),
+            (alpha, float, "alpha"),
+            (per_class, int, "per_class"),
+            (holdout_domain, str, "holdout_domain"),
+        )
+    )
     backbone = [backbone] if isinstance(backbone, str) else list(backbone)
     if not backbone:
         raise UserError("no backbone given: pass --backbone NAME (e.g. efficientnet_lite0)")

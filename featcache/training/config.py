@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import cast
 
-from ..errors import UserError, as_list, suggest
+from ..errors import UserError, as_list, comma_values, suggest
 
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 MAX_INT = 2**31 - 1  # an integer setting above this is a typo (and overflows the engine's index arithmetic)
@@ -317,6 +317,7 @@ def check_seeds(seeds) -> list[int]:
     lie)."""
     if isinstance(seeds, int) and not isinstance(seeds, bool):  # one seed
         seeds = [seeds]
+    seeds = comma_values(seeds, int, "--seeds")  # the command line's "0,1,2"
     if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__iter__"):
         raise UserError(f"--seeds must be a list of integers such as [0, 1, 2] (got {seeds!r})")
     seeds = list(seeds)
