@@ -18,10 +18,9 @@ import torch
 from conftest import configure
 
 import tests.ref_flower_strategies as flower
-from featcache.algorithms import create, register
-from featcache.algorithms.fedpcl import FedPCL
+from featcache.algorithms import create
 from featcache.algorithms.fedprox import FedProx
-from featcache.algorithms.serveropt import FedAdam, with_server
+from featcache.algorithms.serveropt import Adaptive, FedAdam
 from featcache.errors import UserError
 from featcache.testing import assert_matches_plain_loop, assert_reduces_to, synthetic_clients
 from featcache.training.config import batched
@@ -218,11 +217,14 @@ def test_a_grid_over_server_lr_runs_as_one_batch_and_equals_separate_runs():
     assert not torch.equal(together.state.params["cls0.weight"][0], together.state.params["cls0.weight"][1])
 
 
-def test_any_fedavg_server_algorithm_takes_a_server_optimizer():
-    cls = with_server(FedProx, FedAdam)
-    assert cls.name == "fedprox+fedadam" and cls.uses_global and not cls.fedavg_server
-    register(cls)
+def test_any_fedavg_server_algorithm_takes_a_server_optimizer_by_name():
+    algo = create("fedprox+fedadam")  # made by the registry on first use: FedProx's clients, FedAdam's server
+    assert type(algo).__mro__[1:3] == (FedAdam, Adaptive) and FedProx in type(algo).__mro__
+    assert algo.uses_global and not algo.fedavg_server and create("fedprox+fedadam").name == "fedprox+fedadam"
     assert {"mu", "server_lr", "server_beta2"} <= set(configure("fedprox+fedadam"))
     assert_matches_plain_loop("fedprox+fedadam", mu=0.5)
+    assert_reduces_to("moon+fedavgm", "moon", server_momentum=0.0)
     with pytest.raises(UserError, match="fedpcl overrides upload, aggregate, download"):
-        with_server(FedPCL, FedAdam)
+        create("fedpcl+fedadam")
+    with pytest.raises(UserError, match="unknown algorithm 'fedprox\\+fedsgd'"):
+        create("fedprox+fedsgd")

@@ -9,12 +9,16 @@ themselves, and creates them by name; plugins.py imports classes from outside fe
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from ..errors import UserError, suggest
 from ..training.config import settings_of
 from .base import FedAvg, contradictions
 
 _ALGOS: dict[str, type[FedAvg]] = {}
+# Suffixes that make an algorithm of another by name, "BASE+SUFFIX" (fedprox+fedadam: FedProx's clients with FedAdam's
+# server): suffix -> the function from BASE's class to the new class (serveropt.py adds its server optimizers).
+COMPOSERS: dict[str, Callable[[type[FedAvg]], type[FedAvg]]] = {}
 
 # Methods whose mechanism needs something a feature cache cannot give: listed, never faked.
 UNAVAILABLE = {
@@ -65,9 +69,13 @@ def registered() -> dict[str, type[FedAvg]]:
 
 
 def lookup(name: str) -> type[FedAvg]:
-    """The class registered as `name`; an unavailable method or an unknown name is one line."""
+    """The class registered as `name` (or composed: "BASE+SUFFIX", `COMPOSERS`); an unavailable method or an unknown
+    name is one line."""
     if name in UNAVAILABLE:
         raise UserError(f"{name} cannot run on cached features: {UNAVAILABLE[name]}")
+    base, plus, suffix = name.rpartition("+")
+    if name not in _ALGOS and plus and suffix in COMPOSERS and base in _ALGOS:
+        register(COMPOSERS[suffix](_ALGOS[base]))  # made once, on first use
     if name not in _ALGOS:
         raise UserError(f"unknown algorithm {name!r}{suggest(name, _ALGOS)}: see `featcache algos`")
     return _ALGOS[name]

@@ -25,7 +25,7 @@ v live in the server's state ([H, ...] per configuration), so a checkpoint carri
 its own per configuration (a grid batches server_lr, β, τ on the configuration axis).
 
 Any algorithm whose server is FedAvg's (upload, aggregate and download FedAvg's own: fedprox, moon, ...) takes a
-server optimizer: `with_server(FedProx, FedAdam)` is the class `fedprox+fedadam` (register it to train it by name).
+server optimizer by name, `--algo fedprox+fedadam` (`with_server(FedProx, FedAdam)`).
 Global model: the server's x_{t+1}, which every client downloads.
 """
 
@@ -38,7 +38,7 @@ import torch
 from ..errors import UserError
 from ..training.config import Setting
 from .base import FedAvg, bcast, remember_global
-from .registry import register
+from .registry import COMPOSERS, register
 
 SERVER_HOOKS = ("upload", "aggregate", "download")  # FedAvg's own in an algorithm that takes a server optimizer
 
@@ -190,8 +190,8 @@ class FedAdam(Adaptive):
 
 
 def with_server(algo: type[FedAvg], server: type[ServerOptimizer]) -> type[FedAvg]:
-    """`algo`'s clients with `server`'s optimizer, as the class named "{algo.name}+{server.name}" (not registered:
-    `register` it to train it by name). Refuses an algorithm whose upload, aggregate or download is not FedAvg's."""
+    """`algo`'s clients with `server`'s optimizer, as the class named "{algo.name}+{server.name}" (the registry makes
+    it on first use of that name). Refuses an algorithm whose upload, aggregate or download is not FedAvg's."""
     changed = [h for h in SERVER_HOOKS if getattr(algo, h) is not getattr(FedAvg, h)]
     if changed:
         raise UserError(
@@ -200,3 +200,7 @@ def with_server(algo: type[FedAvg], server: type[ServerOptimizer]) -> type[FedAv
         )
     body = {"name": f"{algo.name}+{server.name}", "paper": f"{algo.paper}; server: {server.paper}"}
     return type(f"{algo.__name__}With{server.__name__}", (server, algo), body | {"__module__": algo.__module__})
+
+
+for _server in (FedAvgM, FedAdagrad, FedYogi, FedAdam):
+    COMPOSERS[_server.name] = lambda algo, server=_server: with_server(algo, server)
