@@ -79,16 +79,17 @@ SECOND_MOMENT = {
 }
 
 
-def algorithm2(name: str, s: dict, x0: dict, rounds: list, h: int) -> list[dict]:
-    """x_1, ..., x_T of configuration h: Δ_t = Σ_k n_k x_k / Σ n_k − x_t over the participants; FedAvgM:
-    m_t = β m + Δ_t, x += η m_t; Algorithm 2: m_t = β1 m + (1 − β1) Δ_t, v_t by the optimizer's rule from
-    v_{−1} = τ², x += η m_t / (√v_t + τ)."""
+def algorithm2(name: str, s: dict, x0: dict, rounds: list, h: int, by_rows: bool | None = None) -> list[dict]:
+    """x_1, ..., x_T of configuration h. FedAvgM: Δ_t = Σ_k n_k x_k / Σ n_k − x_t over the participants,
+    m_t = β m + Δ_t, x += η m_t; Algorithm 2: Δ_t = 1/|S| Σ_{k∈S} x_k − x_t, m_t = β1 m + (1 − β1) Δ_t, v_t by the
+    optimizer's rule from v_{−1} = τ², x += η m_t / (√v_t + τ). `by_rows` swaps the weighting (n_k or uniform)."""
     x = {k: v[h] for k, v in x0.items()}
     m = {k: np.zeros_like(v) for k, v in x.items()}
     v = {k: np.full_like(a, s.get("server_tau", 0.0) ** 2) for k, a in x.items()}
     out = []
     for models, weights, _ in rounds:
-        w = weights[h]
+        by_n = (name == "fedavgm") if by_rows is None else by_rows
+        w = weights[h] if by_n else (weights[h] > 0).astype(float)  # n_k, or uniform over S
         for k in x:
             mean = np.tensordot(w, models[k][h], axes=(0, 0)) / w.sum()
             d = mean - x[k]
@@ -120,6 +121,8 @@ def test_the_server_step_is_algorithm_2(name):
     x0, rounds = server_rounds(name, SETTINGS[name])
     expected = [algorithm2(name, s, x0, rounds, h) for h, s in enumerate(SETTINGS[name])]
     assert worst(name, expected, rounds) < 1e-5
+    swapped = [algorithm2(name, s, x0, rounds, h, by_rows=name != "fedavgm") for h, s in enumerate(SETTINGS[name])]
+    assert worst(name, swapped, rounds) > 1e-3  # the clients' weighting shows on these uneven clients
     moved = max(float(np.abs(rounds[-1][2][k] - x0[k]).max()) for k in x0)
     assert moved > 1e-2  # the server's model moved: the comparison is not between two unchanged models
 

@@ -2,8 +2,8 @@
 Federated Visual Classification", arXiv:1909.06335, 2019) and FedAdagrad, FedYogi, FedAdam (Reddi et al., "Adaptive
 Federated Optimization", ICLR 2021, Algorithm 2).
 
-Clients train as in FedAvg; the server takes Δ_t = Σ n_k x_k / Σ n_k − x_t over the round's participants (FedAvg's
-mean minus the model x_t the round started from) as a pseudo-gradient and steps its own optimizer on it:
+Clients train as in FedAvg; the server takes Δ_t = mean_k x_k − x_t over the round's participants S (their mean minus
+the model x_t the round started from) as a pseudo-gradient and steps its own optimizer on it:
 
     FedAvgM:    m_t = β m_{t−1} + Δ_t                              x_{t+1} = x_t + η m_t
     FedAdagrad: m_t = β1 m_{t−1} + (1 − β1) Δ_t,   v_t = v_{t−1} + Δ_t²
@@ -11,16 +11,18 @@ mean minus the model x_t the round started from) as a pseudo-gradient and steps 
     FedAdam:    m_t as FedAdagrad's,   v_t = β2 v_{t−1} + (1 − β2) Δ_t²
                 the three adaptive ones: x_{t+1} = x_t + η m_t / (√v_t + τ)
 
-m_{−1} = 0 and v_{−1} = τ² (Algorithm 2's bound v_{−1} ≥ τ²). `server_rule=flower` follows flwr's strategies of the
-same names instead (flwr 1.42 server/strategy/fedadam.py, fedyogi.py, fedadagrad.py): v_{−1} = 0, and FedAdam's rate
-is bias-corrected, η √(1 − β2^(t+2)) / (1 − β1^(t+2)) in round t = 0, 1, ... (flwr's server_round + 1); flwr's
-FedAdagrad fixes β1 = 0 (give server_beta1=0). FedAvgM is flwr's FedAvgM (server_momentum, server_learning_rate):
-with β = 0 and η = 1 there is no server step and x_{t+1} is FedAvg's mean itself, as in flwr.
+Algorithm 2 as written (`server_rule=reddi`, the default): the uniform mean 1/|S| Σ_{k∈S} x_k, m_{−1} = 0 and
+v_{−1} = τ² (its bound v_{−1} ≥ τ²). `server_rule=flower` follows flwr's strategies of the same names (flwr 1.42
+server/strategy/fedadam.py, fedyogi.py, fedadagrad.py): FedAvg's mean Σ n_k x_k / Σ n_k (n_k a client's rows),
+v_{−1} = 0, and FedAdam's rate bias-corrected, η √(1 − β2^(t+2)) / (1 − β1^(t+2)) in round t = 0, 1, ... (flwr's
+server_round + 1); flwr's FedAdagrad fixes β1 = 0 (give server_beta1=0). FedAvgM takes FedAvg's mean (Hsu et al.)
+and is flwr's FedAvgM (server_momentum, server_learning_rate): with β = 0 and η = 1 there is no server step and
+x_{t+1} is FedAvg's mean itself, as in flwr.
 Defaults: β = 0.9 (Hsu et al.); β1 = 0.9, β2 = 0.99, τ = 1e-3 (Reddi et al. §5); η = 1 for FedAvgM, 1e-2 for
 FedYogi and FedAdam and 0.1 for FedAdagrad, whose v only grows (flwr's defaults): an adaptive step moves each
 coordinate by about η per round, so tune η, as Reddi et al. tune it per task.
 
-BN running statistics (bn=True) are statistics, not parameters: the server averages them as FedAvg does. x_t, m and
+BN running statistics (bn=True) are statistics, not parameters: the server takes their mean. x_t, m and
 v live in the server's state ([H, ...] per configuration), so a checkpoint carries them. Every setting is a float of
 its own per configuration (a grid batches server_lr, β, τ on the configuration axis).
 
@@ -32,6 +34,8 @@ Global model: the server's x_{t+1}, which every client downloads.
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from dataclasses import dataclass
 
 import torch
 
@@ -62,8 +66,12 @@ class ServerOptimizer(FedAvg):
         name -> [H, ...]."""
         raise NotImplementedError
 
+    def client_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """The weights of the server's mean (FedAvg's n_k, 0 for absent clients: [H, C] or [H, P])."""
+        return weights
+
     def aggregate(self, uploads, weights, state, rnd):
-        mean = super().aggregate(uploads, weights, state, rnd)  # FedAvg's, name -> [H, ...]
+        mean = super().aggregate(uploads, self.client_weights(weights), state, rnd)  # name -> [H, ...]
         x = state.server["global"]  # x_t [H, ...]
         new, memory = self.step(x, {k: mean[k] for k in x}, state.server, rnd)
         return {"model": mean | new} | memory  # BN statistics: the mean
@@ -110,7 +118,16 @@ def adam(v: torch.Tensor, d2: torch.Tensor, beta2: torch.Tensor) -> torch.Tensor
     return beta2 * v + (1 - beta2) * d2
 
 
-RULES = ("reddi", "flower")  # Algorithm 2 as written, or flwr's strategies (module docstring)
+@dataclass(frozen=True)
+class Rule:
+    """Where Algorithm 2 and flwr's strategies differ (module docstring)."""
+
+    uniform: bool  # Δ_t from the participants' uniform mean (else FedAvg's n_k-weighted one)
+    v_from_tau2: bool  # v_{−1} = τ² (else 0)
+    bias_corrected: bool  # FedAdam's rate η √(1 − β2^(t+2)) / (1 − β1^(t+2)) (else η)
+
+
+RULES = {"reddi": Rule(True, True, False), "flower": Rule(False, False, True)}
 
 
 class Adaptive(ServerOptimizer):
@@ -123,15 +140,23 @@ class Adaptive(ServerOptimizer):
         "server_tau": Setting(1e-3, "τ, the adaptivity (added to √v); v starts at τ²", lo=0, lo_open=True),
         "server_rule": Setting(
             "reddi",
-            "reddi: Algorithm 2 (v starts at τ²); flower: flwr's strategy (v starts at 0, FedAdam's η bias-corrected)",
-            choices=RULES,
+            "reddi: Algorithm 2 (uniform mean over the participants, v starts at τ²); flower: flwr's strategy "
+            "(FedAvg's n_k-weighted mean, v starts at 0, FedAdam's η bias-corrected)",
+            choices=tuple(RULES),
         ),
     }
     second_moment: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = staticmethod(adagrad)
 
+    @property
+    def rule(self) -> Rule:
+        return RULES[self.cfg["server_rule"]]
+
+    def client_weights(self, weights):
+        return (weights > 0).to(weights.dtype) if self.rule.uniform else weights  # [H, C] or [H, P]
+
     def init_state(self, state, rnd):
         super().init_state(state, rnd)
-        if self.cfg["server_rule"] == "reddi":
+        if self.rule.v_from_tau2:
             tau2 = rnd.hp["server_tau"] ** 2  # [H]
             state.server["v"] = {k: v + bcast(tau2, v) for k, v in state.server["v"].items()}  # [H, ...]
 
@@ -182,7 +207,7 @@ class FedAdam(Adaptive):
     second_moment = staticmethod(adam)
 
     def rate(self, rnd):
-        if self.cfg["server_rule"] == "reddi":
+        if not self.rule.bias_corrected:
             return rnd.hp["server_lr"]
         t = rnd.round + 2  # flwr's server_round + 1, server_round = 1, 2, ...
         b1, b2 = rnd.hp["server_beta1"], rnd.hp["server_beta2"]  # [H]
