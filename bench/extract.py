@@ -17,15 +17,16 @@ Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figure
 4. rss: peak RSS (VmHWM) of extract on two offline-digits sizes, each in a fresh process, and what the extract call
    adds above the RSS before it; flat means a growth ratio near 1.
 5. cache_format: cache format 2 (each backbone's features as a dataset of its own and again in `concat`, checksums
-   by re-reading the file; its first load verified every array, then read `concat`) vs format 3 (`concat` alone,
-   hashed as written, checked on the read that loads it), both assembled from the same per-backbone `.npy` blocks
-   extract stages (random features of `--format-dims`, `--format-clients` clients of `--format-rows` train and half
-   as many test rows): file bytes, assembly seconds (write + fsync; the embedding that precedes it is the same for
-   both), the first load of train and test in a fresh state and a second load, and whether the features read back
-   are identical. `layouts`: one read of every client's train features, all backbones, from `concat` alone, from
-   per-backbone datasets concatenated at load, from an HDF5 virtual dataset over them; and one backbone's columns
-   of `concat` vs its own dataset. Target: format 3 about half the bytes of format 2 with 3 backbones, identical
-   features. All files are read just after being written (a warm page cache).
+   by re-reading the file; its first load verified every array, then read `concat`) vs the current format (`concat`
+   alone, every client's rows of a split in one dataset, hashed as written, checked on the read that loads it),
+   both assembled from the same per-backbone `.npy` blocks extract stages (random features of `--format-dims`,
+   `--format-clients` clients of `--format-rows` train and half as many test rows): file bytes, assembly seconds
+   (write + fsync; the embedding that precedes it is the same for both), the first load of train and test in a
+   fresh state and a second load, and whether the features read back are identical. `layouts`: one read of every
+   client's train features, all backbones, from `concat` alone, from per-backbone datasets concatenated at load,
+   from an HDF5 virtual dataset over them; and one backbone's columns of `concat` vs its own dataset. Target: the
+   current format about half the bytes of format 2 with 3 backbones, identical features. All files are read just
+   after being written (a warm page cache).
 6. vs_script: `extract` itself (a fresh out folder each run, on the CPU) vs the first script researchers write:
    the raw timm model (`packaged_model`), timm's eval transform (`resolve_data_config` + `create_transform` at the
    same input size: PIL resize, centre crop, ToTensor, Normalize), one `DataLoader(num_workers=cores,
@@ -442,7 +443,7 @@ def format2_load(path: Path, split: str, verify: bool) -> torch.Tensor:
         return torch.from_numpy(out)
 
 
-def format3_load(path: Path, split: str, verify: bool) -> torch.Tensor:
+def current_load(path: Path, split: str, verify: bool) -> torch.Tensor:
     if verify:
         load._VERIFIED.clear()  # a fresh process
     return C.load_clients(path, split).features
@@ -460,9 +461,9 @@ def interleaved(calls: dict, repeat: int) -> dict[str, tuple[float, object]]:
 
 
 def layout_reads(path2: Path, path3: Path, folder: Path, dims: list[int], repeat: int) -> dict:
-    """Seconds of one read of every client's train features: all backbones from `concat` (format 3), from the
-    per-backbone datasets concatenated (format 2's), from a virtual dataset over those; one backbone's columns of
-    `concat` vs its own dataset."""
+    """Seconds of one read of every client's train features: all backbones from `concat` (the current format: every
+    client's rows in one dataset, cut at its offsets), from the per-backbone datasets concatenated (format 2's), from
+    a virtual dataset over those; one backbone's columns of `concat` vs its own dataset."""
     vds = folder / "virtual.h5"
     with h5py.File(path2, "r") as f, h5py.File(vds, "w") as v:
         for c in f["clients"]:
@@ -479,15 +480,18 @@ def layout_reads(path2: Path, path3: Path, folder: Path, dims: list[int], repeat
         with h5py.File(path, "r") as f:
             return [np.concatenate([f[n.format(c=c)][:, cut] for n in names], -1) for c in sorted(f["clients"])]
 
+    def read_concat(path: Path, cut=slice(None)):
+        with h5py.File(path, "r") as f:
+            x, at = f["train/features/concat"][:, cut], f["train/offsets"][...]  # [N, D'], [C + 1]
+            return [x[at[c] : at[c + 1]] for c in range(len(at) - 1)]
+
     reads = {
-        "concat_only": lambda: read(path3, ["clients/{c}/train/features/concat"]),
+        "concat_only": lambda: read_concat(path3),
         "per_backbone_concatenated": lambda: read(
             path2, [f"clients/{{c}}/train/features/b{j}" for j in range(len(dims))]
         ),
         "virtual_dataset": lambda: read(vds, ["clients/{c}/concat"]),
-        "one_backbone_columns_of_concat": lambda: read(
-            path3, ["clients/{c}/train/features/concat"], slice(dims[0], dims[0] + dims[1])
-        ),
+        "one_backbone_columns_of_concat": lambda: read_concat(path3, slice(dims[0], dims[0] + dims[1])),
         "one_backbone_own_dataset": lambda: read(path2, ["clients/{c}/train/features/b1"]),
     }
     values = interleaved(reads, repeat)
@@ -495,40 +499,43 @@ def layout_reads(path2: Path, path3: Path, folder: Path, dims: list[int], repeat
     return {f"{k}_seconds": v[0] for k, v in values.items()}
 
 
+NEW = C.FORMAT  # the format `cache.write` writes
+
+
 def cache_formats(folder: Path, clients: int, rows: int, dims: list[int], repeat: int) -> dict:
     """Figure 5 (see the module docstring)."""
     (parts := folder / "parts").mkdir()
     header, backbones, made = staged_blocks(parts, clients, rows, dims)
-    paths = {2: folder / "format2.h5", 3: folder / "format3.h5"}
+    paths = {2: folder / "format2.h5", NEW: folder / f"format{NEW}.h5"}
 
     def assemble(fmt: int) -> None:
         paths[fmt].unlink(missing_ok=True)
-        if fmt == 3:
-            return C.write(paths[3], header, backbones, made)
+        if fmt == NEW:
+            return C.write(paths[NEW], header, backbones, made)
         write_format2(paths[2], header, backbones, made)
         with open(paths[2], "rb") as fh:
             os.fsync(fh.fileno())
 
     out = {"backbone_dims": dims, "clients": clients, "rows_per_client": {"train": rows, "test": rows // 2}}
-    loads = {2: format2_load, 3: format3_load}
-    assembly = interleaved({f: lambda f=f: assemble(f) for f in (2, 3)}, repeat)
+    loads = {2: format2_load, NEW: current_load}
+    assembly = interleaved({f: lambda f=f: assemble(f) for f in (2, NEW)}, repeat)
     first = interleaved(
-        {f: lambda f=f: [loads[f](paths[f], s, True) for s in ("train", "test")] for f in (2, 3)}, repeat
+        {f: lambda f=f: [loads[f](paths[f], s, True) for s in ("train", "test")] for f in (2, NEW)}, repeat
     )
-    again = interleaved({f: lambda f=f: loads[f](paths[f], "train", False) for f in (2, 3)}, repeat)
-    for f in (2, 3):
+    again = interleaved({f: lambda f=f: loads[f](paths[f], "train", False) for f in (2, NEW)}, repeat)
+    for f in (2, NEW):
         out[f"format{f}"] = {
             "bytes": paths[f].stat().st_size,
             "assembly_seconds": assembly[f][0],
             "first_load_seconds": first[f][0],
             "second_load_seconds": again[f][0],
         }
-    features = {f: first[f][1] for f in (2, 3)}
-    out["bytes_ratio"] = out["format3"]["bytes"] / out["format2"]["bytes"]
-    out["first_load_speedup"] = out["format2"]["first_load_seconds"] / out["format3"]["first_load_seconds"]
-    out["assembly_speedup"] = out["format2"]["assembly_seconds"] / out["format3"]["assembly_seconds"]
-    out["features_identical"] = all(torch.equal(a, b) for a, b in zip(features[2], features[3]))
-    out["layouts"] = layout_reads(paths[2], paths[3], folder, dims, repeat)
+    features = {f: first[f][1] for f in (2, NEW)}
+    out["bytes_ratio"] = out[f"format{NEW}"]["bytes"] / out["format2"]["bytes"]
+    out["first_load_speedup"] = out["format2"]["first_load_seconds"] / out[f"format{NEW}"]["first_load_seconds"]
+    out["assembly_speedup"] = out["format2"]["assembly_seconds"] / out[f"format{NEW}"]["assembly_seconds"]
+    out["features_identical"] = all(torch.equal(a, b) for a, b in zip(features[2], features[NEW]))
+    out["layouts"] = layout_reads(paths[2], paths[NEW], folder, dims, repeat)
     out["target_bytes_ratio"] = 0.5
     return out
 

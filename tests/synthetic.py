@@ -1,4 +1,4 @@
-"""Synthetic caches for the trainer tests: `write_cache` (format 3, through featcache's own writer); the feature set
+"""Synthetic caches for the trainer tests: `write_cache` (through featcache's own writer); the feature set
 `synthetic_clients` and the format-2 writer `write_format2` (for the migration tests) are featcache.testing's."""
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from PIL import Image
 from sklearn.datasets import load_sample_images
 
+from featcache import cache as C
 from featcache.extraction import backbones, plan
 from featcache.extraction.backbones import align_state_dicts, create_backbone, list_offline_backbones, packaged_model
 from featcache.extraction.backbones import hub, sources
@@ -541,7 +542,7 @@ def test_extract_with_an_augreg_npz_embeds_as_the_same_weights_in_a_state_dict_d
         assert ours["weights"] == f"file:{npz}" and ours["weights_sha256"] == sha256(npz)
         assert ours | {"weights": "", "weights_sha256": ""} == theirs | {"weights": "", "weights_sha256": ""}
         assert ours["columns"] == theirs["columns"] == [0, 64]  # one backbone: every column of concat
-        features = f["clients/000/train/features/concat"][:]  # [n, 64]
+        features = C.client_rows(f, "train", 0)  # [n, 64]
         assert features.shape == (20, 64) and np.isfinite(features).all() and features.std(0).min() > 0
-        np.testing.assert_array_equal(features, g["clients/000/train/features/concat"][:])
+        np.testing.assert_array_equal(features, C.client_rows(g, "train", 0))
     assert extract(backbone=[f"test_vit={npz}"], **small)["cache_hit"]

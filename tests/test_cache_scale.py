@@ -1,6 +1,6 @@
 """Caches of many clients: the one-walk metadata checksum (`h5.walk`) equals the object-by-object definition on every
 kind of attribute, the writer's checksum (kept as it writes) equals the file's, the same inputs give the same bytes,
-and a load of many clients returns what plain h5py reads and refuses a change at any client. Speed is
+and a load of many clients returns what plain h5py reads and refuses a change at a late client. Speed is
 bench/clients.py's."""
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ def test_the_walk_reads_every_kind_of_attribute_as_h5py_does(many, tmp_path):
     path = copy(many, tmp_path)
     with h5py.File(path, "r+") as f:
         for name, value in ATTRIBUTES.items():
-            f["clients/007/train/labels"].attrs[name] = value
-            f["clients/007"].attrs[name] = value
+            f["train/labels"].attrs[name] = value
+            f["train"].attrs[name] = value
         f.create_group("extra/deep")  # groups without attributes, never opened by the walk
     with h5py.File(path) as f:
         nodes = h5.walk(f)
-        for where in ("clients/007/train/labels", "clients/007"):
+        for where in ("train/labels", "train"):
             expected = dict(f[where].attrs.items())
             assert nodes[where].attrs.keys() == expected.keys()
             for name, value in expected.items():
@@ -88,7 +88,7 @@ def test_the_walk_reads_every_kind_of_attribute_as_h5py_does(many, tmp_path):
 def test_an_empty_attribute_is_unreadable_as_before(many, tmp_path):
     path = copy(many, tmp_path)
     with h5py.File(path, "r+") as f:
-        f["clients/003"].attrs["empty"] = h5py.Empty("f4")
+        f["test"].attrs["empty"] = h5py.Empty("f4")
     with h5py.File(path) as f:
         with pytest.raises(TypeError):
             reference_meta_sha256(f)
@@ -98,14 +98,16 @@ def test_an_empty_attribute_is_unreadable_as_before(many, tmp_path):
 
 
 def high_level_write(path: Path, header: dict, backbones: list[dict], clients: list[C.Client]) -> None:
-    """The schema written with h5py's high-level calls, object by object, its checksum read back from the file."""
+    """The schema written with h5py's high-level calls, object by object in the writer's order (the feature arrays
+    made first and filled client by client, then the index arrays whole), its checksum read back from the file."""
     from featcache import __version__
-    from featcache.cache.write import FORMAT, INDEX_DTYPES, MARKER, SPLITS
+    from featcache.cache.write import FORMAT, INDEX_DTYPES, MARKER, SPLITS, offsets
 
-    def array(g, name, data):
+    def array(name, data):
         data = np.ascontiguousarray(data)
-        g.create_dataset(name, data=data, track_times=False).attrs["sha256"] = hashlib.sha256(data).hexdigest()
+        f.create_dataset(name, data=data, track_times=False).attrs["sha256"] = hashlib.sha256(data).hexdigest()
 
+    rows = header["counts"]["clients"]
     with h5.create_h5(path) as f:
         h5.write_attrs(
             f, header | {MARKER: FORMAT, "featcache_version": __version__, "backbones": [b["key"] for b in backbones]}
@@ -115,20 +117,30 @@ def high_level_write(path: Path, header: dict, backbones: list[dict], clients: l
             attrs = {k: v for k, v in b.items() if k != "key"} | {"columns": [start, start + b["dim"]]}
             h5.write_attrs(f.create_group(f"backbones/{b['key']}"), attrs)
             start += b["dim"]
-        images = 0
-        for c, client in enumerate(clients):
-            g = f.create_group(f"clients/{c:03d}")
-            g.attrs["domain"] = client.domain
-            for split in SPLITS:
+        features = {}
+        for split in SPLITS:
+            shape = (sum(row[split] for row in rows), start)
+            features[split] = f.create_dataset(f"{split}/features/concat", shape, "<f4", track_times=False)
+        for split in SPLITS:
+            x = np.concatenate(
+                [np.concatenate([np.asarray(b, "<f4") for b in getattr(c, split).features], -1) for c in clients]
+            )
+            features[split][...] = x
+            features[split].attrs["sha256"] = hashlib.sha256(x).hexdigest()
+        for split in SPLITS:
+            index = {"labels": [], "source_index": [], "domain": []}
+            for client in clients:
                 s = getattr(client, split)
-                index = {"labels": s.labels, "source_index": s.source_index}
-                index["domain"] = np.full(len(s.labels), header["domains"].index(client.domain))
-                for name, dtype in INDEX_DTYPES.items():
-                    array(g, f"{split}/{name}", np.asarray(index[name], dtype))
-                array(g, f"{split}/features/concat", np.concatenate([np.asarray(x, "<f4") for x in s.features], -1))
-                images += len(s.labels)
-            array(g, "train/val_index", np.asarray(client.val_index, np.int64))
-        f.attrs["images"] = images
+                index["labels"].append(s.labels)
+                index["source_index"].append(s.source_index)
+                index["domain"].append(np.full(len(s.labels), header["domains"].index(client.domain)))
+            for name, dtype in INDEX_DTYPES.items():
+                array(f"{split}/{name}", np.concatenate([np.asarray(v, dtype) for v in index[name]]))
+        array("train/val_index", np.concatenate([np.asarray(c.val_index, np.int64) for c in clients]))
+        for split in SPLITS:
+            array(f"{split}/offsets", offsets([row[split] for row in rows]))
+        array("train/val_offsets", offsets([len(c.val_index) for c in clients]))
+        f.attrs["images"] = sum(row[split] for row in rows for split in SPLITS)
         f.attrs["meta_sha256"] = reference_meta_sha256(f)
 
 
@@ -150,10 +162,10 @@ def test_many_clients_load_as_plain_h5py_reads_them_first_and_second_time(many, 
     path = copy(many, tmp_path)
     with h5py.File(path) as f:
         expect = []
-        for c in sorted(f["clients"]):
-            g = f[f"clients/{c}/train"]
-            n, val = len(g["labels"]), g["val_index"][...]
-            rows = {"none": np.arange(n), "val": val, "fit": np.setdiff1d(np.arange(n), val)}[holdout]
+        g, at, val_at = f["train"], f["train/offsets"][...], f["train/val_offsets"][...]
+        for c in range(CLIENTS):
+            n, val = at[c + 1] - at[c], g["val_index"][val_at[c] : val_at[c + 1]]
+            rows = at[c] + {"none": np.arange(n), "val": val, "fit": np.setdiff1d(np.arange(n), val)}[holdout]
             expect.append((g["features/concat"][...][rows], g["labels"][...][rows]))
     for _ in range(2):
         got = C.load_clients(path, "train", holdout=holdout)
@@ -165,33 +177,42 @@ def test_many_clients_load_as_plain_h5py_reads_them_first_and_second_time(many, 
     assert test.counts.tolist() == [row["test"] for row in got.meta["counts"]["clients"]]
 
 
+def client_rows(f: h5py.File, split: str, c: int) -> slice:
+    at = f[f"{split}/offsets"][...]
+    return slice(at[c], at[c + 1])
+
+
 def swap_features(f: h5py.File) -> None:
-    a, b = f["clients/012/test/features/concat"], f["clients/030/test/features/concat"]
-    n = min(len(a), len(b))
-    rows = a[:n].copy()
-    a[:n], b[:n] = b[:n], rows
+    """Two clients' first test rows swapped."""
+    x = f["test/features/concat"]
+    a, b = client_rows(f, "test", 12), client_rows(f, "test", 30)
+    n = min(a.stop - a.start, b.stop - b.start)
+    rows = x[a.start : a.start + n].copy()
+    x[a.start : a.start + n], x[b.start : b.start + n] = x[b.start : b.start + n], rows
 
 
 def flip_late_label(f: h5py.File) -> None:
-    labels = f[f"clients/{CLIENTS - 1:03d}/test/labels"]
-    labels[0] = (labels[0] + 1) % 3
+    labels, at = f["test/labels"], client_rows(f, "test", CLIENTS - 1).start
+    labels[at] = (labels[at] + 1) % 3
 
 
-def rename_late_client(f: h5py.File) -> None:
-    f.move(f"clients/{CLIENTS - 1:03d}", f"clients/{CLIENTS:03d}")
+def shift_late_offset(f: h5py.File) -> None:
+    at = f["test/offsets"][...]
+    at[-2] -= 1
+    f["test/offsets"][...] = at
 
 
 # name -> (edit, reseal, what the one line says)
 LATE_CHANGES = {
-    "features-swapped": (swap_features, False, "sha256 mismatch"),
-    "label-flipped": (flip_late_label, False, f"clients/{CLIENTS - 1:03d}/test/labels: sha256 mismatch"),
-    "client-renamed": (rename_late_client, True, f"clients/{CLIENTS - 1:03d}/test/domain: missing"),
-    "client-attribute": (lambda f: f["clients/031"].attrs.__setitem__("domain", "other"), False, "metadata checksum"),
+    "features-swapped": (swap_features, False, "test/features/concat: sha256 mismatch"),
+    "label-flipped": (flip_late_label, False, "test/labels: sha256 mismatch"),
+    "offset-shifted": (shift_late_offset, True, "test/offsets: not the running total of the stored counts' test rows"),
+    "attribute": (lambda f: f["test/labels"].attrs.__setitem__("note", "other"), False, "metadata checksum"),
 }
 
 
 @pytest.mark.parametrize("case", LATE_CHANGES.values(), ids=LATE_CHANGES.keys())
-def test_a_change_at_any_client_is_refused_by_the_first_load_and_verify(many, tmp_path, case):
+def test_a_change_at_a_late_client_is_refused_by_the_first_load_and_verify(many, tmp_path, case):
     edit, reseal, needle = case
     bad = edit_cache(copy(many, tmp_path), edit, reseal=reseal)
     with pytest.raises(UserError, match="failed verification") as refused:
@@ -210,4 +231,4 @@ def test_a_later_load_of_a_checked_file_is_not_walked_again_and_still_checks_unr
     real = load._feature_problems
     monkeypatch.setattr(load, "_feature_problems", lambda name, *a: features.append(name) or real(name, *a))
     again = C.load_clients(path, "test")
-    assert again.features.shape[0] == CLIENTS and len(features) == CLIENTS  # each test array checked on its read
+    assert again.features.shape[0] == CLIENTS and features == ["test/features/concat"]  # checked on its read

@@ -24,6 +24,7 @@ from fixtures_disk import (
     write_usps,
 )
 
+from featcache import cache as C
 from featcache.extraction.datasets import load_dataset
 from featcache.extraction.datasets.disk import DOMAINNET_CLASSES, OFFICE10_CLASSES, PACS_CLASSES, stratified_split
 from featcache.extraction.datasets.safe_pickle import safe_load
@@ -312,7 +313,7 @@ def test_cli_refuses_missing_domains_in_one_line_and_extracts_chosen_ones_in_fir
         for c, folder in enumerate(("MNIST", "USPS")):
             train_y = written[folder][1]
             firsts = sorted(int(np.flatnonzero(train_y == k)[0]) for k in np.unique(train_y))  # first image per class
-            assert f[f"clients/{c:03d}/train/source_index"][()].tolist() == firsts
+            assert C.client_rows(f, "train", c, "source_index").tolist() == firsts
     one_line_cli_error(run_cli("extract", "--dataset", "digit5", "--out", str(out)), "digit5 needs --data-root")
     one_line_cli_error(run_cli(*args, "--order", "frist"), "unknown partition order 'frist' (did you mean: first?)")
 

@@ -47,12 +47,11 @@ def test_cache_layout_and_metadata(small_cache):
         bb = C.read_attrs(f["backbones/efficientnet_lite0"])
         assert bb["weights"].startswith("package:") and len(bb["weights_sha256"]) == 64
         assert bb["preprocessing"]["input_size"] == [3, 32, 32] and bb["columns"] == [0, bb["dim"]]
-        g = f["clients/000/train"]
-        assert list(g["features"]) == ["concat"]  # the features are stored once
-        x = g["features/concat"][...]
+        assert list(f["train/features"]) == ["concat"]  # the features are stored once
+        x = C.client_rows(f, "train", 0)
         assert x.shape == (30, bb["dim"]) and x.dtype == np.float32 and np.isfinite(x).all()
-        assert sorted(np.bincount(g["labels"][...])) == [3] * 10
-        assert len(g["val_index"][...]) > 0
+        assert sorted(np.bincount(C.client_rows(f, "train", 0, "labels"))) == [3] * 10
+        assert len(C.client_rows(f, "train", 0, "val_index")) > 0
 
 
 def test_cache_hit_is_instant_and_identical(small_cache):
@@ -69,11 +68,8 @@ def test_other_seed_or_backbone_gives_new_cache_and_same_seed_same_bytes(small_c
     assert other["cache"] != res["cache"]
     twin = extract(**SMALL, out=tmp_path / "twin")
     with h5py.File(res["cache"]) as a, h5py.File(twin["cache"]) as b:
-        for c in a["clients"]:
-            for split in ("train", "test"):
-                np.testing.assert_array_equal(
-                    a[f"clients/{c}/{split}/features/concat"][...], b[f"clients/{c}/{split}/features/concat"][...]
-                )
+        for split in ("train", "test"):
+            np.testing.assert_array_equal(a[f"{split}/features/concat"][...], b[f"{split}/features/concat"][...])
 
 
 def test_two_backbones_concatenate_in_order(tmp_path):
@@ -85,10 +81,10 @@ def test_two_backbones_concatenate_in_order(tmp_path):
         assert json.loads(f.attrs["backbones"]) == ["efficientnet_lite0", "resnet18-random"]
         assert f["backbones/resnet18-random"].attrs["weights"] == "random"
         columns = [json.loads(f[f"backbones/{k}"].attrs["columns"]) for k in res["backbones"]]
-        x = f["clients/000/test/features/concat"][...]  # [n, D0 + D1]
+        x = C.client_rows(f, "test", 0)  # [n, D0 + D1]
         for (a, b), single in zip(columns, alone):
             with h5py.File(single) as g:
-                np.testing.assert_array_equal(x[:, a:b], g["clients/000/test/features/concat"][...])
+                np.testing.assert_array_equal(x[:, a:b], C.client_rows(g, "test", 0))
     assert columns[0][0] == 0 and columns[0][1] == columns[1][0] and columns[1][1] == x.shape[1]
     swapped = C.load_clients(res["cache"], "test", backbones=["resnet18-random", "efficientnet_lite0"])
     (a0, b0), (a1, b1) = columns
@@ -100,8 +96,8 @@ def test_views_and_noise(tmp_path):
     base = SMALL | {"domains": ["mnist"]}
     views = extract(**(base | {"views": 2}), out=tmp_path)
     with h5py.File(views["cache"]) as f:
-        v = f["clients/000/train/views/concat"][...]
-        x = f["clients/000/train/features/concat"][...]
+        v = C.client_rows(f, "train", 0, "views/concat")
+        x = C.client_rows(f, "train", 0)
         assert v.shape == (30, 2, x.shape[1]) and not np.allclose(v[:, 0], v[:, 1])
     clean = C.load_clients(views["cache"], "train")
     noisy = extract(**(base | {"noise": Noise("gaussian", 0.2, 0.1)}), out=tmp_path)

@@ -344,7 +344,7 @@ def poke(name: str, value) -> Callable[[h5py.File], None]:
 
 
 def flip_feature_bit(f: h5py.File) -> None:
-    ds = f["clients/000/train/features/concat"]
+    ds = f["train/features/concat"]
     row = ds[0]  # [D] float32
     row.view(np.uint32)[3] ^= 1 << 9
     ds[0] = row
@@ -372,11 +372,11 @@ def tamper(edit: Callable[[h5py.File], None], reseal: bool) -> Callable[[Path, P
 # name -> (make the bad cache from a good one in a tmp folder, text the one line contains)
 CACHE_CASES: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
     "nan-features": (
-        tamper(poke("clients/001/test/features/concat", np.nan), reseal=True),
-        "clients/001/test/features/concat: NaN or Inf values",
+        tamper(poke("test/features/concat", np.nan), reseal=True),
+        "test/features/concat: NaN or Inf values",
     ),
-    "inf-features": (tamper(poke("clients/000/train/features/concat", np.inf), reseal=True), "NaN or Inf values"),
-    "bit-flip": (tamper(flip_feature_bit, reseal=False), "clients/000/train/features/concat: sha256 mismatch"),
+    "inf-features": (tamper(poke("train/features/concat", np.inf), reseal=True), "NaN or Inf values"),
+    "bit-flip": (tamper(flip_feature_bit, reseal=False), "train/features/concat: sha256 mismatch"),
     "counts-disagree": (tamper(set_attr("images", 1), reseal=True), "images attribute says 1"),
     "metadata-edited": (tamper(set_attr("classes", '["a", "z"]'), reseal=False), "metadata checksum mismatch"),
     "truncated": (lambda src, tmp: truncate(copied(src, tmp)), "not a readable HDF5"),
@@ -635,21 +635,21 @@ def shift_columns(f: h5py.File) -> None:
 
 
 def longer_labels(f: h5py.File) -> None:
-    labels = f["clients/000/test/labels"][...]  # [n]
-    del f["clients/000/test/labels"]
-    f["clients/000/test/labels"] = np.concatenate([labels, labels[:1]])
+    labels = f["test/labels"][...]  # [n]
+    del f["test/labels"]
+    f["test/labels"] = np.concatenate([labels, labels[:1]])
 
 
-def drop_client(f: h5py.File) -> None:
-    del f["clients/001"]
+def drop_array(f: h5py.File) -> None:
+    del f["test/domain"]
 
 
 # name -> (edit of a good cache, resealed so the checksums agree; text the one line contains)
 INFO_CASES: dict[str, tuple[Callable[[h5py.File], None], str]] = {
     "concat-columns": (shift_columns, "do not follow the backbones before it"),
-    "shapes": (longer_labels, "clients/000/test/labels: int64 ["),
+    "shapes": (longer_labels, "test/labels: int64 ["),
     "class-list": (set_attr("classes", '["a"]'), "values outside 0..0"),
-    "client-group": (drop_client, "clients/001/test/domain: missing"),
+    "dropped-array": (drop_array, "test/domain: missing"),
 }
 
 
@@ -776,7 +776,7 @@ def test_two_migrates_of_one_file_one_converts_the_other_says_so(format2):
         t.start()
     for t in threads:
         t.join(60)
-    assert sorted(map(str, outcomes)) == sorted(["3", f"{format2} is already cache format 3: nothing to migrate"])
+    assert sorted(map(str, outcomes)) == sorted(["4", f"{format2} is already cache format 4: nothing to migrate"])
     assert C.verify(format2)["ok"] and [p.name for p in format2.parent.iterdir()] == [format2.name]
 
 

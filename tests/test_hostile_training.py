@@ -248,25 +248,33 @@ def not_json_attr(f: h5py.File) -> None:
 
 
 def no_clients(f: h5py.File) -> None:
-    del f["clients"]
+    del f["train"], f["test"]
     f.attrs["counts"] = json.dumps({"clients": []})
     f.attrs["images"] = 0
+
+
+def drop_rows(f: h5py.File, split: str, c: int) -> None:
+    """Client c's rows of every dataset of `split` removed (and, of train, its validation positions), the split's
+    offsets rewritten to agree."""
+    names: list[str] = []
+    f[split].visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    for name in names:
+        by = {"offsets": None, "val_offsets": None, "val_index": "val_offsets"}.get(name, "offsets")
+        if by is None:
+            continue
+        cut = f[f"{split}/{by}"][...]
+        x = f[f"{split}/{name}"][...]
+        del f[f"{split}/{name}"]
+        f[f"{split}/{name}"] = np.concatenate([x[: cut[c]], x[cut[c + 1] :]])
+    for name in ("offsets", "val_offsets") if split == "train" else ("offsets",):
+        cut = f[f"{split}/{name}"][...]
+        f[f"{split}/{name}"][...] = np.concatenate([cut[: c + 1], cut[c + 1 :] - (cut[c + 1] - cut[c])])
 
 
 def zero_row_client(f: h5py.File) -> None:
     """Client 1 keeps no training rows; the counts are rewritten to agree, so only the zero-row check can tell."""
     meta = C.read_attrs(f)
-    g = f["clients/001/train"]
-    for name in list(g):
-        if isinstance(g[name], h5py.Group):
-            for b in list(g[name]):
-                ds = g[name][b]
-                del g[name][b]
-                g[name][b] = np.zeros((0, *ds.shape[1:]), ds.dtype)
-        else:
-            ds = g[name]
-            del g[name]
-            g[name] = np.zeros((0,), ds.dtype)
+    drop_rows(f, "train", 1)
     rows = meta["counts"]["clients"]
     meta_images = meta["images"] - rows[1]["train"]
     rows[1]["train"], rows[1]["val"] = 0, 0
@@ -279,14 +287,14 @@ def concat_differs(f: h5py.File) -> None:
 
 
 def label_out_of_range(f: h5py.File) -> None:
-    f["clients/000/train/labels"][0] = 99
+    f["train/labels"][0] = 99
 
 
 def feature_value(value: float) -> Callable[[h5py.File], None]:
     """One training feature of client 0 set to `value` (resealed: only the content checks can tell)."""
 
     def edit(f: h5py.File) -> None:
-        f["clients/000/train/features/concat"][0, 0] = value
+        f["train/features/concat"][0, 0] = value
 
     return edit
 
@@ -294,11 +302,7 @@ def feature_value(value: float) -> Callable[[h5py.File], None]:
 def no_test_rows(f: h5py.File) -> None:
     """Client 1 keeps no test rows; the counts are rewritten to agree."""
     meta = C.read_attrs(f)
-    g = f["clients/001/test"]
-    for name in ("domain", "labels", "source_index", "features/concat"):
-        ds = g[name]
-        del g[name]
-        g[name] = np.zeros((0, *ds.shape[1:]), ds.dtype)
+    drop_rows(f, "test", 1)
     rows = meta["counts"]["clients"]
     f.attrs["images"] = meta["images"] - rows[1]["test"]
     rows[1]["test"] = 0
@@ -306,7 +310,7 @@ def no_test_rows(f: h5py.File) -> None:
 
 
 def damaged_test_features(f: h5py.File) -> None:
-    f["clients/002/test/features/concat"][0, 0] += 1.0  # not resealed: the checksum tells
+    f["test/features/concat"][f["test/offsets"][2], 0] += 1.0  # client 2's first row, not resealed: the checksum tells
 
 
 def no_val_rows(x: Ctx) -> Path:

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import one_line_error, run_cli  # noqa: E402
 from synthetic import write_cache  # noqa: E402
 
+from featcache import cache as C  # noqa: E402
 from featcache.errors import UserError  # noqa: E402
 from featcache.results.features import plot, project  # noqa: E402
 
@@ -49,8 +50,8 @@ def fedavg_embeddings(cache: Path, state: Path, s: int, split: str = "test") -> 
     t = load_file(str(state))
     zs, who = [], []
     with h5py.File(cache, "r") as f:
-        for c in range(len(f["clients"])):
-            x = f[f"clients/{c:03d}/{split}/features/concat"][()]  # [n, D]
+        for c in range(len(f[f"{split}/offsets"]) - 1):
+            x = C.client_rows(f, split, c)  # [n, D]
             z = np.maximum(x @ t["params/proj0.weight"][s, c].T + t["params/proj0.bias"][s, c], 0)  # [n, d]
             zs.append(z)
             who.append(np.full(len(x), c))
@@ -152,7 +153,7 @@ def test_cli_plot_json_and_the_validation_split(trained, tmp_path):
     assert res.code == 0, res.stderr
     out = json.loads(res.stdout)
     with h5py.File(cache, "r") as f:
-        val_rows = sum(len(f[f"clients/{c:03d}/train/val_index"]) for c in range(5))
+        val_rows = len(f["train/val_index"])
     assert out["rows"] == val_rows and out["seed"] == 3 and out["split"] == "val"
     assert (tmp_path / "v.png").stat().st_size > 10_000
 

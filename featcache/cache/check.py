@@ -17,7 +17,7 @@ from ..errors import UserError, first_line
 from .identity import content_key, versions
 from .h5 import Node, meta_sha256, read_attrs, scan, walk
 from .open import open_cache, read_meta
-from .write import BACKBONE_ATTRS, FEATURE_GROUPS, INDEX_DTYPES, ROOT_ATTRS, SPLITS
+from .write import BACKBONE_ATTRS, FEATURE_GROUPS, INDEX_DTYPES, ROOT_ATTRS, SPLITS, offsets
 
 
 def verify(path: str | Path) -> dict:
@@ -141,8 +141,8 @@ def _check_structure(f: h5py.File, problems: list[str], checksums: bool = True) 
     if dims is None:
         return {}
     rows = meta["counts"]["clients"]
-    if not rows or "clients" not in f:
-        problems.append("no clients: the cache has no clients/ group or its counts list no client")
+    if not rows:
+        problems.append("no clients: the cache's counts list no client")
         return {}
     empty = [f"{c:03d}" for c, row in enumerate(rows) if int(row.get("train", 0)) - int(row.get("val", 0)) < 1]
     if empty:
@@ -205,31 +205,40 @@ def _feature_problems(name: str, stored, digest: str, finite: bool) -> list[str]
 
 def _expected_datasets(rows: list[dict], width: int, views: int) -> dict[str, tuple[str, tuple]]:
     """Path -> (dtype, shape) of every dataset the schema and the stored per-client counts call for."""
-    out = {}
-    for c, row in enumerate(rows):
-        for split in SPLITS:
-            base, n = f"clients/{c:03d}/{split}", row[split]
-            out |= {f"{base}/{k}": (dtype, (n,)) for k, dtype in INDEX_DTYPES.items()}
-            out[f"{base}/features/concat"] = ("float32", (n, width))
-            if views and split == "train":
-                out[f"{base}/views/concat"] = ("float32", (n, views, width))
-        out[f"clients/{c:03d}/train/val_index"] = ("int64", (row["val"],))
+    C, out = len(rows), {}
+    for split in SPLITS:
+        n = sum(int(row[split]) for row in rows)
+        out |= {f"{split}/{k}": (dtype, (n,)) for k, dtype in INDEX_DTYPES.items()}
+        out[f"{split}/offsets"] = ("int64", (C + 1,))
+        out[f"{split}/features/concat"] = ("float32", (n, width))
+        if views and split == "train":
+            out[f"{split}/views/concat"] = ("float32", (n, views, width))
+    out["train/val_index"] = ("int64", (sum(int(row["val"]) for row in rows),))
+    out["train/val_offsets"] = ("int64", (C + 1,))
     return out
 
 
 def _value_problems(found: dict[str, Node], rows: list[dict], classes: int, domains: int, images: int) -> list[str]:
-    """Labels and domain indices in range, validation positions increasing inside train, the image total (`found`:
-    every dataset the counts call for, from `_check_structure`)."""
+    """Offsets that follow the stored counts, labels and domain indices in range, each client's validation positions
+    increasing inside its train rows, the image total (`found`: every dataset the counts call for, from
+    `_check_structure`)."""
     problems = []
-    for c in range(len(rows)):
-        for split in SPLITS:
-            for name, bound in (("labels", classes), ("domain", domains)):
-                v = found[f"clients/{c:03d}/{split}/{name}"].read()  # [n]
-                if v.size and not 0 <= v.min() <= v.max() < bound:
-                    problems.append(f"clients/{c:03d}/{split}/{name}: values outside 0..{bound - 1}")
-        val = found[f"clients/{c:03d}/train/val_index"].read()  # [v]
-        if val.size and not (np.all(np.diff(val) > 0) and 0 <= val[0] and val[-1] < rows[c]["train"]):
-            problems.append(f"clients/{c:03d}/train/val_index: not increasing positions inside train")
+    for split, key, name in (*((s, s, "offsets") for s in SPLITS), ("train", "val", "val_offsets")):
+        if not np.array_equal(found[f"{split}/{name}"].read(), offsets([int(row[key]) for row in rows])):
+            problems.append(f"{split}/{name}: not the running total of the stored counts' {key} rows")
+    if problems:
+        return problems
+    for split in SPLITS:
+        for name, bound in (("labels", classes), ("domain", domains)):
+            v = found[f"{split}/{name}"].read()  # [N]
+            if v.size and not 0 <= v.min() <= v.max() < bound:
+                problems.append(f"{split}/{name}: values outside 0..{bound - 1}")
+    val, at = found["train/val_index"].read(), found["train/val_offsets"].read()  # [v], [C + 1]
+    for c, row in enumerate(rows):
+        v = val[at[c] : at[c + 1]]  # client c's positions in its train rows
+        if v.size and not (np.all(np.diff(v) > 0) and 0 <= v[0] and v[-1] < int(row["train"])):
+            problems.append(f"train/val_index: client {c:03d}'s are not increasing positions inside its train rows")
+            break
     total = sum(row[split] for row in rows for split in SPLITS)
     if total != images:
         problems.append(f"images attribute says {images}, the clients hold {total}")

@@ -3,9 +3,9 @@ created without timestamps (the same inputs give the same bytes), arrays written
 the checksums: `sha256` on every dataset (its array bytes in C order) and `meta_sha256` over everything else.
 Nothing here knows a schema.
 
-A cache holds about 14 objects per client, so the per-object work is what a 1,000-client cache costs: `walk` reads
-every object's metadata in one visit and `Tree` keeps each new object's entry as it creates it, both with h5py's
-low-level calls (a high-level `Group` or `Dataset` per object costs several times the HDF5 work)."""
+`walk` reads every object's metadata in one visit and `Tree` keeps each new object's entry as it creates it (`Rows`
+fills a dataset row block by row block, hashing as it writes), both with h5py's low-level calls (a high-level `Group`
+or `Dataset` per object costs several times the HDF5 work); the embedding store holds a group per block."""
 
 from __future__ import annotations
 
@@ -274,6 +274,11 @@ class Tree:
         digest = _columns(self._group(parent), name, blocks, lead, width)
         self.entries[path] = [f"dataset {np.dtype('<f4').str} {[*lead, width]} {digest}", {}]
 
+    def rows(self, path: str, shape: tuple, dtype) -> "Rows":
+        """An empty dataset at `path` of `shape`, filled in order of its leading rows (`Rows`)."""
+        parent, _, name = path.rpartition("/")
+        return Rows(self, path, _new_dataset(self._group(parent), name, tuple(shape), np.dtype(dtype)))
+
     def meta_sha256(self) -> str:
         """`meta_sha256` of the file as built so far."""
         return _digest(["/", "group", plain_attrs(self.f)], sorted(self.entries.items()))
@@ -287,6 +292,47 @@ class Tree:
             else:
                 self.group(path)
         return self._open[path]
+
+
+class Rows:
+    """A new dataset (`Tree.rows`) filled by `add` in order of its leading rows, hashed as they are written; `close`
+    checks it is full and stores its `sha256` (and its `meta_sha256` entry in the Tree)."""
+
+    def __init__(self, tree: Tree, path: str, ds) -> None:
+        self.tree, self.path, self.ds = tree, path, ds
+        self.shape, self.dtype = ds.shape, ds.dtype
+        self.at = 0  # rows written
+        self.digest = hashlib.sha256()
+
+    def add(self, rows: np.ndarray) -> None:
+        """Write `rows` [k, ...] after the rows written so far."""
+        rows = np.ascontiguousarray(rows, self.dtype)
+        if rows.shape[1:] != self.shape[1:] or self.at + len(rows) > self.shape[0]:
+            raise ValueError(f"{self.path}: rows {rows.shape} do not fit {self.shape} after {self.at} rows")
+        if len(rows):
+            space = self.ds.get_space()
+            space.select_hyperslab((self.at,) + (0,) * (len(self.shape) - 1), rows.shape)
+            self.ds.write(h5s.create_simple(rows.shape), space, rows)
+            self.digest.update(rows)
+            self.at += len(rows)
+
+    def add_columns(self, blocks: Sequence, n: int) -> None:
+        """Write `n` rows made of the column blocks side by side (each [n, ..., D_j], anything sliced by rows into a
+        numpy array), in slices of about `READ_BYTES`."""
+        if [b.shape[0] for b in blocks] != [n] * len(blocks) or sum(b.shape[-1] for b in blocks) != self.shape[-1]:
+            raise ValueError(f"{self.path}: column blocks {[b.shape for b in blocks]} do not make {n} rows of it")
+        step = _rows_per_slice(self.shape, self.dtype.itemsize)
+        for r in range(0, n, step):
+            self.add(np.concatenate([np.asarray(b[r : r + step], self.dtype) for b in blocks], -1))  # [k, ..., D]
+
+    def close(self) -> str:
+        """Store the `sha256` of a full dataset; returns it."""
+        if self.at != self.shape[0]:
+            raise ValueError(f"{self.path}: {self.at} rows written of {self.shape[0]}")
+        digest = self.digest.hexdigest()
+        _string_attr(self.ds, "sha256", digest)
+        self.tree.entries[self.path] = [f"dataset {self.dtype.str} {list(self.shape)} {digest}", {}]
+        return digest
 
 
 def rows_per_slice(ds) -> int:
@@ -414,6 +460,14 @@ def scan(ds) -> tuple[str, bool]:
         h.update(block)
         finite = finite and (block.dtype.kind != "f" or bool(np.isfinite(block).all()))
     return h.hexdigest(), finite
+
+
+def read_into(dsid, start: int, out: np.ndarray) -> None:
+    """out[:] = rows [start, start + len(out)) of the low-level dataset `dsid` (`out` C-contiguous, its dtype)."""
+    if out.size:
+        space = dsid.get_space()
+        space.select_hyperslab((start,) + (0,) * (out.ndim - 1), out.shape)
+        dsid.read(h5s.create_simple(out.shape), space, out)
 
 
 def read_rows(dsid, start: int, stop: int) -> np.ndarray:

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import UserError, as_list, as_path, first_line
 from .check import _check_structure, _feature_problems, _is_features, _stale
-from .h5 import Node, dataset_id, read_attrs, rows_per_slice
+from .h5 import Node, dataset_id, read_attrs, read_into, rows_per_slice
 from .open import open_cache, read_meta
 from .write import SPLITS
 
@@ -23,7 +23,7 @@ from .write import SPLITS
 # the check found (`_Seen`)
 _VERIFIED: dict[tuple, "_Seen"] = {}
 # the index arrays a load reads, kept from the check's read of them for the later loads of the same file version
-_KEPT = ("labels", "val_index")
+_KEPT = ("labels", "offsets", "val_index", "val_offsets")
 
 
 @dataclass
@@ -83,15 +83,15 @@ def load_clients(
         ranges = _column_ranges(meta, backbones, path)
         if views and not int(meta["views"]):  # the structure check holds every client to the stored views
             raise UserError(f"cache {path} has no augmented views: re-extract with --views 2")
-        bases = [f"clients/{name}/{split}" for name in sorted(f["clients"])]
         at = _datasets(f, found, walked)
-        labels_of = [at(b, "labels") for b in bases]
-        rows = [_rows(y.shape[0], b, at, holdout, split) for b, y in zip(bases, labels_of)]  # C x [n_c] positions
+        starts = at(f"{split}/offsets").read()  # [C + 1]
+        y = at(f"{split}/labels").read()  # [N]
+        rows = _rows(starts, at, holdout, split)  # C x [n_c] positions in each client's rows
         counts = [len(r) for r in rows]
-        labels = np.full((len(bases), max(counts, default=0)), -1, np.int64)  # [C, Nmax]
-        for c, (y, r) in enumerate(zip(labels_of, rows)):
-            labels[c, : len(r)] = y.read()[r]
-        read = lambda group: _read_padded(path, [(b, f"{group}/concat") for b in bases], at, rows, ranges, checked)
+        labels = np.full((len(rows), max(counts, default=0)), -1, np.int64)  # [C, Nmax]
+        for c, r in enumerate(rows):
+            labels[c, : len(r)] = y[starts[c] + r]
+        read = lambda group: _read_padded(path, f"{split}/{group}/concat", at, starts, rows, ranges, checked)
         return ClientData(
             features=read("features"),
             labels=torch.from_numpy(labels),
@@ -147,92 +147,84 @@ def _column_ranges(meta: dict, wanted: list[str] | None, path: Path) -> list[tup
 
 
 def _datasets(f: h5py.File, found: dict[str, Node], walked: bool):
-    """(group path, dataset name) -> the dataset's `Node`: the structure check's (`walked`: open, its arrays read),
-    or, on a later load of the same file version, the index arrays the check read and the features opened to be
-    read (with the attributes the check found)."""
+    """Dataset path -> its `Node`: the structure check's (`walked`: open, its arrays read), or, on a later load of the
+    same file version, the index arrays the check read and the features opened to be read (with the attributes the
+    check found)."""
     if walked:
-        return lambda base, name: found[f"{base}/{name}"]
+        return lambda name: found[name]
 
-    def at(base: str, name: str) -> Node:
-        seen = found[f"{base}/{name}"]
-        return seen if seen.data is not None else replace(seen, id=dataset_id(f, f"{base}/{name}"))
+    def at(name: str) -> Node:
+        seen = found[name]
+        return seen if seen.data is not None else replace(seen, id=dataset_id(f, name))
 
     return at
 
 
 def _read_padded(
     path: Path,
-    names: list[tuple[str, str]],
+    name: str,
     at,
+    starts: np.ndarray,
     rows: list[np.ndarray],
     ranges: list[tuple[int, int]] | None,
     checked: set[str],
 ) -> torch.Tensor:
-    """[C, Nmax, ..., D'] float32, zeros past each client's rows: client c's `rows[c]` of the dataset `names[c]`
-    ((group path, name): `at` gives its `Node`), the columns of `ranges` side by side (all when None)."""
-    nodes = [at(base, name) for base, name in names]
-    paths = [f"{base}/{name}" for base, name in names]
-    shape = nodes[0].shape
+    """[C, Nmax, ..., D'] float32, zeros past each client's rows: client c's `rows[c]` of the dataset `name` (`at`
+    gives its `Node`; the client's rows start at row `starts[c]`), the columns of `ranges` side by side (all when
+    None). The dataset is read once, in slices of rows whatever the clients (a client's rows are a span of them);
+    unless `checked` already holds it, the same read checks it: its sha256 against the stored one, and that every
+    value is finite."""
+    node = at(name)
+    shape = node.shape
     width = shape[-1] if ranges is None else sum(b - a for a, b in ranges)
     n = max((len(r) for r in rows), default=0)
-    out = np.zeros((len(nodes), n, *shape[1:-1], width), np.float32)  # [C, Nmax, ..., D']
-    for c, (name, ds, r) in enumerate(zip(paths, nodes, rows)):
-        _read_into(path, name, ds, r, ranges, out[c, : len(r)], checked)
-    return torch.from_numpy(out)
-
-
-def _read_into(
-    path: Path,
-    name: str,
-    node: Node,
-    rows: np.ndarray,
-    ranges: list[tuple[int, int]] | None,
-    out: np.ndarray,
-    checked: set[str],
-) -> None:
-    """out[:] = the `rows` of the dataset `name` (the columns of `ranges` side by side, all when None), reading it once,
-    in slices of rows. Unless `checked` already holds it, the same read checks it: its sha256 against the stored one,
-    and that every value is finite."""
-    ds = h5py.Dataset(node.id)
+    out = np.zeros((len(rows), n, *shape[1:-1], width), np.float32)  # [C, Nmax, ..., D']
+    flat = out.reshape(len(rows) * n, *out.shape[2:])  # [C * Nmax, ..., D'] the same memory
+    # the rows asked for, in the dataset's order: where they are (pos) and where they go in `flat` (dest)
+    pos = np.concatenate([starts[c] + r for c, r in enumerate(rows)] or [np.empty(0, np.int64)])  # [m]
+    dest = np.concatenate([c * n + np.arange(len(r)) for c, r in enumerate(rows)] or [np.empty(0, np.int64)])  # [m]
     check = name not in checked
-    whole = ranges is None and len(rows) == ds.shape[0]  # rows are increasing: all of them, in order
     digest, finite = hashlib.sha256(), True
-    step = rows_per_slice(ds)
-    for r in range(0, ds.shape[0], step):
-        stop = min(r + step, ds.shape[0])
-        lo, hi = np.searchsorted(rows, (r, stop))  # rows[lo:hi] fall in this slice
-        if whole:
-            block = out[r:stop]  # [k, ..., D] filled in place
-            ds.read_direct(block, np.s_[r:stop])
-        elif not check and lo == hi:
+    step = rows_per_slice(node.id)
+    for r in range(0, shape[0], step):
+        stop = min(r + step, shape[0])
+        lo, hi = np.searchsorted(pos, (r, stop))  # pos[lo:hi] fall in this slice
+        if not check and lo == hi:
             continue  # already checked, and none of its rows is asked for
-        elif check or ranges is None:
-            block = ds[r:stop]  # [k, ..., D]
-        else:  # already checked: read only the columns asked for
-            block = np.concatenate([ds[r:stop, ..., a:b] for a, b in ranges], -1)  # [k, ..., D']
+        block = np.empty((stop - r, *shape[1:]), np.float32)  # [k, ..., D]
+        read_into(node.id, r, block)
         if check:
             digest.update(block)
             finite = finite and bool(np.isfinite(block).all())
-        if not whole:
-            picked = block[rows[lo:hi] - r]  # [m, ..., D or D']
-            cut = check and ranges is not None
-            out[lo:hi] = np.concatenate([picked[..., a:b] for a, b in ranges], -1) if cut else picked
+        picked = block if hi - lo == stop - r else block[pos[lo:hi] - r]  # [m', ..., D]
+        flat[dest[lo:hi]] = picked if ranges is None else np.concatenate([picked[..., a:b] for a, b in ranges], -1)
     if check:
         problems = _feature_problems(name, node.attrs.get("sha256"), digest.hexdigest(), finite)
         if problems:
             raise _refused(path, problems)
         checked.add(name)
+    return torch.from_numpy(out)
 
 
-def _rows(n: int, base: str, at, holdout: str, split: str) -> np.ndarray:
-    """The positions of a client's split to load (`base` its group's path, `at` its datasets' `Node`s)."""
+def _rows(starts: np.ndarray, at, holdout: str, split: str) -> list[np.ndarray]:
+    """The positions of each client's rows of the split to load (`starts` [C + 1] its offsets, `at` the datasets'
+    `Node`s)."""
+    counts = np.diff(starts)  # [C]
     if holdout == "none":
-        return np.arange(n)
+        return [np.arange(n) for n in counts]
     if split != "train":
         raise UserError(f"holdout={holdout!r} needs split 'train', got {split!r}")
-    val = at(base, "val_index").read()
+    if holdout not in ("fit", "val"):
+        raise UserError(f"holdout must be one of none, fit, val (got {holdout!r})")
+    val, bounds = at("train/val_index").read(), at("train/val_offsets").read()  # [v], [C + 1]
+    vals = [val[bounds[c] : bounds[c + 1]] for c in range(len(counts))]
     if holdout == "val":
-        return np.sort(val)
-    if holdout == "fit":
-        return np.setdiff1d(np.arange(n), val)
-    raise UserError(f"holdout must be one of none, fit, val (got {holdout!r})")
+        return [np.sort(v) for v in vals]
+    return [np.setdiff1d(np.arange(n), v) for n, v in zip(counts, vals)]
+
+
+def client_rows(f: h5py.File, split: str, c: int, name: str = "features/concat") -> np.ndarray:
+    """Client c's rows of the dataset `name` of `split` ('labels', 'features/concat', 'val_index' ...) in an open
+    cache, read with plain h5py where the split's offsets say."""
+    at = f[f"{split}/{'val_offsets' if name == 'val_index' else 'offsets'}"][c : c + 2]
+    return f[f"{split}/{name}"][at[0] : at[1]]

@@ -1,21 +1,25 @@
-"""Converting a cache of an older format to this one in place (`featcache migrate`). Format 2 stored every
-backbone's features twice, as a dataset of its own and inside `concat`; format 3 keeps only `concat`."""
+"""Converting a cache of an older format to this one in place (`featcache migrate`). Formats 2 and 3 held a group
+per client with its own datasets (about 14 HDF5 objects per client, whose per-object work was most of what a first
+load of many clients cost), format 2 every backbone's features twice (a dataset of its own and inside `concat`);
+format 4 holds every client's rows of a split in one dataset of each kind, found by the split's `offsets`."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from contextlib import suppress
 from pathlib import Path
 
 import h5py
+import numpy as np
 
 from ..atomic import output_errors, sync
 from ..errors import UserError, not_a_file
 from ..files import locked, remove_own
-from .h5 import meta_sha256, objects, plain, read_attrs
+from .h5 import meta_sha256, plain, read_attrs
 from .open import MIGRATES, _read_only
-from .write import FORMAT, HEADER, Client, Split, write
+from .write import FEATURE_GROUPS, FORMAT, HEADER, INDEX_DTYPES, SPLITS, Client, Split, write
 
 
 def migrate(path: str | Path) -> dict:
@@ -71,7 +75,7 @@ def _migrate(path: Path, staged: Path) -> dict:
                 f"{path} has cache format {fmt!r}; `featcache migrate` converts format {known}: re-run "
                 "`featcache extract` with the same options to rebuild it"
             )
-        if old.attrs.get("meta_sha256") != meta_sha256(old, bind_data=False):
+        if old.attrs.get("meta_sha256") != meta_sha256(old, bind_data=fmt >= 3):  # format 2's left the arrays out
             raise UserError(
                 f"cache {path} is damaged (metadata checksum mismatch): delete it and re-run `featcache extract`"
             )
@@ -90,20 +94,26 @@ def _migrate(path: Path, staged: Path) -> dict:
     }
 
 
-def _from_format_2(old: h5py.File, staged: Path) -> None:
-    """Format 2 held each backbone's features twice: as a dataset of its own and inside `concat`; keep `concat`."""
+def _from_clients(old: h5py.File, staged: Path) -> None:
+    """Formats 2 and 3: a group per client (`clients/<c:03d>`), its `concat` features (format 2's per-backbone copies
+    left behind); written client after client into format 4's split-wide datasets."""
     meta = read_attrs(old)
-    header = {k: meta[k] for k in HEADER} | {"migrated_from": {"format": 2, "featcache": meta["featcache_version"]}}
+    fmt = meta["featcache_format"]
+    header = {k: meta[k] for k in HEADER} | {"migrated_from": {"format": fmt, "featcache": meta["featcache_version"]}}
+    if "migrated_from" in meta:  # the first format it was extracted in
+        header["migrated_from"] = meta["migrated_from"]
     backbones = [{"key": b} | read_attrs(old[f"backbones/{b}"]) for b in meta["backbones"]]
     views = int(meta["views"])
 
     def split(g: h5py.Group, name: str) -> Split:
         s = g[name]
+        held = {meta["domains"][int(d)] for d in np.unique(s["domain"][...])}  # the rows' domain (a held-out one)
         return Split(
             s["labels"][...],
             s["source_index"][...],
             [s["features/concat"]],
             [s["views/concat"]] if views and name == "train" else None,
+            held.pop() if len(held) == 1 else None,
         )
 
     clients = (
@@ -114,14 +124,25 @@ def _from_format_2(old: h5py.File, staged: Path) -> None:
 
 
 def _same_arrays(path: Path, old: h5py.File, staged: Path) -> None:
-    """Refuse the migration when an array copied into `staged` differs from the bytes `old` says it holds."""
+    """Refuse the migration when a client's rows copied into `staged` differ from the bytes `old` says it holds:
+    each client's segment of every dataset hashed against the sha256 of the client's own dataset in `old`."""
     with h5py.File(staged, "r") as new:
-        for name, ds in objects(new, h5py.Dataset):
-            if old[name].attrs.get("sha256") != ds.attrs["sha256"]:
-                raise UserError(
-                    f"cache {path} is damaged ({name}: sha256 mismatch), nothing was changed: delete it "
-                    "and re-run `featcache extract`"
-                )
+        clients = sorted(old["clients"])
+        for split in SPLITS:
+            kinds = [(k, "offsets") for k in INDEX_DTYPES] + [(f"{g}/concat", "offsets") for g in FEATURE_GROUPS]
+            kinds += [("val_index", "val_offsets")] if split == "train" else []
+            for kind, by in kinds:
+                if f"{split}/{kind}" not in new:
+                    continue
+                ds, at = new[f"{split}/{kind}"], new[f"{split}/{by}"][...]  # [N, ...], [C + 1]
+                for c, name in enumerate(clients):
+                    held = f"clients/{name}/{split}/{kind}"
+                    rows = np.ascontiguousarray(ds[at[c] : at[c + 1]])
+                    if old[held].attrs.get("sha256") != hashlib.sha256(rows).hexdigest():
+                        raise UserError(
+                            f"cache {path} is damaged ({held}: sha256 mismatch), nothing was changed: delete it "
+                            "and re-run `featcache extract`"
+                        )
 
 
-_MIGRATIONS = dict(zip(MIGRATES, [_from_format_2]))  # format -> converter(old file, new path)
+_MIGRATIONS = dict.fromkeys(MIGRATES, _from_clients)  # format -> converter(old file, new path)

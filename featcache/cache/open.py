@@ -12,7 +12,7 @@ from ..errors import UserError, not_a_file
 from .h5 import plain, read_attrs
 from .write import FORMAT
 
-MIGRATES = (2,)  # the older formats `featcache migrate` converts (its `_MIGRATIONS`' keys)
+MIGRATES = (2, 3)  # the older formats `featcache migrate` converts (its `_MIGRATIONS`' keys)
 
 
 def read_meta(f: h5py.File) -> dict:

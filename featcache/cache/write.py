@@ -15,7 +15,9 @@ from ..errors import UserError
 from .h5 import Tree, write_attrs, written
 
 MARKER = "featcache_format"  # the root attribute that marks a file as featcache's client cache; its value: the format
-FORMAT = 3  # 2: checksums (`sha256` on every dataset, `meta_sha256` on the root); 3: features stored once (`concat`)
+# 2: checksums (`sha256` on every dataset, `meta_sha256` on the root); 3: features stored once (`concat`); 4: every
+# client's rows of a split in one dataset, a client's rows found by `offsets`
+FORMAT = 4
 SPLITS = ("train", "test")
 FEATURE_GROUPS = ("features", "views")  # each holds one dataset, `concat`
 HEADER = ("key", "manifest", "dataset", "classes", "domains", "partition", "counts", "views", "versions")
@@ -60,10 +62,11 @@ def write(
     """Write a cache: into `partial` (default `.NAME.partial` beside `path`), hashing every array from the bytes it
     writes, then synced and renamed to `path`, so `path` exists only complete; returns the number of images.
 
-    `header` holds the root attributes `HEADER` (and may add others); `backbones` each backbone's `key`, `name`,
+    `header` holds the root attributes `HEADER` (and may add others), its `counts` each client's rows by split (the
+    datasets' sizes: a client that holds other counts is refused); `backbones` each backbone's `key`, `name`,
     `weights`, `weights_sha256`, `dim` and `preprocessing`, in column order; `clients` may be a generator, consumed
-    once in client order. An existing `path` is refused unless `replace`. No timestamps: the same inputs give a
-    byte-identical file."""
+    once in client order, each client's rows written as it comes. An existing `path` is refused unless `replace`. No
+    timestamps: the same inputs give a byte-identical file."""
     path = Path(path)
     partial = Path(partial) if partial else path.with_name(f".{path.name}.partial")
     if path.exists() and not replace:
@@ -87,25 +90,50 @@ def _write_file(f: h5py.File, header: dict, backbones: list[dict], clients: Iter
         attrs = {k: v for k, v in b.items() if k != "key"} | {"columns": [start, start + int(b["dim"])]}
         tree.group(f"backbones/{b['key']}", attrs)
         start += int(b["dim"])
-    domains, images = list(header["domains"]), 0
+    rows = header["counts"]["clients"]  # the rows each client holds, by split: the datasets' sizes
+    views = int(header["views"])
+    streams = {}
+    for split in SPLITS:
+        n = sum(int(row[split]) for row in rows)
+        streams[split, "features"] = tree.rows(f"{split}/features/concat", (n, width), "<f4")
+        if views and split == "train":
+            streams[split, "views"] = tree.rows(f"{split}/views/concat", (n, views, width), "<f4")
+    domains = list(header["domains"])
+    index: dict[tuple[str, str], list] = {(s, k): [] for s in SPLITS for k in INDEX_DTYPES} | {
+        ("train", "val_index"): []
+    }
+    c = -1
     for c, client in enumerate(clients):
-        base = f"clients/{c:03d}"
-        tree.group(base, {"domain": client.domain})
+        if c >= len(rows):
+            raise ValueError(f"more clients than the header's counts list ({len(rows)})")
         for split in SPLITS:
             s = getattr(client, split)
             n = len(s.labels)
-            index = {
-                "labels": s.labels,
-                "source_index": s.source_index,
-                "domain": np.full(n, domains.index(s.domain or client.domain)),
-            }
-            for name, dtype in INDEX_DTYPES.items():
-                tree.array(f"{base}/{split}/{name}", np.asarray(index[name], dtype))
-            tree.columns(f"{base}/{split}/features/concat", s.features, (n,), width)
-            if s.views is not None:
-                tree.columns(f"{base}/{split}/views/concat", s.views, (n, int(header["views"])), width)
-            images += n
-        tree.array(f"{base}/train/val_index", np.asarray(client.val_index, np.int64))
+            if n != int(rows[c][split]):
+                raise ValueError(f"client {c} holds {n} {split} rows, the header's counts say {rows[c][split]}")
+            index[split, "labels"].append(s.labels)
+            index[split, "source_index"].append(s.source_index)
+            index[split, "domain"].append(np.full(n, domains.index(s.domain or client.domain)))
+            streams[split, "features"].add_columns(s.features, n)
+            if (split, "views") in streams:
+                streams[split, "views"].add_columns(s.views, n)
+        index["train", "val_index"].append(client.val_index)
+    if c + 1 != len(rows):
+        raise ValueError(f"{c + 1} clients, the header's counts list {len(rows)}")
+    for stream in streams.values():
+        stream.close()
+    for (split, name), parts in index.items():
+        dtype = INDEX_DTYPES.get(name, "int64")
+        tree.array(f"{split}/{name}", np.concatenate([np.asarray(p, dtype) for p in parts] or [np.empty(0, dtype)]))
+    for split in SPLITS:
+        tree.array(f"{split}/offsets", offsets([int(row[split]) for row in rows]))
+    tree.array("train/val_offsets", offsets([len(v) for v in index["train", "val_index"]]))
+    images = sum(int(row[split]) for row in rows for split in SPLITS)
     f.attrs["images"] = images
     f.attrs["meta_sha256"] = tree.meta_sha256()
     return images
+
+
+def offsets(counts: list[int]) -> np.ndarray:
+    """[C + 1] int64: client c's rows of a split are rows offsets[c]:offsets[c + 1] of its datasets."""
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)

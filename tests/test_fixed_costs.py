@@ -1,0 +1,101 @@
+"""What costs nothing imports nothing: a cache hit, a re-partition through filled stores and a sweep build no model,
+so they import neither timm nor torchvision (the weights' identity comes from the store's recorded key), checked in
+fresh interpreters by what `sys.modules` holds; and the memory estimate makes no real parameter (every tensor the
+algorithm's `init` makes there lives on the meta device). Speed is bench/store_figures.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import BACKBONES
+from synthetic import write_cache
+
+from featcache import cache as C
+from featcache.algorithms import create
+from featcache.training import footprint
+from featcache.training.config import resolve
+
+REPO = Path(__file__).resolve().parent.parent
+HEAVY = ("timm", "torchvision")
+
+EXTRACT = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import featcache
+result = featcache.extract(**json.loads(sys.argv[1]))
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"timm", "torchvision"})
+print(json.dumps({"heavy": heavy, "embedded": result["embedded"], "hit": result["cache_hit"]}))
+"""
+
+
+def extract_fresh(**options) -> dict:
+    """`featcache.extract(**options)` in a fresh interpreter: {heavy (timm/torchvision imported), embedded, hit}."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXTRACT, json.dumps(options, default=str)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def filled(images, tmp_path_factory) -> dict:
+    """Extract options whose stores hold every image of `images` (the first extraction built the models)."""
+    out = tmp_path_factory.mktemp("fixed")
+    options = dict(
+        dataset="imagefolder",
+        data_root=str(images),
+        backbone=BACKBONES,
+        image_size=32,
+        batch_size=4,
+        partition="label",
+        clients=2,
+        alpha=1.0,
+        out=str(out / "out"),
+        store=str(out / "store"),
+    )
+    first = extract_fresh(**options)
+    assert first["heavy"] and not first["hit"] and sum(first["embedded"].values()) > 0
+    return options
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{}, {"alpha": 0.5}, {"clients": 3}, {"alpha": [0.5, 5.0]}, {"clients": [3, 4]}],
+    ids=["cache-hit", "new-alpha", "new-clients", "alpha-sweep", "client-sweep"],
+)
+def test_no_model_built_imports_neither_timm_nor_torchvision(filled, change):
+    found = extract_fresh(**(filled | change))
+    assert found["heavy"] == [] and sum(found["embedded"].values()) == 0, found
+    assert found["hit"] == (not change)
+
+
+def test_the_memory_estimate_makes_no_real_parameter(tmp_path, monkeypatch):
+    """Every tensor `init` makes while the estimate runs is on the meta device; the estimate is what it was."""
+    cache = write_cache(tmp_path / "c.h5", C=3, D=8, K=3)
+    train, test = C.load_clients(cache, "train"), C.load_clients(cache, "test")
+    made: list[torch.device] = []
+    for name in ("fedavg", "fedpcl", "fedproto"):
+        algo = create(name)
+        original = type(algo).init
+
+        def spy(self, *args, original=original, **kwargs):
+            params, buffers = original(self, *args, **kwargs)
+            made.extend(t.device for t in (*params.values(), *buffers.values()))
+            return params, buffers
+
+        monkeypatch.setattr(type(algo), "init", spy)
+        cfg = resolve(algo, {"rounds": 1})
+        estimate = footprint.estimate(algo, cfg, train, test)
+        assert estimate.traced and estimate.per_config > 0, name
+    assert made and {d.type for d in made} == {"meta"}
