@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import one_line_error, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from featcache.algorithms import create
 from featcache.cache import load_clients
 from featcache.errors import UserError
+from featcache.results.figures import REPORT_MARK, png_mark
 from featcache.runs import checkpoint
 from featcache.runs.search import parse_space, rung_rounds, search
 from featcache.runs.train import load_split
@@ -227,3 +229,20 @@ def test_featcache_search_killed_with_sigkill_resumes_to_the_same_bytes(cache, t
     done = run(out)
     assert done.returncode == 0, done.stderr
     same_files(out / "runs", tmp_path / "ref" / "runs")
+
+
+# -- the command and its report ------------------------------------------------------------------------------------
+def test_the_command_searches_and_report_reads_its_folder(cache, tmp_path):
+    args = ["search", "--cache", cache, "--algo", "fedprox", "--space", "lr=loguniform:1e-3,0.3", "--trials", "6"]
+    args += ["--seeds", "0", "--rounds", "10", "--set", "batch_size=16", "--rungs", "2", "--out", tmp_path / "runs"]
+    done = run_cli(*args, "--json")
+    assert done.code == 0, done.stderr
+    result = json.loads(done.stdout)
+    shown = run_cli("report", result["run_folder"], "--out", tmp_path / "report")
+    assert shown.code == 0, shown.stderr
+    assert "| rank | trial | lr |" in shown.stdout and "stopped at round" in shown.stdout
+    assert png_mark(tmp_path / "report" / "search.png") == REPORT_MARK
+    assert (tmp_path / "report" / "report.md").read_text().count("\n| ") == 1 + len(result["selection"])
+    one_line_error(run_cli(*args, "--space", "proj_dim=int:16,64"), "proj_dim is structural")
+    one_line_error(run_cli(*args[:-2], "--trials", "0"), "--trials 0")
+    one_line_error(run_cli("report", result["run_folder"], cache), "report it alone")

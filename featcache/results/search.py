@@ -71,6 +71,8 @@ def search_png(result: dict) -> bytes:
     """Validation accuracy against rounds, one line per trial: completed trials in colour (the best thickest),
     pruned ones grey and thin with a cross where each stopped; the rungs as dotted vertical lines."""
     plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     best = result["selection"][0]["trial"]
     done = [r for r in result["selection"] if r["state"] == "complete"]
@@ -88,6 +90,7 @@ def search_png(result: dict) -> bytes:
     for at in result["rungs"]:
         ax.axvline(at, color="0.3", ls=":", lw=1)
     ax.plot([], [], color="0.6", marker="x", lw=0.8, label="pruned (x: stopped)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("validation accuracy (%)")
     ax.set_title(f"{result['algo']}: {result['sampler']} sampler, {result['pruner']} pruner (dotted: rungs)")

@@ -1,0 +1,156 @@
+"""Benchmark: `featcache search` with successive halving vs the exhaustive `featcache grid` over the same 64
+configurations, and TPE vs random search at an equal trial budget. Prints one JSON object.
+
+Run: `.venv/bin/python bench/search.py --demo CACHE --skewed CACHE [--rounds 50] [--seeds 0]`. Without caches it
+extracts them into --work: the demo cache (`make demo`'s extraction: offline-digits, 3 EfficientNet-Lites, one client
+per domain) and a label-skewed one (the same images over 8 clients, Dirichlet α = 0.1).
+
+Per cache, side by side in one process: the grid of lr (8 values) x weight decay (8 values) for FedAvg, validation-
+selected and retrained; the search of the same 64 points (`--sampler grid --pruner halving`, every point one trial,
+pruned at its rungs); TPE and random search over the continuous ranges with `--trials` trials each. Each case
+carries `time_ratio` (search / grid wall time, retrains included), `gap_points` (the grid's best minus the search's
+best: validation accuracy points, and the retrained test accuracy) and `model_rounds` (models x rounds trained, both
+sides: the figure that carries to a GPU). The machine's 1-minute load is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import featcache
+import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache` runs)
+
+LRS = [round(10 ** (-0.5 - 2.5 * i / 7), 6) for i in range(8)]  # 0.316 .. 0.001
+WDS = [round(10 ** (-2 - 3 * i / 7), 7) for i in range(8)]  # 1e-2 .. 1e-5
+RANGES = {"lr": "loguniform:1e-3,0.32", "weight_decay": "loguniform:1e-5,1e-2"}
+TARGETS = {"time_ratio": 0.3, "gap_points": 0.5}
+
+
+def demo_caches(work: Path) -> tuple[str, str]:
+    """The demo cache and a label-skewed cache of the same images, extracted into `work` (cache hits after once)."""
+    common = dict(
+        dataset="offline-digits",
+        backbone=["efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2"],
+        per_class=10,
+        test_per_class=50,
+        image_size=64,
+        out=str(work),
+    )
+    demo = featcache.extract(partition="feature", **common)["cache"]
+    skewed = featcache.extract(partition="label", clients=8, alpha=0.1, **common)["cache"]
+    return demo, skewed
+
+
+def timed(fn, **kwargs) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    result = fn(**kwargs)
+    return result, time.perf_counter() - t0
+
+
+def case(cache: str, rounds: int, seeds: list[int], trials: int, rungs: int, reduction: int, out: Path) -> dict:
+    """One cache: grid vs halving search over the same 64 points; TPE vs random at `trials` trials."""
+    common = dict(cache=cache, algo="fedavg", seeds=seeds, rounds=rounds)
+    grid, t_grid = timed(featcache.grid, grid={"lr": LRS, "weight_decay": WDS}, out=out / "grid", **common)
+    sha, t_sha = timed(
+        featcache.search,
+        space={"lr": LRS, "weight_decay": WDS},
+        trials=64,
+        sampler="grid",
+        pruner="halving",
+        rungs=rungs,
+        reduction=reduction,
+        out=out / "halving",
+        **common,
+    )
+    grid_rounds = len(LRS) * len(WDS) * len(seeds) * rounds
+    best_val = grid["selection"][0]["val_mean"]
+    halving = {
+        "seconds": {"grid": round(t_grid, 2), "search": round(t_sha, 2)},
+        "time_ratio": round(t_sha / t_grid, 3),
+        "model_rounds": {"grid": grid_rounds, "search": sha["model_rounds"]},
+        "model_round_ratio": round(sha["model_rounds"] / grid_rounds, 3),
+        "gap_points": {
+            "validation": round(best_val - sha["selection"][0]["val_mean"], 3),
+            "retrained_test": round(grid["retrain"]["mean_acc"] - sha["retrain"]["mean_acc"], 3),
+        },
+        "best": {"grid": grid["best"], "search": sha["best"]},
+        "rungs": sha["rungs"],
+        "completed_trials": sum(r["state"] == "complete" for r in sha["selection"]),
+    }
+    budget = {}
+    for sampler in ("tpe", "random"):
+        found, seconds = timed(
+            featcache.search,
+            space=RANGES,
+            trials=trials,
+            sampler=sampler,
+            pruner="none",
+            batch=max(1, trials // 4),
+            out=out / sampler,
+            **common,
+        )
+        budget[sampler] = {
+            "seconds": round(seconds, 2),
+            "best": found["best"],
+            "best_val": round(found["selection"][0]["val_mean"], 3),
+            "gap_points_to_grid": round(best_val - found["selection"][0]["val_mean"], 3),
+            "retrained_test": round(found["retrain"]["mean_acc"], 3),
+            "model_rounds": found["model_rounds"],
+        }
+    return {
+        "cache": cache,
+        "grid_best_val": round(best_val, 3),
+        "grid_retrained_test": round(grid["retrain"]["mean_acc"], 3),
+        "halving_vs_grid": halving,
+        "meets": {
+            "time_ratio": halving["time_ratio"] <= TARGETS["time_ratio"],
+            "gap_points": max(halving["gap_points"].values()) <= TARGETS["gap_points"],
+        },
+        f"tpe_vs_random_{trials}_trials": budget,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--demo", help="the demo cache (default: extracted into --work)")
+    ap.add_argument("--skewed", help="a label-skewed cache (default: extracted into --work)")
+    ap.add_argument("--work", default="cache", help="where missing caches are extracted")
+    ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds every configuration trains")
+    ap.add_argument("--trials", type=int, default=16, help="TPE and random search's trial budget")
+    ap.add_argument("--rungs", type=int, default=2)
+    ap.add_argument("--reduction", type=int, default=4)
+    args = ap.parse_args()
+    demo, skewed = (args.demo, args.skewed) if args.demo and args.skewed else demo_caches(Path(args.work))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    load = {"before": round(os.getloadavg()[0], 2)}
+    cases = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cache in (("demo", demo), ("label_skew", skewed)):
+            cases[name] = case(cache, args.rounds, seeds, args.trials, args.rungs, args.reduction, Path(tmp) / name)
+    load["after"] = round(os.getloadavg()[0], 2)
+    print(
+        json.dumps(
+            {
+                "algo": "fedavg",
+                "rounds": args.rounds,
+                "seeds": seeds,
+                "configs": len(LRS) * len(WDS),
+                "targets": TARGETS,
+                "load_1min": load,
+                "cpus": os.cpu_count(),
+                "torch_threads": __import__("torch").get_num_threads(),
+                "cases": cases,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
