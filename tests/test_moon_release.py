@@ -16,6 +16,8 @@ from featcache.testing import assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
 from tests import ref_moon
+from tests.synthetic import write_cache
+from tests.test_resume import assert_resumes_exactly
 
 C, B, ROUNDS, MU = 6, 16, 4, 5.0
 
@@ -75,3 +77,11 @@ def test_moon_differs_from_the_release_only_where_the_fidelity_table_says():
 
 def test_moon_official_equals_the_plain_loop():
     assert_matches_plain_loop("moon-official")
+
+
+def test_moon_official_resumes_byte_for_byte(tmp_path):
+    cache = write_cache(tmp_path / "c.h5", C=4, D=16, K=3, n=(16, 40), spread=4.0)
+    opts = {"participation": 0.5, "batch_size": 8, "proj_dim": 8}
+    assert_resumes_exactly(
+        cache, "moon-official", [(2, "kill")], 1, rounds=3, seeds=[0, 1], set=[f"{k}={v}" for k, v in opts.items()]
+    )
