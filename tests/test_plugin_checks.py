@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from featcache.testing import assert_matches_equations, assert_matches_plain_loop, assert_reduces_to
 
@@ -47,3 +48,23 @@ def test_a_fedavgm_whose_momentum_is_never_kept_fails_the_documented_check(tmp_p
     assert_reduces_to(spec, "fedavg", server_momentum=0.0)  # a momentum never kept vanishes at β = 0
     with pytest.raises(AssertionError, match="differs from the loop written from its equations"):
         assert_matches_equations(spec, server=equations["fedavgm"], server_momentum=0.9)
+
+
+def test_the_local_loss_written_from_the_equations_checks_fedprox():
+    """`loss=`: FedProx's eq. 2 written out (the head's cross-entropy plus μ/2 ||w − w^t||²) matches `fedprox`, with
+    FedAvg's server written out too; μ read as μ/2 does not."""
+
+    def eq2(mu):
+        def loss(params, x, y, start):
+            z = torch.relu(x @ params["proj0.weight"].T + params["proj0.bias"])
+            ce = torch.nn.functional.cross_entropy(z @ params["cls0.weight"].T + params["cls0.bias"], y)
+            return ce + mu / 2 * sum(((params[k] - start[k]) ** 2).sum() for k in params)
+
+        return loss
+
+    def fedavg(x, clients, n, memory, cfg):
+        return {k: sum(n_k * c[k] for c, n_k in zip(clients, n)) / sum(n) for k in x}
+
+    assert_matches_equations("fedprox", loss=eq2(0.5), server=fedavg, mu=0.5)
+    with pytest.raises(AssertionError, match="differs from the loop written from its equations"):
+        assert_matches_equations("fedprox", loss=eq2(0.25), mu=0.5)
