@@ -120,7 +120,7 @@ def worst(name: str, expected: list[list[dict]], rounds: list) -> float:
 def test_the_server_step_is_algorithm_2(name):
     x0, rounds = server_rounds(name, SETTINGS[name])
     expected = [algorithm2(name, s, x0, rounds, h) for h, s in enumerate(SETTINGS[name])]
-    assert worst(name, expected, rounds) < 1e-5
+    assert worst(name, expected, rounds) < 2e-5  # float32 against float64
     swapped = [algorithm2(name, s, x0, rounds, h, by_rows=name != "fedavgm") for h, s in enumerate(SETTINGS[name])]
     assert worst(name, swapped, rounds) > 1e-3  # the clients' weighting shows on these uneven clients
     moved = max(float(np.abs(rounds[-1][2][k] - x0[k]).max()) for k in x0)
@@ -158,7 +158,7 @@ def flower_run(strategies: dict, name: str, x0: dict, rounds: list) -> list[list
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_server_rule_flower_is_flowers_strategy_and_a_broken_strategy_is_not(name):
     x0, rounds = server_rounds(name, FLOWER_SETTINGS[name], rule=None if name == "fedavgm" else "flower")
-    assert worst(name, flower_run(flower.STRATEGIES, name, x0, rounds), rounds) < 1e-5
+    assert worst(name, flower_run(flower.STRATEGIES, name, x0, rounds), rounds) < 2e-5
     assert worst(name, flower_run(flower.BROKEN, name, x0, rounds), rounds) > 1e-2  # the negative control
 
 
