@@ -52,7 +52,8 @@ DOMAINNET_LAYOUT = (
 )
 PACS_LAYOUT = (
     "ROOT/{photo,art_painting,cartoon,sketch}/{class}/*.jpg, ROOT may also hold them under kfold/, with the official "
-    "split lists {domain}_{train,crossval,test}_kfold.txt in ROOT, ROOT/kfold or ROOT/pacs_label when present "
+    "split lists {domain}_{train,crossval,test}_kfold.txt in ROOT, ROOT/kfold, ROOT/pacs_label, ROOT/splits or "
+    "ROOT/image_list when present "
     "(PACS: https://domaingeneralization.github.io/#data)"
 )
 IMAGEFOLDER_LAYOUT = "ROOT/{domain}/{class}/*.jpg|png|... or ROOT/{domain}/{train,test}/{class}/* (your own images)"
@@ -336,7 +337,8 @@ def domainnet(root: Path | None, download: bool = False, test_fraction: float = 
 
 
 PACS_KFOLD = {"train": "train", "test": "crossval"}  # featcache's split -> the official list it reads
-PACS_LISTS = ("", "kfold", "pacs_label")  # where the lists may lie, relative to ROOT
+# where the lists may lie, relative to ROOT: the official download's pacs_label/, Dassl's splits/, TLlib's image_list/
+PACS_LISTS = ("", "kfold", "pacs_label", "splits", "image_list")
 
 
 @register_dataset("pacs", layout=PACS_LAYOUT)
@@ -366,7 +368,8 @@ def pacs(root: Path | None, download: bool = False, test_fraction: float = 0.3, 
     data.extra["notes"] = [
         f"pacs: the official kfold splits ({lists}/{{domain}}_train_kfold.txt for train, _crossval_kfold.txt for test)"
         if lists
-        else f"pacs: no official kfold lists found (ROOT, ROOT/kfold, ROOT/pacs_label): a seeded {1 - test_fraction:g}"
+        else f"pacs: no official kfold lists found (in ROOT or its {', '.join(filter(None, PACS_LISTS))}): a seeded "
+        f"{1 - test_fraction:g}"
         f"/{test_fraction:g} split per class (seed {seed})"
     ]
     return data
