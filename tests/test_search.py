@@ -140,9 +140,13 @@ def test_survivors_of_a_pruned_batch_train_exactly_as_alone(cache, name):
     assert torch.equal(went_on, alone)
 
 
-def test_a_pruned_search_keeps_every_curve_and_its_survivors_match_the_unpruned_search(cache, tmp_path):
-    pruned = search(cache, "fedprox", out=tmp_path / "a", retrain=False, **SEARCH)
-    full = search(cache, "fedprox", out=tmp_path / "b", retrain=False, pruner="none", **SEARCH)
+BUCKETS = {"space": ["lr=loguniform:1e-3,0.3", "proj_dim=16,32"], "set": ["batch_size=16", "eval_every=2"]}
+
+
+@pytest.mark.parametrize("given", [{}, BUCKETS], ids=["one-bucket", "buckets-every-2nd-round"])
+def test_a_pruned_search_keeps_every_curve_and_its_survivors_match_the_unpruned_search(cache, tmp_path, given):
+    pruned = search(cache, "fedprox", out=tmp_path / "a", retrain=False, **(SEARCH | given))
+    full = search(cache, "fedprox", out=tmp_path / "b", retrain=False, pruner="none", **(SEARCH | given))
     assert pruned["model_rounds"] < full["model_rounds"] == full["model_rounds_unpruned"] == 8 * 2 * 10
     assert pruned["rungs"] == [2, 6]
     by_trial = {r["trial"]: r for r in full["selection"]}

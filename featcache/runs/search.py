@@ -511,9 +511,9 @@ class Trainer:
         for rnd in range(R):
             values = {}
             for engine, models in self.buckets:
-                with plugin_exits():
-                    engine.run(logs=False, until=rnd + 1)
-                if evaluates(rnd, engine.cfg):
+                if evaluates(rnd, engine.cfg):  # the rounds up to the next evaluation in one go
+                    with plugin_exits():
+                        engine.run(logs=False, until=rnd + 1)
                     acc = engine.loop.records[-1]["test_acc"]  # [H, C]
                     for (i, _seed), per_client in zip(models, (100 * acc).tolist()):
                         values.setdefault(i, []).append(float(np.mean(per_client)))
