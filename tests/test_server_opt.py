@@ -18,7 +18,7 @@ import torch
 from conftest import configure
 
 import tests.ref_flower_strategies as flower
-from featcache.algorithms import create
+from featcache.algorithms import create, list_algorithms
 from featcache.algorithms.fedprox import FedProx
 from featcache.algorithms.serveropt import Adaptive, FedAdam
 from featcache.errors import UserError
@@ -227,6 +227,7 @@ def test_any_fedavg_server_algorithm_takes_a_server_optimizer_by_name():
     assert {"mu", "server_lr", "server_beta2"} <= set(configure("fedprox+fedadam"))
     assert_matches_plain_loop("fedprox+fedadam", mu=0.5)
     assert_reduces_to("moon+fedavgm", "moon", server_momentum=0.0)
+    assert "fedprox+fedadam" not in list_algorithms()  # made on use, never listed: `featcache algos` stays the table
     with pytest.raises(UserError, match="fedpcl overrides upload, aggregate, download"):
         create("fedpcl+fedadam")
     with pytest.raises(UserError, match="unknown algorithm 'fedprox\\+fedsgd'"):

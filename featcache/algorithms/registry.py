@@ -19,6 +19,7 @@ _ALGOS: dict[str, type[FedAvg]] = {}
 # Suffixes that make an algorithm of another by name, "BASE+SUFFIX" (fedprox+fedadam: FedProx's clients with FedAdam's
 # server): suffix -> the function from BASE's class to the new class (serveropt.py adds its server optimizers).
 COMPOSERS: dict[str, Callable[[type[FedAvg]], type[FedAvg]]] = {}
+_COMPOSED: dict[str, type[FedAvg]] = {}  # the classes COMPOSERS made, by name (not listed by `registered`)
 
 # Methods whose mechanism needs something a feature cache cannot give: listed, never faked.
 UNAVAILABLE = {
@@ -73,12 +74,28 @@ def lookup(name: str) -> type[FedAvg]:
     name is one line."""
     if name in UNAVAILABLE:
         raise UserError(f"{name} cannot run on cached features: {UNAVAILABLE[name]}")
-    base, plus, suffix = name.rpartition("+")
-    if name not in _ALGOS and plus and suffix in COMPOSERS and base in _ALGOS:
-        register(COMPOSERS[suffix](_ALGOS[base]))  # made once, on first use
+    if name not in _ALGOS and (made := composed(name)) is not None:
+        return made
     if name not in _ALGOS:
         raise UserError(f"unknown algorithm {name!r}{suggest(name, _ALGOS)}: see `featcache algos`")
     return _ALGOS[name]
+
+
+def composed(name: str) -> type[FedAvg] | None:
+    """The class a "BASE+SUFFIX" name makes (`COMPOSERS`), made and checked as `register` checks a class on first
+    use; None when `name` is not such a name."""
+    base, plus, suffix = name.rpartition("+")
+    if not (plus and suffix in COMPOSERS and base in _ALGOS):
+        return None
+    if name not in _COMPOSED:
+        cls = COMPOSERS[suffix](_ALGOS[base])
+        if (problem := name_problem(name)) is not None:
+            raise UserError(problem)
+        settings_of(cls)
+        if problems := contradictions(cls):
+            raise UserError(f"{name}: {problems[0]}")
+        _COMPOSED[name] = cls
+    return _COMPOSED[name]
 
 
 register(FedAvg)  # the default algorithm, defined beside the contract it implements (base.py)
