@@ -68,9 +68,10 @@ def resolve(run_config, algo, settings, seed, rounds) -> tuple:
     return spec.algo, spec.config | {"seed": seed}
 
 
-def node_data(node_config, cache, algo) -> tuple:
-    """(client index, train, test) of a node: `cache` (or the node config's) and the node's client index."""
-    path = cache if cache is not None else node_config.get("cache")
+def node_data(node_config, run_config, cache, algo) -> tuple:
+    """(client index, train, test) of a node: `cache` (else the node config's, else the run config's) and the node's
+    client index."""
+    path = cache if cache is not None else node_config.get("cache") or run_config.get("cache")
     if not path:
         raise UserError("no cache for this node: give cache= to client_app or --node-config 'cache=PATH client=N'")
     index = node_config.get("client", node_config.get("partition-id"))
@@ -87,7 +88,7 @@ def client_app(algo=None, settings=None, seed=None, rounds=None, cache=None) -> 
 
     def handle(msg: Message, context: Context) -> Message:
         impl, cfg = resolve(context.run_config, algo, settings, seed, rounds)
-        index, train, test = node_data(context.node_config, cache, impl)
+        index, train, test = node_data(context.node_config, context.run_config, cache, impl)
         client = ClientSide(impl, cfg, train, test, index)
         if STATE in context.state:
             arrays = {k: torch.from_numpy(np.array(a.numpy())) for k, a in context.state[STATE].items()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from dataclasses import replace
 
 import torch
@@ -136,11 +137,16 @@ class ClientSide:
         self.algo, self.frame = shared_setup(algo, cfg, train)
         refuse(self.algo)
         self.state: State | None = None
+        self.init_uploads = False
 
     def start(self) -> None:
-        """Round 1's state, as the engine's `initial_state` gives this client (its `init_state` on its rows)."""
+        """Round 1's state, as the engine's `initial_state` gives this client (its `init_state` on its rows), and
+        whether `init_state` asked for `upload` (then the server aggregates the clients' `init_upload`)."""
         models = first_models(self.algo, self.frame, self.train.features.shape[-1], self.train.num_classes)
-        self.state = initial_state(self.algo, models, self.frame)
+        spy, asked = copy.copy(self.algo), []
+        spy.upload = lambda state, rnd: asked.append(True) or type(self.algo).upload(spy, state, rnd)
+        self.state = initial_state(spy, models, self.frame)
+        self.init_uploads = bool(asked)
 
     def round(self, rnd: int, took_part: bool = True):
         return self.frame.round(rnd, [[took_part]])
@@ -154,8 +160,8 @@ class ClientSide:
 
     # -- hooks --------------------------------------------------------------------------------------------------
     def init_upload(self) -> dict:
-        """What `init_state`'s `upload` sends from this client (name -> [1, 1, ...])."""
-        return self.algo.upload(self.state, self.round(-1))
+        """What `init_state`'s `upload` sends from this client (name -> [1, 1, ...]; {} where it asks for none)."""
+        return self.algo.upload(self.state, self.round(-1)) if self.init_uploads else {}
 
     def fit(self, rnd: int) -> tuple[dict, float]:
         """Round `rnd`'s local epochs, then `client_side`: (uploads name -> [1, 1, ...], mean local loss)."""
@@ -290,33 +296,22 @@ class ServerSide:
 
 # -- the messages: what the server asks, what a client answers (trees of tensors and JSON values) -------------------
 def answer(client: ClientSide, kind: str, msg: dict) -> dict:
-    """Client `client`'s reply to a message of `kind` (`KINDS`); starts its state on the first message."""
+    """Client `client`'s reply to a message of `kind` (`KINDS`); starts its state on the first message and takes
+    the server's initial state from the first message that carries it."""
     if client.state is None:
         client.start()
+    if "server_state" in msg:
+        client.state.server = msg["server_state"]
     return KINDS[kind](client, msg)
 
 
 def _hello(client: ClientSide, msg: dict) -> dict:
+    """Who the client is, its rows' shape and what `init_state`'s `upload` sends from it (used where asked for)."""
     t = client.train
     views = 0 if t.views is None else t.views.shape[2]
     meta = {k: t.meta.get(k) for k in ("key", "dataset", "backbones", "partition")}
-    return {
-        "client": client.index,
-        "train": int(t.counts[0]),
-        "classes": t.num_classes,
-        "dim": t.features.shape[-1],
-        "views": views,
-        "meta": meta,
-    }
-
-
-def _init(client: ClientSide, msg: dict) -> dict:
-    return {"uploads": client.init_upload()}
-
-
-def _server_state(client: ClientSide, msg: dict) -> dict:
-    client.state.server = msg["server"]
-    return {}
+    shape = {"train": int(t.counts[0]), "classes": t.num_classes, "dim": t.features.shape[-1], "views": views}
+    return {"client": client.index, "meta": meta, "uploads": client.init_upload()} | shape
 
 
 def _train(client: ClientSide, msg: dict) -> dict:
@@ -332,7 +327,7 @@ def _download(client: ClientSide, msg: dict) -> dict:
     return client.score(rnd, took_part, msg["first"], msg.get("model"))
 
 
-KINDS = {"query": _hello, "train.init": _init, "evaluate.server": _server_state, "train": _train, "evaluate": _download}
+KINDS = {"query": _hello, "train": _train, "evaluate": _download}
 
 
 def run_server(server_of, send, rounds: int, eval_every: int, progress=None) -> dict:
@@ -340,20 +335,24 @@ def run_server(server_of, send, rounds: int, eval_every: int, progress=None) -> 
     messages (all of them answered, or an error raised); `server_of(replies to "query")` makes the `ServerSide`.
     Returns the engine's raw output (`Loop.result`: test_acc, test_loss, train_acc, train_loss [R_eval, 1, C],
     global_acc [R_eval, 1] or None, eval_rounds, upload_floats, round_seconds) and the bytes per round."""
-    import time
-
     hello = send("query", None)
     server: ServerSide = server_of(hello)
     everyone = range(server.C)
-    server.start(
-        lambda: server.stack({c: r["uploads"] for c, r in send("train.init", dict.fromkeys(everyone, {})).items()})
-    )
-    send("evaluate.server", {c: {"server": server.state.server} for c in everyone})
+    server.start(lambda: server.stack({r["client"]: r["uploads"] for r in hello.values()}))
+    unsent = set(everyone)  # the clients that have not received the server's initial state yet
+
+    def first(c: int, msg: dict) -> dict:
+        """`msg` with the server's initial state where it is client c's first message since `start`."""
+        if c not in unsent:
+            return msg
+        unsent.discard(c)
+        return msg | {"server_state": server.state.server}
+
     records, eval_rounds, floats, seconds = [], [], [], []
     for rnd in range(rounds):
         t0 = time.perf_counter()
         chosen = server.participants(rnd)
-        replies = send("train", {c: {"round": rnd} for c in chosen})
+        replies = send("train", {c: first(c, {"round": rnd}) for c in chosen})
         uploads = {c: replies[c]["uploads"] for c in chosen}
         payload = server.serve(rnd, uploads)
         floats.append(sum(v[0, 0].numel() for v in next(iter(uploads.values())).values()))
@@ -362,7 +361,7 @@ def run_server(server_of, send, rounds: int, eval_every: int, progress=None) -> 
         sent = {"round": rnd, "server": payload, "evaluate": evaluate, "first": not records}
         if model is not None and not server.algo.clients_hold_global:
             sent["model"] = model
-        figures = send("evaluate", {c: sent | {"took_part": c in uploads} for c in everyone})
+        figures = send("evaluate", {c: first(c, sent | {"took_part": c in uploads}) for c in everyone})
         seconds.append(time.perf_counter() - t0)
         if evaluate:
             row = lambda k: torch.tensor([[figures[c][k] for c in everyone]], dtype=torch.float32)  # [1, C]
