@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 from ..errors import UserError, as_path
 from ..runs.spec import RunSpec
