@@ -246,6 +246,7 @@ def test_a_client_without_test_images_gets_empty_blocks(tmp_path):
         image_size=32,
         per_class=1,
         domains=["mnist"],
+        test_split="train-mix",  # test images of the train classes only: none here (the whole split has some)
         out=tmp_path / "out",
     )
     with h5py.File(res["cache"]) as f:

@@ -214,9 +214,6 @@ def extract(
     data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
     _refuse_empty_classes(data)
     parts = [make_partition(data, spec) for spec in specs]
-    for spec, spec_parts in zip(specs, parts):
-        if line := small_clients(spec, spec_parts, specs):
-            warnings.warn(line, UserWarning, stacklevel=2)
     run = Settings(
         tuple(backbone),
         image_size,
@@ -233,8 +230,6 @@ def extract(
     phases["dataset"] = time.perf_counter() - t
     if size_note:  # told once the input passed its checks: a refused one is its one error line alone
         tell(size_note)
-    for line in protocol_notes(specs, data, parts):
-        tell(line)
     with output_errors(folder, "--store"), _made(Path(out), *(s.path.parent for s in stores)), ExitStack() as held:
         resumable = {s.path: (s.work / "plan.json").is_file() for s in by_path.values()}
         for s in sorted(by_path.values(), key=lambda s: s.path):  # one lock order: two extractions never deadlock
@@ -268,6 +263,11 @@ def extract(
     with suppress(OSError):  # a built-in dataset's next miss reads its arrays instead of building them
         keep_dataset(data, out)
     contents.save()
+    for line in protocol_notes(specs, data, parts):  # once written: a refused run is its one error line alone
+        tell(line)
+    for spec, spec_parts, r in zip(specs, parts, results):
+        if not r["cache_hit"] and (line := small_clients(spec, spec_parts, specs)):
+            warnings.warn(line, UserWarning, stacklevel=2)
     embedded = {m["key"]: n for m, n in zip(metas, embedded)}
     return (
         _summary(results, specs, embedded, t0)
