@@ -148,3 +148,50 @@ def test_split_writes_one_verified_file_per_client_that_holds_only_its_rows(cach
         node_rows(out["files"][0], 2)
     with pytest.raises(UserError, match="holds one client already"):
         split(out["files"][0], tmp_path / "again")
+
+
+def test_featcache_flower_new_writes_a_flwr_run_project(cache, tmp_path):
+    from harness import one_line_error, run_cli
+
+    done = run_cli(
+        "flower",
+        "new",
+        "fl-proj",
+        "--algo",
+        "fedpcl",
+        "--cache",
+        str(cache),
+        "--rounds",
+        "2",
+        "--set",
+        "proj_dim=8",
+        "--dir",
+        str(tmp_path),
+        "--json",
+    )
+    assert done.code == 0, done.stderr
+    project = json.loads(done.stdout)
+    text = open(project["pyproject"]).read()
+    assert "[tool.flwr.app]" in text and 'serverapp = "fl_proj_app.server_app:app"' in text
+    assert 'algo = "fedpcl"' in text and "clients = 4" in text and '"proj_dim": 8' in text
+    assert os.path.isfile(os.path.join(project["project"], "fl_proj_app", "client_app.py"))
+    one_line_error(
+        run_cli("flower", "new", "fl-proj", "--algo", "fedpcl", "--cache", str(cache), "--dir", str(tmp_path)), "exists"
+    )
+    one_line_error(
+        run_cli(
+            "flower", "new", "x", "--algo", "fedpcl", "--cache", str(cache), "--set", "bogus=1", "--dir", str(tmp_path)
+        ),
+        "bogus",
+    )
+    one_line_error(run_cli("split", str(tmp_path / "none.h5"), "--out", str(tmp_path / "s")), "none.h5")
+
+
+def test_without_flower_the_apps_are_one_line_naming_the_extra(monkeypatch):
+    import sys
+
+    from featcache import flower
+
+    monkeypatch.setitem(sys.modules, "flwr", None)
+    with pytest.raises(UserError, match=r"pip install 'featcache\[flower\]'"):
+        flower.server_app("fedavg")
