@@ -4,9 +4,10 @@ Every message is one tree of tensors and JSON values (`federation.pack`): its te
 ("arrays"), its skeleton in a `ConfigRecord` ("tree"). A client keeps its state in Flower's context state
 (`Context.state`, the same two records) between messages. What a run trains comes from the apps' arguments or,
 where an argument is None, from the run config (`[tool.flwr.app.config]` of a `flwr run` project): `algo`, `settings`
-(a JSON object of settings), `seed`, `rounds`, `out` (the folder for the result files; "" writes none) and `timeout`
-(seconds a round's replies may take). A node's data comes from its node config: `cache` (a cache or a per-client file
-of `featcache split`) and `client` (its index in a whole cache); in Flower's simulation `partition-id` is the index.
+(a JSON object of settings), `seed`, `rounds`, `out` (the folder for the result files; "" writes none), `timeout`
+(seconds one exchange's replies may take) and `clients` (the nodes the server waits for; 0: those connected). A
+node's data comes from its node config: `cache` (a cache or a per-client file of `featcache split`; else the run
+config's `cache`) and `client` (its index in a whole cache; in Flower's simulation `partition-id`).
 """
 
 from __future__ import annotations
