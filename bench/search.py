@@ -3,12 +3,14 @@ configurations, and TPE vs random search at an equal trial budget. Prints one JS
 
 Run: `.venv/bin/python bench/search.py --demo CACHE --skewed CACHE [--rounds 50] [--seeds 0]`. Without caches it
 extracts them into --work: the demo cache (`make demo`'s extraction: offline-digits, 3 EfficientNet-Lites, one client
-per domain) and a label-skewed one (the same images over 8 clients, Dirichlet α = 0.1).
+per domain; `--backbone efficientnet_lite0` for a third of the cost) and a label-skewed one (the same images over 4
+clients, Dirichlet α = 0.1).
 
 Per cache, side by side in one process: the grid of lr (8 values) x weight decay (8 values) for FedAvg, validation-
 selected and retrained; the search of the same 64 points (`--sampler grid --pruner halving`, every point one trial,
 pruned at its rungs); TPE and random search over the continuous ranges with `--trials` trials each. Each case
-carries `time_ratio` (search / grid wall time, retrains included), `gap_points` (the grid's best minus the search's
+carries `time_ratio` (search / grid wall time, retrains included; `cpu_time_ratio` the same in this process's CPU
+seconds, which other processes' load leaves alone), `gap_points` (the grid's best minus the search's
 best: validation accuracy points, and the retrained test accuracy) and `model_rounds` (models x rounds trained, both
 sides: the figure that carries to a GPU). The machine's 1-minute load is printed before and after.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,38 +28,46 @@ from pathlib import Path
 import featcache
 import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache` runs)
 
-LRS = [round(10 ** (-0.5 - 2.5 * i / 7), 6) for i in range(8)]  # 0.316 .. 0.001
+LRS = [round(10 ** (-1 - 3 * i / 7), 7) for i in range(8)]  # 0.1 .. 1e-4
 WDS = [round(10 ** (-2 - 3 * i / 7), 7) for i in range(8)]  # 1e-2 .. 1e-5
-RANGES = {"lr": "loguniform:1e-3,0.32", "weight_decay": "loguniform:1e-5,1e-2"}
+RANGES = {"lr": "loguniform:1e-4,0.1", "weight_decay": "loguniform:1e-5,1e-2"}
 TARGETS = {"time_ratio": 0.3, "gap_points": 0.5}
 
 
-def demo_caches(work: Path) -> tuple[str, str]:
-    """The demo cache and a label-skewed cache of the same images, extracted into `work` (cache hits after once)."""
+def demo_caches(work: Path, backbones: list[str]) -> tuple[str, str]:
+    """The demo cache and a label-skewed cache of the same images (4 clients, α = 0.1), extracted into `work` (cache
+    hits after once)."""
     common = dict(
         dataset="offline-digits",
-        backbone=["efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2"],
+        backbone=backbones,
         per_class=10,
         test_per_class=50,
         image_size=64,
         out=str(work),
     )
     demo = featcache.extract(partition="feature", **common)["cache"]
-    skewed = featcache.extract(partition="label", clients=8, alpha=0.1, **common)["cache"]
+    skewed = featcache.extract(partition="label", clients=4, alpha=0.1, **common)["cache"]
     return demo, skewed
 
 
-def timed(fn, **kwargs) -> tuple[dict, float]:
-    t0 = time.perf_counter()
+def timed(fn, **kwargs) -> tuple[dict, float, float]:
+    """fn's result, wall seconds and this process's CPU seconds (what a shared machine's load leaves alone); a line
+    on stderr when it ends (the bench takes minutes)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     result = fn(**kwargs)
-    return result, time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(
+        f"{fn.__name__} -> {kwargs['out']}: {seconds:.1f} s ({cpu:.1f} s CPU), load {os.getloadavg()[0]:.1f}",
+        file=sys.stderr,
+    )
+    return result, seconds, cpu
 
 
 def case(cache: str, rounds: int, seeds: list[int], trials: int, rungs: int, reduction: int, out: Path) -> dict:
     """One cache: grid vs halving search over the same 64 points; TPE vs random at `trials` trials."""
     common = dict(cache=cache, algo="fedavg", seeds=seeds, rounds=rounds)
-    grid, t_grid = timed(featcache.grid, grid={"lr": LRS, "weight_decay": WDS}, out=out / "grid", **common)
-    sha, t_sha = timed(
+    grid, t_grid, c_grid = timed(featcache.grid, grid={"lr": LRS, "weight_decay": WDS}, out=out / "grid", **common)
+    sha, t_sha, c_sha = timed(
         featcache.search,
         space={"lr": LRS, "weight_decay": WDS},
         trials=64,
@@ -72,6 +83,8 @@ def case(cache: str, rounds: int, seeds: list[int], trials: int, rungs: int, red
     halving = {
         "seconds": {"grid": round(t_grid, 2), "search": round(t_sha, 2)},
         "time_ratio": round(t_sha / t_grid, 3),
+        "cpu_seconds": {"grid": round(c_grid, 2), "search": round(c_sha, 2)},
+        "cpu_time_ratio": round(c_sha / c_grid, 3),
         "model_rounds": {"grid": grid_rounds, "search": sha["model_rounds"]},
         "model_round_ratio": round(sha["model_rounds"] / grid_rounds, 3),
         "gap_points": {
@@ -84,7 +97,7 @@ def case(cache: str, rounds: int, seeds: list[int], trials: int, rungs: int, red
     }
     budget = {}
     for sampler in ("tpe", "random"):
-        found, seconds = timed(
+        found, seconds, cpu = timed(
             featcache.search,
             space=RANGES,
             trials=trials,
@@ -96,6 +109,7 @@ def case(cache: str, rounds: int, seeds: list[int], trials: int, rungs: int, red
         )
         budget[sampler] = {
             "seconds": round(seconds, 2),
+            "cpu_seconds": round(cpu, 2),
             "best": found["best"],
             "best_val": round(found["selection"][0]["val_mean"], 3),
             "gap_points_to_grid": round(best_val - found["selection"][0]["val_mean"], 3),
@@ -120,19 +134,23 @@ def main() -> None:
     ap.add_argument("--demo", help="the demo cache (default: extracted into --work)")
     ap.add_argument("--skewed", help="a label-skewed cache (default: extracted into --work)")
     ap.add_argument("--work", default="cache", help="where missing caches are extracted")
+    ap.add_argument("--backbone", action="append", help="backbones of the extracted caches (default: the demo's 3)")
+    ap.add_argument("--out", help="keep the run folders here (default: a temporary folder, removed)")
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--seeds", default="0", help="comma-separated seeds every configuration trains")
     ap.add_argument("--trials", type=int, default=16, help="TPE and random search's trial budget")
     ap.add_argument("--rungs", type=int, default=2)
     ap.add_argument("--reduction", type=int, default=4)
     args = ap.parse_args()
-    demo, skewed = (args.demo, args.skewed) if args.demo and args.skewed else demo_caches(Path(args.work))
+    backbones = args.backbone or ["efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2"]
+    demo, skewed = (args.demo, args.skewed) if args.demo and args.skewed else demo_caches(Path(args.work), backbones)
     seeds = [int(s) for s in args.seeds.split(",")]
     load = {"before": round(os.getloadavg()[0], 2)}
     cases = {}
     with tempfile.TemporaryDirectory() as tmp:
+        runs = Path(args.out or tmp)
         for name, cache in (("demo", demo), ("label_skew", skewed)):
-            cases[name] = case(cache, args.rounds, seeds, args.trials, args.rungs, args.reduction, Path(tmp) / name)
+            cases[name] = case(cache, args.rounds, seeds, args.trials, args.rungs, args.reduction, runs / name)
     load["after"] = round(os.getloadavg()[0], 2)
     print(
         json.dumps(

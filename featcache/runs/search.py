@@ -389,6 +389,8 @@ def run_search(
                 progress("search trials", sum(waves[: w + 1]), trials)
         table = sorted(records, key=lambda r: (r["state"] != "complete", -r["val_mean"], r["trial"]))
         done = [r for r in table if r["state"] == "complete"]
+        if not done:
+            raise UserError(f"every trial of the search in {folder} was pruned: give more --trials or --pruner none")
         model_rounds = sum(r["rounds_trained"] for r in records) * len(seeds)
         result = {
             "algo": spec.name,
