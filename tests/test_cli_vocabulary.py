@@ -58,9 +58,9 @@ def test_cli_options_and_api_arguments_have_the_same_names(name):
     "args,needle",
     [
         (["train", "--cache", "c.h5", "--algo", "fedavg", "--set", "lr", "0.1"], "--set key=value"),
-        (["train", "--cache", "c.h5", "--algo", "fedavg", "--bogus"], "No such option: --bogus"),
+        (["train", "--cache", "c.h5", "--algo", "fedavg", "--bogus"], "No such option"),
         (["train", "--algo", "fedavg"], "Missing option '--cache'"),
-        (["report"], "Missing argument 'results'"),
+        (["report"], "Missing argument"),
         (["train", "--cache", "c.h5", "--algo", "fedavg", "--rounds", "x"], "Invalid value for '--rounds'"),
         (["trian"], "No such command 'trian'"),
         (["train", "--cache", "c.h5", "--algo", "fedavg", "--seeds", "0,,1"], "--seeds '0,,1' has an empty item"),
