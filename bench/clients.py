@@ -7,6 +7,11 @@ partition, alpha 1), in interleaved turns (the order alternating every repeat), 
   `assembly` phase (writing the cache);
 - `first_load`: `load_clients` of train then test, the first load of the file in the process (it checks every
   checksum, as `train` does);
+- `view_load`: what a cache that holds no features of its own (index lists into the store) would cost at its first
+  load: the cache's index arrays (offsets, source indices, domains: sha256 checked) and the store's rows of each
+  (domain, split) the cache draws from (read whole and sha256 checked, as the store checks them), gathered into the
+  same padded [C, Nmax, D] tensors (asserted equal to `load_clients`'). A lower bound of such a load: the metadata
+  checks of `first_load` are left out;
 - `train`: `featcache.train` FedAvg, `--rounds` rounds, one seed, `drop_last=false` (1,000 clients hold a few rows
   each): the call's wall time and the share of it spent in its rounds (the result's `seconds_total`).
 
@@ -79,6 +84,13 @@ def child(args) -> dict:
         embedded = sum(result["embedded"].values())
         return {"seconds": seconds, "assembly_phase": result["phases"]["assembly"], "embedded": embedded}
     cache = (work / f"cache-{clients}.txt").read_text()
+    if args.child == "view_load":
+        t = time.perf_counter()
+        views = {split: view_load(cache, work / "store", split) for split in ("train", "test")}
+        seconds = time.perf_counter() - t
+        for split, x in views.items():
+            assert torch_equal(x, C.load_clients(cache, split).features), split
+        return {"seconds": seconds}
     if args.child == "first_load":
         t = time.perf_counter()
         C.load_clients(cache, "train")
@@ -92,6 +104,47 @@ def child(args) -> dict:
     )
     seconds = time.perf_counter() - t
     return {"seconds": seconds, "in_rounds": result["seconds_total"] / seconds, "rounds_s": result["seconds_total"]}
+
+
+def view_load(cache: str, store: Path, split: str):
+    """[C, Nmax, D] float32 of `split` gathered from the store's rows at the cache's source indices (one backbone's
+    store: the benchmark's), every array read checked against its sha256."""
+    import hashlib
+
+    import h5py
+    import numpy as np
+    import torch
+
+    def checked(ds) -> np.ndarray:
+        data = ds[...]
+        if hashlib.sha256(np.ascontiguousarray(data)).hexdigest() != ds.attrs["sha256"]:
+            raise SystemExit(f"{ds.name}: sha256 mismatch")
+        return data
+
+    with h5py.File(cache, "r") as f:
+        domains = json.loads(f.attrs["domains"])
+        at, source, domain = (checked(f[f"{split}/{k}"]) for k in ("offsets", "source_index", "domain"))
+    path = max(store.glob("*.h5"), key=lambda p: p.stat().st_mtime)  # the store this code's extractions filled
+    counts = np.diff(at)  # [C]
+    n = int(counts.max(initial=0))
+    out = np.zeros((len(counts), n, 0), np.float32)
+    client = np.repeat(np.arange(len(counts)), counts)  # [N] each row's client
+    dest = client * n + (np.arange(len(source)) - at[client])  # [N] each row's place in [C * Nmax]
+    with h5py.File(path, "r") as g:
+        for d in np.unique(domain):
+            group = g[f"{domains[d]}/{split}/features"]
+            index, rows = checked(group["index"]), checked(group["rows"])  # [n_d], [n_d, D]
+            if not out.shape[-1]:
+                out = np.zeros((len(counts), n, rows.shape[-1]), np.float32)
+            mine = domain == d
+            out.reshape(-1, rows.shape[-1])[dest[mine]] = rows[np.searchsorted(index, source[mine])]
+    return torch.from_numpy(out)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
 
 
 def run_child(args, case: str, clients: int, work: Path) -> dict:
@@ -111,7 +164,7 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--cases", default="assembly,first_load,train")
+    ap.add_argument("--cases", default="assembly,first_load,view_load,train")
     ap.add_argument("--work", default=None, help="folder kept between runs (default: a temporary one)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -146,6 +199,9 @@ def main() -> None:
         if case in found:
             ratios[case] = median(found[case][hi]) / median(found[case][lo])
             targets[f"{case}_{hi}_within_{TARGETS[case]}x_of_{lo}"] = ratios[case] <= TARGETS[case]
+    if "view_load" in found and "first_load" in found:
+        for c in (lo, hi):
+            ratios[f"view_load_over_first_load_{c}"] = median(found["view_load"][c]) / median(found["first_load"][c])
     if "assembly" in found:
         ratios["assembly_phase"] = median(found["assembly"][hi], "assembly_phase") / median(
             found["assembly"][lo], "assembly_phase"

@@ -6,6 +6,11 @@
   embedded.
 - sweeps: `--alpha` with 5 values and `--clients` with 5 values, each one command into an empty store, against one
   extraction of one setting, in the order one, sweep, sweep, one (mean of two each). Target: <= 1.2 x.
+- commands: the same as whole `featcache extract` commands, each a fresh process (interpreter, imports and all, what
+  a user waits for): `first` (one setting into an empty store), `repartition` (a new α through the store `first`
+  filled), `sweep9` (`--alpha 0.1,0.5,1 --clients 5,10,20`: 9 settings into an empty store), in turns rotating every
+  repeat (`--repeats`, medians), the 1-minute load before and after; whether the re-partition imported timm or
+  torchvision (`-X importtime`). Targets: re-partition <= 0.05 x `first`, sweep9 <= 1.1 x `first`.
 - demo_bytes: the demo's extraction (`make demo`), the bytes of its stores and of its cache.
 - reproduce_quick: every extraction of every pipeline's quick profile (training skipped), in order into one cache
   folder: the images each backbone embedded, and the images of the caches written (what embedding once per
@@ -16,6 +21,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,10 +41,14 @@ def _timed(out: Path, **kw) -> dict:
     }
 
 
-def repartition_and_sweeps(root: Path, backbone: str, size: int, domain: str) -> dict:
-    base = dict(
+def _base(backbone: str, size: int, domain: str) -> dict:
+    return dict(
         dataset="offline-digits", backbone=[backbone], domains=[domain], partition="label", image_size=size, workers=0
     )
+
+
+def repartition_and_sweeps(root: Path, backbone: str, size: int, domain: str) -> dict:
+    base = _base(backbone, size, domain)
     warm = root / "warm"
     _timed(warm, **base, clients=10)  # builds the dataset once (kept in --out) and warms the libraries
     figures = {}
@@ -63,6 +75,77 @@ def repartition_and_sweeps(root: Path, backbone: str, size: int, domain: str) ->
         mean = {k: sum(r["seconds"] for r in v) / 2 for k, v in runs.items()}
         figures[f"sweep_{name}"] = runs | {"ratio": mean["sweep"] / mean["one"]}
     return figures
+
+
+def commands(root: Path, backbone: str, size: int, domain: str, repeats: int) -> dict:
+    """Whole `featcache extract` commands in fresh processes (see the module docstring)."""
+    base = ["extract", "--dataset", "offline-digits", "--backbone", backbone, "--domains", domain]
+    base += ["--partition", "label", "--image-size", str(size), "--workers", "0", "--json"]
+    warm = root / "warm"  # holds the dataset, built by repartition_and_sweeps
+    cases = {
+        "first": ["--clients", "10", "--alpha", "0.5"],
+        "repartition": ["--clients", "10", "--alpha", "1"],
+        "sweep9": ["--clients", "5,10,20", "--alpha", "0.1,0.5,1"],
+    }
+    filled = root / "commands-filled"
+    shutil.copytree(warm, filled, ignore=shutil.ignore_patterns("store", "*.h5"))
+    _command(base + cases["first"], filled)  # the store the re-partitions go through
+
+    def run(case: str, i: int) -> float:
+        if case == "repartition":
+            for cache in filled.glob("*.h5"):
+                cache.unlink()  # a new cache each time, through the filled store
+            return _command(base + cases[case], filled)
+        out = root / f"commands-{case}-{i}"
+        shutil.copytree(warm, out, ignore=shutil.ignore_patterns("store", "*.h5"))
+        try:
+            return _command(base + cases[case], out)
+        finally:
+            shutil.rmtree(out)
+
+    load = [os.getloadavg()[0]]
+    seconds: dict[str, list[float]] = {case: [] for case in cases}
+    names = list(cases)
+    for i in range(repeats):
+        for case in names[i % 3 :] + names[: i % 3]:
+            seconds[case].append(run(case, i))
+    load.append(os.getloadavg()[0])
+    for cache in filled.glob("*.h5"):
+        cache.unlink()
+    imported = _command(base + cases["repartition"], filled, importtime=True)
+    median = {case: statistics.median(v) for case, v in seconds.items()}
+    return {
+        "seconds": {case: [round(t, 2) for t in v] for case, v in seconds.items()},
+        "median_s": {case: round(t, 2) for case, t in median.items()},
+        "repartition_over_first": round(median["repartition"] / median["first"], 3),
+        "sweep9_over_first": round(median["sweep9"] / median["first"], 3),
+        "repartition_imports": imported,
+        "targets": {"repartition_over_first": 0.05, "sweep9_over_first": 1.1},
+        "load_1min": [round(x, 2) for x in load],
+    }
+
+
+def _command(args: list[str], out: Path, importtime: bool = False):
+    """Seconds of one `featcache ARGS --out OUT` in a fresh process; with `importtime`, the heavy packages it
+    imported instead (timm, torchvision)."""
+    argv = [
+        sys.executable,
+        *(["-X", "importtime"] if importtime else []),
+        "-m",
+        "featcache.cli",
+        *args,
+        "--out",
+        str(out),
+    ]
+    t = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, env=os.environ | {"PYTHONWARNINGS": "ignore"})
+    seconds = time.perf_counter() - t
+    if done.returncode:
+        raise SystemExit(f"featcache {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    if importtime:
+        found = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
+        return sorted(found & {"timm", "torchvision"})
+    return seconds
 
 
 def demo_bytes(root: Path) -> dict:
@@ -108,7 +191,12 @@ def reproduce_quick(root: Path) -> dict:
 
 
 def store_figures(
-    backbone: str = "efficientnet_lite0", size: int = 64, domain: str = "mnist", reproduce: bool = True
+    backbone: str = "efficientnet_lite0",
+    size: int = 64,
+    domain: str = "mnist",
+    reproduce: bool = True,
+    repeats: int = 3,
+    only_commands: bool = False,
 ) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -121,7 +209,11 @@ def store_figures(
                 "image_size": size,
             }
         }
+        if only_commands:
+            _timed(root / "warm", **_base(backbone, size, domain), clients=10)  # the dataset, built once
+            return figures | {"commands": commands(root, backbone, size, domain, repeats)}
         figures |= repartition_and_sweeps(root, backbone, size, domain)
+        figures["commands"] = commands(root, backbone, size, domain, repeats)
         figures["demo_bytes"] = demo_bytes(root)
         if reproduce:
             figures["reproduce_quick"] = reproduce_quick(root)
@@ -132,4 +224,5 @@ if __name__ == "__main__":
     import json
     import sys
 
-    print(json.dumps(store_figures(reproduce="--no-reproduce" not in sys.argv), indent=1))
+    only = "--commands" in sys.argv  # the whole-command figure alone
+    print(json.dumps(store_figures(reproduce="--no-reproduce" not in sys.argv, only_commands=only), indent=1))
