@@ -180,6 +180,14 @@ def test_the_same_search_writes_the_same_bytes_and_a_finished_one_is_skipped(cac
     assert again["waves_resumed"] == "all"
 
 
+def test_a_search_finished_without_a_retrain_retrains_when_asked(cache, tmp_path):
+    first = search(cache, "fedprox", out=tmp_path, retrain=False, **SEARCH)
+    assert "retrain" not in first
+    again = search(cache, "fedprox", out=tmp_path, **SEARCH)
+    assert again["waves_resumed"] == 1 and again["selection"] == first["selection"]
+    assert again["retrain"]["result_file"].startswith(first["run_folder"])
+
+
 def test_a_search_killed_mid_wave_and_in_its_retrain_resumes_to_the_same_bytes(cache, tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "EVERY_SECONDS", 0.0)  # the retrain checkpoints every round
     ref = search(cache, "fedprox", out=tmp_path / "ref", batch=3, sampler="tpe", **SEARCH)

@@ -316,8 +316,9 @@ def run_search(
     rungs: int = 3,
     reduction: int = 3,
 ) -> dict:
-    """`search` of a resolved `spec` and parsed space `dims` (what the CLI and reproduce call). The run folder
-    `search-ALGO-KEY16` is named by what it searches; a finished one returns its result without training."""
+    """`search` of a resolved `spec` and parsed space `dims` (what the CLI calls). The run folder `search-ALGO-KEY16`
+    is named by what it searches; a finished one returns its result without training (or only retrains its best,
+    when it finished without a retrain and one is asked for now)."""
     optuna = _optuna()
     check_options(sampler, pruner, trials, batch, rungs, reduction)
     R = spec.config["rounds"]
@@ -356,8 +357,9 @@ def run_search(
     }
     key = content_key({"run": spec.key(fit.meta), "search": searched})
     folder = Path(out) / f"search-{spec.name}-{key[:16]}"
-    if (folder / "search.json").is_file():  # finished: its result, nothing trained
-        return json.loads((folder / "search.json").read_text()) | {"waves_resumed": "all"}
+    finished = json.loads((folder / "search.json").read_text()) if (folder / "search.json").is_file() else None
+    if finished and (not retrain or "retrain" in finished):  # its result, nothing trained
+        return finished | {"waves_resumed": "all"}
     made = missing_folders(folder)
     make_folder(folder)
     try:
