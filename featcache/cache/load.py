@@ -9,15 +9,19 @@ import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import h5py
 import numpy as np
-import torch
 
 from ..errors import UserError, as_list, as_path, first_line
 from .check import _check_structure, _feature_problems, _is_features, _stale
 from .h5 import Node, dataset_id, read_attrs, read_into, rows_per_slice
 from .open import open_cache, read_meta
 from .write import SPLITS
+
+if TYPE_CHECKING:  # torch loads with the first load: `info`, `verify` and `migrate` never need it
+    import torch
 
 # (path, size, mtime, inode) of each cache file version whose structure passed the checks in this process -> what
 # the check found (`_Seen`)
@@ -55,6 +59,8 @@ class ClientData:
 
     @property
     def mask(self) -> torch.Tensor:  # [C, Nmax] bool
+        import torch
+
         return torch.arange(self.features.shape[1], device=self.counts.device) < self.counts[:, None]
 
 
@@ -73,6 +79,8 @@ def load_clients(
     file in a process checks it as `verify` does (the feature arrays on the read that fills the tensors), and refuses
     a damaged cache in one line.
     """
+    import torch
+
     path = as_path(path, "cache")
     backbones = as_list(backbones, "backbones")  # a lone name is one backbone
     if split not in SPLITS:
@@ -174,6 +182,8 @@ def _read_padded(
     None). The dataset is read once, in slices of rows whatever the clients (a client's rows are a span of them);
     unless `checked` already holds it, the same read checks it: its sha256 against the stored one, and that every
     value is finite."""
+    import torch
+
     node = at(name)
     shape = node.shape
     width = shape[-1] if ranges is None else sum(b - a for a, b in ranges)
