@@ -1,7 +1,8 @@
 """What costs nothing imports nothing: a cache hit, a re-partition through filled stores and a sweep build no model,
-so they import neither timm nor torchvision (the weights' identity comes from the store's recorded key), checked in
-fresh interpreters by what `sys.modules` holds; and the memory estimate makes no real parameter (every tensor the
-algorithm's `init` makes there lives on the meta device). Speed is bench/store_figures.py's."""
+so they import neither timm nor torchvision (the weights' identity comes from the store's recorded key), and a cache's
+`info` and `verify` import no torch, checked in fresh interpreters by what `sys.modules` holds; and the memory
+estimate makes no real parameter (every tensor the algorithm's `init` makes there lives on the meta device). Speed is
+bench/store_figures.py's and bench/clients.py's."""
 
 from __future__ import annotations
 
@@ -78,6 +79,17 @@ def test_no_model_built_imports_neither_timm_nor_torchvision(filled, change):
     found = extract_fresh(**(filled | change))
     assert found["heavy"] == [] and sum(found["embedded"].values()) == 0, found
     assert found["hit"] == (not change)
+
+
+def test_info_verify_and_migrate_import_no_torch(tmp_path):
+    """Reading a cache's metadata, checking it and converting it need numpy and h5py alone."""
+    cache = write_cache(tmp_path / "c.h5", C=3, D=8, K=3)
+    code = (
+        "import sys; from featcache import cache as C; "
+        f"C.info({str(cache)!r}); assert C.verify({str(cache)!r})['ok']; print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
 
 
 def test_the_memory_estimate_makes_no_real_parameter(tmp_path, monkeypatch):
