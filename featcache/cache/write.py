@@ -117,6 +117,10 @@ def _write_file(f: h5py.File, header: dict, backbones: list[dict], clients: Iter
             streams[split, "features"].add_columns(s.features, n)
             if (split, "views") in streams:
                 streams[split, "views"].add_columns(s.views, n)
+        if len(client.val_index) != int(rows[c]["val"]):
+            raise ValueError(
+                f"client {c} holds {len(client.val_index)} validation rows, the counts say {rows[c]['val']}"
+            )
         index["train", "val_index"].append(client.val_index)
     if c + 1 != len(rows):
         raise ValueError(f"{c + 1} clients, the header's counts list {len(rows)}")
