@@ -8,6 +8,7 @@ import hashlib
 import io
 import sys
 import zlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,13 @@ def lines(text: str) -> list[str]:
     """The non-blank lines of stderr, less plain progress lines (`progress: ...`, printed when stderr is not a terminal,
     as in these tests): progress of work done before an error is not part of the error's one line."""
     return [line for line in text.splitlines() if line.strip() and not line.startswith("progress: ")]
+
+
+def after_notes(result: Result) -> Result:
+    """`result` less its `warning:` lines: notes on a run that had begun (a client taking one local step) before a
+    failure at run time; bad input is refused before any note, so its tests do not use this."""
+    kept = [line for line in result.stderr.splitlines() if not line.startswith("warning: ")]
+    return dataclasses.replace(result, stderr="\n".join(kept) + "\n" if kept else "")
 
 
 def one_line_error(result: Result, needle: str) -> str:

@@ -4,7 +4,6 @@ README's Python example."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import subprocess
@@ -13,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from harness import one_line_error, run_cli
+from harness import after_notes, one_line_error, run_cli
 
 import featcache
 from featcache.algorithms.registry import _ALGOS
@@ -341,11 +340,7 @@ def test_an_exception_inside_a_plugin_is_one_line_naming_file_line_and_hook(cach
             "--out",
             tmp_path / "runs",
         )
-        # the synthetic cache's smallest client warns that it takes one local step: a note on the run, not the error
-        res = dataclasses.replace(
-            res, stderr="\n".join(x for x in res.stderr.splitlines() if not x.startswith("warning: "))
-        )
-        line = one_line_error(res, "ZeroDivisionError")
+        line = one_line_error(after_notes(res), "ZeroDivisionError")
         lineno = FAILING.splitlines().index("    return 1 // 0") + 1
         assert f"{plugin}:{lineno}, in helper" in line  # the innermost frame of the plug-in's own code
     # featcache's own failures stay internal errors: the same exception raised from a built-in is not a plug-in's

@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from harness import edit_cache, everything_in, lines, one_line_error, run_cli
+from harness import after_notes, edit_cache, everything_in, lines, one_line_error, run_cli
 
 from featcache import cache as C
 from featcache.errors import UserError
@@ -695,7 +695,7 @@ def test_unexpected_exception_is_one_internal_error_line_exit_1(good_cache, tmp_
     monkeypatch.delenv("FEATCACHE_DEBUG", raising=False)
     res = run_cli(*args)
     assert res.code == 1 and "Traceback" not in res.stderr
-    (line,) = lines(res.stderr)
+    (line,) = lines(after_notes(res).stderr)
     assert line.startswith("internal error: RuntimeError: simulated bug;") and "FEATCACHE_DEBUG=1" in line
     assert "please report it" in line
     monkeypatch.setenv("FEATCACHE_DEBUG", "1")
@@ -736,7 +736,7 @@ def test_out_of_memory_at_run_time_is_one_line_exit_2(good_cache, tmp_path, monk
     res = run_cli(
         "train", "--cache", good_cache, "--algo", "fedavg", "--rounds", "1", "--seeds", "0", "--out", tmp_path
     )
-    one_line_error(res, "out of memory")
+    one_line_error(after_notes(res), "out of memory")
     assert everything_in(tmp_path) == []
 
 

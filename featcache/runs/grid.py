@@ -226,18 +226,20 @@ def run_grid(
     points, cfgs = spec.points(), spec.configs()
     C = fit.features.shape[0]
     buckets: dict[str, list[int]] = {}
-    fit_rows = fit.counts.tolist()
+    fit_rows, notes = fit.counts.tolist(), []
     for i, c in enumerate(cfgs):
         check_clients(c, C)
-        line = one_step_note(fit_rows, c["batch_size"], c["drop_last"], impl.bind(c).local_epochs(), "validation-fit")
-        if line:  # each distinct line once (Python's warning registry)
-            warnings.warn(line, UserWarning, stacklevel=2)
+        notes.append(
+            one_step_note(fit_rows, c["batch_size"], c["drop_last"], impl.bind(c).local_epochs(), "validation-fit")
+        )
         buckets.setdefault(_bucket_key(c, impl), []).append(i)
     per_model = {}  # memory of one model per bucket: refuse a bucket whose smallest chunk cannot fit, before training
     for key, members in buckets.items():
         per_model[key] = check_memory(
             impl, cfgs[members[0]], min(chunk or 1, len(members) * len(seeds)), fit, dev, "use a smaller --chunk"
         )
+    for line in filter(None, notes):  # after every check: bad input stays its one error line
+        warnings.warn(line, UserWarning, stacklevel=2)  # each distinct line once (Python's warning registry)
     made = missing_folders(folder)
     make_folder(folder)
     try:

@@ -182,11 +182,11 @@ def run(
     check_features(train_data, cache)
     check_clients(cfg, int(train_data.features.shape[0]))
     epochs = impl.bind(cfg).local_epochs()
-    if line := one_step_note(train_data.counts.tolist(), cfg["batch_size"], cfg["drop_last"], epochs):
-        warnings.warn(line, UserWarning, stacklevel=2)
     at_once = fit_at_once(impl, cfg, len(seeds), train_data, device, "use fewer --seeds")  # None: every participant
     test_data = data[1] if data else C.load_clients(cache, "test", backbones=backbones)
     check_split(test_data, "test", cache, NO_TEST_ROWS)
+    if line := one_step_note(train_data.counts.tolist(), cfg["batch_size"], cfg["drop_last"], epochs):
+        warnings.warn(line, UserWarning, stacklevel=2)  # after every check: bad input stays its one error line
     meta = test_data.meta
     ckpt = Checkpoint(
         out, spec.label(meta), impl, cfg, seeds, meta["key"], backbones or meta["backbones"], device, checkpoint_every
