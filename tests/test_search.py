@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import featcache
 from harness import one_line_error, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -258,3 +260,7 @@ def test_the_command_searches_and_report_reads_its_folder(cache, tmp_path):
     one_line_error(run_cli(*args, "--space", "proj_dim=int:16,64"), "proj_dim is structural")
     one_line_error(run_cli(*args[:-2], "--trials", "0"), "--trials 0")
     one_line_error(run_cli("report", result["run_folder"], cache), "report it alone")
+    api = featcache.report([result["run_folder"]])  # the API reads the folder as the command does
+    assert api["table"] == shown.stdout.removesuffix("\n") and api["search"] == result["run_folder"]
+    with pytest.raises(UserError, match="report it alone"):
+        featcache.report([cache, result["run_folder"]])

@@ -8,7 +8,6 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from ..errors import UserError
 from .app import emit, err, out, path_of, progress_bar
 
 
@@ -35,12 +34,8 @@ def report(
     """Render result files as a markdown table (and PNG curves and per-client bars with --out); results of several
     caches (a sweep) as accuracy against the parameter that differs."""
     from ..results import report as render  # lazy: `featcache --help` loads no numpy
-    from ..results.search import is_search, search_report
 
-    searches = [p for p in results if is_search(p)]
-    if searches and len(results) > 1:
-        raise UserError(f"{searches[0]} is a search's run folder: report it alone")
-    rendered = search_report(searches[0], out_dir) if searches else render(results, out_dir, x=x)
+    rendered = render(results, out_dir, x=x)
     for line in rendered["skipped"]:
         err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True)
     if as_json:

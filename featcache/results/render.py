@@ -19,6 +19,7 @@ from ..atomic import check_folder, write_together
 from ..errors import UserError
 from .figures import REPORT_MARK, clients_png, curves_png, png_mark, sweep_png
 from .load import load_inputs
+from .search import is_search, search_report
 from .sweep import PARAMETERS, caches, choose_x, sweep, sweep_points, sweep_table, sweep_title, text
 from .tables import markdown_table
 
@@ -40,7 +41,15 @@ def report(results: list[str | Path], out: str | Path | None = None, x: str | No
     sweep over the cache parameter that differs (`x` names it when several do: alpha, clients, partition, ...; see
     `sweep.PARAMETERS`): one row per point, and `x` and `points` (x, line, personal and global accuracy mean/std,
     cache, result file) in the answer. With `out`, also writes OUT/report.md, OUT/curves.png, OUT/clients.png and,
-    for a sweep, OUT/sweep.png, all of them or none."""
+    for a sweep, OUT/sweep.png, all of them or none. A search's run folder (`featcache search`) is reported alone, by
+    `search.search_report`."""
+    searches = [p for p in results if is_search(p)]
+    if searches:
+        if len(results) > 1:
+            raise UserError(f"{searches[0]} is a search's run folder: report it alone")
+        if x is not None:
+            raise UserError(f"{searches[0]} is a search's run folder: its report has no --x, drop it")
+        return search_report(searches[0], out)
     if out:
         check_folder(out)
     inputs = load_inputs(results)
