@@ -15,12 +15,15 @@ A pipeline (pipelines/NAME.toml) holds:
     [[run]]                          row (a paper row), algo, set = {setting = value}, backbones = [indices into the
                                      extract's backbone list] (default: all), extract = {overrides}, columns = [only
                                      these], grid = {setting = [values]} (validation-select, then train the best)
+                                     or search = {space = {setting = [values] or "loguniform:a,b"}, sampler,
+                                     pruner, trials, rungs, reduction} (featcache.search, then train the best)
     [paper]                          name (fedpcl | fedproc | fedpft), table ("Table 2"), source, columns = [the
                                      paper's columns], rows = {row = [cells: "mean(std)", a number or "-"]}, claims,
                                      backbones = [{arch (timm name), weights (a word naming the checkpoint, e.g.
                                      quickdraw), dim, frozen (false: trained end to end)}] (agreement.comparability)
     [figure]                         kind = lines | heatmap, xlabel, ylabel, xscale, normalize = column
-    [profiles.quick], [profiles.full]   rounds, seeds, and optional set / extract / columns / rows overrides
+    [profiles.quick], [profiles.full]   rounds, seeds, and optional set / extract / columns / rows overrides, and
+                                     trials (every searching row's trial budget; it wins over the row's)
 
 Metrics (metrics.py): acc (final round: mean(std) over seeds of the unweighted client mean), best (best round per
 seed), global (the server's aggregated model on the union of the clients' test splits; n/a without a server model),

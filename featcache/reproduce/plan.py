@@ -2,8 +2,8 @@
 train the same thing.
 
 A job is everything that determines a training run's result (extraction, algorithm, settings, backbones, rounds,
-seeds, grid) plus what its cells read beyond train()'s result (`needs`, see metrics.NEEDS). Cells that differ only
-in what they read share one job with the union of their needs.
+seeds, grid or search) plus what its cells read beyond train()'s result (`needs`, see metrics.NEEDS). Cells that
+differ only in what they read share one job with the union of their needs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from ..errors import UserError, suggest
 from ..extraction.plan import extract
 from .metrics import METRICS
-from .schema import Pipeline, Run
+from .schema import SEARCH_DEFAULTS, Pipeline, Profile, Run
 
 DEFAULT_PROFILE = "full"  # the papers' rounds and seeds, as the Make targets (PROFILE ?= full); `quick` is opt-in
 
@@ -33,6 +33,7 @@ class Job:
     backbones: tuple[int, ...] | None  # positions into extract's backbone list; None = all (the stored concat)
     grid: str  # JSON of the grid axes, "{}" for none
     needs: tuple[str, ...]  # outputs beyond train()'s result (metrics.NEEDS), e.g. probe | similarity | fixed
+    search: str = "{}"  # JSON of the search's options (space, sampler, pruner, trials, rungs, reduction), "{}" for none
 
     @property
     def extract_kwargs(self) -> dict:
@@ -107,6 +108,7 @@ def plan(
                 backbones=_subset(pipe, run, chosen, ex["backbone"]),
                 grid=json.dumps(run.grid, sort_keys=True),
                 needs=(need,) if need else (),
+                search=_search(run, prof),
             )
             if run.grid and cells[(run.row, col.name)].backbones is not None:
                 raise UserError(
@@ -114,6 +116,13 @@ def plan(
                     "every cached backbone; drop backbones or the grid"
                 )
     return _merge_needs(cells)
+
+
+def _search(run: Run, prof: Profile) -> str:
+    """A row's search with every option spelled out and the profile's trial budget, which wins: "{}" for none."""
+    if not run.search:
+        return "{}"
+    return json.dumps(SEARCH_DEFAULTS | run.search | ({"trials": prof.trials} if prof.trials else {}), sort_keys=True)
 
 
 def _merge_needs(cells: dict) -> dict:

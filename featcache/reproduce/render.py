@@ -203,7 +203,7 @@ def _job_config(job, cells: dict, runs: dict, caches: dict) -> dict:
         "backbones": [names[i] for i in job.chosen(len(names))],
         "seeds": list(job.seeds),
         "config": runs[job.key()]["config"],
-    }
+    } | ({"search": json.loads(job.search)} if job.search != "{}" else {})
 
 
 def figure_png(pipe: Pipeline, values: dict) -> bytes:

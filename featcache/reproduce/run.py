@@ -1,14 +1,15 @@
 """Running a pipeline: find it (a path, or NAME in ./pipelines/ or the checkout's pipelines/), extract each distinct
 extraction once (the content-keyed cache folder is shared by every pipeline), resolve each job's run once
-(`RunSpec`, from the pipeline's typed values) and train it through the library's own `train` (after `grid`'s
-validation selection when the run has a grid), compute what the job's metrics need, then write OUT/NAME.md,
-NAME.json and NAME.png (render.py).
+(`RunSpec`, from the pipeline's typed values) and train it through the library's own `train` (after `grid`'s or
+`search`'s validation selection when the run has a grid or a search), compute what the job's metrics need, then
+write OUT/NAME.md, NAME.json and NAME.png (render.py).
 
 Each result is stored once: train() writes it to OUT/runs/. A job's memo, OUT/jobs/LABEL.json (the run's
-`RunSpec.label`: named by what the job trains), holds only where that result is, where the grid's selection is
-(grid.json), the outputs its metrics needed (probe, similarity, parameter counts) and the code they came from
-(`_code`); a re-run, or another target with the same job, reads these back instead of training. A memo that lacks an
-output of the trained state retrains (the same seeds give the same result).
+`RunSpec.label`: named by what the job trains; `search-ALGO-KEY16` for a search, keyed by the run and the search),
+holds only where that result is, where the grid's or the search's selection is (grid.json, search.json), the
+outputs its metrics needed (probe, similarity, parameter counts) and the code they came from (`_code`); a re-run,
+or another target with the same job, reads these back instead of training. A memo that lacks an output of the
+trained state retrains (the same seeds give the same result).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from ..errors import UserError, suggest
 from ..extraction.plan import Noise, extract
 from ..devices import resolve_device
 from ..provenance import library_call, provenance
+from ..cache.identity import content_key
 from ..runs.grid import run_grid
+from ..runs.search import parse_space, run_search
 from ..runs.spec import RunSpec
 from ..runs.train import check_outputs, run
 from .metrics import NEEDS, RESULT_KEYS
@@ -225,14 +228,15 @@ def run_job(job: Job, info: dict, out: Path) -> dict:
     selection) for a grid job."""
     out = Path(out)
     spec = job_spec(job, info)
-    memo, code = out / "jobs" / f"{spec.label(info)}.json", _code(spec)
+    memo, code = out / "jobs" / f"{_memo_label(job, spec, info)}.json", _code(spec)
     found = _read_memo(memo, out, code)
     wanted = [NEEDS[name] for name in job.needs] + [need for need in NEEDS.values() if need.always]
     if found and all(not need.state or need.name in found["outputs"] for need in wanted):
         result_file, grid_file, outputs = found["result_file"], found["grid_file"], dict(found["outputs"])
+        search_file = found.get("search_file")
         result, trained = json.loads((out / result_file).read_text()), None
     else:
-        result, grid_file = _train(spec, info, out, keep_state=any(need.state for need in wanted))
+        result, grid_file, search_file = _train(spec, info, out, any(need.state for need in wanted), job.search)
         result_file, trained = _relative(result["result_file"], out), result.pop("trained", None)
         outputs = dict(found["outputs"]) if found else {}  # the same training: what it gave before still holds
     missing = [need for need in wanted if need.name not in outputs]
@@ -241,12 +245,19 @@ def run_job(job: Job, info: dict, out: Path) -> dict:
     outputs = json.loads(json.dumps(outputs))  # as JSON holds it: lists, not tuples or tensors
     if missing or not found:
         memo_body = {"result_file": result_file, "grid_file": grid_file, "outputs": outputs, "code": code}
+        memo_body |= {"search_file": search_file} if search_file else {}
         write_atomic(memo, json.dumps(memo_body, sort_keys=True))
     run = {k: result[k] for k in RESULT_KEYS if k in result}
     run |= {"result_file": str(out / result_file), "client_domains": info["client_domains"]} | outputs
     if grid_file:
         grid = json.loads((out / grid_file).read_text())
         run["grid"] = {"best": grid["best"], "selection": grid["selection"]}
+    if search_file:
+        found = json.loads((out / search_file).read_text())
+        rows = [
+            {k: r[k] for k in ("trial", "config", "state", "rounds_trained", "val_mean")} for r in found["selection"]
+        ]
+        run["search"] = {"best": found["best"], "selection": rows, "model_rounds": found["model_rounds"]}
     return json.loads(json.dumps(run))
 
 
@@ -256,6 +267,13 @@ def job_spec(job: Job, info: dict) -> RunSpec:
     names = [info["backbones"][i] for i in job.backbones] if job.backbones is not None else None
     axes = json.loads(job.grid) or None
     return RunSpec.resolve(job.algo, job.rounds, list(job.seeds), json.loads(job.settings), names, axes)
+
+
+def _memo_label(job: Job, spec: RunSpec, info: dict) -> str:
+    """A memo's name: the run's label, or for a search job `search-ALGO-KEY16` keyed by the run and the search."""
+    if job.search == "{}":
+        return spec.label(info)
+    return f"search-{spec.name}-{content_key({'run': spec.key(info), 'search': json.loads(job.search)})[:16]}"
 
 
 def _code(spec: RunSpec) -> str:
@@ -277,7 +295,7 @@ def _read_memo(memo: Path, out: Path, code: str) -> dict | None:
         return None
     if not isinstance(found, dict) or not isinstance(found.get("outputs"), dict) or found.get("code") != code:
         return None
-    files = [found.get("result_file"), *([found["grid_file"]] if found.get("grid_file") else [])]
+    files = [found.get("result_file"), *(found[k] for k in ("grid_file", "search_file") if found.get(k))]
     return found if all(isinstance(f, str) and (out / f).is_file() for f in files) else None
 
 
@@ -286,12 +304,20 @@ def _relative(path: str | Path, out: Path) -> str:
     return os.path.relpath(path, out)
 
 
-def _train(spec: RunSpec, info: dict, out: Path, keep_state: bool) -> tuple[dict, str | None]:
-    """Train the job's `spec` (a grid's: the point it selects on validation) -> (its result, the grid's grid.json)."""
-    grid_file = None
+def _train(
+    spec: RunSpec, info: dict, out: Path, keep_state: bool, search: str = "{}"
+) -> tuple[dict, str | None, str | None]:
+    """Train the job's `spec` (a grid's or a search's: the point it selects on validation) -> (its result, the grid's
+    grid.json, the search's search.json)."""
+    grid_file = search_file = None
     check_outputs(out / "runs")
     if spec.axes:
         found = run_grid(spec, info["cache"], out / "runs", TRAIN_DEVICE, retrain=False)
         spec, grid_file = spec.pick(found["best"]), _relative(Path(found["run_folder"]) / "grid.json", out)
+    if search != "{}":
+        options = json.loads(search)
+        dims = parse_space(spec.algo, options.pop("space"))
+        found = run_search(spec, dims, info["cache"], out / "runs", TRAIN_DEVICE, retrain=False, **options)
+        spec, search_file = spec.pick(found["best"]), _relative(Path(found["run_folder"]) / "search.json", out)
     result = run(spec, info["cache"], out / "runs", resolve_device(TRAIN_DEVICE), keep_state=keep_state)
-    return result, grid_file
+    return result, grid_file, search_file

@@ -17,6 +17,8 @@ from ..training.config import resolve
 from ..errors import UserError, suggest
 from ..extraction.partition import PartitionSpec
 from ..extraction.plan import OPTIONS, Noise, check_options, extract
+from ..runs.search import check_options as check_search_options
+from ..runs.search import check_sampler, parse_space, rung_rounds, search
 from ..runs.spec import grid_axes
 from .metrics import METRICS, metric_problem
 
@@ -66,7 +68,18 @@ _RUN = {
     "extract": (dict, False),
     "columns": (list, False),
     "grid": (dict, False),
+    "search": (dict, False),
 }
+# a row's search (featcache.search's options); its trials may come from the profile, which wins (the budget)
+_SEARCH = {
+    "space": (dict, True),
+    "sampler": (str, False),
+    "pruner": (str, False),
+    "trials": (int, False),
+    "rungs": (int, False),
+    "reduction": (int, False),
+}
+SEARCH_DEFAULTS = {k: inspect.signature(search).parameters[k].default for k in _SEARCH if k not in ("space", "trials")}
 _FIGURE = {
     "kind": (str, True),
     "xlabel": (str, False),
@@ -81,6 +94,7 @@ _PROFILE = {
     "extract": (dict, False),
     "columns": (list, False),
     "rows": (list, False),
+    "trials": (int, False),
 }
 
 
@@ -103,6 +117,7 @@ class Run:
     extract: dict = field(default_factory=dict)
     columns: tuple[str, ...] = ()
     grid: dict = field(default_factory=dict)
+    search: dict = field(default_factory=dict)  # space, sampler, pruner, trials, rungs, reduction ({}: no search)
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,7 @@ class Profile:
     extract: dict = field(default_factory=dict)
     columns: tuple[str, ...] = ()
     rows: tuple[str, ...] = ()
+    trials: int | None = None  # the trials of every searching row it runs (None: each row's own)
 
 
 @dataclass(frozen=True)
@@ -334,6 +350,7 @@ def _runs(path: str, doc: dict, columns: list[Column], rows: list[str]) -> list[
             _check_settings(
                 where, spec["algo"], doc.get("set", {}) | col.set | spec.get("set", {}), spec.get("grid", {})
             )
+            _check_search(where, spec, doc.get("set", {}) | col.set | spec.get("set", {}))
         runs.append(
             Run(
                 spec["row"],
@@ -343,9 +360,42 @@ def _runs(path: str, doc: dict, columns: list[Column], rows: list[str]) -> list[
                 spec.get("extract", {}),
                 tuple(spec.get("columns", ())),
                 spec.get("grid", {}),
+                spec.get("search", {}),
             )
         )
     return runs
+
+
+def _check_search(where: str, spec: dict, settings: dict) -> None:
+    """A row's search table: known keys, a space `featcache search` takes (ranges as strings, lists as TOML
+    values), known sampler and pruner, no grid beside it, no searched setting also set."""
+    if "search" not in spec:
+        return
+    search = spec["search"]
+    _check(f"{where} search", search, _SEARCH)
+    if "grid" in spec:
+        raise UserError(f"{where}: a row takes a grid or a search, not both: drop one")
+    try:
+        algo = create(spec["algo"])
+        for key, value in search["space"].items():
+            if isinstance(value, list):
+                for v in value:
+                    _typed(f"search space {key}", v, resolve(algo), key)
+            elif not isinstance(value, str):
+                raise UserError(f"search space {key}: give a list of values or a range string like 'uniform:0,1'")
+        dims = parse_space(algo, search["space"])
+        options = SEARCH_DEFAULTS | search
+        check_search_options(options["sampler"], options["pruner"], options.get("trials", 1), None, *_halving(options))
+        check_sampler(dims, options["sampler"], options.get("trials", 1))
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    both = [k for k in dims if k in settings]
+    if both:
+        raise UserError(f"{where}: {both[0]} is both searched and set: give it in one place")
+
+
+def _halving(options: dict) -> tuple[int, int]:
+    return options["rungs"], options["reduction"]
 
 
 def _profile(where: str, spec: dict, doc: dict, columns: list[Column], runs: list[Run], rows: list[str]) -> Profile:
@@ -359,6 +409,8 @@ def _profile(where: str, spec: dict, doc: dict, columns: list[Column], runs: lis
             raise UserError(f"{where}: {key} names {unknown[0]!r}, which is not one of the pipeline's {key}")
     for run in runs:
         _check_settings(where, run.algo, doc.get("set", {}) | run.set | spec.get("set", {}), {})
+        if run.search and (not spec.get("rows") or run.row in spec["rows"]):
+            _check_budget(where, run, spec)
     return Profile(
         spec["rounds"],
         tuple(spec["seeds"]),
@@ -366,7 +418,25 @@ def _profile(where: str, spec: dict, doc: dict, columns: list[Column], runs: lis
         spec.get("extract", {}),
         tuple(spec.get("columns", ())),
         tuple(spec.get("rows", ())),
+        spec.get("trials"),
     )
+
+
+def _check_budget(where: str, run: Run, spec: dict) -> None:
+    """A searching row under a profile: a trial budget (the profile's or the row's), rounds for its rungs, no
+    searched setting in the profile's set."""
+    options = SEARCH_DEFAULTS | run.search | ({"trials": spec["trials"]} if "trials" in spec else {})
+    if "trials" not in options:
+        raise UserError(f"{where}: row {run.row!r} searches: give trials = N (the search budget) here or in its search")
+    both = [k for k in run.search["space"] if k in spec.get("set", {})]
+    if both:
+        raise UserError(f"{where}: {both[0]} is searched in row {run.row!r} and set here: give it in one place")
+    try:
+        check_search_options(options["sampler"], options["pruner"], options["trials"], None, *_halving(options))
+        check_sampler(parse_space(create(run.algo), run.search["space"]), options["sampler"], options["trials"])
+        rung_rounds(spec["rounds"], options["pruner"], *_halving(options))
+    except UserError as e:
+        raise UserError(f"{where}: row {run.row!r}: {e}") from None
 
 
 def _figure(where: str, figure: dict, columns: list[Column]) -> None:

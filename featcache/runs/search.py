@@ -235,6 +235,18 @@ def check_options(sampler: str, pruner: str, trials: int, batch: int | None, run
             raise UserError(f"{flag} {n}: give a whole number >= {lo}")
 
 
+def check_sampler(dims: dict[str, Dim], sampler: str, trials: int) -> None:
+    """The grid sampler takes lists only, and at most as many trials as its grid holds points."""
+    if sampler != "grid":
+        return
+    ranged = [k for k, d in dims.items() if d.kind != "list"]
+    if ranged:
+        raise UserError(f"--sampler grid takes lists only; {ranged[0]} is a range: use random or tpe")
+    size = math.prod(len(d.values) for d in dims.values())
+    if trials > size:
+        raise UserError(f"--trials {trials} with --sampler grid: the grid holds {size} points, give at most that")
+
+
 @threaded
 def search(
     cache: str | Path,
@@ -323,13 +335,7 @@ def run_search(
     check_options(sampler, pruner, trials, batch, rungs, reduction)
     R = spec.config["rounds"]
     rung_at = rung_rounds(R, pruner, rungs, reduction)
-    if sampler == "grid":
-        ranged = [k for k, d in dims.items() if d.kind != "list"]
-        if ranged:
-            raise UserError(f"--sampler grid takes lists only; {ranged[0]} is a range: use random or tpe")
-        size = math.prod(len(d.values) for d in dims.values())
-        if trials > size:
-            raise UserError(f"--trials {trials} with --sampler grid: the grid holds {size} points, give at most that")
+    check_sampler(dims, sampler, trials)
     batch = min(batch or (max(1, math.ceil(trials / 4)) if sampler == "tpe" else trials), trials)
     dev = resolve_device(device)
     check_folder(out)
