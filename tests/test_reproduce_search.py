@@ -4,11 +4,12 @@ searched then trained at its best point, memoised like every job (a re-run train
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from featcache.errors import UserError
-from featcache.reproduce import parse_pipeline, plan, run_job
+from featcache.reproduce import parse_pipeline, plan, reproduce, run_job
 from featcache.training.engine import Engine
 from tests.synthetic import write_cache
 from tests.test_reproduce import PIPELINE, synthetic_job
@@ -83,3 +84,20 @@ def test_a_search_job_trains_its_best_point_and_is_memoised(tmp_path, monkeypatc
     assert len(list((tmp_path / "out" / "jobs").glob("*.json"))) == 2 and "search" not in plain
     monkeypatch.setattr(Engine, "run", lambda *a, **k: pytest.fail("a memoised search job trains nothing"))
     assert run_job(job, info, tmp_path / "out") == run
+
+
+@pytest.mark.slow
+def test_a_tiny_pipeline_with_a_searching_row_end_to_end(tmp_path):
+    text = pipeline(quick="trials = 3\n").replace(
+        "per_class = 10", "per_class = 3\ntest_per_class = 3\nimage_size = 32"
+    )
+    text = text.replace('title = "a toy table"', 'title = "a toy table"\nset = { batch_size = 8 }')
+    path = tmp_path / "toy.toml"
+    path.write_text(text)
+    out, cache = tmp_path / "results", tmp_path / "cache"
+    first = reproduce(path, "quick", out=out, cache=cache)
+    md = Path(first["markdown"]).read_text()
+    assert first["jobs"] == 2 and "| m Ours |" in md and '"trials": 3' in md  # the search in the configuration
+    assert len(list((out / "jobs").glob("search-fedpcl-*.json"))) == 1
+    again = reproduce(path, "quick", out=out, cache=cache)  # memoised: the same markdown, nothing trained
+    assert Path(again["markdown"]).read_text() == md
