@@ -9,8 +9,9 @@
 - commands: the same as whole `featcache extract` commands, each a fresh process (interpreter, imports and all, what
   a user waits for): `first` (one setting into an empty store), `repartition` (a new α through the store `first`
   filled), `sweep9` (`--alpha 0.1,0.5,1 --clients 5,10,20`: 9 settings into an empty store), in turns rotating every
-  repeat (`--repeats`, medians), the 1-minute load before and after; whether the re-partition imported timm or
-  torchvision (`-X importtime`). Targets: re-partition <= 0.05 x `first`, sweep9 <= 1.1 x `first`.
+  repeat (`--repeats`, medians), the 1-minute load before and after; which of torch, timm and torchvision the
+  re-partition imported (`-X importtime`; none where no GPU can be, featcache/devices.py). Targets: re-partition
+  <= 0.05 x `first`, sweep9 <= 1.1 x `first`.
 - demo_bytes: the demo's extraction (`make demo`), the bytes of its stores and of its cache.
 - reproduce_quick: every extraction of every pipeline's quick profile (training skipped), in order into one cache
   folder: the images each backbone embedded, and the images of the caches written (what embedding once per
@@ -127,7 +128,7 @@ def commands(root: Path, backbone: str, size: int, domain: str, repeats: int) ->
 
 def _command(args: list[str], out: Path, importtime: bool = False):
     """Seconds of one `featcache ARGS --out OUT` in a fresh process; with `importtime`, the heavy packages it
-    imported instead (timm, torchvision)."""
+    imported instead (torch, timm, torchvision)."""
     argv = [
         sys.executable,
         *(["-X", "importtime"] if importtime else []),
@@ -144,7 +145,7 @@ def _command(args: list[str], out: Path, importtime: bool = False):
         raise SystemExit(f"featcache {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     if importtime:
         found = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
-        return sorted(found & {"timm", "torchvision"})
+        return sorted(found & {"torch", "timm", "torchvision"})
     return seconds
 
 

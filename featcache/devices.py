@@ -1,19 +1,31 @@
 """One device check for every command: `--device auto | cpu | cuda[:N]` becomes a torch.device, or a one-line
-UserError before any data or model is loaded."""
+UserError before any data or model is loaded.
+
+`device_name` answers the same question as a string without importing torch where the answer cannot be CUDA
+(`cpu`, or `auto` on a Linux machine with no GPU device file): a cache hit or a re-partition, which runs no model,
+then never loads torch. Wherever a GPU could be there, torch decides, so both give the same device."""
 
 from __future__ import annotations
 
+import os
 import re
-
-import torch
+import sys
+from typing import TYPE_CHECKING
 
 from .errors import UserError
 
+if TYPE_CHECKING:
+    import torch
+
 DEVICES = "auto | cpu | cuda[:N]"  # what --device accepts, for help texts and messages
+# Device files one of which exists wherever Linux runs a CUDA (or ROCm) device: NVIDIA's driver, ROCm's, WSL's.
+GPU_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
     """'auto' -> cuda when CUDA is available, else cpu; 'cpu'; 'cuda' / 'cuda:N' only where that GPU exists."""
+    import torch  # lazy: `device_name` answers without it where it can
+
     if isinstance(name, torch.device):
         name = str(name)
     if not isinstance(name, str):
@@ -35,3 +47,21 @@ def resolve_device(name: str | torch.device) -> torch.device:
             f"cuda:0 to cuda:{count - 1}: pick one of those, or --device cuda"
         )
     return torch.device(text)
+
+
+def device_name(name: str) -> str:
+    """`str(resolve_device(name))`, found without importing torch for 'cpu', and for 'auto' where no GPU can be
+    (torch not loaded yet, Linux, none of `GPU_FILES`)."""
+    text = name.strip().lower() if isinstance(name, str) else None
+    if text == "cpu" or (text == "auto" and "torch" not in sys.modules and not _gpu_possible()):
+        return "cpu"
+    return str(resolve_device(name))
+
+
+def device_kind(device) -> str:
+    """'cuda' for 'cuda:1' or torch.device('cuda', 1): the device's type, from its name or itself."""
+    return str(device).partition(":")[0]
+
+
+def _gpu_possible() -> bool:
+    return not sys.platform.startswith("linux") or any(os.path.exists(f) for f in GPU_FILES)

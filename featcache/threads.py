@@ -52,11 +52,18 @@ def check_threads(threads) -> int | None:
 
 @contextmanager
 def use_threads(threads: int | None):
-    """torch runs on `threads` threads inside (None: as it was), restored on exit."""
+    """torch runs on `threads` threads inside (None: as it was), restored on exit. With None and torch not loaded
+    there is nothing to set: a command that runs no model (a cache hit) never loads it."""
+    token = _ASKED.set(threads)
+    if threads is None and "torch" not in sys.modules:
+        try:
+            yield
+        finally:
+            _ASKED.reset(token)
+        return
     import torch
 
     before = torch.get_num_threads()
-    token = _ASKED.set(threads)
     if threads is not None:
         torch.set_num_threads(threads)
     try:

@@ -1,8 +1,9 @@
-"""What costs nothing imports nothing: a cache hit, a re-partition through filled stores and a sweep build no model,
-so they import neither timm nor torchvision (the weights' identity comes from the store's recorded key), and a cache's
-`info` and `verify` import no torch, checked in fresh interpreters by what `sys.modules` holds; and the memory
-estimate makes no real parameter (every tensor the algorithm's `init` makes there lives on the meta device). Speed is
-bench/store_figures.py's and bench/clients.py's."""
+"""What costs nothing imports nothing: a cache hit, a re-partition through filled stores and a sweep build no model
+and make no tensor, so they import neither torch nor timm nor torchvision (the weights' identity comes from the
+store's recorded key; the partition and the cache writer need numpy and h5py), through the API and the `featcache`
+command, and a cache's `info` and `verify` import no torch, checked in fresh interpreters by what `sys.modules`
+holds; and the memory estimate makes no real parameter (every tensor the algorithm's `init` makes there lives on the
+meta device). Speed is bench/store_figures.py's and bench/clients.py's."""
 
 from __future__ import annotations
 
@@ -19,24 +20,37 @@ from synthetic import write_cache
 
 from featcache import cache as C
 from featcache.algorithms import create
+from featcache.devices import _gpu_possible
 from featcache.training import footprint
 from featcache.training.config import resolve
 
 REPO = Path(__file__).resolve().parent.parent
-HEAVY = ("timm", "torchvision")
+# what a command that builds no model leaves unloaded; `--device auto` asks torch whether CUDA is there wherever a GPU
+# could be (featcache/devices.py), so there torch is loaded
+UNLOADED = {"timm", "torchvision"} | (set() if _gpu_possible() else {"torch"})
 
 EXTRACT = """
 import json, sys, warnings
 warnings.simplefilter("ignore")
 import featcache
 result = featcache.extract(**json.loads(sys.argv[1]))
-heavy = sorted({m.split(".")[0] for m in sys.modules} & {"timm", "torchvision"})
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"timm", "torch", "torchvision"})
 print(json.dumps({"heavy": heavy, "embedded": result["embedded"], "hit": result["cache_hit"]}))
+"""
+
+COMMAND = """
+import atexit, json, sys
+from featcache.cli import main
+heavy = lambda: sorted({m.split(".")[0] for m in sys.modules} & {"timm", "torch", "torchvision"})
+atexit.register(lambda: print(json.dumps(heavy())))
+sys.argv = ["featcache", *sys.argv[1:]]
+main()
 """
 
 
 def extract_fresh(**options) -> dict:
-    """`featcache.extract(**options)` in a fresh interpreter: {heavy (timm/torchvision imported), embedded, hit}."""
+    """`featcache.extract(**options)` in a fresh interpreter: {heavy (timm/torch/torchvision imported), embedded,
+    hit}."""
     done = subprocess.run(
         [sys.executable, "-c", EXTRACT, json.dumps(options, default=str)],
         capture_output=True,
@@ -75,10 +89,29 @@ def filled(images, tmp_path_factory) -> dict:
     [{}, {"alpha": 0.5}, {"clients": 3}, {"alpha": [0.5, 5.0]}, {"clients": [3, 4]}],
     ids=["cache-hit", "new-alpha", "new-clients", "alpha-sweep", "client-sweep"],
 )
-def test_no_model_built_imports_neither_timm_nor_torchvision(filled, change):
+def test_no_model_built_imports_neither_torch_nor_timm_nor_torchvision(filled, change):
     found = extract_fresh(**(filled | change))
-    assert found["heavy"] == [] and sum(found["embedded"].values()) == 0, found
+    assert not set(found["heavy"]) & UNLOADED and sum(found["embedded"].values()) == 0, found
     assert found["hit"] == (not change)
+
+
+@pytest.mark.parametrize("change", [[], ["--alpha", "0.25,4"]], ids=["cache-hit", "sweep"])
+def test_the_command_through_filled_stores_imports_no_torch(filled, change):
+    """`featcache extract` as a user runs it: the CLI's thread policy and device check load no torch either."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in filled.items() if k != "backbone"]
+    flags += [f"--backbone={b}" for b in filled["backbone"]]
+    done = subprocess.run(
+        [sys.executable, "-c", COMMAND, "extract", *flags, *change, "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result, heavy = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    assert not set(heavy) & UNLOADED and sum(result["embedded"].values()) == 0, (heavy, result)
+    assert result["cache_hit"] == (not change)
 
 
 def test_info_verify_and_migrate_import_no_torch(tmp_path):

@@ -14,17 +14,22 @@ from collections import deque
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
 from ..cluster import ray_module
-from ..devices import resolve_device
+from ..devices import device_name
 from ..errors import UserError
 from . import pipeline as P
 from .backbones import create_backbone
+from .backbones.models import Lazy
 from ..files import npy_file, synced
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = Lazy("torch")  # loaded by the first pass that embeds: a cache hit or a re-partition never needs it
 
 Progress = Callable[[str, int, int], None]  # (task label, items done so far, total items)
 
@@ -272,10 +277,11 @@ def _numerics(dev: torch.device):
 
 
 class Local:
-    """Blocks embedded in this process (input workers as child processes)."""
+    """Blocks embedded in this process (input workers as child processes). `device` names the device the blocks
+    would run on (`devices.device_name`: no torch where no GPU can be)."""
 
-    def device(self, name: str) -> torch.device:
-        return resolve_device(name)
+    def device(self, name: str) -> str:
+        return device_name(name)
 
     def embed(self, blocks, data, run, progress, phases) -> dict[int, dict]:
         return embed(blocks, data, run, progress, phases)
@@ -292,12 +298,12 @@ class Ray:
         resources = self.ray.cluster_resources()
         self.gpus, self.cpus = int(resources.get("GPU", 0)), max(1, int(resources.get("CPU", 1)))
 
-    def device(self, name: str) -> torch.device:
+    def device(self, name: str) -> str:
         if name not in ("auto", "cpu", "cuda"):
             raise UserError(f"--device {name} with --backend ray: use auto, cpu or cuda (Ray assigns the GPUs)")
         if name == "cuda" and not self.gpus:
             raise UserError("--device cuda asked for but the Ray cluster has no GPU: use --device cpu")
-        return torch.device("cuda" if name != "cpu" and self.gpus else "cpu")
+        return "cuda" if name != "cpu" and self.gpus else "cpu"
 
     def embed(self, blocks, data, run, progress, phases) -> dict[int, dict]:
         t = time.perf_counter()

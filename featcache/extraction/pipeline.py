@@ -27,14 +27,20 @@ import hashlib
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset
 
+from .backbones.models import Lazy
 from .datasets.base import ArrayImages, PathImages
+from ..devices import device_kind
 from ..errors import UserError
 from ..threads import asked
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = Lazy("torch")  # loaded by the first image prepared: a cache hit or a re-partition never needs it
 
 FORWARD_BATCH = {"cpu": 64, "cuda": 256}  # rows in every forward, by device type (64: cache-resident on a CPU)
 
@@ -111,8 +117,9 @@ class Failed:
     message: str
 
 
-class Chunks(Dataset):
-    """Chunk k -> (block, prepared uint8 images); see the module docstring for the two forms."""
+class Chunks:
+    """Chunk k -> (block, prepared uint8 images), a map-style dataset for `loader`; see the module docstring for the
+    two forms."""
 
     def __init__(self, data, chunks: list[Chunk], geometries: list[Geometry], noise, seed: int) -> None:
         self.data, self.chunks, self.geometries, self.noise, self.seed = data, chunks, geometries, noise, seed
@@ -164,8 +171,8 @@ class Chunks(Dataset):
         return torch.stack(out)
 
 
-class _Checks(Dataset):
-    """Item k: the first damaged image of one run of files (its one-line message), or None."""
+class _Checks:
+    """Item k: the first damaged image of one run of files (its one-line message), or None (a map-style dataset)."""
 
     CHUNK = 64  # images per item
 
@@ -197,7 +204,7 @@ def check_images(data, workers: int) -> None:
     checks = _Checks(data)
     if not len(checks):
         return
-    results = loader(checks, min(workers, len(checks)), torch.device("cpu"))
+    results = loader(checks, min(workers, len(checks)), "cpu")
     for failed in results:
         if failed is not None:
             raise UserError(failed)
@@ -252,14 +259,14 @@ def default_workers(data, views: int) -> int:
 
 
 @contextmanager
-def forward_threads(device: torch.device):
+def forward_threads(device: torch.device | str):
     """torch's intra-op threads while the CPU runs the forward passes: `extract(threads=N)`'s N, else one fewer than
     the cores this process may use (at least 1, never more than were set), restored on exit; a GPU's forward is left
     alone. The core left over takes the input workers' decoding and resizing, which would otherwise deschedule a
     forward thread mid-op (featcache/threads.py: why that costs more than the thread gives). The count does not
     depend on the worker count, so neither do the features' bytes."""
     before = torch.get_num_threads()
-    if device.type == "cpu":
+    if device_kind(device) == "cpu":
         torch.set_num_threads(asked() or min(before, max(1, cores() - 1)))
     try:
         yield
@@ -267,28 +274,30 @@ def forward_threads(device: torch.device):
         torch.set_num_threads(before)
 
 
-def forward_batch(device: torch.device) -> int:
+def forward_batch(device: torch.device | str) -> int:
     """Rows in every forward on `device` (`FORWARD_BATCH`): fixed, so an image's bytes never depend on how many
     images an extraction embeds, in which chunks, or how many threads run the forward."""
-    return FORWARD_BATCH[device.type]
+    return FORWARD_BATCH[device_kind(device)]
 
 
-def default_batch_size(device: torch.device) -> int:
+def default_batch_size(device: torch.device | str) -> int:
     """Images prepared per chunk when none is asked for: one forward's worth."""
     return forward_batch(device)
 
 
-def loader(chunks: Dataset, workers: int, device: torch.device):
+def loader(chunks: Chunks | _Checks, workers: int, device: torch.device | str):
     """Prepared chunks in order: (block, uint8 images), prepared up to 4 chunks per worker ahead."""
     if workers == 0:
         return (chunks[k] for k in range(len(chunks)))
+    from torch.utils.data import DataLoader
+
     return DataLoader(
         chunks,
         batch_size=None,
         shuffle=False,
         num_workers=workers,
         prefetch_factor=4,
-        pin_memory=device.type == "cuda",
+        pin_memory=device_kind(device) == "cuda",
         persistent_workers=False,
     )
 

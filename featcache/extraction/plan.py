@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import cache as C
 from ..atomic import check_folder, check_names, make_folder, output_errors
+from ..devices import device_kind
 from ..errors import UserError, as_list, as_path, comma_values, not_a_file
 from . import pipeline as P
 from .backbones import check_weights, weights_identity
@@ -141,7 +142,7 @@ def extract(
         for c, a, n, h in itertools.product(*(_values(v) for v in (clients, alpha, per_class, holdout_domain)))
     ]
     runner = BACKENDS[backend]()
-    dev = runner.device(device)
+    dev = runner.device(device)  # its name: torch is loaded only by a pass that embeds
     folder = Path(store or Path(out) / "store")  # of the stores, and of the sidecar of the files' hashes
     contents = Contents(folder)
     identity, data = dataset_identity(dataset, data_root, download, contents)
@@ -163,7 +164,7 @@ def extract(
         "seed": seed if noise or views else None,  # the seed of the noise and the views, else of nothing embedded
         "pipeline": P.DESCRIPTION,
         "code": code_identity(EMBEDDING_CODE)["sha256"],
-        "precision": "float16" if dev.type == "cuda" else "float32",  # CUDA runs under fp16 autocast
+        "precision": "float16" if device_kind(dev) == "cuda" else "float32",  # CUDA runs under fp16 autocast
         "allow_partial": allow_partial,
         "versions": versions(),
     }
@@ -221,7 +222,7 @@ def extract(
         seed,
         batch_size or P.default_batch_size(dev),
         P.default_workers(data, views) if workers is None else workers,
-        str(dev),
+        dev,
         allow_partial,
         tuple(s.work / "meta.json" for s in stores),
     )

