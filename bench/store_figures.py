@@ -9,9 +9,10 @@
 - commands: the same as whole `featcache extract` commands, each a fresh process (interpreter, imports and all, what
   a user waits for): `first` (one setting into an empty store), `repartition` (a new α through the store `first`
   filled), `sweep9` (`--alpha 0.1,0.5,1 --clients 5,10,20`: 9 settings into an empty store), in turns rotating every
-  repeat (`--repeats`, medians), the 1-minute load before and after; which of torch, timm and torchvision the
-  re-partition imported (`-X importtime`; none where no GPU can be, featcache/devices.py). Targets: re-partition
-  <= 0.05 x `first`, sweep9 <= 1.1 x `first`.
+  repeat (`--repeats`, medians), the 1-minute load before and after; featcache's bytecode cached as an installed
+  package's is (in the run's temporary folder: a checkout under PYTHONDONTWRITEBYTECODE would compile it anew in
+  every process); which of torch, timm and torchvision the re-partition imported (`-X importtime`; none where no
+  GPU can be, featcache/devices.py). Targets: re-partition <= 0.05 x `first`, sweep9 <= 1.1 x `first`.
 - demo_bytes: the demo's extraction (`make demo`), the bytes of its stores and of its cache.
 - reproduce_quick: every extraction of every pipeline's quick profile (training skipped), in order into one cache
   folder: the images each backbone embedded, and the images of the caches written (what embedding once per
@@ -90,17 +91,19 @@ def commands(root: Path, backbone: str, size: int, domain: str, repeats: int) ->
     }
     filled = root / "commands-filled"
     shutil.copytree(warm, filled, ignore=shutil.ignore_patterns("store", "*.h5"))
-    _command(base + cases["first"], filled)  # the store the re-partitions go through
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env |= {"PYTHONWARNINGS": "ignore", "PYTHONPYCACHEPREFIX": str(root / "pycache")}
+    _command(base + cases["first"], filled, env)  # the store the re-partitions go through (and the bytecode)
 
     def run(case: str, i: int) -> float:
         if case == "repartition":
             for cache in filled.glob("*.h5"):
                 cache.unlink()  # a new cache each time, through the filled store
-            return _command(base + cases[case], filled)
+            return _command(base + cases[case], filled, env)
         out = root / f"commands-{case}-{i}"
         shutil.copytree(warm, out, ignore=shutil.ignore_patterns("store", "*.h5"))
         try:
-            return _command(base + cases[case], out)
+            return _command(base + cases[case], out, env)
         finally:
             shutil.rmtree(out)
 
@@ -113,7 +116,7 @@ def commands(root: Path, backbone: str, size: int, domain: str, repeats: int) ->
     load.append(os.getloadavg()[0])
     for cache in filled.glob("*.h5"):
         cache.unlink()
-    imported = _command(base + cases["repartition"], filled, importtime=True)
+    imported = _command(base + cases["repartition"], filled, env, importtime=True)
     median = {case: statistics.median(v) for case, v in seconds.items()}
     return {
         "seconds": {case: [round(t, 2) for t in v] for case, v in seconds.items()},
@@ -126,7 +129,7 @@ def commands(root: Path, backbone: str, size: int, domain: str, repeats: int) ->
     }
 
 
-def _command(args: list[str], out: Path, importtime: bool = False):
+def _command(args: list[str], out: Path, env: dict, importtime: bool = False):
     """Seconds of one `featcache ARGS --out OUT` in a fresh process; with `importtime`, the heavy packages it
     imported instead (torch, timm, torchvision)."""
     argv = [
@@ -139,7 +142,7 @@ def _command(args: list[str], out: Path, importtime: bool = False):
         str(out),
     ]
     t = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, env=os.environ | {"PYTHONWARNINGS": "ignore"})
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - t
     if done.returncode:
         raise SystemExit(f"featcache {' '.join(args)} failed:\n{done.stderr[-3000:]}")
