@@ -17,7 +17,7 @@ from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
 from tests import ref_moon
 from tests.synthetic import write_cache
-from tests.test_resume import assert_resumes_exactly
+from tests.test_resume import assert_resumes_exactly, ctrl_c_reaches_python  # noqa: F401  (autouse: SIGINT reaches Python)
 
 C, B, ROUNDS, MU = 6, 16, 4, 5.0
 

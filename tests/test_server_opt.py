@@ -26,7 +26,7 @@ from featcache.testing import assert_matches_plain_loop, assert_reduces_to, synt
 from featcache.training.config import batched
 from featcache.training.engine import Engine, client_side, server_side
 from tests.synthetic import write_cache
-from tests.test_resume import assert_resumes_exactly
+from tests.test_resume import assert_resumes_exactly, ctrl_c_reaches_python  # noqa: F401  (autouse: SIGINT reaches Python)
 
 OPTIMIZERS = ("fedavgm", "fedadagrad", "fedyogi", "fedadam")
 C, ROUNDS = 5, 5
