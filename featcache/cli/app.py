@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from ..atomic import output_error
-from ..errors import UserError, as_path
+from ..errors import as_path
 
 app = typer.Typer(
     add_completion=False,
@@ -61,20 +61,6 @@ def path_of(name: str):
     """The parser of a path option or argument: '' is refused in one line naming it (typer would make it Path('.'),
     the current folder)."""
     return lambda text: as_path(text, name)
-
-
-def comma_list(text: str, kind: type, flag: str) -> list:
-    """'0,1,2' -> [0, 1, 2] of `kind`; an empty item ('0,,1', '0,') or one not of `kind` is refused in one line."""
-    items = [t.strip() for t in text.split(",")]
-    if "" in items:
-        raise UserError(f"{flag} {text!r} has an empty item: write comma-separated values, e.g. {flag} 0,1,2")
-    try:
-        return [kind(t) for t in items]
-    except ValueError:
-        raise UserError(
-            f"{flag} {text!r}: write comma-separated {kind.__name__}s, e.g. {flag} "
-            f"{'0,1,2' if kind is int else '0.1,0.5,1'}"
-        ) from None
 
 
 PLAIN_EVERY_S = 30.0  # when stderr is not a terminal: a line per label at least every 30 s ...

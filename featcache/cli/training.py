@@ -10,13 +10,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UserError
-from .app import comma_list, emit, err, live_text, out, path_of, progress_bar
+from .app import emit, err, live_text, out, path_of, progress_bar
 
 
 def _seeds(text: str) -> list[int]:
     from ..training.config import check_seeds  # lazy: `featcache --help` loads no torch
 
-    return check_seeds(comma_list(text, int, "--seeds"))
+    return check_seeds(text)  # the comma string parsed as the API parses it (errors.comma_values)
 
 
 def train(
