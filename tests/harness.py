@@ -4,6 +4,8 @@ this process, and assertions on what a failed command leaves behind."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
 import hashlib
 import io
 import sys
@@ -136,3 +138,20 @@ def edit_cache(path: Path, edit, reseal: bool = True) -> Path:
         if reseal:
             h5.seal(f)
     return path
+
+
+CRASHPOINT = Path(__file__).with_name("crashpoint.py")
+
+
+def driver(cwd: Path, args: list, fault: list[str] = ()) -> subprocess.CompletedProcess:
+    """`featcache ARGS` in a fresh process in `cwd` (created), with a fault of tests/crashpoint.py; the command line
+    (recorded in the result) is the same in every folder."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(
+        [sys.executable, str(CRASHPOINT), *fault, "--", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        cwd=cwd,
+        timeout=600,
+    )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import everything_in, lines, one_line_error, run_cli
+from harness import driver, everything_in, lines, one_line_error, run_cli
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -404,20 +404,6 @@ def test_a_special_file_in_the_checkpoints_place_is_one_line_and_left_alone(cach
 
 
 # -- the command, killed or interrupted in a real process (slow: a torch start-up per process) ------------------
-
-
-def driver(cwd: Path, args: list[str], fault: list[str] = ()) -> subprocess.CompletedProcess:
-    """`featcache ARGS` in `cwd` (created), with a fault; the command line (recorded in the result) is the same in
-    every folder."""
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(
-        [sys.executable, str(DRIVER), *fault, "--", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        cwd=cwd,
-        timeout=600,
-    )
 
 
 def command(cache, *algos: str) -> list[str]:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import zlib
 from pathlib import Path
 
 import pytest
+from harness import driver
 from hypothesis import example, given, seed, settings
 from hypothesis import strategies as st
 
@@ -31,7 +31,6 @@ from featcache.runs.checkpoint import Interrupted
 from featcache.runs.train import train
 from tests.synthetic import write_cache
 
-DRIVER = Path(__file__).with_name("crashpoint.py")
 LOCAL_TRAIN = "featcache.training.engine.Engine.local_train"
 SPREAD = 4.0  # the classes' noise in the drawn caches: far from separable in a few rounds at any width
 
@@ -247,7 +246,6 @@ def test_the_issues_fedavg_resumes_after_ctrl_c_and_kills_to_the_undisturbed_byt
 
 def cli(cwd: Path, cache, fault: list[str] = ()) -> subprocess.CompletedProcess:
     """`featcache train` of the issue's case in a fresh process in `cwd`, with a fault (tests/crashpoint.py)."""
-    cwd.mkdir(parents=True, exist_ok=True)
     args = [
         "train",
         "--cache",
@@ -262,14 +260,7 @@ def cli(cwd: Path, cache, fault: list[str] = ()) -> subprocess.CompletedProcess:
         "2",
         "--save-state",
     ]
-    return subprocess.run(
-        [sys.executable, str(DRIVER), *fault, "--", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=600,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )
+    return driver(cwd, args, fault)
 
 
 @pytest.mark.slow

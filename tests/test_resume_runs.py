@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from harness import driver
 
 from featcache.reproduce import Job, run_job
 from featcache.runs import checkpoint
 from featcache.training.engine import Engine
 from featcache.runs.grid import grid
 from tests.synthetic import write_cache
-
-DRIVER = Path(__file__).with_name("crashpoint.py")
 
 
 class Killed(BaseException):
@@ -209,15 +205,7 @@ def test_a_grid_killed_with_sigkill_resumes_to_the_same_bytes(cache, tmp_path):
     ]
 
     def run(cwd: Path, fault=()):
-        cwd.mkdir(parents=True, exist_ok=True)
-        return subprocess.run(
-            [sys.executable, str(DRIVER), *fault, "--", *map(str, args)],
-            capture_output=True,
-            text=True,
-            cwd=cwd,
-            timeout=600,
-            env=os.environ | {"OMP_NUM_THREADS": "1"},
-        )
+        return driver(cwd, args, fault)
 
     ref = run(tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr

@@ -4,9 +4,7 @@ same bytes from the same seed, resumed or not, and one-line refusals of bad inpu
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 import featcache
-from harness import one_line_error, run_cli
+from harness import driver, one_line_error, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +26,7 @@ from featcache.runs.train import load_split
 from featcache.training.config import resolve
 from featcache.training.engine import Engine, take_models
 from tests.synthetic import write_cache
-from tests.test_resume_runs import DRIVER, Killed, kill_at_local_train, same_files
+from tests.test_resume_runs import Killed, kill_at_local_train, same_files
 
 pytest.importorskip("optuna")
 
@@ -221,15 +219,7 @@ def test_featcache_search_killed_with_sigkill_resumes_to_the_same_bytes(cache, t
     args += ["--set", "batch_size=16", "--set", "proj_dim=32", "--rungs", "2", "--out", "runs"]
 
     def run(cwd: Path, fault=()):
-        cwd.mkdir(parents=True, exist_ok=True)
-        return subprocess.run(
-            [sys.executable, str(DRIVER), *fault, "--", *map(str, args)],
-            capture_output=True,
-            text=True,
-            cwd=cwd,
-            timeout=600,
-            env=os.environ | {"OMP_NUM_THREADS": "1"},
-        )
+        return driver(cwd, args, fault)
 
     ref = run(tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr
