@@ -60,11 +60,11 @@ def written(path) -> dict:
     return result | {"per_client": per_client(path.replace(".json", ".metrics.csv"))}
 
 
-@pytest.mark.parametrize("algo", SIX)
-def test_a_run_split_into_server_and_clients_gives_train_s_numbers(algo, cache, tmp_path):
+def split_run(cache, algo: str, settings: dict, out) -> dict:
+    """`algo` run as a server and four clients passing packed messages (`loopback`), its result file read back."""
     from featcache.flower.results import write_result
 
-    spec = RunSpec.resolve(algo, ROUNDS, [0], SETTINGS)
+    spec = RunSpec.resolve(algo, ROUNDS, [0], settings)
     cfg = spec.config | {"seed": 0}
     clients = []
     for c in range(4):
@@ -77,8 +77,22 @@ def test_a_run_split_into_server_and_clients_gives_train_s_numbers(algo, cache, 
         return server_from_hello(spec.algo, cfg)(hello)
 
     raw = run_server(server_of, loopback(clients), ROUNDS, cfg["eval_every"])
-    path = write_result(tmp_path / "flower", spec.algo, cfg, meta, raw, {})
-    assert_same(written(path), simulated(cache, algo, tmp_path / "sim"))
+    return written(write_result(out, spec.algo, cfg, meta, raw, {}))
+
+
+@pytest.mark.parametrize("algo", SIX)
+def test_a_run_split_into_server_and_clients_gives_train_s_numbers(algo, cache, tmp_path):
+    assert_same(split_run(cache, algo, SETTINGS, tmp_path / "flower"), simulated(cache, algo, tmp_path / "sim"))
+
+
+def test_a_client_smaller_than_a_batch_trains_its_one_batch_as_in_train(cache, tmp_path):
+    counts = [int(node_rows(cache, c)[1].counts[0]) for c in range(4)]
+    settings = SETTINGS | {"drop_last": True, "batch_size": min(counts) + 1}  # the smallest client: no full batch
+    settings |= {"lr": 0.5, "local_epochs": 3, "participation": 1.0}  # its steps move every client's accuracy
+    assert max(counts) >= settings["batch_size"]  # the others drop a partial batch
+    sim = featcache.train(cache, "fedavg", rounds=ROUNDS, seeds=[0], set=settings, out=tmp_path / "sim")
+    sim |= {"per_client": per_client(sim["metrics_csv"])}
+    assert_same(split_run(cache, "fedavg", settings, tmp_path / "flower"), sim)
 
 
 def test_a_flower_simulation_gives_train_s_numbers(cache, tmp_path):

@@ -31,7 +31,7 @@ from ..training.engine import Frame, State, client_side, initial_state
 from ..training.evaluate import accuracy_loss, hits, scores
 from ..training.hparams import HParams
 from ..training.optim import clip_sets, group_of
-from ..training.schedule import batch_order, participation, plan_steps
+from ..training.schedule import batch_order, participation, plan_steps, trained_rows
 
 GROUPS = ("params", "buffers", "client", "server")
 
@@ -178,7 +178,7 @@ class ClientSide:
                 {"params": [p], "lr": cfg[g.lr] * cfg.get(g.lr_scale, 1.0), "weight_decay": cfg[g.weight_decay]}
             )
         opt = OPT[cfg["optimizer"]](groups, cfg)
-        n_eff = n // B * B if cfg["drop_last"] else n
+        n_eff = trained_rows([n], B, cfg["drop_last"])[0]  # the engine's rule: a client's only batch is kept
         counts = torch.zeros(c + 1, dtype=torch.int64)
         counts[c] = n  # this client's count at its own id: its batch order is the one it has among all C
         total, steps = torch.zeros(()), 0
