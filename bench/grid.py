@@ -26,6 +26,7 @@ import torch
 from featcache.algorithms import create
 from featcache.training.config import resolve
 from featcache.training.engine import Engine
+from featcache.training.schedule import trained_rows
 from featcache.training.optim import MASKED, OPTIMIZERS
 from featcache.testing import OpCount, synthetic_clients
 
@@ -76,7 +77,7 @@ def configs(base: dict, H: int) -> list[dict]:
 def train_flops(cfg: dict, train, test, H: int) -> float:
     D, P, K = train.features.shape[-1], cfg["proj_dim"], train.num_classes
     B = cfg["batch_size"]
-    trained = int((train.counts // B * B).sum()) if cfg["drop_last"] else int(train.counts.sum())
+    trained = sum(trained_rows(train.counts.tolist(), B, cfg["drop_last"]))
     per_sample = 2 * (D * P + P * K)
     return H * cfg["rounds"] * (3 * per_sample * trained * cfg["local_epochs"] + per_sample * int(test.counts.sum()))
 
