@@ -21,7 +21,7 @@ from .. import provenance
 from ..errors import UserError, first_line
 from ..memory import keep_freed_memory
 from ..threads import passive_wait
-from . import extraction, results, training
+from . import extraction, flower, results, training  # noqa: F401  (each registers its commands on the app)
 from .app import app, err, help_style, json_stdout
 
 # The command owns its process: freed tensors' pages stay in it for the next step to reuse (featcache/memory.py).

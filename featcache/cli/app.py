@@ -202,6 +202,3 @@ def write_stdout(text: str, stream=None) -> None:
         if mapped is None:
             raise
         raise mapped from None
-
-
-from . import flower as _flower  # noqa: E402, F401  (registers `split` and `flower` on the app)

@@ -56,6 +56,17 @@ def png_mark(path: Path) -> str | None:
         return None
 
 
+def written_by_report(path: Path) -> bool:
+    """Whether the file at `path` is one `featcache report` wrote (so a new report may replace it)."""
+    if path.suffix != ".md":
+        return png_mark(path) == REPORT_MARK
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().strip() == f"<!-- {REPORT_MARK} -->"
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _finish(fig, path: Path | None, laid_out: bool = False) -> bytes:
     """Lay out `fig` (unless `laid_out`), return its PNG bytes, and write them to `path` (atomically) when one is
     given."""

@@ -17,22 +17,11 @@ from pathlib import Path
 
 from ..atomic import check_folder, write_together
 from ..errors import UserError
-from .figures import REPORT_MARK, clients_png, curves_png, png_mark, sweep_png
+from .figures import REPORT_MARK, clients_png, curves_png, sweep_png, written_by_report
 from .load import load_inputs
 from .search import is_search, search_report
 from .sweep import PARAMETERS, caches, choose_x, sweep, sweep_points, sweep_table, sweep_title, text
 from .tables import markdown_table
-
-
-def written_by_us(path: Path) -> bool:
-    """Whether the file at `path` is one `featcache report` wrote (so a new report may replace it)."""
-    if path.suffix != ".md":
-        return png_mark(path) == REPORT_MARK
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.readline().strip() == f"<!-- {REPORT_MARK} -->"
-    except (OSError, UnicodeDecodeError):
-        return False
 
 
 def report(results: list[str | Path], out: str | Path | None = None, x: str | None = None, note=None) -> dict:
@@ -83,7 +72,7 @@ def report(results: list[str | Path], out: str | Path | None = None, x: str | No
         ("per-client accuracy", "clients.png"),
     ]
     markdown = f"<!-- {REPORT_MARK} -->\n" + table + "".join(f"\n![{alt}]({name})\n" for alt, name in links)
-    theirs = [n for n in (*figures, "report.md") if (Path(out) / n).exists() and not written_by_us(Path(out) / n)]
+    theirs = [n for n in (*figures, "report.md") if (Path(out) / n).exists() and not written_by_report(Path(out) / n)]
     if theirs:
         raise UserError(
             f"--out {out}: {theirs[0]} exists and was not written by `featcache report`: pass another "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..atomic import check_folder, write_together
 from ..errors import UserError
-from .figures import REPORT_MARK, png, pyplot
+from .figures import REPORT_MARK, png, pyplot, written_by_report
 
 
 def is_search(path: str | Path) -> bool:
@@ -110,10 +110,11 @@ def search_report(folder: str | Path, out: str | Path | None = None) -> dict:
     answer = {"table": table, "skipped": [], "search": str(folder)}
     if not out:
         return answer
-    from .render import written_by_us  # lazy: render imports every figure of the report
 
     figure = search_png(result)
-    theirs = [n for n in ("search.png", "report.md") if (Path(out) / n).exists() and not written_by_us(Path(out) / n)]
+    theirs = [
+        n for n in ("search.png", "report.md") if (Path(out) / n).exists() and not written_by_report(Path(out) / n)
+    ]
     if theirs:
         raise UserError(
             f"--out {out}: {theirs[0]} exists and was not written by `featcache report`: pass another --out or move it"
