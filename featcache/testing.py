@@ -1,9 +1,9 @@
 """Check an algorithm, built-in or your own, against a plain per-client training loop.
 
 The vectorized engine trains every client of every configuration in one vmapped step; `plain_loop` trains each
-client alone, one Python iteration per client and minibatch, with torch.optim on ordinary leaf tensors and autograd
-(no vmap, no stacking, no masks beyond the real batch rows; torch.nn.utils.clip_grad_norm_ where a group clips; one
-optimizer per client for the whole run where the algorithm keeps optimizer state). It borrows only the algorithm's
+client alone, one Python iteration per client and minibatch (`featcache.training.plain.local_epochs`: torch.optim
+on ordinary leaf tensors and autograd, no vmap, no stacking, no masks beyond the real batch rows; one optimizer per
+client for the whole run where the algorithm keeps optimizer state). It borrows only the algorithm's
 per-client local loss, the engine's first state, its hooks' order (the engine's own `client_side` and `server_side`)
 and its batch order (a pure function of seed, round, epoch, client). An algorithm whose hooks treat each client as
 its own model gets the same accuracies and parameters from both; `assert_matches_plain_loop` says so, or names the
@@ -28,7 +28,8 @@ the engine run in "replay" mode must give the eager run's results bit for bit.
 
 `synthetic_clients` is the small separable federated feature set (Gaussian class centres, clients of different
 sizes, a little feature shift per client) it trains on by default; featcache's own tests use both. `OpCount` counts
-the ops a step dispatches and `write_format2` writes a cache in the format-2 layout: the tests and bench/ share them.
+the ops a step dispatches, `write_format2` writes a cache in the format-2 layout and `write_client_groups` the
+clients of any layout with a group per client: the tests and bench/ share them.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ from .algorithms.base import remember_global, weighted_mean
 from .cache import ClientData, h5
 from .training import optim
 from .training.config import resolve
-from .training.optim import clip_sets, group_of
 from .training.engine import Engine, client_side, server_side
-from .training.schedule import batch_order, participation, trained_rows
+from .training.plain import client_optimizer, local_epochs
+from .training.schedule import batch_order, participation
 
 
 def synthetic_clients(
@@ -76,14 +77,6 @@ def synthetic_clients(
     return ClientData(x, y, counts, K, v)
 
 
-OPT = {
-    "adam": lambda groups, c: torch.optim.Adam(groups, lr=c["lr"], weight_decay=c["weight_decay"]),
-    "sgd": lambda groups, c: torch.optim.SGD(
-        groups, lr=c["lr"], weight_decay=c["weight_decay"], momentum=c["momentum"]
-    ),
-}
-
-
 def plain_loop(
     algo, cfg: dict, train, test, device="cpu", server=None, loss=None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -100,7 +93,7 @@ def plain_loop(
     algo, train, test = eng.algo, eng.train, eng.test  # bound to the run's shared settings; data on the device
     seeds = eng.seeds.to(eng.device)
     state = eng.state  # round 1's (the engine's `initial_state`)
-    B, C = cfg["batch_size"], eng.C
+    C = eng.C
     accs, kept = [], {}  # kept: client -> (leaves, optimizer) when the algorithm keeps optimizer state
     memory: dict = {}  # the user's server state (`server`)
     for rnd in range(cfg["rounds"]):
@@ -119,53 +112,12 @@ def plain_loop(
                         p.copy_(state.params[k][0, c])
             else:
                 params = {k: v[0, c].clone().requires_grad_(True) for k, v in state.params.items()}
-                groups = [
-                    {
-                        "params": [p],
-                        "lr": cfg[group_of(algo.groups, k).lr] * cfg.get(group_of(algo.groups, k).lr_scale, 1.0),
-                        "weight_decay": cfg[group_of(algo.groups, k).weight_decay],
-                    }
-                    for k, p in params.items()
-                ]
-                opt = OPT[cfg["optimizer"]](groups, cfg)
+                opt = client_optimizer(algo, cfg, params)
                 if algo.keeps_optimizer_state:
                     kept[c] = params, opt
-            n = int(train.counts[c])
-            n_eff = trained_rows([n], B, cfg["drop_last"])[0]
-            for epoch in range(algo.local_epochs()):
-                ctx_c = torch.utils._pytree.tree_map(lambda t: t[0, c], ctxs[epoch])
-                for k, p in params.items():
-                    p.requires_grad_(algo.trainable(k, replace(now, epoch=epoch)))
-                order = batch_order(seeds, rnd, epoch, train.counts, train.features.shape[1])[0, c]
-                for s in range(0, n_eff, B):
-                    rows = order[s : min(s + B, n_eff)]
-                    x, y = train.features[c, rows], train.labels[c, rows]
-                    extra = {"views": train.views[c, rows]} if train.views is not None else {}
-                    if loss is None:
-                        value, new = algo.local_loss(
-                            params,
-                            buffers,
-                            x,
-                            y,
-                            torch.ones(len(rows), dtype=torch.bool, device=x.device),
-                            ctx_c | extra,
-                        )
-                    else:
-                        value, new = loss(params, x, y, start[c]), {}
-                    opt.zero_grad(set_to_none=True)
-                    value.backward()
-                    for norm, names in clip_sets(algo.groups, params):
-                        torch.nn.utils.clip_grad_norm_([params[k] for k in names if params[k].requires_grad], norm)
-                    opt.step()
-                    with torch.no_grad():  # the per-step hook on this one model, as a [1, 1] stack
-                        ctx_11 = torch.utils._pytree.tree_map(lambda t: t[0:1, c : c + 1], ctxs[epoch])
-                        algo.after_step(
-                            {k: p[None, None] for k, p in params.items()},
-                            ctx_11,
-                            torch.ones(1, 1, dtype=torch.bool, device=x.device),
-                            replace(now, epoch=epoch, step=s // B),
-                        )
-                    buffers.update({k: v.detach() for k, v in new.items()})
+            order = lambda epoch: batch_order(seeds, rnd, epoch, train.counts, train.features.shape[1])[0, c]  # [N]
+            own = None if loss is None else lambda p, b, x, y, mask, ctx: (loss(p, x, y, start[c]), {})
+            local_epochs(algo, cfg, now, params, buffers, opt, train, c, order, ctxs, own)
             for tree, new in ((state.params, params), (state.buffers, buffers)):
                 for k, v in new.items():
                     tree[k] = tree[k].contiguous()  # a model the server broadcast is a view: give it its own memory
@@ -378,41 +330,50 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def write_client_groups(f, header: dict, clients, write_blocks) -> int:
+    """The clients of a cache in a layout with a group per client (formats 2 and 3), into the open h5py file `f`:
+    `clients/000`... with each split's labels, source indices and domains and the validation rows, as both formats
+    lay them out; `write_blocks(g, name, blocks)` writes a split's feature (or view) blocks under `name`
+    ("train/features"...) of the client's group `g`, as its format does. Returns the images written."""
+    images = 0
+    for c, client in enumerate(clients):
+        g = f.create_group(f"clients/{c:03d}")
+        g.attrs["domain"] = client.domain
+        for split in ("train", "test"):
+            s = getattr(client, split)
+            g[f"{split}/labels"] = np.asarray(s.labels, np.int64)
+            g[f"{split}/source_index"] = np.asarray(s.source_index, np.int64)
+            g[f"{split}/domain"] = np.full(len(s.labels), header["domains"].index(client.domain), np.int16)
+            for group, blocks in (("features", s.features), ("views", s.views)):
+                if blocks is not None:
+                    write_blocks(g, f"{split}/{group}", blocks)
+            images += len(s.labels)
+        g["train/val_index"] = np.asarray(client.val_index, np.int64)
+    return images
+
+
 def write_format2(path, header: dict, backbones: list[dict], clients) -> str:
     """A cache in the format-2 layout (each backbone's features as a dataset of its own and again inside `concat`,
     checksums computed by re-reading the file), from the arguments `featcache.cache.write` takes; for the migration
     tests and bench/extract.py's figure 5."""
-    images = 0
-    with h5.create_h5(path) as f:  # concat assembled in slices of 4096 rows, as format 2's writer did
+
+    def write_blocks(g, name: str, blocks) -> None:
+        for b, block in zip(backbones, blocks):
+            g.create_dataset(f"{name}/{b['key']}", data=np.asarray(block, np.float32), track_times=False)
+        shape = (*blocks[0].shape[:-1], sum(x.shape[-1] for x in blocks))
+        cat = g.create_dataset(f"{name}/concat", shape, "f4", track_times=False)
+        for r in range(0, shape[0], 4096):  # concat assembled in slices of 4096 rows, as format 2's writer did
+            rows = [np.asarray(x[r : r + 4096], np.float32) for x in blocks]  # each [k, ..., D_b]
+            cat[r : r + 4096] = np.concatenate(rows, -1)
+
+    with h5.create_h5(path) as f:
         h5.write_attrs(
             f,
             header | {"featcache_format": 2, "featcache_version": "0.1.0", "backbones": [b["key"] for b in backbones]},
         )
         for b in backbones:
             h5.write_attrs(f.create_group(f"backbones/{b['key']}"), {k: v for k, v in b.items() if k != "key"})
-        for c, client in enumerate(clients):
-            g = f.create_group(f"clients/{c:03d}")
-            g.attrs["domain"] = client.domain
-            for split in ("train", "test"):
-                s = getattr(client, split)
-                g[f"{split}/labels"] = np.asarray(s.labels, np.int64)
-                g[f"{split}/source_index"] = np.asarray(s.source_index, np.int64)
-                g[f"{split}/domain"] = np.full(len(s.labels), header["domains"].index(client.domain), np.int16)
-                for group, blocks in (("features", s.features), ("views", s.views)):
-                    if blocks is None:
-                        continue
-                    for b, block in zip(backbones, blocks):
-                        g.create_dataset(
-                            f"{split}/{group}/{b['key']}", data=np.asarray(block, np.float32), track_times=False
-                        )
-                    shape = (*blocks[0].shape[:-1], sum(x.shape[-1] for x in blocks))
-                    cat = g.create_dataset(f"{split}/{group}/concat", shape, "f4", track_times=False)
-                    for r in range(0, shape[0], 4096):
-                        rows = [np.asarray(x[r : r + 4096], np.float32) for x in blocks]  # each [k, ..., D_b]
-                        cat[r : r + 4096] = np.concatenate(rows, -1)
-                images += len(s.labels)
-            g["train/val_index"] = np.asarray(client.val_index, np.int64)
-        f.attrs["images"] = images
+        f.attrs["images"] = write_client_groups(f, header, clients, write_blocks)
         h5.seal(f)
         f.attrs["meta_sha256"] = h5.meta_sha256(f, bind_data=False)  # format 2's metadata checksum
     return str(path)

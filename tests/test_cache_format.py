@@ -18,6 +18,7 @@ from featcache.cache.identity import content_key, versions
 from featcache import cache as C
 from featcache.cache import h5
 from featcache.errors import UserError
+from featcache.testing import write_client_groups
 from tests.synthetic import write_cache, write_format2
 
 DIMS = {"alpha": 96, "beta": 160}  # two backbones of different widths
@@ -137,6 +138,10 @@ def test_loads_equal_numpy_on_the_stored_concat_first_and_second_time(tmp_path, 
 def write_format3(path: Path, header: dict, backbones: list[dict], clients: list[C.Client]) -> Path:
     """A cache in the format-3 layout (a group per client, `concat` once, checksums bound to their paths), from the
     arguments `featcache.cache.write` takes, written with h5py's high-level calls."""
+
+    def concat_once(g, name: str, blocks) -> None:
+        g[f"{name}/concat"] = np.concatenate([np.asarray(x, np.float32) for x in blocks], -1)
+
     with h5.create_h5(path) as f:
         meta = {"featcache_format": 3, "featcache_version": "0.1.0", "backbones": [b["key"] for b in backbones]}
         h5.write_attrs(f, header | meta)
@@ -146,21 +151,7 @@ def write_format3(path: Path, header: dict, backbones: list[dict], clients: list
             h5.write_attrs(f.create_group(f"backbones/{b['key']}"), {k: v for k, v in b.items() if k != "key"})
             h5.write_attrs(f[f"backbones/{b['key']}"], {"columns": columns})
             start += b["dim"]
-        images = 0
-        for c, client in enumerate(clients):
-            g = f.create_group(f"clients/{c:03d}")
-            g.attrs["domain"] = client.domain
-            for split in ("train", "test"):
-                s = getattr(client, split)
-                g[f"{split}/labels"] = np.asarray(s.labels, np.int64)
-                g[f"{split}/source_index"] = np.asarray(s.source_index, np.int64)
-                g[f"{split}/domain"] = np.full(len(s.labels), header["domains"].index(client.domain), np.int16)
-                for group, blocks in (("features", s.features), ("views", s.views)):
-                    if blocks is not None:
-                        g[f"{split}/{group}/concat"] = np.concatenate([np.asarray(x, np.float32) for x in blocks], -1)
-                images += len(s.labels)
-            g["train/val_index"] = np.asarray(client.val_index, np.int64)
-        f.attrs["images"] = images
+        f.attrs["images"] = write_client_groups(f, header, clients, concat_once)
         h5.seal(f)
     return path
 

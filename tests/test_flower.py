@@ -16,9 +16,9 @@ from synthetic import write_cache
 
 import featcache
 from featcache.cache import verify
-from featcache.cache.split import node_rows, split
+from featcache.cache.split import client_of, node_rows, split
 from featcache.errors import UserError
-from featcache.flower.federation import ClientSide, loopback, rows_of, run_server, server_from_hello
+from featcache.flower.federation import ClientSide, loopback, run_server, server_from_hello
 from featcache.runs.spec import RunSpec
 
 SIX = ("fedavg", "fedprox", "scaffold", "fedproto", "fedpcl", "fedrep")
@@ -157,7 +157,7 @@ def test_split_writes_one_verified_file_per_client_that_holds_only_its_rows(cach
         assert verify(path)["ok"]
         index, train, test = node_rows(path, None)
         assert index == c and train.features.shape[0] == 1 and train.meta["key"] == whole.meta["key"]
-        torch.testing.assert_close(train.features[0], rows_of(whole, c).features[0], rtol=0, atol=0)
+        torch.testing.assert_close(train.features[0], client_of(whole, c).features[0], rtol=0, atol=0)
     with pytest.raises(UserError, match="holds client 0, not client 2"):
         node_rows(out["files"][0], 2)
     with pytest.raises(UserError, match="holds one client already"):

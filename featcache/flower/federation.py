@@ -2,13 +2,14 @@
 apps in apps.py carry their messages).
 
 A client (`ClientSide`) holds one client's state, its models and per-client state as a federation of one
-([H, C] = [1, 1]) plus its copy of the server state, and trains the way `featcache.testing.plain_loop` trains one
-client of the engine's run: the engine's first model, its batch order for that client (a pure function of seed,
-round, epoch and client id), its optimizer settings, the hooks in the engine's order (`client_side` after local
-training). The server (`ServerSide`) holds the state of all C clients as far as the server hooks read it: it runs
-`init_state`, `aggregate`, `download` and `global_model` on it, with the participants' uploads stacked [1, C, ...]
-and the engine's seeded participation. Each client runs `download` itself on what `aggregate` returned, so state
-that `download` derives from what a client trained (SCAFFOLD's control variates) is computed where that lives.
+([H, C] = [1, 1]) plus its copy of the server state, and trains with `featcache.training.plain.local_epochs`, the
+function `featcache.testing.plain_loop` trains each client of the engine's run with: the engine's first model, its
+batch order for that client (a pure function of seed, round, epoch and client id), its optimizer settings, the hooks
+in the engine's order (`client_side` after local training). The server (`ServerSide`) holds the state of all C
+clients as far as the server hooks read it: it runs `init_state`, `aggregate`, `download` and `global_model` on it,
+with the participants' uploads stacked [1, C, ...] and the engine's seeded participation. Each client runs
+`download` itself on what `aggregate` returned, so state that `download` derives from what a client trained
+(SCAFFOLD's control variates) is computed where that lives.
 
 Where `init_state` exchanges data (FedPCL's initial prototypes), the server's `after_local` and `upload` are the
 clients' own: the clients compute them on their rows and the server aggregates what they send.
@@ -24,14 +25,13 @@ from dataclasses import replace
 import torch
 
 from ..cache import ClientData
-from ..cache.split import client_of as rows_of  # noqa: F401  (the tests slice clients with it)
 from ..errors import UserError
 from ..training.config import batched
 from ..training.engine import Frame, State, client_side, initial_state
 from ..training.evaluate import accuracy_loss, hits, scores
 from ..training.hparams import HParams
-from ..training.optim import clip_sets, group_of
-from ..training.schedule import batch_order, participation, plan_steps, trained_rows
+from ..training.plain import client_optimizer, local_epochs
+from ..training.schedule import batch_order, participation, plan_steps
 
 GROUPS = ("params", "buffers", "client", "server")
 
@@ -48,14 +48,6 @@ REFUSALS = (
         "alone cannot reproduce",
     ),
 )
-
-OPT = {
-    "adam": lambda groups, c: torch.optim.Adam(groups, lr=c["lr"], weight_decay=c["weight_decay"]),
-    "sgd": lambda groups, c: torch.optim.SGD(
-        groups, lr=c["lr"], weight_decay=c["weight_decay"], momentum=c["momentum"]
-    ),
-}
-
 
 # Built-in algorithms whose hooks, as written, read across clients where a client holds only itself
 HOOKS_ACROSS_CLIENTS = {
@@ -167,46 +159,15 @@ class ClientSide:
         """Round `rnd`'s local epochs, then `client_side`: (uploads name -> [1, 1, ...], mean local loss)."""
         algo, state, cfg, c = self.algo, self.state, self.cfg, self.index
         now = self.round(rnd)
-        B, n = cfg["batch_size"], int(self.train.counts[0])
+        n = int(self.train.counts[0])
         ctxs = [algo.context(state, replace(now, epoch=e)) for e in range(algo.local_epochs())]  # before training
         buffers = {k: v[0, 0].clone() for k, v in state.buffers.items()}
         params = {k: v[0, 0].clone().requires_grad_(True) for k, v in state.params.items()}
-        groups = []
-        for k, p in params.items():
-            g = group_of(algo.groups, k)
-            groups.append(
-                {"params": [p], "lr": cfg[g.lr] * cfg.get(g.lr_scale, 1.0), "weight_decay": cfg[g.weight_decay]}
-            )
-        opt = OPT[cfg["optimizer"]](groups, cfg)
-        n_eff = trained_rows([n], B, cfg["drop_last"])[0]  # the engine's rule: a client's only batch is kept
+        opt = client_optimizer(algo, cfg, params)
         counts = torch.zeros(c + 1, dtype=torch.int64)
         counts[c] = n  # this client's count at its own id: its batch order is the one it has among all C
-        total, steps = torch.zeros(()), 0
-        for epoch in range(algo.local_epochs()):
-            at = replace(now, epoch=epoch)
-            ctx = torch.utils._pytree.tree_map(lambda t: t[0, 0], ctxs[epoch])
-            ctx_11 = torch.utils._pytree.tree_map(lambda t: t[0:1, 0:1], ctxs[epoch])
-            for k, p in params.items():
-                p.requires_grad_(algo.trainable(k, at))
-            order = batch_order(self.frame.seeds, rnd, epoch, counts, n, torch.tensor([[c]]))[0, 0]  # [n]
-            for s in range(0, n_eff, B):
-                rows = order[s : min(s + B, n_eff)]
-                x, y = self.train.features[0, rows], self.train.labels[0, rows]
-                extra = {"views": self.train.views[0, rows]} if self.train.views is not None else {}
-                mask = torch.ones(len(rows), dtype=torch.bool)
-                loss, new = algo.local_loss(params, buffers, x, y, mask, ctx | extra)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                for norm, names in clip_sets(algo.groups, params):
-                    torch.nn.utils.clip_grad_norm_([params[k] for k in names if params[k].requires_grad], norm)
-                opt.step()
-                with torch.no_grad():  # the per-step hook on this one model, as a [1, 1] stack
-                    one = torch.ones(1, 1, dtype=torch.bool)
-                    algo.after_step(
-                        {k: p[None, None] for k, p in params.items()}, ctx_11, one, replace(at, step=s // B)
-                    )
-                buffers.update({k: v.detach() for k, v in new.items()})
-                total, steps = total + loss.detach(), steps + 1
+        order = lambda epoch: batch_order(self.frame.seeds, rnd, epoch, counts, n, torch.tensor([[c]]))[0, 0]  # [n]
+        total, steps = local_epochs(algo, cfg, now, params, buffers, opt, self.train, 0, order, ctxs)
         state.params = {k: v.detach()[None, None].clone() for k, v in params.items()}
         state.buffers = {k: v.detach()[None, None].clone() for k, v in buffers.items()}
         return client_side(algo, state, now), float(total / max(steps, 1))
