@@ -183,22 +183,9 @@ def assert_matches_plain_loop(
     every round (to 1e-6) and the same trained parameters (float32 tolerance). `settings` override the algorithm's
     defaults. Returns the largest parameter difference per name."""
     algo, train, test, cfg = _setup(algo, rounds, train, test, settings)
-    engine = Engine(algo, [cfg], train, test)
-    acc = engine.run()["acc"][:, 0]  # [R, C]
+    name, acc, params = _trained(algo, cfg, train, test)
     ref_acc, ref_params = plain_loop(algo, cfg, train, test)
-    torch.testing.assert_close(
-        acc,
-        ref_acc,
-        rtol=0,
-        atol=1e-6,
-        msg=lambda m: f"{algo.name}: per-round test accuracy differs from the plain loop: {m}",
-    )
-    assert set(engine.state.params) == set(ref_params), f"{algo.name}: parameter names differ from the plain loop"
-    for k, v in engine.state.params.items():
-        torch.testing.assert_close(
-            v[0], ref_params[k], msg=lambda m: f"{algo.name}: parameter {k} differs from the plain loop: {m}"
-        )
-    return {k: float((v[0] - ref_params[k]).abs().max()) for k, v in engine.state.params.items()}
+    return _assert_same(name, "the plain loop", acc, params, ref_acc, ref_params, False)
 
 
 def _trained(algo, cfg: dict, train, test) -> tuple[str, torch.Tensor, dict[str, torch.Tensor]]:
