@@ -1,10 +1,10 @@
 """Synthetic caches for the trainer tests: `write_cache` (through featcache's own writer); the feature set
-`synthetic_clients` and the format-2 writer `write_format2` (for the migration tests) are featcache.testing's."""
+`synthetic_clients` is featcache.testing's."""
 
 from __future__ import annotations
 
 from featcache.cache.identity import content_key, versions
-from featcache.testing import synthetic_clients, write_format2  # noqa: F401  (re-exported: the tests import them here)
+from featcache.testing import synthetic_clients  # noqa: F401  (re-exported: the tests import it here)
 
 
 def write_cache(

@@ -18,8 +18,8 @@ from featcache.cache.identity import content_key, versions
 from featcache import cache as C
 from featcache.cache import h5
 from featcache.errors import UserError
-from featcache.testing import write_client_groups
-from tests.synthetic import write_cache, write_format2
+from featcache.testing import write_client_groups, write_format2
+from tests.synthetic import write_cache
 
 DIMS = {"alpha": 96, "beta": 160}  # two backbones of different widths
 

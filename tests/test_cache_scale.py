@@ -18,7 +18,8 @@ from harness import edit_cache
 from featcache import cache as C
 from featcache.cache import h5, load
 from featcache.errors import UserError
-from tests.synthetic import write_cache, write_format2
+from featcache.testing import write_format2
+from tests.synthetic import write_cache
 from tests.test_cache_format import inputs
 
 CLIENTS = 40
