@@ -21,7 +21,7 @@ from featcache.cache import load_clients
 from featcache.errors import UserError
 from featcache.results.figures import REPORT_MARK, png_mark
 from featcache.runs import checkpoint
-from featcache.runs.search import parse_space, rung_rounds, search
+from featcache.runs.search import PRUNERS, Rungs, parse_space, rung_rounds, search, survivors
 from featcache.runs.train import load_split
 from featcache.training.config import resolve
 from featcache.training.engine import Engine, take_models
@@ -122,6 +122,40 @@ def test_without_optuna_one_line_names_the_extra(cache, tmp_path, monkeypatch):
         search(cache, "fedprox", out=tmp_path, **SEARCH)
 
 
+# -- the rung decision: synchronous, independent of trial order ----------------------------------------------------
+def test_a_rung_keeps_the_top_ceil_n_over_eta_ties_at_the_bar_included():
+    population = {t: v for t, v in enumerate([50.0, 40.0, 70.0, 60.0, 10.0, 20.0, 30.0])}  # n = 7, η = 3: 3 go on
+    assert sorted(survivors(population, list(population), 3)) == [0, 2, 3]
+    population[1] = 50.0  # tied with the third best: both go on
+    assert sorted(survivors(population, list(population), 3)) == [0, 1, 2, 3]
+    assert survivors(population, [4, 2], 3) == [2]  # only the live trials asked about answer
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    values=st.lists(st.sampled_from([0.0, 1.25, 2.5, 3.75, 5.0]), min_size=2, max_size=12),
+    order=st.randoms(use_true_random=False),
+    pruner=st.sampled_from(["halving", "hyperband"]),
+)
+def test_a_wave_is_decided_the_same_in_any_trial_order(values, order, pruner):
+    """Every trial of a wave reaches a rung together: who goes on depends on the values, never on the order in which
+    the trials report (Optuna's asynchronous pruners decide by arrival order); earlier waves' values count too."""
+    rule = Rungs(PRUNERS[pruner], [2, 6], 3)
+    history = [{"trial": 100 + k, "curve": [[2, 4.0], [6, 4.0]]} for k in range(3)]
+    wave = {t: [[1, 0.0], [2, v]] for t, v in enumerate(values)}
+    stops = []
+    for _ in range(2):
+        trials = list(wave)
+        order.shuffle(trials)
+        pending = {t: list(rule.plan(t)[1]) for t in trials}
+        stops.append(sorted(rule.decide({t: wave[t] for t in trials}, history, pending)))
+        assert all(2 not in rounds for rounds in pending.values())  # every trial decided at the first rung
+    assert stops[0] == stops[1]
+    if pruner == "halving":  # the bar: the ceil(n / 3)-th best of this wave's and the history's rung values
+        bar = sorted([*values, 4.0, 4.0, 4.0], reverse=True)[-(-(len(values) + 3) // 3) - 1]
+        assert stops[0] == [t for t, v in enumerate(values) if v < bar]
+
+
 # -- the batch shrinks, the survivors train as alone --------------------------------------------------------------
 @pytest.mark.parametrize("name", ["fedavg", "fedprox", "fedpcl", "fedproto"])
 def test_survivors_of_a_pruned_batch_train_exactly_as_alone(cache, name):
@@ -157,6 +191,24 @@ def test_a_pruned_search_keeps_every_curve_and_its_survivors_match_the_unpruned_
         assert r["config"] == by_trial[r["trial"]]["config"]  # the seeded sampler asks the same trials
         assert r["curve"] == by_trial[r["trial"]]["curve"][: len(r["curve"])]  # as trained in the unpruned batch
         assert r["rounds_trained"] == (10 if r["state"] == "complete" else r["curve"][-1][0])
+
+
+def test_a_trial_that_turns_nan_fails_alone_and_the_others_train_as_without_it(cache, tmp_path):
+    """A trial whose loss becomes NaN/Inf (lr 1e38 with SGD) fails, its curve kept, and the search goes on: the other
+    trials score what they score in a search without it; the failed trial replays from its wave file."""
+    given = dict(sampler="grid", pruner="none", seeds=[0, 1], rounds=6, set=["batch_size=16", "optimizer=sgd"], batch=2)
+    bad = search(
+        cache, "fedavg", out=tmp_path / "a", retrain=False, space={"lr": [0.05, 1e38, 0.01]}, trials=3, **given
+    )
+    good = search(cache, "fedavg", out=tmp_path / "b", retrain=False, space={"lr": [0.05, 0.01]}, trials=2, **given)
+    failed = [r for r in bad["selection"] if r["state"] == "failed"]
+    assert [r["config"] for r in failed] == [{"lr": 1e38}] and failed[0]["rounds_trained"] == 1
+    assert failed[0]["curve"] == [] and failed[0]["val_mean"] is None and bad["selection"][-1] == failed[0]
+    scores = lambda r: {row["config"]["lr"]: row["curve"] for row in r["selection"] if row["state"] != "failed"}
+    assert scores(bad) == scores(good)
+    again = search(cache, "fedavg", out=tmp_path / "a", space={"lr": [0.05, 1e38, 0.01]}, trials=3, **given)
+    assert again["waves_resumed"] == 2 and again["selection"] == bad["selection"]  # replayed, failure included
+    assert "| failed |" in featcache.report([bad["run_folder"]])["table"]
 
 
 @pytest.mark.parametrize("sampler, pruner", [("tpe", "hyperband"), ("grid", "halving")])

@@ -238,8 +238,12 @@ def search(
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
     batch: Optional[int] = typer.Option(None, help="trials per batched run (default: all; a quarter for tpe)"),
     sampler_seed: int = typer.Option(0, help="the sampler's seed"),
-    rungs: int = typer.Option(3, help="pruning rungs, the first at round ceil(rounds / reduction^rungs)"),
-    reduction: int = typer.Option(3, help="the pruner's reduction factor η: 1/η of a rung's trials go on"),
+    rungs: Optional[int] = typer.Option(
+        None, help="pruning rungs, the first at round ceil(rounds / reduction^rungs) (default: the search guide's)"
+    ),
+    reduction: Optional[int] = typer.Option(
+        None, help="the reduction factor η: the top 1/η of a rung's trials go on (default: the search guide's)"
+    ),
     retrain: bool = typer.Option(
         True, help="retrain the best trial on the full train split and report its test accuracy"
     ),
@@ -248,23 +252,14 @@ def search(
 ) -> None:
     """Search sampled hyperparameters batched, pruning trials on validation; retrain the best, report test accuracy."""
     from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
-    from ..runs.search import check_options, parse_space, run_search  # lazy: `featcache --help` loads no torch
+    from ..runs.search import parse_space, run_search, search_options  # lazy: `featcache --help` loads no torch
     from ..runs.spec import RunSpec
     from ..threads import check_threads, use_threads
 
     algo = load(algo)  # a plug-in spec: registered here, shown by its name
-    check_options(sampler, pruner, trials, batch, rungs, reduction)
+    options = search_options(trials, sampler, pruner, batch, sampler_seed, rungs, reduction)
     spec = RunSpec.resolve(algo, rounds, _seeds(seeds), set, backbones)
     dims = parse_space(spec.algo, space)
-    options = dict(
-        trials=trials,
-        sampler=sampler,
-        pruner=pruner,
-        batch=batch,
-        sampler_seed=sampler_seed,
-        rungs=rungs,
-        reduction=reduction,
-    )
     with progress_bar(not as_json) as progress, use_threads(check_threads(threads)):
         result = run_search(spec, dims, cache, out_dir, device, retrain, progress, **options)
     if as_json:

@@ -24,14 +24,14 @@ def load_search(folder: str | Path) -> dict:
     try:
         result = json.loads(path.read_text())
         assert isinstance(result["selection"], list) and result["selection"]
-        assert all(isinstance(r["curve"], list) and r["curve"] for r in result["selection"])
+        assert all(isinstance(r["curve"], list) and (r["curve"] or r["state"] == "failed") for r in result["selection"])
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         raise UserError(f"{path} is not a search result of `featcache search`: run the search again") from None
     return result
 
 
 def stopped_at(row: dict, rungs: list[int]) -> tuple[str, str]:
-    """(round, rung) a trial stopped at, as the table writes them: '-' for a completed trial."""
+    """(round, rung) a trial stopped (or failed) at, as the table writes them: '-' for a completed trial."""
     if row["state"] == "complete":
         return "-", "-"
     r = row["rounds_trained"]
@@ -62,14 +62,16 @@ def search_table(result: dict) -> str:
     for rank, r in enumerate(result["selection"], 1):
         rnd, rung = stopped_at(r, result["rungs"])
         cells = [str(rank), str(r["trial"]), *(fmt(r["config"][k]) for k in keys)]
-        cells += [f"{r['val_mean']:.2f}({r['val_std']:.2f})", r["state"], rnd, rung]
+        score = "-" if r["val_mean"] is None else f"{r['val_mean']:.2f}({r['val_std']:.2f})"
+        cells += [score, r["state"], rnd, rung]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def search_png(result: dict) -> bytes:
     """Validation accuracy against rounds, one line per trial: completed trials in colour (the best thickest),
-    pruned ones grey and thin with a cross where each stopped; the rungs as dotted vertical lines."""
+    pruned ones grey and thin with a cross where each stopped, failed ones (NaN/Inf) red up to their last score; the
+    rungs as dotted vertical lines."""
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -77,11 +79,11 @@ def search_png(result: dict) -> bytes:
     best = result["selection"][0]["trial"]
     done = [r for r in result["selection"] if r["state"] == "complete"]
     colours = plt.get_cmap("viridis")
-    for r in result["selection"]:
+    for r in [r for r in result["selection"] if r["state"] != "complete" and r["curve"]]:
         x, y = zip(*r["curve"])
-        if r["state"] == "pruned":
-            ax.plot(x, y, color="0.6", lw=0.8, alpha=0.7, zorder=1)
-            ax.plot(x[-1], y[-1], "x", color="0.45", ms=5, zorder=2)
+        grey = "0.6" if r["state"] == "pruned" else "tab:red"
+        ax.plot(x, y, color=grey, lw=0.8, alpha=0.7, zorder=1)
+        ax.plot(x[-1], y[-1], "x", color=grey, ms=5, zorder=2)
     for k, r in enumerate(done):
         x, y = zip(*r["curve"])
         top = r["trial"] == best

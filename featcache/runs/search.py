@@ -1,20 +1,23 @@
 """`featcache search`: a sampled hyperparameter search trained on the batched configuration axis, pruned as it goes.
 
 A space gives each setting a list of values (as `grid` takes them) or a range (`uniform:a,b`, `loguniform:a,b`,
-`int:a,b`, `logint:a,b`). Optuna decides (seeded sampler: random, TPE or grid; pruner: none, successive halving or
-Hyperband) and featcache trains: its ask-and-tell interface asks a batch of trials, which train as one [H, C] engine
-run (H = trials x seeds; a structural setting given as a list splits the batch into buckets, as grid does). After
-each evaluation round every live trial reports its validation accuracy (mean over clients, then over seeds); the
-trials the pruner stops leave the batch, and the survivors go on in a fresh engine holding only their models
-(`engine.take_models`): the compute of later rounds follows the survivors, and each survivor trains exactly as it
-would alone. Pruned trials keep their curves in the result.
+`int:a,b`, `logint:a,b`). Optuna samples (seeded: random, TPE or grid) through its ask-and-tell interface and
+featcache trains: a batch of asked trials (a "wave") trains as one [H, C] engine run (H = trials x seeds; a
+structural setting given as a list splits the batch into buckets, as grid does). After each evaluation round every
+live trial reports its validation accuracy (mean over clients, then over seeds); the trials a rung stops leave the
+batch, and the survivors go on in a fresh engine holding only their models (`engine.take_models`): the compute of
+later rounds follows the survivors, and each survivor trains exactly as it would alone. Pruned trials keep their
+curves; a trial whose loss turns NaN/Inf fails alone (its curve kept) and the others go on.
 
-Optuna's successive halving is asynchronous (ASHA): a trial reaching a rung goes on when it is in the top 1/η of the
-trials that reached that rung before it, in trial order; the batch reports in trial order, so a rung keeps its best
-trial and about 1/η of the others. The first rung is round ceil(R / η^rungs), the next ones η times later.
+Pruning is synchronous successive halving (Jamieson & Talwalkar 2016; Hyperband's inner loop, Li et al. 2018): the
+trials of a wave reach a rung together, and the top ceil(n / η) of the n trials at that rung go on, counting the
+rung values of earlier waves' trials, a tie at the boundary going on with them: one decision per rung, independent of
+trial order. Optuna's pruners cannot make it: they decide one trial at a time as its report arrives (asynchronous
+successive halving), so in a batch the kept trials depend on the order of reports. Hyperband runs such halving in
+brackets that start at successive rungs, a trial's bracket drawn as Optuna's `HyperbandPruner` draws it.
 
-Resumable and deterministic: each finished batch (a "wave") is written to the run folder; a resumed search replays
-the recorded waves into a fresh study (the same asks, reports and decisions, checked) and trains the first unwritten
+Resumable and deterministic: each finished wave is written to the run folder; a resumed search replays the
+recorded waves into a fresh study (the same asks, reports and decisions, checked) and trains the first unwritten
 one, so a search killed anywhere writes the bytes of one that was not. The best completed trial is retrained on the
 full train split as grid does (`grid.retrain_best`).
 """
@@ -27,6 +30,7 @@ import json
 import math
 import re
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +48,7 @@ from ..threads import threaded
 from ..training.config import check_clients, resolve, scoped, settings_of, structural_keys
 from ..training.engine import Engine, take_models
 from ..training.footprint import check_memory
-from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
+from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, Diverged, check_features, check_split
 from ..training.schedule import evaluates
 from . import grid
 from .metrics import mean_std
@@ -52,6 +56,7 @@ from .spec import RunSpec
 from .train import load_split
 
 STUDY = "featcache-search"  # the study's name: Hyperband assigns brackets by a hash of it and the trial number
+RUNGS, REDUCTION = 2, 3  # the default rung schedule (docs/guides/search.md: why)
 
 
 @dataclass(frozen=True)
@@ -115,19 +120,38 @@ def _sampler_grid(optuna, space, seed, batch):
 SAMPLERS = {"random": _sampler_random, "tpe": _sampler_tpe, "grid": _sampler_grid}
 
 
-def _pruner_none(optuna, first, rounds, reduction):
-    return optuna.pruners.NopPruner()
+def _pruner_none(number: int, rungs: list[int], reduction: int) -> tuple[int, list[int]]:
+    return 0, []
 
 
-def _pruner_halving(optuna, first, rounds, reduction):
-    return optuna.pruners.SuccessiveHalvingPruner(min_resource=first, reduction_factor=reduction)
+def _pruner_halving(number: int, rungs: list[int], reduction: int) -> tuple[int, list[int]]:
+    return 0, rungs
 
 
-def _pruner_hyperband(optuna, first, rounds, reduction):
-    return optuna.pruners.HyperbandPruner(min_resource=first, max_resource=rounds, reduction_factor=reduction)
+def _pruner_hyperband(number: int, rungs: list[int], reduction: int) -> tuple[int, list[int]]:
+    # brackets b = 0..len(rungs) halve from rung b on (the last trains all rounds), drawn by Optuna's budgets and hash
+    n = len(rungs) + 1
+    budgets = [math.ceil(n * reduction ** (n - 1 - b) / (n - b)) for b in range(n)]
+    pick = zlib.crc32(f"{STUDY}_{number}".encode()) % sum(budgets)
+    b = next(b for b in range(n) if pick < sum(budgets[: b + 1]))
+    return b, rungs[b:]
 
 
+# A pruner: trial number, rung rounds, η -> (the trial's bracket, the rounds it is decided at).
 PRUNERS = {"none": _pruner_none, "halving": _pruner_halving, "hyperband": _pruner_hyperband}
+
+
+def at_rung(curve: list, at: int) -> float | None:
+    """A trial's rung value: its first validation score at or after round `at` (None if it stopped before)."""
+    return next((v for step, v in curve if step >= at), None)
+
+
+def survivors(population: dict, live: list, reduction: int) -> list:
+    """Synchronous successive halving at one rung: of `population` {trial: rung value} (this wave's and earlier
+    waves'), the `live` trials among the top ceil(n / η), all trials tied with the last kept one included."""
+    ranked = sorted(population.values(), reverse=True)
+    bar = ranked[math.ceil(len(ranked) / reduction) - 1]
+    return [i for i in live if population[i] >= bar]
 
 
 # Settings a space cannot hold, and why.
@@ -235,6 +259,30 @@ def check_options(sampler: str, pruner: str, trials: int, batch: int | None, run
             raise UserError(f"{flag} {n}: give a whole number >= {lo}")
 
 
+def search_options(
+    trials: int = 16,
+    sampler: str = "random",
+    pruner: str = "halving",
+    batch: int | None = None,
+    sampler_seed: int = 0,
+    rungs: int | None = None,
+    reduction: int | None = None,
+) -> dict:
+    """A search's options checked (`check_options`), the rung schedule's defaults filled in: the keyword arguments of
+    `run_search`, as `featcache.search` and the command line both build them."""
+    rungs, reduction = RUNGS if rungs is None else rungs, REDUCTION if reduction is None else reduction
+    check_options(sampler, pruner, trials, batch, rungs, reduction)
+    return dict(
+        trials=trials,
+        sampler=sampler,
+        pruner=pruner,
+        batch=batch,
+        sampler_seed=sampler_seed,
+        rungs=rungs,
+        reduction=reduction,
+    )
+
+
 def check_sampler(dims: dict[str, Dim], sampler: str, trials: int) -> None:
     """The grid sampler takes lists only, and at most as many trials as its grid holds points."""
     if sampler != "grid":
@@ -263,8 +311,8 @@ def search(
     device: str | torch.device = "auto",
     batch: int | None = None,
     sampler_seed: int = 0,
-    rungs: int = 3,
-    reduction: int = 3,
+    rungs: int | None = None,
+    reduction: int | None = None,
     retrain: bool = True,
     progress=None,
     threads: int | None = None,
@@ -275,8 +323,9 @@ def search(
     `space`: `key=v1,v2` or `key=KIND:low,high` strings (KIND: uniform, loguniform, int, logint) or a dict of lists or
     such strings. `sampler` (random | tpe | grid, seeded by `sampler_seed`) picks the trials, `batch` at a time (one
     batched run each; default: all of them, a quarter for tpe so that later batches learn from earlier ones);
-    `pruner` (none | halving | hyperband) stops trials at `rungs` rungs `reduction` times apart (η)."""
-    check_options(sampler, pruner, trials, batch, rungs, reduction)
+    `pruner` (none | halving | hyperband) stops trials at `rungs` rungs `reduction` times apart (η; default: the
+    schedule of RUNGS, REDUCTION)."""
+    options = search_options(trials, sampler, pruner, batch, sampler_seed, rungs, reduction)
     spec = RunSpec.resolve(algo, rounds, seeds, set, backbones)
     dims = parse_space(spec.algo, space)
     call = library_call(
@@ -284,28 +333,13 @@ def search(
         cache=str(cache),
         algo=algo,
         space=space if isinstance(space, dict) else as_list(space, "space"),
-        trials=trials,
-        sampler=sampler,
-        pruner=pruner,
         seeds=list(spec.seeds),
         rounds=rounds,
         set=set,
         device=str(device),
-        batch=batch,
-        sampler_seed=sampler_seed,
-        rungs=rungs,
-        reduction=reduction,
         retrain=retrain,
+        **options,
         **({"backbones": list(spec.backbones)} if spec.backbones else {}),
-    )
-    options = dict(
-        trials=trials,
-        sampler=sampler,
-        pruner=pruner,
-        batch=batch,
-        sampler_seed=sampler_seed,
-        rungs=rungs,
-        reduction=reduction,
     )
     return run_search(spec, dims, cache, out, device, retrain, progress, call, **options)
 
@@ -325,8 +359,8 @@ def run_search(
     pruner: str = "halving",
     batch: int | None = None,
     sampler_seed: int = 0,
-    rungs: int = 3,
-    reduction: int = 3,
+    rungs: int = RUNGS,
+    reduction: int = REDUCTION,
 ) -> dict:
     """`search` of a resolved `spec` and parsed space `dims` (what the CLI calls). The run folder `search-ALGO-KEY16`
     is named by what it searches; a finished one returns its result without training (or only retrains its best,
@@ -359,6 +393,7 @@ def run_search(
         "sampler_seed": sampler_seed,
         "rungs": rung_at,
         "reduction": reduction,
+        "rule": "synchronous",
         "optuna": optuna.__version__,
     }
     key = content_key({"run": spec.key(fit.meta), "search": searched})
@@ -372,30 +407,28 @@ def run_search(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study = optuna.create_study(
-                study_name=STUDY,
-                direction="maximize",
-                sampler=SAMPLERS[sampler](optuna, dims, sampler_seed, batch),
-                pruner=PRUNERS[pruner](optuna, rung_at[0] if rung_at else 1, R, reduction),
-            )
+                study_name=STUDY, direction="maximize", sampler=SAMPLERS[sampler](optuna, dims, sampler_seed, batch)
+            )  # Optuna's own pruner stays off: `drive` decides the rungs
         dists = {k: d.distribution(optuna) for k, d in dims.items()}
+        rule = Rungs(PRUNERS[pruner], rung_at, reduction)
         waves = [min(batch, trials - start) for start in range(0, trials, batch)]
         records, resumed = [], 0
         for w, n in enumerate(waves):
             path = folder / f"wave-{w:03d}.json"
             if path.is_file():
                 saved = json.loads(path.read_text())["trials"]
-                if json.loads(json.dumps(drive(study, dists, n, Replay(saved, folder)))) != saved:
+                if json.loads(json.dumps(drive(study, dists, n, Replay(saved, folder), rule, records))) != saved:
                     raise UserError(f"{path} does not replay to the same decisions: remove {folder} to search again")
                 resumed += 1
             else:
                 tick = _ticker(progress, sum(waves[:w]) * R, trials * R)
                 trainer = Trainer(impl, spec.config, seeds, fit, val, dev, tick)
-                saved = drive(study, dists, n, trainer)
+                saved = drive(study, dists, n, trainer, rule, records)
                 write_atomic(path, json.dumps({"trials": saved}, sort_keys=True, indent=1))
             records += saved
             if progress:
                 progress("search trials", sum(waves[: w + 1]), trials)
-        table = sorted(records, key=lambda r: (r["state"] != "complete", -r["val_mean"], r["trial"]))
+        table = sorted(records, key=lambda r: (STATES.index(r["state"]), -_score(r), r["trial"]))
         done = [r for r in table if r["state"] == "complete"]
         if not done:
             raise UserError(f"every trial of the search in {folder} was pruned: give more --trials or --pruner none")
@@ -440,40 +473,92 @@ def _ticker(progress, base: int, total: int):
     return lambda done: progress("search rounds", base + done, total)
 
 
-def drive(study, dists: dict, n: int, source) -> list[dict]:
-    """One wave: ask `n` trials, and after each evaluation round report each live trial's validation accuracy and
-    ask the pruner, in trial order; pruned trials are told at once, the rest after the last round. `source` gives the
-    values (a `Trainer` training them, or a `Replay` reading a written wave: the same calls, so the same study).
-    Returns the wave's trial records."""
+STATES = ("complete", "pruned", "failed")  # a trial's states, in the order the selection lists them
+
+
+def _score(record: dict) -> float:
+    return -math.inf if record["val_mean"] is None else record["val_mean"]
+
+
+@dataclass(frozen=True)
+class Rungs:
+    """Where a pruner decides (its function of PRUNERS, the rung rounds, η) and the decision: synchronous halving."""
+
+    pruner: object
+    at: list[int]
+    reduction: int
+
+    def plan(self, number: int) -> tuple[int, list[int]]:
+        """Trial `number`'s bracket and the rounds it is decided at."""
+        return self.pruner(number, self.at, self.reduction)
+
+    def decide(self, wave: dict[int, list], history: list[dict], pending: dict[int, list[int]]) -> list[int]:
+        """The trials of `wave` {trial: curve so far} that stop now: at each rung every one of them still `pending`
+        has reached (its rounds removed from `pending`), a bracket's trials are ranked with the rung values of the
+        same bracket's trials in `history` (earlier waves' records), and those below the top ceil(n / η) stop."""
+        stop: list[int] = []
+        for at in sorted({a for rounds in pending.values() for a in rounds}):
+            brackets: dict[int, list[int]] = {}
+            for t in [t for t, rounds in pending.items() if at in rounds and t not in stop]:
+                brackets.setdefault(self.plan(t)[0], []).append(t)
+            for b, group in sorted(brackets.items()):
+                if any(at_rung(wave[t], at) is None for t in group):
+                    continue  # the rung is decided when the whole group has reached it
+                population = {r["trial"]: at_rung(r["curve"], at) for r in history if self.plan(r["trial"])[0] == b}
+                population = {t: v for t, v in population.items() if v is not None}
+                population |= {t: at_rung(wave[t], at) for t in group}
+                kept = survivors(population, group, self.reduction)
+                stop += [t for t in group if t not in kept]
+                for t in group:
+                    pending[t].remove(at)
+        return stop
+
+
+def drive(study, dists: dict, n: int, source, rule: Rungs, history: list[dict]) -> list[dict]:
+    """One wave: ask `n` trials, report each live trial's validation accuracy after each evaluation round, and stop
+    at each rung the trials `rule` stops (given the earlier waves' records `history`); pruned and failed (NaN/Inf)
+    trials are told at once, the rest after the last round. `source` gives the values (a `Trainer` training them, or
+    a `Replay` reading a written wave: the same calls, so the same study). Returns the wave's trial records."""
     optuna = _optuna()
     asked = [study.ask(dists) for _ in range(n)]
     points = [{k: t.params[k] for k in dists} for t in asked]
+    number = [t.number for t in asked]
     source.start(points)
-    live, curves, stopped = list(range(n)), [[] for _ in range(n)], [None] * n
+    live, curves, stopped, states = list(range(n)), [[] for _ in range(n)], [None] * n, ["complete"] * n
+    pending = {number[i]: list(rule.plan(number[i])[1]) for i in live}
     per_seed: list[list[float]] = [[] for _ in range(n)]
     for step, values in source.steps(live):
-        pruned = []
+        failed = []
         for i in [i for i in live if i in values]:
-            v, per_seed[i] = values[i]
+            v, seeds = values[i]
+            if not math.isfinite(v):
+                failed.append(i)
+                continue
             curves[i].append([step, v])
+            per_seed[i] = seeds
             asked[i].report(v, step)
-            if asked[i].should_prune():
-                pruned.append(i)
+        for i in failed:
+            study.tell(asked[i], state=optuna.trial.TrialState.FAIL)
+            stopped[i], states[i] = step, "failed"
+            del pending[number[i]]
+        stop = rule.decide({number[i]: curves[i] for i in live}, history, pending)
+        pruned = [i for i in live if number[i] in stop]
         for i in pruned:
             study.tell(asked[i], state=optuna.trial.TrialState.PRUNED)
-            stopped[i] = step
-        live = [i for i in live if i not in pruned]
+            stopped[i], states[i] = step, "pruned"
+            del pending[number[i]]
+        live = [i for i in live if i not in pruned and i not in failed]
         source.drop(pruned)
     for i in live:
         study.tell(asked[i], curves[i][-1][1])
     return [
         {
-            "trial": asked[i].number,
+            "trial": number[i],
             "config": points[i],
-            "state": "complete" if stopped[i] is None else "pruned",
+            "state": states[i],
             "rounds_trained": stopped[i] or curves[i][-1][0],
-            "val_mean": curves[i][-1][1],
-            "val_std": mean_std(per_seed[i])[1],
+            "val_mean": curves[i][-1][1] if curves[i] else None,
+            "val_std": mean_std(per_seed[i])[1] if per_seed[i] else None,
             "val_per_seed": per_seed[i],
             "curve": curves[i],
         }
@@ -516,22 +601,41 @@ class Trainer:
 
     def steps(self, live: list[int]):
         """(round, {trial: (validation accuracy %, per seed)}) after each round some bucket evaluates: mean over the
-        clients per seed, then over the seeds."""
+        clients per seed, then over the seeds; (NaN, []) for a trial whose loss became NaN/Inf, which leaves."""
         R = self.config["rounds"]
         for rnd in range(R):
-            values = {}
-            for engine, models in self.buckets:
-                if evaluates(rnd, engine.cfg):  # the rounds up to the next evaluation in one go
-                    with plugin_exits():
-                        engine.run(logs=False, until=rnd + 1)
+            values: dict = {}
+            for bucket in self.buckets:
+                if evaluates(rnd, bucket[0].cfg):  # the rounds up to the next evaluation in one go
+                    self._run(bucket, rnd + 1, values)
+                engine, models = bucket
+                if models and evaluates(rnd, engine.cfg):
                     acc = engine.loop.records[-1]["test_acc"]  # [H, C]
                     for (i, _seed), per_client in zip(models, (100 * acc).tolist()):
                         values.setdefault(i, []).append(float(np.mean(per_client)))
             if self.tick:
                 self.done += 1
                 self.tick(self.done * len(self.cfgs))
+            self.buckets = [b for b in self.buckets if b[1]]
             if values:
-                yield rnd + 1, {i: (mean_std(v)[0], v) for i, v in values.items()}
+                yield rnd + 1, {i: (math.nan, []) if v is None else (mean_std(v)[0], v) for i, v in values.items()}
+
+    def _run(self, bucket: list, until: int, values: dict) -> None:
+        """A bucket trained to round `until`; where a model's loss turns NaN/Inf, its trial is marked failed in
+        `values` and the others train again from round 0 without it (each survivor trains as alone: the same
+        numbers)."""
+        while bucket[1]:
+            try:
+                with plugin_exits():
+                    bucket[0].run(logs=False, until=until)
+                return
+            except Diverged as e:
+                bad = {bucket[1][h][0] for h in e.models}
+                values.update(dict.fromkeys(bad, None))
+                bucket[1] = [m for m in bucket[1] if m[0] not in bad]
+                if bucket[1]:
+                    with plugin_exits():
+                        bucket[0] = Engine(self.algo, self._configs(bucket[1]), self.fit, self.val, self.device)
 
     def drop(self, pruned: list[int]) -> None:
         if not pruned:
@@ -565,8 +669,18 @@ class Replay:
 
     def steps(self, live: list[int]):
         curves = [dict(r["curve"]) for r in self.saved]
+        for i, r in enumerate(self.saved):
+            if r["state"] == "failed":
+                curves[i][r["rounds_trained"]] = math.nan
         for step in sorted({step for c in curves for step in c}):
-            yield step, {i: (c[step], self.saved[i]["val_per_seed"]) for i, c in enumerate(curves) if step in c}
+            yield (
+                step,
+                {
+                    i: (c[step], [] if c[step] != c[step] else self.saved[i]["val_per_seed"])
+                    for i, c in enumerate(curves)
+                    if step in c
+                },
+            )
 
     def drop(self, pruned: list[int]) -> None:
         pass
@@ -582,8 +696,8 @@ def to_csv(table: list[dict]) -> str:
             [
                 r["trial"],
                 *(r["config"][k] for k in keys),
-                f"{r['val_mean']:.4f}",
-                f"{r['val_std']:.4f}",
+                "" if r["val_mean"] is None else f"{r['val_mean']:.4f}",
+                "" if r["val_std"] is None else f"{r['val_std']:.4f}",
                 r["state"],
                 r["rounds_trained"],
             ]

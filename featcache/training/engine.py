@@ -29,11 +29,10 @@ import torch
 
 from ..cache import ClientData
 from ..devices import resolve_device
-from ..errors import UserError
 from .cohort import Cohort, aside_names, cohort_size, slice_size
 from .config import batched
 from .evaluate import live_metrics, record
-from .guards import nan_cause
+from .guards import Diverged, nan_cause
 from .hparams import HParams
 from .models import Params, expand_hc
 from .schedule import batch_order, evaluates, participation, plan_steps, took_part
@@ -305,7 +304,8 @@ class Engine:
         local training loss [H, C] on the host (NaN for models that sat the round out)."""
         both = torch.stack([local.bad.to(local.loss.dtype), local.loss]).cpu()  # [2, H, C]
         if bool(both[0].any()):
-            raise UserError(nan_cause(self.algo, self.cfgs, both[0].any(1).nonzero().flatten().tolist(), rnd))
+            bad = both[0].any(1).nonzero().flatten().tolist()
+            raise Diverged(nan_cause(self.algo, self.cfgs, bad, rnd), bad)
         return both[1]
 
     def serve(self, state: State, now: Round, uploads: dict) -> int:

@@ -82,6 +82,17 @@ def check_scores(algo, hook: str, scores: torch.Tensor, data, first: bool) -> No
         )
 
 
+class Diverged(UserError):
+    """A loss that became NaN/Inf, with the models (indices on H) it did so for: a search fails their trials alone."""
+
+    def __init__(self, message: str, models: list[int]):
+        super().__init__(message)
+        self.models = models
+
+    def __reduce__(self):  # pickled whole (a Ray worker's error)
+        return Diverged, (str(self), self.models)
+
+
 def nan_cause(algo, cfgs: list[dict], bad_models: list[int], rnd: int) -> str:
     """The one line for a loss that became NaN/Inf in round `rnd` (0-based) for the configurations `bad_models`:
     a float setting far above its default is named as the likely cause, else the learning rate."""
