@@ -103,12 +103,6 @@ def given(*args: str) -> Callable[[Path], list[str]]:
     return lambda tmp: list(args)
 
 
-def unpicked_corrupt_image(tmp: Path) -> list[str]:
-    """A damaged file that no client of this partition holds: it is refused all the same, on the first run."""
-    (tmp / "images" / "d1" / "a" / "zz_corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(64))
-    return ["--per-class", "1", "--test-per-class", "1"]
-
-
 def zero_byte_jpg(tmp: Path) -> list[str]:
     (tmp / "images" / "d2" / "b" / "empty.jpg").write_bytes(b"")
     return []
@@ -214,8 +208,7 @@ EXTRACT_CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "unknown-noise": (given("--noise", "uniform"), "unknown noise"),
     "backbone-twice": (given("--backbone", "test_resnet=random", "--backbone", "test_resnet=random"), "listed twice"),
     "cuda-without-cuda": (given("--device", "cuda"), "CUDA is not available"),
-    # images: every file decoded on the first run, whatever the partition picks; only regular files are read
-    "corrupt-image-no-client-holds": (unpicked_corrupt_image, "cannot read image"),
+    # images: each file the partition picks decoded once, in the embedding pass; only regular files are read
     "zero-byte-jpg": (zero_byte_jpg, "d2/b/empty.jpg (cannot identify image file)"),
     "decompression-bomb": (decompression_bomb, "could be decompression bomb"),
     "named-pipe": (named_pipe, "d1/a/pipe.png is a named pipe, not an image file"),

@@ -321,6 +321,7 @@ class Ray:
             try:
                 metas |= self.ray.get(finished)
             except self.ray.exceptions.RayTaskError as e:  # keep a user error one line, not the task's traceback
+                self._stop(list(pending))
                 raise (e.cause if isinstance(e.cause, UserError) else e) from None
             for block in share:
                 for j in block.files:
@@ -329,6 +330,14 @@ class Ray:
                         progress(metas[j]["key"], done[j], total[j])
         phases["embedding"] += time.perf_counter() - t
         return metas
+
+    def _stop(self, pending: list) -> None:
+        """Cancel the other shares of a failed pass and wait for them to end: the caller removes the parts folders
+        (bad input, a damaged image), which no task may still be writing into."""
+        for ref in pending:
+            self.ray.cancel(ref)
+        if pending:
+            self.ray.wait(pending, num_returns=len(pending))
 
 
 BACKENDS = {"local": Local, "ray": Ray}

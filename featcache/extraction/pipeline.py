@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .backbones.models import Lazy
-from .datasets.base import ArrayImages, PathImages
+from .datasets.base import ArrayImages
 from ..devices import device_kind
 from ..errors import UserError
 from ..threads import asked
@@ -171,45 +171,6 @@ class Chunks:
         return torch.stack(out)
 
 
-class _Checks:
-    """Item k: the first damaged image of one run of files (its one-line message), or None (a map-style dataset)."""
-
-    CHUNK = 64  # images per item
-
-    def __init__(self, data) -> None:
-        self.items = [
-            (images, range(r, min(r + self.CHUNK, len(images))))
-            for splits in data.domains.values()
-            for images in splits.values()
-            if isinstance(images, PathImages)
-            for r in range(0, len(images), self.CHUNK)
-        ]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, k: int) -> str | None:
-        images, rows = self.items[k]
-        try:
-            for i in rows:
-                images.check(i)
-        except UserError as e:
-            return str(e)
-        return None
-
-
-def check_images(data, workers: int) -> None:
-    """Decode every image file of `data`, the ones no partition picks included, and refuse the first damaged one
-    (in dataset order) in one line: a bad file is found before anything is written, whatever the partition."""
-    checks = _Checks(data)
-    if not len(checks):
-        return
-    results = loader(checks, min(workers, len(checks)), "cpu")
-    for failed in results:
-        if failed is not None:
-            raise UserError(failed)
-
-
 def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
     """uint8 [B, 3, h, w] -> uint8 [B, 3, H, W], on whatever device x lives."""
     from torchvision.transforms import (
@@ -285,7 +246,7 @@ def default_batch_size(device: torch.device | str) -> int:
     return forward_batch(device)
 
 
-def loader(chunks: Chunks | _Checks, workers: int, device: torch.device | str):
+def loader(chunks: Chunks, workers: int, device: torch.device | str):
     """Prepared chunks in order: (block, uint8 images), prepared up to 4 chunks per worker ahead."""
     if workers == 0:
         return (chunks[k] for k in range(len(chunks)))

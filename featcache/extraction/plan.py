@@ -226,11 +226,7 @@ def extract(
         allow_partial,
         tuple(s.work / "meta.json" for s in stores),
     )
-    if not any(s.path.is_file() or (s.work / "plan.json").is_file() for s in by_path.values()):
-        P.check_images(data, run.workers)  # a store of these files exists only after they all decoded
     phases["dataset"] = time.perf_counter() - t
-    if size_note:  # told once the input passed its checks: a refused one is its one error line alone
-        tell(size_note)
     with output_errors(folder, "--store"), _made(Path(out), *(s.path.parent for s in stores)), ExitStack() as held:
         resumable = {s.path: (s.work / "plan.json").is_file() for s in by_path.values()}
         for s in sorted(by_path.values(), key=lambda s: s.path):  # one lock order: two extractions never deadlock
@@ -264,7 +260,9 @@ def extract(
     with suppress(OSError):  # a built-in dataset's next miss reads its arrays instead of building them
         keep_dataset(data, out)
     contents.save()
-    for line in protocol_notes(specs, data, parts):  # once written: a refused run is its one error line alone
+    if size_note:  # the notes once written: a refused run (a damaged image met while embedding) is one line alone
+        tell(size_note)
+    for line in protocol_notes(specs, data, parts):
         tell(line)
     for spec, spec_parts, r in zip(specs, parts, results):
         if not r["cache_hit"] and (line := small_clients(spec, spec_parts, specs)):
