@@ -3,7 +3,8 @@
 The Python API, timm style (imported lazily: `import featcache` loads neither torch nor h5py):
 
     featcache.extract(dataset=..., backbone=[...], ...)   -> dict (the cache path under "cache")
-    featcache.train(cache, algo, rounds=..., seeds=...)   -> dict (the result, its file under "result_file")
+    featcache.train(cache, algo, rounds=..., seeds=...)   -> dict (the result, its file under "result_file";
+                                                             a list of algos: {"runs": [each one's result]})
     featcache.grid(cache, algo, grid=[...] or {...}, ...) -> dict
     featcache.search(cache, algo, space=[...] or {...}, trials=..., sampler=..., pruner=...) -> dict
     featcache.report([result files or folders], out=..., x=...) -> dict (the table, the figures written)

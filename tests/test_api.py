@@ -93,6 +93,23 @@ def test_api_names(cache, tmp_path):
     assert res["configs"] == 2
 
 
+def test_train_takes_a_list_of_algorithms_as_repeated_algo_does(cache, tmp_path):
+    """A list trains each algorithm in turn, each one's numbers and file name those of its own call; every one is
+    checked before the first trains, participation against the cache's clients included."""
+    both = featcache.train(cache, ["fedavg", "fedprox"], set=["fedprox.mu=0.5"], rounds=2, seeds=[0], out=tmp_path)
+    alone = [
+        featcache.train(cache, "fedavg", rounds=2, seeds=[0], out=tmp_path / "a"),
+        featcache.train(cache, "fedprox", set={"mu": 0.5}, rounds=2, seeds=[0], out=tmp_path / "b"),
+    ]
+    assert [r["algo"] for r in both["runs"]] == ["fedavg", "fedprox"]
+    for r, a in zip(both["runs"], alone):
+        assert Path(r["result_file"]).name == Path(a["result_file"]).name
+        assert (r["mean_acc"], r["curve"]) == (a["mean_acc"], a["curve"])
+    with pytest.raises(UserError, match="participation") as e:  # the second one's participation picks nobody
+        featcache.train(cache, ["fedavg", "fedprox"], set=["fedprox.participation=1e-9"], out=tmp_path / "c")
+    assert "\n" not in str(e.value) and not (tmp_path / "c").exists()
+
+
 # --- plug-in algorithms ----------------------------------------------------------------------------------------------
 
 PLUGIN = '''
@@ -369,10 +386,9 @@ def test_assert_matches_plain_loop_checks_a_plugin(tmp_path, registry):
         ({"cache": 123}, "cache must be a path (a str or os.PathLike), not int 123"),
         ({"out": 123}, "out must be a path (a str or os.PathLike), not int 123"),
         ({"device": None}, "--device must be one of auto | cpu | cuda[:N], not NoneType None"),
-        (
-            {"algo": ["fedavg"]},
-            "algo must be one algorithm name or plug-in spec, not list ['fedavg']: call once per algorithm",
-        ),
+        ({"algo": ["fedavg", 3]}, "algo must be a str or a list of them, not list ['fedavg', 3]"),
+        ({"algo": ["fedavg", "fedavg"]}, "--algo fedavg is given twice: list each algorithm once"),
+        ({"algo": ["fedavg", "fedprox"], "set": ["mu=1"]}, "mu is a setting of fedprox only: write fedprox.mu=1"),
         ({"seeds": None}, "--seeds must be a list of integers such as [0, 1, 2] (got None)"),
     ],
 )

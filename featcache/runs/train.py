@@ -27,14 +27,14 @@ from .. import cache as C
 from ..algorithms import plugin_exits
 from ..atomic import check_folder, output_errors, write_together
 from ..devices import resolve_device
-from ..errors import as_path
+from ..errors import UserError, as_list, as_path
 from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
 from ..provenance import library_call, provenance
 from ..threads import threaded
 from .states import SUFFIX, state_bytes
 from .checkpoint import Checkpoint, check_every
 from ..training.footprint import fit_at_once
-from ..training.config import check_clients
+from ..training.config import check_clients, check_seeds, scoped
 from .names import run_name
 from .spec import RunSpec
 from ..training.engine import Engine, State
@@ -111,10 +111,39 @@ def commit_folder(tmp: Path, folder: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def resolve_runs(
+    algo: list[str],
+    rounds: int | None = None,
+    seeds=(0, 1, 2),
+    set: list[str] | dict | None = None,
+    backbones: list[str] | None = None,
+) -> list[RunSpec]:
+    """The specs of several algorithms trained in turn, every one's settings checked before the first trains: each
+    listed once, `set`'s `ALGO.key=value` scoped to its algorithm."""
+    from ..algorithms import create, load
+
+    names = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
+    twice = sorted({a for a in names if names.count(a) > 1})
+    if twice:
+        raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
+    seeds = check_seeds(seeds)
+    sets = scoped(set, [create(name) for name in names])  # fedprox.mu=1 -> fedprox's own mu=1
+    return [RunSpec.resolve(name, rounds, seeds, sets[name], backbones) for name in names]
+
+
+def check_runs(specs: list[RunSpec], cache: str | Path) -> None:
+    """Several algorithms' participation against the cache's clients (read from its metadata), before the first
+    trains: a half set of results is no comparison."""
+    if len(specs) > 1:
+        clients = len(C.info(as_path(cache, "cache"))["counts"]["clients"])
+        for spec in specs:
+            check_clients(spec.config, clients)
+
+
 @threaded
 def train(
     cache: str | Path,
-    algo: str,
+    algo: str | list[str],
     rounds: int | None = None,
     seeds: list[int] = (0, 1, 2),
     set: list[str] | dict | None = None,
@@ -141,23 +170,36 @@ def train(
     The run saves a checkpoint every `checkpoint_every` rounds (None: every ~60 s; 0: never) and on Ctrl-C, which
     raises `checkpoint.Interrupted`; the same call then resumes it, and once finished returns its result without
     training again (featcache.runs.checkpoint). `threads` runs it on that many CPU threads (default: torch's;
-    featcache/threads.py)."""
+    featcache/threads.py).
+
+    A list of algorithms trains each in turn, as repeated `--algo`s do, every one checked first (`resolve_runs`,
+    `check_runs`),
+    and returns `{"runs": [each one's result]}`; a result's numbers and name are those of its algorithm's own call."""
     dev = resolve_device(device)
-    spec = RunSpec.resolve(algo, rounds, seeds, set, backbones)
+    several = not isinstance(algo, str)
+    specs = (
+        resolve_runs(as_list(algo, "algo"), rounds, seeds, set, backbones)
+        if several
+        else [RunSpec.resolve(algo, rounds, seeds, set, backbones)]
+    )
     check_outputs(out, tensorboard)
     check_every(checkpoint_every)
+    check_runs(specs, cache)
     cache = as_path(cache, "cache")
     call = library_call(
         "featcache.train",
         cache=str(cache),
         algo=algo,
         rounds=rounds,
-        seeds=list(spec.seeds),
+        seeds=list(specs[0].seeds),
         set=set,
         device=str(device),
-        **({"backbones": list(spec.backbones)} if spec.backbones else {}),
+        **({"backbones": list(specs[0].backbones)} if specs[0].backbones else {}),
     )
-    return run(spec, cache, out, dev, call, keep_state, tensorboard, save_state, progress, checkpoint_every)
+    runs = [
+        run(s, cache, out, dev, call, keep_state, tensorboard, save_state, progress, checkpoint_every) for s in specs
+    ]
+    return {"runs": runs} if several else runs[0]
 
 
 def run(
