@@ -163,6 +163,7 @@ def test_keys_cover_featcache_embedding_code_but_not_its_comments(monkeypatch):
     """A change of what pipeline.py computes gives other store and cache keys; a comment or docstring does not."""
     from featcache.cache import identity
 
+    monkeypatch.setattr(identity, "memo_path", lambda: None)  # the bytes _read_source gives, not a memo by stat
     real = identity._read_source
     before = identity.code_identity()
     edits = {

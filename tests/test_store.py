@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import h5py
@@ -401,3 +402,78 @@ def test_the_same_weights_spelled_twice_share_one_store_without_deadlock(images,
         (a, b), (c, d) = [json.loads(f[f"backbones/{k}"].attrs["columns"]) for k in res["backbones"]]
         x = C.client_rows(f, "train", 0)
         np.testing.assert_array_equal(x[:, a:b], x[:, c:d])  # the same weights: the same rows, read twice
+
+
+def test_the_code_memo_gives_the_hash_of_the_files_as_they_are(tmp_path, monkeypatch):
+    """The store and cache keys' code digests are remembered across processes by each file's stat: a rewrite of the
+    same size with a new mtime, or of a new size with the old mtime, is hashed again; a damaged memo, or a cache
+    folder that cannot be written, only costs a hashing; a file changed in the last RACY_NS is never remembered."""
+    from featcache.cache import identity
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(identity, "RACY_NS", 0)  # a file written here is trusted at once (its ctime is now)
+    memo = identity.memo_path()
+    code = tmp_path / "code"
+    code.mkdir()
+    past = os.stat(tmp_path).st_mtime_ns - 60 * 10**9
+
+    def write(name: str, text: str, mtime_ns: int) -> None:
+        (code / name).write_text(text)
+        os.utime(code / name, ns=(mtime_ns, mtime_ns))
+
+    def key() -> str:
+        return identity.code_identity(("*.py",), code)["sha256"]
+
+    def hashed() -> str:  # what hashing every file gives
+        with monkeypatch.context() as m:
+            m.setattr(identity, "memo_path", lambda: None)
+            return key()
+
+    write("a.py", "X = 1\n", past)
+    write("b.py", "Y = 1\n", past)
+    first = key()
+    assert memo.is_file() and len(json.loads(memo.read_text())["files"]) == 2
+    with monkeypatch.context() as m:  # the memo answers: nothing is parsed
+        m.setattr(identity, "_syntax_sha256", lambda source: pytest.fail("hashed although remembered"))
+        assert key() == first
+
+    def hashed_late() -> None:  # as if every entry were hashed after the edits below: only the stat tells them
+        files = json.loads(memo.read_text())["files"]
+        stamp = json.loads(memo.read_text())["stamp"]
+        memo.write_text(json.dumps({"stamp": stamp, "files": {k: [*e[:6], e[6] + 10**12] for k, e in files.items()}}))
+
+    hashed_late()
+    write("a.py", "X = 2\n", past + 10**9)  # the same size, a new mtime
+    assert key() == hashed() != first
+    second = key()
+    hashed_late()
+    write("a.py", "X = 23\n", past + 10**9)  # a new size, the same mtime
+    assert key() == hashed() != second
+
+    st = os.stat(code / "a.py")  # each field on its own (a write above changes the ctime too)
+    entry = [*identity._signature(st), "0" * 64, st.st_ctime_ns + 10**12]
+    assert identity._valid(entry, st)
+    for field, change in (("st_size", 1), ("st_mtime_ns", 1), ("st_ctime_ns", 1), ("st_ino", 1), ("st_dev", 1)):
+        other = types.SimpleNamespace(
+            **{k: getattr(st, k) for k in ("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino", "st_dev")}
+        )
+        setattr(other, field, getattr(st, field) + change)
+        assert not identity._valid(entry, other), field
+
+    for damaged in (b"{not json", b'{"stamp": 1}', json.dumps({"files": {"x": [1]}}).encode(), b"\0" * 64):
+        memo.write_bytes(damaged)
+        assert key() == hashed()
+    stamp = json.loads(memo.read_text())["stamp"]
+    entry = [*identity._signature(os.stat(code / "a.py")), "0" * 63 + "z", 0]
+    memo.write_text(json.dumps({"stamp": stamp, "files": {str(code / "a.py"): entry}}))  # a malformed entry
+    assert key() == hashed()
+
+    monkeypatch.setattr(identity, "RACY_NS", 2 * 10**9)
+    (code / "c.py").write_text("Z = 1\n")  # changed just now: hashed, not remembered
+    assert key() == hashed() and str(code / "c.py") not in json.loads(memo.read_text())["files"]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(code / "a.py" / "cache"))  # no folder can be made there
+    assert key() == hashed()
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # not absolute: the XDG default
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert identity.memo_path() == tmp_path / "home" / ".cache" / "featcache" / "code.json"

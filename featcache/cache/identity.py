@@ -4,6 +4,13 @@ A store's key covers the images (dataset identity), the backbone (weights sha256
 the views and noise, the library versions and featcache's own embedding code; a cache's key adds the partition and
 the partition code. The code is hashed by its syntax tree without docstrings, so editing a comment or a docstring
 keeps every key.
+
+Parsing and dumping the syntax trees costs a tenth of a second, in every process that asks for a key, so each file's
+digest is remembered across processes in a per-user memo (`memo_path`), keyed by the file's path and its size,
+mtime, ctime, inode and device, under the Python and featcache versions and this module's own file: any edit, copy
+or checkout of a file changes its key and the file is hashed again. As in git's index, a file that changed less
+than `RACY_NS` before it was hashed is not remembered (a rewrite of the same size in the same timestamp tick keeps
+every stat field). A memo that is missing, damaged or cannot be written counts as empty.
 """
 
 from __future__ import annotations
@@ -13,9 +20,15 @@ import functools
 import hashlib
 import importlib.metadata as md
 import json
+import os
+import sys
+import time
+from contextlib import suppress
 from pathlib import Path
 
 from .. import __version__
+from ..atomic import write_atomic
+from ..errors import UserError
 from .write import FORMAT
 
 _ROOT = Path(__file__).resolve().parents[1] / "extraction"  # the code whose files key the embeddings
@@ -23,11 +36,25 @@ _ROOT = Path(__file__).resolve().parents[1] / "extraction"  # the code whose fil
 EMBEDDING_CODE = ("pipeline.py", "embed.py", "backbones/*.py", "datasets/*.py")
 # ... and the code that decides which images a client holds
 PARTITION_CODE = ("partition/*.py",)
+RACY_NS = 2_000_000_000  # a file hashed within 2 s of its last change is not remembered (1 s timestamps)
+MEMO_FILES = 1024  # a memo grown past this many files keeps the ones the last call used
 
 
 def content_key(manifest: dict) -> str:
     """sha256 of the canonical JSON of `manifest`."""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def memo_path() -> Path | None:
+    """The memo of code digests: featcache/code.json in the user's cache folder ($XDG_CACHE_HOME, else ~/.cache);
+    None when neither is an absolute path."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # unset, empty or relative: the XDG default
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):
+            return None
+        base = os.path.join(home, ".cache")
+    return Path(base) / "featcache" / "code.json"
 
 
 def _read_source(rel: str) -> bytes:
@@ -66,14 +93,89 @@ def code_identity(patterns: tuple[str, ...] = EMBEDDING_CODE, root: Path = _ROOT
     files = []
     for pattern in patterns:
         files += sorted(p.relative_to(root).as_posix() for p in root.glob(pattern)) if "*" in pattern else [pattern]
+    memo = _Memo(memo_path())
     h = hashlib.sha256()
     for rel in files:
-        try:
-            digest = _syntax_sha256(_read_source(rel) if root == _ROOT else (root / rel).read_bytes())
-        except OSError:
-            digest = hashlib.sha256(b"").digest()
-        h.update(rel.encode() + b"\0" + digest)
+        h.update(rel.encode() + b"\0" + memo.digest(root, rel))
+    memo.save()
     return {"files": files, "sha256": h.hexdigest()}
+
+
+class _Memo:
+    """The remembered syntax digests of the memo file at `path` (None: none), each entry [size, mtime_ns, ctime_ns,
+    inode, device, sha256 hex, ns when hashed] by the file's absolute path."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.stamp = _stamp()
+        self.files: dict[str, list] = {}
+        self.used: set[str] = set()
+        self.added = False
+        if path is None or self.stamp is None:
+            return
+        try:
+            memo = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return
+        if isinstance(memo, dict) and memo.get("stamp") == self.stamp and isinstance(memo.get("files"), dict):
+            self.files = memo["files"]
+
+    def digest(self, root: Path, rel: str) -> bytes:
+        """The syntax digest of the file `rel` below `root`: remembered when its stat is the one it was hashed at."""
+        path = os.path.abspath(root / rel)
+        hashed_at = time.time_ns()  # before the stat: a change after it is later still
+        try:
+            st = os.stat(path)
+            entry = self.files.get(path)
+            if _valid(entry, st):
+                self.used.add(path)
+                return bytes.fromhex(entry[5])
+            digest = _syntax_sha256(_read_source(rel) if root == _ROOT else Path(path).read_bytes())
+        except OSError:
+            return hashlib.sha256(b"").digest()
+        if max(st.st_mtime_ns, st.st_ctime_ns) < hashed_at - RACY_NS:
+            self.files[path] = [*_signature(st), digest.hex(), hashed_at]
+            self.used.add(path)
+            self.added = True
+        return digest
+
+    def save(self) -> None:
+        """Write the entries this memo added, beside those another process wrote meanwhile; no fsync (a memo lost
+        to a power cut costs one hashing)."""
+        if not self.added or self.path is None:
+            return
+        files = _Memo(self.path).files | {k: self.files[k] for k in self.used}
+        if len(files) > MEMO_FILES:
+            files = {k: files[k] for k in self.used}
+        with suppress(OSError, UserError):
+            write_atomic(self.path, json.dumps({"stamp": self.stamp, "files": files}, separators=(",", ":")))
+
+
+def _stamp() -> list | None:
+    """What every remembered digest depends on besides its file: Python (its syntax trees), featcache and this
+    module's file (the hashing); None when that file cannot be read."""
+    try:
+        return [sys.version, __version__, _signature(os.stat(__file__))]
+    except OSError:
+        return None
+
+
+def _signature(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _valid(entry, st: os.stat_result) -> bool:
+    """Whether `entry` describes the file as `st` finds it, hashed more than RACY_NS after its last change."""
+    return (
+        isinstance(entry, list)
+        and len(entry) == 7
+        and entry[:5] == _signature(st)
+        and isinstance(entry[5], str)
+        and len(entry[5]) == 64
+        and all(c in "0123456789abcdef" for c in entry[5])
+        and isinstance(entry[6], int)
+        and max(st.st_mtime_ns, st.st_ctime_ns) < entry[6] - RACY_NS
+    )
 
 
 def versions() -> dict:
