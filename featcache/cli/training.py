@@ -60,33 +60,22 @@ def train(
 ) -> None:
     """Train federated algorithms on cached features (backbones are never loaded). Interrupted (Ctrl-C, kill), the
     same command resumes from the last checkpoint and skips the algorithms that finished."""
-    from ..algorithms import create, load, objective_note  # lazy: `featcache --help` skips the algorithm registry
+    from ..algorithms import objective_note  # lazy: `featcache --help` skips the algorithm registry
     from ..devices import resolve_device  # lazy: `featcache --help` loads no torch
     from ..runs.checkpoint import check_every
-    from ..runs.spec import RunSpec
-    from ..runs.train import check_outputs, run
+    from ..runs.train import check_outputs, check_runs, resolve_runs, run
     from ..threads import check_threads, use_threads
-    from ..training.config import check_clients, scoped
 
-    algo = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
-    twice = sorted({a for a in algo if algo.count(a) > 1})
-    if twice:
-        raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
-    seed_list = _seeds(seeds)
-    sets = scoped(set, [create(name) for name in algo])  # fedprox.mu=1 -> fedprox's own mu=1
+    specs = resolve_runs(algo, rounds, seeds, set, backbones)  # plug-in specs loaded, each checked
     dev = resolve_device(device)
-    specs = [RunSpec.resolve(name, rounds, seed_list, sets[name], backbones) for name in algo]
     check_outputs(out_dir, tensorboard)  # every algorithm's settings and the output folder, before the first trains
     check_every(checkpoint_every)
     notes = {spec.name: objective_note(spec.algo, spec.config) for spec in specs}
-    if len(algo) > 1:  # and each one's participation against the cache's clients: no half set of results
-        clients = _clients(cache)
-        for spec in specs:
-            check_clients(spec.config, clients)
+    check_runs(specs, cache)  # several: each one's participation against the cache's clients
     results = []
     with progress_bar(not as_json) as progress, use_threads(check_threads(threads)):
         for i, spec in enumerate(specs):
-            label = f"{spec.name} ({i + 1} of {len(algo)})" if len(algo) > 1 else spec.name
+            label = f"{spec.name} ({i + 1} of {len(specs)})" if len(specs) > 1 else spec.name
 
             def tick(done, total, live, label=label, note=notes[spec.name], told=[]):  # noqa: B006 - told: this label's own memory of its first tick
                 if not told:  # once its first round here trained: a refused run stays one error line
@@ -140,13 +129,6 @@ def train(
             f"{r['seconds_per_round']:.4f}",
         )
     out.print(table)
-
-
-def _clients(cache: Path) -> int:
-    """How many clients `cache` holds, read from its metadata (a damaged cache is refused in its one line)."""
-    from ..cache import info  # lazy: `featcache --help` loads no torch
-
-    return len(info(cache)["counts"]["clients"])
 
 
 def _print_run(r: dict) -> None:
