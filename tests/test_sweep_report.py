@@ -295,3 +295,9 @@ def test_extract_sweep_train_each_and_report_draws_accuracy_against_alpha(tmp_pa
     (note,) = lines(res.stderr)
     assert note.startswith("note: skipped 3 sidecar file(s)")
     one_line_error(run_cli("report", tmp_path / "runs", "--x", "clients"), "--x clients: every result has clients 4")
+    one = next(p for p in sorted((tmp_path / "runs").glob("*.json")) if not p.name.endswith(".timing.json"))
+    assert run_cli("report", one, "--out", tmp_path / "rep").code == 0  # one cache: the sweep's figure goes with it
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["clients.png", "curves.png", "report.md"]
+    Image.new("RGB", (4, 4)).save(tmp_path / "rep" / "sweep.png")  # a user's own file of that name stays
+    assert run_cli("report", one, "--out", tmp_path / "rep").code == 0
+    assert (tmp_path / "rep" / "sweep.png").is_file()

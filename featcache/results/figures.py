@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..atomic import write_atomic
+from ..atomic import write_atomic, write_together
+from ..errors import UserError
 from .load import is_number
 from .tables import Series, client_domains, labels, per_client, series, title
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from .sweep import Sweep
 
 REPORT_MARK = "featcache report"  # in report.md's first line and its PNGs' Software text: files report may replace
+REPORT_FILES = ("report.md", "curves.png", "clients.png", "sweep.png", "search.png")  # every name a report writes
 PLOT_MARK = "featcache plot"  # the plot PNG's Software text: marks a file plot may overwrite
 
 
@@ -65,6 +67,22 @@ def written_by_report(path: Path) -> bool:
             return f.readline().strip() == f"<!-- {REPORT_MARK} -->"
     except (OSError, UnicodeDecodeError):
         return False
+
+
+def write_report(out: str | Path, files: dict[str, bytes | str]) -> None:
+    """Write a report's `files` (name -> body) into `out` together. Only files a report wrote are replaced (a file of
+    the same name someone else made is one line, nothing written), and one an earlier report left that this one does
+    not write (a sweep's sweep.png under a report of one run) is removed: report.md no longer links it."""
+    theirs = [n for n in files if (Path(out) / n).exists() and not written_by_report(Path(out) / n)]
+    if theirs:
+        raise UserError(
+            f"--out {out}: {theirs[0]} exists and was not written by `featcache report`: pass another "
+            "--out or move it (a report never overwrites a file it did not write)"
+        )
+    write_together([(Path(out) / name, body) for name, body in files.items()])
+    for stale in (Path(out) / n for n in REPORT_FILES if n not in files):
+        if stale.is_file() and written_by_report(stale):
+            stale.unlink()
 
 
 def _finish(fig, path: Path | None, laid_out: bool = False) -> bytes:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..atomic import check_folder, write_together
+from ..atomic import check_folder
 from ..errors import UserError
-from .figures import REPORT_MARK, clients_png, curves_png, sweep_png, written_by_report
+from .figures import REPORT_MARK, clients_png, curves_png, sweep_png, write_report
 from .load import load_inputs
 from .search import is_search, search_report
 from .sweep import PARAMETERS, caches, choose_x, sweep, sweep_points, sweep_table, sweep_title, text
@@ -72,13 +72,7 @@ def report(results: list[str | Path], out: str | Path | None = None, x: str | No
         ("per-client accuracy", "clients.png"),
     ]
     markdown = f"<!-- {REPORT_MARK} -->\n" + table + "".join(f"\n![{alt}]({name})\n" for alt, name in links)
-    theirs = [n for n in (*figures, "report.md") if (Path(out) / n).exists() and not written_by_report(Path(out) / n)]
-    if theirs:
-        raise UserError(
-            f"--out {out}: {theirs[0]} exists and was not written by `featcache report`: pass another "
-            "--out or move it (a report never overwrites a file it did not write)"
-        )
-    write_together([(Path(out) / name, body) for name, body in (figures | {"report.md": markdown}).items()])
+    write_report(out, figures | {"report.md": markdown})
     return (
         answer
         | {

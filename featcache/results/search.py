@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..atomic import check_folder, write_together
+from ..atomic import check_folder
 from ..errors import UserError
-from .figures import REPORT_MARK, png, pyplot, written_by_report
+from .figures import REPORT_MARK, png, pyplot, write_report
 
 
 def is_search(path: str | Path) -> bool:
@@ -114,13 +114,6 @@ def search_report(folder: str | Path, out: str | Path | None = None) -> dict:
         return answer
 
     figure = search_png(result)
-    theirs = [
-        n for n in ("search.png", "report.md") if (Path(out) / n).exists() and not written_by_report(Path(out) / n)
-    ]
-    if theirs:
-        raise UserError(
-            f"--out {out}: {theirs[0]} exists and was not written by `featcache report`: pass another --out or move it"
-        )
     markdown = f"<!-- {REPORT_MARK} -->\n" + table + "\n![validation accuracy vs rounds](search.png)\n"
-    write_together([(Path(out) / "search.png", figure), (Path(out) / "report.md", markdown)])
+    write_report(out, {"search.png": figure, "report.md": markdown})
     return answer | {"markdown": str(Path(out) / "report.md"), "figure": str(Path(out) / "search.png")}
