@@ -9,6 +9,7 @@ Image folders, two tiny random-weight timm models (`harness.BACKBONES`), 32 px, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ import pytest
 from harness import BACKBONES, Result, everything_in, folder_extract_args, one_line_error, run_cli, sha256
 
 from featcache import cache as C
+from featcache.errors import UserError
 from featcache.extraction import embed
 from featcache.extraction.datasets.base import PathImages
 from featcache.extraction.plan import extract
@@ -465,15 +467,57 @@ def test_the_code_memo_gives_the_hash_of_the_files_as_they_are(tmp_path, monkeyp
         assert key() == hashed()
     stamp = json.loads(memo.read_text())["stamp"]
     entry = [*identity._signature(os.stat(code / "a.py")), "0" * 63 + "z", 0]
-    memo.write_text(json.dumps({"stamp": stamp, "files": {str(code / "a.py"): entry}}))  # a malformed entry
+    memo.write_text(json.dumps({"stamp": stamp, "files": {f"syntax:{code / 'a.py'}": entry}}))  # a malformed entry
     assert key() == hashed()
 
     monkeypatch.setattr(identity, "RACY_NS", 2 * 10**9)
     (code / "c.py").write_text("Z = 1\n")  # changed just now: hashed, not remembered
-    assert key() == hashed() and str(code / "c.py") not in json.loads(memo.read_text())["files"]
+    assert key() == hashed() and f"syntax:{code / 'c.py'}" not in json.loads(memo.read_text())["files"]
+
+    monkeypatch.setattr(identity, "RACY_NS", 0)
+    weights = tmp_path / "weights.pth"  # a weight file's sha256, remembered the same way
+    weights.write_bytes(b"w" * 100)
+    assert identity.file_sha256(weights) == hashlib.sha256(b"w" * 100).hexdigest()
+    with monkeypatch.context() as m:
+        m.setattr(identity, "_bytes_sha256", lambda path: pytest.fail("hashed although remembered"))
+        assert identity.file_sha256(weights) == hashlib.sha256(b"w" * 100).hexdigest()
+    hashed_late()
+    weights.write_bytes(b"v" * 100)
+    assert identity.file_sha256(weights) == hashlib.sha256(b"v" * 100).hexdigest()
+    with pytest.raises(FileNotFoundError):
+        identity.file_sha256(tmp_path / "missing.pth")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(code / "a.py" / "cache"))  # no folder can be made there
     assert key() == hashed()
     monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # not absolute: the XDG default
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert identity.memo_path() == tmp_path / "home" / ".cache" / "featcache" / "code.json"
+    assert identity.memo_path().parent == tmp_path / "home" / ".cache" / "featcache"
+
+
+def test_a_saved_dataset_reads_its_images_only_when_asked_for(tmp_path):
+    """A built-in dataset saved beside the caches is loaded by its labels (a re-partition through filled stores needs
+    no pixels); its images, read at first use, are the saved ones; damaged, they are one line and the file is gone
+    (the next run builds the dataset again)."""
+    from featcache.extraction.datasets import Dataset, keep_dataset, list_datasets, load_dataset
+    from featcache.extraction.datasets.base import ArrayImages
+
+    list_datasets()  # the readers registered: offline-digits is a recipe, saved by keep_dataset
+    rng = np.random.default_rng(0)
+    images = {s: rng.integers(0, 255, (n, 8, 8), dtype=np.uint8) for s, n in (("train", 6), ("test", 4))}
+    labels = {s: np.arange(len(x)) % 2 for s, x in images.items()}
+    data = Dataset("offline-digits", ["0", "1"], {"mnist": {s: ArrayImages(images[s], labels[s]) for s in images}})
+    keep_dataset(data, tmp_path, size=8)
+    (saved,) = tmp_path.glob(".offline-digits-*.npz")
+
+    loaded = load_dataset("offline-digits", store=tmp_path, size=8)
+    splits = loaded.domains["mnist"]
+    assert all(s._images is None for s in splits.values())  # the labels alone were read
+    assert all(np.array_equal(splits[s].labels, labels[s]) for s in images)
+    assert np.array_equal(splits["train"].batch(np.array([1, 3])), np.repeat(images["train"][[1, 3], ..., None], 3, -1))
+    assert np.array_equal(splits["test"].images, images["test"])
+
+    damaged = load_dataset("offline-digits", store=tmp_path, size=8)
+    saved.write_bytes(saved.read_bytes()[:-200])  # truncated after it was loaded
+    with pytest.raises(UserError, match="damaged .* is removed: run the same command again"):
+        damaged.domains["mnist"]["test"].batch(np.array([0]))
+    assert not saved.exists()

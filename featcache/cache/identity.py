@@ -8,7 +8,8 @@ keeps every key.
 Parsing and dumping the syntax trees costs a tenth of a second, in every process that asks for a key, so each file's
 digest is remembered across processes in a per-user memo (`memo_path`), keyed by the file's path and its size,
 mtime, ctime, inode and device, under the Python and featcache versions and this module's own file: any edit, copy
-or checkout of a file changes its key and the file is hashed again. As in git's index, a file that changed less
+or checkout of a file changes its key and the file is hashed again. Weight files' sha256 (`file_sha256`) are
+remembered the same way. As in git's index, a file that changed less
 than `RACY_NS` before it was hashed is not remembered (a rewrite of the same size in the same timestamp tick keeps
 every stat field). A memo that is missing, damaged or cannot be written counts as empty.
 """
@@ -25,6 +26,7 @@ import sys
 import time
 from contextlib import suppress
 from pathlib import Path
+from typing import Callable
 
 from .. import __version__
 from ..atomic import write_atomic
@@ -46,15 +48,17 @@ def content_key(manifest: dict) -> str:
 
 
 def memo_path() -> Path | None:
-    """The memo of code digests: featcache/code.json in the user's cache folder ($XDG_CACHE_HOME, else ~/.cache);
-    None when neither is an absolute path."""
+    """The memo of file digests in the user's cache folder ($XDG_CACHE_HOME, else ~/.cache), one file per Python
+    and featcache installation (two checkouts never overwrite each other's); None when neither is an absolute
+    path."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     if not os.path.isabs(base):  # unset, empty or relative: the XDG default
         home = os.path.expanduser("~")
         if not os.path.isabs(home):
             return None
         base = os.path.join(home, ".cache")
-    return Path(base) / "featcache" / "code.json"
+    install = hashlib.sha256(f"{sys.executable}\0{__file__}".encode()).hexdigest()[:16]
+    return Path(base) / "featcache" / f"digests-{install}.json"
 
 
 def _read_source(rel: str) -> bytes:
@@ -96,14 +100,37 @@ def code_identity(patterns: tuple[str, ...] = EMBEDDING_CODE, root: Path = _ROOT
     memo = _Memo(memo_path())
     h = hashlib.sha256()
     for rel in files:
-        h.update(rel.encode() + b"\0" + memo.digest(root, rel))
+        path = os.path.abspath(root / rel)
+        read = functools.partial(_read_source, rel) if root == _ROOT else Path(path).read_bytes
+        try:
+            digest = memo.digest(path, "syntax", lambda read=read: _syntax_sha256(read()))
+        except OSError:
+            digest = hashlib.sha256(b"").digest()
+        h.update(rel.encode() + b"\0" + digest)
     memo.save()
     return {"files": files, "sha256": h.hexdigest()}
 
 
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of the bytes of the file at `path`, remembered by its stat (a weight file is read once per
+    version, not in every process); OSError when it cannot be read."""
+    memo = _Memo(memo_path())
+    digest = memo.digest(os.path.abspath(path), "bytes", functools.partial(_bytes_sha256, path))
+    memo.save()
+    return digest.hex()
+
+
+def _bytes_sha256(path: str | Path) -> bytes:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.digest()
+
+
 class _Memo:
-    """The remembered syntax digests of the memo file at `path` (None: none), each entry [size, mtime_ns, ctime_ns,
-    inode, device, sha256 hex, ns when hashed] by the file's absolute path."""
+    """The remembered digests of the memo file at `path` (None: none), each entry [size, mtime_ns, ctime_ns, inode,
+    device, sha256 hex, ns when hashed] by what was hashed and the file's absolute path ("syntax:/…", "bytes:/…")."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -120,22 +147,20 @@ class _Memo:
         if isinstance(memo, dict) and memo.get("stamp") == self.stamp and isinstance(memo.get("files"), dict):
             self.files = memo["files"]
 
-    def digest(self, root: Path, rel: str) -> bytes:
-        """The syntax digest of the file `rel` below `root`: remembered when its stat is the one it was hashed at."""
-        path = os.path.abspath(root / rel)
+    def digest(self, path: str, kind: str, compute: Callable[[], bytes]) -> bytes:
+        """`compute()`, the `kind` digest of the file at the absolute `path`, or the one remembered at the file's
+        present stat; OSError when the file cannot be read."""
+        key = f"{kind}:{path}"
         hashed_at = time.time_ns()  # before the stat: a change after it is later still
-        try:
-            st = os.stat(path)
-            entry = self.files.get(path)
-            if _valid(entry, st):
-                self.used.add(path)
-                return bytes.fromhex(entry[5])
-            digest = _syntax_sha256(_read_source(rel) if root == _ROOT else Path(path).read_bytes())
-        except OSError:
-            return hashlib.sha256(b"").digest()
+        st = os.stat(path)
+        entry = self.files.get(key)
+        if _valid(entry, st):
+            self.used.add(key)
+            return bytes.fromhex(entry[5])
+        digest = compute()
         if max(st.st_mtime_ns, st.st_ctime_ns) < hashed_at - RACY_NS:
-            self.files[path] = [*_signature(st), digest.hex(), hashed_at]
-            self.used.add(path)
+            self.files[key] = [*_signature(st), digest.hex(), hashed_at]
+            self.used.add(key)
             self.added = True
         return digest
 

@@ -6,6 +6,7 @@ Like timm's model registry: a reader module decorates its loader with `@register
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata as md
 import inspect
@@ -19,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ...atomic import write_atomic
-from ...errors import UserError, suggest
+from ...errors import UserError, first_line, suggest
 from ..contents import Contents
 from .base import ArrayImages, Dataset, ImageSet, PathImages
 
@@ -62,14 +63,17 @@ def dataset_identity(
     folder, sizes and sha256s, which `contents` remembers by stat), never by how or where `root` is given."""
     _import_readers()
     if name in _RECIPES:
-        code = inspect.getsource(sys.modules[_READERS[name].__module__])
-        return {
-            "name": name,
-            "recipe": hashlib.sha256(code.encode()).hexdigest(),
-            "packages": {d: md.version(d) for d in _RECIPES[name]},
-        }, None
+        return json.loads(_recipe_identity(name)), None
     data = load_dataset(name, root, download=download)
     return {"name": name, "fingerprint": data.fingerprint(contents), "by": "content"}, data
+
+
+@functools.lru_cache(maxsize=None)
+def _recipe_identity(name: str) -> str:
+    """A built-in dataset's identity as JSON, found once per process (an extraction asks up to three times)."""
+    code = inspect.getsource(sys.modules[_READERS[name].__module__])
+    recipe = hashlib.sha256(code.encode()).hexdigest()
+    return json.dumps({"name": name, "recipe": recipe, "packages": {d: md.version(d) for d in _RECIPES[name]}})
 
 
 def list_datasets() -> dict[str, str]:
@@ -121,8 +125,31 @@ def _read_stored(file: Path, name: str) -> Dataset:
         for key in z.files:
             if key.endswith("/images"):
                 d, s, _ = key.split("/")
-                domains.setdefault(d, {})[s] = ArrayImages(z[key], z[f"{d}/{s}/labels"])
+                domains.setdefault(d, {})[s] = _SavedImages(file, key, z[f"{d}/{s}/labels"])
         return Dataset(name, [str(c) for c in z["classes"]], domains, source=str(z["source"]))
+
+
+class _SavedImages(ArrayImages):
+    """One split of a dataset `keep_dataset` saved, its images read from the file when first asked for: a partition
+    through filled stores reads the labels alone."""
+
+    def __init__(self, file: Path, key: str, labels) -> None:
+        self.file, self.key, self._images = file, key, None
+        self.labels = np.asarray(labels, dtype=np.int64)
+
+    @property
+    def images(self) -> np.ndarray:
+        if self._images is None:
+            try:
+                with np.load(self.file, allow_pickle=False) as z:
+                    self._images = ArrayImages(z[self.key], self.labels).images
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+                self.file.unlink(missing_ok=True)  # the next run builds the dataset again
+                raise UserError(
+                    f"the saved copy of dataset images {self.file} was damaged ({first_line(e)}) and is removed: "
+                    "run the same command again"
+                ) from None
+        return self._images
 
 
 def _import_readers() -> None:
