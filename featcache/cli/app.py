@@ -9,14 +9,16 @@ import shutil
 import sys
 import time
 from contextlib import contextmanager, redirect_stdout
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 from ..atomic import output_error
 from ..errors import as_path
+
+if TYPE_CHECKING:
+    from rich.table import Table as RichTable
 
 app = typer.Typer(
     add_completion=False,
@@ -124,6 +126,8 @@ def progress_bar(enabled: bool = True):
     if not err.is_terminal:
         yield plain_progress()
         return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -171,7 +175,15 @@ def json_stdout(as_json: bool):
         _JSON_OUT.pop()
 
 
-def emit(result: dict, as_json: bool, table: Table | None = None) -> None:
+def Table(*columns, **options) -> RichTable:  # noqa: N802 - stands in for rich's class
+    """rich's `Table(*columns, **options)`, its module imported by the first table a command builds (a command
+    under --json builds its table and drops it, and a cache hit should not wait for the import)."""
+    from rich.table import Table as RichTable  # noqa: F811 - the class itself, at run time
+
+    return RichTable(*columns, **options)
+
+
+def emit(result: dict, as_json: bool, table: RichTable | None = None) -> None:
     """The command's answer on stdout: one JSON object (as_json) or the table."""
     if as_json:
         write_stdout(json.dumps(result, sort_keys=True) + "\n", _JSON_OUT[-1] if _JSON_OUT else None)

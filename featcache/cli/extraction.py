@@ -8,10 +8,9 @@ from typing import Optional
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from ..errors import UserError, not_a_file
-from .app import emit, err, out, path_of, progress_bar
+from .app import Table, emit, err, out, path_of, progress_bar
 
 
 def extract(

@@ -7,10 +7,9 @@ from typing import Optional
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from ..errors import UserError
-from .app import emit, err, live_text, out, path_of, progress_bar
+from .app import Table, emit, err, live_text, out, path_of, progress_bar
 
 
 def _seeds(text: str) -> list[int]:
