@@ -8,11 +8,15 @@ clients, Dirichlet α = 0.1).
 
 Per cache, side by side in one process: the grid of lr (8 values) x weight decay (8 values) for FedAvg, validation-
 selected and retrained; the search of the same 64 points (`--sampler grid --pruner halving`, every point one trial,
-pruned at its rungs); TPE and random search over the continuous ranges with `--trials` trials each. Each case
-carries `time_ratio` (search / grid wall time, retrains included; `cpu_time_ratio` the same in this process's CPU
-seconds, which other processes' load leaves alone), `gap_points` (the grid's best minus the search's
+pruned at the search's default rungs); TPE and random search over the continuous ranges with `--trials` trials each.
+Each case carries `time_ratio` (search / grid wall time, retrains included; `cpu_time_ratio` the same in this
+process's CPU seconds, which other processes' load leaves alone), `gap_points` (the grid's best minus the search's
 best: validation accuracy points, and the retrained test accuracy) and `model_rounds` (models x rounds trained, both
-sides: the figure that carries to a GPU). The machine's 1-minute load is printed before and after.
+sides: the figure that carries to a GPU). The machine's 1-minute load is printed before and after each case.
+
+`--schedules` adds the evidence for the default schedule: the 64 points' per-round validation curves (the same
+search unpruned) and, for each rung schedule (η 2..4, 1..3 rungs), what synchronous halving on those curves keeps
+(survivors train as alone, so the curves decide it exactly): its best, gap and model-rounds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from pathlib import Path
 
 import featcache
 import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache` runs)
+from featcache.errors import UserError
+from featcache.runs.search import PRUNERS, Rungs, rung_rounds
 
 LRS = [round(10 ** (-1 - 3 * i / 7), 7) for i in range(8)]  # 0.1 .. 1e-4
 WDS = [round(10 ** (-2 - 3 * i / 7), 7) for i in range(8)]  # 1e-2 .. 1e-5
@@ -63,7 +69,7 @@ def timed(fn, **kwargs) -> tuple[dict, float, float]:
     return result, seconds, cpu
 
 
-def case(cache: str, rounds: int, seeds: list[int], trials: int, rungs: int, reduction: int, out: Path) -> dict:
+def case(cache: str, rounds: int, seeds: list[int], trials: int, out: Path) -> dict:
     """One cache: grid vs halving search over the same 64 points; TPE vs random at `trials` trials."""
     common = dict(cache=cache, algo="fedavg", seeds=seeds, rounds=rounds)
     grid, t_grid, c_grid = timed(featcache.grid, grid={"lr": LRS, "weight_decay": WDS}, out=out / "grid", **common)
@@ -73,8 +79,6 @@ def case(cache: str, rounds: int, seeds: list[int], trials: int, rungs: int, red
         trials=64,
         sampler="grid",
         pruner="halving",
-        rungs=rungs,
-        reduction=reduction,
         out=out / "halving",
         **common,
     )
@@ -93,6 +97,7 @@ def case(cache: str, rounds: int, seeds: list[int], trials: int, rungs: int, red
         },
         "best": {"grid": grid["best"], "search": sha["best"]},
         "rungs": sha["rungs"],
+        "reduction": sha["reduction"],
         "completed_trials": sum(r["state"] == "complete" for r in sha["selection"]),
     }
     budget = {}
@@ -118,6 +123,7 @@ def case(cache: str, rounds: int, seeds: list[int], trials: int, rungs: int, red
         }
     return {
         "cache": cache,
+        "load_1min": round(os.getloadavg()[0], 2),
         "grid_best_val": round(best_val, 3),
         "grid_retrained_test": round(grid["retrain"]["mean_acc"], 3),
         "halving_vs_grid": halving,
@@ -127,6 +133,47 @@ def case(cache: str, rounds: int, seeds: list[int], trials: int, rungs: int, red
         },
         f"tpe_vs_random_{trials}_trials": budget,
     }
+
+
+def schedules(cache: str, rounds: int, seeds: list[int], out: Path) -> dict:
+    """The 64 points' validation curves (unpruned) and, per rung schedule, synchronous halving replayed on them."""
+    full = featcache.search(
+        cache=cache,
+        algo="fedavg",
+        space={"lr": LRS, "weight_decay": WDS},
+        trials=64,
+        sampler="grid",
+        pruner="none",
+        seeds=seeds,
+        rounds=rounds,
+        out=out / "curves",
+        retrain=False,
+    )
+    curves = {r["trial"]: r["curve"] for r in full["selection"]}
+    best = full["selection"][0]["val_mean"]
+    found = {}
+    for reduction in (2, 3, 4):
+        for rungs in (1, 2, 3):
+            try:
+                at = rung_rounds(rounds, "halving", rungs, reduction)
+            except UserError:
+                continue
+            rule, live, spent = Rungs(PRUNERS["halving"], at, reduction), dict(curves), 0
+            for r in at:  # one wave: each rung decided over the survivors of the last
+                pending = {t: [r] for t in live}
+                stop = rule.decide(live, [], pending)
+                spent += sum(next(step for step, _ in live[t] if step >= r) for t in stop)  # stopped at the rung
+                live = {t: c for t, c in live.items() if t not in stop}
+            spent += rounds * len(live)
+            top = max(c[-1][1] for c in live.values())
+            found[f"eta{reduction}-rungs{rungs}"] = {
+                "rungs": at,
+                "best_val": round(top, 3),
+                "gap_points": round(best - top, 3),
+                "model_round_ratio": round(spent / (rounds * len(curves)), 3),
+                "completed": len(live),
+            }
+    return {"grid_best_val": round(best, 3), "curves_folder": full["run_folder"], "schedules": found}
 
 
 def main() -> None:
@@ -139,8 +186,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--seeds", default="0", help="comma-separated seeds every configuration trains")
     ap.add_argument("--trials", type=int, default=16, help="TPE and random search's trial budget")
-    ap.add_argument("--rungs", type=int, default=2)
-    ap.add_argument("--reduction", type=int, default=4)
+    ap.add_argument("--schedules", action="store_true", help="also the unpruned curves and each schedule on them")
     args = ap.parse_args()
     backbones = args.backbone or ["efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2"]
     demo, skewed = (args.demo, args.skewed) if args.demo and args.skewed else demo_caches(Path(args.work), backbones)
@@ -150,7 +196,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(args.out or tmp)
         for name, cache in (("demo", demo), ("label_skew", skewed)):
-            cases[name] = case(cache, args.rounds, seeds, args.trials, args.rungs, args.reduction, runs / name)
+            cases[name] = case(cache, args.rounds, seeds, args.trials, runs / name)
+            if args.schedules:
+                cases[name]["schedules"] = schedules(cache, args.rounds, seeds, runs / name)
     load["after"] = round(os.getloadavg()[0], 2)
     print(
         json.dumps(

@@ -43,6 +43,7 @@ SEARCH = dict(
     rounds=10,
     set=["batch_size=16", "proj_dim=32"],
     rungs=2,
+    reduction=3,
 )
 
 

@@ -56,7 +56,7 @@ from .spec import RunSpec
 from .train import load_split
 
 STUDY = "featcache-search"  # the study's name: Hyperband assigns brackets by a hash of it and the trial number
-RUNGS, REDUCTION = 2, 3  # the default rung schedule (docs/guides/search.md: why)
+RUNGS, REDUCTION = 2, 4  # the default rung schedule: the first rung at R / 16 (docs/guides/search.md: why)
 
 
 @dataclass(frozen=True)
