@@ -3,11 +3,12 @@ is, and the timm model holding them."""
 
 from __future__ import annotations
 
-import importlib.metadata
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...cache.identity import installed
 from .align import align_state_dicts
 from .models import timm
 
@@ -46,11 +47,18 @@ def packaged_file(name: str) -> Path | None:
     packaged = PACKAGED.get(name)
     if packaged is None:
         return None
+    found = installed("pth", packaged.distribution, lambda: _pth(packaged.distribution))
+    return Path(found) if found is not None and os.path.isfile(found) else None
+
+
+def _pth(distribution: str) -> str | None:
+    import importlib.metadata  # lazy: a remembered location needs none of its 40 ms
+
     try:
-        files = importlib.metadata.files(packaged.distribution) or []
+        files = importlib.metadata.files(distribution) or []
     except importlib.metadata.PackageNotFoundError:
         return None
-    found = [Path(f.locate()) for f in files if f.name.endswith(".pth")]
+    found = [str(f.locate()) for f in files if f.name.endswith(".pth")]
     return found[0] if found else None
 
 

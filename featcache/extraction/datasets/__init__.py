@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata as md
 import inspect
 import io
 import json
@@ -20,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from ...atomic import write_atomic
+from ...cache.identity import installed_versions
 from ...errors import UserError, first_line, suggest
 from ..contents import Contents
 from .base import ArrayImages, Dataset, ImageSet, PathImages
@@ -73,7 +73,7 @@ def _recipe_identity(name: str) -> str:
     """A built-in dataset's identity as JSON, found once per process (an extraction asks up to three times)."""
     code = inspect.getsource(sys.modules[_READERS[name].__module__])
     recipe = hashlib.sha256(code.encode()).hexdigest()
-    return json.dumps({"name": name, "recipe": recipe, "packages": {d: md.version(d) for d in _RECIPES[name]}})
+    return json.dumps({"name": name, "recipe": recipe, "packages": installed_versions(_RECIPES[name])})
 
 
 def list_datasets() -> dict[str, str]:
