@@ -11,8 +11,11 @@
   filled), `sweep9` (`--alpha 0.1,0.5,1 --clients 5,10,20`: 9 settings into an empty store), in turns rotating every
   repeat (`--repeats`, medians), the 1-minute load before and after; featcache's bytecode cached as an installed
   package's is (in the run's temporary folder: a checkout under PYTHONDONTWRITEBYTECODE would compile it anew in
-  every process); which of torch, timm and torchvision the re-partition imported (`-X importtime`; none where no
-  GPU can be, featcache/devices.py). Targets: re-partition <= 0.05 x `first`, sweep9 <= 1.1 x `first`.
+  every process), and its per-user memo of code and weight digests and library versions (featcache/cache/
+  identity.py) filled by the first command, as a user's is after their first extraction; which of torch, timm and
+  torchvision the re-partition imported (`-X importtime`; none where no GPU can be, featcache/devices.py). A
+  re-partition that embedded an image (the embedding code changed during the run) stops the run. Targets:
+  re-partition <= 0.05 x `first`, sweep9 <= 1.1 x `first`.
 - demo_bytes: the demo's extraction (`make demo`), the bytes of its stores and of its cache.
 - reproduce_quick: every extraction of every pipeline's quick profile (training skipped), in order into one cache
   folder: the images each backbone embedded, and the images of the caches written (what embedding once per
@@ -21,6 +24,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -99,7 +103,7 @@ def commands(root: Path, backbone: str, size: int, domain: str, repeats: int) ->
         if case == "repartition":
             for cache in filled.glob("*.h5"):
                 cache.unlink()  # a new cache each time, through the filled store
-            return _command(base + cases[case], filled, env)
+            return _command(base + cases[case], filled, env, through_store=True)
         out = root / f"commands-{case}-{i}"
         shutil.copytree(warm, out, ignore=shutil.ignore_patterns("store", "*.h5"))
         try:
@@ -129,9 +133,9 @@ def commands(root: Path, backbone: str, size: int, domain: str, repeats: int) ->
     }
 
 
-def _command(args: list[str], out: Path, env: dict, importtime: bool = False):
+def _command(args: list[str], out: Path, env: dict, importtime: bool = False, through_store: bool = False):
     """Seconds of one `featcache ARGS --out OUT` in a fresh process; with `importtime`, the heavy packages it
-    imported instead (torch, timm, torchvision)."""
+    imported instead (torch, timm, torchvision). `through_store`: it must embed nothing."""
     argv = [
         sys.executable,
         *(["-X", "importtime"] if importtime else []),
@@ -146,6 +150,8 @@ def _command(args: list[str], out: Path, env: dict, importtime: bool = False):
     seconds = time.perf_counter() - t
     if done.returncode:
         raise SystemExit(f"featcache {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    if through_store and sum(json.loads(done.stdout)["embedded"].values()):
+        raise SystemExit("the re-partition embedded images: featcache's embedding code changed during the run")
     if importtime:
         found = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
         return sorted(found & {"torch", "timm", "torchvision"})
@@ -225,8 +231,5 @@ def store_figures(
 
 
 if __name__ == "__main__":
-    import json
-    import sys
-
     only = "--commands" in sys.argv  # the whole-command figure alone
     print(json.dumps(store_figures(reproduce="--no-reproduce" not in sys.argv, only_commands=only), indent=1))
