@@ -58,6 +58,7 @@ is the load average before and after: far above `cores`, the CPU figures measure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -181,7 +182,7 @@ class ArrayDataset(torch.utils.data.Dataset):
         return self.transform(Image.fromarray(self.images[i])), int(self.labels[i])
 
 
-def researcher_script(backbone: str, size: int, batch: int, domains: dict, out: Path) -> int:
+def researcher_script(backbone: str, size: int, batch: int, domains: dict, out: Path, workers: int = CORES) -> int:
     """The first script researchers write, as they write it; `domains`: name -> (transform -> Dataset). Returns the
     images embedded."""
     import timm
@@ -192,7 +193,7 @@ def researcher_script(backbone: str, size: int, batch: int, domains: dict, out: 
     transform = timm.data.create_transform(**config)
     images = 0
     for name, dataset in domains.items():
-        loader = torch.utils.data.DataLoader(dataset(transform), batch_size=batch, num_workers=CORES)
+        loader = torch.utils.data.DataLoader(dataset(transform), batch_size=batch, num_workers=workers)
         features = []
         with torch.no_grad():
             for x, _ in loader:
@@ -200,6 +201,64 @@ def researcher_script(backbone: str, size: int, batch: int, domains: dict, out: 
         np.save(out / f"{name}.npy", np.concatenate(features))
         images += sum(len(f) for f in features)
     return images
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """torch's intra-op threads set to n for the block (None: left as they are), restored after."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+SCRIPT_DOMAINS = ["mnist", "synth", "mnistm"]
+
+
+def script_arrays(n: int) -> tuple[int, dict]:
+    """Figure 6's array images: (per class and split, domain -> (uint8 images [N, 32, 32, 3], labels [N])), the
+    images extract embeds for `per_class=test_per_class=per` over SCRIPT_DOMAINS."""
+    per = max(1, n // (len(SCRIPT_DOMAINS) * CLASSES * 2))
+    data = load_dataset("offline-digits")  # built in memory once (memoised): neither side pays for it
+    arrays = {}
+    for part in make_partition(data, PartitionSpec(per_class=per, test_per_class=per, domains=tuple(SCRIPT_DOMAINS))):
+        sets = [(data.domains[part.domain][s], getattr(part, s)) for s in ("train", "test")]
+        arrays[part.domain] = (
+            np.concatenate([images.images[rows] for images, rows in sets]),
+            np.concatenate([images.labels[rows] for images, rows in sets]),
+        )
+    return per, arrays
+
+
+def script_sides(args, case: str, source, threads: int | None = None, workers: int | None = None):
+    """(featcache run, script run) of one case of figure 6, each out folder -> images embedded. `case` 'jpeg'
+    (`source` the folder) or 'arrays' (`source` from `script_arrays`). `threads` / `workers` None: each side's
+    defaults; else both sides' torch threads and DataLoader worker processes."""
+    from torchvision.datasets import ImageFolder
+
+    b, size = args.backbone, args.image_size
+    cpu = dict(device="cpu", partition="feature", backbone=[b], image_size=size, threads=threads, workers=workers)
+    if case == "jpeg":
+        root = Path(source)
+        domains = {d.name: lambda tf, d=d: ImageFolder(str(d), transform=tf) for d in sorted(root.iterdir())}
+        featcache = dict(dataset="imagefolder", data_root=root, **cpu)
+    else:
+        per, arrays = source
+        domains = {d: lambda tf, d=d: ArrayDataset(*arrays[d], tf) for d in SCRIPT_DOMAINS}
+        featcache = dict(dataset="offline-digits", domains=SCRIPT_DOMAINS, per_class=per, test_per_class=per, **cpu)
+
+    def featcache_run(out: Path) -> int:
+        with torch_threads(threads):
+            return extract(out=out, **featcache)["images"]
+
+    def script_run(out: Path) -> int:
+        with torch_threads(threads):
+            return researcher_script(b, size, args.script_batch, domains, out, CORES if workers is None else workers)
+
+    return featcache_run, script_run
 
 
 def measured(run) -> dict:
@@ -236,51 +295,79 @@ def vs_script_case(repeat: int, budget: float, featcache_run, script_run) -> dic
 
 
 def script_figure(args) -> dict:
-    """Figure 6 (see the module docstring): extract vs the researcher's script on JPEGs and on arrays, CPU."""
-    from torchvision.datasets import ImageFolder
-
-    b, size, n, R, budget = args.backbone, args.image_size, args.script_images, args.script_repeat, args.script_budget
+    """Figure 6 (see the module docstring): extract vs the researcher's script on JPEGs and on arrays, CPU; each
+    side's defaults, then equal threads (in this process, then each run a fresh process with its peak RSS)."""
+    b, n, R, budget = args.backbone, args.script_images, args.script_repeat, args.script_budget
     low, _, high = args.script_side.partition("-")  # "64" or "250-350"
-    create_backbone(b, image_size=size)  # timm imported, the weights read once, before any timer
+    create_backbone(b, image_size=args.image_size)  # timm imported, the weights read once, before any timer
     __import__("timm.data")
-    names = ["mnist", "synth", "mnistm"]
-    per = max(1, n // (len(names) * CLASSES * 2))  # per class and split
-    data = load_dataset("offline-digits")  # built in memory once (memoised): neither side pays for it
-    arrays = {}  # domain -> (uint8 images [N, 32, 32, 3], labels [N]): the same images extract embeds
-    for part in make_partition(data, PartitionSpec(per_class=per, test_per_class=per, domains=tuple(names))):
-        sets = [(data.domains[part.domain][s], getattr(part, s)) for s in ("train", "test")]
-        arrays[part.domain] = (
-            np.concatenate([images.images[rows] for images, rows in sets]),
-            np.concatenate([images.labels[rows] for images, rows in sets]),
-        )
-    cpu = dict(device="cpu", partition="feature", backbone=[b], image_size=size)
-    out = {"script_batch_size": args.script_batch, "target_ratio": 1.0}
+    arrays = script_arrays(n)
+    equal = {"threads": args.equal_threads, "workers": args.equal_workers}
+    out = {"script_batch_size": args.script_batch, "target_ratio": 1.0, "equal": equal, "equal_target_ratio": 1.3}
     with tempfile.TemporaryDirectory() as tmp:
         images = write_jpegs(root := Path(tmp) / "jpegs", n, sides=(int(low), int(high or low)))
-        folders = {d.name: lambda tf, d=d: ImageFolder(str(d), transform=tf) for d in sorted(root.iterdir())}
-        out["jpeg"] = {
-            "side": args.script_side,
-            **vs_script_case(
-                R,
-                budget / 2,
-                lambda o: extract(out=o, dataset="imagefolder", data_root=root, **cpu)["images"],
-                lambda o: researcher_script(b, size, args.script_batch, folders, o),
-            ),
-        }
-        assert out["jpeg"]["images"] == images, f"{out['jpeg']['images']} of the folder's {images} images embedded"
-    datasets = {d: lambda tf, d=d: ArrayDataset(*arrays[d], tf) for d in names}
-    out["arrays"] = {
-        "side": int(arrays[names[0]][0].shape[1]),
-        **vs_script_case(
-            R,
-            budget / 2,
-            lambda o: extract(out=o, dataset="offline-digits", domains=names, per_class=per, test_per_class=per, **cpu)[
-                "images"
-            ],
-            lambda o: researcher_script(b, size, args.script_batch, datasets, o),
-        ),
-    }
+        for case, source in (("jpeg", root), ("arrays", arrays)):
+            side = args.script_side if case == "jpeg" else int(arrays[1][SCRIPT_DOMAINS[0]][0].shape[1])
+            for name, kw in ((case, {}), (f"{case}_equal", equal)):
+                out[name] = {"side": side, **vs_script_case(R, budget / 4, *script_sides(args, case, source, **kw))}
+            out[f"{case}_processes"] = {"side": side, **processes_case(args, case, root, args.script_process_repeat)}
+        for case in ("jpeg", "jpeg_equal", "jpeg_processes"):
+            assert out[case]["images"] == images, f"{out[case]['images']} of the folder's {images} images embedded"
     return out
+
+
+def script_child(args) -> None:
+    """One side of a figure 6 case at equal threads, once, in this fresh process: the bench module imported and
+    the arrays built before its timer (the same for both sides), timm imported within it (both sides build a timm
+    model). Prints its images, wall and CPU seconds, the process's peak RSS and its largest worker's."""
+    case, _, side = args.script_child.partition(":")
+    source = args.script_root if case == "jpeg" else script_arrays(args.script_images)
+    runs = dict(zip(("featcache", "script"), script_sides(args, case, source, args.equal_threads, args.equal_workers)))
+    t, cpu = time.perf_counter(), cpu_seconds()
+    with tempfile.TemporaryDirectory() as out:
+        images = runs[side](Path(out))
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest reaped worker, MB
+    print(
+        json.dumps(
+            {
+                "images": images,
+                "wall": time.perf_counter() - t,
+                "cpu": cpu_seconds() - cpu,
+                "peak_rss_mb": vm("VmHWM"),
+                "worker_peak_rss_mb": workers,
+            }
+        )
+    )
+
+
+def processes_case(args, case: str, root: Path, repeat: int) -> dict:
+    """Figure 6 at equal threads, each run a fresh process (`script_child`), `repeat` pairs taking turns: medians
+    of the run's wall and CPU seconds, of the whole process's wall (interpreter start and every import included)
+    and of peak RSS (the process's, and its largest worker's), with the load before each run."""
+    runs: dict[str, list[dict]] = {"featcache": [], "script": []}
+    for k in range(repeat):
+        for side in ("featcache", "script") if k % 2 == 0 else ("script", "featcache"):
+            cmd = [sys.executable, __file__, "--script-child", f"{case}:{side}", "--script-root", str(root)]
+            cmd += ["--backbone", args.backbone, "--image-size", str(args.image_size)]
+            cmd += ["--script-images", str(args.script_images), "--script-batch", str(args.script_batch)]
+            cmd += ["--equal-threads", str(args.equal_threads), "--equal-workers", str(args.equal_workers)]
+            load, t = os.getloadavg()[0], time.perf_counter()
+            done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            process = {"process_wall": time.perf_counter() - t, "load_1min": load}
+            runs[side].append(json.loads(done.stdout.splitlines()[-1]) | process)
+    images = {r["images"] for rs in runs.values() for r in rs}
+    assert len(images) == 1, f"the two embedded different numbers of images: {images}"
+    keys = ("wall", "process_wall", "cpu", "peak_rss_mb", "worker_peak_rss_mb")
+    med = {side: {m: statistics.median(r[m] for r in rs) for m in keys} for side, rs in runs.items()}
+    return {
+        "images": images.pop(),
+        "pairs": repeat,
+        "ratio": med["script"]["wall"] / med["featcache"]["wall"],
+        "cpu_ratio": med["featcache"]["cpu"] / med["script"]["cpu"],
+        "rss_ratio": med["featcache"]["peak_rss_mb"] / med["script"]["peak_rss_mb"],
+        **{f"{side}_{m}": med[side][m] for side in runs for m in keys},
+        "runs": {side: {key: [r[key] for r in rs] for key in (*keys, "load_1min")} for side, rs in runs.items()},
+    }
 
 
 def best(runs: list[dict]) -> dict:
@@ -743,6 +830,11 @@ def main() -> None:
     ap.add_argument("--script-batch", type=int, default=64, help="fig. 6: the script's DataLoader batch size")
     ap.add_argument("--script-repeat", type=int, default=3, help="fig. 6: runs of each contender (medians)")
     ap.add_argument("--script-budget", type=float, default=100, help="fig. 6: seconds after which no pair starts")
+    ap.add_argument("--equal-threads", type=int, default=max(1, CORES - 1), help="fig. 6: both sides' torch threads")
+    ap.add_argument("--equal-workers", type=int, default=CORES, help="fig. 6: both sides' DataLoader workers")
+    ap.add_argument("--script-process-repeat", type=int, default=2, help="fig. 6: pairs of fresh processes")
+    ap.add_argument("--script-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--script-root", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--figures", default="1,2,3,4,5,6,7,8", help="figures to measure (1, 2 and 3 run together)")
     ap.add_argument("--repeat", type=int, default=2, help="best of R interleaved runs of each timing")
     ap.add_argument("--quick", action="store_true", help="small sizes, one run each: a smoke run")
@@ -751,9 +843,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args)
+    if args.script_child:
+        return script_child(args)
     if args.quick:
         args.jpegs, args.digits, args.sizes, args.repeat, args.format_rows = 120, 5, "5,20", 1, 200
-        args.script_images, args.script_repeat = 120, 1
+        args.script_images, args.script_repeat, args.script_process_repeat = 120, 1, 1
     dev, figures, load = torch.device(args.device), set(args.figures.split(",")), [os.getloadavg()[0]]
     report = {
         "device": str(dev),

@@ -173,13 +173,11 @@ class Chunks:
 
 def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
     """uint8 [B, 3, h, w] -> uint8 [B, 3, H, W], on whatever device x lives."""
-    from torchvision.transforms import (
-        InterpolationMode,
-    )  # lazy: torchvision (a heavy import) only when images are resized
-    from torchvision.transforms.v2 import functional as F
-
     if tuple(x.shape[-2:]) == (g.height, g.width):
         return x
+    from torchvision.transforms import InterpolationMode  # lazy: torchvision (a heavy import) only when resizing
+    from torchvision.transforms.v2 import functional as F
+
     return F.resize(x, [g.height, g.width], interpolation=InterpolationMode(g.interpolation), antialias=True)
 
 
