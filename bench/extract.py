@@ -38,7 +38,11 @@ Run: `.venv/bin/python bench/extract.py [--device cuda] [--jpegs 1800] [--figure
    once a case has run `--script-budget` / 2 seconds); medians of wall seconds and of CPU seconds (getrusage of this
    process and its reaped children: the loaders' workers), `ratio` = the script's median wall / extract's (extract's
    speed over the script's), `cpu_ratio` = extract's median CPU seconds / the script's; `runs` keeps every run with
-   the load before it. Target: ratio >= 1.0.
+   the load before it. Target: ratio >= 1.0. `*_equal`: the same at equal threads, both sides' torch threads
+   `--equal-threads` (default cores - 1) and DataLoader workers `--equal-workers` (default cores); target ratio >= 1.3.
+   `*_processes`: the equal-threads case, each run a fresh process (`--script-process-repeat` pairs taking turns; the
+   bench module and the arrays loaded before the run's timer, the same for both sides): the run's and the whole
+   process's wall seconds, and peak RSS, the process's (VmHWM) and its largest worker's; target rss_ratio <= 1.0.
 7. store: the embedding store (bench/store_figures.py): re-partitioning through a filled store vs a fresh
    extraction (target <= 0.05 x, 0 images embedded), α and client sweeps of 5 values vs one extraction (target
    <= 1.2 x), the demo's store and cache bytes, the images each backbone embeds in every quick reproduction vs the

