@@ -4,7 +4,10 @@ extraction tests read."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -19,6 +22,11 @@ from featcache.algorithms.pfedgate import PFedGate
 from featcache.algorithms.scaffold import Scaffold
 from featcache.training.config import resolve
 from tests.synthetic import synthetic_clients
+
+# The digest memo (featcache.cache.identity.memo_path) of a test session, its subprocesses included, lives in a
+# folder of its own: the suite never writes the user's ~/.cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="featcache-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 # Property tests: no example database in the repo, no per-example deadline (a CPU under load swings several-fold),
 # examples drawn from a fixed seed so a CI failure reproduces (HYPOTHESIS_PROFILE=explore draws fresh ones).
