@@ -388,6 +388,7 @@ def test_assert_matches_plain_loop_checks_a_plugin(tmp_path, registry):
         ({"device": None}, "--device must be one of auto | cpu | cuda[:N], not NoneType None"),
         ({"algo": ["fedavg", 3]}, "algo must be a str or a list of them, not list ['fedavg', 3]"),
         ({"algo": ["fedavg", "fedavg"]}, "--algo fedavg is given twice: list each algorithm once"),
+        ({"algo": []}, "algo lists no algorithm: give at least one (featcache algos lists them)"),
         ({"algo": ["fedavg", "fedprox"], "set": ["mu=1"]}, "mu is a setting of fedprox only: write fedprox.mu=1"),
         ({"seeds": None}, "--seeds must be a list of integers such as [0, 1, 2] (got None)"),
     ],

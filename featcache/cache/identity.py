@@ -9,10 +9,9 @@ Parsing and dumping the syntax trees costs a tenth of a second, in every process
 digest is remembered across processes in a per-user memo (`memo_path`), keyed by the file's path and its size,
 mtime, ctime, inode and device, under the Python and featcache versions and this module's own file: any edit, copy
 or checkout of a file changes its key and the file is hashed again. Weight files' sha256 (`file_sha256`) are
-remembered the same way, and what is installed (a library's version, `installed`) while no entry of sys.path changes:
-installing, upgrading or removing a distribution changes its folder. As in git's index, a file that changed less
-than `RACY_NS` before it was hashed is not remembered (a rewrite of the same size in the same timestamp tick keeps
-every stat field). A memo that is missing, damaged or cannot be written counts as empty.
+remembered the same way. As in git's index, a file that changed less than `RACY_NS` before it was hashed is not
+remembered (a rewrite of the same size in the same timestamp tick keeps every stat field). A memo that is missing,
+damaged or cannot be written counts as empty.
 """
 
 from __future__ import annotations
@@ -120,34 +119,13 @@ def file_sha256(path: str | Path) -> str:
     return digest.hex()
 
 
-def installed(kind: str, name: str, compute: Callable[[], str | None]) -> str | None:
-    """`compute()`, a fact about the installed distribution `name` (`kind` "version": its version, None when it is
-    not installed; another kind: what its caller finds in it), remembered while sys.path's entries are unchanged."""
-    memo = _Memo(memo_path())
-    fact = memo.installed(f"{kind}:{name}", compute)
-    memo.save()
-    return fact
-
-
 def _version(dist: str) -> str | None:
-    import importlib.metadata as md  # lazy: a remembered version needs none of its 40 ms
+    import importlib.metadata as md  # lazy: its 40 ms only where a key is computed
 
     try:
         return md.version(dist)
     except md.PackageNotFoundError:
         return None
-
-
-def _where() -> list[list]:
-    """Each sys.path entry with its stat (the entry alone when it does not exist)."""
-    where = []
-    for entry in sys.path:
-        path = os.path.abspath(entry or ".")
-        try:
-            where.append([path, *_signature(os.stat(path))])
-        except OSError:
-            where.append([path])
-    return where
 
 
 def _bytes_sha256(path: str | Path) -> bytes:
@@ -167,7 +145,6 @@ class _Memo:
         self.stamp = _stamp()
         self.files: dict[str, list] = {}
         self.used: set[str] = set()
-        self.installs: dict = {"where": None, "at": 0, "facts": {}}  # facts found while sys.path was `where`
         self.added = False
         if path is None or self.stamp is None:
             return
@@ -175,19 +152,8 @@ class _Memo:
             memo = json.loads(path.read_bytes())
         except (OSError, ValueError):
             return
-        if not isinstance(memo, dict) or memo.get("stamp") != self.stamp:
-            return
-        if isinstance(memo.get("files"), dict):
+        if isinstance(memo, dict) and memo.get("stamp") == self.stamp and isinstance(memo.get("files"), dict):
             self.files = memo["files"]
-        found = memo.get("installed")
-        if (
-            isinstance(found, dict)
-            and isinstance(found.get("where"), list)
-            and isinstance(found.get("at"), int)
-            and isinstance(found.get("facts"), dict)
-            and all(isinstance(v, (str, type(None))) for v in found["facts"].values())
-        ):
-            self.installs = found
 
     def digest(self, path: str, kind: str, compute: Callable[[], bytes]) -> bytes:
         """`compute()`, the `kind` digest of the file at the absolute `path`, or the one remembered at the file's
@@ -206,35 +172,16 @@ class _Memo:
             self.added = True
         return digest
 
-    def installed(self, key: str, compute: Callable[[], str | None]) -> str | None:
-        """`compute()`, or what it gave when sys.path's entries were as they are, settled more than RACY_NS before."""
-        at = time.time_ns()  # before the stats, as for a file
-        where = _where()
-        if where == self.installs["where"] and _settled(where, self.installs["at"]) and key in self.installs["facts"]:
-            return self.installs["facts"][key]
-        fact = compute()
-        if _settled(where, at):
-            if where != self.installs["where"]:
-                self.installs = {"where": where, "at": at, "facts": {}}
-            self.installs["facts"][key] = fact
-            self.added = True
-        return fact
-
     def save(self) -> None:
         """Write the entries this memo added, beside those another process wrote meanwhile; no fsync (a memo lost
         to a power cut costs one hashing)."""
         if not self.added or self.path is None:
             return
-        there = _Memo(self.path)
-        files = there.files | {k: self.files[k] for k in self.used}
+        files = _Memo(self.path).files | {k: self.files[k] for k in self.used}
         if len(files) > MEMO_FILES:
             files = {k: files[k] for k in self.used}
-        installs = self.installs
-        if there.installs["where"] == installs["where"]:
-            installs = installs | {"facts": there.installs["facts"] | installs["facts"]}
-        memo = {"stamp": self.stamp, "files": files, "installed": installs}
         with suppress(OSError, UserError):
-            write_atomic(self.path, json.dumps(memo, separators=(",", ":")))
+            write_atomic(self.path, json.dumps({"stamp": self.stamp, "files": files}, separators=(",", ":")))
 
 
 def _stamp() -> list | None:
@@ -244,11 +191,6 @@ def _stamp() -> list | None:
         return [sys.version, __version__, _signature(os.stat(__file__))]
     except OSError:
         return None
-
-
-def _settled(where: list[list], at: int) -> bool:
-    """Whether every entry of `where` last changed more than RACY_NS before `at`."""
-    return all(len(w) == 1 or max(w[2], w[3]) < at - RACY_NS for w in where)
 
 
 def _signature(st: os.stat_result) -> list[int]:
@@ -283,7 +225,4 @@ def _versions() -> dict:
 
 def installed_versions(dists: tuple[str, ...]) -> dict[str, str | None]:
     """The installed version of each distribution of `dists`, None for one that is not installed."""
-    memo = _Memo(memo_path())
-    found = {d: memo.installed(f"version:{d}", functools.partial(_version, d)) for d in dists}
-    memo.save()
-    return found
+    return {d: _version(d) for d in dists}

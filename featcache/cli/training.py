@@ -65,8 +65,8 @@ def train(
     from ..runs.train import check_outputs, check_runs, resolve_runs, run
     from ..threads import check_threads, use_threads
 
+    dev = resolve_device(device)  # as featcache.train: the device first, then every algorithm's settings
     specs = resolve_runs(algo, rounds, seeds, set, backbones)  # plug-in specs loaded, each checked
-    dev = resolve_device(device)
     check_outputs(out_dir, tensorboard)  # every algorithm's settings and the output folder, before the first trains
     check_every(checkpoint_every)
     notes = {spec.name: objective_note(spec.algo, spec.config) for spec in specs}

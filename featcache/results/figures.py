@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..atomic import write_atomic, write_together
+from ..atomic import output_errors, write_atomic, write_together
 from ..errors import UserError
 from .load import is_number
 from .tables import Series, client_domains, labels, per_client, series, title
@@ -80,9 +80,10 @@ def write_report(out: str | Path, files: dict[str, bytes | str]) -> None:
             "--out or move it (a report never overwrites a file it did not write)"
         )
     write_together([(Path(out) / name, body) for name, body in files.items()])
-    for stale in (Path(out) / n for n in REPORT_FILES if n not in files):
-        if stale.is_file() and written_by_report(stale):
-            stale.unlink()
+    with output_errors(out):
+        for stale in (Path(out) / n for n in REPORT_FILES if n not in files):
+            if not stale.is_symlink() and stale.is_file() and written_by_report(stale):
+                stale.unlink(missing_ok=True)  # another report may have removed it first
 
 
 def _finish(fig, path: Path | None, laid_out: bool = False) -> bytes:

@@ -30,8 +30,8 @@ def report(results: list[str | Path], out: str | Path | None = None, x: str | No
     sweep over the cache parameter that differs (`x` names it when several do: alpha, clients, partition, ...; see
     `sweep.PARAMETERS`): one row per point, and `x` and `points` (x, line, personal and global accuracy mean/std,
     cache, result file) in the answer. With `out`, also writes OUT/report.md, OUT/curves.png, OUT/clients.png and,
-    for a sweep, OUT/sweep.png, all of them or none. A search's run folder (`featcache search`) is reported alone, by
-    `search.search_report`."""
+    for a sweep, OUT/sweep.png, all of them or none (`figures.write_report`). A search's run folder (`featcache
+    search`) is reported alone, by `search.search_report`."""
     searches = [p for p in results if is_search(p)]
     if searches:
         if len(results) > 1:

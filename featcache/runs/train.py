@@ -122,6 +122,8 @@ def resolve_runs(
     listed once, `set`'s `ALGO.key=value` scoped to its algorithm."""
     from ..algorithms import create, load
 
+    if not algo:
+        raise UserError("algo lists no algorithm: give at least one (featcache algos lists them)")
     names = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
     twice = sorted({a for a in names if names.count(a) > 1})
     if twice:
@@ -173,8 +175,8 @@ def train(
     featcache/threads.py).
 
     A list of algorithms trains each in turn, as repeated `--algo`s do, every one checked first (`resolve_runs`,
-    `check_runs`),
-    and returns `{"runs": [each one's result]}`; a result's numbers and name are those of its algorithm's own call."""
+    `check_runs`), and returns `{"runs": [each one's result]}`; a result's numbers and name are those of its
+    algorithm's own call."""
     dev = resolve_device(device)
     several = not isinstance(algo, str)
     specs = (

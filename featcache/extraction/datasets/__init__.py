@@ -13,6 +13,7 @@ import io
 import json
 import sys
 import zipfile
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
@@ -143,11 +144,17 @@ class _SavedImages(ArrayImages):
             try:
                 with np.load(self.file, allow_pickle=False) as z:
                     self._images = ArrayImages(z[self.key], self.labels).images
-            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
-                self.file.unlink(missing_ok=True)  # the next run builds the dataset again
+            except (ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+                with suppress(OSError):  # the next run builds the dataset again
+                    self.file.unlink()
                 raise UserError(
                     f"the saved copy of dataset images {self.file} was damaged ({first_line(e)}) and is removed: "
                     "run the same command again"
+                ) from None
+            except OSError as e:  # unreadable now (gone, permissions, I/O): not proof of damage, nothing removed
+                raise UserError(
+                    f"cannot read the saved copy of dataset images {self.file} ({first_line(e)}): check the store "
+                    "folder, or remove the file to build the dataset again"
                 ) from None
         return self._images
 

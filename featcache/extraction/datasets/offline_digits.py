@@ -150,15 +150,16 @@ def _domain(name: str, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 @functools.lru_cache(maxsize=16)
 def _splits(name: str, size: int, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """One domain's splits, 'train' and 'test' -> (images [n, size, size, 3] uint8, read-only; labels [n]): the
-    splits alone are kept, so a process holds each image once however often it loads the dataset."""
+    """One domain's splits, 'train' and 'test' -> (images [n, size, size, 3] uint8 and labels [n], both read-only:
+    every load shares them): the splits alone are kept, so a process holds each image once however often it loads
+    the dataset."""
     images, labels = _domain(name, size, seed)
     train, test = _split(labels, np.random.default_rng([seed, 99, DOMAINS.index(_SPLIT_AS.get(name, name))]))
     splits = {}
     for split, rows in (("train", train), ("test", test)):
-        x = images[rows]  # [n, size, size, 3]
-        x.flags.writeable = False
-        splits[split] = (x, labels[rows])
+        x, y = images[rows], labels[rows]  # [n, size, size, 3], [n]
+        x.flags.writeable = y.flags.writeable = False
+        splits[split] = (x, y)
     return splits
 
 
