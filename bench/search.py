@@ -187,6 +187,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0", help="comma-separated seeds every configuration trains")
     ap.add_argument("--trials", type=int, default=16, help="TPE and random search's trial budget")
     ap.add_argument("--schedules", action="store_true", help="also the unpruned curves and each schedule on them")
+    ap.add_argument("--case", action="append", choices=["demo", "label_skew"], help="run only this case (repeat)")
     args = ap.parse_args()
     backbones = args.backbone or ["efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2"]
     demo, skewed = (args.demo, args.skewed) if args.demo and args.skewed else demo_caches(Path(args.work), backbones)
@@ -195,7 +196,7 @@ def main() -> None:
     cases = {}
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(args.out or tmp)
-        for name, cache in (("demo", demo), ("label_skew", skewed)):
+        for name, cache in [c for c in (("demo", demo), ("label_skew", skewed)) if c[0] in (args.case or c)]:
             cases[name] = case(cache, args.rounds, seeds, args.trials, runs / name)
             if args.schedules:
                 cases[name]["schedules"] = schedules(cache, args.rounds, seeds, runs / name)

@@ -10,6 +10,7 @@ import pytest
 
 from featcache.errors import UserError
 from featcache.reproduce import parse_pipeline, plan, reproduce, run_job
+from featcache.runs.search import REDUCTION
 from featcache.training.engine import Engine
 from tests.synthetic import write_cache
 from tests.test_reproduce import PIPELINE, synthetic_job
@@ -36,7 +37,7 @@ def test_the_profile_gives_the_trial_budget_and_other_rows_plan_as_before():
         "pruner": "halving",
         "trials": 4,
         "rungs": 1,
-        "reduction": 3,
+        "reduction": REDUCTION,  # the search's default
     }
     assert json.loads(full[("m Ours", "Avg")].search)["trials"] == 16
     assert all(job.search == "{}" for (row, _), job in quick.items() if row != "m Ours")
@@ -51,7 +52,7 @@ def test_the_profile_gives_the_trial_budget_and_other_rows_plan_as_before():
     [
         (SEARCH, "", "row 'm Ours' searches: give trials = N"),
         (SEARCH, "trials = 0\n", "--trials 0"),
-        (SEARCH.replace("rungs = 1", "rungs = 2"), "trials = 4\n", "needs more than 3 rounds"),
+        (SEARCH.replace("rungs = 1", "rungs = 2, reduction = 3"), "trials = 4\n", "needs more than 3 rounds"),
         (SEARCH.replace('"loguniform:1e-3,0.1"', '"loguniform:0,0.1"'), "trials = 4\n", "above 0"),
         (SEARCH.replace("tau = [0.1, 0.5]", 'proj_dim = "int:16,64"'), "trials = 4\n", "proj_dim is structural"),
         (SEARCH.replace("[0.1, 0.5]", '["0.1"]'), "trials = 4\n", "not the string '0.1'"),

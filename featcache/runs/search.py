@@ -311,8 +311,8 @@ def search(
     device: str | torch.device = "auto",
     batch: int | None = None,
     sampler_seed: int = 0,
-    rungs: int | None = None,
-    reduction: int | None = None,
+    rungs: int = RUNGS,
+    reduction: int = REDUCTION,
     retrain: bool = True,
     progress=None,
     threads: int | None = None,
@@ -323,8 +323,7 @@ def search(
     `space`: `key=v1,v2` or `key=KIND:low,high` strings (KIND: uniform, loguniform, int, logint) or a dict of lists or
     such strings. `sampler` (random | tpe | grid, seeded by `sampler_seed`) picks the trials, `batch` at a time (one
     batched run each; default: all of them, a quarter for tpe so that later batches learn from earlier ones);
-    `pruner` (none | halving | hyperband) stops trials at `rungs` rungs `reduction` times apart (η; default: the
-    schedule of RUNGS, REDUCTION)."""
+    `pruner` (none | halving | hyperband) stops trials at `rungs` rungs `reduction` times apart (η)."""
     options = search_options(trials, sampler, pruner, batch, sampler_seed, rungs, reduction)
     spec = RunSpec.resolve(algo, rounds, seeds, set, backbones)
     dims = parse_space(spec.algo, space)
