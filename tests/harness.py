@@ -39,8 +39,25 @@ def write_folders(
     return root
 
 
-def folder_extract_args(root: Path, out: Path, *extra: str) -> list[str]:
-    backbones = [arg for spec in BACKBONES for arg in ("--backbone", spec)]
+@contextlib.contextmanager
+def ctrl_c_after_first_block(monkeypatch):
+    """Inside, an extraction in this process stops as at a Ctrl-C right after its first finished block is in place
+    (its parts folder, the resume point, kept)."""
+    real = os.replace
+
+    def then_stop(src, dst, *args, **kwargs):
+        real(src, dst, *args, **kwargs)
+        if str(dst).endswith(".npy"):
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", then_stop)
+        yield
+
+
+def folder_extract_args(root: Path, out: Path, *extra: str, backbones: list[str] = BACKBONES) -> list[str]:
+    """`featcache extract` of the image folder `root` into `out` with `backbones`, small and fast, --json."""
+    backbones = [arg for spec in backbones for arg in ("--backbone", spec)]
     return [
         "extract",
         "--dataset",

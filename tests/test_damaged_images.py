@@ -16,7 +16,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness import BACKBONES, Result, everything_in, one_line_error, run_cli, sha256, write_folders
+from harness import (
+    BACKBONES,
+    Result,
+    ctrl_c_after_first_block,
+    everything_in,
+    folder_extract_args,
+    one_line_error,
+    run_cli,
+    sha256,
+    write_folders,
+)
 
 from featcache.extraction.datasets.base import ArrayImages, PathImages
 from featcache.extraction.plan import extract
@@ -31,22 +41,7 @@ WHERE = ("first", "after-finished-blocks", "last")  # in the order the pass deco
 
 
 def args(root: Path, out: Path, backbones: list[str], *extra: str) -> list[str]:
-    return [
-        "extract",
-        "--dataset",
-        "imagefolder",
-        "--data-root",
-        str(root),
-        *(arg for spec in backbones for arg in ("--backbone", spec)),
-        "--image-size",
-        "32",
-        "--batch-size",
-        "4",
-        "--out",
-        str(out),
-        "--json",
-        *extra,
-    ]
+    return folder_extract_args(root, out, *extra, backbones=backbones)
 
 
 def refused(result: Result, bad: Path) -> None:
@@ -155,15 +150,7 @@ def test_a_damaged_file_met_while_resuming_keeps_the_resume_point(jpegs, tmp_pat
     root = shutil.copytree(source, tmp_path / "images")
     clean = json.loads(run_cli(*args(root, tmp_path / "clean", BACKBONES, "--workers", "0")).stdout)
     out = tmp_path / "out"
-    real = os.replace
-
-    def then_stop(src, dst, *a, **k):
-        real(src, dst, *a, **k)
-        if str(dst).endswith(".npy"):
-            raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(os, "replace", then_stop)
+    with ctrl_c_after_first_block(monkeypatch):
         assert run_cli(*args(root, out, BACKBONES, "--workers", "0")).code == 130
     bad = root / order[-1].relative_to(source)
     whole = bad.read_bytes()

@@ -28,7 +28,16 @@ import pytest
 import timm
 import torch
 from fixtures_disk import dump, write_digit5, write_image
-from harness import edit_cache, everything_in, lines, one_line_error, one_thread, run_cli, write_folders
+from harness import (
+    ctrl_c_after_first_block,
+    edit_cache,
+    everything_in,
+    lines,
+    one_line_error,
+    one_thread,
+    run_cli,
+    write_folders,
+)
 
 from featcache import cache as C
 from featcache.extraction.backbones import create_backbone
@@ -897,15 +906,7 @@ def store_name(tmp: Path) -> str:
 
 def killed_fill(tmp: Path, monkeypatch) -> Path:
     """A fill stopped (Ctrl-C) right after its first finished block: its parts folder, the resume point."""
-    real = os.replace
-
-    def then_stop(src, dst, *args, **kwargs):
-        real(src, dst, *args, **kwargs)
-        if str(dst).endswith(".npy"):
-            raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(os, "replace", then_stop)
+    with ctrl_c_after_first_block(monkeypatch):
         assert run_cli(*store_args(tmp)).code == 130
     (work,) = (tmp / "out" / "store").glob(".*.parts")
     assert list(work.glob("*.npy"))
