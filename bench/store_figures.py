@@ -11,7 +11,7 @@
   filled), `sweep9` (`--alpha 0.1,0.5,1 --clients 5,10,20`: 9 settings into an empty store), in turns rotating every
   repeat (`--repeats`, medians), the 1-minute load before and after; featcache's bytecode cached as an installed
   package's is (in the run's temporary folder: a checkout under PYTHONDONTWRITEBYTECODE would compile it anew in
-  every process), and its per-user memo of code and weight digests and library versions (featcache/cache/
+  every process), and its per-user memo of code and weight digests (featcache/cache/
   identity.py) filled by the first command, as a user's is after their first extraction; which of torch, timm and
   torchvision the re-partition imported (`-X importtime`; none where no GPU can be, featcache/devices.py). A
   re-partition that embedded an image (the embedding code changed during the run) stops the run. Targets:
