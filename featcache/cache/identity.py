@@ -160,7 +160,8 @@ class _Memo:
         present stat; OSError when the file cannot be read."""
         key = f"{kind}:{path}"
         hashed_at = time.time_ns()  # before the stat: a change after it is later still
-        st = os.stat(path)
+        with open(path, "rb") as f:  # an open revalidates an NFS client's cached attributes (close-to-open)
+            st = os.fstat(f.fileno())
         entry = self.files.get(key)
         if _valid(entry, st):
             self.used.add(key)
