@@ -16,6 +16,7 @@ import glob
 import os
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 from .errors import UserError
 
@@ -131,15 +132,19 @@ def remove_empty(folders: list[Path]) -> None:
             return
 
 
-def _stage(path: Path, text: str | bytes, durable: bool = False) -> Path:
+def _stage(path: Path, text: str | bytes | Callable[[BinaryIO], None], durable: bool = False) -> Path:
     """Write `text` to the temporary `.NAME.PID.tmp` beside `path` (removed again should the write fail); `durable`
-    fsyncs it."""
+    fsyncs it. A callable `text` writes into the open file itself (a large body never held in memory whole)."""
     make_folder(path.parent)
     with output_errors(path):
         _drop_orphans(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
+            if callable(text):
+                with open(tmp, "wb") as f:
+                    text(f)
+            else:
+                tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
             if durable:
                 sync(tmp)
         except BaseException:
@@ -148,10 +153,10 @@ def _stage(path: Path, text: str | bytes, durable: bool = False) -> Path:
     return tmp
 
 
-def write_atomic(path: str | Path, text: str | bytes, durable: bool = False) -> None:
-    """Write `path` atomically; an OS error of the output (see `output_errors`) is one UserError line and leaves no
-    temporary behind. `durable` also fsyncs the file before the rename and its folder after it, so the new file
-    survives a power loss (a training checkpoint)."""
+def write_atomic(path: str | Path, text: str | bytes | Callable[[BinaryIO], None], durable: bool = False) -> None:
+    """Write `path` atomically (`text`: its body, or a function writing it into the open file); an OS error of the
+    output (see `output_errors`) is one UserError line and leaves no temporary behind. `durable` also fsyncs the
+    file before the rename and its folder after it, so the new file survives a power loss (a training checkpoint)."""
     path = Path(path)
     tmp = _stage(path, text, durable)
     with output_errors(path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import io
 import json
 import sys
 import zipfile
@@ -110,9 +109,8 @@ def keep_dataset(data: Dataset, store: str | Path, **options) -> None:
         for s, images in splits.items()
         for k in ("images", "labels")
     }
-    buffer = io.BytesIO()
-    np.savez(buffer, classes=np.array(data.classes), source=np.array(data.source), **arrays)
-    write_atomic(file, buffer.getvalue())
+    extra = dict(classes=np.array(data.classes), source=np.array(data.source))
+    write_atomic(file, lambda f: np.savez(f, **extra, **arrays))  # streamed: tens of MB never held twice
 
 
 def _stored(name: str, store: Path, options: dict) -> Path:
