@@ -16,7 +16,7 @@ from featcache import cache as C
 from featcache.extraction import backbones, plan
 from featcache.extraction.backbones import align_state_dicts, create_backbone, list_offline_backbones, packaged_model
 from featcache.extraction.backbones import hub, sources
-from featcache.extraction.backbones.hashing import sha256
+from featcache.cache.identity import file_sha256 as sha256
 from featcache.extraction.backbones.keys import checkpoint_key
 from featcache.extraction.backbones.models import seeded_model
 from featcache.errors import UserError

@@ -604,11 +604,10 @@ class Trainer:
         R = self.config["rounds"]
         for rnd in range(R):
             values: dict = {}
-            for bucket in self.buckets:
-                if evaluates(rnd, bucket[0].cfg):  # the rounds up to the next evaluation in one go
-                    self._run(bucket, rnd + 1, values)
+            for bucket in [b for b in self.buckets if evaluates(rnd, b[0].cfg)]:
+                self._run(bucket, rnd + 1, values)  # the rounds up to the next evaluation in one go
                 engine, models = bucket
-                if models and evaluates(rnd, engine.cfg):
+                if models:
                     acc = engine.loop.records[-1]["test_acc"]  # [H, C]
                     for (i, _seed), per_client in zip(models, (100 * acc).tolist()):
                         values.setdefault(i, []).append(float(np.mean(per_client)))
@@ -675,7 +674,7 @@ class Replay:
             yield (
                 step,
                 {
-                    i: (c[step], [] if c[step] != c[step] else self.saved[i]["val_per_seed"])
+                    i: (c[step], [] if math.isnan(c[step]) else self.saved[i]["val_per_seed"])
                     for i, c in enumerate(curves)
                     if step in c
                 },

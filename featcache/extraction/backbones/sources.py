@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from featcache.errors import UserError, suggest
+from ...cache.identity import file_sha256
 
 from . import hub
-from .hashing import sha256
 from .keys import checkpoint_key, safe_key
 from .models import seeded_model, timm
 from .packaged import PACKAGED, packaged_file, packaged_model
@@ -91,7 +91,7 @@ class CheckpointFile(WeightSource):
             raise UserError(
                 f"checkpoint {path} for backbone {spec.name} does not exist: pass {spec.name}=PATH to a file"
             )
-        return {"name": spec.name, "weights": f"file:{path}", "sha256": sha256(path)}
+        return {"name": spec.name, "weights": f"file:{path}", "sha256": file_sha256(path)}
 
     def build(self, spec: Spec, image_size: int | None, allow_partial: bool) -> Weights:
         path = _path(spec)
@@ -100,7 +100,7 @@ class CheckpointFile(WeightSource):
 
         load = npz_model if path.suffix == ".npz" else state_dict_model
         model = load(spec.name, path, image_size, allow_partial)
-        return Weights(model, spec.name, checkpoint_key(spec.name, path), f"file:{path}", sha256(path))
+        return Weights(model, spec.name, checkpoint_key(spec.name, path), f"file:{path}", file_sha256(path))
 
 
 class PackagedWheel(WeightSource):
@@ -113,7 +113,7 @@ class PackagedWheel(WeightSource):
         return {
             "name": spec.name,
             "weights": f"package:{PACKAGED[spec.name].distribution}",
-            "sha256": sha256(packaged_file(spec.name)),
+            "sha256": file_sha256(packaged_file(spec.name)),
         }
 
     def build(self, spec: Spec, image_size: int | None, allow_partial: bool) -> Weights:
@@ -123,7 +123,7 @@ class PackagedWheel(WeightSource):
             packaged.architecture,
             safe_key(spec.name),
             f"package:{packaged.distribution}",
-            sha256(packaged_file(spec.name)),
+            file_sha256(packaged_file(spec.name)),
         )
 
 
@@ -156,7 +156,9 @@ class TimmHub(WeightSource):
         except OSError as err:  # connection, DNS, hub and cache-miss errors are all OSErrors
             raise UserError(f"no offline weights for {name} and the hub is unreachable: pass {ways_out(name)}") from err
         cached = hub.cached_file(cfg)
-        return Weights(model, name, safe_key(name), f"hub:{cfg.hf_hub_id or cfg.url}", sha256(cached) if cached else "")
+        return Weights(
+            model, name, safe_key(name), f"hub:{cfg.hf_hub_id or cfg.url}", file_sha256(cached) if cached else ""
+        )
 
 
 class RandomInit(WeightSource):
