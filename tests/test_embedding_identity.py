@@ -136,7 +136,9 @@ def alone(pass_data, built_once, tmp_path_factory):
                     x = P.normalise(
                         P.to_device(source[i][1], [g], dev)[g], bb.preprocessing["mean"], bb.preprocessing["std"]
                     )  # [1, 3, 32, 32]
-                    out[spec][split][i] = E._forward(model, x, dev, P.forward_batch(dev))[0].numpy().tobytes()
+                    padded = torch.cat([x, x.new_zeros((P.forward_batch(dev) - 1, *x.shape[1:]))])  # [64, 3, 32, 32]
+                    x = padded.contiguous(memory_format=torch.channels_last)
+                    out[spec][split][i] = E._forward(model, x, 1, dev)[0].numpy().tobytes()
     folder = tmp_path_factory.mktemp("alone")
     for split, i in (("train", 0), ("train", N_ARRAY - 1), ("test", 3)):
         got = run_pass(pass_data, [(split, [i])], folder / f"{split}{i}", BACKBONES)

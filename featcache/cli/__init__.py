@@ -24,8 +24,6 @@ from ..threads import passive_wait
 from . import extraction, flower, results, training  # noqa: F401  (each registers its commands on the app)
 from .app import app, err, help_style, json_stdout
 
-# The command owns its process: freed tensors' pages stay in it for the next step to reuse (featcache/memory.py).
-keep_freed_memory()
 # Its idle torch threads sleep instead of spinning (featcache/threads.py): set before torch loads (nothing above
 # imports it), as OpenMP reads it then.
 passive_wait()
@@ -46,6 +44,21 @@ COMMANDS = (
     extraction.datasets,
     results.reproduce,
 )
+TRAINING = ("train", "grid", "search", "reproduce", "flower")  # the commands that run training steps
+
+
+def keeps_freed_memory(argv: list[str]) -> bool:
+    """Whether a process of this command line keeps freed memory: a `featcache` command that trains, or any other
+    process that imports featcache.cli (a bench script); not a `featcache` command that runs no training step."""
+    word = next((a for a in argv[1:] if not a.startswith("-")), None)
+    return word not in {c.__name__ for c in COMMANDS}.difference(TRAINING)
+
+
+# A training command owns its process: freed tensors' pages stay in it for the next step to reuse
+# (featcache/memory.py); set before anything allocates. The others leave the C library as it is: extract's embedding
+# pass reuses nothing from step to step, and would only keep its peak.
+if keeps_freed_memory(sys.argv):
+    keep_freed_memory()
 
 
 def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:

@@ -102,68 +102,67 @@ def embed(
                 fh.write(json.dumps(metadata(bb)).encode())
     models = {j: bb.model.to(dev, memory_format=torch.channels_last) for j, bb in built.items()}
     inputs = {
-        j: (P.Geometry.of(bb.preprocessing), tuple(bb.preprocessing["mean"]), tuple(bb.preprocessing["std"]))
+        j: (P.Geometry.of(bb.preprocessing), bb.preprocessing["mean"], bb.preprocessing["std"])
         for j, bb in built.items()
-    }  # backbones with the same (geometry, mean, std) share one float input
+    }
     chunks = [
         P.Chunk(b, block.domain, block.split, block.rows[r : r + run.batch_size], block.views)
         for b, block in enumerate(blocks)
         for r in range(0, len(block.rows), run.batch_size)
     ]
-    source = P.Chunks(data, chunks, list(dict.fromkeys(g for g, _, _ in inputs.values())), run.noise, run.seed)
-    queues = {j: _Queue(P.forward_batch(dev)) for j in built}
+    geometries = list(dict.fromkeys(g for g, _, _ in inputs.values()))
+    source = P.Chunks(data, chunks, geometries, run.noise, run.seed, resize=run.workers > 0 and dev.type == "cpu")
+    queues = {j: _Queue(P.forward_batch(dev), mean, std) for j, (_, mean, std) in inputs.items()}
     if phases is not None:
         phases["models"] += (t1 := time.perf_counter()) - t
     with torch.inference_mode(), P.forward_threads(dev), _numerics(dev), _Files(blocks, built, dev) as files:
         for b, prepared in P.loader(source, run.workers, dev):
             x = P.to_device(prepared, source.geometries, dev)  # {geometry: [B*V, 3, H, W] uint8}
-            floats = {}  # (geometry, mean, std) -> [B*V, 3, H, W] float32
             for j in blocks[b].files:
-                if (key := inputs[j]) not in floats:
-                    floats[key] = P.normalise(x[key[0]], key[1], key[2])
-                queues[j].put(b, floats[key])
-                for rows, parts in queues[j].full():
-                    files.write(j, _forward(models[j], rows, dev, queues[j].size), parts, progress)
+                for rows, n, parts in queues[j].put(b, x[inputs[j][0]]):
+                    files.write(j, _forward(models[j], rows, n, dev), parts, progress)
         for j, queue in queues.items():
-            for rows, parts in queue.rest():
-                files.write(j, _forward(models[j], rows, dev, queue.size), parts, progress)
+            for rows, n, parts in queue.rest():
+                files.write(j, _forward(models[j], rows, n, dev), parts, progress)
     if phases is not None:
         phases["embedding"] += time.perf_counter() - t1
     return {j: metadata(bb) for j, bb in built.items()}
 
 
 class _Queue:
-    """One backbone's rows waiting for a forward, in the order they came, each run of them labelled with its block."""
+    """One backbone's next forward: a buffer of exactly `size` rows, float32 channels_last on the device, filled with
+    the normalised rows in the order they came, each run of them labelled with its block. Normalising straight into
+    one buffer allocated once keeps the pass's host memory at what the model needs: a float copy of each chunk
+    allocated between forwards would sit in the C library's heap under the next forward's activations."""
 
-    def __init__(self, size: int) -> None:
-        self.size, self.waiting, self.rows = size, deque(), 0  # waiting: (block, [n, 3, H, W] float32)
+    def __init__(self, size: int, mean, std) -> None:
+        self.size, self.mean, self.std = size, mean, std
+        self.x: torch.Tensor | None = None  # [size, 3, H, W] float32 channels_last, allocated at the first rows
+        self.rows, self.parts = 0, []  # rows filled; [(block, n), ...]
 
-    def put(self, block: int, x: torch.Tensor) -> None:
-        self.waiting.append((block, x))
-        self.rows += len(x)
-
-    def full(self):
-        """(rows [size, 3, H, W], [(block, n), ...]) while `size` rows wait."""
-        while self.rows >= self.size:
-            yield self._take(self.size)
+    def put(self, block: int, x: torch.Tensor):
+        """Normalises x [n, 3, H, W] uint8 into the buffer, yielding (buffer, size, parts) each time it is full."""
+        if self.x is None:
+            self.x = torch.empty((self.size, *x.shape[1:]), device=x.device, memory_format=torch.channels_last)
+        start = 0
+        while start < len(x):
+            n = min(self.size - self.rows, len(x) - start)
+            P.normalise_into(self.x[self.rows : self.rows + n], x[start : start + n], self.mean, self.std)
+            self.parts.append((block, n))
+            self.rows, start = self.rows + n, start + n
+            if self.rows == self.size:
+                yield self._take()
 
     def rest(self):
-        """The rows still waiting (fewer than `size`), as one last (rows [n, 3, H, W], parts), if any."""
+        """The rows still waiting (fewer than `size`) as one last (buffer, n, parts), the rows after them zero."""
         if self.rows:
-            yield self._take(self.rows)
+            self.x[self.rows :].zero_()
+            yield self._take()
 
-    def _take(self, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        pieces, parts = [], []
-        while n:
-            block, x = self.waiting.popleft()
-            if len(x) > n:
-                self.waiting.appendleft((block, x[n:]))
-                x = x[:n]
-            pieces.append(x)
-            parts.append((block, len(x)))
-            n -= len(x)
-            self.rows -= len(x)
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0], parts
+    def _take(self) -> tuple[torch.Tensor, int, list[tuple[int, int]]]:
+        taken = (self.x, self.rows, self.parts)
+        self.rows, self.parts = 0, []
+        return taken
 
 
 class _Files:
@@ -226,7 +225,7 @@ class _Writer:
 
     def put(self, fh, z: torch.Tensor) -> None:
         if not self.cuda:
-            fh.write(z.numpy().astype("<f4", copy=False).tobytes())
+            fh.write(z.numpy().astype("<f4", copy=False).data)  # the rows' own memory: no copy on the heap
             return
         host = z.to("cpu", non_blocking=True)  # into pinned memory
         done = torch.cuda.Event()
@@ -242,19 +241,16 @@ class _Writer:
     def _write_oldest(self) -> None:
         fh, host, done = self.pending.popleft()
         done.synchronize()
-        fh.write(host.numpy().astype("<f4", copy=False).tobytes())
+        fh.write(host.numpy().astype("<f4", copy=False).data)
 
 
-def _forward(model, x: torch.Tensor, dev: torch.device, size: int) -> torch.Tensor:
-    """[n, 3, H, W] float32 on the device, n <= size -> [n, D] float32 on the device: one forward of exactly `size`
-    rows, zero images padding x (fp16 autocast on CUDA). The kernels a CPU or GPU library picks, and so the last bits
-    of a row, change with the batch size (oneDNN's blocking on a CPU), never with the other rows: a forward of one
-    fixed size makes an image's embedding a function of the image alone."""
-    n = len(x)
-    if n < size:
-        x = torch.cat([x, x.new_zeros((size - n, *x.shape[1:]))])  # [size, 3, H, W]
+def _forward(model, x: torch.Tensor, n: int, dev: torch.device) -> torch.Tensor:
+    """x [size, 3, H, W] float32 channels_last on the device, its first n rows the images and the rest zero images
+    -> [n, D] float32 on the device: one forward of exactly `size` rows (fp16 autocast on CUDA). The kernels a CPU or
+    GPU library picks, and so the last bits of a row, change with the batch size (oneDNN's blocking on a CPU), never
+    with the other rows: a forward of one fixed size makes an image's embedding a function of the image alone."""
     with torch.autocast(dev.type, dtype=torch.float16, enabled=dev.type == "cuda"):
-        return model(x.contiguous(memory_format=torch.channels_last)).float()[:n]
+        return model(x).float()[:n]
 
 
 @contextmanager

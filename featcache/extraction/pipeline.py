@@ -6,7 +6,9 @@ once, applies the optional image noise at the image's own resolution, and then:
 
 - when the images share one size and there are no augmented views (array datasets such as offline-digits, Digit-5,
   CIFAR; folders of equal-size photos), returns them as one uint8 batch [B, 3, h, w]; `to_device` moves it to the
-  device and resizes it there, once per input geometry, in one batched op;
+  device and resizes it there, once per input geometry, in one batched op (`Chunks(resize=True)`, for a CPU pass
+  with input workers, resizes it in the worker instead: the main process keeps its core and its memory for the
+  forward);
 - otherwise resizes (or, for views, augments) each image for each input geometry and returns the uint8 batches
   {geometry: [B*V, 3, H, W]}, an image's V views in consecutive rows.
 
@@ -121,8 +123,11 @@ class Chunks:
     """Chunk k -> (block, prepared uint8 images), a map-style dataset for `loader`; see the module docstring for the
     two forms."""
 
-    def __init__(self, data, chunks: list[Chunk], geometries: list[Geometry], noise, seed: int) -> None:
+    def __init__(
+        self, data, chunks: list[Chunk], geometries: list[Geometry], noise, seed: int, resize: bool = False
+    ) -> None:
         self.data, self.chunks, self.geometries, self.noise, self.seed = data, chunks, geometries, noise, seed
+        self.resize = resize  # a shared-size batch resized here too, not by `to_device`
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -142,7 +147,8 @@ class Chunks:
             if len({p.shape for p in pixels}) == 1:
                 stack = np.stack(pixels)
         if stack is not None and not chunk.views:
-            return torch.from_numpy(np.ascontiguousarray(stack)).permute(0, 3, 1, 2).contiguous()  # [B, 3, h, w]
+            x = torch.from_numpy(np.ascontiguousarray(stack)).permute(0, 3, 1, 2).contiguous()  # [B, 3, h, w]
+            return {g: resize(x, g) for g in self.geometries} if self.resize else x  # each [B, 3, H, W]
         if stack is not None:
             pixels = list(stack)
         tensors = [torch.from_numpy(np.ascontiguousarray(p)).permute(2, 0, 1) for p in pixels]  # each [3, h, w]
@@ -272,7 +278,14 @@ def to_device(prepared, geometries: list[Geometry], device: torch.device) -> dic
     return {g: t.to(device, non_blocking=True) for g, t in prepared.items()}
 
 
+def normalise_into(out: torch.Tensor, x: torch.Tensor, mean, std) -> torch.Tensor:
+    """uint8 x [B, 3, H, W] -> out [B, 3, H, W] float32 (any layout, on x's device): (x / 255 - mean) / std per
+    channel, computed in place in `out`; returns out."""
+    mean, std = (torch.tensor(v, dtype=torch.float32, device=x.device).view(1, 3, 1, 1) for v in (mean, std))
+    return out.copy_(x).div_(255).sub_(mean).div_(std)
+
+
 def normalise(x: torch.Tensor, mean, std) -> torch.Tensor:
     """uint8 [B, 3, H, W] -> float32 [B, 3, H, W] channels_last: (x / 255 - mean) / std per channel."""
-    mean, std = (torch.tensor(v, dtype=torch.float32, device=x.device).view(1, 3, 1, 1) for v in (mean, std))
-    return x.float().div_(255).sub_(mean).div_(std).contiguous(memory_format=torch.channels_last)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device, memory_format=torch.channels_last)
+    return normalise_into(out, x, mean, std)
