@@ -836,7 +836,7 @@ def main() -> None:
     ap.add_argument("--script-budget", type=float, default=100, help="fig. 6: seconds after which no pair starts")
     ap.add_argument("--equal-threads", type=int, default=max(1, CORES - 1), help="fig. 6: both sides' torch threads")
     ap.add_argument("--equal-workers", type=int, default=CORES, help="fig. 6: both sides' DataLoader workers")
-    ap.add_argument("--script-process-repeat", type=int, default=2, help="fig. 6: pairs of fresh processes")
+    ap.add_argument("--script-process-repeat", type=int, default=4, help="fig. 6: pairs of fresh processes")
     ap.add_argument("--script-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--script-root", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--figures", default="1,2,3,4,5,6,7,8", help="figures to measure (1, 2 and 3 run together)")
