@@ -242,3 +242,26 @@ def test_default_image_size_is_keyed_as_the_explicit_size_and_a_label_partition_
     explicit = extract(**args, image_size=64, out=tmp_path)
     assert explicit["cache"] == default["cache"] and explicit["cache_hit"] and explicit["notes"] == told[1:]
     assert extract(**args, out=tmp_path)["notes"] == told  # a cache hit says the same
+
+
+def test_the_forward_buffer_is_allocated_once_and_holds_the_rows_in_order():
+    """The pass's queue normalises rows of any chunk sizes into one buffer of exactly `size` rows (what keeps the
+    pass's memory flat): each forward gets that same buffer, the rows in the order they came, the last one padded
+    with zero images; the values are `normalise`'s."""
+    import torch
+
+    from featcache.extraction import embed as E
+    from featcache.extraction import pipeline as P
+
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    chunks = [torch.randint(0, 256, (n, 3, 4, 4), dtype=torch.uint8) for n in (3, 5, 2, 1)]  # 11 rows
+    queue, got = E._Queue(4, mean, std), []
+    for b, x in enumerate(chunks):
+        got += [(x.data_ptr(), n, parts, x.clone()) for x, n, parts in queue.put(b, x)]
+    got += [(x.data_ptr(), n, parts, x.clone()) for x, n, parts in queue.rest()]
+    assert len({ptr for ptr, *_ in got}) == 1
+    assert [(n, parts) for _, n, parts, _ in got] == [(4, [(0, 3), (1, 1)]), (4, [(1, 4)]), (3, [(2, 2), (3, 1)])]
+    rows = torch.cat([x for *_, x in got])  # [12, 3, 4, 4]
+    want = P.normalise(torch.cat(chunks), mean, std)  # [11, 3, 4, 4]
+    assert torch.equal(rows[:11], want) and not rows[11].any()
+    assert got[0][3].is_contiguous(memory_format=torch.channels_last)

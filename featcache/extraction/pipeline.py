@@ -15,8 +15,8 @@ once, applies the optional image noise at the image's own resolution, and then:
 `loader` runs `Chunks` in worker processes (torch's DataLoader: bounded prefetch, pinned host memory on CUDA) when
 there is per-image work to spread, or in this process when a chunk is one array slice. The bytes are the same either
 way and whatever the chunk size: every operation acts on each image alone (a batch's resize equals each image's own).
-`normalise` turns a uint8 batch into the backbone's float input on the device; the forward's batches are fixed apart
-from the chunks (`FORWARD_BATCH`, used by `embed.py`).
+`normalise_into` turns uint8 rows into the backbone's float input on the device, in place in the forward's buffer;
+the forward's batches are fixed apart from the chunks (`FORWARD_BATCH`, used by `embed.py`).
 
 Resizing is torchvision's `resize` on uint8 tensors with antialiasing (within one grey level of PIL's), rounded to
 uint8 as PIL's is; `DESCRIPTION` records the exact operations in each backbone's metadata and in the cache key.
