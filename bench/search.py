@@ -1,10 +1,16 @@
 """Benchmark: `featcache search` with successive halving vs the exhaustive `featcache grid` over the same 64
 configurations, and TPE vs random search at an equal trial budget. Prints one JSON object.
 
-Run: `.venv/bin/python bench/search.py --demo CACHE --skewed CACHE [--rounds 50] [--seeds 0]`. Without caches it
+Run: `.venv/bin/python bench/search.py --demo CACHE --skewed CACHE [--rounds 50] [--seeds 0,1]`. Without caches it
 extracts them into --work: the demo cache (`make demo`'s extraction: offline-digits, 3 EfficientNet-Lites, one client
-per domain; `--backbone efficientnet_lite0` for a third of the cost) and a label-skewed one (the same images over 4
-clients, Dirichlet α = 0.1).
+per domain; `--backbone efficientnet_lite0` for a third of the cost) and a label-skewed one (30 images per class and
+domain over 4 clients, Dirichlet α = 0.1, half of each client's training rows held out for validation). The gap is
+measured in validation accuracy, the mean of the clients' accuracies, so the skewed cache holds enough validation
+images to tell 0.5 points apart: from the demo's 10 per class and a fifth held out, its clients would hold 12-24
+validation images, one image moving the mean by 1.0-2.1 points; here they hold 100-179, 0.25 points at most. Each
+case prints `one_image_points`, the most one validation image moves the mean. Every configuration trains two seeds
+(`--seeds 0,1`) on both sides, and both score it by the mean over seeds: with one seed the skewed grid's six best
+points lie within 0.5 points of each other at the last round, and which is "best" is that round's noise.
 
 Per cache, side by side in one process: the grid of lr (8 values) x weight decay (8 values) for FedAvg, validation-
 selected and retrained; the search of the same 64 points (`--sampler grid --pruner halving`, every point one trial,
@@ -31,6 +37,7 @@ from pathlib import Path
 
 import featcache
 import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache` runs)
+from featcache.cache import info as cache_info
 from featcache.errors import UserError
 from featcache.runs.search import PRUNERS, Rungs, rung_rounds
 
@@ -38,22 +45,23 @@ LRS = [round(10 ** (-1 - 3 * i / 7), 7) for i in range(8)]  # 0.1 .. 1e-4
 WDS = [round(10 ** (-2 - 3 * i / 7), 7) for i in range(8)]  # 1e-2 .. 1e-5
 RANGES = {"lr": "loguniform:1e-4,0.1", "weight_decay": "loguniform:1e-5,1e-2"}
 TARGETS = {"time_ratio": 0.3, "gap_points": 0.5}
+SKEWED = {"per_class": 30, "val_fraction": 0.5}  # the label-skewed cache's validation size (the module docstring)
 
 
 def demo_caches(work: Path, backbones: list[str]) -> tuple[str, str]:
-    """The demo cache and a label-skewed cache of the same images (4 clients, α = 0.1), extracted into `work` (cache
-    hits after once)."""
-    common = dict(
-        dataset="offline-digits",
-        backbone=backbones,
-        per_class=10,
-        test_per_class=50,
-        image_size=64,
-        out=str(work),
-    )
-    demo = featcache.extract(partition="feature", **common)["cache"]
-    skewed = featcache.extract(partition="label", clients=4, alpha=0.1, **common)["cache"]
-    return demo, skewed
+    """The demo cache and a label-skewed cache (4 clients, α = 0.1, `SKEWED`), extracted into `work` (cache hits
+    after once)."""
+    common = dict(dataset="offline-digits", backbone=backbones, test_per_class=50, image_size=64, out=str(work))
+    demo = featcache.extract(partition="feature", per_class=10, **common)["cache"]
+    skewed = featcache.extract(partition="label", clients=4, alpha=0.1, **SKEWED, **common)
+    return demo, skewed["cache"]
+
+
+def one_image_points(cache: str) -> float:
+    """The most one validation image moves the validation score (the mean of the clients' accuracies, in points):
+    100 / (clients x the smallest client's validation rows). A gap below it is one image."""
+    clients = cache_info(cache)["counts"]["clients"]
+    return 100 / (len(clients) * min(c["val"] for c in clients))
 
 
 def timed(fn, **kwargs) -> tuple[dict, float, float]:
@@ -123,6 +131,7 @@ def case(cache: str, rounds: int, seeds: list[int], trials: int, out: Path) -> d
         }
     return {
         "cache": cache,
+        "one_image_points": round(one_image_points(cache), 3),
         "load_1min": round(os.getloadavg()[0], 2),
         "grid_best_val": round(best_val, 3),
         "grid_retrained_test": round(grid["retrain"]["mean_acc"], 3),
@@ -184,7 +193,7 @@ def main() -> None:
     ap.add_argument("--backbone", action="append", help="backbones of the extracted caches (default: the demo's 3)")
     ap.add_argument("--out", help="keep the run folders here (default: a temporary folder, removed)")
     ap.add_argument("--rounds", type=int, default=50)
-    ap.add_argument("--seeds", default="0", help="comma-separated seeds every configuration trains")
+    ap.add_argument("--seeds", default="0,1", help="comma-separated seeds every configuration trains")
     ap.add_argument("--trials", type=int, default=16, help="TPE and random search's trial budget")
     ap.add_argument("--schedules", action="store_true", help="also the unpruned curves and each schedule on them")
     ap.add_argument("--case", action="append", choices=["demo", "label_skew"], help="run only this case (repeat)")
