@@ -20,15 +20,18 @@ import itertools
 import json
 import time
 
-import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache` runs)
+import featcache.cli  # noqa: F401  (the CLI's thread setting, as `featcache` runs)
 import torch
 
 from featcache.algorithms import create
+from featcache.memory import keep_freed_memory
 from featcache.training.config import resolve
 from featcache.training.engine import Engine
 from featcache.training.schedule import trained_rows
 from featcache.training.optim import MASKED, OPTIMIZERS
 from featcache.testing import OpCount, synthetic_clients
+
+keep_freed_memory()  # the training commands' allocator setting, as `featcache train` runs
 
 
 def mm_gflops(device: str, n: int = 1024, repeats: int = 10) -> float:

@@ -29,18 +29,20 @@ import subprocess
 import sys
 import time
 
-import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache` runs)
+import featcache.cli  # noqa: F401  (the CLI's thread setting, as `featcache` runs)
 import torch
 
 from featcache.algorithms import create
 from featcache.cache import ClientData
 from featcache.errors import UserError
-from featcache.memory import available_bytes
+from featcache.memory import available_bytes, keep_freed_memory
 from featcache.training.config import resolve
 from featcache.training.engine import Engine
 from featcache.training.evaluate import record
 from featcache.training.footprint import estimate, fit_at_once
 from featcache.testing import synthetic_clients
+
+keep_freed_memory()  # the training commands' allocator setting, as `featcache train` runs
 
 D, K, N_TRAIN, N_TEST, BATCH = 1280, 10, 20, 10, 10
 MATMULS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::baddbmm", "aten::addbmm")

@@ -36,10 +36,13 @@ import time
 from pathlib import Path
 
 import featcache
-import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache` runs)
+import featcache.cli  # noqa: F401  (the CLI's thread setting, as `featcache` runs)
 from featcache.cache import info as cache_info
 from featcache.errors import UserError
+from featcache.memory import keep_freed_memory
 from featcache.runs.search import PRUNERS, Rungs, rung_rounds
+
+keep_freed_memory()  # the training commands' allocator setting, as `featcache train` runs
 
 LRS = [round(10 ** (-1 - 3 * i / 7), 7) for i in range(8)]  # 0.1 .. 1e-4
 WDS = [round(10 ** (-2 - 3 * i / 7), 7) for i in range(8)]  # 1e-2 .. 1e-5

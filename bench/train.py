@@ -19,13 +19,16 @@ import json
 import statistics
 import time
 
-import featcache.cli  # noqa: F401  (the CLI's allocator setting, as `featcache` runs)
+import featcache.cli  # noqa: F401  (the CLI's thread setting, as `featcache` runs)
 import torch
 
 from featcache.algorithms import create
+from featcache.memory import keep_freed_memory
 from featcache.training.config import resolve
 from featcache.training.engine import Engine
 from featcache.testing import plain_loop, synthetic_clients
+
+keep_freed_memory()  # the training commands' allocator setting, as `featcache train` runs
 
 
 def backbone_images_per_second(batch: int = 32, size: int = 64, repeats: int = 3) -> float:

@@ -7,7 +7,7 @@ gradient stacks again faults every page of them in afresh, which can cost more t
 `keep_freed_memory` asks glibc to serve every block from its heap and never to trim it, so a step reuses the pages
 the previous step freed. The process keeps its peak memory until it exits, which suits a command that trains and
 ends. The `featcache` command calls it when it starts a command that trains (featcache/cli: not extract, whose pass
-would only keep its peak); importing featcache does not (a library user may call it).
+would only keep its peak); importing featcache does not (a library user or a bench may call it).
 """
 
 from __future__ import annotations

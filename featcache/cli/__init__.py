@@ -44,21 +44,10 @@ COMMANDS = (
     extraction.datasets,
     results.reproduce,
 )
-TRAINING = ("train", "grid", "search", "reproduce", "flower")  # the commands that run training steps
-
-
-def keeps_freed_memory(argv: list[str]) -> bool:
-    """Whether a process of this command line keeps freed memory: a `featcache` command that trains, or any other
-    process that imports featcache.cli (a bench script); not a `featcache` command that runs no training step."""
-    word = next((a for a in argv[1:] if not a.startswith("-")), None)
-    return word not in {c.__name__ for c in COMMANDS}.difference(TRAINING)
-
-
-# A training command owns its process: freed tensors' pages stay in it for the next step to reuse
-# (featcache/memory.py); set before anything allocates. The others leave the C library as it is: extract's embedding
-# pass reuses nothing from step to step, and would only keep its peak.
-if keeps_freed_memory(sys.argv):
-    keep_freed_memory()
+# The commands that run training steps: each keeps freed memory (featcache/memory.py) for the next step to reuse.
+# The others leave the C library as it is: extract's embedding pass reuses nothing from step to step and would only
+# keep its peak.
+TRAINING = ("train", "grid", "search", "reproduce")
 
 
 def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:
@@ -183,11 +172,14 @@ _OOM_ADVICE = {
 
 def _wrapped(command):
     """`command` with its KeyboardInterrupt told in one line (typer then exits 130 and keeps the exception), a
-    plug-in's own KeyboardInterrupt made its error line, and, under --json, stdout kept for the one JSON object."""
+    plug-in's own KeyboardInterrupt made its error line, under --json stdout kept for the one JSON object, and a
+    training command's allocator setting (`TRAINING`)."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):
         _RUNNING.append(command.__name__)
+        if command.__name__ in TRAINING:
+            keep_freed_memory()
         try:
             with json_stdout(bool(kwargs.get("as_json"))):
                 return command(*args, **kwargs)
