@@ -265,3 +265,37 @@ def test_the_forward_buffer_is_allocated_once_and_holds_the_rows_in_order():
     want = P.normalise(torch.cat(chunks), mean, std)  # [11, 3, 4, 4]
     assert torch.equal(rows[:11], want) and not rows[11].any()
     assert got[0][3].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_strided_rows_are_written_whole(tmp_path):
+    """A ViT's pooled class token is a strided view (x[:, 0] of [B, T, D]): the writer writes its rows in order, as
+    it writes a contiguous tensor's."""
+    import torch
+
+    from featcache.extraction.embed import _Writer
+
+    tokens = torch.arange(4 * 3 * 5, dtype=torch.float32).reshape(4, 3, 5)  # [B, T, D]
+    pooled = tokens[:, 0]  # [B, D], not C-contiguous
+    assert not pooled.is_contiguous()
+    writer = _Writer(torch.device("cpu"), lag=0)
+    with open(tmp_path / "rows.bin", "wb") as fh:
+        writer.put(fh, pooled)
+        writer.flush()
+    assert (tmp_path / "rows.bin").read_bytes() == pooled.contiguous().numpy().astype("<f4").tobytes()
+
+
+@pytest.mark.slow
+def test_a_vit_backbone_extracts_on_the_cpu(tmp_path):
+    """A timm ViT (random weights, offline) through a whole CPU extraction: its class-token rows reach the cache."""
+    r = extract(
+        dataset="offline-digits",
+        backbone=["vit_tiny_patch16_224=random"],
+        per_class=1,
+        test_per_class=1,
+        image_size=32,
+        domains=["mnist"],
+        out=str(tmp_path),
+    )
+    with h5py.File(r["cache"]) as h:
+        features = h["train/features/concat"][:]
+    assert features.shape == (10, 192) and np.isfinite(features).all() and features.std(axis=0).max() > 0

@@ -143,7 +143,8 @@ class _Queue:
     def put(self, block: int, x: torch.Tensor):
         """Normalises x [n, 3, H, W] uint8 into the buffer, yielding (buffer, size, parts) each time it is full."""
         if self.x is None:
-            self.x = torch.empty((self.size, *x.shape[1:]), device=x.device, memory_format=torch.channels_last)
+            shape = (self.size, *x.shape[1:])
+            self.x = torch.empty(shape, dtype=torch.float32, device=x.device, memory_format=torch.channels_last)
         start = 0
         while start < len(x):
             n = min(self.size - self.rows, len(x) - start)
@@ -225,7 +226,7 @@ class _Writer:
 
     def put(self, fh, z: torch.Tensor) -> None:
         if not self.cuda:
-            fh.write(z.numpy().astype("<f4", copy=False).data)  # the rows' own memory: no copy on the heap
+            fh.write(np.ascontiguousarray(z.numpy(), "<f4").data)  # the rows' own memory unless strided (a ViT's token)
             return
         host = z.to("cpu", non_blocking=True)  # into pinned memory
         done = torch.cuda.Event()
@@ -241,7 +242,7 @@ class _Writer:
     def _write_oldest(self) -> None:
         fh, host, done = self.pending.popleft()
         done.synchronize()
-        fh.write(host.numpy().astype("<f4", copy=False).data)
+        fh.write(np.ascontiguousarray(host.numpy(), "<f4").data)
 
 
 def _forward(model, x: torch.Tensor, n: int, dev: torch.device) -> torch.Tensor:
