@@ -9,7 +9,7 @@ name matches PATTERN (`*` counts every call) triggers, `before` or `after` the c
 --kill   the process sends itself SIGKILL: a real kill -9, no exception handler, finally block or atexit hook runs.
 --sigint the process sends itself SIGINT: a real Ctrl-C, handled by whatever SIGINT handler is installed then.
 --pause  the process waits until FILE exists (holding whatever locks it holds), then goes on.
---log    appends JSON lines to FILE: {"replace": "folder/name"} for every os.replace destination, {"forward": rows}
+--log    appends JSON lines to FILE: {"replace": "folder/name"} for every os.replace destination, {"forward": images}
          for every forward pass, and {"parts": {"folder/name": [inode, mtime_ns]}} of a store's finished blocks each
          time a fill commits them.
 """
@@ -83,7 +83,7 @@ def log_to(path: str) -> None:
         return f"{file.parent.name}/{file.name}"
 
     wrap("os.replace", lambda args: write({"replace": where(args[1])}))
-    wrap("featcache.extraction.embed._forward", lambda args: write({"forward": len(args[1])}))
+    wrap("featcache.extraction.embed._forward", lambda args: write({"forward": args[2]}))  # (model, x, n, dev)
     wrap(
         "featcache.extraction.store.Store.commit",
         lambda args: write(
