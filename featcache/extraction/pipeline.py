@@ -6,9 +6,7 @@ once, applies the optional image noise at the image's own resolution, and then:
 
 - when the images share one size and there are no augmented views (array datasets such as offline-digits, Digit-5,
   CIFAR; folders of equal-size photos), returns them as one uint8 batch [B, 3, h, w]; `to_device` moves it to the
-  device and resizes it there, once per input geometry, in one batched op (`Chunks(resize=True)`, for a CPU pass
-  with input workers, resizes it in the worker instead: the main process keeps its core and its memory for the
-  forward);
+  device and resizes it there, once per input geometry, in one batched op;
 - otherwise resizes (or, for views, augments) each image for each input geometry and returns the uint8 batches
   {geometry: [B*V, 3, H, W]}, an image's V views in consecutive rows.
 
@@ -123,11 +121,8 @@ class Chunks:
     """Chunk k -> (block, prepared uint8 images), a map-style dataset for `loader`; see the module docstring for the
     two forms."""
 
-    def __init__(
-        self, data, chunks: list[Chunk], geometries: list[Geometry], noise, seed: int, resize: bool = False
-    ) -> None:
+    def __init__(self, data, chunks: list[Chunk], geometries: list[Geometry], noise, seed: int) -> None:
         self.data, self.chunks, self.geometries, self.noise, self.seed = data, chunks, geometries, noise, seed
-        self.resize = resize  # a shared-size batch resized here too, not by `to_device`
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -147,8 +142,7 @@ class Chunks:
             if len({p.shape for p in pixels}) == 1:
                 stack = np.stack(pixels)
         if stack is not None and not chunk.views:
-            x = torch.from_numpy(np.ascontiguousarray(stack)).permute(0, 3, 1, 2).contiguous()  # [B, 3, h, w]
-            return {g: resize(x, g) for g in self.geometries} if self.resize else x  # each [B, 3, H, W]
+            return torch.from_numpy(np.ascontiguousarray(stack)).permute(0, 3, 1, 2).contiguous()  # [B, 3, h, w]
         if stack is not None:
             pixels = list(stack)
         tensors = [torch.from_numpy(np.ascontiguousarray(p)).permute(2, 0, 1) for p in pixels]  # each [3, h, w]
