@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from featcache.errors import UserError, suggest
-from ...cache.identity import file_sha256
 
+from ...cache.identity import file_sha256
 from . import hub
 from .keys import checkpoint_key, safe_key
 from .models import seeded_model, timm
