@@ -25,6 +25,7 @@ import pytest
 from harness import BACKBONES, everything_in, folder_extract_args, lines, one_thread, sha256, write_folders
 
 from featcache.cache import h5
+from featcache.errors import UserError
 from featcache.extraction.plan import DiskFullError, extract
 from tests.synthetic import write_cache
 
@@ -331,3 +332,34 @@ def test_enospc_is_disk_full_error_and_leaves_no_partial_file(data, tmp_path, mo
         extract(dataset="imagefolder", data_root=data, backbone=BACKBONES, image_size=32, batch_size=4, out=out)
     assert visible(out) == {} and not [p for p in everything_in(out) if p.endswith(".partial")]
     assert len(finished_blocks(out)) == (0 if where == "block" else 8)
+
+
+def test_full_shared_memory_in_the_input_workers_is_one_line_not_a_hang(data, tmp_path, monkeypatch):
+    """A worker's prepared images that cannot be placed in shared memory (a container's small /dev/shm) end the pass
+    with one line naming /dev/shm and --workers 0; without it DataLoader's queue thread dies and the pass waits
+    forever (an alarm fails the test instead of hanging it). The same command then runs with --workers 0."""
+    import torch
+
+    def full(self, *args, **kwargs):
+        raise RuntimeError("unable to write to file </torch_1_2_0>: No space left on device (28)")
+
+    def hung(*args):
+        raise TimeoutError("the extraction hung on its input workers")
+
+    # where every CPU tensor sent from a worker gets its shared memory; the workers are forked: they see it too
+    monkeypatch.setattr(torch.UntypedStorage, "_share_fd_cpu_", full)
+    out, kw = tmp_path / "out", dict(dataset="imagefolder", data_root=data, backbone=BACKBONES, image_size=32)
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        with one_thread(), pytest.raises(UserError) as raised:
+            extract(**kw, batch_size=4, workers=2, out=out)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    message = str(raised.value)
+    assert "\n" not in message and "/dev/shm (No space left on device)" in message and "--workers 0" in message
+    assert visible(out) == {} and not [p for p in everything_in(out) if p.endswith(".partial")]
+    with one_thread():
+        done = extract(**kw, batch_size=4, workers=0, out=out)
+    assert Path(done["cache"]).is_file() and sum(done["embedded"].values()) > 0

@@ -111,7 +111,7 @@ def embed(
         for r in range(0, len(block.rows), run.batch_size)
     ]
     geometries = list(dict.fromkeys(g for g, _, _ in inputs.values()))
-    source = P.Chunks(data, chunks, geometries, run.noise, run.seed)
+    source = P.Chunks(data, chunks, geometries, run.noise, run.seed, resize=run.workers > 0 and dev.type == "cpu")
     queues = {j: _Queue(P.forward_batch(dev), mean, std) for j, (_, mean, std) in inputs.items()}
     if phases is not None:
         phases["models"] += (t1 := time.perf_counter()) - t

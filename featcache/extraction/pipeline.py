@@ -6,12 +6,16 @@ once, applies the optional image noise at the image's own resolution, and then:
 
 - when the images share one size and there are no augmented views (array datasets such as offline-digits, Digit-5,
   CIFAR; folders of equal-size photos), returns them as one uint8 batch [B, 3, h, w]; `to_device` moves it to the
-  device and resizes it there, once per input geometry, in one batched op;
+  device and resizes it there, once per input geometry, in one batched op (`Chunks(resize=True)`, for a CPU pass
+  with input workers, resizes it in the worker instead: the main process keeps its core and its memory for the
+  forward);
 - otherwise resizes (or, for views, augments) each image for each input geometry and returns the uint8 batches
   {geometry: [B*V, 3, H, W]}, an image's V views in consecutive rows.
 
 `loader` runs `Chunks` in worker processes (torch's DataLoader: bounded prefetch, pinned host memory on CUDA) when
-there is per-image work to spread, or in this process when a chunk is one array slice. The bytes are the same either
+there is per-image work to spread, or in this process when a chunk is one array slice. A worker moves what it
+prepared into shared memory itself, so a full `/dev/shm` or a file size limit is one error line (left to
+DataLoader's queue thread, the failure is printed there and the pass waits forever). The bytes are the same either
 way and whatever the chunk size: every operation acts on each image alone (a batch's resize equals each image's own).
 `normalise_into` turns uint8 rows into the backbone's float input on the device, in place in the forward's buffer;
 the forward's batches are fixed apart from the chunks (`FORWARD_BATCH`, used by `embed.py`).
@@ -22,9 +26,11 @@ uint8 as PIL's is; `DESCRIPTION` records the exact operations in each backbone's
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -121,8 +127,11 @@ class Chunks:
     """Chunk k -> (block, prepared uint8 images), a map-style dataset for `loader`; see the module docstring for the
     two forms."""
 
-    def __init__(self, data, chunks: list[Chunk], geometries: list[Geometry], noise, seed: int) -> None:
+    def __init__(
+        self, data, chunks: list[Chunk], geometries: list[Geometry], noise, seed: int, resize: bool = False
+    ) -> None:
         self.data, self.chunks, self.geometries, self.noise, self.seed = data, chunks, geometries, noise, seed
+        self.resize = resize  # a shared-size batch resized here too, not by `to_device`
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -130,7 +139,10 @@ class Chunks:
     def __getitem__(self, k: int):
         chunk = self.chunks[k]
         try:
-            return chunk.block, self._prepare(chunk)
+            prepared = self._prepare(chunk)
+            if torch.utils.data.get_worker_info() is not None:
+                _share(prepared)
+            return chunk.block, prepared
         except UserError as e:
             return chunk.block, Failed(str(e))
 
@@ -142,7 +154,8 @@ class Chunks:
             if len({p.shape for p in pixels}) == 1:
                 stack = np.stack(pixels)
         if stack is not None and not chunk.views:
-            return torch.from_numpy(np.ascontiguousarray(stack)).permute(0, 3, 1, 2).contiguous()  # [B, 3, h, w]
+            x = torch.from_numpy(np.ascontiguousarray(stack)).permute(0, 3, 1, 2).contiguous()  # [B, 3, h, w]
+            return {g: resize(x, g) for g in self.geometries} if self.resize else x  # each [B, 3, H, W]
         if stack is not None:
             pixels = list(stack)
         tensors = [torch.from_numpy(np.ascontiguousarray(p)).permute(2, 0, 1) for p in pixels]  # each [3, h, w]
@@ -169,6 +182,26 @@ class Chunks:
                 torch.manual_seed(image_seed(self.seed, chunk.domain, chunk.split, i, v))
                 out.append(augment(x))
         return torch.stack(out)
+
+
+def _share(prepared: torch.Tensor | dict[Geometry, torch.Tensor]) -> None:
+    """Moves a worker's prepared tensors into shared memory, a failure as one UserError naming the limit."""
+    try:
+        for t in prepared.values() if isinstance(prepared, dict) else [prepared]:
+            t.share_memory_()
+    except RuntimeError as e:  # torch ends its message with the errno: "... File too large (27)"
+        found = re.search(r"\((\d+)\)$", str(e))
+        code = int(found.group(1)) if found else None
+        reason = os.strerror(code) if code else str(e)
+        if code == errno.EFBIG:
+            what = f"file size limit reached while writing prepared images to shared memory ({reason}, ulimit -f)"
+            fix = "raise the limit"
+        else:
+            what = f"cannot write prepared images to shared memory, /dev/shm ({reason})"
+            fix = "free space there (a container's --shm-size)"
+        raise UserError(
+            f"{what}: {fix} or pass --workers 0, and run the same command again; finished blocks are kept and resumed"
+        ) from None
 
 
 def resize(x: torch.Tensor, g: Geometry) -> torch.Tensor:
