@@ -155,7 +155,20 @@ def test_cache_bytes_do_not_depend_on_the_worker_count(tmp_path, photos):
             )["cache"]
             for w in (0, 1)
         }
+        shared = {  # one shared-size batch per chunk: resized by the input workers, or in this process with none
+            w: extract(
+                dataset="offline-digits",
+                domains=["optdigits"],
+                per_class=2,
+                test_per_class=1,
+                image_size=32,
+                workers=w,
+                out=tmp_path / f"shared{w}",
+            )["cache"]
+            for w in (0, 2)
+        }
     assert sha256(files[0]) == sha256(files[2]) and sha256(digits[0]) == sha256(digits[1])
+    assert sha256(shared[0]) == sha256(shared[2])
 
 
 def test_a_damaged_image_read_by_a_worker_is_one_line(tmp_path, photos):
