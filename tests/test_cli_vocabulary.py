@@ -5,6 +5,7 @@ empty items, and `--version` prints the version."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import typer
@@ -52,6 +53,37 @@ def test_cli_options_and_api_arguments_have_the_same_names(name):
     cli = cli_names(name) - set(CLI_ONLY)
     api = set(inspect.signature(API[name]).parameters) - set(API_ONLY)
     assert cli == api, f"{name}: only on the command line {sorted(cli - api)}; only in the API {sorted(api - cli)}"
+
+
+@pytest.mark.parametrize("name", sorted(API))
+def test_cli_options_default_to_the_api_arguments_defaults(name):
+    """A command run without an option does what the library call without the argument does (compared as the
+    values they hold: a comma list's string form, lists and tuples, paths and their strings, nothing and [])."""
+
+    def number(x: str):
+        for kind in (int, float):
+            try:
+                return kind(x)
+            except ValueError:
+                pass
+        return x
+
+    def value(v):
+        if isinstance(v, str):
+            items = tuple(number(x) for x in v.split(","))
+            return items if len(items) > 1 else items[0]
+        if isinstance(v, (list, tuple)):
+            return tuple(value(x) for x in v) or None
+        return str(v) if isinstance(v, Path) else v
+
+    api = inspect.signature(API[name]).parameters
+    command = typer.main.get_command(app).commands[name]
+    differ = {
+        p.name: (p.default, api[p.name].default)
+        for p in command.params
+        if p.name in api and not p.required and value(p.default) != value(api[p.name].default)
+    }
+    assert not differ, f"{name}: option default vs API default {differ}"
 
 
 @pytest.mark.parametrize(

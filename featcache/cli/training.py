@@ -219,12 +219,8 @@ def search(
     device: str = typer.Option("auto", help="auto | cpu | cuda[:N] (auto: cuda when available, else cpu)"),
     batch: Optional[int] = typer.Option(None, help="trials per batched run (default: all; a quarter for tpe)"),
     sampler_seed: int = typer.Option(0, help="the sampler's seed"),
-    rungs: Optional[int] = typer.Option(
-        None, help="pruning rungs, the first at round ceil(rounds / reduction^rungs) (default: the search guide's)"
-    ),
-    reduction: Optional[int] = typer.Option(
-        None, help="the reduction factor η: the top 1/η of a rung's trials go on (default: the search guide's)"
-    ),
+    rungs: int = typer.Option(2, help="pruning rungs, the first at round ceil(rounds / reduction^rungs)"),
+    reduction: int = typer.Option(4, help="the reduction factor η: the top 1/η of a rung's trials go on"),
     retrain: bool = typer.Option(
         True, help="retrain the best trial on the full train split and report its test accuracy"
     ),
