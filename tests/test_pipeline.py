@@ -10,6 +10,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from harness import BACKBONES, everything_in, one_thread, sha256
 from PIL import Image
@@ -265,3 +267,44 @@ def test_a_client_without_test_images_gets_empty_blocks(tmp_path):
     with h5py.File(res["cache"]) as f:
         sizes = np.diff(f["test/offsets"][...]).tolist()
         assert 0 in sizes and C.client_rows(f, "train", 0).shape[0] > 0
+
+
+def _chunks(rows: int, views: int, sides: list[int]) -> P.Chunks:
+    chunk = P.Chunk(0, "d", "train", np.arange(rows), views)
+    return P.Chunks(None, [chunk], [P.Geometry(s, s, "bicubic") for s in sides], None, 0)
+
+
+def _free(monkeypatch, free: int | None) -> None:
+    def statvfs(path):
+        if free is None:
+            raise FileNotFoundError(path)
+        return type("Stat", (), {"f_bavail": free // 4096, "f_frsize": 4096})()
+
+    monkeypatch.setattr(P.os, "statvfs", statvfs)
+
+
+@pytest.mark.parametrize(
+    "free,workers,expected",
+    [(64 << 20, 2, 1), (8 << 30, 2, 4), (128 << 20, 2, 3), (1 << 20, 16, 1), (None, 2, 4)],
+)
+def test_prefetch_keeps_the_chunks_in_flight_within_half_the_free_shared_memory(monkeypatch, free, workers, expected):
+    """A container's 64 MB /dev/shm: one 224 px chunk of 64 images ahead per worker, not four (which failed there);
+    no /dev/shm (macOS): torch's default depth."""
+    _free(monkeypatch, free)
+    assert P.prefetch(_chunks(64, 0, [224]), workers) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    free=st.integers(0, 1 << 34),
+    workers=st.integers(1, 32),
+    rows=st.integers(1, 256),
+    views=st.integers(0, 4),
+    sides=st.lists(st.integers(16, 512), min_size=1, max_size=3),
+)
+def test_prefetch_is_1_to_4_and_fits_whenever_above_1(free, workers, rows, views, sides):
+    with pytest.MonkeyPatch.context() as m:
+        _free(m, free)
+        depth = P.prefetch(_chunks(rows, views, sides), workers)
+    size = rows * max(views, 1) * 3 * sum(s * s for s in sides)
+    assert 1 <= depth <= 4 and (depth == 1 or depth * workers * size <= (free // 4096 * 4096) // 2)

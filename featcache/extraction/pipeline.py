@@ -12,11 +12,12 @@ once, applies the optional image noise at the image's own resolution, and then:
 - otherwise resizes (or, for views, augments) each image for each input geometry and returns the uint8 batches
   {geometry: [B*V, 3, H, W]}, an image's V views in consecutive rows.
 
-`loader` runs `Chunks` in worker processes (torch's DataLoader: bounded prefetch, pinned host memory on CUDA) when
-there is per-image work to spread, or in this process when a chunk is one array slice. A worker moves what it
-prepared into shared memory itself, so a full `/dev/shm` or a file size limit is one error line (left to
-DataLoader's queue thread, the failure is printed there and the pass waits forever). The bytes are the same either
-way and whatever the chunk size: every operation acts on each image alone (a batch's resize equals each image's own).
+`loader` runs `Chunks` in worker processes (torch's DataLoader: `prefetch` bounded by the free shared memory, pinned
+host memory on CUDA) when there is per-image work to spread, or in this process when a chunk is one array slice. A
+worker moves what it prepared into shared memory itself, so a full `/dev/shm` or a file size limit is one error
+line (left to DataLoader's queue thread, the failure is printed there and the pass waits forever). The bytes are
+the same either way and whatever the chunk size: every operation acts on each image alone (a batch's resize equals
+each image's own).
 `normalise_into` turns uint8 rows into the backbone's float input on the device, in place in the forward's buffer;
 the forward's batches are fixed apart from the chunks (`FORWARD_BATCH`, used by `embed.py`).
 
@@ -278,7 +279,7 @@ def default_batch_size(device: torch.device | str) -> int:
 
 
 def loader(chunks: Chunks, workers: int, device: torch.device | str):
-    """Prepared chunks in order: (block, uint8 images), prepared up to 4 chunks per worker ahead."""
+    """Prepared chunks in order: (block, uint8 images), prepared up to `prefetch` chunks per worker ahead."""
     if workers == 0:
         return (chunks[k] for k in range(len(chunks)))
     from torch.utils.data import DataLoader
@@ -288,10 +289,23 @@ def loader(chunks: Chunks, workers: int, device: torch.device | str):
         batch_size=None,
         shuffle=False,
         num_workers=workers,
-        prefetch_factor=4,
+        prefetch_factor=prefetch(chunks, workers),
         pin_memory=device_kind(device) == "cuda",
         persistent_workers=False,
     )
+
+
+def prefetch(chunks: Chunks, workers: int, shm: str = "/dev/shm") -> int:
+    """Chunks each worker prepares ahead: 4, or as many as half of `shm`'s free space holds for every worker (at
+    least 1), since the chunks in flight live there: a container's 64 MB /dev/shm holds two 224 px chunks of 64
+    images, not eight. A chunk's size is what it holds resized to every input geometry."""
+    rows = max((len(c.rows) * max(c.views, 1) for c in chunks.chunks), default=0)
+    size = rows * 3 * sum(g.height * g.width for g in chunks.geometries)  # uint8 bytes
+    try:
+        free = os.statvfs(shm)
+    except OSError:  # no such folder (macOS): torch shares memory another way
+        return 4
+    return max(1, min(4, free.f_bavail * free.f_frsize // 2 // max(1, workers * size)))
 
 
 def to_device(prepared, geometries: list[Geometry], device: torch.device) -> dict[Geometry, torch.Tensor]:
