@@ -130,46 +130,16 @@ def test_batched_resize_equals_per_image_resize_and_is_near_pil():
 
 
 def test_cache_bytes_do_not_depend_on_the_worker_count(tmp_path, photos):
+    def caches(name: str, workers: tuple[int, int], **kw) -> dict[int, str]:
+        return {w: extract(**kw, image_size=32, workers=w, out=tmp_path / f"{name}{w}")["cache"] for w in workers}
+
+    digits = dict(dataset="offline-digits", domains=["optdigits"], per_class=2, test_per_class=1)
     with one_thread():
-        files = {
-            w: extract(
-                dataset="imagefolder",
-                data_root=photos,
-                backbone=BACKBONES,
-                image_size=32,
-                workers=w,
-                batch_size=3,
-                out=tmp_path / str(w),
-            )["cache"]
-            for w in (0, 2)
-        }
-        digits = {
-            w: extract(
-                dataset="offline-digits",
-                domains=["optdigits"],
-                per_class=2,
-                test_per_class=1,
-                noise=Noise("laplace", 0.1, 0.1),
-                views=2,
-                image_size=32,
-                workers=w,
-                out=tmp_path / f"digits{w}",
-            )["cache"]
-            for w in (0, 1)
-        }
-        shared = {  # one shared-size batch per chunk: resized by the input workers, or in this process with none
-            w: extract(
-                dataset="offline-digits",
-                domains=["optdigits"],
-                per_class=2,
-                test_per_class=1,
-                image_size=32,
-                workers=w,
-                out=tmp_path / f"shared{w}",
-            )["cache"]
-            for w in (0, 2)
-        }
-    assert sha256(files[0]) == sha256(files[2]) and sha256(digits[0]) == sha256(digits[1])
+        files = caches("files", (0, 2), dataset="imagefolder", data_root=photos, backbone=BACKBONES, batch_size=3)
+        views = caches("views", (0, 1), **digits, noise=Noise("laplace", 0.1, 0.1), views=2)
+        # one shared-size batch per chunk: resized by the input workers, or in this process with none
+        shared = caches("shared", (0, 2), **digits)
+    assert sha256(files[0]) == sha256(files[2]) and sha256(views[0]) == sha256(views[1])
     assert sha256(shared[0]) == sha256(shared[2])
 
 

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 else:
     torch = Lazy("torch")  # loaded by the first image prepared: a cache hit or a re-partition never needs it
 
+SHM = "/dev/shm"  # where DataLoader's workers put what they send on Linux
 FORWARD_BATCH = {"cpu": 64, "cuda": 256}  # rows in every forward, by device type (64: cache-resident on a CPU)
 
 DESCRIPTION = {
@@ -198,7 +199,7 @@ def _share(prepared: torch.Tensor | dict[Geometry, torch.Tensor]) -> None:
             what = f"file size limit reached while writing prepared images to shared memory ({reason}, ulimit -f)"
             fix = "raise the limit"
         else:
-            what = f"cannot write prepared images to shared memory, /dev/shm ({reason})"
+            what = f"cannot write prepared images to shared memory, {SHM} ({reason})"
             fix = "free space there (a container's --shm-size)"
         raise UserError(
             f"{what}: {fix} or pass --workers 0, and run the same command again; finished blocks are kept and resumed"
@@ -295,14 +296,14 @@ def loader(chunks: Chunks, workers: int, device: torch.device | str):
     )
 
 
-def prefetch(chunks: Chunks, workers: int, shm: str = "/dev/shm") -> int:
-    """Chunks each worker prepares ahead: 4, or as many as half of `shm`'s free space holds for every worker (at
+def prefetch(chunks: Chunks, workers: int) -> int:
+    """Chunks each worker prepares ahead: 4, or as many as half of `SHM`'s free space holds for every worker (at
     least 1), since the chunks in flight live there: a container's 64 MB /dev/shm holds two 224 px chunks of 64
     images, not eight. A chunk's size is what it holds resized to every input geometry."""
     rows = max((len(c.rows) * max(c.views, 1) for c in chunks.chunks), default=0)
     size = rows * 3 * sum(g.height * g.width for g in chunks.geometries)  # uint8 bytes
     try:
-        free = os.statvfs(shm)
+        free = os.statvfs(SHM)
     except OSError:  # no such folder (macOS): torch shares memory another way
         return 4
     return max(1, min(4, free.f_bavail * free.f_frsize // 2 // max(1, workers * size)))
