@@ -98,11 +98,17 @@ def test_fedprox_loss_is_eq2():
     algo, params, buffers = setup("fedprox")
     x, y, mask = batch()
     glob = perturbed(params, seed=2)
-    loss, _ = algo.local_loss(params, buffers, x, y, mask, hp(mu=0.3) | {"global": glob})
+    ce, _ = algo.local_loss(params, buffers, x, y, mask, hp(mu=0.3) | {"global": glob})
+    stack = lambda tree: {k: v[None, None] for k, v in tree.items()}  # one model as an [H, C] = [1, 1] stack
+    value, grads = algo.penalty(stack(params), {"hp": {"mu": torch.tensor([[0.3]])}, "global": stack(glob)})
     sq = sum(float(a - b) ** 2 for k in params for a, b in zip(params[k].flatten(), glob[k].flatten()))
     expected = mean_ce(params, x, y, mask) + 0.3 / 2 * sq  # F_k(w) + μ/2 ||w − w^t||²
-    assert abs(float(loss) - float(expected)) < 1e-5
+    assert abs(float(ce + value[0, 0]) - float(expected)) < 1e-5
     assert sq > 0.1
+    for k, p in params.items():  # the closed-form gradient is autograd's of the term
+        leaf = p.detach().requires_grad_(True)
+        ((leaf - glob[k]).square().sum() * 0.3 / 2).backward()
+        torch.testing.assert_close(grads[k][0, 0], leaf.grad)
 
 
 def test_fedprox_anchors_to_the_round_start_model(data):

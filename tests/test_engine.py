@@ -24,6 +24,12 @@ def config(algo, **over) -> dict:
     return configure(algo, fast=True, proj_dim=8, **over)
 
 
+# pFedGate's gate weights have near-zero gradients that Adam normalises to steps of the learning rate's size: the
+# float32 rounding of batch sums, which a vectorized step of any prefix width orders differently from the plain loop,
+# comes out amplified to ~1e-5 on a few elements
+ATOL = {"pfedgate": 1e-4}
+
+
 @pytest.mark.parametrize("name", ALGOS)
 def test_vectorized_equals_plain_loop(name, data):
     train, test = data
@@ -35,7 +41,9 @@ def test_vectorized_equals_plain_loop(name, data):
     torch.testing.assert_close(out["acc"][:, 0], ref_acc, rtol=0, atol=1e-6)
     assert set(vec.state.params) == set(ref_params)
     for k, v in vec.state.params.items():  # the trained parameters themselves, not only accuracies
-        torch.testing.assert_close(v[0], ref_params[k], msg=lambda m: f"{name} {k}: {m}")
+        torch.testing.assert_close(
+            v[0], ref_params[k], atol=ATOL.get(name, 1e-5), rtol=1.3e-6, msg=lambda m: f"{name} {k}: {m}"
+        )
 
 
 @pytest.mark.parametrize("name", ALGOS)
@@ -340,8 +348,8 @@ def test_no_algorithm_imports_another_algorithms_file():
 
 
 def test_readme_example_algorithm_equals_fedprox(data):
-    """The training guide's "Write your own algorithm" FedProx runs as written and trains exactly as the built-in
-    one."""
+    """The training guide's "Write your own algorithm" FedProx runs as written and trains as the built-in one, whose
+    proximal gradient is the closed form μ (w − w^t) rather than autograd's: float32 rounding apart."""
     import re
     from pathlib import Path
 
@@ -359,4 +367,4 @@ def test_readme_example_algorithm_equals_fedprox(data):
     finally:
         _ALGOS.pop("myprox", None)
     for k, v in builtin.state.params.items():
-        torch.testing.assert_close(mine.state.params[k], v, rtol=0, atol=0)
+        torch.testing.assert_close(mine.state.params[k], v, rtol=0, atol=1e-6)

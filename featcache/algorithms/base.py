@@ -15,6 +15,7 @@ lists its fields); per-configuration floats exist only as its tensors rnd.hp (na
         trainable(name, rnd)         whether parameter `name` is updated in local epoch rnd.epoch
         context(state, rnd)          per-model tensors the local loss and inference need, leading [H, C]
         local_loss(params, buffers, x, y, mask, ctx) -> (loss, new_buffers)   ONE client's minibatch loss (vmapped)
+        penalty(params, ctx) -> (value [H, C], grads) or None   a term of the loss with a closed-form gradient
         after_step(params, ctx, active, rnd)   after each optimizer step, in place on [H, C, ...] (e.g. SCAFFOLD)
     after_local(state, rnd)          e.g. compute prototypes on the client's data
     upload(state, rnd)               what each client sends: name -> [H, C, ...]
@@ -218,6 +219,12 @@ class FedAvg:
         z, _ = self.embed(params, buffers, x)
         return self.logits(params, z)
 
+    def penalty(self, params: Params, ctx: Context) -> tuple[torch.Tensor, Params] | None:
+        """A term of the local objective whose gradient has a closed form, on the stacked models name -> [H, C, ...]
+        and their context: its value [H, C] and its gradient name -> [H, C, ...], added to local_loss's value and
+        gradient without a second autograd pass (FedProx's μ/2 ||w − w^t||²: μ (w − w^t)). None: no such term."""
+        return None
+
     def after_step(self, params: Params, ctx: Context, active: torch.Tensor, rnd: Round) -> None:
         """Called after every optimizer step (under no_grad) with the stacked parameters name -> [H, C, ...], which it
         may change in place, the epoch's context and active [H, C] bool (the models that stepped; the others must
@@ -318,6 +325,7 @@ class Algorithm(Protocol):
     def local_loss(
         self, params: Params, buffers: Params, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, ctx: Context
     ) -> tuple[torch.Tensor, Params]: ...
+    def penalty(self, params: Params, ctx: Context) -> tuple[torch.Tensor, Params] | None: ...
     def after_step(self, params: Params, ctx: Context, active: torch.Tensor, rnd: Round) -> None: ...
     def after_local(self, state: State, rnd: Round) -> None: ...
     def shared(self, name: str) -> bool: ...

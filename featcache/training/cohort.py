@@ -2,8 +2,10 @@
 
 Local training costs in proportion to the models it trains, so a round trains only its participants: P models per
 configuration, P = the participant count (the same for every configuration and round, `schedule.participants`).
-Whole-run state stays [H, C]; `take` gathers a round's slice of it, `put` writes the trained slice back. At
-participation 1.0 the cohort is every client and both are the identity (nothing copied).
+Whole-run state stays [H, C]; `take` gathers a round's slice of it, `put` writes the trained slice back. A cohort
+lists its clients in the run's step order (most local steps first), so the clients that still have a batch at any
+step are a prefix of it (steps.py trains that prefix only). Where that order is the identity (clients of equal step
+counts) and the cohort is every client, both are the identity (nothing copied).
 """
 
 from __future__ import annotations
@@ -39,36 +41,57 @@ def aside_names(algo, state, C: int, P: int, S: int) -> tuple[str, ...]:
     return tuple(k for k in names if algo.shared(k)) if sets_aside(algo, C, P, S) else ()
 
 
-class Cohort:
-    """Which clients the [H, P] models of a round are: ids [H, P] (ascending per configuration), on the device and
-    as host lists; `everyone` when P = C and the cohort is the whole [H, C] stack in order."""
+def reorder(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t [H, C, ...] with its clients taken in `index` [C'] order, in t's layout where each model's entry is dense
+    (row-major or last-two-dims transposed): one row gather over the models' flat memory."""
+    transposed = t.dim() > 3 and not t.is_contiguous() and t.mT.is_contiguous()
+    flat = t.mT if transposed else t.contiguous()
+    out = flat.reshape(*flat.shape[:2], -1).index_select(1, index).view(flat.shape[0], len(index), *flat.shape[2:])
+    return out.mT if transposed else out
 
-    def __init__(self, part: list, P: int, device: torch.device, host: list | None = None, real: int | None = None):
-        """part: [H][C] host bools, the round's participants (exactly P per configuration unless P = C); `host`
-        [H][P] the clients of a slice of them instead (`slices`), of which the first `real` train and are written
-        back (default: all P)."""
+
+class Cohort:
+    """Which clients the [H, P] models of a round are: ids [H, P] (per configuration in the run's step `order`), on
+    the device and as host lists; `full` when P = C (every client, those sitting the round out masked), `everyone`
+    when it is moreover the whole [H, C] stack in order."""
+
+    def __init__(
+        self,
+        part: list,
+        P: int,
+        device: torch.device,
+        host: list | None = None,
+        real: int | None = None,
+        order: list[int] | None = None,
+    ):
+        """part: [H][C] host bools, the round's participants (exactly P per configuration unless P = C); `order` the
+        clients in step order (`Plan.order`; default: by id); `host` [H][P] the clients of a slice of them instead
+        (`slices`), of which the first `real` train and are written back (default: all P)."""
         H, C = len(part), len(part[0])
-        self.everyone = P == C
+        order = list(range(C)) if order is None else order
+        self.full = P == C
+        self.everyone = self.full and order == sorted(order)
         if host is None:
-            host = [list(range(C))] * H if self.everyone else [[c for c, p in enumerate(row) if p] for row in part]
+            host = [order] * H if self.full else [[c for c in order if row[c]] for row in part]
         self.host = host
         if any(len(row) != P for row in self.host):
             raise ValueError(f"a cohort of {P} models per configuration got {[len(r) for r in self.host]} participants")
         self.ids = torch.tensor(self.host, device=device)  # [H, P] int64
+        self._order = self.ids[0] if self.full and not self.everyone else None  # [C]: one order for every row
         self.real = P if real is None else real  # the models written back (a last slice is padded to its width)
         self.part = (
             part
             if self.everyone
             else [[part[h][c] and j < self.real for j, c in enumerate(row)] for h, row in enumerate(self.host)]
-        )  # [H][P] host: who trains
+        )  # [H][P] host: who trains (in a full cohort, the round's participants)
         self._h = torch.arange(H, device=device)[:, None]  # [H, 1]
 
     @classmethod
-    def slices(cls, part: list, P: int, at_once: int, device: torch.device) -> list["Cohort"]:
-        """The round's cohort of P per configuration as consecutive slices of `at_once` models each (one cohort when
-        at_once >= P): the models one pass of local training holds. A last, shorter slice is padded with models of
-        the first that sit it out and are not written back."""
-        whole = cls(part, P, device)
+    def slices(cls, part: list, P: int, at_once: int, device: torch.device, order=None) -> list["Cohort"]:
+        """The round's cohort of P per configuration (clients in step `order`) as consecutive slices of `at_once`
+        models each (one cohort when at_once >= P): the models one pass of local training holds. A last, shorter
+        slice is padded with models of the first that sit it out and are not written back."""
+        whole = cls(part, P, device, order=order)
         if at_once >= P:
             return [whole]
         return [
@@ -89,7 +112,7 @@ class Cohort:
             return t
         if t.stride(1) == 0:
             return t[:, :1].expand(t.shape[0], self.ids.shape[1], *t.shape[2:])
-        return t[self._h, self.ids]
+        return t[self._h, self.ids] if self._order is None else reorder(t, self._order)
 
     def take_into(self, dst: dict, src: dict, chunk: int = 2**26) -> dict:
         """`take` of every [H, C, ...] tensor of src written into dst's [H, P, ...] tensors of the same names (the
@@ -97,7 +120,7 @@ class Cohort:
         size; returns a new dict of dst's tensors."""
         for k, t in src.items():
             out = dst[k]
-            if self.everyone or t.stride(1) == 0:  # t itself or a broadcast: no gather
+            if self.everyone or t.stride(1) == 0 or self._order is not None:  # t itself, a broadcast, one order
                 copy_into({k: out}, {k: self.take(t)})
                 continue
             step = max(1, chunk // (out[0, 0].numel() * out.element_size()))
@@ -113,13 +136,20 @@ class Cohort:
         """[C, ...] per-client data -> [H, P, ...] (t itself, [C, ...], for everyone)."""
         return t if self.everyone else t[self.ids]
 
+    def by_id(self, t: torch.Tensor) -> torch.Tensor:
+        """The cohort's t [H, P, ...] with each configuration's models in client-id order (as `Round.clients`)."""
+        return t if self.everyone else t[self._h, self.ids.argsort(1)]
+
     def put(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """Write the cohort's src [H, P, ...] into dst [H, C, ...]; returns the result (src itself for everyone; dst
-        updated in place where it owns its memory, else a copy)."""
+        """Write the cohort's src [H, P, ...] into dst [H, C, ...]; returns the result (src itself for everyone, a new
+        tensor in client-id order for any other full cohort; dst updated in place where it owns its memory, else a
+        copy)."""
         if self.everyone:
             return src
         if dst._base is not None or not dst.is_contiguous():
             dst = dst.clone()
         n = self.real
+        if self._order is not None:  # every configuration's clients in the one step order: all of dst replaced
+            return reorder(src, self._order.argsort()).to(dst.dtype)
         dst[self._h, self.ids[:, :n]] = src[:, :n].to(dst.dtype)
         return dst

@@ -285,7 +285,7 @@ class Engine:
         bad = torch.zeros(self.H, self.C, dtype=torch.bool, device=self.device)  # [H, C]
         loss = torch.full((self.H, self.C), torch.nan, device=self.device)  # [H, C]
         uploads: dict = {}
-        for cohort in Cohort.slices(part, self.P, self.at_once, self.device):  # the models trained: [H, P]
+        for cohort in Cohort.slices(part, self.P, self.at_once, self.device, self.plan.order):  # [H, P] models
             self.runner.start(state, now, cohort)
             for epoch in range(algo.local_epochs()):
                 at = replace(now, epoch=epoch)

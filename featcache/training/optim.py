@@ -82,13 +82,25 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.mT
 
 
+def _strides(shape: tuple, transposed: bool) -> tuple:
+    """The strides of a dense tensor of `shape`, row-major, or with its last two dims swapped in memory."""
+    dims = (*shape[:-2], shape[-1], shape[-2]) if transposed else tuple(shape)
+    out, size = [], 1
+    for d in reversed(dims):
+        out.append(size)
+        size *= d
+    out.reverse()
+    return (*out[:-2], out[-1], out[-2]) if transposed else tuple(out)
+
+
 def _relayout(t: torch.Tensor, layout: torch.Tensor, chunk: int = 2**26) -> torch.Tensor:
-    """t's values in layout's memory layout, written into t's own memory (t and layout [H, C, ...], each model's
-    entry dense, t owning its memory alone): models are moved through a temporary of about `chunk` bytes rather than
-    a second tensor of t's size."""
-    if t.stride() == layout.stride():
+    """t's values in layout's dense memory layout (row-major or last-two-dims transposed), written into t's own
+    memory (t [H, C, ...] and layout [H, n, ...], n <= C, each model's entry dense, t owning its memory alone):
+    models are moved through a temporary of about `chunk` bytes rather than a second tensor of t's size."""
+    stride = _strides(t.shape, t.dim() > 2 and not layout.is_contiguous())
+    if t.stride() == stride:
         return t
-    out = t.as_strided(t.shape, layout.stride(), t.storage_offset())
+    out = t.as_strided(t.shape, stride, t.storage_offset())
     src, dst = t.flatten(0, 1), out.flatten(0, 1)  # [H*C, ...] views: each model's entry is the same memory in both
     step = max(1, chunk // (src[0].numel() * src.element_size()))
     for i in range(0, src.shape[0], step):
@@ -187,28 +199,36 @@ class _Stacked(_Run):
         # so parameter and moments adopt that layout once rather than the gradient being copied every step
         # (rearranged within their own memory, not copied anew: the old layout's tensors are not read again)
         g = g if _dense(g) else g.contiguous()
-        for held in (self.params, *(getattr(self, name) for name in self.state_names)):
-            held[k] = _relayout(held[k], g)
+        p = self.params[k]
+        self.params[k] = _relayout(p, g)
+        if self.params[k] is not p:
+            fresh = not any(map(any, self.count[k]))  # no step taken yet: the state is zeros, no values to move
+            for held in (getattr(self, name) for name in self.state_names):
+                t = held[k]  # zeros read in any layout are zeros: its memory taken as it is
+                held[k] = (
+                    t.as_strided(t.shape, self.params[k].stride(), t.storage_offset()) if fresh else _relayout(t, g)
+                )
         return g
 
-    def uniform(self, k: str, h: int) -> bool:
-        """Whether every client model of configuration h has taken the same number of steps of parameter k."""
-        past = self.count[k][h]  # [C] host ints
-        return all(n == past[0] for n in past)
+    def uniform(self, k: str, h: int, n: int) -> bool:
+        """Whether the first n client models of configuration h have taken the same number of steps of parameter k."""
+        past = self.count[k][h][:n]  # [n] host ints
+        return all(c == past[0] for c in past)
 
     def groups(self, grads: Params, active, frozen, host):
         """Yield (h, name, models, views, grad) per configuration and parameter: `grad` is the parameter's gradient
         in its layout, `views(t)` lists the contiguous views of t's [H, C, ...] entries this call updates (one slab
-        [C, ...] when models is None)."""
-        act = _host(active if host is None else host)  # [H][C] host bools
+        [n, ...] when models is None). The gradients and `active` [H, n] cover the first n models."""
+        act = _host(active if host is None else host)  # [H][n] host bools
+        n = len(act[0])
         grads = {k: self._align(k, g) for k, g in grads.items() if k not in frozen}
         for h, row in enumerate(act):
             models = [c for c, a in enumerate(row) if a]
             if not models:
                 continue
             for k, g in grads.items():
-                if len(models) == len(row) and self.uniform(k, h):  # the usual case: C models, one kernel call
-                    yield h, k, None, lambda t: [_flat(t[h])], g
+                if len(models) == n and self.uniform(k, h, n):  # the usual case: n models, one kernel call
+                    yield h, k, None, lambda t: [_flat(t[h, :n])], g
                 else:
                     yield h, k, models, lambda t: [_flat(t[h, c]) for c in models], g
                 for c in models:
@@ -250,7 +270,7 @@ class Adam(_Stacked):
                 maximize=False,
             )  # counts the steps it is given
             if models is None:  # one slab stepped on model 0's count: the others keep the same count
-                self.t[k][h, 1:] = self.t[k][h, 0]
+                self.t[k][h, 1 : grad.shape[1]] = self.t[k][h, 0]
         return dict(self.params)
 
 
@@ -322,13 +342,15 @@ class _Masked(_Run):
             t.zero_()  # in place: a captured step keeps reading the same tensors
 
     def _stepping(self, grads: Params, active, frozen):
-        """Yield (k, p, g, on, now) per trained parameter: p [H, C, ...] the parameter, g its gradient with L2 weight
-        decay added, on [H, C, 1...] the models that step, now [H, C, 1...] their step count including this one."""
-        act = _device(active, self.device, torch.bool)  # [H, C]; a no-op for a device bool tensor
+        """Yield (k, p, g, on, now) per trained parameter, over the first n models that `active` [H, n] covers: p
+        [H, n, ...] the parameter, g its gradient with L2 weight decay added, on [H, n, 1...] the models that step,
+        now [H, n, 1...] their step count including this one."""
+        act = _device(active, self.device, torch.bool)  # [H, n]; a no-op for a device bool tensor
+        n = act.shape[1]
         for k, g in grads.items():
             if k in frozen:
                 continue
-            p, t = self.params[k], self.t[k]
+            p, t = self.params[k][:, :n], self.t[k][:, :n]
             shape = (*act.shape, *[1] * (p.dim() - 2))
             t.add_(act)  # [H, C]
             yield k, p, torch.addcmul(g, p, self.wd[k]), act.view(shape), t.view(shape)  # g: [H, C, ...]
@@ -350,7 +372,7 @@ class MaskedAdam(_Masked):
     def step(self, grads: Params, active, frozen=(), host=None) -> Params:
         b1, b2 = self.betas
         for k, p, g, on, now in self._stepping(grads, active, frozen):
-            m, v = self.m[k], self.v[k]  # [H, C, ...]
+            m, v = self.m[k][:, : p.shape[1]], self.v[k][:, : p.shape[1]]  # [H, n, ...]
             torch.where(on, torch.lerp(m, g, 1 - b1), m, out=m)
             torch.where(on, torch.lerp(v, g.square_(), 1 - b2), v, out=v)  # b2·v + (1 − b2)·g²
             now = now.double()  # bias corrections in float64, as torch's kernels: in float32 1 − 0.999^t cancels
@@ -376,7 +398,7 @@ class MaskedSGD(_Masked):
     def step(self, grads: Params, active, frozen=(), host=None) -> Params:
         for k, p, g, on, _ in self._stepping(grads, active, frozen):
             if self.momentum is not None:  # structural (fixed at construction), not a value read
-                buf, mom, moving = self.buf[k], *(_per_config(t, p) for t in self.momentum)
+                buf, mom, moving = self.buf[k][:, : p.shape[1]], *(_per_config(t, p) for t in self.momentum)
                 g = torch.addcmul(g, buf, mom)  # [H, C, ...] mom·buf + g; a first step's buffer is still zero: g
                 torch.where(on & moving, g, buf, out=buf)
             torch.where(on, torch.addcmul(p, g, self.lr[k], value=-1), p, out=p)  # [H, C, ...]

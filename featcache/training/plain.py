@@ -18,6 +18,7 @@ from .engine import Round
 from .models import Params
 from .optim import clip_sets, group_of
 from .schedule import trained_rows
+from .steps import add_penalty
 
 OPT: dict[str, Callable[[list[dict], Mapping[str, Any]], torch.optim.Optimizer]] = {
     "adam": lambda groups, c: torch.optim.Adam(groups, lr=c["lr"], weight_decay=c["weight_decay"]),
@@ -53,9 +54,9 @@ def local_epochs(
     """Round `now`'s local epochs of client `c` of `data` (and of the contexts `ctxs`, one [H, C] tree per epoch,
     made before training): `params` step in place through `opt`, `buffers` take what the loss returns.
     `order(epoch)` is the client's rows in batch order (the engine's `batch_order`); it trains the rows the engine's
-    rule trains (`trained_rows`). `loss` replaces `algo.local_loss` (same signature). Returns (the sum of the step
-    losses, the steps taken)."""
-    loss = algo.local_loss if loss is None else loss
+    rule trains (`trained_rows`). `loss` replaces `algo.local_loss` and its `penalty` (local_loss's signature).
+    Returns (the sum of the step losses, the steps taken)."""
+    own, loss = loss, algo.local_loss if loss is None else loss
     B, n = cfg["batch_size"], int(data.counts[c])
     n_eff = trained_rows([n], B, cfg["drop_last"])[0]
     total, steps = torch.zeros((), device=data.features.device), 0
@@ -74,6 +75,13 @@ def local_epochs(
             value, new = loss(params, buffers, x, y, mask, ctx | extra)
             opt.zero_grad(set_to_none=True)
             value.backward()
+            if own is None:  # the algorithm's closed-form term, as the engine adds it (on [1, 1] stacks)
+                grads = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in params.items()}
+                stacks = [{k: t[None, None] for k, t in d.items()} for d in (grads, params)]  # views: added in place
+                value = add_penalty(algo, value.detach()[None, None], *stacks, ctx_11)[0, 0]
+                for k, p in params.items():
+                    if p.requires_grad:
+                        p.grad = grads[k]
             for norm, names in clip_sets(algo.groups, params):
                 torch.nn.utils.clip_grad_norm_([params[k] for k in names if params[k].requires_grad], norm)
             opt.step()

@@ -129,6 +129,7 @@ class Plan:
     batch_size: int
     steps: int  # minibatches per local epoch (the largest client's; smaller clients sit the rest out)
     client_steps: torch.Tensor  # [C] minibatches each client takes per local epoch
+    order: list  # host [C]: the clients by their steps, most first (ties by id), the order cohorts list them in
     has_batch: list  # host [steps][C] bool: which clients still have a batch at each step
     valid: list  # [C, B_s] bool per step: the rows of a step that are real samples
 
@@ -150,6 +151,6 @@ def plan_steps(data: ClientData, batch_size: int, drop_last: bool) -> Plan:
     steps, N = max(per_client), data.features.shape[1]
     n_eff_t = torch.tensor(n_eff, device=device)  # [C]
     valid = [(s * B + torch.arange(min(B, N - s * B), device=device)) < n_eff_t[:, None] for s in range(steps)]
-    return Plan(
-        B, steps, torch.tensor(per_client, device=device), [[s * B < n for n in n_eff] for s in range(steps)], valid
-    )
+    order = sorted(range(len(per_client)), key=lambda c: -per_client[c])
+    has_batch = [[s * B < n for n in n_eff] for s in range(steps)]
+    return Plan(B, steps, torch.tensor(per_client, device=device), order, has_batch, valid)

@@ -1,10 +1,13 @@
 """The local steps of a run, the one place that runs them: eager, or captured once per kind and replayed (the
 capture protocol, and what a captured step may read and write: capture.py).
 
-A step trains the round's cohort (cohort.py: its participants, [H, P] models) on their next minibatches in one
-vmapped forward and backward, then the optimizer's masked update (models without a batch keep their values) and
-the algorithm's `after_step`. The runner's static slots hold the cohort's client ids and who of it trains `part`
-[H, P], each batch width's rows and validity, and each kind's context, refilled once per epoch of each round.
+A step trains the round's cohort (cohort.py: its participants, [H, P] models, most local steps first) on their
+next minibatches in one vmapped forward and backward, then the optimizer's masked update (models without a batch
+keep their values) and the algorithm's `after_step`. Only the prefix of the cohort that still has a batch at that
+step takes part ([H, n] views of every [H, P] tensor, no copy), so a round costs the steps its clients have, not P
+times the largest client's. The runner's static slots hold the cohort's client ids and who of it trains `part`
+[H, P], each (batch width, prefix)'s rows and validity, and each kind's context, refilled once per epoch of each
+round.
 """
 
 from __future__ import annotations
@@ -36,11 +39,29 @@ class Held(NamedTuple):
 
 
 class Batch(NamedTuple):
-    """One step's rows: the fresh ones of an eager step, or a batch width's static slots."""
+    """One step's rows, for the prefix of n models that still has a batch: the fresh ones of an eager step, or a
+    (batch width, n)'s static slots."""
 
-    idx: torch.Tensor  # [H, P, B] rows of each model's client
-    valid: torch.Tensor  # [C, B] or [H, P, B] rows that are real samples
-    host: list | None  # [H][P] host bools: the models that step (eager steps; the fused optimizers group by it)
+    idx: torch.Tensor  # [H, n, B] rows of each model's client
+    valid: torch.Tensor  # [n, B] or [H, n, B] rows that are real samples
+    host: list | None  # [H][n] host bools: the models that step (eager steps; the fused optimizers group by it)
+
+
+def prefix(tree: dict, n: int) -> dict:
+    """The first n models of every [H, P, ...] tensor of a (nested) dict: [H, n, ...] views."""
+    return {k: prefix(v, n) if isinstance(v, dict) else v[:, :n] if torch.is_tensor(v) else v for k, v in tree.items()}
+
+
+def add_penalty(algo, loss: torch.Tensor, grads: Params, params: Params, ctx: dict) -> torch.Tensor:
+    """The algorithm's `penalty` added to the stacked losses [H, n] (returned) and, in place and in their layouts,
+    to the gradients name -> [H, n, ...]: the engine's step and the plain loop's (as [1, 1] stacks)."""
+    term = algo.penalty({k: v.detach() for k, v in params.items()}, ctx)
+    if term is None:
+        return loss
+    value, extra = term
+    for k, g in extra.items():
+        grads[k].add_(g)
+    return loss + value
 
 
 @dataclass
@@ -75,7 +96,9 @@ class LocalSteps:
         self.graphs = None if mode == "off" else Graphs(mode, device)  # the captured steps, by kind
         kind = optimizer_for(optimizer, device, masked=self.graphs is not None)
         H, C = next(iter(state.params.values())).shape[:2]
-        params = state.params if P == C else {k: v[:, :P] for k, v in state.params.items()}  # [H, P, ...] shapes
+        # the state's own tensors where the cohort is all of it in order, else [H, P, ...] of the optimizer's own
+        own = P == C and plan.order == sorted(plan.order)
+        params = state.params if own else {k: v[:, :P] for k, v in state.params.items()}
         groups = {k: group_of(algo.groups, k) for k in params}  # name -> its optimizer Group
         self.opt = kind(params, hp, scale={k: algo.cfg.get(g.lr_scale, 1.0) for k, g in groups.items()}, groups=groups)
         self.clips = clip_sets(algo.groups, params)  # [(max_norm, names)] of the groups that clip
@@ -84,9 +107,9 @@ class LocalSteps:
         self.acc = {"bad": z.bool(), "loss": z.clone(), "steps": z.clone()}  # [H, P] each, summed over a round
         self.part = torch.zeros(H, P, dtype=torch.bool, device=device)  # who of the cohort trains this round
         self.clients = torch.arange(P, device=device).repeat(H, 1)[..., None]  # [H, P, 1] the cohort's client ids
-        self.valid: list = []  # per step, the cohort's real rows: [C, B] or [H, P, B]
-        self.has_batch: list = []  # per step, host [H][P] bools: which of the cohort still have a batch
-        self.batches: dict[int, Batch] = {}  # batch width -> its slots
+        self.valid: list = []  # per step, the cohort's real rows of its prefix: [n, B] or [H, n, B]
+        self.host: list = []  # per step, host [H][n] bools: which of the prefix trains and still has a batch
+        self.batches: dict[tuple, Batch] = {}  # (batch width, prefix) -> its slots
         self.contexts: dict[tuple, _Context] = {}  # kind -> its context slot
         self.calls = 0  # rounds started so far: when each context slot was last filled
         tensors = (data.features, data.labels, data.counts, data.views)
@@ -105,29 +128,36 @@ class LocalSteps:
             t.zero_()
         self.calls += 1
         self.cohort = cohort
-        self.part.copy_(now.part if cohort.everyone else torch.ones_like(self.part))  # [H, P]
+        self.part.copy_(now.part if cohort.everyone else now.part.gather(1, cohort.ids))  # [H, P]
         self.clients.copy_(cohort.ids[..., None])  # [H, P, 1]
-        self.valid = [cohort.take_clients(v) for v in self.plan.valid]  # per step [C, B] or [H, P, B]
-        self.has_batch = [[[has[c] for c in row] for row in cohort.host] for has in self.plan.has_batch]
+        self.host, self.valid = [], []
+        for has, valid in zip(self.plan.has_batch, self.plan.valid):
+            host = [[p and has[c] for p, c in zip(ps, row)] for ps, row in zip(cohort.part, cohort.host)]  # [H][P]
+            n = max((j + 1 for row in host for j in range(len(row) - 1, -1, -1) if row[j]), default=0)
+            self.host.append([row[:n] for row in host])  # [H][n]: the cohort's step order makes it a prefix
+            self.valid.append(cohort.take_clients(valid)[..., :n, :])  # [n, B] or [H, n, B]
 
     def step(self, idx: torch.Tensor, ctx: dict, at, frozen: frozenset) -> None:
         """One local step of every model on the rows idx [H, C, B] (step at.step of its epoch), with the epoch's
-        context and `frozen` the names not trained: replayed where its kind is captured, else eager."""
+        context and `frozen` the names not trained, by the prefix of the cohort that still has a batch (none: no
+        step): replayed where its kind is captured, else eager."""
+        host, valid = self.host[at.step], self.valid[at.step]
+        n = len(host[0])
+        if n == 0:
+            return None
+        idx = idx[:, :n]  # [H, n, B]
         if self.graphs is not None:
-            key = (frozen, idx.shape[-1], signature(ctx))
+            key = (frozen, idx.shape[-1], n, signature(ctx))
             if self.graphs.admits(key):
-                return self._replay(self.graphs, key, idx, ctx, at, frozen)
-        host = [[p and h for p, h in zip(row, has)] for row, has in zip(self.cohort.part, self.has_batch[at.step])]
+                return self._replay(self.graphs, key, idx, valid, ctx, at, frozen)
         # the live dicts: a fused optimizer's first step may give a parameter a new tensor that after_step must see
-        self._step(
-            Held(self.opt.params, self.buffers, self.acc), Batch(idx, self.valid[at.step], host), ctx, at, frozen
-        )
+        return self._step(Held(self.opt.params, self.buffers, self.acc), Batch(idx, valid, host), ctx, at, frozen)
 
     def finish(self, state, aside: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """End the round: the trained models into `state`, except the names `aside`, returned as the cohort's
-        [H, P, ...] tensors (valid until the next `start`); also returns which of the cohort's models' loss was
-        NaN/Inf at some step and each one's mean loss over the steps it took (NaN where it took none), [H, P] each,
-        on the device."""
+        [H, P, ...] tensors in client-id order (valid until the next `start`); also returns which of the cohort's
+        models' loss was NaN/Inf at some step and each one's mean loss over the steps it took (NaN where it took
+        none), [H, P] each, on the device."""
         cohort = self.cohort
         # (the first step may have given a parameter its gradient's layout: the optimizer's dict is the live one)
         trained = self.opt.params | self.buffers  # name -> [H, P, ...]
@@ -138,43 +168,46 @@ class LocalSteps:
             k: state.buffers[k] if k in aside else cohort.put(state.buffers[k], v) for k, v in self.buffers.items()
         }
         acc = self.acc  # (the sums are zeroed and refilled next round)
-        return acc["bad"].clone(), acc["loss"] / acc["steps"], {k: trained[k] for k in aside}  # [H, P], [H, P]
+        uploads = {k: cohort.by_id(trained[k]) for k in aside}  # name -> [H, P, ...] in `Round.clients` order
+        return acc["bad"].clone(), acc["loss"] / acc["steps"], uploads  # [H, P], [H, P]
 
     def _step(self, held: Held, batch: Batch, ctx: dict, at, frozen) -> None:
-        """The step itself (eager, or the function a graph captures), updating `held` in place."""
-        params, buffers, acc = held
-        data, c_idx, idx = self.data, self.clients, batch.idx
-        valid = batch.valid.expand_as(idx)  # [H, P, B]
-        active = valid.any(-1) & self.part  # [H, P]
-        x = data.features[c_idx, idx]  # [H, P, B, D]
-        y = data.labels[c_idx, idx]  # [H, P, B]
-        extra = {"views": data.views[c_idx, idx]} if data.views is not None else {}  # [H, P, B, V, D]
+        """The step itself (eager, or the function a graph captures) on the prefix of n models that has a batch,
+        updating `held` in place (the optimizer through its own tensors, which it slices as the gradients are)."""
+        idx, n = batch.idx, batch.idx.shape[1]
+        params, buffers, acc, ctx = (prefix(t, n) for t in (*held, ctx))  # [H, n, ...] views
+        data, c_idx = self.data, self.clients[:, :n]  # [H, n, 1]
+        valid = batch.valid.expand_as(idx)  # [H, n, B]
+        active = valid.any(-1) & self.part[:, :n]  # [H, n]
+        x = data.features[c_idx, idx]  # [H, n, B, D]
+        y = data.labels[c_idx, idx]  # [H, n, B]
+        extra = {"views": data.views[c_idx, idx]} if data.views is not None else {}  # [H, n, B, V, D]
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        loss, new_buffers = self.loss_fn(leaves, buffers, x, y, valid, ctx | extra)  # [H, C]
-        check_loss(self.algo, loss, active.shape)
+        loss, new_buffers = self.loss_fn(leaves, buffers, x, y, valid, ctx | extra)  # [H, n]
         grads = dict(zip(leaves, torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)))
         grads = {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in grads.items()}
+        loss = add_penalty(self.algo, loss.detach(), grads, params, ctx)  # [H, n]
+        check_loss(self.algo, loss, active.shape)
         grads = clip_grad_norms(grads, self.clips, frozen)  # per model and group, where a group declares a norm
-        loss = loss.detach()
-        acc["bad"] |= ~torch.isfinite(loss) & active  # [H, P] read once, after the round
-        acc["loss"] += torch.where(active, loss, 0.0)  # [H, P]
-        acc["steps"] += active  # [H, P]
+        acc["bad"] |= ~torch.isfinite(loss) & active  # [H, n] read once, after the round
+        acc["loss"] += torch.where(active, loss, 0.0)  # [H, n]
+        acc["steps"] += active  # [H, n]
         with torch.no_grad():
             self.opt.step(grads, active, frozen, batch.host)  # in place
-            self.algo.after_step(params, ctx, active, at)
+            self.algo.after_step(prefix(held.params, n), ctx, active, at)  # (the step may have relaid a parameter)
             for k, v in new_buffers.items():
                 buffers[k].copy_(torch.where(active.reshape(*active.shape, *[1] * (v.dim() - 2)), v, buffers[k]))
 
-    def _replay(self, graphs: Graphs, key: tuple, idx: torch.Tensor, ctx: dict, at, frozen) -> None:
-        """The step through the graph of its kind (trained names, batch width, context structure): this step's rows
-        and, once per epoch, its context go into the static slots, then the graph replays; a kind seen for the
-        first time is captured (warm-up disarmed: no model takes part)."""
-        width, valid = idx.shape[-1], self.valid[at.step]
+    def _replay(self, graphs: Graphs, key: tuple, idx: torch.Tensor, valid, ctx: dict, at, frozen) -> None:
+        """The step through the graph of its kind (trained names, batch width, prefix, context structure): this
+        step's rows and, once per epoch, its context go into the static slots, then the graph replays; a kind seen
+        for the first time is captured (warm-up disarmed: no model takes part)."""
+        width = (idx.shape[-1], idx.shape[1])
         if width not in self.batches:
             self.batches[width] = Batch(idx.clone(), valid.clone(), None)
         slot = self.batches[width]
-        slot.idx.copy_(idx)  # [H, P, B]
-        slot.valid.copy_(valid)  # [C, B] or [H, P, B]
+        slot.idx.copy_(idx)  # [H, n, B]
+        slot.valid.copy_(valid)  # [n, B] or [H, n, B]
         stamp = (self.calls, at.epoch)  # the context changes between epochs and rounds only
         if key not in graphs:
             context = self.contexts[key] = _Context(Static(ctx, self._fixed), stamp)
