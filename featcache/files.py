@@ -1,6 +1,6 @@
 """How the extraction half writes: every file complete or absent, one writer per folder, a full disk one line.
 
-A file is written as `NAME.partial`, synced and renamed into place (`synced`). A parts folder is the resume point
+A file is written as `NAME.<writer>.partial`, synced and renamed into place (`synced`). A parts folder is the resume point
 of a store's fill; its exclusive lock (`locked`) keeps two extractions from filling one store at once: the second
 waits, then finds the images held. Readers only ever see finished files.
 
@@ -197,9 +197,11 @@ def drop_leftover(work: Path) -> None:
 
 @contextmanager
 def synced(path: Path) -> Iterator:
-    """A file handle on `path.partial`; when the block ends without error the file is synced and renamed to `path`,
-    so `path` exists only complete. Plain writes, not a memory map: a full disk is an OSError, never a SIGBUS."""
-    partial = path.with_name(path.name + ".partial")
+    """A file handle on `path.<writer>.partial`, a name of this writer's own (tasks of one fill may write the same
+    file at once: the last complete one wins); when the block ends without error the file is synced and renamed to
+    `path`, so `path` exists only complete. Plain writes, not a memory map: a full disk is an OSError, never a
+    SIGBUS."""
+    partial = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.partial")
     with writing(path), open(partial, "wb") as fh:
         yield fh
         fh.flush()

@@ -1,13 +1,15 @@
 """Run the featcache CLI in this process with a fault injected at a chosen point (driven by test_faults.py).
 
-    python tests/crashpoint.py [--kill SPEC] [--sigint SPEC] [--pause SPEC:FILE] [--log FILE] -- featcache arguments...
+    python tests/crashpoint.py [--kill SPEC] [--sigint SPEC] [--sigterm SPEC] [--pause SPEC:FILE] [--log FILE] -- ...
 
 SPEC is WHEN:FUNCTION:N:PATTERN, e.g. `after:os.replace:3:b*.npy`: the N-th call of FUNCTION (a dotted path:
 `os.replace`, `featcache.extraction.plan._forward`, `featcache.cache.h5._new_dataset`) that has an argument whose file
 name matches PATTERN (`*` counts every call) triggers, `before` or `after` the call runs.
 
 --kill   the process sends itself SIGKILL: a real kill -9, no exception handler, finally block or atexit hook runs.
---sigint the process sends itself SIGINT: a real Ctrl-C, handled by whatever SIGINT handler is installed then.
+--sigint the process sends itself SIGINT: a real Ctrl-C, handled by whatever SIGINT handler is installed then (the
+         CLI's own: this driver installs none, so a driver started with SIGINT ignored runs as `nohup` does).
+--sigterm the process sends itself SIGTERM, as SLURM, `timeout` and Kubernetes stop a job.
 --pause  the process waits until FILE exists (holding whatever locks it holds), then goes on.
 --log    appends JSON lines to FILE: {"replace": "folder/name"} for every os.replace destination, {"forward": images}
          for every forward pass, and {"parts": {"folder/name": [inode, mtime_ns]}} of a store's finished blocks each
@@ -103,14 +105,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kill")
     parser.add_argument("--sigint")
+    parser.add_argument("--sigterm")
     parser.add_argument("--pause")
     parser.add_argument("--log")
     opts = parser.parse_args(sys.argv[1:split])
     if opts.kill:
         trigger(opts.kill, lambda: os.kill(os.getpid(), signal.SIGKILL))
     if opts.sigint:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's process has it, even under nohup
         trigger(opts.sigint, lambda: os.kill(os.getpid(), signal.SIGINT))
+    if opts.sigterm:
+        trigger(opts.sigterm, lambda: os.kill(os.getpid(), signal.SIGTERM))
     if opts.pause:
         spec, _, flag = opts.pause.rpartition(":")
         trigger(spec, lambda: wait_for(flag))

@@ -460,12 +460,19 @@ def test_kill_9_at_several_points_then_the_same_command_gives_the_undisturbed_by
 
 
 @pytest.mark.slow
-def test_ctrl_c_prints_one_line_exits_130_and_resumes(cache, tmp_path):
+@pytest.mark.parametrize("how, code", [("--sigint", 130), ("--sigterm", 143)])
+def test_ctrl_c_or_sigterm_prints_one_line_exits_and_resumes(cache, tmp_path, how, code):
+    """Ctrl-C, and SIGTERM as a cluster stops a job, save where the run is; the driver starts with SIGINT ignored,
+    as a background launch inherits it, and the CLI still stops on it."""
     ref = driver(tmp_path / "ref", command(cache, "scaffold"))
     assert ref.returncode == 0, ref.stderr
     out = tmp_path / "b" / "runs"
-    stopped = driver(out.parent, command(cache, "scaffold"), ["--sigint", f"after:{LOCAL_TRAIN}:3:*"])
-    assert stopped.returncode == 130, stopped.stderr
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the driver, as `cmd &` in a script does
+    try:
+        stopped = driver(out.parent, command(cache, "scaffold"), [how, f"after:{LOCAL_TRAIN}:3:*"])
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    assert stopped.returncode == code, stopped.stderr
     (line,) = lines(stopped.stderr)
     assert line == (
         "interrupted: scaffold (seeds 0, 1) stopped after round 3 of 6, checkpoint saved: run the same "

@@ -521,3 +521,16 @@ def test_a_saved_dataset_reads_its_images_only_when_asked_for(tmp_path):
     with pytest.raises(UserError, match="damaged .* is removed: run the same command again"):
         damaged.domains["mnist"]["test"].batch(np.array([0]))
     assert not saved.exists()
+
+
+def test_writers_of_one_file_at_once_each_finish(tmp_path):
+    """Two tasks of one fill (Ray's, on one store) that both found no metadata file both write it: each through a
+    temporary of its own, so both renames succeed and the file is one writer's, complete; nothing else is left."""
+    from featcache.files import synced
+
+    path = tmp_path / "meta.json"
+    with synced(path) as first, synced(path) as second:
+        first.write(b'{"by": 1}')
+        second.write(b'{"by": 2}')
+    assert json.loads(path.read_bytes()) in ({"by": 1}, {"by": 2})
+    assert list(tmp_path.iterdir()) == [path]

@@ -8,6 +8,7 @@ of the library they call (`extraction`, `training`, `results`); `app` holds what
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 import os
 import signal
 import sys
@@ -72,10 +73,34 @@ def main() -> None:
     provenance.set_command(sys.argv)  # result files record the command line (for this call only)
     _RUNNING.clear()
     try:
-        with CTRL_C:
+        with CTRL_C, stoppable():
             _main()
     finally:
         provenance.COMMAND = None
+
+
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops as Ctrl-C does: the training commands save where they are
+
+
+@contextmanager
+def stoppable():
+    """SIGTERM (what SLURM, `timeout`, `docker stop` and Kubernetes send) and SIGINT (also where a background launch
+    inherited it ignored) stop the command as Ctrl-C does: one line, a checkpoint where training ran, exit code 143
+    for SIGTERM (128 + 15), 130 for SIGINT."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    except SystemExit as e:
+        raise SystemExit(128 + signal.SIGTERM if e.code == 130 and CTRL_C.got(signal.SIGTERM) else e.code) from None
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _error(message: str) -> None:
@@ -91,10 +116,10 @@ class _CtrlC:
 
     def __init__(self) -> None:
         self.read = self.write = None
-        self.old, self.seen = -1, False
+        self.old, self.seen = -1, set()
 
     def __enter__(self):
-        self.seen = False
+        self.seen = set()
         if threading.current_thread() is threading.main_thread():
             read, write = os.pipe()
             for fd in (read, write):
@@ -115,16 +140,18 @@ class _CtrlC:
             os.close(self.write)
             self.read = self.write = None
 
-    def pressed(self) -> bool:
-        """True once a SIGINT arrived (also when it cannot be known: outside the main thread)."""
-        if self.read is None:
-            return True
+    def got(self, sig: int) -> bool:
+        """Whether signal `sig` arrived while the command ran."""
         try:
-            while not self.seen and (chunk := os.read(self.read, 512)):
-                self.seen = signal.SIGINT in chunk
+            while self.read is not None and (chunk := os.read(self.read, 512)):
+                self.seen.update(chunk)
         except BlockingIOError:
             pass
-        return self.seen
+        return sig in self.seen
+
+    def pressed(self) -> bool:
+        """True once a SIGINT or SIGTERM arrived (also when it cannot be known: outside the main thread)."""
+        return self.read is None or self.got(signal.SIGINT) or self.got(signal.SIGTERM)
 
 
 CTRL_C = _CtrlC()

@@ -272,19 +272,22 @@ class Checkpoint:
     # -- around the run (train.py) ----------------------------------------------------------------------------
     @contextmanager
     def watch(self):
-        """Around the engine run: the first Ctrl-C lets the round finish and stops at the next round's start (with a
-        checkpoint); a second one, or one where no handler could be installed, stops at once and is re-raised as
-        `Interrupted` saying which checkpoint the run resumes from. A `UserError` (a refused run) removes the
-        checkpoint: the same command would fail the same way."""
+        """Around the engine run: the first Ctrl-C or SIGTERM (a cluster stopping the job) lets the round finish and
+        stops at the next round's start (with a checkpoint); a second one, or one where no handler could be
+        installed, stops at once and is re-raised as `Interrupted` saying which checkpoint the run resumes from. A
+        `UserError` (a refused run) removes the checkpoint: the same command would fail the same way."""
         main = threading.current_thread() is threading.main_thread()
         own = self.every != 0 and main and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        term = signal.getsignal(signal.SIGTERM) if main else None  # the handler a second SIGTERM meets
 
-        def first_ctrl_c(signum, frame):
+        def first_stop(signum, frame):
             self.stop = True
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the next one stops at once
+            signal.signal(signal.SIGTERM, term)
 
         if own:
-            signal.signal(signal.SIGINT, first_ctrl_c)
+            signal.signal(signal.SIGINT, first_stop)
+            signal.signal(signal.SIGTERM, first_stop)
         try:
             yield self
         except Interrupted:
@@ -303,6 +306,7 @@ class Checkpoint:
         finally:
             if own:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGTERM, term)
 
     def finish(self, paths: dict) -> None:
         """The result and its sidecars are written (`paths`: write_run's result_file, timing_file, metrics_csv,
