@@ -1,7 +1,7 @@
 """How the extraction half writes: every file complete or absent, one writer per folder, a full disk one line.
 
-A file is written as `NAME.<writer>.partial`, synced and renamed into place (`synced`). A parts folder is the resume point
-of a store's fill; its exclusive lock (`locked`) keeps two extractions from filling one store at once: the second
+A file is written as `NAME.<writer>.partial`, synced and renamed into place (`synced`). A parts folder is the resume
+point of a store's fill; its exclusive lock (`locked`) keeps two extractions from filling one store at once: the second
 waits, then finds the images held. Readers only ever see finished files.
 
 Every folder featcache stages work in (a store's parts folder `.NAME.parts`, migrate's `.NAME.migrating`, gc's
