@@ -1,6 +1,7 @@
 """Uneven clients: a round computes the steps its clients have (the cohort's prefix that still has a batch), and
 every client still trains exactly as it would alone, in the plain loop, whatever the client sizes, participation,
-number of configurations batched (a grid) and models per pass (`at_once`)."""
+number of configurations batched (a grid) and models per pass (`at_once`). BatchNorm is off: on a batch of one row
+(a short last batch) it divides float32 rounding by sqrt(eps), and both sides round the batch mean differently."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def with_counts(counts: list[int], seed: int) -> ClientData:
 def test_each_client_trains_as_alone_whatever_the_sizes(counts, batch, rate, lrs, at_once, name):
     train, test = with_counts(counts, 0), with_counts([max(1, c // 2) for c in counts], 1)
     cfgs = [
-        configure(name, fast=True, proj_dim=4, rounds=2, batch_size=batch, drop_last=False, participation=rate)
+        configure(
+            name, fast=True, proj_dim=4, bn=False, rounds=2, batch_size=batch, drop_last=False, participation=rate
+        )
         | {"seed": h, "lr": lr}
         for h, lr in enumerate(lrs)
     ]
@@ -49,3 +52,29 @@ def test_each_client_trains_as_alone_whatever_the_sizes(counts, batch, rate, lrs
         torch.testing.assert_close(acc[:, h], ref_acc, rtol=0, atol=1e-6)
         for k, v in eng.state.params.items():
             torch.testing.assert_close(v[h], ref_params[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {k}: {m}")
+
+
+@settings(max_examples=10)
+@given(counts=st.lists(st.integers(1, 200), min_size=1, max_size=12), name=st.sampled_from(["fedavg", "fedpcl"]))
+def test_scoring_in_row_buckets_gives_every_real_rows_scores(counts, name):
+    """Evaluation scores clients of similar sizes together: the rows it scores stay within 1.25x the real rows
+    (or one group where the clients are that even), and every real row gets the score of the padded [C, N] pass."""
+    from featcache.training.evaluate import row_buckets, scores
+    from featcache.training.models import map_models
+
+    data = with_counts(counts, 2)
+    cfg = configure(name, fast=True, proj_dim=4, rounds=1, batch_size=8, drop_last=False) | {"seed": 0}
+    eng = Engine(create(name), [cfg], data, data)
+    eng.run(logs=False)
+    groups = row_buckets(data.counts)
+    scored = sum(n * (len(counts) if ids is None else len(ids)) for ids, n in groups)
+    assert scored <= 1.25 * sum(counts) or len(groups) == 1
+    assert sorted(c for ids, _ in groups if ids is not None for c in ids.tolist()) in ([], list(range(len(counts))))
+    now = eng.last_round
+    got = scores(eng.algo, eng.state, data, now)  # [H, C, N, K]
+    ctx = eng.algo.context(eng.state, now) | {"rows": data.mask.expand(1, *data.mask.shape)}
+    padded = map_models(
+        lambda p, b, c, x: eng.algo.predict(p, b, x, c), (eng.state.params, eng.state.buffers, ctx), (data.features,)
+    )
+    real = data.mask.expand(*got.shape[:-1])  # [H, C, N]
+    torch.testing.assert_close(got[real], padded[real], rtol=1e-5, atol=1e-5)

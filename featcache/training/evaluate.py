@@ -8,12 +8,14 @@ most as many models as a round trains at once."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map
 
 from ..cache import ClientData
-from .cohort import Cohort
+from .cohort import Cohort, reorder
 from .guards import check_scores
 from .models import expand_hc, map_models
 
@@ -33,20 +35,71 @@ class Rows:
         return cls(take(data.labels), take(data.mask), take(data.counts))
 
 
+_BUCKETS: dict[int, tuple] = {}  # id(counts) -> (a weak reference to counts [C], its `row_buckets`)
+
+
+def row_buckets(counts: torch.Tensor, waste: float = 0.2) -> list[tuple[torch.Tensor | None, int]]:
+    """The clients of `counts` [C] in groups scored together, (ids [C_b] or None for all, rows n_b): by count, most
+    first, a group taking clients while none of its padding exceeds `waste` of a client's scored rows, so scoring
+    costs about the real rows, not C times the largest client's (one group, None, where the clients are that even).
+    Read from the host once per split."""
+    ref, buckets = _BUCKETS.get(id(counts), (None, None))
+    if ref is None or ref() is not counts:
+        n = counts.tolist()
+        order = sorted(range(len(n)), key=lambda c: -n[c])
+        groups: list[list[int]] = []
+        for c in order:
+            if groups and n[c] >= (1 - waste) * n[groups[-1][0]]:
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        whole = len(groups) == 1 or sum(n) >= (1 - waste) * len(n) * max(n, default=0)
+        buckets = (
+            [(None, max(n, default=0))]
+            if whole
+            else [(torch.tensor(g, device=counts.device), max(n[g[0]], 1)) for g in groups]
+        )
+        _BUCKETS[id(counts)] = (weakref.ref(counts, lambda _, key=id(counts): _BUCKETS.pop(key, None)), buckets)
+    return buckets
+
+
+def _clients(t: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """[H, C, ...] -> [H, C_b, ...] at clients `ids` (t itself for None; a broadcast stays one)."""
+    if ids is None:
+        return t
+    if t.stride(1) == 0:
+        return t[:, :1].expand(t.shape[0], len(ids), *t.shape[2:])
+    return reorder(t, ids)
+
+
 @torch.no_grad()
 def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False) -> torch.Tensor:
-    """Every model's scores on its client's rows of `data`: [H, C, N, K]. `model` = (params, buffers) name -> [H, ...]
-    scores the server's global model instead, broadcast to every client, with the algorithm's `predict_global`.
-    Their shape is checked every time, their values at the `first` evaluation (`guards.check_scores`)."""
-    ctx = algo.context(state, rnd) | {"rows": data.mask.expand(rnd.H, *data.mask.shape)}  # rows [H, C, N] bool
+    """Every model's scores on its client's rows of `data`: [H, C, N, K] (rows past a client's count mean nothing),
+    scored in `row_buckets` of clients of similar sizes. `model` = (params, buffers) name -> [H, ...] scores the
+    server's global model instead, broadcast to every client, with the algorithm's `predict_global`. Their shape is
+    checked every time, their values at the `first` evaluation (`guards.check_scores`)."""
+    ctx = algo.context(state, rnd)
     if model is None:
         params, buffers, fn = state.params, state.buffers, algo.predict
     else:
         params, buffers = ({k: expand_hc(v, rnd.C) for k, v in d.items()} for d in model)  # [H, C, ...]
         fn = algo.predict_global
     predict = lambda p, b, c, x: fn(p, b, x, c)
-    out = map_models(predict, (params, buffers, ctx), (data.features,))  # [H, C, N, K]
-    check_scores(algo, getattr(fn, "__name__", "predict"), out, data, first)
+    name = getattr(fn, "__name__", "predict")
+    out = None
+    for ids, n in row_buckets(data.counts):
+        x, rows = (t[:, :n] if ids is None else t[ids, :n] for t in (data.features, data.mask))  # [C_b, n, ...]
+        models = [tree_map(lambda t: _clients(t, ids), tree) for tree in (params, buffers, ctx)]  # [H, C_b, ...]
+        models[2] = models[2] | {"rows": rows.expand(rnd.H, *rows.shape)}  # [H, C_b, n] bool: the real rows
+        got = map_models(predict, tuple(models), (x,))  # [H, C_b, n, K]
+        check_scores(algo, name, got, data, False)
+        if ids is None:
+            out = got
+            break
+        if out is None:
+            out = got.new_zeros(*got.shape[:1], rnd.C, data.features.shape[1], got.shape[-1])  # [H, C, N, K]
+        out[:, ids, :n] = got
+    check_scores(algo, name, out, data, first)
     return out
 
 
