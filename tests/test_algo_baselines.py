@@ -111,6 +111,18 @@ def test_fedprox_loss_is_eq2():
         torch.testing.assert_close(grads[k][0, 0], leaf.grad)
 
 
+def test_an_anchor_is_laid_out_like_the_models_it_pulls():
+    """FedProx's w^t comes in each trained weight's memory layout (a linear weight trains transposed), so w − w^t
+    runs at full speed; the values are w^t's, still one model per configuration broadcast over the clients."""
+    from featcache.algorithms.base import laid_like
+
+    w = torch.randn(2, 3, 5, 4).mT  # [H, C, 4, 5], each model transposed in memory
+    anchor = torch.randn(2, 4, 5)[:, None].expand(2, 3, 4, 5)
+    out = laid_like(anchor, w)
+    assert torch.equal(out, anchor) and out.stride()[2:] == w.stride()[2:] and out.stride(1) == 0
+    assert laid_like(anchor, torch.randn(2, 3, 4, 5)) is anchor  # the same layout already: nothing copied
+
+
 def test_fedprox_anchors_to_the_round_start_model(data):
     train, test = data
     algo = create("fedprox")

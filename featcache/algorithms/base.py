@@ -90,6 +90,15 @@ def proximal(params: Params, anchor: Params) -> torch.Tensor:
     return cast(torch.Tensor, sum(((params[k] - anchor[k]) ** 2).sum() for k in params))
 
 
+def laid_like(anchor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`anchor` [H, C, ...], one model per configuration broadcast over clients, in the memory layout of each model
+    of `p` [H, C, ...] (a linear weight trained transposed in memory): elementwise arithmetic of the two then runs
+    at full speed. Copies the H models only, and only where the layouts differ."""
+    if anchor.dim() < 4 or anchor.stride(1) != 0 or p.stride()[2:] == anchor.stride()[2:] or not p.mT.is_contiguous():
+        return anchor
+    return anchor[:, 0].mT.contiguous().mT[:, None].expand_as(anchor)
+
+
 def remember_global(state: State, buffers: bool = False) -> None:
     """Keep the model every client starts the next round from, w^t [H, ...], in state.server["global"] (with
     `buffers`, its buffers in state.server["global_buffers"]).

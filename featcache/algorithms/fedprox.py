@@ -10,8 +10,10 @@ Global model: FedAvg's, the w^t every client starts the next round from.
 
 from __future__ import annotations
 
+import torch
+
 from ..training.config import Setting
-from .base import FedAvg, bcast
+from .base import FedAvg, bcast, laid_like
 from .registry import register
 
 
@@ -25,7 +27,9 @@ class FedProx(FedAvg):
 
     def penalty(self, params, ctx):
         """μ/2 ||w − w^t||² [H, C] and its gradient μ (w − w^t), added to F_k's without autograd."""
-        mu = ctx["hp"]["mu"]  # [H, C]
-        diff = {k: params[k] - ctx["global"][k] for k in params}  # [H, C, ...]
-        value = mu / 2 * sum(d.square().flatten(2).sum(-1) for d in diff.values())  # [H, C]
-        return value, {k: bcast(mu, d) * d for k, d in diff.items()}
+        mu, sq, grads = ctx["hp"]["mu"], 0.0, {}  # mu [H, C]
+        for k, w in params.items():
+            d = w - laid_like(ctx["global"][k], w)  # [H, C, ...] in w's layout
+            sq = sq + torch.linalg.vector_norm(d, dim=tuple(range(2, d.dim()))).square()  # [H, C]
+            grads[k] = d.mul_(bcast(mu, d))  # μ (w − w^t), in d's memory
+        return mu / 2 * sq, grads
