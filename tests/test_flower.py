@@ -164,6 +164,73 @@ def test_split_writes_one_verified_file_per_client_that_holds_only_its_rows(cach
         split(out["files"][0], tmp_path / "again")
 
 
+@pytest.mark.parametrize("name", ["../../escaped", "/tmp/abs-escape", "a/b", ".hidden", "x\ny"])
+def test_split_keeps_every_file_inside_out_whatever_the_cache_calls_its_dataset(cache, tmp_path, name):
+    """The dataset name in a cache (resealed, so it verifies) becomes a file name only as file-name characters."""
+    import shutil
+
+    from harness import edit_cache
+
+    mine = edit_cache(shutil.copy(cache, tmp_path / "c.h5"), lambda f: f.attrs.__setitem__("dataset", name))
+    out = tmp_path / "split"
+    files = split(mine, out)["files"]
+    assert len(files) == 4 and all(os.path.dirname(p) == str(out) for p in files)
+    assert sorted(os.listdir(tmp_path)) == ["c.h5", "split"] and sorted(os.listdir(out)) == sorted(
+        map(os.path.basename, files)
+    )
+
+
+def test_split_refuses_a_damaged_cache_and_leaves_nothing_half_written(cache, tmp_path):
+    """A cache `verify` refuses is not split (no client file passes as verified), and a refusal part-way removes
+    the files of this call while a user's file of a client's name is kept."""
+    import shutil
+
+    import h5py
+
+    flipped = shutil.copy(cache, tmp_path / "flipped.h5")
+    with h5py.File(flipped, "r+") as f:  # one value changed after sealing
+        ds = f["train/features/concat"] if "train/features/concat" in f else None
+        assert ds is not None
+        ds[0, 0] = ds[0, 0] + 1
+    with pytest.raises(UserError, match="failed verification, nothing split"):
+        split(flipped, tmp_path / "a")
+    assert not (tmp_path / "a").exists() or not os.listdir(tmp_path / "a")
+    out = tmp_path / "b"
+    out.mkdir()
+    theirs = out / os.path.basename(split(cache, tmp_path / "probe")["files"][2])
+    theirs.write_text("a file of the user's")
+    with pytest.raises(UserError):
+        split(cache, out)
+    assert os.listdir(out) == [theirs.name] and theirs.read_text() == "a file of the user's"
+
+
+def test_split_stopped_part_way_goes_on_with_the_same_command(cache, tmp_path, monkeypatch):
+    """A split killed after some client files keeps them; the same command keeps those and writes the rest."""
+    import featcache.cache.split as S
+
+    whole = split(cache, tmp_path / "ref")["files"]
+    real, calls = S.write, []
+
+    def dies_on_third(path, *a, **k):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(S, "write", dies_on_third)
+    out = tmp_path / "b"
+    out.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        S._split(cache, out, [])  # the files written so far stay, as after a kill -9
+    assert len(os.listdir(out)) == 2
+    monkeypatch.setattr(S, "write", real)
+    again = split(cache, out)["files"]
+    assert [os.path.basename(p) for p in again] == [os.path.basename(p) for p in whole]
+    for mine, ref in zip(again, whole):
+        assert verify(mine)["ok"]
+        torch.testing.assert_close(node_rows(mine, None)[1].features, node_rows(ref, None)[1].features, rtol=0, atol=0)
+
+
 def test_featcache_flower_new_writes_a_flwr_run_project(cache, tmp_path):
     from harness import one_line_error, run_cli
 

@@ -9,6 +9,7 @@ cache and a client index.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +24,46 @@ SPLIT_ATTR = "split"
 
 
 def split_path(out: Path, meta: dict, c: int) -> Path:
-    return Path(out) / f"{meta['dataset']}-{meta['key'][:16]}.client{c:03d}.h5"
+    """Client c's file in `out`: named from the cache's dataset and key, each reduced to file-name characters, so a
+    name read from a file never leaves `out`."""
+    stem = re.sub(r"[^A-Za-z0-9_.+-]", "_", f"{meta['dataset']}-{str(meta['key'])[:16]}").lstrip(".")[:100]
+    return Path(out) / f"{stem or 'cache'}.client{c:03d}.h5"
+
+
+def _ours(path: Path, key: str, c: int, C: int) -> bool:
+    """Whether `path` is client c's verified file of the cache `key` (an earlier split's, stopped after writing
+    it): kept as it is."""
+    if not path.is_file():
+        return False
+    try:
+        with open_cache(path) as f:
+            meta = read_meta(f)
+    except UserError:  # not a cache: someone else's file, which `write` refuses to replace
+        return False
+    own = meta.get(SPLIT_ATTR)
+    own = json.loads(own) if isinstance(own, str) else own
+    return meta.get("key") == key and own == {"client": c, "clients": C} and verify(path)["ok"]
 
 
 def split(cache: str | Path, out: str | Path) -> dict:
-    """Write one verified file per client of `cache` into `out`; returns {cache, key, files}. An existing file of
-    the same name is refused (`write`)."""
+    """Write one verified file per client of a verified `cache` into `out`; returns {cache, key, files}. A file an
+    earlier split of the same cache left (stopped part-way) is kept; any other file of the same name is refused
+    (`write`); a refusal removes the files this call wrote."""
     cache, out = as_path(cache, "cache"), as_path(out, "out")
+    report = verify(cache)
+    if not report["ok"]:
+        raise UserError(f"{cache} failed verification, nothing split: {report['problems'][0]}")
     out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        return _split(cache, out, written)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+
+
+def _split(cache: Path, out: Path, written: list[Path]) -> dict:
     with open_cache(cache) as f:
         meta = read_meta(f)
         if SPLIT_ATTR in meta:
@@ -44,6 +77,10 @@ def split(cache: str | Path, out: str | Path) -> dict:
         rows = meta["counts"]["clients"]
         files = []
         for c, row in enumerate(rows):
+            path = split_path(out, meta, c)
+            if _ours(path, meta["key"], c, len(rows)):
+                files.append(str(path))
+                continue
             parts = {}
             for s in SPLITS:
                 read = lambda name: client_rows(f, s, c, name)
@@ -58,12 +95,11 @@ def split(cache: str | Path, out: str | Path) -> dict:
                     other,
                 )
             client = Client(row["domain"], parts["train"], parts["test"], client_rows(f, "train", c, "val_index"))
-            path = split_path(out, meta, c)
             own = header | {"counts": {"clients": [rows[c]]}, SPLIT_ATTR: {"client": c, "clients": len(rows)}}
             write(path, own, backbones, [client])
+            written.append(path)
             report = verify(path)
             if not report["ok"]:
-                path.unlink(missing_ok=True)
                 raise UserError(f"the file of client {c} failed verification: {report['problems'][0]}")
             files.append(str(path))
     return {"cache": str(cache), "key": meta["key"], "files": files}
