@@ -231,6 +231,40 @@ def test_split_stopped_part_way_goes_on_with_the_same_command(cache, tmp_path, m
         torch.testing.assert_close(node_rows(mine, None)[1].features, node_rows(ref, None)[1].features, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("results", ['runs"\nalgo = "fedavg', "a\tb", 'x"y', "\\server\\share", "ünï"])
+def test_flower_new_writes_every_value_through_toml(cache, tmp_path, results):
+    """--out and the cache path reach pyproject.toml through a TOML writer: no key injected, the value back as
+    given, the file parses."""
+    import shutil
+    import tomllib
+
+    from featcache.flower.project import new_project
+
+    odd = tmp_path / 'ca"ch\te.h5'
+    shutil.copy(cache, odd)
+    made = new_project("p", "fedavg", odd, 2, 0, ["proj_dim=8"], tmp_path, results)
+    config = tomllib.loads(open(made["pyproject"]).read())["tool"]["flwr"]["app"]["config"]
+    assert config["out"] == results and config["cache"] == str(odd.resolve()) and config["algo"] == "fedavg"
+
+
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        (lambda tmp: {"algo": "fedamp"}, "fedamp cannot run as a Flower app"),
+        (lambda tmp: {"name": "p" * 300}, "1 to 64 letters"),
+        (lambda tmp: {"folder": (tmp / "f").write_text("") or tmp / "f"}, "pick a --dir you can write"),
+    ],
+)
+def test_flower_new_refuses_in_one_line_and_writes_nothing(cache, tmp_path, case, why):
+    from featcache.flower.project import new_project
+
+    args = {"name": "p", "algo": "fedavg", "cache": cache, "folder": tmp_path / "d"} | case(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(UserError, match=why) as e:
+        new_project(**args)
+    assert "\n" not in str(e.value) and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_featcache_flower_new_writes_a_flwr_run_project(cache, tmp_path):
     from harness import one_line_error, run_cli
 
@@ -252,9 +286,12 @@ def test_featcache_flower_new_writes_a_flwr_run_project(cache, tmp_path):
     )
     assert done.code == 0, done.stderr
     project = json.loads(done.stdout)
-    text = open(project["pyproject"]).read()
-    assert "[tool.flwr.app]" in text and 'serverapp = "fl_proj_app.server_app:app"' in text
-    assert 'algo = "fedpcl"' in text and "clients = 4" in text and '"proj_dim": 8' in text
+    import tomllib
+
+    app = tomllib.loads(open(project["pyproject"]).read())["tool"]["flwr"]["app"]
+    assert app["components"]["serverapp"] == "fl_proj_app.server_app:app"
+    config = app["config"]
+    assert config["algo"] == "fedpcl" and config["clients"] == 4 and json.loads(config["settings"])["proj_dim"] == 8
     assert os.path.isfile(os.path.join(project["project"], "fl_proj_app", "client_app.py"))
     one_line_error(
         run_cli("flower", "new", "fl-proj", "--algo", "fedpcl", "--cache", str(cache), "--dir", str(tmp_path)), "exists"

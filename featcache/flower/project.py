@@ -13,41 +13,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 from ..errors import UserError, as_path
 from ..runs.spec import RunSpec
-
-PYPROJECT = """[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "{name}"
-version = "1.0.0"
-description = "{algo} on a featcache cache, as a Flower app"
-license = "Apache-2.0"
-dependencies = ["featcache[flower]"]
-
-[tool.hatch.build.targets.wheel]
-packages = ["{package}"]
-
-[tool.flwr.app]
-publisher = "featcache"
-
-[tool.flwr.app.components]
-serverapp = "{package}.server_app:app"
-clientapp = "{package}.client_app:app"
-
-[tool.flwr.app.config]
-algo = "{algo}"
-settings = '{settings}'
-seed = {seed}
-rounds = {rounds}
-clients = {clients}
-cache = "{cache}"
-out = "{out}"
-timeout = {timeout}
-"""
+from ..training.config import batched
+from .federation import refuse
 
 SERVER = '''"""The ServerApp: featcache's server of the run config's algorithm."""
 
@@ -79,33 +50,65 @@ def new_project(
     checked here (an unknown or bad one is one line), the cache's metadata read for its number of clients."""
     from ..cache import info
 
-    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", name):
-        raise UserError(f"project name {name!r}: use letters, digits, '-' and '_', starting with a letter")
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,63}", name):
+        raise UserError(f"project name {name!r}: use 1 to 64 letters, digits, '-' and '_', starting with a letter")
+    try:
+        import tomli_w  # Flower's own TOML writer: every value the project holds is written by a serializer
+    except ImportError:
+        raise UserError("featcache flower new needs Flower: pip install 'featcache[flower]'") from None
     spec = RunSpec.resolve(algo, rounds, [seed], set)
+    shared, _ = batched([spec.config | {"seed": seed}], spec.algo)
+    refuse(spec.algo.bind(shared))  # what cannot run as a Flower app is refused here, not at `flwr run`
     cache = as_path(cache, "cache").resolve()
     meta = info(cache)
     split = meta.get("split")
     clients = json.loads(split)["clients"] if isinstance(split, str) else len(meta["counts"]["clients"])
     root = as_path(folder, "dir") / name
-    if root.exists():
+    if root.exists() or root.is_symlink():
         raise UserError(f"{root} exists: pick another NAME or remove it")
     package = name.replace("-", "_") + "_app"
     settings = {k: v for k, v in spec.config.items() if k not in ("rounds", "seed")}
-    text = PYPROJECT.format(
-        name=name,
-        package=package,
-        algo=spec.name,
-        settings=json.dumps(settings, sort_keys=True),
-        seed=seed,
-        rounds=spec.config["rounds"],
-        clients=clients,
-        cache=cache,
-        out=out,
-        timeout=float(timeout),
-    )
-    (root / package).mkdir(parents=True)
-    (root / "pyproject.toml").write_text(text)
-    (root / package / "__init__.py").write_text("")
-    (root / package / "server_app.py").write_text(SERVER)
-    (root / package / "client_app.py").write_text(CLIENT)
+    project = {
+        "build-system": {"requires": ["hatchling"], "build-backend": "hatchling.build"},
+        "project": {
+            "name": name,
+            "version": "1.0.0",
+            "description": f"{spec.name} on a featcache cache, as a Flower app",
+            "license": "Apache-2.0",
+            "dependencies": ["featcache[flower]"],
+        },
+        "tool": {
+            "hatch": {"build": {"targets": {"wheel": {"packages": [package]}}}},
+            "flwr": {
+                "app": {
+                    "publisher": "featcache",
+                    "components": {"serverapp": f"{package}.server_app:app", "clientapp": f"{package}.client_app:app"},
+                    "config": {
+                        "algo": spec.name,
+                        "settings": json.dumps(settings, sort_keys=True),
+                        "seed": seed,
+                        "rounds": spec.config["rounds"],
+                        "clients": clients,
+                        "cache": str(cache),
+                        "out": str(out),
+                        "timeout": float(timeout),
+                    },
+                }
+            },
+        },
+    }
+    files = {
+        "pyproject.toml": tomli_w.dumps(project),
+        f"{package}/__init__.py": "",
+        f"{package}/server_app.py": SERVER,
+        f"{package}/client_app.py": CLIENT,
+    }
+    try:
+        (root / package).mkdir(parents=True)
+        for rel, text in files.items():
+            (root / rel).write_text(text)
+    except OSError as e:
+        shutil.rmtree(root, ignore_errors=True)
+        why = e.strerror or e
+        raise UserError(f"cannot write the project into {root} ({why}): pick a --dir you can write") from None
     return {"project": str(root), "pyproject": str(root / "pyproject.toml"), "clients": clients}
