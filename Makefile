@@ -85,6 +85,7 @@ algos-table: install
 bench: install
 	$(BIN)/python bench/extract.py
 	$(BIN)/python bench/train.py
+	$(BIN)/python bench/uneven.py
 	$(BIN)/python bench/grid.py
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/threads.py
