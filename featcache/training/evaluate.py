@@ -59,7 +59,8 @@ def row_buckets(counts: torch.Tensor, waste: float = 0.2) -> list[tuple[torch.Te
             if whole
             else [(torch.tensor(g, device=counts.device), max(n[g[0]], 1)) for g in groups]
         )
-        _BUCKETS[id(counts)] = (weakref.ref(counts, lambda _, key=id(counts): _BUCKETS.pop(key, None)), buckets)
+        _BUCKETS[id(counts)] = (weakref.ref(counts), buckets)
+        weakref.finalize(counts, _BUCKETS.pop, id(counts), None)
     return buckets
 
 
@@ -86,7 +87,7 @@ def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False) 
         fn = algo.predict_global
     predict = lambda p, b, c, x: fn(p, b, x, c)
     name = getattr(fn, "__name__", "predict")
-    out = None
+    out: torch.Tensor | None = None
     for ids, n in row_buckets(data.counts):
         x, rows = (t[:, :n] if ids is None else t[ids, :n] for t in (data.features, data.mask))  # [C_b, n, ...]
         models = [tree_map(lambda t: _clients(t, ids), tree) for tree in (params, buffers, ctx)]  # [H, C_b, ...]
@@ -99,6 +100,7 @@ def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False) 
         if out is None:
             out = got.new_zeros(*got.shape[:1], rnd.C, data.features.shape[1], got.shape[-1])  # [H, C, N, K]
         out[:, ids, :n] = got
+    assert out is not None  # row_buckets gives at least one group
     check_scores(algo, name, out, data, first)
     return out
 

@@ -77,8 +77,8 @@ def local_epochs(
             value.backward()
             if own is None:  # the algorithm's closed-form term, as the engine adds it (on [1, 1] stacks)
                 grads = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in params.items()}
-                stacks = [{k: t[None, None] for k, t in d.items()} for d in (grads, params)]  # views: added in place
-                value = add_penalty(algo, value.detach()[None, None], *stacks, ctx_11)[0, 0]
+                g11, p11 = ({k: t[None, None] for k, t in d.items()} for d in (grads, params))  # views: added in place
+                value = add_penalty(algo, value.detach()[None, None], g11, p11, ctx_11)[0, 0]
                 for k, p in params.items():
                     if p.requires_grad:
                         p.grad = grads[k]
