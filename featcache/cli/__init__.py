@@ -8,12 +8,12 @@ of the library they call (`extraction`, `training`, `results`); `app` holds what
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 import os
 import signal
 import sys
 import threading
 import warnings
+from contextlib import contextmanager
 
 import typer
 from rich.markup import escape

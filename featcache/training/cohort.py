@@ -50,6 +50,14 @@ def reorder(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out.mT if transposed else out
 
 
+def select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t [H, C, ...] at clients `index` [C'], the same for every configuration: a broadcast over clients stays one,
+    anything else is one row gather (`reorder`)."""
+    if t.stride(1) == 0:
+        return t[:, :1].expand(t.shape[0], len(index), *t.shape[2:])
+    return reorder(t, index)
+
+
 class Cohort:
     """Which clients the [H, P] models of a round are: ids [H, P] (per configuration in the run's step `order`), on
     the device and as host lists; `full` when P = C (every client, those sitting the round out masked), `everyone`
@@ -110,9 +118,9 @@ class Cohort:
         broadcast)."""
         if self.everyone:
             return t
-        if t.stride(1) == 0:
-            return t[:, :1].expand(t.shape[0], self.ids.shape[1], *t.shape[2:])
-        return t[self._h, self.ids] if self._order is None else reorder(t, self._order)
+        if t.stride(1) == 0 or self._order is not None:  # a broadcast, or one order for every configuration
+            return select(t, self.ids[0])
+        return t[self._h, self.ids]
 
     def take_into(self, dst: dict, src: dict, chunk: int = 2**26) -> dict:
         """`take` of every [H, C, ...] tensor of src written into dst's [H, P, ...] tensors of the same names (the
@@ -146,10 +154,10 @@ class Cohort:
         copy)."""
         if self.everyone:
             return src
+        if self._order is not None:  # every configuration's clients in the one step order: all of dst replaced
+            return reorder(src, self._order.argsort()).to(dst.dtype)
         if dst._base is not None or not dst.is_contiguous():
             dst = dst.clone()
         n = self.real
-        if self._order is not None:  # every configuration's clients in the one step order: all of dst replaced
-            return reorder(src, self._order.argsort()).to(dst.dtype)
         dst[self._h, self.ids[:, :n]] = src[:, :n].to(dst.dtype)
         return dst

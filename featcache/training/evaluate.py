@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..cache import ClientData
-from .cohort import Cohort, reorder
+from .cohort import Cohort, select
 from .guards import check_scores
 from .models import expand_hc, map_models
 
@@ -64,15 +64,6 @@ def row_buckets(counts: torch.Tensor, waste: float = 0.2) -> list[tuple[torch.Te
     return buckets
 
 
-def _clients(t: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """[H, C, ...] -> [H, C_b, ...] at clients `ids` (t itself for None; a broadcast stays one)."""
-    if ids is None:
-        return t
-    if t.stride(1) == 0:
-        return t[:, :1].expand(t.shape[0], len(ids), *t.shape[2:])
-    return reorder(t, ids)
-
-
 @torch.no_grad()
 def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False) -> torch.Tensor:
     """Every model's scores on its client's rows of `data`: [H, C, N, K] (rows past a client's count mean nothing),
@@ -90,7 +81,7 @@ def scores(algo, state, data: ClientData, rnd, model=None, first: bool = False) 
     out: torch.Tensor | None = None
     for ids, n in row_buckets(data.counts):
         x, rows = (t[:, :n] if ids is None else t[ids, :n] for t in (data.features, data.mask))  # [C_b, n, ...]
-        models = [tree_map(lambda t: _clients(t, ids), tree) for tree in (params, buffers, ctx)]  # [H, C_b, ...]
+        models = [tree_map(lambda t: t if ids is None else select(t, ids), d) for d in (params, buffers, ctx)]
         models[2] = models[2] | {"rows": rows.expand(rnd.H, *rows.shape)}  # [H, C_b, n] bool: the real rows
         got = map_models(predict, tuple(models), (x,))  # [H, C_b, n, K]
         check_scores(algo, name, got, data, False)

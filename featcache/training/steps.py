@@ -133,7 +133,7 @@ class LocalSteps:
         self.host, self.valid = [], []
         for has, valid in zip(self.plan.has_batch, self.plan.valid):
             host = [[p and has[c] for p, c in zip(ps, row)] for ps, row in zip(cohort.part, cohort.host)]  # [H][P]
-            n = max((j + 1 for row in host for j in range(len(row) - 1, -1, -1) if row[j]), default=0)
+            n = max((len(row) - row[::-1].index(True) for row in host if any(row)), default=0)  # last trainer + 1
             self.host.append([row[:n] for row in host])  # [H][n]: the cohort's step order makes it a prefix
             self.valid.append(cohort.take_clients(valid)[..., :n, :])  # [n, B] or [H, n, B]
 
