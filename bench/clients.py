@@ -8,10 +8,9 @@ partition, alpha 1), in interleaved turns (the order alternating every repeat), 
 - `first_load`: `load_clients` of train then test, the first load of the file in the process (it checks every
   checksum, as `train` does);
 - `view_load`: what a cache that holds no features of its own (index lists into the store) would cost at its first
-  load: the cache's index arrays (offsets, source indices, domains: sha256 checked) and the store's rows of each
-  (domain, split) the cache draws from (read whole and sha256 checked, as the store checks them), gathered into the
-  same padded [C, Nmax, D] tensors (asserted equal to `load_clients`'). A lower bound of such a load: the metadata
-  checks of `first_load` are left out;
+  load: the cache's index arrays (offsets, source indices, domains: sha256 checked) and its rows gathered from the
+  store (`Store.gather`: each row checked against its crc32) into the same padded [C, Nmax, D] tensors (asserted
+  equal to `load_clients`'). A lower bound of such a load: the metadata checks of `first_load` are left out;
 - `train`: `featcache.train` FedAvg, `--rounds` rounds, one seed, `drop_last=false` (1,000 clients hold a few rows
   each): the call's wall time and the share of it spent in its rounds (the result's `seconds_total`).
 
@@ -107,13 +106,15 @@ def child(args) -> dict:
 
 
 def view_load(cache: str, store: Path, split: str):
-    """[C, Nmax, D] float32 of `split` gathered from the store's rows at the cache's source indices (one backbone's
-    store: the benchmark's), every array read checked against its sha256."""
+    """[C, Nmax, D] float32 of `split` gathered from the store at the cache's source indices (one backbone's store:
+    the benchmark's), the cache's index arrays checked against their sha256, each row gathered against its crc32."""
     import hashlib
 
     import h5py
     import numpy as np
     import torch
+
+    from featcache.extraction.store import Store
 
     def checked(ds) -> np.ndarray:
         data = ds[...]
@@ -125,19 +126,15 @@ def view_load(cache: str, store: Path, split: str):
         domains = json.loads(f.attrs["domains"])
         at, source, domain = (checked(f[f"{split}/{k}"]) for k in ("offsets", "source_index", "domain"))
     path = max(store.glob("*.h5"), key=lambda p: p.stat().st_mtime)  # the store this code's extractions filled
+    rows = Store(path, None)
     counts = np.diff(at)  # [C]
     n = int(counts.max(initial=0))
-    out = np.zeros((len(counts), n, 0), np.float32)
+    out = np.zeros((len(counts), n, rows.backbone()["dim"]), np.float32)  # [C, Nmax, D]
     client = np.repeat(np.arange(len(counts)), counts)  # [N] each row's client
     dest = client * n + (np.arange(len(source)) - at[client])  # [N] each row's place in [C * Nmax]
-    with h5py.File(path, "r") as g:
-        for d in np.unique(domain):
-            group = g[f"{domains[d]}/{split}/features"]
-            index, rows = checked(group["index"]), checked(group["rows"])  # [n_d], [n_d, D]
-            if not out.shape[-1]:
-                out = np.zeros((len(counts), n, rows.shape[-1]), np.float32)
-            mine = domain == d
-            out.reshape(-1, rows.shape[-1])[dest[mine]] = rows[np.searchsorted(index, source[mine])]
+    for d in np.unique(domain):
+        mine = domain == d
+        out.reshape(-1, out.shape[-1])[dest[mine]] = rows.gather((domains[d], split, 0), source[mine])
     return torch.from_numpy(out)
 
 

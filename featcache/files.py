@@ -65,6 +65,7 @@ KINDS = {
     "parts": "keeps the finished blocks of a store's fill",
     "migrating": "stages a cache's migration",
     "quarantine": "moves damaged stores aside",
+    "rows": "keeps a store's rows",
 }
 CLAIM_WAIT = 2.0  # seconds to wait for the marker of a folder another featcache process has just created
 

@@ -9,7 +9,11 @@ import subprocess
 import hashlib
 import io
 import sys
+import shutil
 import zlib
+
+import h5py
+import numpy as np
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,3 +176,34 @@ def driver(cwd: Path, args: list, fault: list[str] = ()) -> subprocess.Completed
         cwd=cwd,
         timeout=600,
     )
+
+
+def damage_store(store: Path) -> None:
+    """Flip bits of the first row of a store's first segment on disk; the metadata checksums stay as they are (they
+    do not cover the rows), so only the row's own crc32 can tell."""
+    from featcache.extraction.store import rows_folder
+
+    segment = rows_folder(store) / "000001.h5"
+    with h5py.File(segment, "r") as f:
+        at = next(ds for ds in _datasets(f) if ds.name.endswith("/rows")).id.get_offset()
+    with open(segment, "r+b") as fh:
+        fh.seek(at)
+        row = np.frombuffer(fh.read(8), np.uint32) ^ 0x00FF0000
+        fh.seek(at)
+        fh.write(row.tobytes())
+
+
+def _datasets(f) -> list:
+    found: list = []
+    f.visititems(lambda name, obj: found.append(obj) if isinstance(obj, h5py.Dataset) else None)
+    return found
+
+
+def copy_store(src: Path, dst: Path) -> Path:
+    """Copy a file, and its rows folder where it is a store that has one."""
+    from featcache.extraction.store import rows_folder
+
+    shutil.copy(src, dst)
+    if rows_folder(src).is_dir():
+        shutil.copytree(rows_folder(src), rows_folder(dst))
+    return Path(dst)

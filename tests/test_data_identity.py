@@ -17,7 +17,7 @@ from pathlib import Path
 import h5py
 import pytest
 from fixtures_disk import READERS
-from harness import run_cli
+from harness import copy_store, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -358,7 +358,7 @@ def _rekeyed(store_file: Path, change, sources: bool = True) -> Path:
     change(ident)
     key = content_key(ident)
     target = store_file.with_name(f"{store_file.name.rsplit('.', 2)[0]}.{key[:16]}.h5")
-    shutil.copy(store_file, target)
+    copy_store(store_file, target)
     with h5py.File(target, "r+") as f:
         f.attrs["identity"] = json.dumps(ident, sort_keys=True)
         f.attrs["key"] = key
@@ -391,7 +391,7 @@ def test_info_shows_each_stores_origin_and_flags_duplicates(tmp_path):
 
     stale = _rekeyed(Path(current["file"]), older_code)
     old = _rekeyed(Path(current["file"]), legacy, sources=False)
-    broken = shutil.copy(current["file"], store / "imagefolder.broken.0123456789abcdef.h5")
+    broken = copy_store(Path(current["file"]), store / "imagefolder.broken.0123456789abcdef.h5")
     with h5py.File(broken, "r+") as f:
         f.attrs["images"] = 7  # the metadata checksum no longer matches
     found = info(store)["stores"]

@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-import h5py
 import pytest
 from harness import BACKBONES, everything_in, folder_extract_args, lines, one_thread, sha256, write_folders
 
+from featcache.extraction.store import Store
 from featcache.cache import h5
 from featcache.errors import UserError
 from featcache.extraction.plan import DiskFullError, extract
@@ -33,19 +33,23 @@ REPO = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).with_name("crashpoint.py")
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}  # on a busy 2-core machine, two OpenMP threads spin and crawl
 STORE_H5, CACHE_H5 = "*.*.*.h5", "*-*.h5"  # imagefolder.<backbone>.<key>.h5 and imagefolder-<key>.h5
+SEGMENT_H5 = "0*.h5"  # a store's segment: <store>.h5.rows/000001.h5
 
 # Each case: the kill -9 of each interrupted run, in order (then one clean run). Two domains, one client each; each
 # (domain, split) is one block per backbone. A forward holds 64 rows, so each backbone's 48 images are one forward,
 # after which its blocks are renamed into place one by one (d1 train, d1 test, d2 train, d2 test): the first
-# backbone's, then the second's. Then each store's commit writes its file (an index and rows dataset per block) and
-# renames it, then the cache is written (features/concat per client and split), renamed.
+# backbone's, then the second's. Then each store's commit writes its segment (index, crc and rows per (domain, split))
+# and renames it, then writes its file naming the segment and renames that; then the cache is written
+# (features/concat per client and split), renamed.
 KILLS = {
     "after-block-1": ["after:os.replace:1:*.npy"],
     "after-block-2": ["after:os.replace:2:*.npy"],
     "after-block-3": ["after:os.replace:3:*.npy"],
     "after-block-5-second-backbone": ["after:os.replace:5:*.npy"],
     "after-forward-2-before-its-blocks": ["after:featcache.extraction.embed._forward:2:*"],
-    "inside-store-commit": ["after:featcache.cache.h5._new_dataset:3:*"],
+    "inside-segment": ["after:featcache.cache.h5._new_dataset:3:*"],
+    "before-segment-rename": [f"before:os.replace:1:{SEGMENT_H5}"],
+    "between-segment-and-store": [f"after:os.replace:1:{SEGMENT_H5}"],
     "before-store-rename": [f"before:os.replace:1:{STORE_H5}"],
     "between-store-renames": [f"after:os.replace:1:{STORE_H5}"],
     "inside-assembly": ["after:featcache.cache.h5._new_dataset:2:concat"],  # client 0's test features, not yet filled
@@ -109,8 +113,7 @@ def held_rows(out: Path) -> int:
         work = store.with_name(f".{store.name}.parts")
         held = set()
         if store.exists():
-            with h5py.File(store, "r") as f:
-                held = {(d, s, int(i)) for d in f for s in f[d] for i in f[f"{d}/{s}/features/index"][...]}
+            held = {(d, s, int(i)) for (d, s, v), index in Store(store, None).held().items() if not v for i in index}
         plan = json.loads((work / "plan.json").read_text()) if (work / "plan.json").exists() else []
         held |= {(b["domain"], b["split"], i) for b in plan if (work / b["file"]).exists() for i in b["rows"]}
         rows += len(held)
@@ -130,7 +133,8 @@ def read_log(log: Path) -> tuple[set[str], dict, int]:
 
 def visible(out: Path) -> dict[str, str]:
     """What a reader sees in --out and its store folder (hidden files aside): relative path -> sha256."""
-    files = [p for p in [*out.glob("*.h5"), *(out / "store").glob("*.h5")] if not p.name.startswith(".")]
+    stores = (out / "store").glob
+    files = [p for p in [*out.glob("*.h5"), *stores("*.h5"), *stores("*.h5.rows/*.h5")] if not p.name.startswith(".")]
     return {str(p.relative_to(out)): sha256(p) for p in files}
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from harness import BACKBONES, folder_extract_args, lines, one_line_error, run_cli
+from harness import BACKBONES, copy_store, damage_store, folder_extract_args, lines, one_line_error, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,7 @@ from featcache import cache as C
 from featcache.errors import UserError
 from featcache import files as F
 from featcache.cache.identity import EMBEDDING_CODE, code_identity, content_key, versions
-from featcache.extraction.store import Store, store_path
+from featcache.extraction.store import Store, rows_folder, store_path
 from featcache.extraction.stores import gc, verify as verify_store
 from tests.synthetic import write_cache
 
@@ -67,15 +67,6 @@ def make_store(folder: Path, name: str = "bb", other_versions: bool = False, row
     return store.path
 
 
-def damage(store: Path) -> None:
-    """Flip bits of a `rows` dataset in place: only its own sha256 can tell."""
-    with h5py.File(store, "r+") as f:
-        ds = f["d1/train/features/rows"]
-        row = ds[0]
-        row.view(np.uint32)[:2] ^= 0x00FF0000
-        ds[0] = row
-
-
 @pytest.fixture(scope="module")
 def templates(tmp_path_factory) -> dict[str, Path]:
     """One file of each kind, copied into each example's folder."""
@@ -83,8 +74,8 @@ def templates(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("templates")
     made = {"store": make_store(root / "good"), "stale": make_store(root / "stale", other_versions=True)}
-    made["damaged"] = Path(shutil.copy(made["store"], root / "damaged.h5"))
-    damage(made["damaged"])
+    made["damaged"] = copy_store(made["store"], root / "damaged.h5")
+    damage_store(made["damaged"])
     made["truncated"] = root / "truncated.h5"
     made["truncated"].write_bytes(made["store"].read_bytes()[:1500])
     made["cache"] = Path(write_cache(root / "cache.h5", C=2, D=4, n=(3, 5)))
@@ -147,7 +138,9 @@ def build(folder: Path, outside: Path, kinds: list[str], templates: dict[str, Pa
     for i, kind in enumerate(kinds):
         if kind in templates:
             name = f"fake.bb{i}.{i:016x}.h5" if kind in (*STORES, "truncated") else f"{kind}{i}.h5"
-            shutil.copy(templates[kind], folder / name)
+            copy_store(templates[kind], folder / name)
+            if rows_folder(folder / name).exists():
+                made[rows_folder(folder / name).name] = kind
         elif kind == "folder":
             name = f"data{i}.h5"
             (folder / name).mkdir()
@@ -197,7 +190,7 @@ def test_gc_removes_nothing_featcache_did_not_make(templates, tmp_path, kinds, d
         folder.mkdir()
         outside.mkdir()
         shutil.copy(templates["foreign"], outside / "user.h5")
-        shutil.copy(templates["damaged"], outside / "damaged.h5")
+        copy_store(templates["damaged"], outside / "damaged.h5")
         made = build(folder, outside, kinds, templates)
         before = snapshot(root)
         ours = {name for name, kind in made.items() if kind in (*STORES, "own_parts_empty", "own_parts_planned")}
@@ -220,7 +213,7 @@ def test_gc_removes_nothing_featcache_did_not_make(templates, tmp_path, kinds, d
                 assert rel not in after, rel  # made by featcache, used by no command: removed
             elif kind == "damaged":
                 assert rel not in after or not quarantined, rel
-                moved = f"store/.quarantine/{top}"
+                moved = f"store/.quarantine/{rel.split('/', 1)[1]}"  # a store's rows folder moves with it
                 if not remove_damaged and quarantined:
                     assert after[moved] == value  # moved aside with every byte, not deleted
             else:
@@ -285,7 +278,7 @@ def test_a_damaged_store_that_cannot_be_moved_is_left_as_it_is_in_one_row(templa
     """What an immutable store (chattr +i) gives the rename: EPERM; gc says so and exits 0, the file unchanged."""
     folder = tmp_path / "store"
     folder.mkdir()
-    bad = Path(shutil.copy(templates["damaged"], folder / templates["store"].name))
+    bad = copy_store(templates["damaged"], folder / templates["store"].name)
     real = os.rename
 
     def refuse(src, dst):
@@ -499,14 +492,14 @@ def test_verify_and_info_tell_a_store_from_a_cache_in_one_folder(templates, tmp_
 
 
 def test_verify_of_a_store_names_each_problem(templates, tmp_path):
-    bad = Path(shutil.copy(templates["damaged"], tmp_path / templates["store"].name))
+    bad = copy_store(templates["damaged"], tmp_path / templates["store"].name)
     report = verify_store(bad)
-    assert not report["ok"] and "sha256 mismatch" in report["problems"][0]
-    renamed = Path(shutil.copy(templates["store"], tmp_path / "fake.bb.ffffffffffffffff.h5"))
+    assert not report["ok"] and "crc32" in report["problems"][0]
+    renamed = copy_store(templates["store"], tmp_path / "fake.bb.ffffffffffffffff.h5")
     assert "its name says key ffffffffffffffff" in verify_store(renamed)["problems"][0]
     stale = verify_store(templates["stale"])
     assert stale["ok"] and any(line.startswith("torch 0.0.0") for line in stale["stale"])
-    line = one_line_error(run_cli("verify", str(bad)), "sha256 mismatch")
+    line = one_line_error(run_cli("verify", str(bad)), "crc32")
     assert str(bad) in line
 
 
@@ -531,7 +524,7 @@ def test_a_store_filled_under_any_folder_name_verifies_and_gc_keeps_it(templates
         report = gc(folder)
         assert report["kept"] == [{"file": str(store)}] and report["removed"] == report["quarantined"] == []
         assert sorted(p.name for p in folder.iterdir()) == sorted(
-            [store.name, *(["fake-0123456789abcdef.h5"] if with_cache else [])]
+            [store.name, f"{store.name}.rows", *(["fake-0123456789abcdef.h5"] if with_cache else [])]
         )
 
 

@@ -20,14 +20,16 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from harness import BACKBONES, Result, everything_in, folder_extract_args, one_line_error, run_cli, sha256
+from harness import BACKBONES, damage_store, Result, everything_in, folder_extract_args, one_line_error, run_cli, sha256
 
 from featcache import cache as C
+from featcache.cache import h5
 from featcache.errors import UserError
 from featcache.extraction import embed
 from featcache.extraction.datasets.base import PathImages
 from featcache.extraction.plan import extract
 from featcache.extraction.stores import info as store_info
+from featcache.extraction.store import rows_folder
 
 REPO = Path(__file__).resolve().parent.parent
 SPLITS = ("train", "test")
@@ -180,7 +182,8 @@ def test_the_same_command_in_fresh_folders_gives_identical_caches_and_stores(ima
         [
             Path(a["cache"]).name,
             "store",
-            *(f"store/{p.name}" for p in stores(tmp_path / "a")),
+            *(f"store/{p.name}{end}" for p in stores(tmp_path / "a") for end in ("", ".rows", ".rows/featcache.json")),
+            *(f"store/{p.name}.rows/000001.h5" for p in stores(tmp_path / "a")),  # one fill: one segment
             *(f"store/{p.name}" for p in (tmp_path / "a" / "store").glob(".contents-*.json")),
         ]
     )
@@ -221,7 +224,8 @@ def test_a_shared_store_folder_outside_out_serves_two_outs(images, tmp_path, mon
     assert all(n == a["images"] for n in a["embedded"].values())
     assert everything_in(tmp_path / "a") == [Path(a["cache"]).name]  # no store folder in --out
     assert len(list(shared.glob("*.h5"))) == 2 and len(list(shared.glob(".contents-*.json"))) == 1
-    assert everything_in(shared) == sorted(p.name for p in [*shared.glob("*.h5"), *shared.glob(".contents-*.json")])
+    made = [*shared.glob("*.h5"), *shared.glob("*.h5.rows"), *shared.glob("*.h5.rows/*"), *shared.glob(".contents-*")]
+    assert everything_in(shared) == sorted(str(p.relative_to(shared)) for p in made)  # no parts folder left
     no_backbone_built(monkeypatch)
     b = run(images, tmp_path / "b", store=shared)
     assert b["embedded"] == dict.fromkeys(a["embedded"], 0) and not b["cache_hit"]
@@ -256,14 +260,8 @@ def filled(images, tmp_path) -> tuple[Path, dict]:
     return out, json.loads(res.stdout)
 
 
-def damage(store: Path) -> None:
-    """Flip bytes of a `rows` dataset in place; the metadata checksum stays as it is (it does not cover the data),
-    so only the dataset's own sha256 can tell."""
-    with h5py.File(store, "r+") as f:
-        ds = f["d1/train/features/rows"]
-        row = ds[0]
-        row.view(np.uint32)[:4] ^= 0x00FF0000
-        ds[0] = row
+def store_bytes(store: Path) -> int:
+    return os.path.getsize(store) + sum(os.path.getsize(p) for p in rows_folder(store).iterdir())
 
 
 def test_info_lists_each_store_with_its_images_per_domain_and_split(filled):
@@ -278,8 +276,8 @@ def test_info_lists_each_store_with_its_images_per_domain_and_split(filled):
     assert sorted(s["backbone"] for s in folder["stores"]) == sorted(res["backbones"])
     for s in folder["stores"]:
         assert s["held"] == expected and s["images"] == res["images"] and s["dim"] > 0 and s["views"] == 0
-        assert s["bytes"] == os.path.getsize(s["file"])
-    assert folder["bytes"] == sum(os.path.getsize(p) for p in stores(out))
+        assert s["bytes"] == store_bytes(Path(s["file"]))
+    assert folder["bytes"] == sum(store_bytes(p) for p in stores(out))
     one = run_cli("info", str(stores(out)[0]), "--json")
     assert one.code == 0 and json.loads(one.stdout)["stores"] == folder["stores"][:1]
     for target in (out / "store", stores(out)[0]):
@@ -297,7 +295,7 @@ def test_info_lists_each_store_with_its_images_per_domain_and_split(filled):
 def test_gc_keeps_good_stores_and_moves_a_damaged_one_aside(filled):
     out, _ = filled
     good, bad = stores(out)
-    damage(bad)
+    damage_store(bad)
     before = files(out)
     dry = run_cli("gc", str(out / "store"), "--dry-run", "--json")
     assert dry.code == 0, dry.stderr
@@ -305,7 +303,7 @@ def test_gc_keeps_good_stores_and_moves_a_damaged_one_aside(filled):
     assert report["dry_run"] and [k["file"] for k in report["kept"]] == [str(good)] and report["removed"] == []
     (moved,) = report["quarantined"]
     quarantined = out / "store" / ".quarantine" / bad.name
-    assert moved["file"] == str(bad) and moved["to"] == str(quarantined) and "sha256 mismatch" in moved["reason"]
+    assert moved["file"] == str(bad) and moved["to"] == str(quarantined) and "crc32" in moved["reason"]
     assert files(out) == before  # a dry run changes nothing
     table = run_cli("gc", str(out / "store"), "--dry-run")
     assert table.code == 0 and "would move aside" in table.stdout and files(out) == before
@@ -324,13 +322,14 @@ def test_gc_keeps_good_stores_and_moves_a_damaged_one_aside(filled):
 def test_extract_through_a_damaged_store_is_one_line_and_writes_nothing(images, filled):
     out, _ = filled
     bad = stores(out)[1]
-    damage(bad)
+    damage_store(bad)
     before = files(out)
     sidecars = [p for p in everything_in(out) if ".contents-" in p]  # the images' hashes, from the first fill
     result = run_cli(*folder_extract_args(images, out, "--partition", "iid", "--domains", "d1", "--clients", "3"))
     line = one_line_error(result, "is damaged")
     assert f"store {bad} is damaged" in line and "featcache gc" in line
-    assert files(out) == before and everything_in(out) == sorted([*before, *sidecars, "store"])  # no parts, no cache
+    folders = ["store", *(f"store/{p.name}" for p in (out / "store").glob("*.rows"))]
+    assert files(out) == before and everything_in(out) == sorted([*before, *sidecars, *folders])  # no parts, no cache
 
 
 # -- the command line ---------------------------------------------------------------------------------------------
@@ -534,3 +533,79 @@ def test_writers_of_one_file_at_once_each_finish(tmp_path):
         second.write(b'{"by": 2}')
     assert json.loads(path.read_bytes()) in ({"by": 1}, {"by": 2})
     assert list(tmp_path.iterdir()) == [path]
+
+
+# -- the store at scale: append-only segments ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_store_scale_bench_kills_verify_and_resume_to_the_same_bytes_across_chunks():
+    """bench/store_scale.py at a small size whose index and crc span many HDF5 chunks: each kill point (inside the
+    segment, before and after the store file's rename) leaves a store that verifies, and the resumed fill ends with
+    the bytes of an undisturbed one."""
+    bench = Path(__file__).resolve().parent.parent / "bench" / "store_scale.py"
+    args = ["--rows", "3000", "--small", "300", "--add", "100", "--repeats", "1", "--chunk", "64"]
+    done = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert [k["point"] for k in out["kill"]] == ["mid-segment", "before-store-rename", "after-store-rename"]
+    for k in out["kill"]:
+        assert k["killed_by"] == 9 and k["verified_after_kill"] and k["same_bytes_as_undisturbed"], k
+    assert {"fill_ratio", "gather_ratio", "peak_rss_mb", "load_1min"} <= set(out)
+
+
+def format1_store(path: Path, key: str, identity: dict, backbone: dict, needs: dict) -> None:
+    """A store file as format 1 wrote one: every need's index and rows inside it, each array with its sha256."""
+    with h5.written(path, path.with_name(path.name + ".partial")) as f:
+        h5.write_attrs(
+            f,
+            {
+                "featcache_store": 1,
+                "featcache_version": "0.1.0",
+                "key": key,
+                "identity": identity,
+                "backbone": backbone,
+                "views": 0,
+                "sources": [],
+                "images": sum(len(i) for i, _ in needs.values()),
+            },
+        )
+        for (domain, split, _), (index, rows) in sorted(needs.items()):
+            g = f.require_group(f"{domain}/{split}/features")
+            h5.write_array(g, "index", index)
+            h5.write_array(g, "rows", rows)
+        f.attrs["meta_sha256"] = h5.meta_sha256(f)
+
+
+def test_a_format_1_store_is_read_as_it_is_and_its_next_fill_moves_it_into_segments(tmp_path):
+    from featcache.cache.identity import content_key
+    from featcache.extraction.store import Store, crc32_rows
+    from featcache.extraction.stores import verify
+    from featcache.files import locked, npy_file
+
+    identity, backbone = {"dataset": "made-up"}, {"key": "bb", "name": "bb", "dim": 6}
+    key, rng = content_key(identity), np.random.default_rng(0)
+    path = tmp_path / f"made.bb.{key[:16]}.h5"
+    old = {("d1", "train", 0): (np.arange(0, 40, 2), rng.random((20, 6), np.float32))}
+    old[("d1", "test", 0)] = (np.arange(5), rng.random((5, 6), np.float32))
+    format1_store(path, key, identity, backbone, old)
+    store = Store(path, key)
+    assert verify(path)["ok"] and store.needs() == {need: len(i) for need, (i, _) in old.items()}
+    assert np.array_equal(
+        store.gather(("d1", "train", 0), np.array([38, 0, 4])), old[("d1", "train", 0)][1][[19, 0, 2]]
+    )
+    new = rng.random((3, 6), np.float32)
+    with locked(store.work):
+        (block,) = store.plan([(("d1", "train", 0), np.array([1, 3, 99]))])
+        with npy_file(block, new.shape) as fh:
+            fh.write(new.tobytes())
+        assert store.commit(identity) == 3
+    moved = Store(path, key)
+    assert h5.plain(h5py.File(path, "r").attrs["featcache_store"]) == 2 and verify(path)["ok"]
+    assert [s["file"] for s in moved.meta()["segments"]] == ["000001.h5", "000002.h5"]  # the old rows, then the fill
+    got = moved.gather(("d1", "train", 0), np.array([99, 0, 1, 38, 3]))
+    assert np.array_equal(
+        got, np.stack([new[2], old[("d1", "train", 0)][1][0], new[0], old[("d1", "train", 0)][1][19], new[1]])
+    )
+    assert np.array_equal(moved.gather(("d1", "test", 0), np.arange(5)), old[("d1", "test", 0)][1])
+    assert moved.meta()["images"] == 28 and len(crc32_rows(got)) == 5

@@ -41,7 +41,7 @@ from .partition import PartitionSpec, make_partition, partition_counts
 from .partition.schemes import _SCHEMES as SCHEMES
 from .partition.spec import TEST_SPLITS
 from .pipeline import Noise
-from .store import Need, Store, store_path
+from .store import Need, Store, isin_sorted, store_path
 from ..threads import threaded
 
 __all__ = ["extract", "Noise", "DiskFullError"]
@@ -469,12 +469,11 @@ def _fill(
     for j, s in enumerate(stores):
         first.setdefault(s, j)
     identities = {s: embedding | {"backbone": weights[j]} for s, j in first.items()}
-    added = {s: s.commit(identities[s]) for s in first}
-    held = [s.held() for s in first]
+    held = [s.held(pending=True) for s in first]  # a killed fill's finished blocks are committed with this fill's
     blocks: list[tuple[Need, np.ndarray, tuple[int, ...]]] = []
     rows_per_block = BLOCK_BATCHES * run.batch_size
     for need, rows in needs.items():
-        missing = np.stack([~np.isin(rows, h.get(need, ())) for h in held], 1)  # [n, stores]
+        missing = np.stack([~isin_sorted(rows, h.get(need, np.zeros(0, np.int64))) for h in held], 1)  # [n, stores]
         for pattern in sorted({tuple(m) for m in missing if m.any()}, reverse=True):
             mine = rows[(missing == pattern).all(1)]  # the rows exactly these stores need
             js = tuple(j for j, m in zip(first.values(), pattern) if m)
@@ -483,7 +482,7 @@ def _fill(
         files = {j: iter(s.plan([(need, rows) for need, rows, js in blocks if j in js])) for s, j in first.items()}
         jobs = [Block(d, sp, v, rows, {j: next(files[j]) for j in js}) for (d, sp, v), rows, js in blocks]
         runner.embed(jobs, data, run, progress, phases)
-    added = {s: n + s.commit(identities[s]) for s, n in added.items()}
+    added = {s: s.commit(identities[s]) for s in first}
     return [added[s] for s in stores]
 
 

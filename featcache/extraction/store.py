@@ -1,30 +1,37 @@
 """The embedding store: one backbone's embeddings of individual images, addressed by (domain, split, source index)
 and filled lazily, so no backbone runs twice on the same image however often the images are re-partitioned.
 
-A store is one HDF5 file per identity: the dataset's content, the backbone's weights, image size, precision, views,
-noise and their seed, the input pipeline, the embedding code and the library versions (`identity.py`), never the
-partition nor where the data lies (the folders its images were read from are recorded as `sources`, outside the key).
-Every dataset carries the sha256 of its bytes and the root `meta_sha256` covers the rest, as in a cache:
+A store is one small HDF5 file per identity and a folder of its rows beside it. The identity: the dataset's content,
+the backbone's weights, image size, precision, views, noise and their seed, the input pipeline, the embedding code and
+the library versions (`identity.py`), never the partition nor where the data lies (the folders its images were read
+from are recorded as `sources`, outside the key). Each fill appends one segment file to the folder and rewrites the
+small file, so a fill writes its new rows only and a gather reads the rows it gathers:
 
-    /                                  attrs: featcache_store (format), featcache_version, key, identity (JSON),
+    NAME.h5                            attrs: featcache_store (format), featcache_version, key, identity (JSON),
                                               backbone (JSON: key, name, weights, weights_sha256, dim,
                                               preprocessing), views, images, sources (JSON: [{root, real}]),
+                                              segments (JSON: [{file, meta_sha256, held: {"domain/split/kind": n}}]),
                                               meta_sha256
-    /<domain>/<split>/features/index   [n] int64, increasing: the source indices held
-    /<domain>/<split>/features/rows    [n, D] float32
-    /<domain>/train/views/index, rows  [n], [n, V, D]: augmented views (with --views V)
+    NAME.h5.rows/NNNNNN.h5             one fill's rows: attrs meta_sha256
+        /<domain>/<split>/features/index   [n] int64, increasing: the source indices it added (chunked, fletcher32)
+        /<domain>/<split>/features/crc     [n] uint32: zlib.crc32 of each row's bytes (chunked, fletcher32)
+        /<domain>/<split>/features/rows    [n, D] float32, contiguous (read as a memory map)
+        /<domain>/train/views/...          [n, V, D]: augmented views (with --views V)
+
+Integrity is checked on what is read: HDF5 checks each chunk of `index` and `crc` against its fletcher32 checksum,
+a gather checks each row it returns against its crc, the small file's `meta_sha256` covers the segments' list and
+each segment's `meta_sha256` its own objects. A store of format 1 (every row inside NAME.h5, each array with its
+sha256) is read as it is, and its next fill moves its rows into the first segment (checked as they are read).
 
 The root attribute `featcache_store` (`MARKER`) is featcache's mark on a store file: `featcache gc` changes only files
-that carry it (a client cache carries `featcache_format` instead), never a file for its name or for failing a check.
+that carry it (a client cache carries `featcache_format` instead) and folders that carry featcache's marker file.
 
-Reading rows is two lines of h5py: `g = f["photos/train/features"]` then
-`g["rows"][np.searchsorted(g["index"][:], wanted)]`.
-
-A fill runs under the exclusive lock of the store's parts folder `.<store>.parts`: it writes its plan (the blocks of
-missing rows, `plan.json`), the embedding pass writes each block file complete or not at all, and `commit` merges the
-finished blocks and the old file into a new file, synced and renamed over it. A killed fill leaves its plan and
-finished blocks: the next fill commits them first and plans only what is still missing, in blocks with the same
-boundaries, so it ends with the bytes of an undisturbed fill.
+A fill runs under the exclusive lock of the store's parts folder `.NAME.h5.parts`: it writes its plan (the blocks of
+missing rows, `plan.json`), the embedding pass writes each block file complete or not at all, and `commit` writes the
+finished blocks as one segment, synced, then the small file naming it, synced and renamed over the old one. Segments
+are never changed once named, so readers without the lock see the old file or the new one, whole. A killed fill
+leaves its plan and finished blocks: the next fill plans only the rows no finished block holds and commits all of
+them as one segment, so it ends with the bytes of an undisturbed fill.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import hashlib
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,15 +50,22 @@ import numpy as np
 from .. import __version__
 from ..cache import h5
 from ..errors import UserError, first_line
-from ..files import writing
+from ..files import claim, writing
 
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)  # formats this code reads (format 1 is moved into segments by its next fill)
 MARKER = "featcache_store"  # the root attribute that marks a file as featcache's store; its value is the format
 Need = tuple[str, str, int]  # (domain, split, views): 0 for plain features, V for V augmented views per image
+CHUNK = 1 << 16  # index and crc entries per HDF5 chunk (each checked by its fletcher32 checksum when read)
+SLICE_BYTES = 64 << 20  # rows copied per slice while a segment is written or checked: memory bounded by this
 
 
 def kind(views: int) -> str:
     return "views" if views else "features"
+
+
+def need_name(need: Need) -> str:
+    return f"{need[0]}/{need[1]}/{kind(need[2])}"
 
 
 def block_name(need: Need, rows: np.ndarray) -> str:
@@ -63,66 +78,181 @@ def store_path(folder: Path, dataset: str, name: str, key: str) -> Path:
     return Path(folder) / f"{dataset}.{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.{key[:16]}.h5"
 
 
+def rows_folder(path: Path) -> Path:
+    """The folder of a store file's segments."""
+    return Path(path).with_name(Path(path).name + ".rows")
+
+
+def isin_sorted(values: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """[n] bool: which of `values` the increasing array `held` holds (a search, no sort of `held`)."""
+    values = np.asarray(values, np.int64)
+    if not len(held):
+        return np.zeros(len(values), bool)
+    return held[np.minimum(np.searchsorted(held, values), len(held) - 1)] == values
+
+
+def crc32_rows(rows: np.ndarray) -> np.ndarray:
+    """[n] uint32: zlib.crc32 of each row's bytes (rows [n, ...] float32)."""
+    rows = np.ascontiguousarray(rows)
+    return np.fromiter((zlib.crc32(r) for r in rows), np.uint32, len(rows))
+
+
+@dataclass
+class Part:
+    """The rows one segment (or a format-1 file) holds of one need: index [n] increasing, crc [n] (None: format 1,
+    its rows checked whole when read), rows [n, ...] (a memory map of the segment's bytes, or format 1's array)."""
+
+    index: np.ndarray
+    crc: np.ndarray | None
+    rows: np.ndarray
+    file: Path | None = None  # the segment
+    offset: int = 0  # where its rows start in the segment
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Rows a..b read into memory of their own (a memory map's pages would stay mapped, and counted)."""
+        if self.file is None:
+            return self.rows[a:b]
+        size = self.rows[:1].nbytes
+        shape = (max(0, min(b, len(self.rows)) - a), *self.rows.shape[1:])
+        return np.fromfile(self.file, np.dtype("<f4"), int(np.prod(shape)), offset=self.offset + a * size).reshape(
+            shape
+        )
+
+
 @dataclass(eq=False)
 class Store:
-    """One store file (which may not exist yet) and its parts folder, the resume point of a fill."""
+    """One store file (which may not exist yet), its segments and its parts folder, the resume point of a fill."""
 
     path: Path
-    key: str
+    key: str | None
     source: dict | None = None  # where this run reads the images (metadata, not key), added to `sources` on a fill
-    _rows: dict = field(default_factory=dict, repr=False)  # Need -> (index [n], rows [n, ...]), read and checked
+    _meta: dict | None = field(default=None, repr=False)  # the store file's attributes, read and checked once
+    _parts: dict = field(default_factory=dict, repr=False)  # Need -> [Part], read once per process
+    _held: dict = field(default_factory=dict, repr=False)  # Need -> the indices of its Parts, increasing
 
     @property
     def work(self) -> Path:
         return self.path.with_name(f".{self.path.name}.parts")
 
-    def held(self) -> dict[Need, np.ndarray]:
-        """Need -> the source indices held (increasing)."""
-        if not self.path.is_file():
-            return {}
-        with self._open() as f:
-            return {need: checked(self.path, g["index"]) for need, g in groups(f)}
+    @property
+    def rows(self) -> Path:
+        return rows_folder(self.path)
+
+    def meta(self) -> dict:
+        """The store file's attributes ({} while the store does not exist), checked once per process."""
+        if self._meta is None:
+            self._meta = {}
+            if self.path.is_file():
+                with open_store(self.path, self.key) as f:
+                    self._meta = h5.read_attrs(f)
+        return self._meta
+
+    def needs(self) -> dict[Need, int]:
+        """Need -> the rows held."""
+        meta, held = self.meta(), {}
+        if meta.get(MARKER) == 1:
+            with open_store(self.path, self.key) as f:
+                return {need: int(g["index"].shape[0]) for need, g in _groups(f, int(meta["views"]))}
+        for seg in meta.get("segments", []):
+            for name, n in seg["held"].items():
+                need = _need(name, int(meta["views"]))
+                held[need] = held.get(need, 0) + n
+        return held
+
+    def held(self, pending: bool = False) -> dict[Need, np.ndarray]:
+        """Need -> the source indices held (increasing); with `pending` also those of the finished blocks a killed
+        fill left (the next fill plans around them and commits them with its own)."""
+        held = {need: self._sorted(need) for need in self.needs()}
+        for b in self._finished(held) if pending else ():
+            need = (b["domain"], b["split"], b["views"])
+            held[need] = np.union1d(held.get(need, np.zeros(0, np.int64)), np.asarray(b["rows"], np.int64))
+        return held
+
+    def _sorted(self, need: Need) -> np.ndarray:
+        if need not in self._held:
+            index = [p.index for p in self.parts(need)]
+            self._held[need] = index[0] if len(index) == 1 else np.sort(np.concatenate(index), kind="stable")
+        return self._held[need]
 
     def backbone(self) -> dict | None:
         """The backbone's metadata as a cache records it (None while the store is empty)."""
-        if not self.path.is_file():
-            return None
-        with self._open() as f:
-            return json.loads(f.attrs["backbone"])
+        return self.meta().get("backbone")
+
+    def parts(self, need: Need) -> list[Part]:
+        """The Parts holding rows of `need`, in segment order."""
+        if need not in self._parts:
+            meta, parts = self.meta(), []
+            if meta.get(MARKER) == 1:
+                with open_store(self.path, self.key) as f:
+                    g = f.get(need_name(need))
+                    if g is not None:
+                        parts.append(Part(checked(self.path, g["index"]), None, checked(self.path, g["rows"])))
+            for seg in meta.get("segments", []):
+                if need_name(need) in seg["held"]:
+                    parts.append(_part(self.path, self.rows / seg["file"], seg["meta_sha256"], need))
+            self._parts[need] = parts
+        return self._parts[need]
 
     def gather(self, need: Need, wanted: np.ndarray) -> np.ndarray:
-        """The rows of the source indices `wanted` ([n, D] or [n, V, D] float32)."""
-        index, rows = self._read(need)
-        at = np.searchsorted(index, wanted)
-        if len(wanted) and (at.max() >= len(index) or not np.array_equal(index[at], wanted)):
+        """The rows of the source indices `wanted` ([n, D] or [n, V, D] float32), each checked against its crc."""
+        wanted = np.asarray(wanted, np.int64)
+        dim = int(self.backbone()["dim"]) if self.backbone() else 0
+        out = np.empty((len(wanted), *((need[2],) if need[2] else ()), dim), np.float32)  # [n, (V,) D]
+        found = np.zeros(len(wanted), bool)
+        for part in self.parts(need):
+            at = np.minimum(np.searchsorted(part.index, wanted), max(len(part.index) - 1, 0))
+            hit = part.index[at] == wanted if len(part.index) else np.zeros(len(wanted), bool)
+            rows = part.rows[at[hit]]
+            if part.crc is not None and not np.array_equal(crc32_rows(rows), part.crc[at[hit]]):
+                raise _damaged(self.path, f"{need_name(need)}: a row does not match its crc32")
+            out[hit], found = rows, found | hit
+        if not found.all():
             raise UserError(
                 f"store {self.path} lacks images of {need[0]}/{need[1]} it was filled with: delete it "
                 "and run the same command again"
             )
-        return rows[at]
+        return out
 
-    def _read(self, need: Need) -> tuple[np.ndarray, np.ndarray]:
-        """(index [n], rows [n, ...]) held for `need`, read once per process with each array's checksum checked."""
-        if need not in self._rows:
-            with self._open() as f:
-                g = f.get(f"{need[0]}/{need[1]}/{kind(need[2])}")
-                if g is None:  # nothing of this (domain, split) was ever asked for
-                    dim = json.loads(f.attrs["backbone"])["dim"]
-                    empty = np.zeros((0, *((need[2],) if need[2] else ()), dim), np.float32)  # [0, (V,) D]
-                    self._rows[need] = (np.zeros(0, np.int64), empty)
-                else:
-                    self._rows[need] = (checked(self.path, g["index"]), checked(self.path, g["rows"]))
-        return self._rows[need]
+    def check(self) -> list[str]:
+        """Every row of every segment read against its crc (format 1: every array against its sha256); returns the
+        needs whose rows hold NaN or Inf. A damaged store raises DamagedStore."""
+        bad = []
+        for need in self.needs():
+            finite = True
+            for part in self.parts(need):
+                step = max(1, SLICE_BYTES // max(1, part.rows[:1].nbytes))
+                for a in range(0, len(part.rows), step):
+                    rows = part.read(a, a + step)
+                    if part.crc is not None and not np.array_equal(crc32_rows(rows), part.crc[a : a + step]):
+                        raise _damaged(self.path, f"{need_name(need)}: a row does not match its crc32")
+                    finite &= bool(np.isfinite(rows).all())
+            if not finite:
+                bad.append(need_name(need))
+        return bad
 
-    def _open(self) -> h5py.File:
-        return open_store(self.path, self.key)
+    def digest(self) -> str | None:
+        """A digest of the rows held (index and crc of every need, or format 1's array checksums), the same for two
+        stores that hold the same embeddings however they were filled; None while empty."""
+        meta = self.meta()
+        if not meta:
+            return None
+        h = hashlib.sha256()
+        for need in sorted(self.needs()):
+            parts = self.parts(need)
+            index = np.concatenate([p.index for p in parts])
+            order = np.argsort(index, kind="stable")
+            h.update(need_name(need).encode() + index[order].tobytes())
+            for p in parts:
+                h.update(p.crc.tobytes() if p.crc is not None else crc32_rows(p.rows).tobytes())
+        return h.hexdigest()
 
     # -- filling ----------------------------------------------------------------------------------------------------
 
     def plan(self, blocks: list[tuple[Need, np.ndarray]]) -> list[Path]:
-        """Write the plan of a fill (its blocks, in order) and return each block's file."""
+        """Write the plan of a fill (its blocks, in order, after the finished blocks of a killed fill) and return
+        each new block's file."""
         files = [self.work / block_name(need, rows) for need, rows in blocks]
-        plan = [
+        plan = self._finished() + [
             {"domain": d, "split": s, "views": v, "rows": rows.tolist(), "file": file.name}
             for ((d, s, v), rows), file in zip(blocks, files)
         ]
@@ -131,60 +261,152 @@ class Store:
             os.replace(self.work / "plan.json.partial", self.work / "plan.json")
         return files
 
-    def commit(self, identity: dict) -> int:
-        """Merge the finished blocks of the plan in the parts folder into the store file; returns the rows added."""
+    def _finished(self, held: dict | None = None) -> list[dict]:
+        """The blocks of the plan in the parts folder whose files are complete and whose rows are not held yet."""
         plan_file = self.work / "plan.json"
+        if not plan_file.is_file():
+            return []
         try:  # what a killed fill left: a plan, blocks and meta.json that another program may have damaged since
-            plan = json.loads(plan_file.read_text()) if plan_file.is_file() else []
-            held = self.held() if plan else {}
+            plan = json.loads(plan_file.read_text())
+            held = self.held() if held is None else held
             done = [
                 b
                 for b in plan
-                if (self.work / b["file"]).is_file()  # and not merged by a fill killed after it
-                and not np.isin(b["rows"], held.get((b["domain"], b["split"], b["views"]), ())).all()
+                if (self.work / b["file"]).is_file()  # and not committed by a fill killed after it
+                and not isin_sorted(
+                    b["rows"], held.get((b["domain"], b["split"], b["views"]), np.zeros(0, np.int64))
+                ).all()
             ]
+            for b in done:  # each block whole (header and rows), before anything plans around it
+                if len(np.load(self.work / b["file"], mmap_mode="r")) != len(b["rows"]):
+                    raise ValueError(f"{b['file']} does not hold the rows its plan lists")
+            return done
+        except (ValueError, KeyError, TypeError, IndexError, OSError) as e:
+            raise self._damaged_parts(e) from None
+
+    def commit(self, identity: dict) -> int:
+        """Write the finished blocks of the plan in the parts folder as one segment and name it in the store file;
+        returns the images added."""
+        done = self._finished()
+        try:
             if done:
                 backbone = self.backbone() or json.loads((self.work / "meta.json").read_text())
                 merged = self._merged(done)
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise UserError(
-                f"the parts folder {self.work} (finished blocks of a killed fill) is damaged "
-                f"({type(e).__name__}: {first_line(e, 120)}): remove it (rm -r) and run the same command "
-                "again"
-            ) from None
+            raise self._damaged_parts(e) from None
         if done:
+            meta, segments = self.meta(), list(self.meta().get("segments", []))
+            claim(self.rows, "rows")
+            with writing(self.rows):
+                if meta.get(MARKER) == 1:  # format 1: its rows become the first segment, checked as they are read
+                    old = {
+                        need: (p.index, lambda a, b, r=p.rows: r[a:b])
+                        for need in self.needs()
+                        for p in self.parts(need)
+                    }
+                    segments.append(_segment(self.rows / f"{len(segments) + 1:06d}.h5", old))
+                segments.append(_segment(self.rows / f"{len(segments) + 1:06d}.h5", merged))
+            views = max([int(meta.get("views", 0))] + [v for _, _, v in merged])
             with writing(self.path):
-                _write(self.path, self.key, identity, backbone, merged, self._sources())
-            self._rows.clear()
-        for b in plan:
+                _write(self.path, self.key, identity, backbone, views, segments, self._sources())
+            self._meta, self._parts, self._held = None, {}, {}
+        plan_file = self.work / "plan.json"
+        for b in json.loads(plan_file.read_text()) if plan_file.is_file() else []:
             (self.work / b["file"]).unlink(missing_ok=True)
         plan_file.unlink(missing_ok=True)
         return sum(len(b["rows"]) for b in done if not b["views"])
 
+    def _damaged_parts(self, e: Exception) -> UserError:
+        return UserError(
+            f"the parts folder {self.work} (finished blocks of a killed fill) is damaged "
+            f"({type(e).__name__}: {first_line(e, 120)}): remove it (rm -r) and run the same command again"
+        )
+
     def _sources(self) -> list[dict]:
         """Where the images of this store were read from, one entry per distinct source in the order of the fills."""
-        old = []
-        if self.path.is_file():
-            with self._open() as f:
-                old = json.loads(h5.plain(f.attrs.get("sources", "[]")))
+        old = self.meta().get("sources") or []
         return [*old, self.source] if self.source and self.source not in old else old
 
-    def _merged(self, done: list[dict]) -> dict[Need, tuple[np.ndarray, np.ndarray]]:
-        parts: dict[Need, list] = {}
-        if self.path.is_file():
-            for need in self.held():
-                parts[need] = [self._read(need)]
+    def _merged(self, done: list[dict]) -> dict:
+        """Need -> (the source indices the blocks add, increasing; rows(a, b): their rows a..b in that order)."""
+        pieces: dict[Need, list] = {}
         for b in done:
             rows = np.load(self.work / b["file"], mmap_mode="r")  # [n, D] or [n, V, D]
-            parts.setdefault((b["domain"], b["split"], b["views"]), []).append((np.asarray(b["rows"], np.int64), rows))
+            pieces.setdefault((b["domain"], b["split"], b["views"]), []).append((np.asarray(b["rows"], np.int64), rows))
+        held = self.held()
         merged = {}
-        for need, pieces in parts.items():
-            index = np.concatenate([p[0] for p in pieces])  # [n]
+        for need, got in pieces.items():
+            index = np.concatenate([p[0] for p in got])  # [n]
             order = np.argsort(index, kind="stable")
-            if len(index) and (np.diff(index[order]) == 0).any():
+            if (np.diff(index[order]) == 0).any() or isin_sorted(index, held.get(need, np.zeros(0, np.int64))).any():
                 raise UserError(f"store {self.path}: a block repeats rows it holds; delete {self.work} and run again")
-            merged[need] = (index[order], np.concatenate([np.asarray(p[1]) for p in pieces])[order])
+            block = np.concatenate([np.full(len(p[0]), i) for i, p in enumerate(got)])[order]  # [n] block of each row
+            at = np.concatenate([np.arange(len(p[0])) for p in got])[order]  # [n] its position in the block
+
+            def rows(a: int, b: int, got=got, block=block, at=at) -> np.ndarray:
+                out = np.empty((b - a, *got[0][1].shape[1:]), np.float32)  # [b - a, (V,) D]
+                for i in np.unique(block[a:b]):
+                    mine = block[a:b] == i
+                    out[mine] = got[i][1][at[a:b][mine]]
+                return out
+
+            merged[need] = (index[order], lambda a, b, rows=rows: rows(a, b))
         return merged
+
+
+def _need(name: str, views: int) -> Need:
+    domain, split, k = name.rsplit("/", 2)
+    return domain, split, views if k == "views" else 0
+
+
+def _groups(f: h5py.File, views: int):
+    """(Need, group) of every kind a format-1 file holds, in file order."""
+    for domain, splits in f.items():
+        for split, kinds in splits.items():
+            for name, g in kinds.items():
+                yield (domain, split, views if name == "views" else 0), g
+
+
+def _segment(path: Path, merged: dict) -> dict:
+    """Write one segment file holding `merged` (Need -> (index [n] increasing, rows(a, b))), complete or absent;
+    returns its entry in the store file: {file, meta_sha256, held}."""
+    held = {}
+    with h5.written(path, path.with_name(path.name + ".partial")) as f:
+        for need, (index, rows) in sorted(merged.items()):
+            if not len(index):
+                continue
+            n, first = len(index), rows(0, min(1, len(index)))
+            loc = h5py.Group(h5._parent(f.id, need_name(need) + "/rows"))
+            ds = h5py.Dataset(h5._new_dataset(loc.id, "rows", (n, *first.shape[1:]), np.dtype("<f4")))
+            crc = np.empty(n, np.uint32)  # [n]
+            step = max(1, SLICE_BYTES // max(1, first[:1].nbytes))
+            for a in range(0, n, step):
+                chunk = rows(a, min(n, a + step))  # [s, (V,) D]
+                ds[a : a + len(chunk)] = chunk
+                crc[a : a + len(chunk)] = crc32_rows(chunk)
+            for name, data in (("index", index), ("crc", crc)):
+                loc.create_dataset(name, data=data, chunks=(min(n, CHUNK),), fletcher32=True, track_times=False)
+            held[need_name(need)] = n
+        digest = h5.meta_sha256(f)
+    return {"file": path.name, "meta_sha256": digest, "held": held}
+
+
+def _part(store: Path, file: Path, digest: str, need: Need) -> Part:
+    """The Part of segment `file` (whose meta_sha256 the store file records as `digest`) holding `need`."""
+    try:
+        with h5py.File(file, "r") as f:
+            if h5.meta_sha256(f) != digest:
+                raise _damaged(store, f"segment {file.name}: metadata checksum mismatch")
+            g = f[need_name(need)]
+            index, crc, ds = g["index"][...], g["crc"][...], g["rows"]  # chunks checked by their fletcher32
+            offset, shape = ds.id.get_offset(), ds.shape
+    except DamagedStore:
+        raise
+    except (OSError, KeyError) as e:
+        raise _damaged(store, f"segment {file.name}: {first_line(e, 120)}") from None
+    if offset is None:  # no rows: HDF5 allocated nothing
+        return Part(index, crc, np.zeros(shape, np.float32))
+    return Part(index, crc, np.memmap(file, np.dtype("<f4"), "r", offset=offset, shape=shape), file, offset)
 
 
 def open_store(path: Path, key: str | None = None) -> h5py.File:
@@ -194,7 +416,7 @@ def open_store(path: Path, key: str | None = None) -> h5py.File:
     except OSError as e:
         raise _damaged(path, f"not a readable HDF5 file ({e})") from None
     problem = None
-    if h5.plain(f.attrs.get(MARKER)) != FORMAT:
+    if h5.plain(f.attrs.get(MARKER)) not in READS:
         problem = f"not a featcache store of format {FORMAT}"
     elif h5.plain(f.attrs.get("meta_sha256")) != h5.meta_sha256(f):
         problem = "metadata checksum mismatch"
@@ -222,25 +444,17 @@ def _damaged(path: Path, problem: str) -> DamagedStore:
     )
 
 
-def groups(f: h5py.File):
-    """(Need, group) of every kind held, in file order."""
-    for domain, splits in f.items():
-        for split, kinds in splits.items():
-            for name, g in kinds.items():
-                yield (domain, split, int(f.attrs["views"]) if name == "views" else 0), g
-
-
 def checked(path: Path, ds: h5py.Dataset) -> np.ndarray:
-    """The array of `ds`, refused in one line when its bytes do not match its stored sha256."""
+    """The array of a format-1 dataset `ds`, refused in one line when its bytes do not match its stored sha256."""
     data = ds[...]
     if h5.plain(ds.attrs.get("sha256")) != hashlib.sha256(np.ascontiguousarray(data)).hexdigest():
         raise _damaged(path, f"{ds.name}: sha256 mismatch")
     return data
 
 
-def _write(path: Path, key: str, identity: dict, backbone: dict, merged: dict, sources: list[dict]) -> None:
-    """A new store file holding `merged` (Need -> (index, rows)), written beside `path` and renamed over it."""
-    views = max((v for _, _, v in merged), default=0)
+def _write(path: Path, key, identity: dict, backbone: dict, views: int, segments: list, sources: list) -> None:
+    """The store file naming `segments`, written beside `path` and renamed over it."""
+    images = sum(n for seg in segments for name, n in seg["held"].items() if not name.endswith("/views"))
     with h5.written(path, path.with_name(path.name + ".partial")) as f:
         h5.write_attrs(
             f,
@@ -252,11 +466,8 @@ def _write(path: Path, key: str, identity: dict, backbone: dict, merged: dict, s
                 "backbone": backbone,
                 "views": views,
                 "sources": sources,
-                "images": sum(len(index) for (_, _, v), (index, _) in merged.items() if not v),
+                "images": images,
+                "segments": segments,
             },
         )
-        for (domain, split, v), (index, rows) in sorted(merged.items()):
-            g = f.require_group(f"{domain}/{split}/{kind(v)}")
-            h5.write_array(g, "index", index)
-            h5.write_array(g, "rows", np.asarray(rows, "<f4"))
         f.attrs["meta_sha256"] = h5.meta_sha256(f)

@@ -15,7 +15,6 @@ import re
 import time
 from pathlib import Path
 
-import numpy as np
 
 from ..cache import h5
 from ..cache.check import report
@@ -24,7 +23,7 @@ from ..errors import UserError, first_line, not_a_file
 from ..files import MARKER as MARKER_FILE
 from ..files import claim, own, remove_own, remove_unlocked, write_marker
 from ..cache.identity import EMBEDDING_CODE, code_identity, content_key, versions
-from .store import FORMAT, MARKER, DamagedStore, checked, groups, kind, open_store
+from .store import FORMAT, MARKER, READS, DamagedStore, Store, need_name, open_store, rows_folder
 
 QUARANTINE = ".quarantine"  # gc moves damaged stores into this folder of the store folder (a marked folder)
 
@@ -101,9 +100,10 @@ def info(path: str | Path) -> dict:
     with, None for each backbone's own), preprocessing (input size, interpolation, mean, std, pipeline version),
     backbone, weights, weights_sha256, dim, views, images, held {"domain/split/kind": images}, bytes, stale (why this
     featcache never asks for its key again: other embedding code or library versions), content (the hash of what
-    its embeddings depend on but code and versions: the same images, weights and preprocessing), rows (the hash of
-    the stored arrays' checksums), duplicates (the other stores of the same content or the same rows under other
-    keys)}. A store that fails its checks is {file, problem, bytes}. `duplicates` lists the groups of such files."""
+    its embeddings depend on but code and versions: the same images, weights and preprocessing), rows (a digest of
+    the rows held: their indices and crc32s), duplicates (the other stores of the same content or the same rows
+    under other keys)}. A store that fails its checks is {file, problem, bytes}. `duplicates` lists the groups of
+    such files."""
     stores = [_describe(file) for file in _files(Path(path))]
     groups_ = _duplicate_groups(stores)
     for group in groups_:
@@ -155,15 +155,12 @@ def _duplicate_groups(stores: list[dict]) -> list[list[dict]]:
 
 def _describe(file: Path) -> dict:
     """One store as `info` lists it; a damaged one as {file, problem, bytes}, so one bad file hides no other."""
-    size = os.path.getsize(file) if file.is_file() else 0
+    size = _size(file)
     try:
-        with open_store(file) as f:
-            attrs = h5.read_attrs(f)
-            held = {f"{d}/{s}/{kind(v)}": int(g["index"].shape[0]) for (d, s, v), g in groups(f)}
-            sums = sorted(
-                (g.name, str(h5.plain(g["index"].attrs.get("sha256"))), str(h5.plain(g["rows"].attrs.get("sha256"))))
-                for _, g in groups(f)
-            )
+        store = Store(file, None)
+        attrs = store.meta()
+        held = {need_name(need): n for need, n in store.needs().items()}
+        digest = store.digest()
     except DamagedStore as e:
         return {"file": str(file), "problem": e.problem, "bytes": size}
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
@@ -197,14 +194,14 @@ def _describe(file: Path) -> dict:
         "bytes": size,
         "stale": _stale(identity),
         "content": content_key(same) if dataset else None,
-        "rows": content_key({"rows": sums}) if sums else None,
+        "rows": digest if held else None,
         "duplicates": [],
     }
 
 
 def verify(path: str | Path) -> dict:
-    """Check a store file: its marker and format, metadata checksum, that its key is the hash of the identity it
-    records, every array's sha256 and finite rows; library versions and embedding code it was made with that differ
+    """Check a store: its marker and format, metadata checksums, that its key is the hash of the identity it
+    records, every row against its crc32 and finite; library versions and embedding code it was made with that differ
     from this environment's are `stale` (warnings: the store still serves the commands that made it, `gc` removes
     it). Nothing in the check depends on where the file lives. Returns {path, ok, problems, stale, arrays, bytes,
     seconds}, as `cache.verify` does."""
@@ -220,17 +217,23 @@ def verify(path: str | Path) -> dict:
             named = re.search(r"\.([0-9a-f]{16})\.h5$", Path(path).name)
             if named and named.group(1) != h5.plain(f.attrs["key"])[:16]:
                 problems.append(f"its name says key {named.group(1)}, it holds key {h5.plain(f.attrs['key'])[:16]}")
-            for _, g in groups(f):
-                checked(Path(path), g["index"])
-                if not np.isfinite(checked(Path(path), g["rows"])).all():
-                    problems.append(f"{g.name}/rows: NaN or Inf values")
-                arrays += 2
-            stale = _stale(identity)
+        store = Store(Path(path), None)
+        problems += [f"/{name}/rows: NaN or Inf values" for name in store.check()]
+        arrays = sum(3 if p.crc is not None else 2 for need in store.needs() for p in store.parts(need))
+        stale = _stale(identity)
     except DamagedStore as e:
         problems.append(str(e))
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
         problems.append(f"store {path} is unreadable ({type(e).__name__}: {first_line(e)})")
     return report(path, problems, stale, arrays, t0)
+
+
+def _size(file: Path) -> int:
+    """Bytes of a store: its file and its segments."""
+    rows = rows_folder(file)
+    return (os.path.getsize(file) if file.is_file() else 0) + sum(
+        p.stat().st_size for p in (rows.iterdir() if own(rows, "rows") is not None else ())
+    )
 
 
 def _stale(identity: dict) -> list[str]:
@@ -245,11 +248,12 @@ def _stale(identity: dict) -> list[str]:
 def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) -> dict:
     """Prune a folder of stores of what featcache made and no command can use, touching nothing else.
 
-    Every store (a file carrying the store's marker) is checked (checksums of every array): a damaged one is moved
-    into the folder's `.quarantine` (removed instead with `remove_damaged`, which also removes the stores earlier
-    runs moved there); one made by other embedding code or library versions is removed (its key is never asked for
-    again), with its parts folder. Parts folders (marked) that hold no plan and whose store does not exist, and
-    folders left half removed by a killed run, are removed when nobody holds them. Everything else is listed as left
+    Every store (a file carrying the store's marker) is checked (every row against its crc32): a damaged one is
+    moved into the folder's `.quarantine` with its rows folder (removed instead with `remove_damaged`, which also
+    removes the stores earlier runs moved there); one made by other embedding code or library versions is removed
+    (its key is never asked for again), with its rows and parts folders. Parts folders (marked) that hold no plan and
+    whose store does not exist, rows folders (marked) whose store file is gone, and folders left half removed by a
+    killed run, are removed when nobody holds them. Everything else is listed as left
     alone with the reason. A folder that holds `.h5` files but nothing of featcache's (a folder of caches, the user's
     data) is one UserError line, nothing removed.
 
@@ -276,7 +280,7 @@ def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) ->
             leave(file, _foreign(file))
         elif made[0] == "cache":
             leave(file, "a client cache (gc prunes stores only): left alone")
-        elif made[1] != FORMAT:
+        elif made[1] not in READS:
             others.append(file)
             leave(
                 file, f"a store of format {made[1]}, which this featcache (format {FORMAT}) does not read: left alone"
@@ -299,13 +303,21 @@ def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) ->
             gone.append(entry)
         elif entry.name == QUARANTINE and own(entry, "quarantine") is not None:
             quarantine = entry
-    if not (stores or others or works or gone or quarantine) and report["left_alone"]:
+    orphans = [  # the rows of a store whose file is gone (removed by hand), no fill of it under way
+        rows
+        for rows in sorted(folder.glob("*.h5.rows"))
+        if own(rows, "rows") is not None
+        and not os.path.lexists(rows.with_suffix(""))
+        and not os.path.lexists(rows.with_name(f".{rows.name[:-5]}.parts"))
+    ]
+    if not (stores or others or works or gone or orphans or quarantine) and report["left_alone"]:
         raise _not_stores(folder, _candidates(folder), "gc")
 
     def remove(file: Path, reason: str) -> None:
         try:
             if not dry_run:
                 file.unlink()
+                remove_own(rows_folder(file))
             report["removed"].append({"file": str(file), "reason": reason})
         except OSError as e:
             leave(file, f"{reason}; could not remove it ({e.strerror}): left as it is")
@@ -347,6 +359,9 @@ def gc(path: str | Path, dry_run: bool = False, remove_damaged: bool = False) ->
             report["removed"].append(
                 {"file": str(folder_gone), "reason": "a folder featcache was removing when it was stopped"}
             )
+    for rows in orphans:
+        if dry_run or remove_own(rows):
+            report["removed"].append({"file": str(rows), "reason": "the rows of a store whose file is gone"})
     return report
 
 
@@ -385,6 +400,8 @@ def _quarantine(folder: Path, file: Path, problem: str, dry_run: bool, report: d
     try:
         claim(where, "quarantine")
         os.rename(file, target)
+        if own(rows_folder(file), "rows") is not None:
+            os.rename(rows_folder(file), rows_folder(target))
         write_marker(where, {"kind": "quarantine", "files": own(where).get("files", {}) | {target.name: problem}})
     except (UserError, OSError) as e:
         why = str(e) if isinstance(e, UserError) else e.strerror
@@ -404,9 +421,7 @@ def _unusable(file: Path, now: dict) -> tuple[str | None, bool]:
     try:
         with open_store(file) as f:
             identity = json.loads(f.attrs["identity"])
-            for _, g in groups(f):
-                checked(file, g["index"])
-                checked(file, g["rows"])
+        Store(file, None).check()
     except DamagedStore as e:
         return e.problem, True
     except Exception as e:  # a damaged file fails in many ways inside HDF5 and JSON; each one means "damaged"
