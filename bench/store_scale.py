@@ -11,8 +11,7 @@ block files as the embedding pass writes them, commit) and deleted after:
 - `kill`: a fill of 100,000 rows into the large store killed (SIGKILL) while it writes its segment, after the
   segment before the store file's rename, and after that rename: the store still verifies (every row against its
   crc, in a fresh process), and the next fill ends with the bytes of an undisturbed fill of the same rows (made in a
-  copy of the store whose segments are hard links). `--chunk` sets the index entries per HDF5 chunk (the test of
-  this bench runs it small, so index and crc span several chunks).
+  copy of the store whose segments are hard links).
 
 Each operation runs in a fresh `Store` (the index read as a new process reads it), interleaved between the two
 stores, median of `--repeats`. The page cache is warm (both stores fit in memory). Prints one JSON object with the
@@ -102,7 +101,7 @@ KILLS = {  # where a fill is killed: code run in the killed process before its f
 }
 
 
-def kill_case(big: Path, start: int, n: int, point: str, chunk: int) -> dict:
+def kill_case(big: Path, start: int, n: int, point: str) -> dict:
     """Kill a fill of n rows into `big` at `point`; verify the store in a fresh process; resume; compare with an
     undisturbed fill of the same rows into a copy whose segments are hard links."""
     twin = big.with_name(f"twin-{point}.h5")
@@ -114,7 +113,7 @@ def kill_case(big: Path, start: int, n: int, point: str, chunk: int) -> dict:
     code = (
         "import os, signal, sys; sys.path.insert(0, 'bench'); import store_scale as B, numpy as np\n"
         "from featcache.extraction import store as S\n"
-        f"S.CHUNK, S.SLICE_BYTES = {chunk}, max(1, {n} * B.D * 4 // 16)\n"
+        f"S.SLICE_BYTES = max(1, {n} * B.D * 4 // 16)\n"
         f"{KILLS[point]}"
         f"B.fill(B.Path({str(big)!r}), np.arange({start}, {start + n}))\n"
     )
@@ -156,9 +155,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="100,000 rows, 2 repeats")
     ap.add_argument("--folder", default=None, help="where to build the stores (default: a temporary folder)")
-    ap.add_argument("--chunk", type=int, default=S.CHUNK, help="index entries per HDF5 chunk")
     args = ap.parse_args()
-    S.CHUNK = args.chunk
     if args.quick:
         args.rows, args.repeats = 100_000, 2
     out: dict = {"rows": args.rows, "small": args.small, "fill_rows": args.add, "dim": D, "load_1min": [load()]}
@@ -193,7 +190,7 @@ def main() -> None:
         out["peak_rss_mb"] = round(vm("VmHWM") / 2**20)
         out["gathered_mb"] = round(args.small * D * 4 / 2**20)
         n = min(100_000, args.rows // 10)
-        out["kill"] = [kill_case(big, (20 + i) * args.rows, n, point, args.chunk) for i, point in enumerate(KILLS)]
+        out["kill"] = [kill_case(big, (20 + i) * args.rows, n, point) for i, point in enumerate(KILLS)]
     out["load_1min"].append(load())
     out["targets"] = {
         "fill_ratio <= 1.2": out["fill_ratio"] <= 1.2,

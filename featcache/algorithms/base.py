@@ -118,6 +118,8 @@ def bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def weighted_mean(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Average [H, C, ...] over clients with weights [H, C] -> [H, ...] (FedAvg's n_k / n)."""
     w = w / w.sum(1, keepdim=True).clamp(min=1e-12)  # [H, C]
+    if v.dim() > 3 and not v.is_contiguous() and v.mT.is_contiguous():  # a weight in its gradient's layout: read
+        return torch.einsum("hc,hc...->h...", w.to(v.dtype), v.mT).mT.contiguous()  # in place (einsum would copy it)
     return torch.einsum("hc,hc...->h...", w.to(v.dtype), v)  # a batched product: no [H, C, ...] temporary
 
 

@@ -13,15 +13,16 @@ small file, so a fill writes its new rows only and a gather reads the rows it ga
                                               segments (JSON: [{file, meta_sha256, held: {"domain/split/kind": n}}]),
                                               meta_sha256
     NAME.h5.rows/NNNNNN.h5             one fill's rows: attrs meta_sha256
-        /<domain>/<split>/features/index   [n] int64, increasing: the source indices it added (chunked, fletcher32)
-        /<domain>/<split>/features/crc     [n] uint32: zlib.crc32 of each row's bytes (chunked, fletcher32)
-        /<domain>/<split>/features/rows    [n, D] float32, contiguous (read as a memory map)
+        /<domain>/<split>/features/index   [n] int64, increasing: the source indices it added; attrs crc32
+        /<domain>/<split>/features/crc     [n] uint32: zlib.crc32 of each row's bytes; attrs crc32
+        /<domain>/<split>/features/rows    [n, D] float32, contiguous (a gather reads only its rows)
         /<domain>/train/views/...          [n, V, D]: augmented views (with --views V)
 
-Integrity is checked on what is read: HDF5 checks each chunk of `index` and `crc` against its fletcher32 checksum,
-a gather checks each row it returns against its crc, the small file's `meta_sha256` covers the segments' list and
-each segment's `meta_sha256` its own objects. A store of format 1 (every row inside NAME.h5, each array with its
-sha256) is read as it is, and its next fill moves its rows into the first segment (checked as they are read).
+Integrity is checked on what is read: `index` and `crc` against their own crc32 (12 bytes a row, read whole by a
+process's first gather), each row a gather returns against its crc; the small file's `meta_sha256` covers the
+segments' list and each segment's `meta_sha256` its own objects. A store of format 1 (every row inside NAME.h5,
+each array with its sha256) is read as it is, and its next fill moves its rows into the first segment (checked as
+they are read).
 
 The root attribute `featcache_store` (`MARKER`) is featcache's mark on a store file: `featcache gc` changes only files
 that carry it (a client cache carries `featcache_format` instead) and folders that carry featcache's marker file.
@@ -56,7 +57,6 @@ FORMAT = 2
 READS = (1, 2)  # formats this code reads (format 1 is moved into segments by its next fill)
 MARKER = "featcache_store"  # the root attribute that marks a file as featcache's store; its value is the format
 Need = tuple[str, str, int]  # (domain, split, views): 0 for plain features, V for V augmented views per image
-CHUNK = 1 << 16  # index and crc entries per HDF5 chunk (each checked by its fletcher32 checksum when read)
 SLICE_BYTES = 64 << 20  # rows copied per slice while a segment is written or checked: memory bounded by this
 
 
@@ -100,23 +100,44 @@ def crc32_rows(rows: np.ndarray) -> np.ndarray:
 @dataclass
 class Part:
     """The rows one segment (or a format-1 file) holds of one need: index [n] increasing, crc [n] (None: format 1,
-    its rows checked whole when read), rows [n, ...] (a memory map of the segment's bytes, or format 1's array)."""
+    its rows checked whole when read), the rows' shape [n, (V,) D], and where they lie: a segment's bytes from
+    `offset`, or format 1's array in memory (`rows`)."""
 
     index: np.ndarray
     crc: np.ndarray | None
-    rows: np.ndarray
-    file: Path | None = None  # the segment
-    offset: int = 0  # where its rows start in the segment
+    shape: tuple
+    file: Path | None = None
+    offset: int = 0
+    rows: np.ndarray | None = None
+
+    def take(self, at: np.ndarray) -> np.ndarray:
+        """The rows at positions `at` (increasing): runs of consecutive rows read with one call each, scattered rows
+        through a memory map made for this call (so its pages leave the process's memory with it)."""
+        if self.rows is not None:
+            return self.rows[at]
+        cuts = [0, *(np.flatnonzero(np.diff(at) != 1) + 1).tolist(), len(at)]
+        if len(cuts) > 2 + len(at) // 64:  # scattered
+            return np.array(np.memmap(self.file, np.dtype("<f4"), "r", self.offset, self.shape)[at])
+        out = np.empty((len(at), *self.shape[1:]), np.float32)  # [m, (V,) D]
+        if not len(at):
+            return out
+        with open(self.file, "rb", buffering=0) as fh:  # type: ignore[arg-type]
+            for a, b in zip(cuts, cuts[1:]):
+                _read_into(fh.fileno(), memoryview(out[a:b]).cast("B"), self.offset + int(at[a]) * out[0].nbytes)
+        return out
 
     def read(self, a: int, b: int) -> np.ndarray:
-        """Rows a..b read into memory of their own (a memory map's pages would stay mapped, and counted)."""
-        if self.file is None:
-            return self.rows[a:b]
-        size = self.rows[:1].nbytes
-        shape = (max(0, min(b, len(self.rows)) - a), *self.rows.shape[1:])
-        return np.fromfile(self.file, np.dtype("<f4"), int(np.prod(shape)), offset=self.offset + a * size).reshape(
-            shape
-        )
+        """Rows a..b."""
+        return self.take(np.arange(a, min(b, self.shape[0])))
+
+
+def _read_into(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill `buf` from `fd` at `offset` (a read returns at most about 2 GB: read again until full)."""
+    while len(buf):
+        n = os.preadv(fd, [buf], offset)
+        if n <= 0:
+            raise OSError(f"the file ends {len(buf)} bytes short")
+        buf, offset = buf[n:], offset + n
 
 
 @dataclass(eq=False)
@@ -186,7 +207,8 @@ class Store:
                 with open_store(self.path, self.key) as f:
                     g = f.get(need_name(need))
                     if g is not None:
-                        parts.append(Part(checked(self.path, g["index"]), None, checked(self.path, g["rows"])))
+                        rows = checked(self.path, g["rows"])
+                        parts.append(Part(checked(self.path, g["index"]), None, rows.shape, rows=rows))
             for seg in meta.get("segments", []):
                 if need_name(need) in seg["held"]:
                     parts.append(_part(self.path, self.rows / seg["file"], seg["meta_sha256"], need))
@@ -195,22 +217,25 @@ class Store:
 
     def gather(self, need: Need, wanted: np.ndarray) -> np.ndarray:
         """The rows of the source indices `wanted` ([n, D] or [n, V, D] float32), each checked against its crc."""
-        wanted = np.asarray(wanted, np.int64)
+        order = np.argsort(wanted, kind="stable")  # read in the store's order: searches and pages go forward
+        wanted = np.asarray(wanted, np.int64)[order]
         dim = int(self.backbone()["dim"]) if self.backbone() else 0
-        out = np.empty((len(wanted), *((need[2],) if need[2] else ()), dim), np.float32)  # [n, (V,) D]
+        got = np.empty((len(wanted), *((need[2],) if need[2] else ()), dim), np.float32)  # [n, (V,) D]
         found = np.zeros(len(wanted), bool)
         for part in self.parts(need):
             at = np.minimum(np.searchsorted(part.index, wanted), max(len(part.index) - 1, 0))
             hit = part.index[at] == wanted if len(part.index) else np.zeros(len(wanted), bool)
-            rows = part.rows[at[hit]]
+            rows = part.take(at[hit])
             if part.crc is not None and not np.array_equal(crc32_rows(rows), part.crc[at[hit]]):
                 raise _damaged(self.path, f"{need_name(need)}: a row does not match its crc32")
-            out[hit], found = rows, found | hit
+            got[hit], found = rows, found | hit
         if not found.all():
             raise UserError(
                 f"store {self.path} lacks images of {need[0]}/{need[1]} it was filled with: delete it "
                 "and run the same command again"
             )
+        out = np.empty_like(got)
+        out[order] = got
         return out
 
     def check(self) -> list[str]:
@@ -220,8 +245,8 @@ class Store:
         for need in self.needs():
             finite = True
             for part in self.parts(need):
-                step = max(1, SLICE_BYTES // max(1, part.rows[:1].nbytes))
-                for a in range(0, len(part.rows), step):
+                step = max(1, SLICE_BYTES // max(1, 4 * int(np.prod(part.shape[1:]))))
+                for a in range(0, part.shape[0], step):
                     rows = part.read(a, a + step)
                     if part.crc is not None and not np.array_equal(crc32_rows(rows), part.crc[a : a + step]):
                         raise _damaged(self.path, f"{need_name(need)}: a row does not match its crc32")
@@ -243,7 +268,7 @@ class Store:
             order = np.argsort(index, kind="stable")
             h.update(need_name(need).encode() + index[order].tobytes())
             for p in parts:
-                h.update(p.crc.tobytes() if p.crc is not None else crc32_rows(p.rows).tobytes())
+                h.update(p.crc.tobytes() if p.crc is not None else crc32_rows(p.read(0, p.shape[0])).tobytes())
         return h.hexdigest()
 
     # -- filling ----------------------------------------------------------------------------------------------------
@@ -299,11 +324,7 @@ class Store:
             claim(self.rows, "rows")
             with writing(self.rows):
                 if meta.get(MARKER) == 1:  # format 1: its rows become the first segment, checked as they are read
-                    old = {
-                        need: (p.index, lambda a, b, r=p.rows: r[a:b])
-                        for need in self.needs()
-                        for p in self.parts(need)
-                    }
+                    old = {need: (p.index, p.read) for need in self.needs() for p in self.parts(need)}
                     segments.append(_segment(self.rows / f"{len(segments) + 1:06d}.h5", old))
                 segments.append(_segment(self.rows / f"{len(segments) + 1:06d}.h5", merged))
             views = max([int(meta.get("views", 0))] + [v for _, _, v in merged])
@@ -331,8 +352,9 @@ class Store:
         """Need -> (the source indices the blocks add, increasing; rows(a, b): their rows a..b in that order)."""
         pieces: dict[Need, list] = {}
         for b in done:
-            rows = np.load(self.work / b["file"], mmap_mode="r")  # [n, D] or [n, V, D]
-            pieces.setdefault((b["domain"], b["split"], b["views"]), []).append((np.asarray(b["rows"], np.int64), rows))
+            pieces.setdefault((b["domain"], b["split"], b["views"]), []).append(
+                (np.asarray(b["rows"], np.int64), self.work / b["file"])
+            )
         held = self.held()
         merged = {}
         for need, got in pieces.items():
@@ -344,13 +366,15 @@ class Store:
             at = np.concatenate([np.arange(len(p[0])) for p in got])[order]  # [n] its position in the block
 
             def rows(a: int, b: int, got=got, block=block, at=at) -> np.ndarray:
-                out = np.empty((b - a, *got[0][1].shape[1:]), np.float32)  # [b - a, (V,) D]
+                out = None
                 for i in np.unique(block[a:b]):
                     mine = block[a:b] == i
-                    out[mine] = got[i][1][at[a:b][mine]]
+                    part = np.load(got[i][1], mmap_mode="r")[at[a:b][mine]]  # [m, (V,) D], the map dropped after
+                    out = np.empty((b - a, *part.shape[1:]), np.float32) if out is None else out  # [b - a, (V,) D]
+                    out[mine] = part
                 return out
 
-            merged[need] = (index[order], lambda a, b, rows=rows: rows(a, b))
+            merged[need] = (index[order], rows)
         return merged
 
 
@@ -385,7 +409,7 @@ def _segment(path: Path, merged: dict) -> dict:
                 ds[a : a + len(chunk)] = chunk
                 crc[a : a + len(chunk)] = crc32_rows(chunk)
             for name, data in (("index", index), ("crc", crc)):
-                loc.create_dataset(name, data=data, chunks=(min(n, CHUNK),), fletcher32=True, track_times=False)
+                loc.create_dataset(name, data=data, track_times=False).attrs["crc32"] = zlib.crc32(data)
             held[need_name(need)] = n
         digest = h5.meta_sha256(f)
     return {"file": path.name, "meta_sha256": digest, "held": held}
@@ -398,15 +422,17 @@ def _part(store: Path, file: Path, digest: str, need: Need) -> Part:
             if h5.meta_sha256(f) != digest:
                 raise _damaged(store, f"segment {file.name}: metadata checksum mismatch")
             g = f[need_name(need)]
-            index, crc, ds = g["index"][...], g["crc"][...], g["rows"]  # chunks checked by their fletcher32
+            index, crc, ds = g["index"][...], g["crc"][...], g["rows"]
+            if any(zlib.crc32(a) != h5.plain(g[k].attrs.get("crc32")) for k, a in (("index", index), ("crc", crc))):
+                raise _damaged(store, f"segment {file.name}: {need_name(need)}: an index does not match its crc32")
             offset, shape = ds.id.get_offset(), ds.shape
     except DamagedStore:
         raise
     except (OSError, KeyError) as e:
         raise _damaged(store, f"segment {file.name}: {first_line(e, 120)}") from None
     if offset is None:  # no rows: HDF5 allocated nothing
-        return Part(index, crc, np.zeros(shape, np.float32))
-    return Part(index, crc, np.memmap(file, np.dtype("<f4"), "r", offset=offset, shape=shape), file, offset)
+        return Part(index, crc, shape, rows=np.zeros(shape, np.float32))
+    return Part(index, crc, shape, file, offset)
 
 
 def open_store(path: Path, key: str | None = None) -> h5py.File:
