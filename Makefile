@@ -90,6 +90,7 @@ bench: install
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/threads.py
 	$(BIN)/python bench/clients.py
+	$(BIN)/python bench/store_scale.py
 
 # For a GPU owner: every test marked `gpu` and the three benchmarks on CUDA, their JSON printed; one line and
 # success where no CUDA GPU is present.
