@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import featcache
-from harness import driver, one_line_error, run_cli
+from harness import after_notes, driver, one_line_error, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -210,6 +210,41 @@ def test_a_trial_that_turns_nan_fails_alone_and_the_others_train_as_without_it(c
     again = search(cache, "fedavg", out=tmp_path / "a", space={"lr": [0.05, 1e38, 0.01]}, trials=3, **given)
     assert again["waves_resumed"] == 2 and again["selection"] == bad["selection"]  # replayed, failure included
     assert "| failed |" in featcache.report([bad["run_folder"]])["table"]
+
+
+def test_a_trial_diverging_first_at_an_evaluation_fails_alone_with_the_grids_line(cache, tmp_path):
+    """lr 1e20 and 1e35 with Adam: the loss a step reads stays finite, the scores of the first evaluation do not. The
+    command fails those trials alone, each with the one line `grid` exits with for the same configuration, trains
+    the rest and retrains the best; the report lists each failure and its reason."""
+    args = ["search", "--cache", cache, "--algo", "fedavg", "--space", "lr=0.05,1e20,1e35,0.01", "--sampler", "grid"]
+    args += ["--trials", "4", "--pruner", "none", "--seeds", "0", "--rounds", "4", "--out", tmp_path / "runs"]
+    done = run_cli(*args, "--json")
+    assert done.code == 0 and "Traceback" not in done.stderr, done.stderr
+    result = json.loads(done.stdout)
+    failed = {r["config"]["lr"]: r["reason"] for r in result["selection"] if r["state"] == "failed"}
+    assert set(failed) == {1e20, 1e35} and result["best"]["lr"] in (0.05, 0.01) and "retrain" in result
+    grid = ["grid", "--cache", cache, "--algo", "fedavg", "--grid", "lr=1e20", "--seeds", "0", "--rounds", "4"]
+    line = one_line_error(after_notes(run_cli(*grid, "--out", tmp_path / "grid")), "became NaN/Inf in round 1")
+    assert line == f"error: {failed[1e20]}" and "\n" not in failed[1e20]  # the same line in both
+    assert not (tmp_path / "grid").exists()
+    shown = run_cli(*args)
+    assert shown.code == 0 and f"failed: {failed[1e35]}" in " ".join(shown.stdout.split())
+    assert f"failed: {failed[1e20]}" in featcache.report([result["run_folder"]])["table"]
+
+
+def test_a_search_whose_every_trial_diverges_is_one_line(cache, tmp_path):
+    args = ["search", "--cache", cache, "--algo", "fedavg", "--space", "lr=1e20,1e35", "--sampler", "grid"]
+    args += ["--trials", "2", "--pruner", "none", "--seeds", "0", "--rounds", "2", "--out", tmp_path / "runs"]
+    one_line_error(run_cli(*args), "failed (trial")
+
+
+@pytest.mark.parametrize("given", [["--set", "lr=0.1"], ["--set", "fedavg.lr=0.1"]])
+def test_a_setting_both_searched_and_set_is_one_line(cache, tmp_path, given):
+    args = ["search", "--cache", cache, "--algo", "fedavg", "--space", "lr=0.05,0.01", *given, "--out", tmp_path]
+    one_line_error(run_cli(*args), "lr is both a --space setting and --set lr: give it in one place")
+    with pytest.raises(UserError, match="lr is both a --space setting"):
+        search(cache, "fedavg", {"lr": [0.05, 0.01]}, set=[given[1]], out=tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("sampler, pruner", [("tpe", "hyperband"), ("grid", "halving")])

@@ -52,7 +52,7 @@ from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, Diverged, check_feature
 from ..training.schedule import evaluates
 from . import grid
 from .metrics import mean_std
-from .spec import RunSpec
+from .spec import RunSpec, given_once
 from .train import load_split
 
 STUDY = "featcache-search"  # the study's name: Hyperband assigns brackets by a hash of it and the trial number
@@ -327,6 +327,7 @@ def search(
     options = search_options(trials, sampler, pruner, batch, sampler_seed, rungs, reduction)
     spec = RunSpec.resolve(algo, rounds, seeds, set, backbones)
     dims = parse_space(spec.algo, space)
+    given_once(spec.algo, dims, set, rounds, "--space setting")
     call = library_call(
         "featcache.search",
         cache=str(cache),
@@ -430,6 +431,10 @@ def run_search(
         table = sorted(records, key=lambda r: (STATES.index(r["state"]), -_score(r), r["trial"]))
         done = [r for r in table if r["state"] == "complete"]
         if not done:
+            failed = [r for r in table if r["state"] == "failed"]
+            if len(failed) == len(table):
+                why = failed[0].get("reason", "its loss became NaN/Inf")
+                raise UserError(f"every trial of the search in {folder} failed (trial {failed[0]['trial']}: {why})")
             raise UserError(f"every trial of the search in {folder} was pruned: give more --trials or --pruner none")
         model_rounds = sum(r["rounds_trained"] for r in records) * len(seeds)
         result = {
@@ -526,12 +531,15 @@ def drive(study, dists: dict, n: int, source, rule: Rungs, history: list[dict]) 
     live, curves, stopped, states = list(range(n)), [[] for _ in range(n)], [None] * n, ["complete"] * n
     pending = {number[i]: list(rule.plan(number[i])[1]) for i in live}
     per_seed: list[list[float]] = [[] for _ in range(n)]
+    reasons: dict[int, str] = {}
     for step, values in source.steps(live):
         failed = []
         for i in [i for i in live if i in values]:
             v, seeds = values[i]
             if not math.isfinite(v):
                 failed.append(i)
+                if isinstance(seeds, str):
+                    reasons[i] = seeds
                 continue
             curves[i].append([step, v])
             per_seed[i] = seeds
@@ -561,6 +569,7 @@ def drive(study, dists: dict, n: int, source, rule: Rungs, history: list[dict]) 
             "val_per_seed": per_seed[i],
             "curve": curves[i],
         }
+        | ({"reason": reasons[i]} if i in reasons else {})
         for i in range(n)
     ]
 
@@ -600,7 +609,7 @@ class Trainer:
 
     def steps(self, live: list[int]):
         """(round, {trial: (validation accuracy %, per seed)}) after each round some bucket evaluates: mean over the
-        clients per seed, then over the seeds; (NaN, []) for a trial whose loss became NaN/Inf, which leaves."""
+        clients per seed, then over the seeds; (NaN, its one-line reason) for a trial that diverged, which leaves."""
         R = self.config["rounds"]
         for rnd in range(R):
             values: dict = {}
@@ -616,7 +625,10 @@ class Trainer:
                 self.tick(self.done * len(self.cfgs))
             self.buckets = [b for b in self.buckets if b[1]]
             if values:
-                yield rnd + 1, {i: (math.nan, []) if v is None else (mean_std(v)[0], v) for i, v in values.items()}
+                yield (
+                    rnd + 1,
+                    {i: (math.nan, v) if isinstance(v, str) else (mean_std(v)[0], v) for i, v in values.items()},
+                )
 
     def _run(self, bucket: list, until: int, values: dict) -> None:
         """A bucket trained to round `until`; where a model's loss turns NaN/Inf, its trial is marked failed in
@@ -629,7 +641,7 @@ class Trainer:
                 return
             except Diverged as e:
                 bad = {bucket[1][h][0] for h in e.models}
-                values.update(dict.fromkeys(bad, None))
+                values.update(dict.fromkeys(bad, str(e)))
                 bucket[1] = [m for m in bucket[1] if m[0] not in bad]
                 if bucket[1]:
                     with plugin_exits():
@@ -674,7 +686,10 @@ class Replay:
             yield (
                 step,
                 {
-                    i: (c[step], [] if math.isnan(c[step]) else self.saved[i]["val_per_seed"])
+                    i: (
+                        c[step],
+                        self.saved[i].get("reason", []) if math.isnan(c[step]) else self.saved[i]["val_per_seed"],
+                    )
                     for i, c in enumerate(curves)
                     if step in c
                 },
