@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import featcache
-from harness import after_notes, driver, one_line_error, run_cli
+from harness import after_notes, driver, everything_in, one_line_error, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -245,6 +245,31 @@ def test_a_setting_both_searched_and_set_is_one_line(cache, tmp_path, given):
     with pytest.raises(UserError, match="lr is both a --space setting"):
         search(cache, "fedavg", {"lr": [0.05, 0.01]}, set=[given[1]], out=tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["search.json", "wave-001.json"])
+def test_a_damaged_search_file_is_one_line_naming_it_and_removing_it_resumes(cache, tmp_path, name):
+    args = ["search", "--cache", cache, "--algo", "fedavg", "--space", "lr=0.05,0.01,0.03", "--sampler", "grid"]
+    args += ["--trials", "3", "--batch", "1", "--pruner", "none", "--seeds", "0", "--rounds", "2", "--no-retrain"]
+    args += ["--out", tmp_path, "--json"]
+    first = run_cli(*args)
+    assert first.code == 0, first.stderr
+    folder = Path(json.loads(first.stdout)["run_folder"])
+    path = folder / name
+    if name != "search.json":
+        (folder / "search.json").unlink()  # a finished search reads no wave
+    for text in ["{", "[]", "\x00\xff", '{"trials": 5, "selection": 5}', '{"trials": [{"config": 1}], "space": {}}']:
+        path.write_text(text)
+        before = everything_in(tmp_path)
+        one_line_error(run_cli(*args), f"{path} is damaged (not what `featcache search` writes there): remove it and")
+        assert everything_in(tmp_path) == before and path.read_text() == text
+    with pytest.raises(UserError, match="is damaged"):
+        search(
+            cache, "fedavg", {"lr": [0.05, 0.01, 0.03]}, 3, "grid", "none", [0], 2, batch=1, out=tmp_path, retrain=False
+        )
+    path.unlink()
+    again = run_cli(*args)
+    assert again.code == 0 and json.loads(again.stdout)["selection"] == json.loads(first.stdout)["selection"]
 
 
 @pytest.mark.parametrize("sampler, pruner", [("tpe", "hyperband"), ("grid", "halving")])

@@ -398,7 +398,7 @@ def run_search(
     }
     key = content_key({"run": spec.key(fit.meta), "search": searched})
     folder = Path(out) / f"search-{spec.name}-{key[:16]}"
-    finished = json.loads((folder / "search.json").read_text()) if (folder / "search.json").is_file() else None
+    finished = _read(folder / "search.json", lambda r: _is_result(r, searched), "its finished waves are replayed")
     if finished and (not retrain or "retrain" in finished):  # its result, nothing trained
         return finished | {"waves_resumed": "all"}
     made = missing_folders(folder)
@@ -416,7 +416,7 @@ def run_search(
         for w, n in enumerate(waves):
             path = folder / f"wave-{w:03d}.json"
             if path.is_file():
-                saved = json.loads(path.read_text())["trials"]
+                saved = _read(path, lambda r: _is_wave(r, n), "that wave trains again")["trials"]
                 if json.loads(json.dumps(drive(study, dists, n, Replay(saved, folder), rule, records))) != saved:
                     raise UserError(f"{path} does not replay to the same decisions: remove {folder} to search again")
                 resumed += 1
@@ -468,6 +468,67 @@ def run_search(
         remove_empty(made)
         raise
     return result | {"waves_resumed": resumed}
+
+
+def _read(path: Path, valid, then: str) -> dict | None:
+    """The JSON object a search wrote at `path` (None when absent), or one line naming it as damaged when it does not
+    parse or `valid` refuses it."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        ok = valid(saved)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise UserError(
+            f"{path} is damaged (not what `featcache search` writes there): remove it and run the search again ({then})"
+        )
+    return saved
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_trial(r) -> bool:
+    """Whether `r` is a trial's record as `drive` writes it."""
+    return (
+        isinstance(r, dict)
+        and isinstance(r.get("trial"), int)
+        and isinstance(r.get("config"), dict)
+        and r.get("state") in STATES
+        and isinstance(r.get("rounds_trained"), int)
+        and isinstance(r.get("curve"), list)
+        and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and _number(p[1]) for p in r["curve"])
+        and isinstance(r.get("val_per_seed"), list)
+        and all(map(_number, r["val_per_seed"]))
+        and all(r.get(k) is None or _number(r[k]) for k in ("val_mean", "val_std"))
+        and isinstance(r.get("reason", ""), str)
+    )
+
+
+def _is_wave(saved, n: int) -> bool:
+    return (
+        isinstance(saved, dict)
+        and isinstance(saved.get("trials"), list)
+        and len(saved["trials"]) == n
+        and all(map(_is_trial, saved["trials"]))
+    )
+
+
+def _is_result(saved, searched: dict) -> bool:
+    """Whether `saved` is the result of the search `searched` describes, with its trials and best point."""
+    return (
+        isinstance(saved, dict)
+        and all(saved.get(k) == v for k, v in json.loads(json.dumps(searched)).items())
+        and isinstance(saved.get("selection"), list)
+        and all(map(_is_trial, saved["selection"]))
+        and isinstance(saved.get("best"), dict)
+        and all(_number(saved.get(k)) for k in ("model_rounds", "model_rounds_unpruned"))
+        and isinstance(saved.get("seeds"), list)
+        and isinstance(saved.get("retrain", {}), dict)
+    )
 
 
 def _ticker(progress, base: int, total: int):
