@@ -42,7 +42,7 @@ from .backbones.models import Lazy
 from .datasets.base import ArrayImages
 from ..devices import device_kind
 from ..errors import UserError
-from ..threads import asked
+from ..threads import asked, cores
 
 if TYPE_CHECKING:
     import torch
@@ -237,11 +237,6 @@ def image_seed(seed: int, domain: str, split: str, index: int, view: int) -> int
     """The seed of one image's noise (view -1) or one of its augmented views."""
     h = hashlib.sha256(f"{seed}|{domain}|{split}|{index}|{view}".encode()).digest()
     return int.from_bytes(h[:8], "little") & (2**63 - 1)
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def default_workers(data, views: int) -> int:
