@@ -103,6 +103,9 @@ def test_bad_options_are_one_line(cache, tmp_path):
         ({"rungs": 4}, "needs more than 27 rounds"),
         ({"sampler": "grid"}, "lists only"),
         ({"pruner": "median"}, "unknown pruner"),
+        ({"trials": 10**12, "batch": 1}, "at most 100,000 trials"),  # hung building 10^12 waves
+        ({"sampler_seed": -1}, r"--sampler-seed -1: give a whole number from 0 to 2\^32 - 1"),
+        ({"sampler_seed": 2**70}, "--sampler-seed 1180591620717411303424"),
     ]:
         with pytest.raises(UserError, match=says):
             search(cache, "fedprox", out=tmp_path, **(SEARCH | options))
@@ -362,6 +365,13 @@ def test_the_command_searches_and_report_reads_its_folder(cache, tmp_path):
     assert (tmp_path / "report" / "report.md").read_text().count("\n| ") == 1 + len(result["selection"])
     one_line_error(run_cli(*args, "--space", "proj_dim=int:16,64"), "proj_dim is structural")
     one_line_error(run_cli(*args[:-2], "--trials", "0"), "--trials 0")
+    for flags, says in [
+        (["--trials", str(10**12), "--batch", "1"], "a search trains at most 100,000 trials"),
+        (["--sampler-seed=-1"], "--sampler-seed -1"),
+        (["--sampler-seed", str(2**70)], "give a whole number from 0 to 2^32 - 1"),
+    ]:
+        one_line_error(run_cli(*args[:-2], "--out", tmp_path / "refused", *flags), says)
+    assert not (tmp_path / "refused").exists()
     one_line_error(run_cli("report", result["run_folder"], cache), "report it alone")
     api = featcache.report([result["run_folder"]])  # the API reads the folder as the command does
     assert api["table"] == shown.stdout.removesuffix("\n") and api["search"] == result["run_folder"]

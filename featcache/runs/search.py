@@ -57,6 +57,7 @@ from .train import load_split
 
 STUDY = "featcache-search"  # the study's name: Hyperband assigns brackets by a hash of it and the trial number
 RUNGS, REDUCTION = 2, 4  # the default rung schedule: the first rung at R / 16 (docs/guides/search.md: why)
+MAX_TRIALS = 100_000  # each trial trains every seed and is kept in memory and in its wave's file
 
 
 @dataclass(frozen=True)
@@ -243,8 +244,11 @@ def rung_rounds(rounds: int, pruner: str, rungs: int, reduction: int) -> list[in
     return at
 
 
-def check_options(sampler: str, pruner: str, trials: int, batch: int | None, rungs: int, reduction: int) -> None:
-    """A search's sampler and pruner (keys of SAMPLERS, PRUNERS) and its counts, checked before anything is read."""
+def check_options(
+    sampler: str, pruner: str, trials: int, batch: int | None, rungs: int, reduction: int, sampler_seed: int = 0
+) -> None:
+    """A search's sampler and pruner (keys of SAMPLERS, PRUNERS), its counts and seed, checked before anything is
+    read."""
     if sampler not in SAMPLERS:
         raise UserError(f"unknown sampler {sampler!r}: use {', '.join(SAMPLERS)}")
     if pruner not in PRUNERS:
@@ -257,6 +261,10 @@ def check_options(sampler: str, pruner: str, trials: int, batch: int | None, run
     ):
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < lo):
             raise UserError(f"{flag} {n}: give a whole number >= {lo}")
+    if trials > MAX_TRIALS:
+        raise UserError(f"--trials {trials}: a search trains at most {MAX_TRIALS:,} trials; give fewer")
+    if isinstance(sampler_seed, bool) or not isinstance(sampler_seed, int) or not 0 <= sampler_seed < 2**32:
+        raise UserError(f"--sampler-seed {sampler_seed}: give a whole number from 0 to 2^32 - 1 (Optuna's seeds)")
 
 
 def search_options(
@@ -271,7 +279,7 @@ def search_options(
     """A search's options checked (`check_options`), the rung schedule's defaults filled in: the keyword arguments of
     `run_search`, as `featcache.search` and the command line both build them."""
     rungs, reduction = RUNGS if rungs is None else rungs, REDUCTION if reduction is None else reduction
-    check_options(sampler, pruner, trials, batch, rungs, reduction)
+    check_options(sampler, pruner, trials, batch, rungs, reduction, sampler_seed)
     return dict(
         trials=trials,
         sampler=sampler,
@@ -366,7 +374,7 @@ def run_search(
     is named by what it searches; a finished one returns its result without training (or only retrains its best,
     when it finished without a retrain and one is asked for now)."""
     optuna = _optuna()
-    check_options(sampler, pruner, trials, batch, rungs, reduction)
+    check_options(sampler, pruner, trials, batch, rungs, reduction, sampler_seed)
     R = spec.config["rounds"]
     rung_at = rung_rounds(R, pruner, rungs, reduction)
     check_sampler(dims, sampler, trials)
