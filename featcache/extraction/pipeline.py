@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
+import multiprocessing
 import os
 import re
 from contextlib import contextmanager
@@ -280,6 +281,13 @@ def loader(chunks: Chunks, workers: int, device: torch.device | str):
         return (chunks[k] for k in range(len(chunks)))
     from torch.utils.data import DataLoader
 
+    try:  # the workers' queues need semaphores, which multiprocessing makes in SHM: where it cannot, say so
+        multiprocessing.Lock()
+    except OSError as e:  # a read-only or missing /dev/shm: not the store's or the output's folder
+        raise UserError(
+            f"cannot start {workers} image worker(s): multiprocessing cannot make a semaphore in {SHM} "
+            f"({e.strerror or e}): make {SHM} writable or pass --workers 0"
+        ) from None
     return DataLoader(
         chunks,
         batch_size=None,
