@@ -168,13 +168,15 @@ def record(
     test_acc, test_loss = accuracy_loss(test_scores, test, test_hits)  # [H, C] each
     both = torch.stack([test_acc, test_loss.isnan().to(test_acc.dtype)]).cpu()  # [2, H, C]: one read
     if bool(both[1].any()):  # NaN scores on some row: the model diverged (`Engine.evaluate` names the cause)
-        raise Diverged("NaN scores", both[1].any(1).nonzero().flatten().tolist())
+        bad = both[1].any(1).nonzero().flatten().tolist()
+        raise Diverged(f"{algo.name}: the scores became NaN/Inf in round {rnd.round + 1}", bad)
+    test_acc = both[0].clone()  # its own storage, as a record has always held it (a checkpoint keeps layouts)
     if not logs:
-        return {"test_acc": both[0]}
+        return {"test_acc": test_acc}
     train_acc, _ = accuracy_loss(scores(algo, state, train, rnd), train)  # [H, C]
     glob = evaluate_global(algo, state, test, rnd, test_hits, first)  # [H] or None
     return {
-        "test_acc": both[0],
+        "test_acc": test_acc,
         "test_loss": test_loss.cpu(),
         "train_acc": train_acc.cpu(),
         "train_loss": round_loss,
