@@ -95,7 +95,7 @@ class Diverged(UserError):
 
 
 def nan_cause(algo, cfgs: list[dict], bad_models: list[int], rnd: int, what: str = "loss") -> str:
-    """The one line for a `what` (loss, parameters) that became NaN/Inf in round `rnd` (0-based) for the
+    """The one line for a `what` (the loss, the scores) that became NaN/Inf in round `rnd` (0-based) for the
     configurations `bad_models`: a float setting far above its default is named as the likely cause, else the
     learning rate."""
     from .config import defaults
