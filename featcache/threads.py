@@ -10,7 +10,8 @@ several times slower than one (`bench/threads.py`). So:
   `passive_wait()` before anything imports torch. It changes how threads wait, never what they compute.
 - counting: `train` and `grid` run on torch's count (OMP_NUM_THREADS, `torch.set_num_threads`, or torch's default:
   the cores); `extract`'s forward on one fewer than the cores this process may use (`pipeline.forward_threads`).
-  `threads=N` (`--threads N`) runs the command on N instead, restored afterwards. The count follows the machine and
+  `threads=N` (`--threads N`) runs the command on N instead (at most the cores, capped with a warning), restored
+  afterwards. The count follows the machine and
   the option, never the momentary load: float sums split across threads round differently, so a result's bytes,
   and a checkpoint (refused at another count), hold for one count.
 """
@@ -21,6 +22,7 @@ import functools
 import inspect
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -43,11 +45,26 @@ def passive_wait() -> bool:
     return "torch" not in sys.modules and all(os.environ[name].upper() == value for name, value in WAIT.items())
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def check_threads(threads) -> int | None:
-    """The `threads` option checked: None (the policy's count) or a number of threads >= 1."""
-    if threads is None or (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
-        return threads
-    raise UserError(f"--threads must be a whole number >= 1 (got {threads!r}); leave it out for featcache's choice")
+    """The `threads` option checked: None (the policy's count) or a number of threads >= 1, capped at `cores()` with
+    a one-line warning (more threads than cores only wait for each other)."""
+    if threads is None:
+        return None
+    if not (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
+        raise UserError(f"--threads must be a whole number >= 1 (got {threads!r}); leave it out for featcache's choice")
+    if threads > (most := cores()):
+        warnings.warn(
+            f"--threads {threads} is more than the {most} cores this process may run on: running on {most}",
+            UserWarning,
+            stacklevel=2,
+        )
+        return most
+    return threads
 
 
 @contextmanager

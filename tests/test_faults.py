@@ -367,3 +367,26 @@ def test_full_shared_memory_in_the_input_workers_is_one_line_not_a_hang(data, tm
     with one_thread():
         done = extract(**kw, batch_size=4, workers=0, out=out)
     assert Path(done["cache"]).is_file() and sum(done["embedded"].values()) > 0
+
+
+def test_a_read_only_shared_memory_is_named_as_the_workers_semaphore_not_the_store(data, tmp_path, monkeypatch):
+    """multiprocessing makes the input workers' semaphores in /dev/shm: a read-only one failed there with EROFS,
+    reported as an unwritable store. One line names /dev/shm, the semaphore and --workers 0; nothing is written."""
+    import errno
+    import multiprocessing
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(multiprocessing, "Lock", read_only)
+    out = tmp_path / "out"
+    with one_thread(), pytest.raises(UserError) as raised:
+        extract(
+            dataset="imagefolder", data_root=data, backbone=BACKBONES, image_size=32, batch_size=4, workers=2, out=out
+        )
+    message = str(raised.value)
+    assert message == (
+        "cannot start 2 image worker(s): multiprocessing cannot make a semaphore in /dev/shm (Read-only file system): "
+        "make /dev/shm writable or pass --workers 0"
+    )
+    assert visible(out) == {}

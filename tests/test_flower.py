@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from harness import everything_in, one_line_error, run_cli
 from synthetic import write_cache
 
 import featcache
@@ -313,3 +314,49 @@ def test_without_flower_the_apps_are_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "flwr", None)
     with pytest.raises(UserError, match=r"pip install 'featcache\[flower\]'"):
         flower.server_app("fedavg")
+
+
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        ("afile", "is a file, not a folder"),
+        ("afile/sub", "is below the file"),
+        ("dangling", "is a broken symbolic link"),
+        ("readonly/sub", "is not writable"),
+    ],
+)
+def test_split_and_flower_new_refuse_an_output_they_cannot_write_in_one_line(cache, tmp_path, where, says):
+    """`split --out` and `flower new --dir` a file, a path below a file, a broken link or a read-only folder: one line
+    naming it, exit code 2, nothing written (split raised FileExistsError, NotADirectoryError)."""
+    if where.startswith("readonly") and os.geteuid() == 0:
+        pytest.skip("root writes into a read-only folder")
+    (tmp_path / "afile").write_text("the user's")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "readonly").mkdir(mode=0o555)
+    before = everything_in(tmp_path)
+    one_line_error(run_cli("split", str(cache), "--out", str(tmp_path / where)), says)
+    with pytest.raises(UserError, match=says):
+        split(cache, tmp_path / where)
+    line = one_line_error(
+        run_cli("flower", "new", "proj", "--algo", "fedavg", "--cache", str(cache), "--dir", str(tmp_path / where)),
+        "",
+    )
+    assert "proj" in line or where in line
+    assert everything_in(tmp_path) == before and (tmp_path / "afile").read_text() == "the user's"
+
+
+def test_split_into_a_new_folder_refused_part_way_leaves_no_folder(cache, tmp_path, monkeypatch):
+    import featcache.cache.split as S
+
+    monkeypatch.setattr(S, "write", lambda *a, **k: (_ for _ in ()).throw(UserError("refused")))
+    with pytest.raises(UserError, match="refused"):
+        split(cache, tmp_path / "new" / "deep")
+    assert not (tmp_path / "new").exists()
+
+
+def test_flower_new_refuses_a_300_character_name_in_one_line(cache, tmp_path):
+    one_line_error(
+        run_cli("flower", "new", "p" * 300, "--algo", "fedavg", "--cache", str(cache), "--dir", str(tmp_path)),
+        "use 1 to 64 letters",
+    )
+    assert not any(tmp_path.iterdir())

@@ -243,11 +243,33 @@ def test_gc_on_a_folder_of_caches_or_user_data_says_so_and_removes_nothing(templ
             f"and never removes anything else; nothing was removed; pass the folder of the "
             f"stores ({caches / 'store'})",
         ),
-        (data, "holds no featcache embedding store (2 .h5 file(s) featcache did not make)"),
+        (data, "holds no featcache embedding store it can read (2 .h5 file(s) without a readable featcache marker)"),
     ):
         one_line_error(run_cli("gc", str(target)), needle)
         one_line_error(run_cli("gc", str(target), "--dry-run", "--json"), needle)
     assert snapshot(tmp_path) == before
+
+
+def test_a_truncated_store_is_left_alone_as_unreadable_never_called_foreign(templates, tmp_path):
+    """A store cut short starts as HDF5 but HDF5 cannot open it: its marker cannot be read, so gc leaves it alone
+    and says so (it said the file was one featcache did not make)."""
+    folder = tmp_path / "store"
+    folder.mkdir()
+    shutil.copy(templates["truncated"], folder / "cut.h5")
+    before = snapshot(tmp_path)
+    one_line_error(
+        run_cli("gc", str(folder)),
+        "1 .h5 file(s) without a readable featcache marker, 1 of them HDF5 files that HDF5 cannot open: truncated or "
+        "damaged",
+    )
+    assert snapshot(tmp_path) == before
+    good = make_store(folder)
+    done = run_cli("gc", str(folder), "--json")
+    assert done.code == 0, done.stderr
+    (left,) = json.loads(done.stdout)["left_alone"]
+    assert left["file"] == str(folder / "cut.h5") and "HDF5 cannot open (truncated or damaged)" in left["reason"]
+    assert "not featcache's" not in left["reason"] and json.loads(done.stdout)["kept"] == [{"file": str(good)}]
+    assert (folder / "cut.h5").read_bytes() == templates["truncated"].read_bytes()
 
 
 def test_gc_lists_foreign_files_as_left_alone_in_its_table_and_json(templates, tmp_path):

@@ -171,6 +171,16 @@ def empty_digit5_test(tmp: Path) -> list[str]:
     return ["--dataset", "digit5", "--data-root", str(root)]
 
 
+def nested_digit5_test(tmp: Path) -> list[str]:
+    """A test.pkl of (images, labels) whose labels are 10^5 nested lists (written by opcodes: `pickle.dump` itself
+    recurses): it loads without recursion, and str() or numpy of it overflowed the stack."""
+    root = tmp / "digit5"
+    write_digit5(root, folders=("MNIST",), parts=10, per_part=2, n_test=5)
+    n = 10**5
+    (root / "MNIST" / "test.pkl").write_bytes(b"\x80\x02K\x00" + b"]" * n + b"a" * (n - 1) + b"\x86.")
+    return ["--dataset", "digit5", "--data-root", str(root)]
+
+
 # name -> (extra arguments, made in the test's tmp folder holding images/{d1,d2}/{a,b}; text the one line contains).
 # Later options override the image-folder defaults; a case naming --backbone replaces the default (a checkpoint).
 EXTRACT_CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
@@ -204,6 +214,7 @@ EXTRACT_CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "checkpoint-garbage": (garbage_checkpoint, "cannot read checkpoint"),
     "checkpoint-missing-file": (lambda t: ["--backbone", f"test_resnet={t / 'none.pth'}"], "does not exist"),
     "digit5-pickle-runs-code": (malicious_digit5, "refusing to unpickle posix.system"),
+    "digit5-pickle-nested-10^5-deep": (nested_digit5_test, "nests lists, tuples or dicts more than 32 deep"),
     "missing-data-root": (lambda t: ["--data-root", str(t / "nowhere")], "is not a folder"),
     "unknown-domain": (given("--domains", "d3"), "unknown domain 'd3'"),
     "unknown-partition": (given("--partition", "dirichlet"), "unknown partition scheme"),

@@ -611,6 +611,10 @@ CASES: dict[str, tuple[Callable[[Ctx], list], str]] = {
     "plot-state-shapes": (plot(state_edited(wider)), "params/cls0.bias has shape [1, 4, 7]"),
     "plot-state-other-algo": (plot(state_edited(other_algo)), "does not hold fedpcl's model"),
     "plot-state-nan": (plot(state_edited(nan_params)), "params/proj0.weight holds NaN"),
+    "train-diverges-after-a-checkpoint": (  # the checkpoint's folder, made for it, was left empty
+        train("--rounds", "12", "--set", "optimizer=sgd", "--set", "lr=10", "--checkpoint-every", "1"),
+        "loss became NaN/Inf in round 4",
+    ),
     # 10. memory
     "train-memory-proj-dim": (train("--set", "proj_dim=10000000", algo="fedpcl"), "lower proj_dim"),
     "grid-memory-proj-dim": (grid(algo="fedpcl", axis="proj_dim=16,10000000"), "lower proj_dim"),

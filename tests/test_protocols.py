@@ -16,7 +16,7 @@ from featcache.errors import UserError
 from featcache.extraction.datasets import load_dataset
 from featcache.extraction.datasets.disk import DIGIT5_LAYOUT, PACS_CLASSES, PACS_DOMAINS
 from featcache.extraction.partition import PartitionSpec, make_partition, partition_counts
-from featcache.extraction.plan import protocol_notes
+from featcache.extraction.plan import _needs, protocol_notes
 
 
 def write_pacs(root, per_class: int = 4, lists: bool = True):
@@ -125,6 +125,18 @@ def test_holdout_domain_tests_every_client_on_the_whole_held_out_domain(tmp_path
             PartitionSpec(**bad)
     with pytest.raises(UserError, match=r"unknown holdout domain 'skech'.*did you mean: sketch"):
         make_partition(data, PartitionSpec("feature", holdout_domain="skech"))
+
+
+@pytest.mark.parametrize("held", ["mnist", "synth"])
+def test_a_held_out_domain_larger_than_a_training_domain_embeds_only_its_own_rows(held):
+    """offline-digits holding out mnist or synth (test splits of 1,500 images; optdigits' holds 539): the client's
+    test rows index the held-out domain, never the client's own (an IndexError there before)."""
+    data = load_dataset("offline-digits", domains=["optdigits", held])
+    parts = make_partition(data, PartitionSpec("feature", holdout_domain=held))
+    needs = _needs([parts], 0)
+    assert (("optdigits", "test", 0) not in needs) and len(needs[(held, "test", 0)]) == len(data.domains[held]["test"])
+    for (domain, split, _), rows in needs.items():
+        assert rows.max() < len(data.domains[domain][split])
 
 
 def test_leave_one_domain_out_extracts_trains_and_reports_by_held_out_domain(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import featcache
-from harness import driver, one_line_error, run_cli
+from harness import after_notes, driver, everything_in, one_line_error, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -103,6 +103,9 @@ def test_bad_options_are_one_line(cache, tmp_path):
         ({"rungs": 4}, "needs more than 27 rounds"),
         ({"sampler": "grid"}, "lists only"),
         ({"pruner": "median"}, "unknown pruner"),
+        ({"trials": 10**12, "batch": 1}, "at most 100,000 trials"),  # hung building 10^12 waves
+        ({"sampler_seed": -1}, r"--sampler-seed -1: give a whole number from 0 to 2\^32 - 1"),
+        ({"sampler_seed": 2**70}, "--sampler-seed 1180591620717411303424"),
     ]:
         with pytest.raises(UserError, match=says):
             search(cache, "fedprox", out=tmp_path, **(SEARCH | options))
@@ -212,6 +215,66 @@ def test_a_trial_that_turns_nan_fails_alone_and_the_others_train_as_without_it(c
     assert "| failed |" in featcache.report([bad["run_folder"]])["table"]
 
 
+def test_a_trial_diverging_first_at_an_evaluation_fails_alone_with_the_grids_line(cache, tmp_path):
+    """lr 1e20 and 1e35 with Adam: the loss a step reads stays finite, the scores of the first evaluation do not. The
+    command fails those trials alone, each with the one line `grid` exits with for the same configuration, trains
+    the rest and retrains the best; the report lists each failure and its reason."""
+    args = ["search", "--cache", cache, "--algo", "fedavg", "--space", "lr=0.05,1e20,1e35,0.01", "--sampler", "grid"]
+    args += ["--trials", "4", "--pruner", "none", "--seeds", "0", "--rounds", "4", "--out", tmp_path / "runs"]
+    done = run_cli(*args, "--json")
+    assert done.code == 0 and "Traceback" not in done.stderr, done.stderr
+    result = json.loads(done.stdout)
+    failed = {r["config"]["lr"]: r["reason"] for r in result["selection"] if r["state"] == "failed"}
+    assert set(failed) == {1e20, 1e35} and result["best"]["lr"] in (0.05, 0.01) and "retrain" in result
+    grid = ["grid", "--cache", cache, "--algo", "fedavg", "--grid", "lr=1e20", "--seeds", "0", "--rounds", "4"]
+    line = one_line_error(after_notes(run_cli(*grid, "--out", tmp_path / "grid")), "became NaN/Inf in round 1")
+    assert line == f"error: {failed[1e20]}" and "\n" not in failed[1e20]  # the same line in both
+    assert not (tmp_path / "grid").exists()
+    shown = run_cli(*args)
+    assert shown.code == 0 and f"failed: {failed[1e35]}" in " ".join(shown.stdout.split())
+    assert f"failed: {failed[1e20]}" in featcache.report([result["run_folder"]])["table"]
+
+
+def test_a_search_whose_every_trial_diverges_is_one_line(cache, tmp_path):
+    args = ["search", "--cache", cache, "--algo", "fedavg", "--space", "lr=1e20,1e35", "--sampler", "grid"]
+    args += ["--trials", "2", "--pruner", "none", "--seeds", "0", "--rounds", "2", "--out", tmp_path / "runs"]
+    one_line_error(run_cli(*args), "failed (trial")
+
+
+@pytest.mark.parametrize("given", [["--set", "lr=0.1"], ["--set", "fedavg.lr=0.1"]])
+def test_a_setting_both_searched_and_set_is_one_line(cache, tmp_path, given):
+    args = ["search", "--cache", cache, "--algo", "fedavg", "--space", "lr=0.05,0.01", *given, "--out", tmp_path]
+    one_line_error(run_cli(*args), "lr is both a --space setting and --set lr: give it in one place")
+    with pytest.raises(UserError, match="lr is both a --space setting"):
+        search(cache, "fedavg", {"lr": [0.05, 0.01]}, set=[given[1]], out=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["search.json", "wave-001.json"])
+def test_a_damaged_search_file_is_one_line_naming_it_and_removing_it_resumes(cache, tmp_path, name):
+    args = ["search", "--cache", cache, "--algo", "fedavg", "--space", "lr=0.05,0.01,0.03", "--sampler", "grid"]
+    args += ["--trials", "3", "--batch", "1", "--pruner", "none", "--seeds", "0", "--rounds", "2", "--no-retrain"]
+    args += ["--out", tmp_path, "--json"]
+    first = run_cli(*args)
+    assert first.code == 0, first.stderr
+    folder = Path(json.loads(first.stdout)["run_folder"])
+    path = folder / name
+    if name != "search.json":
+        (folder / "search.json").unlink()  # a finished search reads no wave
+    for text in ["{", "[]", "\x00\xff", '{"trials": 5, "selection": 5}', '{"trials": [{"config": 1}], "space": {}}']:
+        path.write_text(text)
+        before = everything_in(tmp_path)
+        one_line_error(run_cli(*args), f"{path} is damaged (not what `featcache search` writes there): remove it and")
+        assert everything_in(tmp_path) == before and path.read_text() == text
+    with pytest.raises(UserError, match="is damaged"):
+        search(
+            cache, "fedavg", {"lr": [0.05, 0.01, 0.03]}, 3, "grid", "none", [0], 2, batch=1, out=tmp_path, retrain=False
+        )
+    path.unlink()
+    again = run_cli(*args)
+    assert again.code == 0 and json.loads(again.stdout)["selection"] == json.loads(first.stdout)["selection"]
+
+
 @pytest.mark.parametrize("sampler, pruner", [("tpe", "hyperband"), ("grid", "halving")])
 def test_other_samplers_and_pruners_run(cache, tmp_path, sampler, pruner):
     space = ["lr=0.1,0.03,0.01,0.003", "mu=0,1"] if sampler == "grid" else SEARCH["space"]
@@ -302,6 +365,13 @@ def test_the_command_searches_and_report_reads_its_folder(cache, tmp_path):
     assert (tmp_path / "report" / "report.md").read_text().count("\n| ") == 1 + len(result["selection"])
     one_line_error(run_cli(*args, "--space", "proj_dim=int:16,64"), "proj_dim is structural")
     one_line_error(run_cli(*args[:-2], "--trials", "0"), "--trials 0")
+    for flags, says in [
+        (["--trials", str(10**12), "--batch", "1"], "a search trains at most 100,000 trials"),
+        (["--sampler-seed=-1"], "--sampler-seed -1"),
+        (["--sampler-seed", str(2**70)], "give a whole number from 0 to 2^32 - 1"),
+    ]:
+        one_line_error(run_cli(*args[:-2], "--out", tmp_path / "refused", *flags), says)
+    assert not (tmp_path / "refused").exists()
     one_line_error(run_cli("report", result["run_folder"], cache), "report it alone")
     api = featcache.report([result["run_folder"]])  # the API reads the folder as the command does
     assert api["table"] == shown.stdout.removesuffix("\n") and api["search"] == result["run_folder"]

@@ -232,3 +232,10 @@ def test_any_fedavg_server_algorithm_takes_a_server_optimizer_by_name():
         create("fedpcl+fedadam")
     with pytest.raises(UserError, match="unknown algorithm 'fedprox\\+fedsgd'"):
         create("fedprox+fedsgd")
+
+
+def test_a_server_optimizer_steps_on_what_the_algorithm_shares():
+    """fedbn+fedadam raised KeyError (its BatchNorm layers never reach the server): the server's step and memory
+    cover the shared parameters alone, and FedAvgM at β = 0, η = 1 is FedBN itself."""
+    assert_matches_plain_loop("fedbn+fedadam")
+    assert set(assert_reduces_to("fedbn+fedavgm", "fedbn", exact=True, server_momentum=0.0).values()) == {0.0}

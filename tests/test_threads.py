@@ -95,6 +95,36 @@ def test_a_bad_count_on_the_command_line_is_one_line(command, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("threads", [9999, 2**31, 10**20])
+def test_more_threads_than_cores_run_on_the_cores_with_one_warning_line(small_cache, tmp_path, threads):
+    """--threads 9999 once started ~20,000 threads; 2^31 and 10^20 overflowed torch's count."""
+    result = run_cli(
+        "train",
+        "--cache",
+        small_cache,
+        "--algo",
+        "fedavg",
+        "--rounds",
+        "1",
+        "--seeds",
+        "0",
+        "--json",
+        "--threads",
+        str(threads),
+        "--out",
+        tmp_path,
+    )
+    assert result.code == 0 and "Traceback" not in result.stderr, result.stderr
+    warned = [line for line in result.stderr.splitlines() if "--threads" in line]
+    assert warned == [
+        f"warning: --threads {threads} is more than the {P.cores()} cores this process may run on: "
+        f"running on {P.cores()}"
+    ]
+    assert json.loads(result.stdout)["provenance"]["torch_threads"] == P.cores()
+    with pytest.warns(UserWarning, match="running on"):
+        assert check_threads(threads) == P.cores()
+
+
 @pytest.mark.parametrize("threads", [0, -2, 1.5, "2", True])
 def test_a_bad_count_in_the_api_is_refused_before_anything_is_written(small_cache, tmp_path, threads):
     calls = {
@@ -188,7 +218,7 @@ def test_extract_runs_its_forward_on_the_threads_asked_for(images, tmp_path):
                 *flags,
             )
         assert result.code == 0, result.stderr
-        assert seen.pop() == (threads or min(before, max(1, P.cores() - 1))) and not seen
+        assert seen.pop() == (min(threads, P.cores()) if threads else min(before, max(1, P.cores() - 1))) and not seen
         assert torch.get_num_threads() == before
         names.add(Path(json.loads(result.stdout)["cache"]).name)
     assert len(names) == 1

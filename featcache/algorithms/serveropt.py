@@ -58,8 +58,8 @@ class ServerOptimizer(FedAvg):
         if not self.uses_global:  # FedAvg's init_state keeps x_0 already where local_loss reads it
             remember_global(state)  # x_0: state.server["global"]
         x = state.server["global"]
-        for name in self.memory:
-            state.server[name] = {k: torch.zeros_like(v) for k, v in x.items()}  # [H, ...]
+        for name in self.memory:  # the shared parameters' (FedBN's BatchNorm layers stay on the clients)
+            state.server[name] = {k: torch.zeros_like(v) for k, v in x.items() if self.shared(k)}  # [H, ...]
 
     def step(self, x: dict, mean: dict, server: dict, rnd) -> tuple[dict, dict]:
         """(x_{t+1}, memory) from x_t, FedAvg's mean (Δ_t = mean − x_t) and the server's state, each
@@ -72,7 +72,7 @@ class ServerOptimizer(FedAvg):
 
     def aggregate(self, uploads, weights, state, rnd):
         mean = super().aggregate(uploads, self.client_weights(weights), state, rnd)  # name -> [H, ...]
-        x = state.server["global"]  # x_t [H, ...]
+        x = {k: v for k, v in state.server["global"].items() if self.shared(k)}  # x_t [H, ...], shared parameters
         new, memory = self.step(x, {k: mean[k] for k in x}, state.server, rnd)
         return {"model": mean | new} | memory  # BN statistics: the mean
 

@@ -83,6 +83,24 @@ def peek_attrs(path: Path, names: tuple[str, ...], follow: bool = True) -> dict 
         return None
 
 
+SIGNATURE = b"\x89HDF\r\n\x1a\n"  # the first bytes of an HDF5 file (no user block: featcache writes none)
+
+
+def unopenable(path: Path) -> bool:
+    """Whether the regular file `path` (a symbolic link is not followed) starts as an HDF5 file but HDF5 cannot open
+    it: truncated or damaged, so whose it is (its root attributes) cannot be read."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        with open(path, "rb") as f:
+            if f.read(len(SIGNATURE)) != SIGNATURE:
+                return False
+        with h5py.File(path, "r"):
+            return False
+    except Exception:
+        return True
+
+
 def create_h5(path: Path) -> h5py.File:
     """A new HDF5 file as `h5py.File(path, "w", track_order=True)` creates it, but without HDF5's sieve buffer: raw
     data reaches the disk when a dataset is written, so a full disk fails that write. With the buffer the failure

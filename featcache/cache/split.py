@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import check_folder, make_folder, missing_folders, remove_empty
 from ..errors import UserError, as_path
 from .check import verify
 from .load import ClientData, client_rows, load_clients
@@ -50,16 +51,19 @@ def split(cache: str | Path, out: str | Path) -> dict:
     earlier split of the same cache left (stopped part-way) is kept; any other file of the same name is refused
     (`write`); a refusal removes the files this call wrote."""
     cache, out = as_path(cache, "cache"), as_path(out, "out")
+    check_folder(out)  # a file, a path below one, a broken link, a folder without write permission: one line
     report = verify(cache)
     if not report["ok"]:
         raise UserError(f"{cache} failed verification, nothing split: {report['problems'][0]}")
-    out.mkdir(parents=True, exist_ok=True)
+    made = missing_folders(out)
+    make_folder(out)
     written: list[Path] = []
     try:
         return _split(cache, out, written)
     except BaseException:
         for path in written:
             path.unlink(missing_ok=True)
+        remove_empty(made)
         raise
 
 

@@ -230,13 +230,14 @@ def search(
     """Search sampled hyperparameters batched, pruning trials on validation; retrain the best, report test accuracy."""
     from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
     from ..runs.search import parse_space, run_search, search_options  # lazy: `featcache --help` loads no torch
-    from ..runs.spec import RunSpec
+    from ..runs.spec import RunSpec, given_once
     from ..threads import check_threads, use_threads
 
     algo = load(algo)  # a plug-in spec: registered here, shown by its name
     options = search_options(trials, sampler, pruner, batch, sampler_seed, rungs, reduction)
     spec = RunSpec.resolve(algo, rounds, _seeds(seeds), set, backbones)
     dims = parse_space(spec.algo, space)
+    given_once(spec.algo, dims, set, rounds, "--space setting")
     with progress_bar(not as_json) as progress, use_threads(check_threads(threads)):
         result = run_search(spec, dims, cache, out_dir, device, retrain, progress, **options)
     if as_json:
@@ -259,10 +260,13 @@ def search(
                 f"{row['config'][k]:.4g}" if isinstance(row["config"][k], float) else str(row["config"][k])
                 for k in keys
             ),
-            f"{row['val_mean']:.2f}({row['val_std']:.2f})",
-            stopped,
+            "-" if row["val_mean"] is None else f"{row['val_mean']:.2f}({row['val_std']:.2f})",
+            stopped if row["state"] != "failed" else f"failed, round {row['rounds_trained']}",
         )
     out.print(table)
+    for row in result["selection"]:
+        if row.get("reason"):
+            out.print(f"trial {row['trial']} failed: {escape(row['reason'])}", soft_wrap=True, highlight=False)
     if "retrain" in result:
         r = result["retrain"]
         out.print(f"best {result['best']} retrained on full train: test acc {r['mean_acc']:.2f}({r['std_acc']:.2f})")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
+import multiprocessing
 import os
 import re
 from contextlib import contextmanager
@@ -42,7 +43,7 @@ from .backbones.models import Lazy
 from .datasets.base import ArrayImages
 from ..devices import device_kind
 from ..errors import UserError
-from ..threads import asked
+from ..threads import asked, cores
 
 if TYPE_CHECKING:
     import torch
@@ -239,11 +240,6 @@ def image_seed(seed: int, domain: str, split: str, index: int, view: int) -> int
     return int.from_bytes(h[:8], "little") & (2**63 - 1)
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def default_workers(data, views: int) -> int:
     """Worker processes for `loader`: none when every chunk is one array slice (nothing per image to spread), else
     one per core this process may run on."""
@@ -285,6 +281,13 @@ def loader(chunks: Chunks, workers: int, device: torch.device | str):
         return (chunks[k] for k in range(len(chunks)))
     from torch.utils.data import DataLoader
 
+    try:  # the workers' queues need semaphores, which multiprocessing makes in SHM: where it cannot, say so
+        multiprocessing.Lock()
+    except OSError as e:  # a read-only or missing /dev/shm: not the store's or the output's folder
+        raise UserError(
+            f"cannot start {workers} image worker(s): multiprocessing cannot make a semaphore in {SHM} "
+            f"({e.strerror or e}): make {SHM} writable or pass --workers 0"
+        ) from None
     return DataLoader(
         chunks,
         batch_size=None,

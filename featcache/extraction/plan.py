@@ -442,7 +442,7 @@ def _needs(parts_by_setting, views: int) -> dict[Need, np.ndarray]:
     rows: dict[Need, list] = {}
     for parts in parts_by_setting:
         for part in parts:
-            for split in SPLITS:
+            for split in SPLITS if not part.test_domain else [s for s in SPLITS if s != "test"]:
                 kinds = (0, views) if views and split == "train" else (0,)
                 for v in kinds:
                     rows.setdefault((part.domain, split, v), []).append(getattr(part, split))

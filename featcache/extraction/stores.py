@@ -63,10 +63,13 @@ def _not_stores(folder: Path, found: list[Path], command: str) -> UserError:
         if stores.is_dir()
         else "the folder of the stores (extract's --store, default OUT/store)"
     )
+    broken = sum(map(h5.unopenable, found))
     held = (
         f"client caches ({len(caches)}), not embedding stores"
         if caches
-        else f"no featcache embedding store ({len(found)} .h5 file(s) featcache did not make)"
+        else f"no featcache embedding store it can read ({len(found)} .h5 file(s) without a readable featcache marker"
+        + (f", {broken} of them HDF5 files that HDF5 cannot open: truncated or damaged" if broken else "")
+        + ")"
     )
     if command == "gc":
         return UserError(
@@ -375,13 +378,18 @@ def _twins(folder: Path) -> list[list[str]]:
 
 
 def _foreign(path: Path) -> str:
-    """Why gc leaves `path` alone: what it is, and that featcache did not make it."""
+    """Why gc leaves `path` alone: what it is, and that featcache did not make it (or that this cannot be read)."""
     if path.is_symlink():
         return "a symbolic link (gc never follows one): left alone"
     if path.is_dir():
         return "a folder, not featcache's: left alone"
     if not path.is_file():
         return "not a regular file, not featcache's: left alone"
+    if h5.unopenable(path):
+        return (
+            "an HDF5 file that HDF5 cannot open (truncated or damaged): whether featcache made it cannot be read, "
+            "so it is yours to remove if it was a store: left alone"
+        )
     return "not featcache's (no featcache marker in it, or not an HDF5 file): left alone"
 
 

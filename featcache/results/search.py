@@ -65,7 +65,8 @@ def search_table(result: dict) -> str:
         score = "-" if r["val_mean"] is None else f"{r['val_mean']:.2f}({r['val_std']:.2f})"
         cells += [score, r["state"], rnd, rung]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    failed = [f"- trial {r['trial']} failed: {r['reason']}" for r in result["selection"] if r.get("reason")]
+    return "\n".join(lines + ([""] + failed if failed else [])) + "\n"
 
 
 def search_png(result: dict) -> bytes:

@@ -52,11 +52,12 @@ from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, Diverged, check_feature
 from ..training.schedule import evaluates
 from . import grid
 from .metrics import mean_std
-from .spec import RunSpec
+from .spec import RunSpec, given_once
 from .train import load_split
 
 STUDY = "featcache-search"  # the study's name: Hyperband assigns brackets by a hash of it and the trial number
 RUNGS, REDUCTION = 2, 4  # the default rung schedule: the first rung at R / 16 (docs/guides/search.md: why)
+MAX_TRIALS = 100_000  # each trial trains every seed and is kept in memory and in its wave's file
 
 
 @dataclass(frozen=True)
@@ -243,8 +244,11 @@ def rung_rounds(rounds: int, pruner: str, rungs: int, reduction: int) -> list[in
     return at
 
 
-def check_options(sampler: str, pruner: str, trials: int, batch: int | None, rungs: int, reduction: int) -> None:
-    """A search's sampler and pruner (keys of SAMPLERS, PRUNERS) and its counts, checked before anything is read."""
+def check_options(
+    sampler: str, pruner: str, trials: int, batch: int | None, rungs: int, reduction: int, sampler_seed: int = 0
+) -> None:
+    """A search's sampler and pruner (keys of SAMPLERS, PRUNERS), its counts and seed, checked before anything is
+    read."""
     if sampler not in SAMPLERS:
         raise UserError(f"unknown sampler {sampler!r}: use {', '.join(SAMPLERS)}")
     if pruner not in PRUNERS:
@@ -257,6 +261,10 @@ def check_options(sampler: str, pruner: str, trials: int, batch: int | None, run
     ):
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < lo):
             raise UserError(f"{flag} {n}: give a whole number >= {lo}")
+    if trials > MAX_TRIALS:
+        raise UserError(f"--trials {trials}: a search trains at most {MAX_TRIALS:,} trials; give fewer")
+    if isinstance(sampler_seed, bool) or not isinstance(sampler_seed, int) or not 0 <= sampler_seed < 2**32:
+        raise UserError(f"--sampler-seed {sampler_seed}: give a whole number from 0 to 2^32 - 1 (Optuna's seeds)")
 
 
 def search_options(
@@ -271,7 +279,7 @@ def search_options(
     """A search's options checked (`check_options`), the rung schedule's defaults filled in: the keyword arguments of
     `run_search`, as `featcache.search` and the command line both build them."""
     rungs, reduction = RUNGS if rungs is None else rungs, REDUCTION if reduction is None else reduction
-    check_options(sampler, pruner, trials, batch, rungs, reduction)
+    check_options(sampler, pruner, trials, batch, rungs, reduction, sampler_seed)
     return dict(
         trials=trials,
         sampler=sampler,
@@ -327,6 +335,7 @@ def search(
     options = search_options(trials, sampler, pruner, batch, sampler_seed, rungs, reduction)
     spec = RunSpec.resolve(algo, rounds, seeds, set, backbones)
     dims = parse_space(spec.algo, space)
+    given_once(spec.algo, dims, set, rounds, "--space setting")
     call = library_call(
         "featcache.search",
         cache=str(cache),
@@ -365,7 +374,7 @@ def run_search(
     is named by what it searches; a finished one returns its result without training (or only retrains its best,
     when it finished without a retrain and one is asked for now)."""
     optuna = _optuna()
-    check_options(sampler, pruner, trials, batch, rungs, reduction)
+    check_options(sampler, pruner, trials, batch, rungs, reduction, sampler_seed)
     R = spec.config["rounds"]
     rung_at = rung_rounds(R, pruner, rungs, reduction)
     check_sampler(dims, sampler, trials)
@@ -397,7 +406,7 @@ def run_search(
     }
     key = content_key({"run": spec.key(fit.meta), "search": searched})
     folder = Path(out) / f"search-{spec.name}-{key[:16]}"
-    finished = json.loads((folder / "search.json").read_text()) if (folder / "search.json").is_file() else None
+    finished = _read(folder / "search.json", lambda r: _is_result(r, searched), "its finished waves are replayed")
     if finished and (not retrain or "retrain" in finished):  # its result, nothing trained
         return finished | {"waves_resumed": "all"}
     made = missing_folders(folder)
@@ -415,7 +424,7 @@ def run_search(
         for w, n in enumerate(waves):
             path = folder / f"wave-{w:03d}.json"
             if path.is_file():
-                saved = json.loads(path.read_text())["trials"]
+                saved = _read(path, lambda r: _is_wave(r, n), "that wave trains again")["trials"]
                 if json.loads(json.dumps(drive(study, dists, n, Replay(saved, folder), rule, records))) != saved:
                     raise UserError(f"{path} does not replay to the same decisions: remove {folder} to search again")
                 resumed += 1
@@ -430,6 +439,10 @@ def run_search(
         table = sorted(records, key=lambda r: (STATES.index(r["state"]), -_score(r), r["trial"]))
         done = [r for r in table if r["state"] == "complete"]
         if not done:
+            failed = [r for r in table if r["state"] == "failed"]
+            if len(failed) == len(table):
+                why = failed[0].get("reason", "its loss became NaN/Inf")
+                raise UserError(f"every trial of the search in {folder} failed (trial {failed[0]['trial']}: {why})")
             raise UserError(f"every trial of the search in {folder} was pruned: give more --trials or --pruner none")
         model_rounds = sum(r["rounds_trained"] for r in records) * len(seeds)
         result = {
@@ -463,6 +476,67 @@ def run_search(
         remove_empty(made)
         raise
     return result | {"waves_resumed": resumed}
+
+
+def _read(path: Path, valid, then: str) -> dict | None:
+    """The JSON object a search wrote at `path` (None when absent), or one line naming it as damaged when it does not
+    parse or `valid` refuses it."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        ok = valid(saved)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise UserError(
+            f"{path} is damaged (not what `featcache search` writes there): remove it and run the search again ({then})"
+        )
+    return saved
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_trial(r) -> bool:
+    """Whether `r` is a trial's record as `drive` writes it."""
+    return (
+        isinstance(r, dict)
+        and isinstance(r.get("trial"), int)
+        and isinstance(r.get("config"), dict)
+        and r.get("state") in STATES
+        and isinstance(r.get("rounds_trained"), int)
+        and isinstance(r.get("curve"), list)
+        and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and _number(p[1]) for p in r["curve"])
+        and isinstance(r.get("val_per_seed"), list)
+        and all(map(_number, r["val_per_seed"]))
+        and all(r.get(k) is None or _number(r[k]) for k in ("val_mean", "val_std"))
+        and isinstance(r.get("reason", ""), str)
+    )
+
+
+def _is_wave(saved, n: int) -> bool:
+    return (
+        isinstance(saved, dict)
+        and isinstance(saved.get("trials"), list)
+        and len(saved["trials"]) == n
+        and all(map(_is_trial, saved["trials"]))
+    )
+
+
+def _is_result(saved, searched: dict) -> bool:
+    """Whether `saved` is the result of the search `searched` describes, with its trials and best point."""
+    return (
+        isinstance(saved, dict)
+        and all(saved.get(k) == v for k, v in json.loads(json.dumps(searched)).items())
+        and isinstance(saved.get("selection"), list)
+        and all(map(_is_trial, saved["selection"]))
+        and isinstance(saved.get("best"), dict)
+        and all(_number(saved.get(k)) for k in ("model_rounds", "model_rounds_unpruned"))
+        and isinstance(saved.get("seeds"), list)
+        and isinstance(saved.get("retrain", {}), dict)
+    )
 
 
 def _ticker(progress, base: int, total: int):
@@ -526,12 +600,15 @@ def drive(study, dists: dict, n: int, source, rule: Rungs, history: list[dict]) 
     live, curves, stopped, states = list(range(n)), [[] for _ in range(n)], [None] * n, ["complete"] * n
     pending = {number[i]: list(rule.plan(number[i])[1]) for i in live}
     per_seed: list[list[float]] = [[] for _ in range(n)]
+    reasons: dict[int, str] = {}
     for step, values in source.steps(live):
         failed = []
         for i in [i for i in live if i in values]:
             v, seeds = values[i]
             if not math.isfinite(v):
                 failed.append(i)
+                if isinstance(seeds, str):
+                    reasons[i] = seeds
                 continue
             curves[i].append([step, v])
             per_seed[i] = seeds
@@ -561,6 +638,7 @@ def drive(study, dists: dict, n: int, source, rule: Rungs, history: list[dict]) 
             "val_per_seed": per_seed[i],
             "curve": curves[i],
         }
+        | ({"reason": reasons[i]} if i in reasons else {})
         for i in range(n)
     ]
 
@@ -600,7 +678,7 @@ class Trainer:
 
     def steps(self, live: list[int]):
         """(round, {trial: (validation accuracy %, per seed)}) after each round some bucket evaluates: mean over the
-        clients per seed, then over the seeds; (NaN, []) for a trial whose loss became NaN/Inf, which leaves."""
+        clients per seed, then over the seeds; (NaN, its one-line reason) for a trial that diverged, which leaves."""
         R = self.config["rounds"]
         for rnd in range(R):
             values: dict = {}
@@ -616,7 +694,10 @@ class Trainer:
                 self.tick(self.done * len(self.cfgs))
             self.buckets = [b for b in self.buckets if b[1]]
             if values:
-                yield rnd + 1, {i: (math.nan, []) if v is None else (mean_std(v)[0], v) for i, v in values.items()}
+                yield (
+                    rnd + 1,
+                    {i: (math.nan, v) if isinstance(v, str) else (mean_std(v)[0], v) for i, v in values.items()},
+                )
 
     def _run(self, bucket: list, until: int, values: dict) -> None:
         """A bucket trained to round `until`; where a model's loss turns NaN/Inf, its trial is marked failed in
@@ -629,7 +710,7 @@ class Trainer:
                 return
             except Diverged as e:
                 bad = {bucket[1][h][0] for h in e.models}
-                values.update(dict.fromkeys(bad, None))
+                values.update(dict.fromkeys(bad, str(e)))
                 bucket[1] = [m for m in bucket[1] if m[0] not in bad]
                 if bucket[1]:
                     with plugin_exits():
@@ -674,7 +755,10 @@ class Replay:
             yield (
                 step,
                 {
-                    i: (c[step], [] if math.isnan(c[step]) else self.saved[i]["val_per_seed"])
+                    i: (
+                        c[step],
+                        self.saved[i].get("reason", []) if math.isnan(c[step]) else self.saved[i]["val_per_seed"],
+                    )
                     for i, c in enumerate(curves)
                     if step in c
                 },

@@ -62,11 +62,7 @@ class RunSpec:
         if grid is None:
             return spec
         axes = grid_axes(impl, grid)
-        fixed = scoped(overrides, [impl])[impl.name]
-        both = [k for k in axes if k in fixed]
-        if both:
-            flag = "--rounds" if both[0] == "rounds" and rounds is not None else f"--set {both[0]}"
-            raise UserError(f"{both[0]} is both a --grid axis and {flag}: give it in one place")
+        given_once(impl, axes, set, rounds, "--grid axis")
         spec = replace(spec, axes=axes)
         for c in spec.configs():  # the whole grid, every combination, before anything trains
             check(impl, c)
@@ -123,6 +119,15 @@ class RunSpec:
             **options,
             **picked,
         )
+
+
+def given_once(impl, keys, set, rounds, what: str) -> None:
+    """Refuse a setting among `keys` (a grid's axes, a search's space) that `set` or `rounds` also fixes."""
+    fixed = scoped(merge_rounds(set, rounds), [impl])[impl.name]
+    both = [k for k in keys if k in fixed]
+    if both:
+        flag = "--rounds" if both[0] == "rounds" and rounds is not None else f"--set {both[0]}"
+        raise UserError(f"{both[0]} is both a {what} and {flag}: give it in one place")
 
 
 def grid_axes(algo, grid: list[str] | dict) -> dict[str, list]:

@@ -25,7 +25,7 @@ import torch
 
 from .. import cache as C
 from ..algorithms import plugin_exits
-from ..atomic import check_folder, output_errors, write_together
+from ..atomic import check_folder, missing_folders, output_errors, remove_empty, write_together
 from ..devices import resolve_device
 from ..errors import UserError, as_list, as_path
 from .metrics import metrics_csv, summarize, tensorboard_writer, write_tensorboard
@@ -238,17 +238,22 @@ def run(
     done = None if keep_state else ckpt.finished(save_state, tensorboard)
     if done:
         return done | {"cache_path": str(cache)}
-    with ckpt.watch():
-        raw = run_configs(
-            impl,
-            [cfg | {"seed": int(s)} for s in seeds],
-            train_data,
-            test_data,
-            device,
-            progress,
-            checkpoint=ckpt,
-            at_once=at_once,
-        )
+    made = missing_folders(out)  # where a checkpoint would go: removed again if a refusal leaves them empty
+    try:
+        with ckpt.watch():
+            raw = run_configs(
+                impl,
+                [cfg | {"seed": int(s)} for s in seeds],
+                train_data,
+                test_data,
+                device,
+                progress,
+                checkpoint=ckpt,
+                at_once=at_once,
+            )
+    except BaseException:
+        remove_empty(made)
+        raise
     floats = raw["upload_floats"][0]
     result = {
         "algo": impl.name,

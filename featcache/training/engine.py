@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..algorithms.plugins import BUILTIN
 from ..cache import ClientData
 from ..devices import resolve_device
 from .cohort import Cohort, aside_names, cohort_size, slice_size
@@ -325,9 +326,24 @@ class Engine:
         loop, algo, rate = self.loop, self.algo, self.cfg["participation"]
         last = loop.records[-1] if loop.records and algo.personal_predict else None
         stale = None if last is None else took_part(self.seeds, loop.eval_rounds[-1], now.round, self.C, rate)
-        figures = record(
-            algo, self.state, self.train, self.test, now, round_loss, logs, not loop.records, last, stale, self.at_once
-        )
+        try:
+            figures = record(
+                algo,
+                self.state,
+                self.train,
+                self.test,
+                now,
+                round_loss,
+                logs,
+                not loop.records,
+                last,
+                stale,
+                self.at_once,
+            )
+        except Diverged as e:  # NaN scores: a built-in's models diverged; a plug-in's first ones may be its bug
+            if loop.records or type(algo).__module__.startswith(BUILTIN):
+                raise Diverged(nan_cause(algo, self.cfgs, e.models, now.round, "the scores"), e.models) from None
+            raise
         loop.records.append(figures)
         loop.eval_rounds.append(now.round + 1)
         return live_metrics(self.seeds, figures["test_acc"], round_loss)

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 
 from ..cache import ClientData
 from .cohort import Cohort, select
-from .guards import check_scores
+from .guards import Diverged, check_scores
 from .models import expand_hc, map_models
 
 
@@ -166,12 +166,17 @@ def record(
     test_scores = scores(algo, state, test, rnd, first=first)  # [H, C, N, K]
     test_hits = hits(test_scores, test)  # [H, C, N]
     test_acc, test_loss = accuracy_loss(test_scores, test, test_hits)  # [H, C] each
+    both = torch.stack([test_acc, test_loss.isnan().to(test_acc.dtype)]).cpu()  # [2, H, C]: one read
+    if bool(both[1].any()):  # NaN scores on some row: the model diverged (`Engine.evaluate` names the cause)
+        bad = both[1].any(1).nonzero().flatten().tolist()
+        raise Diverged(f"{algo.name}: the scores became NaN/Inf in round {rnd.round + 1}", bad)
+    test_acc = both[0].clone()  # its own storage, as a record has always held it (a checkpoint keeps layouts)
     if not logs:
-        return {"test_acc": test_acc.cpu()}
+        return {"test_acc": test_acc}
     train_acc, _ = accuracy_loss(scores(algo, state, train, rnd), train)  # [H, C]
     glob = evaluate_global(algo, state, test, rnd, test_hits, first)  # [H] or None
     return {
-        "test_acc": test_acc.cpu(),
+        "test_acc": test_acc,
         "test_loss": test_loss.cpu(),
         "train_acc": train_acc.cpu(),
         "train_loss": round_loss,

@@ -77,9 +77,10 @@ def check_scores(algo, hook: str, scores: torch.Tensor, data, first: bool) -> No
     found = torch.stack([nan.any(), blank.any()]).tolist()  # one read
     if found[0] or found[1]:
         what = "NaN scores" if found[0] else "-inf for every class of a row"
-        raise UserError(
-            f"{algo.name}: {hook} returned {what} at the first evaluation: return finite scores [N, {K}] (logits)"
-        )
+        message = f"{algo.name}: {hook} returned {what} at the first evaluation: return finite scores [N, {K}] (logits)"
+        if found[0]:  # a plug-in's bug, or models that diverged (the engine tells which: `Engine.evaluate`)
+            raise Diverged(message, nan.flatten(1).any(1).nonzero().flatten().tolist())
+        raise UserError(message)
 
 
 class Diverged(UserError):
@@ -93,9 +94,10 @@ class Diverged(UserError):
         return Diverged, (str(self), self.models)
 
 
-def nan_cause(algo, cfgs: list[dict], bad_models: list[int], rnd: int) -> str:
-    """The one line for a loss that became NaN/Inf in round `rnd` (0-based) for the configurations `bad_models`:
-    a float setting far above its default is named as the likely cause, else the learning rate."""
+def nan_cause(algo, cfgs: list[dict], bad_models: list[int], rnd: int, what: str = "loss") -> str:
+    """The one line for a `what` (the loss, the scores) that became NaN/Inf in round `rnd` (0-based) for the
+    configurations `bad_models`: a float setting far above its default is named as the likely cause, else the
+    learning rate."""
     from .config import defaults
 
     base = defaults(algo)
@@ -108,7 +110,7 @@ def nan_cause(algo, cfgs: list[dict], bad_models: list[int], rnd: int) -> str:
             ratio = abs(v) / max(abs(d), 1e-12)
             if abs(v) > HUGE_VALUE and ratio > HUGE_RATIO and (worst is None or ratio > worst[0]):
                 worst = (ratio, k, v, d)
-    head = f"{algo.name}: loss became NaN/Inf in round {rnd + 1}"
+    head = f"{algo.name}: {what} became NaN/Inf in round {rnd + 1}"
     if worst:
         _, k, v, d = worst
         return f"{head}: {k}={v:g} (default {d:g}) is the likely cause: lower --set {k}=..."

@@ -65,12 +65,35 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
         return _ALLOWED[(module, name)]
 
 
+MAX_DEPTH = 32  # containers nested deeper are no dataset's (FedBN's and CIFAR's files nest 2 or 3 deep)
+
+
+def _depth_over(obj: Any, limit: int) -> bool:
+    """Whether lists, tuples and dicts nest deeper than `limit` in `obj` (walked without recursion: 10^5 nested
+    lists load without it, then overflow the stack of anything that recurses into them, str() included)."""
+    stack = [(obj, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, tuple, dict)):
+            if depth >= limit:
+                return True
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return False
+
+
 def safe_load(path: str | Path) -> Any:
-    """Unpickle `path`, admitting only numpy arrays/dtypes/scalars and plain containers; else `UserError`."""
+    """Unpickle `path`, admitting only numpy arrays/dtypes/scalars and plain containers nested at most `MAX_DEPTH`
+    deep; else `UserError`."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            return _NumpyOnlyUnpickler(f, path).load()
+            obj = _NumpyOnlyUnpickler(f, path).load()
+        if _depth_over(obj, MAX_DEPTH):
+            raise UserError(
+                f"{path} nests lists, tuples or dicts more than {MAX_DEPTH} deep: not a dataset pickle; replace it "
+                "with the data set's own file"
+            )
+        return obj
     except UserError:
         raise
     except FileNotFoundError:
