@@ -267,9 +267,11 @@ def run(
     result["provenance"] = provenance(device, call or spec.call(cache, device))
     body = json.dumps(result, sort_keys=True, indent=1)
     path = Path(out) / f"{run_name(impl, cfg, seeds, backbones, run_id)}.json"
+    ran = raw["round_seconds"][ckpt.resumed :]  # this process's rounds: a resumed run's first ones ran elsewhere
     timing = {
-        "seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
-        "seconds_total": round(float(np.sum(raw["round_seconds"])), 3),
+        "seconds_per_round": round(float(np.mean(ran)), 5),
+        "seconds_total": round(float(np.sum(ran)), 3),
+        "rounds_timed": len(ran),
         "device": str(device),
     }
     timing |= {"resumed_after_round": ckpt.resumed} if ckpt.resumed else {}  # how it ran, not what it found
