@@ -113,3 +113,23 @@ def test_extract_warns_in_one_line_about_a_client_smaller_than_a_batch(tmp_path)
     assert done.code == 0, done.stderr
     said = [line for line in done.stderr.splitlines() if "fewer training images than a batch of 32" in line]
     assert len(said) == 1 and "client 0 (" in said[0] and "client 1 (" in said[0]
+
+
+def test_extract_names_the_clients_without_test_images_in_one_line():
+    """A 1,000-client cache whose clients hold no test image is said at extraction, not refused by train later."""
+    import numpy as np
+
+    from featcache.extraction.partition.make import ClientPart
+    from featcache.extraction.partition.spec import PartitionSpec
+    from featcache.extraction.plan import untested_clients
+
+    def part(n_test: int) -> ClientPart:
+        return ClientPart("d", np.arange(40), np.arange(n_test), np.zeros(0, np.int64))
+
+    spec = PartitionSpec(scheme="label", clients=3)
+    assert untested_clients(spec, [part(5), part(1), part(2)], [spec]) == ""
+    line = untested_clients(spec, [part(5), part(0), part(0)], [spec])
+    assert line.startswith("2 of 3 clients hold no test image, client 1 (and 1 more) first, and train refuses")
+    assert "\n" not in line
+    sweep = [spec, PartitionSpec(scheme="label", clients=3, alpha=0.1)]
+    assert untested_clients(sweep[1], [part(0)] * 3, sweep).startswith("cache alpha=0.1: 3 of 3 clients")
