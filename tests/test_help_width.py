@@ -81,3 +81,16 @@ def test_featcache_alone_prints_its_help_and_no_error_line(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert e.value.code == 2 and captured.err == ""
     assert captured.out.startswith("Usage: ") and "  report " in captured.out
+
+
+def test_help_in_a_pipe_shows_no_markup_escape_and_no_lambda():
+    """`featcache COMMAND --help | cat` for every command: `[default: ...]`, never typer's `\\[default: ...]`, and a
+    path option's metavar PATH, never `<LAMBDA>`."""
+    exe = Path(sys.executable).with_name("featcache")
+    commands = [*sorted(COMMANDS), "flower new"]
+    script = "; ".join(f"{exe} {c} --help | cat" for c in commands)
+    res = subprocess.run(script, shell=True, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("Usage: ") == len(commands)
+    assert "\\[" not in res.stdout and "LAMBDA" not in res.stdout
+    assert "[default: " in res.stdout and "--cache PATH" in res.stdout

@@ -96,6 +96,7 @@ def test_pacs_reads_the_official_kfold_lists_when_present(tmp_path):
         assert all(p.name == "img_003.png" for p in test.paths)
         assert [PACS_CLASSES[k] for k in test.labels] == [p.parent.name for p in test.paths]
     assert "official kfold splits" in data.extra["notes"][0] and "pacs_label" in data.extra["notes"][0]
+    assert "_test_kfold.txt is not read" in data.extra["notes"][0]  # the user's lists: which one is left unread
     plain = load_dataset("pacs", write_pacs(tmp_path / "without", lists=False))
     assert "no official kfold lists found" in plain.extra["notes"][0]
     assert len(plain.domains["photo"]["train"]) + len(plain.domains["photo"]["test"]) == 28

@@ -723,3 +723,19 @@ def test_rank_agreement_counts_result_columns_only():
         ("m Ours", "Avg"): (55.0, 0.0),
     }
     assert set(rank_agreement(parse_pipeline(text, "toy.toml"), values)) == {"Avg"}
+
+
+def test_the_committed_results_pages_rank_no_column_the_architecture_fixes():
+    """docs/results: a parameter count (# of Comm Params, # of Training Params.) is no score, so no page's rank
+    agreement names it."""
+    from featcache.reproduce.metrics import METRICS
+
+    root = Path(__file__).resolve().parents[1]
+    for page in (root / "docs/results/quick").glob("*.md"):
+        toml = root / "pipelines" / f"{page.stem}.toml"
+        if not toml.is_file():
+            continue
+        pipe = parse_pipeline(toml.read_text(), toml.name)
+        fixed = [c.name for c in pipe.columns if not METRICS[c.metric.partition(":")[0]].result]
+        ranks = next((line for line in page.read_text().splitlines() if "Kendall" in line), "")
+        assert not [c for c in fixed if f"{c} " in ranks.partition("reversed):")[2]], page.name

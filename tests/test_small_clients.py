@@ -14,9 +14,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from featcache.extraction.plan import TRAIN_BATCH
+from featcache.algorithms import create
 from featcache.testing import synthetic_clients
 from featcache.training.config import ENGINE_SETTINGS
-from featcache.training.schedule import client_steps, one_step_note, plan_steps, trained_counts, trained_rows
+from featcache.training.schedule import (
+    client_steps,
+    dropped_note,
+    one_step_note,
+    plan_steps,
+    trained_counts,
+    trained_rows,
+)
 from tests.synthetic import write_cache
 
 
@@ -62,13 +70,24 @@ def test_a_cache_with_a_client_smaller_than_a_batch_trains_with_defaults(tmp_pat
     assert 0 <= result["mean_acc"] <= 100
 
 
-def test_one_step_note_names_the_proximal_term():
-    assert one_step_note([64, 70], 32, True, 1) == ""  # two steps each at least
-    assert one_step_note([40], 32, False, 1) == ""  # 32 + 8 rows without drop_last
-    assert one_step_note([10, 70], 32, True, 2) == ""  # two epochs: two steps
-    line = one_step_note([10, 70, 40], 32, True, 1)
-    assert "2 of 3 clients take one local step per round (10-40 rows" in line and "FedProx" in line
+def test_one_step_note_names_the_proximal_term_and_only_where_there_is_one():
+    fedprox = create("fedprox")
+    assert one_step_note(fedprox, [64, 70], 32, True, 1) == ""  # two steps each at least
+    assert one_step_note(fedprox, [40], 32, False, 1) == ""  # 32 + 8 rows without drop_last
+    assert one_step_note(fedprox, [10, 70], 32, True, 2) == ""  # two epochs: two steps
+    line = one_step_note(fedprox, [10, 70, 40], 32, True, 1)
+    assert "2 of 3 clients take one local step per round (10-40 rows" in line and "fedprox's proximal term" in line
     assert "\n" not in line
+    for name in ("fedavg", "fedpcl"):  # no proximal term: one step from the global model is plain SGD
+        assert one_step_note(create(name), [10, 70, 40], 32, True, 1) == ""
+
+
+def test_dropped_note_says_the_share_of_rows_drop_last_leaves_out():
+    assert dropped_note([64, 96], 32, True) == "" and dropped_note([50, 60], 32, False) == ""
+    assert dropped_note([330, 10], 32, True) == ""  # 10 of 340: under a tenth; a client under a batch keeps its rows
+    line = dropped_note([50, 60, 10], 32, True)  # 18 + 28 of 120 rows
+    assert line.startswith("drop_last leaves 46 of 120 training rows (38 %) out of every local epoch")
+    assert "drop_last=false" in line and "\n" not in line
 
 
 def test_grid_notes_a_tie_and_says_which_it_picked(tmp_path):
@@ -94,3 +113,23 @@ def test_extract_warns_in_one_line_about_a_client_smaller_than_a_batch(tmp_path)
     assert done.code == 0, done.stderr
     said = [line for line in done.stderr.splitlines() if "fewer training images than a batch of 32" in line]
     assert len(said) == 1 and "client 0 (" in said[0] and "client 1 (" in said[0]
+
+
+def test_extract_names_the_clients_without_test_images_in_one_line():
+    """A 1,000-client cache whose clients hold no test image is said at extraction, not refused by train later."""
+    import numpy as np
+
+    from featcache.extraction.partition.make import ClientPart
+    from featcache.extraction.partition.spec import PartitionSpec
+    from featcache.extraction.plan import untested_clients
+
+    def part(n_test: int) -> ClientPart:
+        return ClientPart("d", np.arange(40), np.arange(n_test), np.zeros(0, np.int64))
+
+    spec = PartitionSpec(scheme="label", clients=3)
+    assert untested_clients(spec, [part(5), part(1), part(2)], [spec]) == ""
+    line = untested_clients(spec, [part(5), part(0), part(0)], [spec])
+    assert line.startswith("2 of 3 clients hold no test image, client 1 (and 1 more) first, and train refuses")
+    assert "\n" not in line
+    sweep = [spec, PartitionSpec(scheme="label", clients=3, alpha=0.1)]
+    assert untested_clients(sweep[1], [part(0)] * 3, sweep).startswith("cache alpha=0.1: 3 of 3 clients")

@@ -6,6 +6,9 @@ proximal term is a `penalty`: its gradient μ (w − w^t) is added to F_k's, not
 μ = 0.01 by default, a value from the paper's search set {0.001, 0.01, 0.1, 0.5, 1}; the paper picks μ per data set
 (§5), so tune it: μ is a continuous hyperparameter that a grid varies per configuration.
 Global model: FedAvg's, the w^t every client starts the next round from.
+μ = 0 trains FedAvg's model up to float rounding, not bit for bit (its steps add a zero penalty and run in FedProx's
+own memory layouts). Under Adam (the default optimizer) a step is scaled per coordinate, not by the gradient's size,
+so even a small μ pulls hard wherever F_k's gradient is small: the paper's μ values were tuned under SGD.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ class FedProx(FedAvg):
     name = "fedprox"
     paper = "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020, eq. 2"
     uploads = "all head parameters"
-    settings = {"mu": Setting(0.01, "μ, weight of the proximal term (the paper's search set; tune per data set)", lo=0)}
+    settings = {
+        "mu": Setting(
+            0.01,
+            "μ, weight of the proximal term (the paper's search set, under SGD; tune per data set: under Adam a small "
+            "μ still pulls hard)",
+            lo=0,
+        )
+    }
     uses_global = True  # w^t: ctx["global"]
 
     def penalty(self, params, ctx):

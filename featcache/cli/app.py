@@ -11,6 +11,7 @@ import time
 from contextlib import contextmanager, redirect_stdout
 from typing import TYPE_CHECKING
 
+import click
 import typer
 from rich.console import Console
 
@@ -35,6 +36,15 @@ def help_style() -> None:
     terminal) click's plain help, which wraps the descriptions and never cuts an option name."""
     wide = sys.stdout.isatty() and shutil.get_terminal_size().columns >= RICH_HELP_COLUMNS
     app.rich_markup_mode = RICH_HELP if wide else None
+    click.Context.formatter_class = PlainHelp
+
+
+class PlainHelp(click.HelpFormatter):
+    """click's help formatter without the rich markup escape typer leaves in it (`\\[default: ...]`): rich's help
+    never reaches this formatter, so the plain help alone is unescaped."""
+
+    def write_dl(self, rows, *args, **kwargs) -> None:
+        super().write_dl([(term, text.replace("\\[", "[")) for term, text in rows], *args, **kwargs)
 
 
 # Off a terminal (a pipe, a log file) rich would wrap tables at 80 columns and cut their cells: give it room.
@@ -62,7 +72,11 @@ def _options(
 def path_of(name: str):
     """The parser of a path option or argument: '' is refused in one line naming it (typer would make it Path('.'),
     the current folder)."""
-    return lambda text: as_path(text, name)
+
+    def path(text: str):
+        return as_path(text, name)
+
+    return path  # its name is the metavar `--help` shows: PATH (a lambda showed <LAMBDA>)
 
 
 PLAIN_EVERY_S = 30.0  # when stderr is not a terminal: a line per label at least every 30 s ...

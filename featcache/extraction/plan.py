@@ -265,8 +265,9 @@ def extract(
     for line in protocol_notes(specs, data, parts):
         tell(line)
     for spec, spec_parts, r in zip(specs, parts, results):
-        if not r["cache_hit"] and (line := small_clients(spec, spec_parts, specs)):
-            warnings.warn(line, UserWarning, stacklevel=2)
+        for line in (small_clients(spec, spec_parts, specs), untested_clients(spec, spec_parts, specs)):
+            if line and not r["cache_hit"]:
+                warnings.warn(line, UserWarning, stacklevel=2)
     embedded = {m["key"]: n for m, n in zip(metas, embedded)}
     return (
         _summary(results, specs, embedded, t0)
@@ -337,14 +338,31 @@ def small_clients(spec: PartitionSpec, parts, specs: list[PartitionSpec]) -> str
     small = [(i, len(p.train)) for i, p in enumerate(parts) if len(p.train) < TRAIN_BATCH]
     if not small:
         return ""
-    differ = [k for k, v in spec.to_dict().items() if any(s.to_dict()[k] != v for s in specs)]
-    where = f"cache {', '.join(f'{k}={spec.to_dict()[k]}' for k in differ)}: " if differ else ""
     more = f" and {len(small) - 5} more" if len(small) > 5 else ""
     who = ", ".join(f"client {i} ({n})" for i, n in small[:5]) + more
     return (
-        f"{where}{who} hold{'s' if len(small) == 1 else ''} fewer training images than a batch of {TRAIN_BATCH} "
-        "(training's default batch_size): such a client trains on all of them in one step per round"
+        f"{_which_cache(spec, specs)}{who} hold{'s' if len(small) == 1 else ''} fewer training images than a batch of "
+        f"{TRAIN_BATCH} (training's default batch_size): such a client trains on all of them in one step per round"
     )
+
+
+def untested_clients(spec: PartitionSpec, parts, specs: list[PartitionSpec]) -> str:
+    """One line naming the clients of `spec` without a test image ("" when none): `train` refuses such a cache (a
+    client's accuracy would be 0 of 0), so it is said here, not minutes later."""
+    empty = [i for i, p in enumerate(parts) if len(p.test) + len(p.test_train) == 0]
+    if not empty:
+        return ""
+    more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+    return (
+        f"{_which_cache(spec, specs)}{len(empty)} of {len(parts)} clients hold no test image, client {empty[0]}{more} "
+        "first, and train refuses this cache: extract fewer clients or a milder partition (a larger alpha)"
+    )
+
+
+def _which_cache(spec: PartitionSpec, specs: list[PartitionSpec]) -> str:
+    """In a sweep, "cache K=V, ...: " naming the partition values that tell `spec`'s cache from the others."""
+    differ = [k for k, v in spec.to_dict().items() if any(s.to_dict()[k] != v for s in specs)]
+    return f"cache {', '.join(f'{k}={spec.to_dict()[k]}' for k in differ)}: " if differ else ""
 
 
 def _whole(least: int, none: bool = False) -> Callable[[object], bool]:

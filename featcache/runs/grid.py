@@ -36,7 +36,7 @@ from ..provenance import library_call, provenance
 from ..threads import threaded
 from ..training.config import check_clients, structural_keys
 from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
-from ..training.schedule import one_step_note
+from ..training.schedule import dropped_note, one_step_note
 from ..training.footprint import check_memory
 from .spec import RunSpec
 from .train import load_split, run, run_configs
@@ -230,8 +230,11 @@ def run_grid(
     for i, c in enumerate(cfgs):
         check_clients(c, C)
         notes.append(
-            one_step_note(fit_rows, c["batch_size"], c["drop_last"], impl.bind(c).local_epochs(), "validation-fit")
+            one_step_note(
+                impl, fit_rows, c["batch_size"], c["drop_last"], impl.bind(c).local_epochs(), "validation-fit"
+            )
         )
+        notes.append(dropped_note(fit_rows, c["batch_size"], c["drop_last"], "validation-fit"))
         buckets.setdefault(_bucket_key(c, impl), []).append(i)
     per_model = {}  # memory of one model per bucket: refuse a bucket whose smallest chunk cannot fit, before training
     for key, members in buckets.items():

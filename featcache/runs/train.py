@@ -39,7 +39,7 @@ from .names import run_name
 from .spec import RunSpec
 from ..training.engine import Engine, State
 from ..training.guards import NO_TEST_ROWS, check_features, check_split
-from ..training.schedule import one_step_note
+from ..training.schedule import dropped_note, one_step_note
 
 
 def load_split(path, algo, holdout: str = "none", split: str = "train", backbones=None) -> C.ClientData:
@@ -229,8 +229,13 @@ def run(
     at_once = fit_at_once(impl, cfg, len(seeds), train_data, device, "use fewer --seeds")  # None: every participant
     test_data = data[1] if data else C.load_clients(cache, "test", backbones=backbones)
     check_split(test_data, "test", cache, NO_TEST_ROWS)
-    if line := one_step_note(train_data.counts.tolist(), cfg["batch_size"], cfg["drop_last"], epochs):
-        warnings.warn(line, UserWarning, stacklevel=2)  # after every check: bad input stays its one error line
+    counts = train_data.counts.tolist()
+    for line in (
+        one_step_note(impl, counts, cfg["batch_size"], cfg["drop_last"], epochs),
+        dropped_note(counts, cfg["batch_size"], cfg["drop_last"]),
+    ):
+        if line:  # after every check: bad input stays its one error line
+            warnings.warn(line, UserWarning, stacklevel=2)
     meta = test_data.meta
     ckpt = Checkpoint(
         out, spec.label(meta), impl, cfg, seeds, meta["key"], backbones or meta["backbones"], device, checkpoint_every
@@ -272,9 +277,11 @@ def run(
     result["provenance"] = provenance(device, call or spec.call(cache, device))
     body = json.dumps(result, sort_keys=True, indent=1)
     path = Path(out) / f"{run_name(impl, cfg, seeds, backbones, run_id)}.json"
+    ran = raw["round_seconds"][ckpt.resumed :]  # this process's rounds: a resumed run's first ones ran elsewhere
     timing = {
-        "seconds_per_round": round(float(np.mean(raw["round_seconds"])), 5),
-        "seconds_total": round(float(np.sum(raw["round_seconds"])), 3),
+        "seconds_per_round": round(float(np.mean(ran)), 5),
+        "seconds_total": round(float(np.sum(ran)), 3),
+        "rounds_timed": len(ran),
         "device": str(device),
     }
     timing |= {"resumed_after_round": ckpt.resumed} if ckpt.resumed else {}  # how it ran, not what it found

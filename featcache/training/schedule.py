@@ -103,10 +103,15 @@ def client_steps(counts, batch_size: int, drop_last: bool) -> list[int]:
     return [(n + batch_size - 1) // batch_size for n in trained_rows(counts, batch_size, drop_last)]
 
 
-def one_step_note(counts, batch_size: int, drop_last: bool, epochs: int, what: str = "") -> str:
-    """One line naming the clients that take a single local step per round ("" when none): that step starts at the
-    global model, so a term pulling toward it (FedProx's proximal term) has no gradient, and settings that change
-    only that term train the same model. `what` names the rows counted (e.g. "validation fit")."""
+def one_step_note(algo, counts, batch_size: int, drop_last: bool, epochs: int, what: str = "") -> str:
+    """One line naming the clients that take a single local step per round ("" when none, or when `algo` has no
+    proximal term): that step starts at the global model, where a term pulling toward it (FedProx's μ, the `penalty`
+    hook) has no gradient, so settings that change only that term train the same model. `what` names the rows
+    counted (e.g. "validation fit")."""
+    from ..algorithms.base import FedAvg  # the algorithms import this module
+
+    if getattr(type(algo), "penalty", None) in (None, FedAvg.penalty):
+        return ""  # FedAvg, FedPCL, ...: one step is plain SGD from the global model, nothing to warn about
     steps = client_steps(counts, batch_size, drop_last)
     one = [i for i, s in enumerate(steps) if s * epochs == 1]
     if not one:
@@ -116,9 +121,25 @@ def one_step_note(counts, batch_size: int, drop_last: bool, epochs: int, what: s
     who = f"client {one[0]}" if len(one) == 1 else f"{len(one)} of {len(steps)} clients"
     return (
         f"{who} take{'s' if len(one) == 1 else ''} one local step per round ({sizes} {what + ' ' if what else ''}rows, "
-        f"batch_size={batch_size}, local_epochs=1): the step starts at the global model, so a proximal term "
-        "(FedProx's mu) has no gradient and settings that change only it train the same model; a smaller --set "
+        f"batch_size={batch_size}, local_epochs=1): the step starts at the global model, so {algo.name}'s proximal "
+        "term (mu) has no gradient and settings that change only it train the same model; a smaller --set "
         "batch_size or more local_epochs gives more steps"
+    )
+
+
+DROPPED_NOTE = 0.1  # drop_last leaving out this share of the training rows or more is said
+
+
+def dropped_note(counts, batch_size: int, drop_last: bool, what: str = "training") -> str:
+    """One line saying how many rows drop_last leaves out of every local epoch (each client's short last batch),
+    when that is at least DROPPED_NOTE of them ("" otherwise)."""
+    total = sum(int(n) for n in counts)
+    dropped = total - sum(trained_rows(counts, batch_size, drop_last))
+    if not total or dropped < DROPPED_NOTE * total:
+        return ""
+    return (
+        f"drop_last leaves {dropped} of {total} {what} rows ({100 * dropped / total:.0f} %) out of every local epoch "
+        f"(each client's short last batch at batch_size={batch_size}); --set drop_last=false trains on all of them"
     )
 
 

@@ -348,8 +348,9 @@ def pacs(root: Path | None, download: bool = False, test_fraction: float = 0.3, 
     Where the official split lists are present (`{domain}_train_kfold.txt` and `{domain}_crossval_kfold.txt`:
     lines `art_painting/dog/pic_001.jpg 1`, labels 1..7 in PACS's class order), a domain's train split is its
     train_kfold list and its test split its crossval_kfold list (Li et al., ICCV 2017); `{domain}_test_kfold.txt`
-    lists the whole domain, which is what a held-out domain is tested on (partition option holdout_domain: its train
-    and test splits). Otherwise a seeded stratified split (`test_fraction`, `seed`). `extra["notes"]` says which."""
+    is not read: it lists the whole domain, which is what a held-out domain is tested on (partition option
+    holdout_domain: its train and test splits). Otherwise a seeded stratified split (`test_fraction`, `seed`).
+    `extra["notes"]` says which."""
     _check_fraction(test_fraction)
     root = _folder("pacs", root, download, PACS_LAYOUT)
     base = _descend(root, "kfold", lambda d: any((d / s).is_dir() for s in PACS_DOMAINS))
@@ -366,7 +367,8 @@ def pacs(root: Path | None, download: bool = False, test_fraction: float = 0.3, 
     expected = {d: f"{base / d}/{{class}}/*.jpg" for d in PACS_DOMAINS}
     data = _finish("pacs", PACS_CLASSES, domains, PACS_LAYOUT, root, source, expected, base)
     data.extra["notes"] = [
-        f"pacs: the official kfold splits ({lists}/{{domain}}_train_kfold.txt for train, _crossval_kfold.txt for test)"
+        f"pacs: the official kfold splits ({lists}/{{domain}}_train_kfold.txt for train, _crossval_kfold.txt for test;"
+        " _test_kfold.txt is not read: it lists the whole domain, which a held-out domain is tested on)"
         if lists
         else f"pacs: no official kfold lists found (in ROOT or its {', '.join(filter(None, PACS_LISTS))}): a seeded "
         f"{1 - test_fraction:g}"
