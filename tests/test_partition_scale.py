@@ -6,6 +6,7 @@ bench/clients.py's."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import zlib
 
@@ -99,9 +100,8 @@ class Rows:
         return rows if not views else rows[:, None] + np.arange(views, dtype=np.float32)[:, None] / 3  # [n, V, D]
 
 
-@pytest.mark.parametrize("name", CACHES)
-def test_a_cache_of_many_clients_holds_the_pinned_bytes(name, tmp_path):
-    spec, views, pinned = CACHES[name]
+def write_cache(path, spec: PartitionSpec, views: int):
+    """The cache `extract` writes for `spec` from two backbones' stand-in stores (5 and 3 columns)."""
     parts = make_partition(DATA, spec)
     metas = [
         {"key": f"b{j}", "name": f"b{j}", "weights": "random", "weights_sha256": "0" * 64, "dim": d}
@@ -109,13 +109,42 @@ def test_a_cache_of_many_clients_holds_the_pinned_bytes(name, tmp_path):
         for j, d in enumerate((5, 3))
     ]
     manifest = {"partition": spec.to_dict(), "versions": {"pinned": 1}}
-    path = tmp_path / "c.h5"
     plan._write(path, "k" * 64, manifest, DATA, parts, [Rows(5, 0), Rows(3, 11)], metas, views, 0.0)
+    return parts
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_a_cache_of_many_clients_holds_the_pinned_bytes(name, tmp_path):
+    spec, views, pinned = CACHES[name]
+    path = tmp_path / "c.h5"
+    parts = write_cache(path, spec, views)
     with h5py.File(path) as f:
         found = {name: f[name].attrs["sha256"] for name in sorted(_datasets(f))}
         found |= {"counts": f.attrs["counts"], "domains": f.attrs["domains"], "images": int(f.attrs["images"])}
     assert json.loads(f"{found['counts']}") == partition_counts(DATA, parts)
     assert hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest() == pinned
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_clients_written_together_make_the_file_written_client_by_client(name, tmp_path, monkeypatch):
+    """The writer puts consecutive clients' rows into one slice; the file is the one a write per client made, byte
+    for byte (HDF5 places a dataset's bytes at its first write: that stays where the per-client writer put it)."""
+    spec, views, _ = CACHES[name]
+    write_cache(tmp_path / "together.h5", spec, views)
+
+    class PerClient:
+        def __init__(self, rows) -> None:
+            self.rows = rows
+
+        def add(self, blocks, n: int) -> None:
+            self.rows.add_columns(blocks, n)
+
+        def close(self) -> str:
+            return self.rows.close()
+
+    monkeypatch.setattr(importlib.import_module("featcache.cache.write"), "_Batched", PerClient)
+    write_cache(tmp_path / "alone.h5", spec, views)
+    assert (tmp_path / "together.h5").read_bytes() == (tmp_path / "alone.h5").read_bytes()
 
 
 def _datasets(f: h5py.File) -> list[str]:

@@ -52,7 +52,7 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
         )
         for d in used
     }
-    train = [np.sort(t) for t in scheme.split(owners, pools, spec, _stream(spec.seed, "split"))]
+    train = scheme.split(owners, pools, spec, _stream(spec.seed, "split"))  # each increasing
     for i, (d, t) in enumerate(zip(owners, train)):
         if len(t) == 0:
             raise UserError(
