@@ -43,7 +43,7 @@ from .partition.schemes import _SCHEMES as SCHEMES
 from .partition.spec import TEST_SPLITS
 from .pipeline import Noise
 from .store import Need, Store, store_path
-from ..threads import threaded
+from ..threads import asked, threaded, use_threads
 
 __all__ = ["extract", "Noise", "DiskFullError"]
 SPLITS = ("train", "test")
@@ -483,7 +483,8 @@ def _fill(
     if blocks:
         files = {j: iter(s.plan([(need, rows) for need, rows, js in blocks if j in js])) for s, j in first.items()}
         jobs = [Block(d, sp, v, rows, {j: next(files[j]) for j in js}) for (d, sp, v), rows, js in blocks]
-        runner.embed(jobs, data, run, progress, phases)
+        with use_threads(asked(), load=True):  # --threads: set in torch once a pass loads it (featcache/threads.py)
+            runner.embed(jobs, data, run, progress, phases)
     added = {s: n + s.commit(identities[s]) for s, n in added.items()}
     return [added[s] for s in stores]
 
