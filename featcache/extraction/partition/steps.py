@@ -24,7 +24,7 @@ Pools = dict[str, list[np.ndarray]]  # domain -> one index array per class, in t
 def _stream(seed: int, step: str) -> np.random.Generator:
     """The random stream of one step, named as in the package docstring: seeded by `seed` and the name alone."""
     name = np.frombuffer(hashlib.sha256(step.encode()).digest(), np.uint32)  # [8] words of the step's name
-    words = np.concatenate([np.array([seed], np.uint32), name])  # [9]: the entropy [seed, *name] is (4x faster)
+    words = np.concatenate([np.array([seed], np.uint32), name])  # [9] [seed, *name]: seeded 4x faster than a list
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words)))
 
 
