@@ -137,13 +137,37 @@ def _mix_test(dataset: Dataset, owners: list[str], train: list[np.ndarray], spec
 
 def _val_positions(labels: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
     """Stratified positions held out for validation: round(fraction * n_k) per class, keeping one in train. Classes in
-    increasing order, each its positions in increasing order; a class that gives up no image draws nothing."""
+    increasing order, each its positions in increasing order; a class that gives up no image draws nothing. The
+    definition: `_validation` gives every client's at once."""
     order = np.argsort(labels, kind="stable")  # [n] positions grouped by class, increasing within each
     n = np.bincount(labels)  # [K] images per class
     take = np.minimum(np.floor(fraction * n + 0.5).astype(np.int64), n - 1)  # [K]
     ends = np.cumsum(n)  # [K]
     picks = [rng.choice(order[e - k : e], t, replace=False) for k, t, e in zip(n, take, ends) if t > 0]
     return np.sort(np.concatenate([np.zeros(0, np.int64), *picks])).astype(np.int64)
+
+
+def _validation(labels: list[np.ndarray], fraction: float, seed: int) -> list[np.ndarray]:
+    """Every client's `_val_positions` (client i's labels `labels[i]`, its stream "val/i"), the classes of all clients
+    counted and grouped with one sort; only the draws are per client (a client that gives up no image makes no
+    stream)."""
+    sizes = np.array([len(y) for y in labels], np.int64)  # [C]
+    client = np.repeat(np.arange(len(labels)), sizes)  # [N]
+    y = np.concatenate([np.zeros(0, np.int64), *labels]).astype(np.int64)  # [N]
+    k = int(y.max(initial=-1)) + 1
+    n = np.bincount(client * k + y, minlength=len(labels) * k).reshape(len(labels), k)  # [C, K] images per class
+    take = np.minimum(np.floor(fraction * n + 0.5).astype(np.int64), n - 1)  # [C, K]
+    order = np.lexsort((y, client))  # [N] by client, class, then position
+    position = order - np.repeat(np.cumsum(sizes) - sizes, sizes)  # [N] positions into each client's train
+    ends = np.cumsum(n.ravel()).reshape(n.shape)  # [C, K] where each (client, class) group ends in `position`
+    picks: list[list[np.ndarray]] = [[] for _ in labels]
+    rng, last = None, -1
+    for i, c in zip(*(a.tolist() for a in np.nonzero(take > 0))):  # client i gives up images of class c
+        if i != last:
+            rng, last = _stream(seed, f"val/{i}"), i
+        e = int(ends[i, c])
+        picks[i].append(rng.choice(position[e - int(n[i, c]) : e], int(take[i, c]), replace=False))
+    return [np.sort(np.concatenate([np.zeros(0, np.int64), *p])).astype(np.int64) for p in picks]
 
 
 _TEST_SPLITS: dict[str, Callable[[Dataset, list[str], list[np.ndarray], PartitionSpec], list[np.ndarray]]] = {
