@@ -11,9 +11,9 @@ several times slower than one (`bench/threads.py`). So:
 - counting: `train` and `grid` run on torch's count (OMP_NUM_THREADS, `torch.set_num_threads`, or torch's default:
   the cores); `extract`'s forward on one fewer than the cores this process may use (`pipeline.forward_threads`).
   `threads=N` (`--threads N`) runs the command on N instead (at most the cores, capped with a warning), restored
-  afterwards. The count follows the machine and
-  the option, never the momentary load: float sums split across threads round differently, so a result's bytes,
-  and a checkpoint (refused at another count), hold for one count.
+  afterwards; a command that runs no model loads no torch for it. The count follows the machine and the option,
+  never the momentary load: float sums split across threads round differently, so a result's bytes, and a checkpoint
+  (refused at another count), hold for one count.
 """
 
 from __future__ import annotations
@@ -68,11 +68,12 @@ def check_threads(threads) -> int | None:
 
 
 @contextmanager
-def use_threads(threads: int | None):
-    """torch runs on `threads` threads inside (None: as it was), restored on exit. With None and torch not loaded
-    there is nothing to set: a command that runs no model (a cache hit) never loads it."""
+def use_threads(threads: int | None, load: bool = False):
+    """torch runs on `threads` threads inside (None: as it was), restored on exit. Where torch is not loaded it is
+    loaded for this only with `load` (a pass about to run a model): a command that runs no model (a cache hit, a
+    re-partition) never loads it, and extract sets the count again around its embedding pass (`asked()`)."""
     token = _ASKED.set(threads)
-    if threads is None and "torch" not in sys.modules:
+    if "torch" not in sys.modules and not (load and threads is not None):
         try:
             yield
         finally:

@@ -1,9 +1,10 @@
 """What costs nothing imports nothing: a cache hit, a re-partition through filled stores and a sweep build no model
 and make no tensor, so they import neither torch nor timm nor torchvision (the weights' identity comes from the
 store's recorded key; the partition and the cache writer need numpy and h5py), through the API and the `featcache`
-command, and a cache's `info` and `verify` import no torch, checked in fresh interpreters by what `sys.modules`
-holds; and the memory estimate makes no real parameter (every tensor the algorithm's `init` makes there lives on the
-meta device). Speed is bench/store_figures.py's and bench/clients.py's."""
+command, with `threads` asked for or not (a fill still runs its forward on that count), and a cache's `info` and
+`verify` import no torch, checked in fresh interpreters by what `sys.modules` holds; and the memory estimate makes no
+real parameter (every tensor the algorithm's `init` makes there lives on the meta device). Speed is
+bench/store_figures.py's and bench/clients.py's."""
 
 from __future__ import annotations
 
@@ -48,11 +49,31 @@ main()
 """
 
 
-def extract_fresh(**options) -> dict:
-    """`featcache.extract(**options)` in a fresh interpreter: {heavy (timm/torch/torchvision imported), embedded,
-    hit}."""
+FORWARD = """
+import json, sys, warnings
+from contextlib import contextmanager
+warnings.simplefilter("ignore")
+import featcache
+from featcache.extraction import pipeline as P
+seen, original = [], P.forward_threads
+
+@contextmanager
+def spy(device):
+    with original(device):
+        seen.append(P.torch.get_num_threads())
+        yield
+
+P.forward_threads = spy
+result = featcache.extract(**json.loads(sys.argv[1]))
+print(json.dumps({"seen": seen, "embedded": result["embedded"]}))
+"""
+
+
+def extract_fresh(code: str = EXTRACT, **options) -> dict:
+    """`featcache.extract(**options)` in a fresh interpreter (`code`; EXTRACT: {heavy (timm/torch/torchvision
+    imported), embedded, hit})."""
     done = subprocess.run(
-        [sys.executable, "-c", EXTRACT, json.dumps(options, default=str)],
+        [sys.executable, "-c", code, json.dumps(options, default=str)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -86,16 +107,29 @@ def filled(images, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize(
     "change",
-    [{}, {"alpha": 0.5}, {"clients": 3}, {"alpha": [0.5, 5.0]}, {"clients": [3, 4]}],
-    ids=["cache-hit", "new-alpha", "new-clients", "alpha-sweep", "client-sweep"],
+    [{}, {"alpha": 0.5}, {"clients": 3}, {"alpha": [0.5, 5.0]}, {"clients": [3, 4]}, {"threads": 2}]
+    + [{"threads": 2, "alpha": 0.25}],
+    ids=["cache-hit", "new-alpha", "new-clients", "alpha-sweep", "client-sweep", "threads-hit", "threads-new-alpha"],
 )
 def test_no_model_built_imports_neither_torch_nor_timm_nor_torchvision(filled, change):
     found = extract_fresh(**(filled | change))
     assert not set(found["heavy"]) & UNLOADED and sum(found["embedded"].values()) == 0, found
-    assert found["hit"] == (not change)
+    assert found["hit"] == (set(change) <= {"threads"})
 
 
-@pytest.mark.parametrize("change", [[], ["--alpha", "0.25,4"]], ids=["cache-hit", "sweep"])
+def test_a_fill_started_without_torch_runs_its_forward_on_the_threads_asked_for(filled, tmp_path):
+    """`threads` loads no torch up front (above); a pass that embeds runs its forward on that count all the same (2:
+    not the count the interpreter starts with, OMP_NUM_THREADS=1)."""
+    options = filled | {"threads": 2, "out": str(tmp_path / "out"), "store": str(tmp_path / "store")}
+    found = extract_fresh(FORWARD, **options)
+    assert found["seen"] == [2] and sum(found["embedded"].values()) > 0, found
+
+
+@pytest.mark.parametrize(
+    "change",
+    [[], ["--alpha", "0.25,4"], ["--threads", "2"], ["--threads", "2", "--alpha", "0.3"]],
+    ids=["cache-hit", "sweep", "threads-hit", "threads-new-alpha"],
+)
 def test_the_command_through_filled_stores_imports_no_torch(filled, change):
     """`featcache extract` as a user runs it: the CLI's thread policy and device check load no torch either."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in filled.items() if k != "backbone"]
@@ -111,7 +145,7 @@ def test_the_command_through_filled_stores_imports_no_torch(filled, change):
     assert done.returncode == 0, done.stderr[-3000:]
     result, heavy = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
     assert not set(heavy) & UNLOADED and sum(result["embedded"].values()) == 0, (heavy, result)
-    assert result["cache_hit"] == (not change)
+    assert result["cache_hit"] == ("--alpha" not in change)
 
 
 def test_info_verify_and_migrate_import_no_torch(tmp_path):

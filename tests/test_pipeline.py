@@ -220,6 +220,64 @@ def test_ray_backend_writes_the_same_bytes_as_the_local_one(tmp_path, photos):
         assert sha256(tmp_path / "ray" / "store" / name) == sha256(tmp_path / "local" / "store" / name)
 
 
+def test_tasks_of_one_store_that_finish_together_fill_it_as_one_pass(tmp_path, photos, monkeypatch):
+    """The Ray backend's shares of one fill, run here as two threads, write each backbone's meta.json at the same
+    moment: each task waits at a barrier with its file written, then both rename it (under a temporary name shared by
+    the writers, the second rename found nothing: FileNotFoundError). The fill ends with the bytes of a local one."""
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import contextmanager
+    from dataclasses import replace
+    from threading import Barrier, Lock
+
+    from featcache.extraction import embed as E
+    from featcache.extraction import plan
+
+    together, original, built = Barrier(2, timeout=60), E.synced, E.build
+    met: list[str] = []
+    one_at_a_time = Lock()  # random weights are drawn from torch's one global generator: a process of its own each
+
+    def build(run, j: int):
+        with one_at_a_time:
+            return built(run, j)
+
+    @contextmanager
+    def synced(path):
+        try:
+            with original(path) as fh:
+                yield fh
+                if path.name == "meta.json":
+                    together.wait()  # both tasks' files written, neither renamed
+                    met.append(path.parent.name)
+        except BaseException:
+            together.abort()  # the other task waits no more
+            raise
+
+    class Threads:
+        """`Ray.embed`'s shares (every second block) as threads, each building its own backbones."""
+
+        def device(self, name: str) -> str:
+            return "cpu"
+
+        def embed(self, blocks, data, run, progress, phases) -> dict:
+            shares = [blocks[i::2] for i in range(2)]
+            with ThreadPoolExecutor(2) as pool:
+                found = list(pool.map(lambda share: E.embed(share, data, replace(run, workers=0)), shares))
+            return found[0] | found[1]
+
+    args = dict(dataset="imagefolder", data_root=photos, backbone=BACKBONES, image_size=32, batch_size=3, workers=0)
+    with one_thread():
+        local = extract(**args, out=tmp_path / "local")
+        monkeypatch.setattr(E, "synced", synced)
+        monkeypatch.setattr(E, "build", build)
+        monkeypatch.setitem(plan.BACKENDS, "threads", Threads)
+        monkeypatch.setattr(P, "cores", lambda: 2)  # every forward on one thread, as the local pass's
+        tasks = extract(**args, backend="threads", out=tmp_path / "tasks")
+    assert len(met) == 2 * len(BACKBONES)  # each backbone's meta.json written by both tasks at once
+    assert sha256(tasks["cache"]) == sha256(local["cache"]) and not any((tmp_path / "tasks").rglob("*.partial"))
+    for store in (tmp_path / "local" / "store").glob("*.h5"):
+        assert sha256(tmp_path / "tasks" / "store" / store.name) == sha256(store)
+
+
 def test_a_client_without_test_images_gets_empty_blocks(tmp_path):
     from fixtures_disk import write_digit5
 

@@ -36,13 +36,14 @@ from .contents import Contents
 from .datasets import dataset_identity, image_side, keep_dataset, load_dataset
 from .embed import BACKENDS, Block, Progress, Settings
 from ..files import DiskFullError, drop_leftover, locked, remove_own, remove_partials, writing
+from ..cache.h5 import READ_BYTES
 from ..cache.identity import EMBEDDING_CODE, PARTITION_CODE, code_identity, content_key, versions
 from .partition import PartitionSpec, make_partition, partition_counts
 from .partition.schemes import _SCHEMES as SCHEMES
 from .partition.spec import TEST_SPLITS
 from .pipeline import Noise
 from .store import Need, Store, isin_sorted, store_path
-from ..threads import threaded
+from ..threads import asked, threaded, use_threads
 
 __all__ = ["extract", "Noise", "DiskFullError"]
 SPLITS = ("train", "test")
@@ -499,7 +500,8 @@ def _fill(
     if blocks:
         files = {j: iter(s.plan([(need, rows) for need, rows, js in blocks if j in js])) for s, j in first.items()}
         jobs = [Block(d, sp, v, rows, {j: next(files[j]) for j in js}) for (d, sp, v), rows, js in blocks]
-        runner.embed(jobs, data, run, progress, phases)
+        with use_threads(asked(), load=True):  # --threads: set in torch once a pass loads it (featcache/threads.py)
+            runner.embed(jobs, data, run, progress, phases)
     added = {s: s.commit(identities[s]) for s in first}
     return [added[s] for s in stores]
 
@@ -533,24 +535,61 @@ def _write(
         "versions": manifest["versions"],
     }
 
+    row_bytes = 4 * sum(int(m["dim"]) for m in metas) * max(views, 1)  # float32 columns of every backbone
+    own = {name: _Gathered(parts, name, 0, stores, row_bytes) for name in SPLITS}
+    augmented = _Gathered(parts, "train", views, stores, row_bytes) if views else None
+    held: dict = {}  # a held-out domain's rows: every client's test split, gathered once
+
     def clients():
-        for part in parts:
+        for i, part in enumerate(parts):
 
             def split(name: str) -> C.Split:
                 rows = getattr(part, name)
-                return C.Split(
-                    data.domains[part.domain][name].labels[rows],
-                    rows,
-                    [s.gather((part.domain, name, 0), rows) for s in stores],
-                    [s.gather((part.domain, name, views), rows) for s in stores] if views and name == "train" else None,
-                )
+                extra = augmented.take(i) if augmented and name == "train" else None
+                return C.Split(data.domains[part.domain][name].labels[rows], rows, own[name].take(i), extra)
 
-            test = split("test") if not part.test_domain else _held_out(data, part, stores)
+            key = (part.test_domain, id(part.test), id(part.test_train))  # every client's: the same arrays
+            if not part.test_domain:
+                test = split("test")
+            elif key not in held:
+                test = held[key] = _held_out(data, part, stores)
+            else:
+                test = held[key]
             yield C.Client(part.domain, split("train"), test, part.val)
 
     with writing(path):
         images = C.write(path, header, metas, clients())
     return _result(path, False, key, images, [m["key"] for m in metas], domains, t0)
+
+
+class _Gathered:
+    """Each client's rows of its own domain's split `name` (`views`: 0 plain, V augmented) from every store, gathered
+    for consecutive clients of a domain together, about `READ_BYTES` of rows a batch: one gather per batch and store,
+    not per client. `take(i)` hands out client i's rows once ([store] views of its batch's arrays)."""
+
+    def __init__(self, parts, name: str, views: int, stores: list[Store], row_bytes: int) -> None:
+        self.parts, self.name, self.views, self.stores = parts, name, views, stores
+        self.batch: dict[int, list[int]] = {}  # client -> the clients gathered with it
+        self.held: dict[int, list[np.ndarray]] = {}  # client -> its rows from each store, gathered, not taken yet
+        last: dict[str, tuple[list[int], int]] = {}  # domain -> its open batch and that batch's rows
+        for i, part in enumerate(parts):
+            if name == "test" and part.test_domain:  # tested on a held-out domain (`_held_out`)
+                continue
+            batch, n = last.get(part.domain, ([], 0))
+            if batch and (n + len(getattr(part, name))) * row_bytes > READ_BYTES:
+                batch, n = [], 0
+            batch.append(i)
+            self.batch[i] = batch
+            last[part.domain] = (batch, n + len(getattr(part, name)))
+
+    def take(self, i: int) -> list[np.ndarray]:
+        if i not in self.held:
+            batch, need = self.batch[i], (self.parts[i].domain, self.name, self.views)
+            lists = [getattr(self.parts[j], self.name) for j in batch]  # each [n_j] increasing
+            rows = [s.gather(need, np.concatenate(lists)) for s in self.stores]  # each [sum n_j, (V,) D]
+            ends = np.cumsum([len(x) for x in lists])
+            self.held |= {j: [r[e - len(x) : e] for r in rows] for j, x, e in zip(batch, lists, ends)}
+        return self.held.pop(i)
 
 
 def _held_out(data, part, stores: list[Store]) -> C.Split:

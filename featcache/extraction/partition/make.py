@@ -10,7 +10,7 @@ from ...errors import UserError, suggest
 from ..datasets.base import Dataset
 from .schemes import _SCHEMES
 from .spec import PartitionSpec
-from .steps import _class_pools, _kept_train, _stream, _test_indices, _val_positions
+from .steps import _class_pools, _kept_train, _stream, _test_indices, _validation
 
 
 @dataclass
@@ -52,7 +52,7 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
         )
         for d in used
     }
-    train = [np.sort(t) for t in scheme.split(owners, pools, spec, _stream(spec.seed, "split"))]
+    train = scheme.split(owners, pools, spec, _stream(spec.seed, "split"))  # each increasing
     for i, (d, t) in enumerate(zip(owners, train)):
         if len(t) == 0:
             raise UserError(
@@ -65,17 +65,9 @@ def make_partition(dataset: Dataset, spec: PartitionSpec) -> list[ClientPart]:
         else [np.arange(len(dataset.domains[held]["test"]))] * clients
     )
     whole = np.arange(len(dataset.domains[held]["train"])) if held is not None else np.zeros(0, np.int64)
-    return [
-        ClientPart(
-            d,
-            tr,
-            te,
-            _val_positions(dataset.domains[d]["train"].labels[tr], spec.val_fraction, _stream(spec.seed, f"val/{i}")),
-            held or "",
-            whole,
-        )
-        for i, (d, tr, te) in enumerate(zip(owners, train, test))
-    ]
+    labels = [dataset.domains[d]["train"].labels[tr] for d, tr in zip(owners, train)]
+    val = _validation(labels, spec.val_fraction, spec.seed)
+    return [ClientPart(d, tr, te, v, held or "", whole) for d, tr, te, v in zip(owners, train, test, val)]
 
 
 def _chosen_domains(dataset: Dataset, spec: PartitionSpec, multi_domain: bool) -> list[str]:

@@ -1,4 +1,5 @@
-"""The partition schemes, each (owners, train pools, spec, rng) -> every client's train indices, and their registry."""
+"""The partition schemes, each (owners, train pools, spec, rng) -> every client's train indices (increasing), and their
+registry."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ...errors import UserError
-from .steps import Pools, _chunks, _gather, _members
+from .steps import Pools, _by_client, _deal, _even, _members
 
 if TYPE_CHECKING:
     from .spec import PartitionSpec  # type only: spec imports this module
@@ -32,18 +33,18 @@ def _until_every_client_has_data(draw: Callable[[], list[np.ndarray]], spec: Par
 
 
 def _feature(owners: list[str], pools: Pools, spec: PartitionSpec, rng: np.random.Generator) -> list[np.ndarray]:
-    parts: list[list[np.ndarray]] = [[] for _ in owners]
-    for d, who in _members(owners).items():
-        for pool in pools[d]:
-            for i, chunk in zip(who, np.array_split(pool, len(who))):
-                parts[i].append(chunk[: spec.per_class])
-    return _gather(parts)
+    dealt = [
+        _deal(pool, _even(len(pool), len(who)), who, spec.per_class)
+        for d, who in _members(owners).items()
+        for pool in pools[d]
+    ]
+    return _by_client(dealt, len(owners))
 
 
 def _iid(owners: list[str], pools: Pools, spec: PartitionSpec, rng: np.random.Generator) -> list[np.ndarray]:
     m = len(owners)
     dealt = np.concatenate([_cut(pool, spec.per_class, m) for pool in pools[owners[0]]])  # [N] grouped by class
-    return [dealt[i::m].astype(np.int64) for i in range(m)]  # round-robin: equal sizes and classes, +-1
+    return _by_client([(np.arange(len(dealt)) % m, dealt)], m)  # round-robin: equal sizes and classes, +-1
 
 
 def _label(owners: list[str], pools: Pools, spec: PartitionSpec, rng: np.random.Generator) -> list[np.ndarray]:
@@ -52,16 +53,17 @@ def _label(owners: list[str], pools: Pools, spec: PartitionSpec, rng: np.random.
     total = sum(len(pool) for pool in cut)
 
     def draw() -> list[np.ndarray]:
-        parts: list[list[np.ndarray]] = [[] for _ in owners]
+        dealt = []
         sizes = np.zeros(m)  # [m]
         for pool in cut:
             open_ = (sizes < total / m).astype(float)  # [m] clients still below an even share
             p = rng.dirichlet(np.full(m, spec.alpha)) * open_  # [m]
             p = p / p.sum() if p.sum() > 0 else open_ / open_.sum()
-            for i, chunk in enumerate(np.split(pool, (np.cumsum(p) * len(pool)).astype(int)[:-1])):
-                parts[i].append(chunk)
-                sizes[i] += len(chunk)
-        return _gather(parts)
+            at = np.clip((np.cumsum(p) * len(pool)).astype(int)[:-1], 0, len(pool))  # [m - 1] np.split's points
+            counts = np.diff(at, prepend=0, append=len(pool))  # [m]
+            dealt.append(_deal(pool, counts, np.arange(m)))
+            sizes += counts
+        return _by_client(dealt, m)
 
     return _until_every_client_has_data(draw, spec)
 
@@ -72,16 +74,15 @@ def _feature_label(owners: list[str], pools: Pools, spec: PartitionSpec, rng: np
 
     def draw() -> list[np.ndarray]:
         p = rng.dirichlet(np.full(m, spec.alpha), size=n_classes)  # [K, m] class -> client proportions
-        parts: list[list[np.ndarray]] = [[] for _ in owners]
+        dealt = []
         for d, who in _members(owners).items():
             for k, pool in enumerate(pools[d]):
                 per_client = spec.per_class or len(pool) / len(who)
                 want = np.floor(p[k, who] * m * per_client).astype(int)  # [c]
                 if want.sum() > len(pool):
                     want = np.floor(want * len(pool) / want.sum()).astype(int)
-                for i, chunk in zip(who, _chunks(pool, want)):
-                    parts[i].append(chunk)
-        return _gather(parts)
+                dealt.append(_deal(pool, want, who))
+        return _by_client(dealt, m)
 
     return _until_every_client_has_data(draw, spec)
 
@@ -93,18 +94,17 @@ def _pathological(owners: list[str], pools: Pools, spec: PartitionSpec, rng: np.
     if k > n_classes:
         raise UserError(f"classes_per_client={k} but the dataset has only {n_classes} classes")
     deck = rng.permutation(n_classes)  # [K]
-    held = [deck[(i * k + np.arange(k)) % n_classes] for i in range(m)]  # k consecutive cards: distinct classes
-    parts: list[list[np.ndarray]] = [[] for _ in owners]
+    held = deck[(np.arange(m)[:, None] * k + np.arange(k)) % n_classes]  # [m, k] k consecutive cards: distinct
+    dealt = []
     for c, pool in enumerate(class_pools):
-        who = [i for i in range(m) if c in held[i]]
+        who = np.flatnonzero((held == c).any(1))  # the clients that hold class c
         if len(pool) < len(who):
             raise UserError(
                 f"class {c} has {len(pool)} training images in domain {owners[0]!r} but {len(who)} clients need it: "
                 "use fewer clients or fewer classes_per_client"
             )
-        for i, chunk in zip(who, np.array_split(pool, max(len(who), 1))):
-            parts[i].append(chunk[: spec.per_class])
-    return _gather(parts)
+        dealt.append(_deal(pool, _even(len(pool), max(len(who), 1))[: len(who)], who, spec.per_class))
+    return _by_client(dealt, m)
 
 
 @dataclass(frozen=True)
