@@ -279,6 +279,10 @@ def test_extract_sweep_train_each_and_report_draws_accuracy_against_alpha(tmp_pa
             "--set", "batch_size=4", "--out", tmp_path / "runs",
         )  # fmt: skip
         assert trained.code == 0, trained.stderr
+    names = sorted(p.name for p in (tmp_path / "runs").glob("*.json") if not p.name.endswith(".timing.json"))
+    assert [re.sub(r"-[0-9a-f]{12}\.json$", "", n) for n in names] == [  # one folder: each run says its cache's α
+        f"fedavg-rounds2-batch_size4-clients4-alpha{a}-seed0_1" for a in ("0.1", "1", "10")
+    ]
     res = run_cli("report", tmp_path / "runs", "--out", tmp_path / "rep", "--json")
     assert res.code == 0, res.stderr
     got = json.loads(res.stdout)
