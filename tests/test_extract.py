@@ -58,8 +58,10 @@ def test_cache_hit_is_instant_and_identical(small_cache):
     res, out = small_cache
     again = extract(**SMALL, out=out)
     assert again["cache_hit"] and again["cache"] == res["cache"] and again["seconds"] < 1.0
-    assert set(res["phases"]) == {"dataset", "models", "embedding", "assembly"} and "phases" not in again
-    assert 0 < sum(res["phases"].values()) <= res["seconds"] and res["phases"]["embedding"] > 0
+    assert "phases" not in again and res["phases"]["embedding"] > 0
+    names = "setup identity weights dataset plan models embedding commit assembly finish".split()
+    assert list(res["phases"]) == names
+    assert abs(sum(res["phases"].values()) - res["seconds"]) <= 0.05 * res["seconds"]  # the phases are all the time
 
 
 def test_other_seed_or_backbone_gives_new_cache_and_same_seed_same_bytes(small_cache, tmp_path):

@@ -113,6 +113,17 @@ def test_run_names_say_what_differs_and_keep_the_hash():
         run_name(pcl, resolve(pcl, ["terms=global", "rounds=3", "weight_decay=1e-5"]), [0, 2], None, "a" * 12)
         == f"fedpcl-termsglobal-rounds3-weight_decay1e-05-seed0_2-{'a' * 12}"
     )
+    label = {"scheme": "label", "clients": 10, "alpha": 0.1, "per_class": 20, "holdout_domain": None}
+    assert (
+        run_name(prox, cfg, [0], None, "0" * 12, label)
+        == f"fedprox-mu1-lr0.01-clients10-alpha0.1-per_class20-seed0-{'0' * 12}"
+    )
+    feature = {"scheme": "feature", "clients": None, "alpha": 0.1, "holdout_domain": "sketch"}  # α means nothing there
+    assert run_name(prox, resolve(prox), [0], None, "0" * 12, feature) == f"fedprox-holdout-sketch-seed0-{'0' * 12}"
+    assert (
+        run_name(prox, resolve(prox), [0], None, "0" * 12, {"scheme": "label", "alpha": 0.5})
+        == f"fedprox-seed0-{'0' * 12}"
+    )
     assert seeds_word([0, 1]) == "seed0_1" and seeds_word([5]) == "seed5" and seeds_word([2, 3, 4, 5]) == "seed2-5"
     long = run_name(prox, resolve(prox, ["lr=0.0123456789"]), list(range(0, 40, 3)), ["a" * 60, "b" * 60], "f" * 12)
     assert len(long) == 100 + 13 and long.startswith("fedprox-lr0.0123457-aaa") and long.endswith("-" + "f" * 12)

@@ -638,6 +638,33 @@ def test_imagenet_features_on_the_papers_data_are_not_comparable():
     assert agreement_lines(why, {})[0].startswith("**Comparable with the paper: no** — backbones efficientnet_lite0")
 
 
+def test_a_pipeline_of_ones_own_needs_no_paper(tmp_path):
+    """No [paper] table: the rows are the runs' own, the table shows ours only, the page and the figure are titled by
+    the pipeline's name and title, and the verdict says there is nothing to compare with."""
+    from featcache.reproduce.render import figure_png, render
+
+    mine = PIPELINE[: PIPELINE.index("[paper]")] + PIPELINE[PIPELINE.index("[profiles.quick]") :]
+    mine = mine.replace('name = "toy"', 'name = "mine"').replace("[extract]", '[figure]\nkind = "heatmap"\n\n[extract]')
+    pipe = parse_pipeline(mine, "mine.toml")
+    assert pipe.rows == ["s FedAvg", "m Ours"] and pipe.paper_columns == ["MNIST", "USPS", "SVHN", "Avg", "Comm"]
+    cells = plan(pipe, "quick")
+    results = {
+        cells[("s FedAvg", "Avg")].key(): fake_result([[60.0, 70.0, 50.0]], 330506) | {"config": {}},
+        cells[("m Ours", "Avg")].key(): fake_result([[80.0, 90.0, 40.0]], 2570) | {"config": {}},
+    }
+    caches = {job.extract: {"cache": "c.h5", "key": "k", "images": 1, "backbones": []} for job in cells.values()}
+    why = verdict(pipe, "quick", "offline-digits")
+    md = render(pipe, "quick", "featcache reproduce mine.toml", cells, results, caches, [], why).splitlines()
+    assert md[0] == "# mine: a toy table" and not any(line.startswith("- paper:") for line in md)
+    assert md[2] == (
+        "**Comparable with a paper: no** — the pipeline names no paper ([paper]): there is nothing to compare with; "
+        "the table shows ours only."
+    )
+    assert "| row | MNIST ours | USPS (optdigits) ours | SVHN ours | Avg ours | Comm ours |" in md
+    assert "| m Ours | 80.00(0.00) | 90.00(0.00) | n/a | 70.00(0.00) | 2,570 |" in md
+    assert figure_png(pipe, cell_values(pipe, cells, results)).startswith(b"\x89PNG")
+
+
 def test_every_pipeline_names_what_its_paper_used():
     """Each shipped pipeline declares the paper's data set and backbones (fedpcl-table4 compares backbone families
     row by row: it has none), so the verdict on the offline stand-ins is no with the reasons; the end-to-end papers'

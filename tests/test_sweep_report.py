@@ -197,7 +197,7 @@ def test_sweep_figure_log_alpha_axis_bands_within_100_and_the_equal_global_noted
     assert ax.get_xlabel() == "α (log scale)" and ax.get_ylabel() == "final test accuracy (%)"
     lo, hi = band_limits(ax)
     assert lo == pytest.approx(30.0) and hi == 100.0  # 98 + 5 drawn up to 100, not 103
-    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    legend = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]  # long labels wrap
     assert legend == ["fedavg: personal", "fedavg: global = personal at every α: drawn on it", "local: personal"]
     assert outside(ax.get_legend(), ax) and ax.get_ylim()[1] <= 101
     title = saved[0]._suptitle.get_text()
@@ -217,7 +217,9 @@ def test_categorical_axis_and_a_partial_equality_note(tmp_path, monkeypatch):
     sweep_png(sweep(runs_, "partition"))
     (ax,) = saved[0].axes
     assert ax.get_xscale() == "linear" and [t.get_text() for t in ax.get_xticklabels()] == ["feature", "iid"]
-    assert [t.get_text() for t in ax.get_legend().get_texts()][1] == "fedavg: global = personal at partition feature"
+    legend = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]
+    assert legend[1] == "fedavg: global = personal at partition feature"
+    assert all(line.get_linestyle() == "None" for line in ax.get_lines())  # categories: points, no line between
 
 
 def test_curve_bands_stop_at_100_and_an_equal_global_curve_is_noted(tmp_path, monkeypatch):
@@ -253,6 +255,41 @@ def test_clients_are_named_by_their_domains_and_error_bars_stop_at_100(tmp_path,
     assert [t.get_text() for t in saved[1].axes[0].get_legend().get_texts()] == [f"client {c}" for c in range(4)]
 
 
+def test_held_out_domains_are_points_and_clients_say_their_domain_on_each_bar(tmp_path, monkeypatch):
+    """Categories (held-out domains) are points with error bars, never a line or a band between them; long labels
+    wrap so no legend is wider than its axes; a client of a later run is named too, and where the runs disagree on
+    a client's domain each bar says it."""
+    from matplotlib.collections import PolyCollection
+
+    pacs = ["art", "cartoon", "photo", "sketch"]
+    runs_ = [
+        Run(
+            tmp_path / f"{i}.json",
+            result(scheme="feature", clients=3 + i % 2, holdout_domain=d, domains=[x for x in pacs if x != d])
+            | {"per_client_per_seed": [[60.0 + i] * (3 + i % 2)] * 2, "config": {"lr": 0.001, "rounds": 3}},
+        )
+        for i, d in enumerate(pacs)
+    ]
+    saved = figure_spy(monkeypatch)
+    long = [r | {"config": {"lr": 0.001, "rounds": 3, "a_setting_with_a_long_name": f"value-{i}" * 6}}
+            for i, r in enumerate(p.result for p in runs_)]  # fmt: skip
+    s = sweep([Run(p.path, r) for p, r in zip(runs_, long)], "holdout_domain")
+    sweep_png(s)
+    (ax,) = saved[0].axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == pacs
+    assert all(line.get_linestyle() == "None" for line in ax.get_lines() if line.get_label().endswith("personal"))
+    assert ax.containers and not any(isinstance(c, PolyCollection) for c in ax.collections)  # error bars, no band
+    assert ax.get_legend().get_window_extent().width <= ax.get_window_extent().width
+    names = [f"held-out test domain={d} · " + "a long description of what this run trains " * 3 for d in pacs]
+    curves_png(runs_, names=names)
+    acc = saved[1].axes[0]
+    assert acc.get_legend().get_window_extent().width <= acc.get_window_extent().width
+    clients_png(runs_, names=pacs)
+    (bars,) = saved[2].axes
+    assert [t.get_text() for t in bars.get_legend().get_texts()] == [f"client {c}" for c in range(4)]
+    assert [t.get_text() for t in bars.texts][:3] == ["cartoon", "photo", "sketch"]  # run 0 holds out art
+
+
 # -- the user's loop: extract a sweep, train each cache, report --------------------------------------------------------
 
 
@@ -279,6 +316,10 @@ def test_extract_sweep_train_each_and_report_draws_accuracy_against_alpha(tmp_pa
             "--set", "batch_size=4", "--out", tmp_path / "runs",
         )  # fmt: skip
         assert trained.code == 0, trained.stderr
+    names = sorted(p.name for p in (tmp_path / "runs").glob("*.json") if not p.name.endswith(".timing.json"))
+    assert [re.sub(r"-[0-9a-f]{12}\.json$", "", n) for n in names] == [  # one folder: each run says its cache's α
+        f"fedavg-rounds2-batch_size4-clients4-alpha{a}-seed0_1" for a in ("0.1", "1", "10")
+    ]
     res = run_cli("report", tmp_path / "runs", "--out", tmp_path / "rep", "--json")
     assert res.code == 0, res.stderr
     got = json.loads(res.stdout)

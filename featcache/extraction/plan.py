@@ -88,7 +88,7 @@ def extract(
     note=None,
 ) -> dict:
     """Extract (or find cached) embeddings; returns {cache, cache_hit, key, images, backbones, partition, embedded,
-    seconds}.
+    seconds}, and on a miss `phases`: the seconds of each step, summing to `seconds`.
 
     A list for `clients`, `alpha`, `per_class` or `holdout_domain`, or the command line's comma string ("5,10"), is
     a sweep: one cache per combination, all from one fill of the stores; the result then lists each cache's summary
@@ -102,6 +102,7 @@ def extract(
     Without `image_size`, `default_image_size` picks one from the dataset. What was chosen for the user (that size,
     a one-domain partition's domain) is listed under `notes` and passed, one line each, to `note` when known."""
     t0 = time.perf_counter()
+    phases = _Phases(t0)
     check_options({name: value for name, value in locals().items() if name in OPTIONS})
     clients, alpha, per_class, holdout_domain = (  # the command line's comma lists ("5,10") mean what they say there
         comma_values(value, kind, "--" + name.replace("_", "-"))
@@ -146,7 +147,9 @@ def extract(
     dev = runner.device(device)  # its name: torch is loaded only by a pass that embeds
     folder = Path(store or Path(out) / "store")  # of the stores, and of the sidecar of the files' hashes
     contents = Contents(folder)
+    phases.lap("setup")
     identity, data = dataset_identity(dataset, data_root, download, contents)
+    phases.lap("identity")
     notes: list[str] = []
 
     def tell(line: str) -> None:
@@ -208,11 +211,11 @@ def extract(
                 f"{s.path} {why}, and featcache keeps a store under that name: move it, or pass --store another folder"
             )
 
+    phases.lap("setup")
     for b, s in zip(backbone, stores):  # weights the hub cannot serve now are refused in seconds, before the
         if not s.path.is_file():  # dataset is read; a store's key proves its backbone was built (timm not imported)
             check_weights(b)
-    phases = dict.fromkeys(("dataset", "models", "embedding", "assembly"), 0.0)  # seconds, for the report
-    t = time.perf_counter()
+    phases.lap("weights")  # importing timm, most of it
     data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
     _refuse_empty_classes(data)
     parts = [make_partition(data, spec) for spec in specs]
@@ -227,7 +230,7 @@ def extract(
         allow_partial,
         tuple(s.work / "meta.json" for s in stores),
     )
-    phases["dataset"] = time.perf_counter() - t
+    phases.lap("dataset")
     with output_errors(folder, "--store"), _made(Path(out), *(s.path.parent for s in stores)), ExitStack() as held:
         resumable = {s.path: (s.work / "plan.json").is_file() for s in by_path.values()}
         for s in sorted(by_path.values(), key=lambda s: s.path):  # one lock order: two extractions never deadlock
@@ -235,12 +238,11 @@ def extract(
         try:
             embedded = _fill(stores, embedding, weights, _needs(parts, views), data, run, runner, progress, phases)
             metas = _distinct_keys([s.backbone() for s in stores])
-            t = time.perf_counter()
             results = [
                 _hit(p, k, t0) if p.is_file() else _write(p, k, m, data, spec_parts, stores, metas, views, t0)
                 for p, k, m, spec_parts in zip(paths, keys, manifests, parts)
             ]
-            phases["assembly"] = time.perf_counter() - t
+            phases.lap("assembly")
         except BaseException as e:
             for s in by_path.values():
                 remove_partials(s.work)
@@ -270,6 +272,7 @@ def extract(
             if line and not r["cache_hit"]:
                 warnings.warn(line, UserWarning, stacklevel=2)
     embedded = {m["key"]: n for m, n in zip(metas, embedded)}
+    phases.lap("finish")
     return (
         _summary(results, specs, embedded, t0)
         | {"phases": {k: round(v, 3) for k, v in phases.items()}}
@@ -484,6 +487,7 @@ def _fill(
 ) -> list[int]:
     """Embed what `needs` asks for and the stores do not hold, one decode per image for all backbones; returns the
     images each backbone's store gained (a killed fill's finished blocks are committed first)."""
+    phases.lap("plan")  # of the stores, waiting for another extraction's lock included
     first: dict[Store, int] = {}  # each store is filled by its first backbone
     for j, s in enumerate(stores):
         first.setdefault(s, j)
@@ -500,10 +504,39 @@ def _fill(
     if blocks:
         files = {j: iter(s.plan([(need, rows) for need, rows, js in blocks if j in js])) for s, j in first.items()}
         jobs = [Block(d, sp, v, rows, {j: next(files[j]) for j in js}) for (d, sp, v), rows, js in blocks]
+        phases.lap("plan")
         with use_threads(asked(), load=True):  # --threads: set in torch once a pass loads it (featcache/threads.py)
-            runner.embed(jobs, data, run, progress, phases)
+            runner.embed(jobs, data, run, progress, phases)  # adds its own models and embedding seconds
+        phases.mark = time.perf_counter()
     added = {s: s.commit(identities[s]) for s in first}
+    phases.lap("commit")
     return [added[s] for s in stores]
+
+
+class _Phases(dict):
+    """Seconds by phase, in the order they run, for the report: each lap ends a phase where the next begins, so the
+    phases sum to the total."""
+
+    def __init__(self, t0: float):
+        names = (
+            "setup",
+            "identity",
+            "weights",
+            "dataset",
+            "plan",
+            "models",
+            "embedding",
+            "commit",
+            "assembly",
+            "finish",
+        )
+        super().__init__(dict.fromkeys(names, 0.0))
+        self.mark = t0
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self[name] += now - self.mark
+        self.mark = now
 
 
 def _distinct_keys(metas: list[dict]) -> list[dict]:

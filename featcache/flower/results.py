@@ -45,7 +45,7 @@ def write_result(out, algo, cfg: dict, meta: dict, raw: dict, wire: dict) -> str
     run_id = hashlib.sha256(json.dumps(result, sort_keys=True, indent=1).encode()).hexdigest()[:12]
     result["cache"]["partition"] = meta.get("partition")
     result["provenance"] = provenance("cpu", library_call("featcache.flower.server_app", algo=algo.name, seed=seeds[0]))
-    path = out / f"{run_name(algo, config, seeds, None, run_id)}.json"
+    path = out / f"{run_name(algo, config, seeds, None, run_id, meta.get('partition'))}.json"
     write_together(
         [
             (path.with_suffix(".metrics.csv"), metrics_csv(raw, seeds)),

@@ -20,7 +20,9 @@ A pipeline (pipelines/NAME.toml) holds:
     [paper]                          name (fedpcl | fedproc | fedpft), table ("Table 2"), source, columns = [the
                                      paper's columns], rows = {row = [cells: "mean(std)", a number or "-"]}, claims,
                                      backbones = [{arch (timm name), weights (a word naming the checkpoint, e.g.
-                                     quickdraw), dim, frozen (false: trained end to end)}] (agreement.comparability)
+                                     quickdraw), dim, frozen (false: trained end to end)}] (agreement.comparability);
+                                     optional: a pipeline of one's own leaves it out, its rows are its runs', its
+                                     columns its [columns], its table ours only, titled by name and title
     [figure]                         kind = lines | heatmap, xlabel, ylabel, xscale, normalize = column
     [profiles.quick], [profiles.full]   rounds, seeds, and optional set / extract / columns / rows overrides, and
                                      trials (every searching row's trial budget; it wins over the row's)

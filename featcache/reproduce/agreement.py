@@ -17,11 +17,14 @@ from .metrics import METRICS
 from .schema import PaperBackbone, Pipeline
 
 FULL = "full"  # the profile with the papers' rounds and seeds
+NO_PAPER = "the pipeline names no paper ([paper]): there is nothing to compare with"
 
 
 def comparability(pipe: Pipeline, profile: str, jobs, backbones: list[list[dict]]) -> list[str]:
     """Why this run's numbers are not comparable with the paper's ([] only when everything matches). `backbones`:
     each extraction's backbones in order, as its cache records them ({key, name, weights, dim})."""
+    if not pipe.paper:
+        return [NO_PAPER]
     why, prof, full = [], pipe.profiles[profile], pipe.profiles.get(FULL)
     if not pipe.paper_rows:
         why.append("the pipeline holds no paper numbers ([paper.rows])")
@@ -135,8 +138,11 @@ def rank_agreement(pipe: Pipeline, values: dict) -> dict[str, dict]:
     return out
 
 
-def agreement_lines(why: list[str], ranks: dict[str, dict]) -> list[str]:
-    """The markdown lines at the top of NAME.md: comparable or not (and why), then the rank agreement."""
+def agreement_lines(why: list[str], ranks: dict[str, dict], paper: str = "paper") -> list[str]:
+    """The markdown lines at the top of NAME.md: comparable or not (and why), then the rank agreement; without a
+    `paper`, the one line that there is nothing to compare with."""
+    if not paper:
+        return [f"**Comparable with a paper: no** — {NO_PAPER}; the table shows ours only."]
     lines = [
         f"**Comparable with the paper: {'no' if why else 'yes'}**"
         + (

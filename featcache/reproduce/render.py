@@ -90,21 +90,22 @@ def fmt_paper(cell) -> str:
 
 
 def table_markdown(pipe: Pipeline, values: dict[tuple[str, str], Value], domains: dict | None = None) -> str:
-    """Rows = the paper's rows (+ extra rows); for every paper column: ours, then the paper's number. `domains`
-    (column_domains) names the domain our column really holds: `USPS (optdigits) ours`."""
+    """Rows = the paper's rows (+ extra rows); for every paper column: ours, then the paper's number (ours only
+    without a paper). `domains` (column_domains) names the domain our column really holds: `USPS (optdigits) ours`."""
     metric = {c.name: c.metric for c in pipe.columns}
     domains = domains or {}
+    sides = ("ours", "paper") if pipe.paper else ("ours",)
     head = ["row"] + [
         f"{c} ({domains[c]}) ours" if c in domains and side == "ours" else f"{c} {side}"
         for c in pipe.paper_columns
-        for side in ("ours", "paper")
+        for side in sides
     ]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for row in pipe.rows:
         cells = [row]
         for col in pipe.paper_columns:
             ours = fmt_value(values[(row, col)], metric[col]) if (row, col) in values else "—"
-            cells += [ours, fmt_paper(paper_cell(pipe, row, col)) if row in pipe.paper_rows else "—"]
+            cells += [ours, fmt_paper(paper_cell(pipe, row, col)) if row in pipe.paper_rows else "—"][: len(sides)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -149,12 +150,12 @@ def render(
     labels = column_labels(pipe, cells, runs)
     values = cell_values(pipe, cells, runs)
     out = [
-        f"# {pipe.name}: {pipe.paper} {pipe.table}: {pipe.title}",
+        f"# {pipe.name}: {pipe.paper} {pipe.table}: {pipe.title}" if pipe.paper else f"# {pipe.name}: {pipe.title}",
         "",
-        *agreement_lines(why, rank_agreement(pipe, values)),
+        *agreement_lines(why, rank_agreement(pipe, values) if pipe.paper else {}, pipe.paper),
         "",
         f"- command: `{command}`",
-        f"- paper: {pipe.source}",
+        *([f"- paper: {pipe.source}"] if pipe.paper else []),
         f"- profile `{profile}`: rounds {prof.rounds}, seeds {', '.join(map(str, prof.seeds))}"
         + (f", settings {json.dumps(prof.set, sort_keys=True)}" if prof.set else "")
         + (f", extract {json.dumps(prof.extract, sort_keys=True)}" if prof.extract else ""),
@@ -243,7 +244,7 @@ def figure_png(pipe: Pipeline, values: dict) -> bytes:
         fig.colorbar(im, ax=ax)
     ax.set_xlabel(pipe.figure.get("xlabel", ""))
     ax.set_ylabel(pipe.figure.get("ylabel", ""))
-    ax.set_title(f"{pipe.paper} {pipe.table} (ours)")
+    ax.set_title(f"{pipe.paper} {pipe.table} (ours)" if pipe.paper else pipe.title)
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=120)

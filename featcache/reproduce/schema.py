@@ -39,7 +39,7 @@ _TOP = {
     "extract": (dict, True),
     "columns": (dict, True),
     "run": (list, True),
-    "paper": (dict, True),
+    "paper": (dict, False),  # none: a pipeline of one's own, ours only
     "figure": (dict, False),
     "profiles": (dict, True),
 }
@@ -145,7 +145,7 @@ class Profile:
 @dataclass(frozen=True)
 class Pipeline:
     name: str
-    paper: str
+    paper: str  # "" without a [paper] table: a pipeline of one's own, its table ours only
     table: str
     title: str
     extract: dict
@@ -186,16 +186,19 @@ def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
             "1 to 64 letters, digits, '.', '_' and '-', starting with a letter or digit (e.g. "
             "fedpcl-table3)"
         )
-    paper = doc["paper"]
-    _check(f"{path} [paper]", paper, _PAPER)
-    if paper["name"] not in PAPERS:
-        raise UserError(f"{path} [paper]: name must be one of {', '.join(PAPERS)} (got {paper['name']!r})")
+    paper = doc.get("paper", {})
+    if paper:
+        _check(f"{path} [paper]", paper, _PAPER)
+        if paper["name"] not in PAPERS:
+            raise UserError(f"{path} [paper]: name must be one of {', '.join(PAPERS)} (got {paper['name']!r})")
     _check_extract(f"{path} [extract]", doc["extract"], doc["extract"], base_table=True)
-    paper_columns = [str(c) for c in paper["columns"]]
+    paper_columns = [str(c) for c in paper["columns"]] if paper else list(doc["columns"])  # no paper: ours
     rows = _paper_rows(path, paper.get("rows", {}), len(paper_columns))
     columns = _columns(path, doc, paper_columns)
     extra_rows = tuple(doc.get("extra_rows", ()))
-    runs = _runs(path, doc, columns, [*rows, *extra_rows])
+    runs = _runs(path, doc, columns, [*rows, *extra_rows] if paper else None)
+    if not paper:  # every run's row is a row of its own
+        extra_rows = tuple(dict.fromkeys([*extra_rows, *(run.row for run in runs)]))
     profiles = {
         name: _profile(f"{path} [profiles.{name}]", spec, doc, columns, runs, [*rows, *extra_rows])
         for name, spec in doc["profiles"].items()
@@ -205,13 +208,13 @@ def parse_pipeline(text: str, path: str = "<pipeline>") -> Pipeline:
         _figure(f"{path} [figure]", figure, columns)
     return Pipeline(
         name=doc["name"],
-        paper=paper["name"],
-        table=paper["table"],
+        paper=paper.get("name", ""),
+        table=paper.get("table", ""),
         title=doc["title"],
         extract=doc["extract"],
         columns=columns,
         runs=runs,
-        source=paper["source"],
+        source=paper.get("source", ""),
         paper_columns=paper_columns,
         paper_rows=rows,
         profiles=profiles,
@@ -332,12 +335,13 @@ def _columns(path: str, doc: dict, paper_columns: list[str]) -> list[Column]:
     return columns
 
 
-def _runs(path: str, doc: dict, columns: list[Column], rows: list[str]) -> list[Run]:
+def _runs(path: str, doc: dict, columns: list[Column], rows: list[str] | None) -> list[Run]:
+    """The [[run]] tables; `rows` the rows they may name (None: any, a pipeline without a paper)."""
     runs = []
     for i, spec in enumerate(doc["run"], 1):
         where = f"{path} [[run]] {i}"
         _check(where, spec, _RUN)
-        if spec["row"] not in rows:
+        if rows is not None and spec["row"] not in rows:
             raise UserError(
                 f"{where}: row {spec['row']!r} is not a paper row{suggest(spec['row'], rows)}: "
                 "fix it or list it in extra_rows"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -230,11 +231,14 @@ def curves_png(
         else "mean over seeds (no per-seed metrics.csv: no band)"
     )
     fig.suptitle(wrapped_title(heading or title(results), shade, fig), fontsize=8)
-    entries = len(acc_ax.get_legend_handles_labels()[1])
+    handles, texts = acc_ax.get_legend_handles_labels()
     fig.tight_layout()  # the legend goes under the x label once the axes have their place
     bottom = acc_ax.xaxis.label.get_window_extent(fig.canvas.get_renderer()).y0
     under = acc_ax.transAxes.inverted().transform((0, bottom - 4))[1]
-    acc_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, under), ncol=min(3, 1 + (entries - 1) // 3))
+    ncol = min(3, 1 + (len(texts) - 1) // 3)
+    wide = int(acc_ax.get_position().width * fig.get_figwidth() * 12 / ncol) - 6  # characters a column has
+    texts = [textwrap.fill(t, max(wide, 12), break_on_hyphens=False) for t in texts]  # never wider than the axes
+    acc_ax.legend(handles, texts, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, under), ncol=ncol)
     return _finish(fig, path, laid_out=True)
 
 
@@ -261,29 +265,40 @@ def clients_png(
     runs: list[Run], path: str | Path | None = None, names: list[str] | None = None, heading: str | None = None
 ) -> bytes:
     """Final test accuracy per client: one group of bars per run, one bar (colour) per client, named by its domain
-    where known (`client_names`), error bars ±1 std over seeds clipped to 0-100 %. `names` and `heading` as for
+    where known (`client_names`; where runs disagree on a client's domain, on each bar), error bars ±1 std over seeds
+    clipped to 0-100 %. `names` and `heading` as for
     `curves_png`. PNG bytes, also written atomically to `path` when given."""
     plt = pyplot()
     results = [run.result for run in runs]
-    groups = [(label, per_client(r)) for r, label in zip(results, names or labels(results))]
-    groups = [(label, g) for label, g in groups if g is not None]
+    drawn = [(run, label, per_client(run.result)) for run, label in zip(runs, names or labels(results))]
+    drawn = [(run, label, g) for run, label, g in drawn if g is not None]
+    groups = [(label, g) for _, label, g in drawn]
     C = max((len(g[0]) for _, g in groups), default=0)
     fig, ax = plt.subplots(figsize=(max(7.5, 2.2 + 0.28 * C * max(len(groups), 1)), 4.6))
     width = 0.8 / max(C, 1)
     cmap = plt.get_cmap("tab10" if C <= 10 else "tab20")
     legend = client_names(runs, C)
+    domains = [client_domains(run) or [] for run, _, _ in drawn]
+    on_bars = any(len({ds[c] for ds in domains if c < len(ds) and ds[c]}) > 1 for c in range(C))  # runs disagree
+    legend = [f"client {c}" for c in range(C)] if on_bars else legend  # each bar then says its domain
+    named = set()  # a client is named at its first bar (a group of fewer clients comes first)
     for gi, (_, (mean, std)) in enumerate(groups):
         for c in range(len(mean)):
+            x = gi + (c - (C - 1) / 2) * width
             ax.bar(
-                gi + (c - (C - 1) / 2) * width,
+                x,
                 mean[c],
                 width,
                 color=cmap(c % cmap.N),
                 yerr=None if std is None else [[min(std[c], mean[c])], [min(std[c], 100.0 - mean[c])]],
                 capsize=2,
                 error_kw={"linewidth": 0.8},
-                label=legend[c] if gi == 0 else None,
+                label=None if c in named else legend[c],
             )
+            named.add(c)
+            if on_bars and c < len(domains[gi]) and domains[gi][c]:  # runs disagree on a client's domain: each bar
+                ax.text(x, 0.02, domains[gi][c], transform=ax.get_xaxis_transform(), rotation=90, fontsize=6,
+                        ha="center", va="bottom")  # fmt: skip
     long = len(groups) > 4 or any(len(label) > 24 for label, _ in groups)
     ax.set_xticks(
         range(len(groups)),
@@ -301,7 +316,8 @@ def clients_png(
     ax.set_title(
         wrapped_title(
             heading or title(results),
-            "error bars: ±1 std over seeds (ddof=1, within 0-100 %); the y axis spans the data",
+            "error bars: ±1 std over seeds (ddof=1, within 0-100 %); the y axis spans the data"
+            + ("; on a bar: its client's domain in that run" if on_bars else ""),
             fig,
         ),
         fontsize=8,
@@ -313,8 +329,9 @@ def sweep_png(s: Sweep, path: str | Path | None = None) -> bytes:
     """Final test accuracy against the swept parameter (`sweep.Sweep`): per line, the personal accuracy (solid: each
     client's model on its own test rows, averaged) and the global model's (dashed, hollow markers, its legend entry
     saying where it equals the solid line), each with a ±1 std band over seeds clipped to 0-100 %. A numeric
-    parameter spanning a factor of 10 or more (α 0.1-10) is drawn on a log axis; the others by their values' order.
-    The legend sits right of the axes. PNG bytes, also written atomically to `path`."""
+    parameter spanning a factor of 10 or more (α 0.1-10) is drawn on a log axis; a categorical one (partition,
+    held-out domain) as points with error bars, each line's side by side, nothing drawn between categories. The
+    legend sits right of the axes, its labels wrapped. PNG bytes, also written atomically to `path`."""
     from .sweep import PARAMETERS, order_key, sweep_title, text
 
     plt = pyplot()
@@ -332,36 +349,64 @@ def sweep_png(s: Sweep, path: str | Path | None = None) -> bytes:
         if not pts:
             continue
         style = {"color": styles[i]["color"], "marker": styles[i]["marker"], "markersize": 6}
-        x = [at[text(p.x)] for p in pts]
+        dodge = 0.0 if numeric else 0.1 * (i - (len(s.lines) - 1) / 2)  # categories: each line's points side by side
+        x = [at[text(p.x)] + dodge for p in pts]
         mean, std = np.array([p.acc[0] for p in pts]), np.array([p.acc[1] for p in pts])
-        ax.plot(x, mean, "-", linewidth=2.2, label=f"{line}: personal", **style)
-        band(ax, x, mean, std, style["color"])
+        ax.plot(x, mean, linestyle="-" if numeric else "none", linewidth=2.2, label=f"{line}: personal", **style)
+        spread(ax, x, mean, std, style["color"], numeric)
         spans.append((mean, std))
         glob = [p for p in pts if p.global_acc is not None]
         if glob:
-            gx = [at[text(p.x)] for p in glob]
+            gx = [at[text(p.x)] + dodge for p in glob]
             gmean, gstd = np.array([p.global_acc[0] for p in glob]), np.array([p.global_acc[1] for p in glob])
             note = same_note([p.acc[0] for p in glob], gmean, [text(p.x) for p in glob], param.label, "points")
-            ax.plot(gx, gmean, "--", linewidth=1.4, markerfacecolor="white", label=f"{line}: global{note}", **style)
-            band(ax, gx, gmean, gstd, style["color"], alpha=0.07)
+            dashes = "--" if numeric else "none"
+            ax.plot(
+                gx,
+                gmean,
+                linestyle=dashes,
+                linewidth=1.4,
+                markerfacecolor="white",
+                label=f"{line}: global{note}",
+                **style,
+            )
+            spread(ax, gx, gmean, gstd, style["color"], numeric, alpha=0.07)
             spans.append((gmean, gstd))
     if log:
         ax.set_xscale("log")
     ax.set_xticks([at[v] for v in values], values)
     ax.minorticks_off()
+    if not numeric:
+        ax.set_xlim(-0.5, len(values) - 0.5)  # each category in its own slot
     ax.set_xlabel(param.label + (" (log scale)" if log else ""))
     ax.set_ylabel("final test accuracy (%)")
     ax.set_ylim(*zoom(spans, top=101.0))  # a point at 100 % keeps its whole marker
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
+    handles, texts = ax.get_legend_handles_labels()
+    wrap = int(0.4 * fig.get_figwidth() * 12)  # characters: the legend stays narrower than the axes beside it
+    texts = [textwrap.fill(t, wrap, break_on_hyphens=False) for t in texts]
+    ax.legend(handles, texts, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
     seeds = max((len(p.run.result["seeds"]) for p in shown), default=1)
-    key = "solid: personal (each client's model, own test rows); dashed: global model (all test rows); " + (
-        "shaded: ±1 std over seeds (ddof=1), within 0-100 %" if seeds > 1 else "one seed: no band"
+    solid, dashed = ("solid", "dashed") if numeric else ("filled", "hollow")
+    key = f"{solid}: personal (each client's model, own test rows); {dashed}: global model (all test rows); " + (
+        f"{'shaded' if numeric else 'error bars'}: ±1 std over seeds (ddof=1), within 0-100 %"
+        if seeds > 1
+        else "one seed: no band"
     )
     left = len(s.points) - len(shown)
     key += f"; {left} result(s) without {param.label} left out" if left else ""
     fig.suptitle(wrapped_title(f"final accuracy vs {param.label}: " + sweep_title(s), key, fig), fontsize=8)
     return _finish(fig, path)
+
+
+def spread(ax, x, mean, std, color, numeric: bool, alpha: float = 0.15) -> None:
+    """±1 std: a band along a numeric axis, error bars on categories (no band between unrelated values); both within
+    0-100 %."""
+    if numeric:
+        band(ax, x, mean, std, color, alpha=alpha)
+        return
+    yerr = [np.minimum(std, mean), np.minimum(std, 100.0 - np.asarray(mean))]
+    ax.errorbar(x, mean, yerr=yerr, fmt="none", ecolor=color, capsize=3, linewidth=1)
 
 
 def zoom(groups: list[tuple], top: float = 100.0) -> tuple[float, float]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
+from ..extraction.partition.spec import DIRICHLET
 from ..runs.metrics import CSV_COLUMNS
 from .load import Run, cache_of, is_number
 
@@ -90,9 +91,6 @@ def partition_text(r: dict) -> str:
     if not isinstance(p, dict) or not p:
         return f"{clients} clients" if isinstance(clients, int) else "partition not recorded"
     return partition_words(p, clients)
-
-
-DIRICHLET = ("label", "feature-label")  # the schemes whose α means something
 
 
 def partition_words(p: dict, clients) -> str:

@@ -1,12 +1,15 @@
 """Readable run names: `fedprox-mu1-lr0.01-seed0-2-c2bce7fc7341` says what a run trains, the content hash after it
 keeps names unique. The name lists the algorithm, the settings that differ from its defaults (its own settings
-first, then the engine's), a subset of backbones when one was chosen, and the seeds; it is a pure function of what
-the run trains, so the same command writes the same name."""
+first, then the engine's), the cache's partition values that `extract` sweeps when not its defaults (`clients10`,
+`alpha0.1`, `per_class20`, `holdout-sketch`: a sweep's runs in one folder say their cache), a subset of backbones
+when one was chosen, and the seeds; it is a pure function of what the run trains, so the same command writes the
+same name."""
 
 from __future__ import annotations
 
 import re
 
+from ..extraction.partition.spec import DIRICHLET, PartitionSpec
 from ..training.config import ENGINE_SETTINGS, defaults
 
 MAX_LABEL = 100  # characters before the hash; a longer description is cut (the hash still tells runs apart)
@@ -29,12 +32,27 @@ def seeds_word(seeds: list[int]) -> str:
     return "seed" + "_".join(map(str, s))
 
 
-def run_name(algo, cfg: dict, seeds: list[int], backbones: list[str] | None, run_id: str) -> str:
-    """`algo-<settings that differ from its defaults>-[backbones]-seedS-<run_id>`; `algo` is the bound algorithm
-    (its registered name and declared defaults), `cfg` its resolved settings."""
+def cache_words(partition: dict | None) -> list[str]:
+    """The partition values `extract` sweeps (clients, alpha for a Dirichlet scheme, per_class, holdout_domain)
+    that differ from its defaults, as name words: `clients10`, `alpha0.1`, `per_class20`, `holdout-sketch`."""
+    p, base = partition or {}, PartitionSpec()
+    words = [f"clients{p['clients']}"] if p.get("clients") is not None else []
+    if p.get("scheme") in DIRICHLET and p.get("alpha", base.alpha) != base.alpha:
+        words.append(f"alpha{_value(p['alpha'])}")
+    words += [f"per_class{p['per_class']}"] if p.get("per_class") is not None else []
+    return words + ([f"holdout-{_value(p['holdout_domain'])}"] if p.get("holdout_domain") else [])
+
+
+def run_name(
+    algo, cfg: dict, seeds: list[int], backbones: list[str] | None, run_id: str, partition: dict | None = None
+) -> str:
+    """`algo-<settings that differ from its defaults>-<cache words>-[backbones]-seedS-<run_id>`; `algo` is the bound
+    algorithm (its registered name and declared defaults), `cfg` its resolved settings, `partition` the cache's
+    (`cache_words`)."""
     base = defaults(algo)
     order = [k for k in base if k not in ENGINE_SETTINGS] + [k for k in ENGINE_SETTINGS if k in base]
     words = [f"{k}{_value(cfg[k])}" for k in order if k != "seed" and k in cfg and cfg[k] != base[k]]
+    words += cache_words(partition)
     if backbones:
         words.append("+".join(_value(b) for b in backbones))
     label = "-".join([algo.name, *words, seeds_word(seeds)])

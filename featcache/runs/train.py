@@ -276,7 +276,7 @@ def run(
     result["cache"]["partition"] = meta.get("partition")  # for reports; the cache key above already fixes it
     result["provenance"] = provenance(device, call or spec.call(cache, device))
     body = json.dumps(result, sort_keys=True, indent=1)
-    path = Path(out) / f"{run_name(impl, cfg, seeds, backbones, run_id)}.json"
+    path = Path(out) / f"{run_name(impl, cfg, seeds, backbones, run_id, meta.get('partition'))}.json"
     ran = raw["round_seconds"][ckpt.resumed :]  # this process's rounds: a resumed run's first ones ran elsewhere
     timing = {
         "seconds_per_round": round(float(np.mean(ran)), 5),

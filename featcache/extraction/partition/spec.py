@@ -11,6 +11,8 @@ from ...errors import UserError, suggest
 from .schemes import _SCHEMES
 from .steps import _ORDERS
 
+DIRICHLET = ("label", "feature-label")  # the schemes whose alpha means something
+
 MAX_SEED = 2**32 - 1  # numpy's SeedSequence takes more, but the seed also seeds torch and the noise generators
 PROTOCOL = ("test_split", "percent", "holdout_domain")  # the data sets' own protocols, None unless asked for
 # --test-split: how a client's test images are chosen (steps.py)
