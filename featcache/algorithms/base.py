@@ -168,6 +168,9 @@ class FedAvg:
     # (Capture first runs the step twice with every model masked out: a local_loss that draws random numbers gets
     # other draws than an eager run, so `assert_capturable` reports it; set False for such an algorithm.)
     capturable: ClassVar[bool] = True
+    # Whether the local objective holds a term pulling toward w^t with a closed-form gradient: set for a class that
+    # overrides `penalty` (the one-step note of training/schedule.py is about such a term).
+    proximal: ClassVar[bool] = False
     # Whether each model's optimizer moments and step counts carry over from round to round (one optimizer per
     # client kept alive, as torch.optim objects a client holds for the whole run) instead of starting from zero.
     keeps_optimizer_state: ClassVar[bool] = False
@@ -229,6 +232,10 @@ class FedAvg:
     def predict(self, params: Params, buffers: Params, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         z, _ = self.embed(params, buffers, x)
         return self.logits(params, z)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.proximal = cls.penalty is not FedAvg.penalty
 
     def penalty(self, params: Params, ctx: Context) -> tuple[torch.Tensor, Params] | None:
         """A term of the local objective whose gradient has a closed form, on the stacked models name -> [H, C, ...]

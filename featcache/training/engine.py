@@ -27,7 +27,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..algorithms.plugins import BUILTIN
 from ..cache import ClientData
 from ..devices import resolve_device
 from .cohort import Cohort, aside_names, cohort_size, slice_size
@@ -38,6 +37,8 @@ from .hparams import HParams
 from .models import Params, expand_hc
 from .schedule import batch_order, evaluates, participation, plan_steps, took_part
 from .steps import LocalSteps
+
+BUILTIN = f"{__name__.split('.')[0]}.algorithms."  # the modules of featcache's own algorithms
 
 
 @dataclass

@@ -108,9 +108,7 @@ def one_step_note(algo, counts, batch_size: int, drop_last: bool, epochs: int, w
     proximal term): that step starts at the global model, where a term pulling toward it (FedProx's μ, the `penalty`
     hook) has no gradient, so settings that change only that term train the same model. `what` names the rows
     counted (e.g. "validation fit")."""
-    from ..algorithms.base import FedAvg  # the algorithms import this module
-
-    if getattr(type(algo), "penalty", None) in (None, FedAvg.penalty):
+    if not getattr(algo, "proximal", False):
         return ""  # FedAvg, FedPCL, ...: one step is plain SGD from the global model, nothing to warn about
     steps = client_steps(counts, batch_size, drop_last)
     one = [i for i, s in enumerate(steps) if s * epochs == 1]
