@@ -101,13 +101,16 @@ def unopenable(path: Path) -> bool:
         return True
 
 
-def create_h5(path: Path) -> h5py.File:
+def create_h5(path: Path, align: int = 0) -> h5py.File:
     """A new HDF5 file as `h5py.File(path, "w", track_order=True)` creates it, but without HDF5's sieve buffer: raw
     data reaches the disk when a dataset is written, so a full disk fails that write. With the buffer the failure
-    surfaces while datasets close, leaving them half-closed, and freeing them later crashes the interpreter."""
+    surfaces while datasets close, leaving them half-closed, and freeing them later crashes the interpreter. `align`:
+    objects of that many bytes or more start at a multiple of it (rows read in place need their dtype's alignment)."""
     fapl = h5p.create(h5p.FILE_ACCESS)
     fapl.set_libver_bounds(h5py.h5f.LIBVER_EARLIEST, h5py.h5f.LIBVER_LATEST)
     fapl.set_sieve_buf_size(0)
+    if align:
+        fapl.set_alignment(align, align)
     fcpl = h5p.create(h5p.FILE_CREATE)
     order = h5p.CRT_ORDER_TRACKED | h5p.CRT_ORDER_INDEXED
     fcpl.set_link_creation_order(order)
@@ -117,11 +120,11 @@ def create_h5(path: Path) -> h5py.File:
 
 
 @contextmanager
-def written(path: Path, partial: Path) -> Iterator[h5py.File]:
+def written(path: Path, partial: Path, align: int = 0) -> Iterator[h5py.File]:
     """A new file (`create_h5`) at `partial`; when the block ends without error it is synced and renamed to `path`,
     so `path` exists only complete; on any error `partial` is removed."""
     try:
-        with create_h5(partial) as f:
+        with create_h5(partial, align) as f:
             yield f
         with open(partial, "rb") as fh:
             os.fsync(fh.fileno())

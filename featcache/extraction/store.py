@@ -57,6 +57,7 @@ FORMAT = 2
 READS = (1, 2)  # formats this code reads (format 1 is moved into segments by its next fill)
 MARKER = "featcache_store"  # the root attribute that marks a file as featcache's store; its value is the format
 Need = tuple[str, str, int]  # (domain, split, views): 0 for plain features, V for V augmented views per image
+ALIGN = 4096  # a segment's rows start at a page: read in place, aligned for numpy (an unaligned map is copied whole)
 SLICE_BYTES = 64 << 20  # rows copied per slice while a segment is written or checked: memory bounded by this
 
 
@@ -111,19 +112,19 @@ class Part:
     rows: np.ndarray | None = None
 
     def take(self, at: np.ndarray) -> np.ndarray:
-        """The rows at positions `at` (increasing): runs of consecutive rows read with one call each, scattered rows
-        through a memory map made for this call (so its pages leave the process's memory with it)."""
+        """The rows at positions `at` (increasing), one read per run of consecutive rows into the returned array (no
+        memory map: the kernel maps large page-cache folios whole, and a process's memory would count them)."""
         if self.rows is not None:
             return self.rows[at]
-        cuts = [0, *(np.flatnonzero(np.diff(at) != 1) + 1).tolist(), len(at)]
-        if len(cuts) > 2 + len(at) // 64:  # scattered
-            return np.array(np.memmap(self.file, np.dtype("<f4"), "r", self.offset, self.shape)[at])
         out = np.empty((len(at), *self.shape[1:]), np.float32)  # [m, (V,) D]
         if not len(at):
             return out
+        size, buf = out[0].nbytes, memoryview(out).cast("B")
+        cuts = [0, *(np.flatnonzero(np.diff(at) != 1) + 1).tolist(), len(at)]
+        starts = (self.offset + at[cuts[:-1]] * size).tolist()
         with open(self.file, "rb", buffering=0) as fh:  # type: ignore[arg-type]
-            for a, b in zip(cuts, cuts[1:]):
-                _read_into(fh.fileno(), memoryview(out[a:b]).cast("B"), self.offset + int(at[a]) * out[0].nbytes)
+            for a, b, start in zip(cuts, cuts[1:], starts):
+                _read_into(fh.fileno(), buf[a * size : b * size], start)
         return out
 
     def read(self, a: int, b: int) -> np.ndarray:
@@ -395,7 +396,7 @@ def _segment(path: Path, merged: dict) -> dict:
     """Write one segment file holding `merged` (Need -> (index [n] increasing, rows(a, b))), complete or absent;
     returns its entry in the store file: {file, meta_sha256, held}."""
     held = {}
-    with h5.written(path, path.with_name(path.name + ".partial")) as f:
+    with h5.written(path, path.with_name(path.name + ".partial"), align=ALIGN) as f:
         for need, (index, rows) in sorted(merged.items()):
             if not len(index):
                 continue
