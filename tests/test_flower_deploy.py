@@ -1,8 +1,9 @@
 """A real Flower deployment on 127.0.0.1: one `flower-superlink` and three `flower-supernode` processes (insecure,
 free ports, each node reading only its own file of `featcache split`), FedPCL run through `flwr run` on the project
 `featcache flower new` writes, equal to `featcache train` within 1e-5; a supernode killed with SIGKILL mid-run ends
-the run with a clear error naming the client, within the project's timeout. Every process is started in a session
-of its own and killed at the end; every wait is bounded."""
+the run with a clear error naming the client, within the project's timeout; and docs/guides/flower.md's own commands,
+its simulation and its localhost deployment, to `featcache train`'s numbers with no package index. Every process is
+started in a session of its own and killed at the end; every wait is bounded."""
 
 from __future__ import annotations
 
