@@ -293,6 +293,7 @@ def test_featcache_flower_new_writes_a_flwr_run_project(cache, tmp_path):
     assert app["components"]["serverapp"] == "fl_proj_app.server_app:app"
     config = app["config"]
     assert config["algo"] == "fedpcl" and config["clients"] == 4 and json.loads(config["settings"])["proj_dim"] == 8
+    assert project["run"].endswith("--stream --federation-config num-supernodes=4")  # Flower simulates 2 unless told
     assert os.path.isfile(os.path.join(project["project"], "fl_proj_app", "client_app.py"))
     one_line_error(
         run_cli("flower", "new", "fl-proj", "--algo", "fedpcl", "--cache", str(cache), "--dir", str(tmp_path)), "exists"

@@ -1,13 +1,16 @@
 """A real Flower deployment on 127.0.0.1: one `flower-superlink` and three `flower-supernode` processes (insecure,
 free ports, each node reading only its own file of `featcache split`), FedPCL run through `flwr run` on the project
 `featcache flower new` writes, equal to `featcache train` within 1e-5; a supernode killed with SIGKILL mid-run ends
-the run with a clear error naming the client, within the project's timeout. Every process is started in a session
-of its own and killed at the end; every wait is bounded."""
+the run with a clear error naming the client, within the project's timeout; and docs/guides/flower.md's own commands,
+its simulation and its localhost deployment, to `featcache train`'s numbers with no package index. Every process is
+started in a session of its own and killed at the end; every wait is bounded."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +34,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 60) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"the superlink did not listen on {port} within {timeout} s")
 
 
 class Federation:
@@ -84,14 +97,8 @@ class Federation:
             )
         )
 
-    def wait_for_port(self, timeout: float = 60) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(f"the superlink did not listen on {self.port} within {timeout} s")
+    def wait_for_port(self) -> None:
+        wait_for_port(self.port)
 
     def run(self, project: str, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -168,3 +175,83 @@ def test_a_supernode_killed_mid_run_ends_the_run_with_a_clear_error(federation, 
     said = output + fed.logs()
     assert "did not answer" in said or "failed on" in said, output[-3000:]
     assert not list((tmp_path / "out").glob("*.json"))
+
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "flower.md"
+
+
+def guide_blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", GUIDE.read_text(), re.S)
+
+
+def local_superlinks(home: Path) -> list[int]:
+    """The pids of the local SuperLinks `flwr run` started with FLWR_HOME=home (detached, a session of their own)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if proc.name.isdigit() and b"flower-superlink" in cmd and str(home).encode() in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_the_guide_s_commands_run_a_simulation_and_a_localhost_deployment_to_train_s_numbers(tmp_path):
+    """The guide's bash and toml blocks as written, in a folder holding the cache, with the cache's path and the
+    rounds (and the test cache's small-batch settings) put in, and free ports for the guide's; no index reachable
+    (UV_OFFLINE). Each run's status from `flwr ls` and its result file against `featcache train`'s."""
+    from test_flower import assert_same, per_client, written
+
+    sim_block, start_block, run_block = guide_blocks("bash")
+    (toml,) = guide_blocks("toml")
+    cache = write_cache(tmp_path / "c4.h5", C=4)
+    settings = " ".join(f"--set {s}" for s in SETTINGS)
+    sim_block = re.sub(r"(?m)^CACHE=\S+", f"CACHE={cache}", sim_block).replace("--rounds 50", f"--rounds 2 {settings}")
+    link, node = free_port(), free_port()
+    start_block = start_block.replace("8000", str(link)).replace("9094", str(node))
+    home = tmp_path / "home"
+    env = os.environ | {
+        "FLWR_HOME": str(home),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "UV_OFFLINE": "1",
+        "COLUMNS": "300",
+        "OMP_NUM_THREADS": "1",
+    }
+    sim = featcache.train(cache, "fedpcl", rounds=2, seeds=[0], set=SETTINGS, out=tmp_path / "sim")
+    sim |= {"per_client": per_client(sim["metrics_csv"])}
+
+    def bash(script: str, timeout: float) -> str:
+        done = subprocess.run(
+            ["bash", "-ec", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    def result(out: Path, said: str) -> dict:
+        assert "finished:completed" in said and "finished:failed" not in said, said[-3000:]
+        (path,) = out.glob("*.json")
+        return written(str(path))
+
+    deployment = None
+    try:
+        said = bash(sim_block, timeout=600)
+        assert_same(result(tmp_path / "runs", said), sim)
+        shutil.rmtree(tmp_path / "runs")
+        with open(tmp_path / "deployment.log", "w") as log:
+            deployment = subprocess.Popen(
+                ["bash", "-ec", start_block], cwd=tmp_path, env=env, stdout=log, stderr=log, start_new_session=True
+            )
+        with open(home / "config.toml", "a") as f:
+            f.write("\n" + toml.replace("8000", str(link)))
+        wait_for_port(link)
+        said = bash(run_block, timeout=600)
+        assert_same(result(tmp_path / "runs", said), sim)
+    finally:
+        for pid in local_superlinks(home):
+            os.killpg(pid, signal.SIGKILL)
+        if deployment is not None:
+            os.killpg(deployment.pid, signal.SIGKILL)
+            deployment.wait(timeout=30)

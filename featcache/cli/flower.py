@@ -50,4 +50,4 @@ def new(
     if as_json:
         emit(result, True)
         return
-    out.print(f"{result['project']}: flwr run {result['project']}", highlight=False, soft_wrap=True)
+    out.print(f"{result['project']}: {result['run']}", highlight=False, soft_wrap=True)

@@ -7,12 +7,16 @@
 
 A node's cache is its node config's `cache` (a per-client file of `featcache split`, or the whole cache with
 `client=N`), else the run config's `cache` (Flower's simulation: the whole cache, the node's `partition-id`).
+
+The project declares no dependencies: Flower's runtime `uv sync`s them into a fresh environment from an index, and
+the apps run where featcache is installed (Flower leaves its own `flwr` out of that install for the same reason).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 
 from ..errors import UserError, as_path
@@ -46,7 +50,8 @@ def new_project(
     out: str = "runs",
     timeout: float = 600.0,
 ) -> dict:
-    """Write the project NAME into `folder`; returns {project, pyproject, clients}. The settings are resolved and
+    """Write the project NAME into `folder`; returns {project, pyproject, clients, run} (`run`: the `flwr run`
+    command of Flower's simulation, one SuperNode per client). The settings are resolved and
     checked here (an unknown or bad one is one line), the cache's metadata read for its number of clients."""
     from ..cache import info
 
@@ -75,7 +80,7 @@ def new_project(
             "version": "1.0.0",
             "description": f"{spec.name} on a featcache cache, as a Flower app",
             "license": "Apache-2.0",
-            "dependencies": ["featcache[flower]"],
+            "dependencies": [],
         },
         "tool": {
             "hatch": {"build": {"targets": {"wheel": {"packages": [package]}}}},
@@ -111,4 +116,5 @@ def new_project(
         shutil.rmtree(root, ignore_errors=True)
         why = e.strerror or e
         raise UserError(f"cannot write the project into {root} ({why}): pick a --dir you can write") from None
-    return {"project": str(root), "pyproject": str(root / "pyproject.toml"), "clients": clients}
+    run = f"flwr run {shlex.quote(str(root))} --stream --federation-config num-supernodes={clients}"
+    return {"project": str(root), "pyproject": str(root / "pyproject.toml"), "clients": clients, "run": run}
