@@ -254,6 +254,8 @@ def test_flower_new_writes_every_value_through_toml(cache, tmp_path, results):
         (lambda tmp: {"algo": "fedamp"}, "fedamp cannot run as a Flower app"),
         (lambda tmp: {"name": "p" * 300}, "1 to 64 letters"),
         (lambda tmp: {"folder": (tmp / "f").write_text("") or tmp / "f"}, "pick a --dir you can write"),
+        (lambda tmp: {"out": str((tmp / "o").write_text("") or tmp / "o")}, "is not a folder here"),
+        (lambda tmp: {"out": os.symlink(tmp / "gone", tmp / "l") or str(tmp / "l")}, "is not a folder here"),
     ],
 )
 def test_flower_new_refuses_in_one_line_and_writes_nothing(cache, tmp_path, case, why):

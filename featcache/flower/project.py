@@ -18,6 +18,7 @@ import json
 import re
 import shlex
 import shutil
+from pathlib import Path
 
 from ..errors import UserError, as_path
 from ..runs.spec import RunSpec
@@ -69,6 +70,9 @@ def new_project(
     split = meta.get("split")
     clients = json.loads(split)["clients"] if isinstance(split, str) else len(meta["counts"]["clients"])
     root = as_path(folder, "dir") / name
+    runs = Path(out)  # relative: from where the SuperLink starts (here, for a local one)
+    if (runs.exists() or runs.is_symlink()) and not runs.is_dir():  # a file, or a link to nothing, here
+        raise UserError(f"--out {out} is not a folder here (a file or a broken link): pass a folder for the results")
     if root.exists() or root.is_symlink():
         raise UserError(f"{root} exists: pick another NAME or remove it")
     package = name.replace("-", "_") + "_app"
