@@ -136,6 +136,12 @@ def sha256(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def store_files(out: Path) -> dict[str, str]:
+    """Every store file, segment and segment-folder marker below out/store, by path, with its sha256."""
+    files = [*(out / "store").glob("*.h5"), *(out / "store").glob("*.h5.rows/*")]
+    return {str(p.relative_to(out)): sha256(p) for p in sorted(files)}
+
+
 @contextlib.contextmanager
 def one_thread():
     """torch on one thread, as the subprocesses run (features are bit-identical only for one thread count)."""

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from fixtures_disk import write_image
-from harness import BACKBONES, sha256, write_folders
+from harness import BACKBONES, sha256, store_files, write_folders
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -335,9 +335,3 @@ def test_two_extractions_filling_one_store_at_once_leave_the_bytes_of_one_after_
         assert one_by_one == together, order  # a cache holds its rows whatever the order
         stores.append(store_files(out))
     assert store_files(tmp_path / "at-once") in stores  # the stores append: the segments of one order or the other
-
-
-def store_files(out: Path) -> dict[str, str]:
-    """Every store file and segment below out/store, by path, with its sha256."""
-    files = [*(out / "store").glob("*.h5"), *(out / "store").glob("*.h5.rows/*.h5")]
-    return {str(p.relative_to(out)): sha256(p) for p in sorted(files)}

@@ -466,6 +466,8 @@ def test_nan_loss_stops_training_in_one_line(good_cache, tmp_path):
         "optimizer=sgd",
         "--set",
         "batch_size=8",
+        "--set",
+        "drop_last=false",
         "--out",
         str(tmp_path / "runs"),
     )

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
-from harness import BACKBONES, everything_in, one_thread, sha256
+from harness import BACKBONES, everything_in, one_thread, sha256, store_files
 from PIL import Image
 from sklearn.datasets import load_sample_images
 
@@ -209,15 +209,16 @@ def test_ray_backend_writes_the_same_bytes_as_the_local_one(tmp_path, photos):
         ray.shutdown()
     assert Path(remote["cache"]).name == Path(local["cache"]).name and sha256(remote["cache"]) == sha256(local["cache"])
     assert not remote["cache_hit"] and again["cache_hit"]
-    stores = sorted(p.name for p in (tmp_path / "local" / "store").iterdir() if not p.name.startswith(".contents-"))
-    assert len(stores) == 2 and all(name.endswith(".h5") for name in stores)  # one store per backbone
-    # the cache, the store folder, its two stores and the sidecar of the images' hashes: no parts folder, no partial
+    filled = store_files(tmp_path / "ray")
+    assert sum(Path(f).parent.name == "store" for f in filled) == 2  # one store per backbone
+    assert filled == store_files(tmp_path / "local")  # the stores the Ray tasks filled hold the local pass's bytes
+    # the cache, the store folder, its stores, their segment folders and segments, the sidecar of the images'
+    # hashes: no parts folder, no partial
     sidecars = [f"store/{p.name}" for p in (tmp_path / "ray" / "store").glob(".contents-*.json")]
+    folders = {str(Path(f).parent) for f in filled if f.count("/") == 2}
     assert len(sidecars) == 1 and everything_in(tmp_path / "ray") == sorted(
-        [Path(local["cache"]).name, "store", *(f"store/{name}" for name in stores), *sidecars]
+        [Path(local["cache"]).name, "store", *sidecars, *folders, *filled]
     )
-    for name in stores:  # the stores the Ray tasks filled hold the bytes the local pass wrote
-        assert sha256(tmp_path / "ray" / "store" / name) == sha256(tmp_path / "local" / "store" / name)
 
 
 def test_tasks_of_one_store_that_finish_together_fill_it_as_one_pass(tmp_path, photos, monkeypatch):
