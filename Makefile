@@ -8,6 +8,7 @@ CACHE   ?= cache
 RUNS    ?= runs
 DEMO_BACKBONES := --backbone efficientnet_lite0 --backbone efficientnet_lite1 --backbone efficientnet_lite2
 DEMO_EXTRACT   := --dataset offline-digits $(DEMO_BACKBONES) --partition feature --per-class 10 --test-per-class 50 --image-size 64 --out $(CACHE)
+DEMO_TRAIN     := --algo fedpcl --algo fedproto --algo fedavg --rounds 50 --seeds 0,1,2
 
 .PHONY: install demo test test-fast check bench gpu-check clean reproduce reproduce-quick docs docs-results algos-table
 
@@ -23,7 +24,7 @@ DEMO_CACHE = $$($(BIN)/featcache extract $(DEMO_EXTRACT) --json | $(BIN)/python 
 demo: install
 	$(BIN)/featcache extract $(DEMO_EXTRACT)
 	$(BIN)/featcache info $(DEMO_CACHE)
-	$(BIN)/featcache train --cache $(DEMO_CACHE) --algo fedpcl --algo fedproto --algo fedavg --rounds 50 --seeds 0,1,2 --out $(RUNS)
+	$(BIN)/featcache train --cache $(DEMO_CACHE) $(DEMO_TRAIN) --out $(RUNS)
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -84,7 +85,7 @@ algos-table: install
 
 bench: install
 	$(BIN)/python bench/extract.py
-	$(BIN)/python bench/train.py
+	$(BIN)/python bench/train.py --demo-cache $(DEMO_CACHE) --demo-train '$(DEMO_TRAIN)'
 	$(BIN)/python bench/uneven.py
 	$(BIN)/python bench/grid.py
 	$(BIN)/python bench/scale.py

@@ -1,6 +1,8 @@
 """Benchmark: seconds per round of the vectorized engine vs a plain per-client loop on the same cached tensors, and
 vs the official-FedPCL pattern that re-runs three frozen ResNet18s (64x64) on every batch, prototype pass and test
-batch. Prints one JSON object. Run: `.venv/bin/python bench/train.py [--clients 20] [--rounds 5] [--repeats 3]`.
+batch. Prints one JSON object. Run: `.venv/bin/python bench/train.py [--clients 20] [--rounds 5] [--repeats 3]`;
+`make bench` adds the demo's `train` (`--demo-cache`, `--demo-train`): its wall time and the share spent outside its
+rounds.
 The engine and the plain loop are timed alternately, `repeats` times each, each timed run right after an untimed one
 of the same contender (a run that follows the other contender would pay for faulting in the pages that one
 freed); the medians are compared. On a GPU
@@ -16,7 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import featcache.cli  # noqa: F401  (the CLI's thread setting, as `featcache` runs)
@@ -55,6 +62,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=1536, help="feature size (3 x ResNet18 = 1536)")
     ap.add_argument("--algo", default="fedpcl")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (engine and plain loop alike)")
+    ap.add_argument("--demo-cache", default=None, help="also time `featcache train --cache DEMO_CACHE DEMO_TRAIN`")
+    ap.add_argument("--demo-train", default="", help="the demo's train arguments (the Makefile's DEMO_TRAIN)")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     train = synthetic_clients(C=args.clients, n=(100, 100), D=args.dim, K=10, seed=0)  # FedPCL: 100 train / client
@@ -120,10 +129,58 @@ def main() -> None:
                 gpu_figures(runs, lambda: Engine(algo, [cfg], train, test, dev).run(logs=False), args.rounds)
                 if cuda
                 else {}
-            ),
+            )
+            | ({"demo_train": outside_the_rounds(args.demo_cache, args.demo_train)} if args.demo_cache else {}),
             indent=1,
         )
     )
+
+
+# `featcache train` itself, Engine.run (its rounds, each with its evaluation) timed from inside the process
+INSIDE = """
+import atexit, json, os, sys, time
+import featcache.cli
+from featcache.training.engine import Engine
+inside, run = [], Engine.run
+def timed(self, *a, **k):
+    t0 = time.perf_counter()
+    try:
+        return run(self, *a, **k)
+    finally:
+        inside.append(time.perf_counter() - t0)
+Engine.run = timed
+atexit.register(lambda: open(os.environ["FEATCACHE_BENCH_OUT"], "w").write(json.dumps(sum(inside))))
+sys.argv = ["featcache", *sys.argv[1:]]
+featcache.cli.main()
+"""
+
+
+def outside_the_rounds(cache: str, train_args: str) -> dict:
+    """The demo's `train` as the command runs (a fresh process, a fresh --out): its wall time, the time inside its
+    rounds and the share outside them (interpreter start, imports, cache load, checks, memory estimate, result
+    files), with the load before and after."""
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, figure = os.path.join(tmp, "runs"), os.path.join(tmp, "inside.json")
+        argv = ["train", "--cache", cache, *shlex.split(train_args), "--out", out]
+        t0 = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-c", INSIDE, *argv],
+            check=True,
+            capture_output=True,
+            env=os.environ | {"FEATCACHE_BENCH_OUT": figure},
+        )
+        wall = time.perf_counter() - t0
+        with open(figure) as f:
+            inside = json.load(f)
+    return {
+        "command": shlex.join(["featcache", *argv[:-2]]),
+        "wall_seconds": round(wall, 2),
+        "inside_rounds_seconds": round(inside, 2),
+        "outside_share": round(1 - inside / wall, 3),
+        "target_outside_share": 0.10,
+        "load_before_after": [round(load, 1), round(os.getloadavg()[0], 1)],
+    }
 
 
 def gpu_figures(runs: dict, run, rounds: int) -> dict:
