@@ -361,6 +361,13 @@ def test_the_command_searches_and_report_reads_its_folder(cache, tmp_path):
     shown = run_cli("report", result["run_folder"], "--out", tmp_path / "report")
     assert shown.code == 0, shown.stderr
     assert "| rank | trial | lr |" in shown.stdout and "stopped at round" in shown.stdout
+    rows = [line.split(" | ") for line in shown.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    head, rows = rows[0], {int(r[1]): r for r in rows[1:]}
+    last, stopped = head.index("val acc % mean(std), last round"), head.index("val acc % mean(std) where stopped")
+    for r in result["selection"]:  # a last round's score and a rung's in columns of their own
+        cells, score = rows[r["trial"]], f"{r['val_mean']:.2f}({r['val_std']:.2f})"
+        assert (cells[last], cells[stopped]) == ((score, "-") if r["state"] == "complete" else ("-", score))
+    assert {r["state"] for r in result["selection"]} == {"complete", "pruned"}
     assert png_mark(tmp_path / "report" / "search.png") == REPORT_MARK
     assert (tmp_path / "report" / "report.md").read_text().count("\n| ") == 1 + len(result["selection"])
     one_line_error(run_cli(*args, "--space", "proj_dim=int:16,64"), "proj_dim is structural")
@@ -377,3 +384,33 @@ def test_the_command_searches_and_report_reads_its_folder(cache, tmp_path):
     assert api["table"] == shown.stdout.removesuffix("\n") and api["search"] == result["run_folder"]
     with pytest.raises(UserError, match="report it alone"):
         featcache.report([cache, result["run_folder"]])
+
+
+def test_the_search_figure_names_each_line_by_its_settings(monkeypatch):
+    from featcache.results import search as S
+
+    drawn: list[str] = []
+    monkeypatch.setattr(
+        S, "png", lambda fig, mark: drawn.extend(t.get_text() for t in fig.axes[0].get_legend().get_texts())
+    )
+    row = lambda trial, state, lr, mu, curve: {
+        "trial": trial,
+        "state": state,
+        "config": {"lr": lr, "mu": mu},
+        "curve": curve,
+    }
+    S.search_png(
+        {
+            "algo": "fedprox",
+            "sampler": "tpe",
+            "pruner": "asha",
+            "rungs": [2],
+            "space": {"lr": "loguniform:1e-3,0.3", "mu": "float:0,1"},
+            "selection": [
+                row(4, "complete", 0.01, 0.5, [[2, 50.0], [4, 61.0]]),
+                row(0, "complete", 0.2, 0.0, [[2, 40.0], [4, 44.0]]),
+                row(1, "pruned", 0.001, 1.0, [[2, 10.0]]),
+            ],
+        }
+    )
+    assert drawn == ["trial 4: lr=0.01, mu=0.5 (best)", "trial 0: lr=0.2, mu=0", "pruned (x: stopped)"]

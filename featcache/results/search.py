@@ -1,6 +1,8 @@
 """`featcache report` of a search's run folder (`featcache search`): its trials as a markdown table sorted by
-validation (completed trials first), the round and rung each pruned trial stopped at, and `search.png`, validation
-accuracy against rounds with the pruned trials drawn apart (grey, a cross where each stopped) and the rungs marked.
+validation (completed trials first), a completed trial's score after its last round apart from a stopped one's at the
+round it stopped (a rung's score is not comparable with a last round's), and `search.png`, validation accuracy against
+rounds, each line named by its settings, the pruned trials drawn apart (grey, a cross where each stopped) and the
+rungs marked.
 """
 
 from __future__ import annotations
@@ -38,10 +40,18 @@ def stopped_at(row: dict, rungs: list[int]) -> tuple[str, str]:
     return str(r), str(sum(1 for at in rungs if at <= r))
 
 
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def settings(result: dict, row: dict) -> str:
+    """A trial's searched settings, as `--set` writes them."""
+    return ", ".join(f"{k}={_fmt(row['config'][k])}" for k in result["space"])
+
+
 def search_table(result: dict) -> str:
     """The trials as a markdown table, sorted as the search sorted them (by validation, completed trials first)."""
     keys = list(result["space"])
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
     retrain = result.get("retrain")
     lines = [
         f"**{result['algo']} search**: {len(result['selection'])} trials x {len(result['seeds'])} seeds, "
@@ -56,23 +66,26 @@ def search_table(result: dict) -> str:
             else "."
         ),
         "",
-        "| rank | trial | " + " | ".join(keys) + " | val acc % mean(std) | state | stopped at round | rung |",
-        "|---" * (len(keys) + 6) + "|",
+        "| rank | trial | "
+        + " | ".join(keys)
+        + " | val acc % mean(std), last round | val acc % mean(std) where stopped | state | stopped at round | rung |",
+        "|---" * (len(keys) + 7) + "|",
     ]
     for rank, r in enumerate(result["selection"], 1):
         rnd, rung = stopped_at(r, result["rungs"])
-        cells = [str(rank), str(r["trial"]), *(fmt(r["config"][k]) for k in keys)]
+        cells = [str(rank), str(r["trial"]), *(_fmt(r["config"][k]) for k in keys)]
         score = "-" if r["val_mean"] is None else f"{r['val_mean']:.2f}({r['val_std']:.2f})"
-        cells += [score, r["state"], rnd, rung]
+        cells += [score, "-"] if r["state"] == "complete" else ["-", score]
+        cells += [r["state"], rnd, rung]
         lines.append("| " + " | ".join(cells) + " |")
     failed = [f"- trial {r['trial']} failed: {r['reason']}" for r in result["selection"] if r.get("reason")]
     return "\n".join(lines + ([""] + failed if failed else [])) + "\n"
 
 
 def search_png(result: dict) -> bytes:
-    """Validation accuracy against rounds, one line per trial: completed trials in colour (the best thickest),
-    pruned ones grey and thin with a cross where each stopped, failed ones (NaN/Inf) red up to their last score; the
-    rungs as dotted vertical lines."""
+    """Validation accuracy against rounds, one line per trial: completed trials in colour (the best thickest), each
+    named by its settings, pruned ones grey and thin with a cross where each stopped, failed ones (NaN/Inf) red up to
+    their last score; the rungs as dotted vertical lines."""
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -88,7 +101,7 @@ def search_png(result: dict) -> bytes:
     for k, r in enumerate(done):
         x, y = zip(*r["curve"])
         top = r["trial"] == best
-        label = f"trial {r['trial']}" + (" (best)" if top else "")
+        label = f"trial {r['trial']}: {settings(result, r)}" + (" (best)" if top else "")
         ax.plot(x, y, color=colours(k / max(1, len(done))), lw=2.4 if top else 1.3, zorder=3, label=label)
     for at in result["rungs"]:
         ax.axvline(at, color="0.3", ls=":", lw=1)
