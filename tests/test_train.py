@@ -385,3 +385,23 @@ def test_available_memory_is_mem_available_and_a_grid_chunk_plans_for_a_share_of
     assert grid_mod.memory_budget(torch.device("cpu")) == 300 * 1024 // 4
     monkeypatch.setattr(grid_mod, "available_bytes", lambda device: 4096)
     assert grid_mod.memory_budget(torch.device("cuda")) == 2048
+
+
+def test_algo_all_trains_every_registered_algorithm_in_one_command_as_a_leaderboard(cache, tmp_path):
+    from featcache.algorithms import list_algorithms
+
+    args = ["train", "--cache", str(cache), "--algo", "all", "--rounds", "1", "--seeds", "0", "--out", str(tmp_path)]
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr
+    views = sorted(name for name, cls in list_algorithms().items() if getattr(cls, "uses_views", False))
+    assert views and f"--algo all leaves out {', '.join(views)}" in " ".join(done.stderr.split())  # no views cached
+    trained = {
+        json.loads(p.read_text())["algo"]: json.loads(p.read_text()) for p in tmp_path.glob("*-seed0-*[0-9a-f].json")
+    }
+    assert set(trained) == set(list_algorithms()) - set(views)
+    rows = [line.split("│") for line in done.stdout.splitlines() if line.count("│") > 5]  # the table's rows
+    accs = [float(r[2].strip().split("(")[0]) for r in rows]
+    assert len(rows) == len(trained) and accs == sorted(accs, reverse=True)  # a leaderboard: best first
+    assert sorted(accs) == sorted(round(r["mean_acc"], 2) for r in trained.values())
+    refused = cli("train", "--cache", str(cache), "--algo", "all", "--algo", "fedavg", "--out", str(tmp_path / "no"))
+    assert refused.returncode == 2 and "--algo all already lists every algorithm: give it alone" in refused.stderr

@@ -23,7 +23,7 @@ def train(
     algo: list[str] = typer.Option(
         ...,
         help="algorithm (see `featcache algos`), or a plug-in: path/to/file.py:Class "
-        "or package.module:Class; repeat to compare several",
+        "or package.module:Class; repeat to compare several; `all` trains every registered algorithm",
     ),
     rounds: Optional[int] = typer.Option(None, help="communication rounds (default 50)"),
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; reported as mean(std) over them"),
@@ -62,7 +62,7 @@ def train(
     from ..algorithms import objective_note  # lazy: `featcache --help` skips the algorithm registry
     from ..devices import resolve_device  # lazy: `featcache --help` loads no torch
     from ..runs.checkpoint import check_every
-    from ..runs.train import check_outputs, check_runs, resolve_runs, run
+    from ..runs.train import ALL, check_outputs, check_runs, resolve_runs, run
     from ..threads import check_threads, use_threads
 
     dev = resolve_device(device)  # as featcache.train: the device first, then every algorithm's settings
@@ -70,7 +70,7 @@ def train(
     check_outputs(out_dir, tensorboard)  # every algorithm's settings and the output folder, before the first trains
     check_every(checkpoint_every)
     notes = {spec.name: objective_note(spec.algo, spec.config) for spec in specs}
-    check_runs(specs, cache)  # several: each one's participation against the cache's clients
+    specs = check_runs(specs, cache, algo == [ALL])  # several: each one's participation against the cache's clients
     results = []
     with progress_bar(not as_json) as progress, use_threads(check_threads(threads)):
         for i, spec in enumerate(specs):
@@ -116,7 +116,7 @@ def train(
         "s/round",
     ):
         table.add_column(col, justify="right" if col != "algorithm" else "left")
-    for r in results:
+    for r in sorted(results, key=lambda r: -r["mean_acc"]) if algo == [ALL] else results:  # all: a leaderboard
         glob = "n/a" if r["global_mean_acc"] is None else f"{r['global_mean_acc']:.2f}({r['global_std_acc']:.2f})"
         table.add_row(
             r["algo"],

@@ -41,6 +41,8 @@ from ..training.engine import Engine, State
 from ..training.guards import NO_TEST_ROWS, check_features, check_split
 from ..training.schedule import dropped_note, one_step_note
 
+ALL = "all"  # --algo all: every registered algorithm, in turn
+
 
 def load_split(path, algo, holdout: str = "none", split: str = "train", backbones=None) -> C.ClientData:
     """Train (or validation) clients with cached views when the algorithm uses them."""
@@ -119,12 +121,14 @@ def resolve_runs(
     backbones: list[str] | None = None,
 ) -> list[RunSpec]:
     """The specs of several algorithms trained in turn, every one's settings checked before the first trains: each
-    listed once, `set`'s `ALGO.key=value` scoped to its algorithm."""
-    from ..algorithms import create, load
+    listed once, `set`'s `ALGO.key=value` scoped to its algorithm. `all` is every registered algorithm."""
+    from ..algorithms import create, list_algorithms, load
 
     if not algo:
         raise UserError("algo lists no algorithm: give at least one (featcache algos lists them)")
-    names = [load(a) for a in algo]  # plug-in specs (file.py:Class) are imported and registered by their names
+    if ALL in algo and len(algo) > 1:
+        raise UserError(f"--algo {ALL} already lists every algorithm: give it alone")
+    names = list(list_algorithms()) if algo == [ALL] else [load(a) for a in algo]  # plug-ins: registered by name
     twice = sorted({a for a in names if names.count(a) > 1})
     if twice:
         raise UserError(f"--algo {twice[0]} is given twice: list each algorithm once")
@@ -133,13 +137,25 @@ def resolve_runs(
     return [RunSpec.resolve(name, rounds, seeds, sets[name], backbones) for name in names]
 
 
-def check_runs(specs: list[RunSpec], cache: str | Path) -> None:
+def check_runs(specs: list[RunSpec], cache: str | Path, every: bool = False) -> list[RunSpec]:
     """Several algorithms' participation against the cache's clients (read from its metadata), before the first
-    trains: a half set of results is no comparison."""
-    if len(specs) > 1:
-        clients = len(C.info(as_path(cache, "cache"))["counts"]["clients"])
-        for spec in specs:
-            check_clients(spec.config, clients)
+    trains: a half set of results is no comparison. Returns the specs to train: with `every` (`--algo all`), an
+    algorithm that needs augmented views (`uses_views`) is left out, with a note, where the cache holds none."""
+    if len(specs) <= 1:
+        return specs
+    meta = C.info(as_path(cache, "cache"))
+    left = [] if meta["views"] or not every else [s.name for s in specs if getattr(s.algo, "uses_views", False)]
+    if left:
+        warnings.warn(
+            f"--algo {ALL} leaves out {', '.join(left)}: they train on augmented views and this cache holds none "
+            "(extract --views N makes them)",
+            UserWarning,
+            stacklevel=3,
+        )
+    specs = [s for s in specs if s.name not in left]
+    for spec in specs:
+        check_clients(spec.config, len(meta["counts"]["clients"]))
+    return specs
 
 
 @threaded
@@ -178,7 +194,7 @@ def train(
     `check_runs`), and returns `{"runs": [each one's result]}`; a result's numbers and name are those of its
     algorithm's own call."""
     dev = resolve_device(device)
-    several = not isinstance(algo, str)
+    several = not isinstance(algo, str) or algo == ALL
     specs = (
         resolve_runs(as_list(algo, "algo"), rounds, seeds, set, backbones)
         if several
@@ -186,7 +202,7 @@ def train(
     )
     check_outputs(out, tensorboard)
     check_every(checkpoint_every)
-    check_runs(specs, cache)
+    specs = check_runs(specs, cache, as_list(algo, "algo") == [ALL])
     cache = as_path(cache, "cache")
     call = library_call(
         "featcache.train",
