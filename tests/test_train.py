@@ -108,6 +108,23 @@ def test_grid_selects_retrains_and_matches_single_runs(cache, tmp_path):
     assert Path(res["run_folder"], "grid.csv").read_text().startswith("lr,weight_decay,val_mean,val_std")
 
 
+def test_a_grid_configuration_that_diverges_fails_alone_and_the_others_score_as_without_it(cache, tmp_path):
+    given = dict(seeds=[0, 1], rounds=2, set=["optimizer=sgd"], chunk=6)
+    with pytest.warns(UserWarning, match=r"grid: \{'lr': 1e\+38\} failed and the others went on: fedavg: .*NaN/Inf"):
+        res = grid(cache, "fedavg", ["lr=0.05,1e38,0.01"], out=tmp_path / "a", **given)
+    failed = res["selection"][-1]
+    assert failed["config"] == {"lr": 1e38} and failed["state"] == "failed" and "NaN/Inf" in failed["reason"]
+    alone = grid(cache, "fedavg", ["lr=0.05,0.01"], out=tmp_path / "b", retrain=False, **given)
+    assert res["selection"][:2] == alone["selection"] and res["best"] == alone["best"]  # as if it never ran
+    assert "mean_acc" in res["retrain"]
+    assert Path(res["run_folder"], "grid.csv").read_text().splitlines()[-1] == "1e+38,,"
+    again = grid(cache, "fedavg", ["lr=0.05,1e38,0.01"], out=tmp_path / "a", **given)  # resumed from its chunks
+    assert again["selection"] == res["selection"] and again["chunks_resumed"] == 1
+    with pytest.raises(UserError, match="^fedavg: the .* became NaN/Inf in round 1"):  # every one: the first one's line
+        grid(cache, "fedavg", ["lr=1e37,1e38"], out=tmp_path / "c", **given)
+    assert not (tmp_path / "c").exists()
+
+
 def test_grid_resumes_at_first_unfinished_chunk(cache, tmp_path, monkeypatch):
     args = dict(
         cache=cache,

@@ -188,7 +188,8 @@ def grid(
         f"{len(result['seeds'])} seeds, {result['chunks']} chunk(s) of <= {result['chunk_size']} models",
     )
     for row in result["selection"]:
-        table.add_row(*(str(row["config"][k]) for k in keys), f"{row['val_mean']:.2f}({row['val_std']:.2f})")
+        score = "failed" if row["val_mean"] is None else f"{row['val_mean']:.2f}({row['val_std']:.2f})"
+        table.add_row(*(str(row["config"][k]) for k in keys), score)
     out.print(table)
     if "retrain" in result:
         r = result["retrain"]

@@ -39,7 +39,7 @@ from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_s
 from ..training.schedule import dropped_note, one_step_note
 from ..training.footprint import check_memory
 from .spec import RunSpec
-from .train import load_split, run, run_configs
+from .train import load_split, run, run_configs, surviving
 
 BACKENDS = {}
 
@@ -105,13 +105,15 @@ def _run_chunk(
     progress=None,
     data: tuple | None = None,
 ) -> list[list[float]]:
-    """Train a chunk on train-minus-validation and score on validation: per model, per-client final accuracy.
-    `progress(round, rounds, live)` is called after each round (Engine.run); `data` = (fit, val) when the caller already
-    loaded them."""
+    """Train a chunk on train-minus-validation and score on validation: per model, per-client final accuracy, or
+    the one line saying why it diverged (the others train again without it: `surviving`). `progress(round, rounds,
+    live)` is called after each round (Engine.run); `data` = (fit, val) when the caller already loaded them."""
     algo = create(algo_name)
     fit, val = data or _split_data(cache, algo, backbones)
-    acc = run_configs(algo, cfgs, fit, val, device, progress, logs=False)["acc"][-1]  # [H, C]
-    return (100 * acc).tolist()
+    fits = lambda hs: run_configs(algo, [cfgs[h] for h in hs], fit, val, device, progress, logs=False)["acc"][-1]
+    acc, kept, failed = surviving(fits, list(range(len(cfgs))))  # acc [H', C] over the survivors
+    scores = dict(zip(kept, (100 * acc).tolist())) if kept else {}
+    return [scores[h] if h in scores else failed[h] for h in range(len(cfgs))]
 
 
 def _local_backend(jobs, progress, data):
@@ -279,15 +281,33 @@ def run_grid(
             if progress:
                 progress("grid chunks", sum(j["file"].is_file() for j in jobs), len(jobs))
 
-        scores = {i: [] for i in range(len(cfgs))}
+        scores: dict[int, list] = {i: [] for i in range(len(cfgs))}
+        failed: dict[int, str] = {}  # a configuration any of whose seeds diverged: why, in one line
         for job in jobs:
             saved = json.loads(job["file"].read_text())
-            for (i, _seed), per_client in zip(saved["models"], saved["val_acc"]):
-                scores[i].append(float(np.mean(per_client)))
+            for (i, _seed), got in zip(saved["models"], saved["val_acc"]):
+                if isinstance(got, str):
+                    failed.setdefault(i, got)
+                else:
+                    scores[i].append(float(np.mean(got)))
         table = sorted(
-            ({"config": points[i], "val_mean": mean_std(v)[0], "val_std": mean_std(v)[1]} for i, v in scores.items()),
+            (
+                {"config": points[i], "val_mean": mean_std(v)[0], "val_std": mean_std(v)[1]}
+                for i, v in scores.items()
+                if i not in failed
+            ),
             key=lambda r: -r["val_mean"],
         )
+        for i, reason in sorted(failed.items()):
+            warnings.warn(f"grid: {points[i]} failed and the others went on: {reason}", UserWarning, stacklevel=2)
+        if not table:  # nothing to select: the first one's line, and no chunk left behind (each would fail again)
+            for job in jobs:
+                job["file"].unlink(missing_ok=True)
+            raise UserError(failed[min(failed)])
+        table += [
+            {"config": points[i], "val_mean": None, "val_std": None, "state": "failed", "reason": r}
+            for i, r in sorted(failed.items())
+        ]
         tied = [r["config"] for r in table if r["val_mean"] == table[0]["val_mean"]]
         if len(tied) > 1:  # the sort is stable: the first in grid order wins
             warnings.warn(
@@ -362,5 +382,6 @@ def to_csv(table: list[dict]) -> str:
     w = csv.writer(buf)
     w.writerow([*keys, "val_mean", "val_std"])
     for r in table:
-        w.writerow([*(r["config"][k] for k in keys), f"{r['val_mean']:.4f}", f"{r['val_std']:.4f}"])
+        score = ["", ""] if r["val_mean"] is None else [f"{r['val_mean']:.4f}", f"{r['val_std']:.4f}"]
+        w.writerow([*(r["config"][k] for k in keys), *score])  # a failed configuration: no score
     return buf.getvalue()

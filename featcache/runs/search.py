@@ -48,12 +48,12 @@ from ..threads import threaded
 from ..training.config import check_clients, resolve, scoped, settings_of, structural_keys
 from ..training.engine import Engine, take_models
 from ..training.footprint import check_memory
-from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, Diverged, check_features, check_split
+from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
 from ..training.schedule import evaluates
 from . import grid
 from .metrics import mean_std
 from .spec import RunSpec, given_once
-from .train import load_split
+from .train import load_split, surviving
 
 STUDY = "featcache-search"  # the study's name: Hyperband assigns brackets by a hash of it and the trial number
 RUNGS, REDUCTION = 2, 4  # the default rung schedule: the first rung at R / 16 (docs/guides/search.md: why)
@@ -703,18 +703,15 @@ class Trainer:
         """A bucket trained to round `until`; where a model's loss turns NaN/Inf, its trial is marked failed in
         `values` and the others train again from round 0 without it (each survivor trains as alone: the same
         numbers)."""
-        while bucket[1]:
-            try:
-                with plugin_exits():
-                    bucket[0].run(logs=False, until=until)
-                return
-            except Diverged as e:
-                bad = {bucket[1][h][0] for h in e.models}
-                values.update(dict.fromkeys(bad, str(e)))
-                bucket[1] = [m for m in bucket[1] if m[0] not in bad]
-                if bucket[1]:
-                    with plugin_exits():
-                        bucket[0] = Engine(self.algo, self._configs(bucket[1]), self.fit, self.val, self.device)
+
+        def train(models: list) -> None:
+            with plugin_exits():
+                if models != bucket[1]:  # some failed: the rest from round 0 without them
+                    bucket[:] = [Engine(self.algo, self._configs(models), self.fit, self.val, self.device), models]
+                bucket[0].run(logs=False, until=until)
+
+        _, bucket[1], failed = surviving(train, bucket[1], same=lambda m: m[0])  # m = (trial, seed)
+        values.update({m[0]: reason for m, reason in failed.items()})
 
     def drop(self, pruned: list[int]) -> None:
         if not pruned:

@@ -38,7 +38,7 @@ from ..training.config import check_clients, check_seeds, scoped
 from .names import run_name
 from .spec import RunSpec
 from ..training.engine import Engine, State
-from ..training.guards import NO_TEST_ROWS, check_features, check_split
+from ..training.guards import NO_TEST_ROWS, Diverged, check_features, check_split
 from ..training.schedule import dropped_note, one_step_note
 
 ALL = "all"  # --algo all: every registered algorithm, in turn
@@ -78,6 +78,23 @@ def run_configs(
         engine = Engine(algo, cfgs, train, test, device=device, at_once=at_once)
         raw = engine.run(progress, logs, checkpoint)
     return raw | {"trained": Trained(engine.algo, engine.state, engine.train, engine.test)}
+
+
+def surviving(train, models: list, same=lambda m: m) -> tuple:
+    """`train(models)`, again without the models it names as diverged (`Diverged.models`: positions in `models`)
+    and those `same` maps to the same key (a search's trial: all its seeds), until it finishes: (its result, or None
+    where none is left; the survivors; {model: its one-line reason}). Each model of a batch trains as it would
+    alone, so a survivor's numbers are those of a batch without the failed: a configuration that diverges fails
+    alone (grid and search alike)."""
+    failed: dict = {}
+    while models:
+        try:
+            return train(models), models, failed
+        except Diverged as e:
+            bad = {same(models[h]) for h in e.models}
+            failed |= {m: str(e) for m in models if same(m) in bad}
+            models = [m for m in models if same(m) not in bad]
+    return None, models, failed
 
 
 def check_outputs(out: str | Path, tensorboard: str | Path | None = None) -> None:
