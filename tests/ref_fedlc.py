@@ -64,12 +64,22 @@ def fedlc(global_w, selected_rounds, targets, num_classes, batches, local_epoch,
         for client_id in selected:
             model = {k: v.clone() for k, v in public.items()}  # set_parameters: load the regular params
             criterion = lambda logit, y, c=counts[client_id]: logit_calibrated_loss(logit, y, c, tau)
-            fit(model, criterion, lambda e, r=round, c=client_id: batches(r, c, e), local_epoch, lr, momentum, weight_decay)
+            fit(
+                model,
+                criterion,
+                lambda e, r=round, c=client_id: batches(r, c, e),
+                local_epoch,
+                lr,
+                momentum,
+                weight_decay,
+            )
             packages[client_id] = {"weight": len(targets[client_id]), "regular_model_params": model}
         client_weights = [package["weight"] for package in packages.values()]
         weights = torch.tensor(client_weights) / sum(client_weights)
         for name in public:
-            client_params = torch.stack([package["regular_model_params"][name] for package in packages.values()], dim=-1)
+            client_params = torch.stack(
+                [package["regular_model_params"][name] for package in packages.values()], dim=-1
+            )
             public[name] = torch.sum(client_params * weights, dim=-1)
         out.append({k: v.clone() for k, v in public.items()})
     return out

@@ -121,7 +121,9 @@ def release_run(name: str = "feddecorr-official", monkeypatch=None, broken: bool
 
     def batches(r, c, epoch):
         order = batch_order(seeds, r, epoch, train.counts, train.features.shape[1])[0, c, : int(train.counts[c])]
-        return [(train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, len(order), B)]
+        return [
+            (train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, len(order), B)
+        ]
 
     if broken:  # the biased variance in the z-score
         monkeypatch.setattr(torch.Tensor, "var", lambda t, dim, keepdim: t.pow(2).mean(dim, keepdim=keepdim))

@@ -113,12 +113,16 @@ def release_run(monkeypatch=None, broken: bool = False):
 
     def batches(r, c, epoch):
         order = batch_order(seeds, r, epoch, train.counts, train.features.shape[1])[0, c, : int(train.counts[c])]
-        return [(train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, len(order), B)]
+        return [
+            (train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, len(order), B)
+        ]
 
     targets = [train.labels[c, : int(train.counts[c])].tolist() for c in range(C)]
     if broken:  # PFLlib's calibration: the counts summed over all clients
         pooled = [t for ts in targets for t in ts]
-        monkeypatch.setattr(ref_fedlc, "label_counts", lambda t, k: torch.tensor([float(pooled.count(i)) for i in range(k)]))
+        monkeypatch.setattr(
+            ref_fedlc, "label_counts", lambda t, k: torch.tensor([float(pooled.count(i)) for i in range(k)])
+        )
     ref = ref_fedlc.fedlc(x0, selected, targets, 4, batches, 1, cfg["lr"], cfg["momentum"], cfg["weight_decay"], TAU)
     return ours, ref, selected
 
