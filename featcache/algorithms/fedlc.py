@@ -1,4 +1,4 @@
-"""FedLC (Zhang et al., "Federated Learning with Label Distribution Skew via Logits Calibration", ICML 2022, §4).
+"""FedLC (Zhang et al., "Federated Learning with Label Distribution Skew via Logits Calibration", ICML 2022).
 
 Differs from FedAvg only in the local loss: client c subtracts a per-class offset from every logit before the
 softmax cross-entropy,
@@ -44,7 +44,7 @@ def others_loss(s: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.T
 @register
 class FedLC(FedAvg):
     name = "fedlc"
-    paper = "Zhang et al., Federated Learning with Label Distribution Skew via Logits Calibration, ICML 2022, §4"
+    paper = "Zhang et al., Federated Learning with Label Distribution Skew via Logits Calibration, ICML 2022"
     uploads = "all head parameters"
     settings = {
         "tau": Setting(1.0, "τ, the calibration strength (FL-bench's default; tune per data set)", lo=0),
