@@ -54,7 +54,10 @@ class FedLC(FedAvg):
             choices=("all", "others"),
         ),
     }
-    objective = "training loss unbounded below: the paper's equation leaves the target out of its denominator"
+    objective = (
+        "unbounded below: the paper's equation leaves the target out of its denominator, so the loss falls without "
+        "limit as f_y grows; judge runs by accuracy (denominator=all bounds it)"
+    )
     objective_when = {"denominator": "others"}
 
     def init_state(self, state, rnd):
