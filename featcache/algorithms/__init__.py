@@ -13,6 +13,8 @@ from . import (  # noqa: F401  (each module registers its algorithms)
     fedamp,
     fedbn,
     fedcac,
+    feddecorr,
+    fedlc,
     fedpcl,
     fedper,
     fedpft,
