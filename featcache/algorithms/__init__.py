@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (each module registers its algorithms)
     fedamp,
     fedbn,
     fedcac,
+    fednova,
     fedntd,
     fedpcl,
     fedper,
