@@ -1,4 +1,4 @@
-"""FedNova: the server step against the paper's eq. 6–7 written out per client (the normaliser ||a_i||₁ of App. B for
+"""FedNova: the server step against the paper's eq. 6–7 written out per client (the normaliser ‖a_i‖₁ of App. B for
 SGD with and without momentum), the vectorized engine against the plain per-client loop, and `fednova` against a
 transcription of NIID-Bench's release (tests/ref_fednova.py) over several rounds at partial participation, with a
 broken transcription that fails. Uneven clients throughout: they take different numbers of local steps."""
@@ -26,12 +26,12 @@ def steps(n: int, cfg: dict) -> int:
 
 
 def a_norm(tau: int, rho: float) -> float:
-    """||a_i||₁ of App. B: a_i's k-th entry is (1 − ρ^k)/(1 − ρ) under momentum ρ, 1 under plain SGD."""
+    """‖a_i‖₁ of App. B: a_i's k-th entry is (1 − ρ^k)/(1 − ρ) under momentum ρ, 1 under plain SGD."""
     return sum((1 - rho ** (k + 1)) / (1 - rho) for k in range(tau)) if rho else float(tau)
 
 
 def paper_server(x, clients, n, memory, cfg):
-    """Eq. 6–7: d_i = (x − y_i)/||a_i||₁, x ← x − (Σ_i p_i ||a_i||₁) Σ_i p_i d_i, p_i = n_i / Σ_j n_j."""
+    """Eq. 6–7: d_i = (x − y_i)/‖a_i‖₁, x ← x − (Σ_i p_i ‖a_i‖₁) Σ_i p_i d_i, p_i = n_i / Σ_j n_j."""
     p = [ni / sum(n) for ni in n]
     norms = [a_norm(steps(ni, cfg), cfg["momentum"]) for ni in n]
     assert len(set(norms)) > 1, "the clients should take different numbers of steps"
@@ -103,7 +103,7 @@ def release_runs(name: str, broken: bool = False):
     ours = {k: v[0, 0] for k, v in engine.state.params.items()}
     saved = ref_fednova.train_net_fednova
 
-    def plain_sgd_normaliser(net, glob, b, epochs, lr, rho, reg):  # broken: ||a_i||₁ = τ_i under momentum
+    def plain_sgd_normaliser(net, glob, b, epochs, lr, rho, reg):  # broken: ‖a_i‖₁ = τ_i under momentum
         a_i, d = saved(net, glob, b, epochs, lr, rho, reg)
         tau = sum(len(b(e)) for e in range(epochs))
         return tau, {k: v * a_i / tau for k, v in d.items()}
