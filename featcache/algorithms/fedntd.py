@@ -16,7 +16,8 @@ Global model: FedAvg's, the w^t every client starts the next round from; the ser
 
 `fedntd-official` matches PFLlib's transcription of the release (TsingZ0/PFLlib @ d832e76f,
 system/flcore/clients/clientntd.py, servers/serverntd.py), whose server averages the participants uniformly
-(serverntd.add_parameters: 1/num_join_clients), not by their sizes.
+(serverntd.add_parameters: 1/num_join_clients), not by their sizes. Its BN running statistics (bn=True) are
+averaged the same way; PFLlib averages `parameters()` only and keeps the first uploader's buffers.
 """
 
 from __future__ import annotations
