@@ -18,7 +18,8 @@ engine's other defaults, weight_decay=1e-4 included).
 Global model: the server's x, which every client downloads.
 
 Against the released code transcribed in tests (Xtra-Computing/NIID-Bench @ fa47720d, experiments.py
-`train_net_fednova` and the fednova round loop; neither PFLlib nor FL-bench releases FedNova): the same equations.
+`train_net_fednova` and the fednova round loop, is_same_initial=1; neither PFLlib nor FL-bench releases FedNova): the
+same equations; the release also applies the normalized update to BN running statistics, which here are averaged.
 """
 
 from __future__ import annotations
