@@ -68,6 +68,8 @@ def test_fednova_equals_the_plain_loop(momentum):
 
 C, B, ROUNDS, RATE, RHO, REG = 6, 8, 4, 0.5, 0.5, 1e-3
 
+TRAINED: dict = {}  # algorithm -> its global model after the release comparison's rounds
+
 
 def release_runs(name: str, broken: bool = False):
     """(featcache's global model after ROUNDS rounds, the transcription's after each round) on uneven clients at
@@ -99,8 +101,10 @@ def release_runs(name: str, broken: bool = False):
         rows = [order[s : min(s + B, sizes[c])] for s in range(0, sizes[c], B)]  # the last batch short
         return [(train.features[c, i], train.labels[c, i]) for i in rows]
 
-    engine.run(logs=False)
-    ours = {k: v[0, 0] for k, v in engine.state.params.items()}
+    if name not in TRAINED:  # one engine run per algorithm for the file's comparisons
+        engine.run(logs=False)
+        TRAINED[name] = {k: v[0, 0] for k, v in engine.state.params.items()}
+    ours = TRAINED[name]
     saved = ref_fednova.train_net_fednova
 
     def plain_sgd_normaliser(net, glob, b, epochs, lr, rho, reg):  # broken: ‖a_i‖₁ = τ_i under momentum
