@@ -36,6 +36,9 @@ WITH_GLOBAL = {
     "fedlc",
     "feddecorr",
     "feddecorr-official",
+    "fedntd",
+    "fedntd-official",
+    "fednova",
 }
 
 
@@ -153,6 +156,7 @@ def test_which_algorithms_have_a_global_model(name, data):
 SERVER_OPTIMIZERS = {"fedavgm", "fedadagrad", "fedyogi", "fedadam"}
 HOLD_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "moon-official", "fedproc", "fedproc-official", "perfedavg"}
 HOLD_GLOBAL |= {"fedlc", "feddecorr", "feddecorr-official"}
+HOLD_GLOBAL |= {"fedntd", "fedntd-official", "fednova"}
 HOLD_GLOBAL |= SERVER_OPTIMIZERS
 
 

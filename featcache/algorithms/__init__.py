@@ -15,6 +15,8 @@ from . import (  # noqa: F401  (each module registers its algorithms)
     fedcac,
     feddecorr,
     fedlc,
+    fednova,
+    fedntd,
     fedpcl,
     fedper,
     fedpft,
