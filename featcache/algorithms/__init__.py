@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from ..training.config import shared_settings
 from . import (  # noqa: F401  (each module registers its algorithms)
+    ditto,
     fedamp,
     fedbn,
     fedcac,
+    feddyn,
     fedpcl,
     fedper,
     fedpft,
