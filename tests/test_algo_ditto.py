@@ -16,6 +16,7 @@ from featcache.testing import assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
 from tests import ref_ditto
+from tests.test_algo_personal import assert_batched_equals_alone
 
 C, B, ROUNDS = 6, 16, 4
 
@@ -188,3 +189,8 @@ def broken_ditto(model, selected_rounds, train_samples, batches, local_epochs, p
 def test_a_broken_transcription_fails_the_comparison():
     ours, theirs = release_runs(0.5, ref=broken_ditto)
     assert largest_difference(ours, theirs) > 1e-4
+
+
+def test_batched_lambda_equals_single_runs():
+    """λ reaches the personal step per configuration (a grid batches it)."""
+    assert_batched_equals_alone("ditto", {"lam": 0.2}, rounds=2)

@@ -14,6 +14,7 @@ from featcache.testing import assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
 from tests import ref_feddyn
+from tests.test_algo_personal import assert_batched_equals_alone
 
 C, B, ROUNDS = 6, 16, 5
 
@@ -164,3 +165,8 @@ def test_a_broken_transcription_and_the_papers_square_fail_the_comparison():
     assert largest_difference(ours, theirs) > 1e-4
     ours, theirs = release_runs("feddyn", 0.5)  # the paper's α/2 ||θ − θ^{t−1}||²
     assert largest_difference(ours, theirs) > 1e-4
+
+
+def test_batched_alpha_equals_single_runs():
+    """α reaches the loss and the server per configuration (a grid batches it)."""
+    assert_batched_equals_alone("feddyn", {"alpha": 0.1}, rounds=2)

@@ -33,6 +33,9 @@ WITH_GLOBAL = {
     "fedyogi",
     "fedadam",
     "moon-official",
+    "feddyn",
+    "feddyn-official",
+    "ditto",
 }
 
 
@@ -149,6 +152,7 @@ def test_which_algorithms_have_a_global_model(name, data):
 # The algorithms whose clients all predict with the server's model after download: their global metric is pooled.
 SERVER_OPTIMIZERS = {"fedavgm", "fedadagrad", "fedyogi", "fedadam"}
 HOLD_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "moon-official", "fedproc", "fedproc-official", "perfedavg"}
+HOLD_GLOBAL |= {"feddyn", "feddyn-official"}
 HOLD_GLOBAL |= SERVER_OPTIMIZERS
 
 
