@@ -44,8 +44,11 @@ def common(tree: dict) -> dict:
 @register
 class Ditto(FedAvg):
     name = "ditto"
-    paper = "Li, Hu, Beirami and Smith, Ditto: Fair and Robust FL Through Personalization, ICML 2021, eq. 2, Alg. 1"
-    uploads = "the global model w's parameters (the personal model v_k stays on the client)"
+    paper = (
+        "Li, Hu, Beirami and Smith, Ditto: Fair and Robust Federated Learning Through Personalization, ICML 2021, "
+        "eq. 2, Alg. 1"
+    )
+    uploads = "all parameters of the global model w (the personal model v_k stays on the client)"
     settings = {
         "lam": Setting(1.0, "λ, weight of the personal model's proximal term to the round's global model", lo=0),
         "pers_epochs": Setting(1, "local epochs on the personal model per round (Alg. 1's s, in epochs)", lo=1),

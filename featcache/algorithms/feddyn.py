@@ -16,7 +16,7 @@ not parameters and are averaged with FedAvg's n_k / n weights; the local problem
 local epochs and optimizer (Adam by default; the paper uses SGD: --set optimizer=sgd). α = 0.01 by default, from the
 paper's search set {0.1, 0.01, 0.001}; it is a per-configuration value that a grid varies.
 Global model: θ^t, which every client downloads.
-The training loss is R_k, whose linear term has no sign: it is not a fit measure (`objective`).
+The training loss is R_k, whose linear term has no sign: not a fit measure (`objective`).
 
 `feddyn-official` matches PFLlib (TsingZ0/PFLlib @ d832e76f, system/flcore/clients/clientdyn.py and
 servers/serverdyn.py), which writes the quadratic term as α/2 ||θ − θ^{t−1}||, the norm of the whole parameter vector
@@ -34,7 +34,8 @@ from .registry import register
 
 def sq_norm(d: dict) -> torch.Tensor:
     """Σ over parameters of ||d_k||² for name -> [H, C, ...]: [H, C]."""
-    return sum(torch.linalg.vector_norm(v, dim=tuple(range(2, v.dim()))).square() for v in d.values())  # type: ignore[return-value]
+    norms = [torch.linalg.vector_norm(v, dim=tuple(range(2, v.dim()))).square() for v in d.values()]  # [H, C] each
+    return torch.stack(norms).sum(0)  # [H, C]
 
 
 @register
@@ -47,9 +48,7 @@ class FedDyn(FedAvg):
             0.01, "α, weight of the dynamic regularizer (the paper's search set {0.1, 0.01, 0.001})", lo=0, lo_open=True
         )
     }
-    objective = (
-        "the training loss holds the linear term −⟨∇L_k(θ_k^{t−1}), θ⟩, which has no sign: judge runs by accuracy"
-    )
+    objective = "holds the linear term −⟨∇L_k(θ_k^{t−1}), θ⟩, which has no sign: judge runs by accuracy"
     uses_global = True  # θ^{t−1}: ctx["global"]
     fedavg_server = False  # per-client linear terms (after_local), the server's h (aggregate, download)
 
@@ -104,6 +103,10 @@ class FedDynOfficial(FedDyn):
     name = "feddyn-official"
     paper = "FedDyn as PFLlib releases it (TsingZ0/PFLlib, clientdyn.py, serverdyn.py)"
     uploads = "all head parameters"
+    objective = (
+        "holds the linear term −⟨∇L_k(θ_k^{t−1}), θ⟩, which has no sign, and is unbounded below once "
+        "||∇L_k(θ_k^{t−1})|| > α/2 (the release's norm is not squared): judge runs by accuracy"
+    )
 
     def quadratic(self, d, alpha):
         """α/2 ||d|| [H, C] (the whole vector's norm, unsquared) and its gradient α/2 d / ||d|| (0 where d = 0)."""
