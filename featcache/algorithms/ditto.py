@@ -15,7 +15,8 @@ from (Alg. 1: v_k ← v_k − η (∇F_k(v_k) + λ (v_k − w^t)) for s local it
 Choices the paper leaves open: w and v_k share the minibatches of each epoch (the released codes draw a shuffle for
 each); the two are trained by the engine's optimizer (the paper and PFLlib: SGD; --set optimizer=sgd); λ = 1 by
 default, from the paper's search set {0.01, 0.1, 1, 2} and FL-bench's default, pers_epochs = 1 (PFLlib's and
-FL-bench's). λ is a per-configuration value that a grid varies.
+FL-bench's). λ is a per-configuration value that a grid varies. w is averaged with FedAvg's n_k / n weights, BN
+statistics included (PFLlib's server keeps the first upload's statistics).
 Global model: the averaged w, predicting with w itself (the paper's G(·) solution, which Ditto personalises).
 The training loss is F_k(w) + F_k(v_k) + λ/2 ||v_k − w^t||².
 """

@@ -21,6 +21,7 @@ The training loss is R_k, whose linear term has no sign: not a fit measure (`obj
 `feddyn-official` matches PFLlib (TsingZ0/PFLlib @ d832e76f, system/flcore/clients/clientdyn.py and
 servers/serverdyn.py), which writes the quadratic term as α/2 ||θ − θ^{t−1}||, the norm of the whole parameter vector
 unsquared (its gradient α/2 (θ − θ^{t−1}) / ||θ − θ^{t−1}||, 0 at θ = θ^{t−1}); its line 6 and server are the paper's.
+With bn=True PFLlib's server keeps the first upload's BN statistics; both variants here average them.
 """
 
 from __future__ import annotations
