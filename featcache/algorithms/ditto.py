@@ -8,15 +8,15 @@ from (Alg. 1: v_k ← v_k − η (∇F_k(v_k) + λ (v_k − w^t)) for s local it
   model (v_k^0 = w^0, as the released codes start it) and never uploaded;
 - local loss: F_k(w) + F_k(v_k), on the same minibatches; the proximal term is a `penalty` on v_k's parameters with
   the closed-form gradient λ (v_k − w^t) (w^t read from the context, `uses_global`), added to F_k's gradient before
-  the optimizer's step, as both released codes add it;
+  the optimizer's step (FL-bench's way; PFLlib's PerturbedGradientDescent takes the same SGD step);
 - w trains `local_epochs` epochs and v_k `pers_epochs` (s, counted in epochs); in the epochs past one model's count
   it is frozen and its loss and BN statistics are left out;
 - each client predicts with v_k; absent clients keep theirs.
 Choices the paper leaves open: w and v_k share the minibatches of each epoch (the released codes draw a shuffle for
-each); the two are trained by the engine's optimizer (the paper and PFLlib: SGD; --set optimizer=sgd); λ = 1 by
-default, from the paper's search set {0.01, 0.1, 1, 2} and FL-bench's default, pers_epochs = 1 (PFLlib's and
-FL-bench's). λ is a per-configuration value that a grid varies. w is averaged with FedAvg's n_k / n weights, BN
-statistics included (PFLlib's server keeps the first upload's statistics).
+each); the two are trained by the engine's optimizer (the paper and PFLlib: SGD; --set optimizer=sgd); λ = 1 by default
+(FL-bench's; the paper tunes λ per data set) and pers_epochs = 1 (PFLlib's and FL-bench's). λ is a per-configuration
+value that a grid varies. w is averaged with FedAvg's n_k / n weights, BN statistics included (PFLlib's server keeps the
+first upload's statistics).
 Global model: the averaged w, predicting with w itself (the paper's G(·) solution, which Ditto personalises).
 The training loss is F_k(w) + F_k(v_k) + λ/2 ||v_k − w^t||².
 """

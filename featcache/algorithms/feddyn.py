@@ -10,8 +10,8 @@ Differences from FedAvg:
   θ^{t−1}), kept per client (`state.client["grad"]`, zero at the start); absent clients keep theirs;
 - the server keeps h (zero at the start) and, over the participants P_t of the m clients (lines 9–10):
   h^t = h^{t−1} − α/m Σ_{k∈P_t} (θ_k^t − θ^{t−1}),  θ^t = 1/|P_t| Σ_{k∈P_t} θ_k^t − h^t / α.
-Choices the paper leaves open: line 9's sum is read as the sum of the participants' changes θ_k^t − θ^{t−1}, as the
-authors' code and PFLlib compute it; the mean over P_t is uniform (n_k ignored); BN running statistics (bn=True) are
+Choices the paper leaves open: line 9's sum is read as the sum of the participants' changes θ_k^t − θ^{t−1}, as PFLlib
+computes it; the mean over P_t is uniform (n_k ignored); BN running statistics (bn=True) are
 not parameters and are averaged with FedAvg's n_k / n weights; the local problem is solved inexactly by the engine's
 local epochs and optimizer (Adam by default; the paper uses SGD: --set optimizer=sgd). α = 0.01 by default, from the
 paper's search set {0.1, 0.01, 0.001}; it is a per-configuration value that a grid varies.
