@@ -16,7 +16,9 @@ from featcache.testing import assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
 from tests import ref_ditto
+from tests.synthetic import write_cache
 from tests.test_algo_personal import assert_batched_equals_alone
+from tests.test_resume import assert_resumes_exactly, ctrl_c_reaches_python  # noqa: F401  (autouse: SIGINT reaches Python)
 
 C, B, ROUNDS = 6, 16, 4
 
@@ -194,3 +196,12 @@ def test_a_broken_transcription_fails_the_comparison():
 def test_batched_lambda_equals_single_runs():
     """λ reaches the personal step per configuration (a grid batches it)."""
     assert_batched_equals_alone("ditto", {"lam": 0.2}, rounds=2)
+
+
+def test_resumes_byte_for_byte(tmp_path):
+    """A run killed after round 2 and resumed ends as the uninterrupted one (every v_k is in the checkpoint)."""
+    cache = write_cache(tmp_path / "c.h5", C=4, D=16, K=3, n=(16, 40), spread=4.0)
+    opts = {"participation": 0.5, "batch_size": 8, "proj_dim": 8}
+    assert_resumes_exactly(
+        cache, "ditto", [(2, "kill")], 1, rounds=3, seeds=[0, 1], set=[f"{k}={v}" for k, v in opts.items()]
+    )

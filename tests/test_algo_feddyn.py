@@ -14,7 +14,9 @@ from featcache.testing import assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
 from tests import ref_feddyn
+from tests.synthetic import write_cache
 from tests.test_algo_personal import assert_batched_equals_alone
+from tests.test_resume import assert_resumes_exactly, ctrl_c_reaches_python  # noqa: F401  (autouse: SIGINT reaches Python)
 
 C, B, ROUNDS = 6, 16, 5
 
@@ -171,3 +173,13 @@ def test_a_broken_transcription_and_the_papers_square_fail_the_comparison():
 def test_batched_alpha_equals_single_runs():
     """α reaches the loss and the server per configuration (a grid batches it)."""
     assert_batched_equals_alone("feddyn", {"alpha": 0.1}, rounds=2)
+
+
+def test_resumes_byte_for_byte(tmp_path):
+    """A run killed after round 2 and resumed ends as the uninterrupted one (the linear terms and h are in the
+    checkpoint)."""
+    cache = write_cache(tmp_path / "c.h5", C=4, D=16, K=3, n=(16, 40), spread=4.0)
+    opts = {"participation": 0.5, "batch_size": 8, "proj_dim": 8}
+    assert_resumes_exactly(
+        cache, "feddyn", [(2, "kill")], 1, rounds=3, seeds=[0, 1], set=[f"{k}={v}" for k, v in opts.items()]
+    )
