@@ -322,6 +322,7 @@ def test_moon_first_round_equals_fedavg(data):
         ("fedrep", {"proj0.weight", "proj0.bias"}, {"head_epochs": 2}),
         ("fedrod", {"proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias"}, {}),
         ("local", set(), {}),
+        ("ditto", {"proj0.weight", "proj0.bias", "cls0.weight", "cls0.bias"}, {}),
     ],
 )
 def test_shares_exactly_its_papers_parameters(name, shared, over, data):

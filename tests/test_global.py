@@ -39,6 +39,9 @@ WITH_GLOBAL = {
     "fedntd",
     "fedntd-official",
     "fednova",
+    "feddyn",
+    "feddyn-official",
+    "ditto",
 }
 
 
@@ -157,6 +160,7 @@ SERVER_OPTIMIZERS = {"fedavgm", "fedadagrad", "fedyogi", "fedadam"}
 HOLD_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "moon-official", "fedproc", "fedproc-official", "perfedavg"}
 HOLD_GLOBAL |= {"fedlc", "feddecorr", "feddecorr-official"}
 HOLD_GLOBAL |= {"fedntd", "fedntd-official", "fednova"}
+HOLD_GLOBAL |= {"feddyn", "feddyn-official"}
 HOLD_GLOBAL |= SERVER_OPTIMIZERS
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..training.config import shared_settings
 from . import (  # noqa: F401  (each module registers its algorithms)
+    ditto,
     fedamp,
     fedbn,
     fedcac,
@@ -17,6 +18,7 @@ from . import (  # noqa: F401  (each module registers its algorithms)
     fedlc,
     fednova,
     fedntd,
+    feddyn,
     fedpcl,
     fedper,
     fedpft,
