@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..training.config import shared_settings
 from . import (  # noqa: F401  (each module registers its algorithms)
     fedamp,
+    fedbabu,
     fedbn,
     fedcac,
     fedpcl,
@@ -21,6 +22,7 @@ from . import (  # noqa: F401  (each module registers its algorithms)
     fedprox,
     fedrep,
     fedrod,
+    lgfedavg,
     local,
     moon,
     perfedavg,
