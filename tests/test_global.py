@@ -33,6 +33,7 @@ WITH_GLOBAL = {
     "fedyogi",
     "fedadam",
     "moon-official",
+    "fedbabu",
 }
 
 
