@@ -9,13 +9,13 @@ classifier). Differences from FedAvg:
 - evaluation (personalization): each client fine-tunes the global model (θ_b, θ_h^0) on its own training rows for
   τ_f = `finetune_epochs` epochs of minibatch SGD with momentum (`finetune_lr`, `finetune_momentum`; the engine's
   batch_size and drop_last), then predicts with the fine-tuned model. `finetune` = "full" tunes body and head (the
-  paper's experiments, its released `analysis.ipynb`, PFLlib's `clientBABU.fine_tune`); "head" tunes the head alone
-  (the abstract's wording).
+  paper's experiments and its code, jhoon-oh/FedBABU @ e34c15b4 `analysis.ipynb`; PFLlib's `clientBABU.fine_tune`);
+  "head" tunes the head alone (the abstract's wording).
 Choices the paper leaves open: the fine-tuning runs at every evaluation, from the model the client holds after the
 download, and is discarded after scoring (FL-bench's test-time fine-tuning; the paper fine-tunes once, after
 training); its minibatches are featcache's `batch_order` for epochs local_epochs … local_epochs + τ_f − 1 of the
-round (a permutation stream apart from the training's); it runs SGD whatever the training optimizer (the paper fine-
-tunes with its training SGD, lr 0.1, momentum 0.9; the default finetune_lr 0.01 suits the engine's features).
+round (a permutation stream apart from the training's); it runs SGD whatever the training optimizer (the paper
+fine-tunes with its training SGD, lr 0.1, momentum 0.9); finetune_lr = 0.01 is ours, not tuned.
 Against PFLlib (TsingZ0/PFLlib @ d832e76f, `clientbabu.py`, `serverbabu.py`): PFLlib fine-tunes once, after its
 last round, each client from the model it then holds (a last-round participant from its own trained body, not the
 final average) with the training SGD; featcache's last evaluation at finetune_lr = lr, finetune_momentum = 0 is that

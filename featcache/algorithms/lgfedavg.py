@@ -9,7 +9,11 @@ here the projection network (with its BN when bn=True) is the local representati
 model. Every client predicts with its own representation under the global classifier.
 Choices the paper leaves open: the local representations start from the same initial model as the global one (the
 paper's code starts them from a pretrained FedAvg model, PFLlib from one shared initial model, as here); the global
-part is the classifier alone (the last layer, PFLlib's `model.head`).
+part is the classifier alone (the last layer, PFLlib's `model.head`; FL-bench's `lgfedavg` instead shares the first
+`num_global_layers` layers and keeps the rest local, which is FedPer's split).
+Against PFLlib (TsingZ0/PFLlib @ d832e76f, `serverlg.py`, `clientlg.py`): the same rounds, given its SGD (lr, no
+momentum, no weight decay) as run settings; its per-round evaluation before training scores the models featcache
+scores after the previous round's download.
 Global model: none. The server holds only the classifier; every representation is local (the paper's new-device
 test, an ensemble over the local representations, is not run).
 """
