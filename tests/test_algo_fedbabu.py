@@ -122,6 +122,18 @@ def test_engine_equals_the_plain_loop(over):
     assert_matches_plain_loop("fedbabu", rounds=2, finetune_epochs=2, **over)
 
 
+def test_fine_tuning_rates_batched_in_one_run_equal_each_run_alone():
+    """A grid over the fine-tuning's batched settings: each configuration fine-tunes with its own."""
+    train, test = synthetic_clients(C=3, n=(10, 20), seed=0), synthetic_clients(C=3, n=(10, 20), seed=1)
+    base = configure("fedbabu", proj_dim=4, rounds=2, batch_size=8, lr=1e-2, participation=0.67, finetune_epochs=2)
+    cfgs = [base, base | {"finetune_lr": 0.05, "finetune_momentum": 0.5, "seed": 1}]
+    acc = Engine(create("fedbabu"), cfgs, train, test).run(logs=False)["acc"]  # [R, H, C]
+    for h, cfg in enumerate(cfgs):
+        torch.testing.assert_close(
+            acc[:, h], Engine(create("fedbabu"), [cfg], train, test).run(logs=False)["acc"][:, 0]
+        )
+
+
 # -- the release ----------------------------------------------------------------------------------------------------
 C, B, ROUNDS, EPOCHS, TAU_F, LR, RATE = 6, 16, 3, 1, 2, 0.05, 0.5
 
