@@ -11,6 +11,7 @@ import torch
 from conftest import client_model, configure
 
 from featcache.algorithms import create
+from featcache.algorithms.fedbabu import finetune_order
 from featcache.testing import assert_matches_plain_loop
 from featcache.training.engine import Engine
 from featcache.training.schedule import batch_order, participation
@@ -174,7 +175,9 @@ def run_release(x0, selected, data):
 
     batches = lambda i, c, epoch: minibatches(batch_order(seeds, i, epoch, train.counts, N)[0, c], c)
     # featcache's fine-tuning order of its last evaluation: round ROUNDS - 1, epochs after the local ones
-    tuning = lambda c, epoch: minibatches(batch_order(seeds, ROUNDS - 1, EPOCHS + epoch, train.counts, N)[0, c], c)
+    tuning = lambda c, epoch: minibatches(
+        finetune_order(seeds, ROUNDS - 1, EPOCHS, TAU_F, train.counts, N)[0, c, epoch], c
+    )
     sizes = [int(n) for n in train.counts]
     rows = lambda c: (test.features[c, : int(test.counts[c])], test.labels[c, : int(test.counts[c])])
     return ref_fedbabu.fedbabu(x0, selected, sizes, batches, tuning, rows, EPOCHS, TAU_F, LR)

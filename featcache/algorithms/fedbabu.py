@@ -13,9 +13,10 @@ classifier). Differences from FedAvg:
   "head" tunes the head alone (the abstract's wording).
 Choices the paper leaves open: the fine-tuning runs at every evaluation, from the model the client holds after the
 download, and is discarded after scoring (FL-bench's test-time fine-tuning; the paper fine-tunes once, after
-training); its minibatches are featcache's `batch_order` for epochs local_epochs … local_epochs + τ_f − 1 of the
-round (a permutation stream apart from the training's); it runs SGD whatever the training optimizer (the paper
-fine-tunes with its training SGD, lr 0.1, momentum 0.9); finetune_lr = 0.01 is ours, not tuned.
+training); its minibatches are permutations hashed from (seed, round, epoch, row) for epochs local_epochs …
+local_epochs + τ_f − 1 of the round (apart from the training's; one stream for every client, so a Flower client alone
+draws them too: clients with as many rows permute them alike); it runs SGD whatever the training optimizer (the
+paper fine-tunes with its training SGD, lr 0.1, momentum 0.9); finetune_lr = 0.01 is ours, not tuned.
 Against PFLlib (TsingZ0/PFLlib @ d832e76f, `clientbabu.py`, `serverbabu.py`): PFLlib fine-tunes once, after its
 last round, each client from the model it then holds (a last-round participant from its own trained body, not the
 final average) with the training SGD; featcache's last evaluation at finetune_lr = lr, finetune_momentum = 0 is that
@@ -29,11 +30,23 @@ import torch
 from torch.func import grad
 
 from ..training.config import Setting
-from ..training.schedule import batch_order, trained_counts
+from ..training.schedule import hash_keys, trained_counts
 from .registry import register
 from .base import FedAvg
 
 TUNED = ("full", "head")
+
+
+def finetune_order(seeds: torch.Tensor, rnd: int, first: int, epochs: int, counts: torch.Tensor, N: int):
+    """Each client's rows in fine-tuning order for epochs first … first + epochs − 1 of round `rnd`: [H, C, E, N]
+    (seeds [H], counts [C]), padding rows last. One key stream of (seed, round, epoch, row) for every client, so a
+    client alone (a Flower client, which does not know its index among the C) draws the permutation it draws here."""
+    valid = torch.arange(N, device=counts.device) < counts[:, None]  # [C, N]
+    keys = [hash_keys(seeds, rnd, first + e, shape=(1, N)) >> 1 for e in range(epochs)]  # E x [H, 1, N]
+    keys = [torch.where(valid, k, torch.iinfo(torch.int64).max) for k in keys]  # E x [H, C, N]
+    if not keys:
+        return counts.new_zeros(len(seeds), len(counts), 0, N)  # [H, C, 0, N]
+    return torch.argsort(torch.stack(keys, 2), dim=-1, stable=True)  # [H, C, E, N]
 
 
 @register
@@ -56,12 +69,9 @@ class FedBABU(FedAvg):
         return self.shared(name)
 
     def context(self, state, rnd):
-        data, E = rnd.data, self.cfg["finetune_epochs"]
+        data, E, N = rnd.data, self.cfg["finetune_epochs"], rnd.data.features.shape[1]
         per_model = lambda t: t[None].expand(rnd.H, *t.shape)  # [C, ...] -> [H, C, ...] (a view)
-        seeds, N = rnd.seeds.to(rnd.device), data.features.shape[1]
-        epochs = range(self.local_epochs(), self.local_epochs() + E)
-        orders = [batch_order(seeds, rnd.round, e, data.counts, N) for e in epochs]  # E x [H, C, N]
-        order = torch.stack(orders, 2) if E else data.labels.new_zeros(rnd.H, rnd.C, 0, N)  # [H, C, E, N]
+        order = finetune_order(rnd.seeds.to(rnd.device), rnd.round, self.local_epochs(), E, data.counts, N)
         rows = trained_counts(data.counts, self.cfg["batch_size"], self.cfg["drop_last"])  # [C]
         local = {"train_x": data.features, "train_y": data.labels, "train_rows": rows}
         return super().context(state, rnd) | {k: per_model(v) for k, v in local.items()} | {"finetune_order": order}
