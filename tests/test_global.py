@@ -42,6 +42,7 @@ WITH_GLOBAL = {
     "feddyn",
     "feddyn-official",
     "ditto",
+    "fedbabu",
 }
 
 

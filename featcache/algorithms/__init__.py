@@ -12,6 +12,7 @@ from ..training.config import shared_settings
 from . import (  # noqa: F401  (each module registers its algorithms)
     ditto,
     fedamp,
+    fedbabu,
     fedbn,
     fedcac,
     feddecorr,
@@ -27,6 +28,7 @@ from . import (  # noqa: F401  (each module registers its algorithms)
     fedprox,
     fedrep,
     fedrod,
+    lgfedavg,
     local,
     moon,
     perfedavg,
