@@ -54,6 +54,16 @@ def test_algorithms_table_is_the_generated_one():
     )
 
 
+def test_the_peers_table_lists_every_registered_algorithm_and_only_those():
+    from featcache.algorithms import list_algorithms
+
+    text = (ROOT / "featcache/algorithms/README.md").read_text()
+    section = text.split("## Beside PFLlib, FL-bench and Flower", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    named = [n for row in rows for n in re.findall(r"`([a-z0-9-]+)`", row[-1])]
+    assert len(named) == len(set(named)) and set(named) == set(list_algorithms())
+
+
 def test_algos_markdown_prints_the_table():
     from harness import one_line_error, run_cli
 

@@ -159,8 +159,7 @@ def test_which_algorithms_have_a_global_model(name, data):
 # The algorithms whose clients all predict with the server's model after download: their global metric is pooled.
 SERVER_OPTIMIZERS = {"fedavgm", "fedadagrad", "fedyogi", "fedadam"}
 HOLD_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "moon-official", "fedproc", "fedproc-official", "perfedavg"}
-HOLD_GLOBAL |= {"fedlc", "feddecorr", "feddecorr-official"}
-HOLD_GLOBAL |= {"fedntd", "fedntd-official", "fednova"}
+HOLD_GLOBAL |= {"fedlc", "feddecorr", "feddecorr-official", "fedntd", "fedntd-official", "fednova"}
 HOLD_GLOBAL |= {"feddyn", "feddyn-official"}
 HOLD_GLOBAL |= SERVER_OPTIMIZERS
 
