@@ -404,6 +404,7 @@ def test_available_memory_is_mem_available_and_a_grid_chunk_plans_for_a_share_of
     assert grid_mod.memory_budget(torch.device("cuda")) == 2048
 
 
+@pytest.mark.slow
 def test_algo_all_trains_every_registered_algorithm_in_one_command_as_a_leaderboard(cache, tmp_path):
     from featcache.algorithms import list_algorithms
 
