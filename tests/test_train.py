@@ -409,17 +409,21 @@ def test_algo_all_trains_every_registered_algorithm_in_one_command_as_a_leaderbo
     from featcache.algorithms import list_algorithms
 
     args = ["train", "--cache", str(cache), "--algo", "all", "--rounds", "1", "--seeds", "0", "--out", str(tmp_path)]
-    done = cli(*args)
+    diverges = ["--set", "fedprox.lr=1e38", "--set", "fedprox.optimizer=sgd"]  # one algorithm fails alone
+    done = cli(*args, *diverges)
     assert done.returncode == 0, done.stderr
+    said = " ".join(done.stderr.split())
     views = sorted(name for name, cls in list_algorithms().items() if getattr(cls, "uses_views", False))
-    assert views and f"--algo all leaves out {', '.join(views)}" in " ".join(done.stderr.split())  # no views cached
+    assert views and f"--algo all leaves out {', '.join(views)}" in said  # no views cached
+    assert "--algo all leaves out fedprox, which failed: fedprox: the scores became NaN/Inf in round 1" in said
     trained = {
         json.loads(p.read_text())["algo"]: json.loads(p.read_text()) for p in tmp_path.glob("*-seed0-*[0-9a-f].json")
     }
-    assert set(trained) == set(list_algorithms()) - set(views)
+    assert set(trained) == set(list_algorithms()) - set(views) - {"fedprox"}
     rows = [line.split("│") for line in done.stdout.splitlines() if line.count("│") > 5]  # the table's rows
-    accs = [float(r[2].strip().split("(")[0]) for r in rows]
-    assert len(rows) == len(trained) and accs == sorted(accs, reverse=True)  # a leaderboard: best first
+    assert [r[1].strip() for r in rows[-1:]] == ["fedprox"] and rows[-1][2].strip() == "failed"  # listed last
+    accs = [float(r[2].strip().split("(")[0]) for r in rows[:-1]]
+    assert len(rows) - 1 == len(trained) and accs == sorted(accs, reverse=True)  # a leaderboard: best first
     assert sorted(accs) == sorted(round(r["mean_acc"], 2) for r in trained.values())
     refused = cli("train", "--cache", str(cache), "--algo", "all", "--algo", "fedavg", "--out", str(tmp_path / "no"))
     assert refused.returncode == 2 and "--algo all already lists every algorithm: give it alone" in refused.stderr

@@ -62,7 +62,7 @@ def train(
     from ..algorithms import objective_note  # lazy: `featcache --help` skips the algorithm registry
     from ..devices import resolve_device  # lazy: `featcache --help` loads no torch
     from ..runs.checkpoint import check_every
-    from ..runs.train import ALL, check_outputs, check_runs, resolve_runs, run
+    from ..runs.train import ALL, check_outputs, check_runs, resolve_runs, run, run_or_fail
     from ..threads import check_threads, use_threads
 
     dev = resolve_device(device)  # as featcache.train: the device first, then every algorithm's settings
@@ -89,18 +89,22 @@ def train(
 
             tick = tick if progress else None
             results.append(
-                run(
+                run_or_fail(
+                    lambda spec=spec, tick=tick: run(
+                        spec,
+                        cache,
+                        out_dir,
+                        dev,
+                        tensorboard=tensorboard,
+                        save_state=save_state,
+                        progress=tick,
+                        checkpoint_every=checkpoint_every,
+                    ),
                     spec,
-                    cache,
-                    out_dir,
-                    dev,
-                    tensorboard=tensorboard,
-                    save_state=save_state,
-                    progress=tick,
-                    checkpoint_every=checkpoint_every,
+                    algo == [ALL],
                 )
             )
-            if not as_json:  # each algorithm's result as soon as it is written, not after the last one
+            if not as_json and "failed" not in results[-1]:  # each result as soon as it is written
                 _print_run(results[-1])
     if as_json:
         emit(results[0] if len(results) == 1 else {"runs": results}, True)
@@ -116,7 +120,8 @@ def train(
         "s/round",
     ):
         table.add_column(col, justify="right" if col != "algorithm" else "left")
-    for r in sorted(results, key=lambda r: -r["mean_acc"]) if algo == [ALL] else results:  # all: a leaderboard
+    trained = [r for r in results if "failed" not in r]
+    for r in sorted(trained, key=lambda r: -r["mean_acc"]) if algo == [ALL] else trained:  # all: a leaderboard
         glob = "n/a" if r["global_mean_acc"] is None else f"{r['global_mean_acc']:.2f}({r['global_std_acc']:.2f})"
         table.add_row(
             r["algo"],
@@ -127,6 +132,9 @@ def train(
             f"{r['bytes_uploaded_per_round'] / 1024:.1f}",
             f"{r['seconds_per_round']:.4f}",
         )
+    for r in results:
+        if "failed" in r:  # last, with its line (the warning said it when it happened)
+            table.add_row(r["algo"], "failed", *[""] * 5)
     out.print(table)
 
 

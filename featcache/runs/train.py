@@ -231,10 +231,28 @@ def train(
         device=str(device),
         **({"backbones": list(specs[0].backbones)} if specs[0].backbones else {}),
     )
+    every = as_list(algo, "algo") == [ALL]
     runs = [
-        run(s, cache, out, dev, call, keep_state, tensorboard, save_state, progress, checkpoint_every) for s in specs
+        run_or_fail(
+            lambda s=s: run(s, cache, out, dev, call, keep_state, tensorboard, save_state, progress, checkpoint_every),
+            s,
+            every,
+        )
+        for s in specs
     ]
     return {"runs": runs} if several else runs[0]
+
+
+def run_or_fail(train_one, spec: RunSpec, every: bool) -> dict:
+    """`train_one()`'s result; with `every` (`--algo all`) an algorithm that diverges at its defaults fails alone:
+    its line as a warning and `{"algo": name, "failed": line}` in its place, and the others go on."""
+    try:
+        return train_one()
+    except Diverged as e:
+        if not every:
+            raise
+        warnings.warn(f"--algo {ALL} leaves out {spec.name}, which failed: {e}", UserWarning, stacklevel=2)
+        return {"algo": spec.name, "failed": str(e)}
 
 
 def run(
