@@ -99,6 +99,14 @@ def laid_like(anchor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return anchor[:, 0].mT.contiguous().mT[:, None].expand_as(anchor)
 
 
+def keep_class_counts(state: State, rnd: Round) -> None:
+    """Each client's training rows per class, n_{c,k}, into state.client["class_counts"] [H, C, K] (fixed: the
+    cached data do not change), for a loss that reads its client's label distribution (FedRoD, FedLC)."""
+    data = rnd.data
+    counts = (one_hot(data.labels, data.num_classes) & data.mask[..., None]).sum(1).float()  # [C, K]
+    state.client["class_counts"] = counts.expand(rnd.H, *counts.shape)  # [H, C, K]
+
+
 def remember_global(state: State, buffers: bool = False) -> None:
     """Keep the model every client starts the next round from, w^t [H, ...], in state.server["global"] (with
     `buffers`, its buffers in state.server["global_buffers"]).

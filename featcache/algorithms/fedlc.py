@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..training.config import Setting
-from .base import FedAvg, logsumexp, masked_ce, masked_mean, one_hot
+from .base import FedAvg, keep_class_counts, logsumexp, masked_ce, masked_mean, one_hot
 from .registry import register
 
 ABSENT = 1e-8  # the count of a class the client lacks (FL-bench)
@@ -62,9 +62,7 @@ class FedLC(FedAvg):
 
     def init_state(self, state, rnd):
         super().init_state(state, rnd)
-        data = rnd.data
-        counts = (one_hot(data.labels, data.num_classes) & data.mask[..., None]).sum(1).float()  # [C, K]
-        state.client["class_counts"] = counts.expand(rnd.H, *counts.shape)  # [H, C, K]
+        keep_class_counts(state, rnd)
 
     def context(self, state, rnd):
         return super().context(state, rnd) | {"class_counts": state.client["class_counts"]}

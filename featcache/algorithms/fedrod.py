@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .heads import linear
 from .registry import register
-from .base import FedAvg, masked_ce, masked_mean, one_hot
+from .base import FedAvg, keep_class_counts, masked_ce, masked_mean
 
 
 def balanced_softmax(logits: torch.Tensor, y: torch.Tensor, counts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -47,9 +47,7 @@ class FedRoD(FedAvg):
         return not name.startswith("pcls")
 
     def init_state(self, state, rnd):
-        data = rnd.data
-        counts = (one_hot(data.labels, data.num_classes) & data.mask[..., None]).sum(1).float()  # [C, K]
-        state.client["class_counts"] = counts.expand(rnd.H, *counts.shape)  # [H, C, K]
+        keep_class_counts(state, rnd)
 
     def context(self, state, rnd):
         return super().context(state, rnd) | {"class_counts": state.client["class_counts"]}
