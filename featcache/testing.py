@@ -34,6 +34,7 @@ clients of any layout with a group per client: the tests and bench/ share them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -72,7 +73,7 @@ def synthetic_clients(
         base = centres[labels] + shift[c]
         x[c, : len(labels)] = base + spread * torch.randn(len(labels), D, generator=g)
         y[c, : len(labels)] = labels
-        if views:
+        if v is not None:
             v[c, : len(labels)] = base[:, None] + spread * torch.randn(len(labels), views, D, generator=g)
     return ClientData(x, y, counts, K, v)
 
@@ -94,7 +95,8 @@ def plain_loop(
     seeds = eng.seeds.to(eng.device)
     state = eng.state  # round 1's (the engine's `initial_state`)
     C = eng.C
-    accs, kept = [], {}  # kept: client -> (leaves, optimizer) when the algorithm keeps optimizer state
+    accs: list = []
+    kept: dict = {}  # client -> (leaves, optimizer) when the algorithm keeps optimizer state
     memory: dict = {}  # the user's server state (`server`)
     for rnd in range(cfg["rounds"]):
         part = participation(eng.seeds, rnd, C, cfg["participation"])  # [1, C]
@@ -116,7 +118,7 @@ def plain_loop(
                 if algo.keeps_optimizer_state:
                     kept[c] = params, opt
             order = lambda epoch: batch_order(seeds, rnd, epoch, train.counts, train.features.shape[1])[0, c]  # [N]
-            own = None if loss is None else lambda p, b, x, y, mask, ctx: (loss(p, x, y, start[c]), {})
+            own: Callable | None = None if loss is None else lambda p, b, x, y, mask, ctx: (loss(p, x, y, start[c]), {})
             local_epochs(algo, cfg, now, params, buffers, opt, train, c, order, ctxs, own)
             for tree, new in ((state.params, params), (state.buffers, buffers)):
                 for k, v in new.items():
@@ -197,7 +199,7 @@ def _trained(algo, cfg: dict, train, test) -> tuple[str, torch.Tensor, dict[str,
 
 def _assert_same(name: str, ref: str, acc, params, ref_acc, ref_params, exact: bool) -> dict[str, float]:
     """Equal per-round accuracy (to 1e-6, or bit for bit) and parameters (float32 tolerance, or bit for bit)."""
-    tol = {"rtol": 0, "atol": 0} if exact else {}
+    tol: dict = {"rtol": 0, "atol": 0} if exact else {}
     torch.testing.assert_close(
         acc,
         ref_acc,

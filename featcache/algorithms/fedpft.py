@@ -165,7 +165,7 @@ class FedPFT(Alternating):
         ),  # a per-parameter-group rate (`groups`), fixed at construction
     }
     phases = {"transform": ("prompt.kappa", "ftm."), "model": ("proj", "ftm.", "cls")}  # eq. 4, eq. 5
-    personal = ("prompt.",)
+    personal: tuple[str, ...] = ("prompt.",)
     groups = {"": Group(), "ftm.": Group(lr_scale="ftm_lr_scale")}  # the FTM's rate: lr x ftm_lr_scale
 
     def init(self, cfg, d_in, num_classes, gen):

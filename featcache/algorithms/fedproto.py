@@ -83,8 +83,8 @@ class FedProto(FedAvg):
         reg = masked_mean(proto_distance(z, y, ctx["prototypes"], ctx["has"]), mask)
         return masked_ce(self.logits(params, z), y, mask) + ctx["hp"]["lam"] * reg
 
-    @property
-    def personal_predict(self) -> bool:
+    @property  # a capability that follows a setting (base.py allows a property)
+    def personal_predict(self) -> bool:  # type: ignore[override]
         return self.cfg["infer"] == "classifier"  # the nearest global prototype changes with every round
 
     def predict(self, params, buffers, x, ctx):

@@ -62,7 +62,8 @@ def batch_norm(
 
 def mlp_init(dims: list[int], gen: torch.Generator, prefix: str = "fc", bn: bool = False) -> tuple[Params, Params]:
     """Linear layers dims[0] -> dims[1] -> ... with ReLU between (and BN after each ReLU when bn=True)."""
-    params, buffers = {}, {}
+    params: Params = {}
+    buffers: Params = {}
     for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
         linear_init(params, f"{prefix}{i}", a, b, gen)
         if bn and i < len(dims) - 2:

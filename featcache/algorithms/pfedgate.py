@@ -65,7 +65,9 @@ class Layout:
     item group's capacity round(Σ sizes · (s − s_min)) (GatingLayer.__init__, GatedLearner._select_top_sub_blocks)."""
 
     def __init__(self, shapes: tuple, blocks: int, sparsity: float, dtype: torch.dtype):
-        self.split, sizes, linear_items, other_items, begin = {}, [], [], [], 0
+        self.split, sizes, begin = {}, [], 0
+        linear_items: list[int] = []
+        other_items: list[int] = []
         for name, numel, is_linear in shapes:
             n = blocks if numel >= blocks else numel
             each = math.ceil(numel / n)
@@ -95,8 +97,7 @@ def knapsack(value: torch.Tensor, items: list[int], sizes: list[int], capacity: 
         fits = used + w[..., j] <= capacity  # [...]
         used = used + fits * w[..., j]
         taken.append(fits)
-    taken = torch.stack(taken, -1)  # [..., n] in visiting order
-    return taken.gather(-1, order.argsort(-1))  # [..., n] in items order
+    return torch.stack(taken, -1).gather(-1, order.argsort(-1))  # [..., n]: visiting order, back to items order
 
 
 @register
@@ -157,7 +158,7 @@ class PFedGate(FedAvg):
         g = t.clamp(min=lay.s_min)  # [..., M] the ranking scores
         value = torch.round(g.detach().double() * SCALE)  # [..., M]
         keep = torch.ones_like(t, dtype=torch.bool)  # [..., M] each tensor's first block always
-        pieces = {}
+        pieces: dict = {}
         for items, cap in zip(lay.items, lay.capacity):
             pieces.update(zip(items, knapsack(value, items, lay.sizes, cap).unbind(-1)))
         keep = torch.stack([pieces.get(i, keep[..., i]) for i in range(lay.M)], -1)  # [..., M]

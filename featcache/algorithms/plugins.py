@@ -125,9 +125,9 @@ def plugin_failure(exc: BaseException) -> str | None:
     None when no plug-in's code is on its traceback."""
     files = set()
     for cls in _ALGOS.values():
-        module = sys.modules.get(cls.__module__)
-        if not cls.__module__.startswith(BUILTIN) and getattr(module, "__file__", None):
-            files.add(str(Path(module.__file__).resolve()))
+        source = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        if not cls.__module__.startswith(BUILTIN) and source:
+            files.add(str(Path(source).resolve()))
     hit, tb = None, exc.__traceback__
     while tb is not None:
         if str(Path(tb.tb_frame.f_code.co_filename).resolve()) in files:

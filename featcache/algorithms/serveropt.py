@@ -33,6 +33,7 @@ Global model: the server's x_{t+1}, which every client downloads.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from dataclasses import dataclass
@@ -228,4 +229,4 @@ def with_server(algo: type[FedAvg], server: type[ServerOptimizer]) -> type[FedAv
 
 
 for _server in (FedAvgM, FedAdagrad, FedYogi, FedAdam):
-    COMPOSERS[_server.name] = lambda algo, server=_server: with_server(algo, server)
+    COMPOSERS[_server.name] = functools.partial(with_server, server=_server)
