@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -67,7 +68,7 @@ class ClientData:
 def load_clients(
     path: str | Path,
     split: str = "train",
-    backbones: list[str] | None = None,
+    backbones: Sequence[str] | None = None,
     views: bool = False,
     holdout: str = "none",
 ) -> ClientData:

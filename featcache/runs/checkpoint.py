@@ -43,6 +43,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -92,17 +93,19 @@ def check_every(every) -> int | None:
     )
 
 
-def identity(impl, cfg: dict, seeds: list[int], cache_key: str, backbones: list[str], device) -> dict:
+def identity(impl, cfg: dict, seeds: Sequence[int], cache_key: str, backbones: Sequence[str], device) -> dict:
     """What a checkpoint must match to be resumed: `run` (what is trained, which also names the file) and what
     makes the numbers come out the same (code, versions, machine)."""
     cls = type(impl)
     code = code_identity(TRAINING_CODE, PACKAGE)["sha256"]
     if not cls.__module__.startswith("featcache."):  # a plug-in: its own file is code of the run too
+        plugin: dict | str = f"{cls.__module__}:{cls.__qualname__}"  # a class without a file: known by its name
         try:
-            source = Path(inspect.getsourcefile(cls))
-            plugin = code_identity((source.name,), source.parent)
-        except TypeError:  # a class without a file (defined in exec'd text): known by its name only
-            plugin = f"{cls.__module__}:{cls.__qualname__}"
+            file = inspect.getsourcefile(cls)
+        except TypeError:  # defined in exec'd text
+            file = None
+        if file:
+            plugin = code_identity((Path(file).name,), Path(file).parent)
         code = content_key({"featcache": code, "plugin": plugin})
     return {
         "run": {
@@ -145,9 +148,9 @@ class Checkpoint:
         name: str,
         impl,
         cfg: dict,
-        seeds: list[int],
+        seeds: Sequence[int],
         cache_key: str,
-        backbones: list[str],
+        backbones: Sequence[str],
         device,
         every: int | None = None,
     ):

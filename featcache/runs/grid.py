@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -151,7 +152,7 @@ def grid(
     cache: str | Path,
     algo: str,
     grid: list[str] | dict,
-    seeds: list[int] = (0, 1, 2),
+    seeds: Sequence[int] = (0, 1, 2),
     rounds: int | None = None,
     set: list[str] | dict | None = None,
     backbones: list[str] | None = None,
@@ -290,7 +291,7 @@ def run_grid(
                     failed.setdefault(i, got)
                 else:
                     scores[i].append(float(np.mean(got)))
-        table = sorted(
+        table: list[dict] = sorted(
             (
                 {"config": points[i], "val_mean": mean_std(v)[0], "val_std": mean_std(v)[1]}
                 for i, v in scores.items()

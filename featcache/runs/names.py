@@ -8,6 +8,7 @@ same name."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from ..extraction.partition.spec import DIRICHLET, PartitionSpec
 from ..training.config import ENGINE_SETTINGS, defaults
@@ -24,7 +25,7 @@ def _value(v) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]", "_", str(v))
 
 
-def seeds_word(seeds: list[int]) -> str:
+def seeds_word(seeds: Sequence[int]) -> str:
     """`seed0-2` for 0,1,2 (a run of consecutive seeds), `seed0_3_7` otherwise, `seed4` for one."""
     s = [int(x) for x in seeds]
     if len(s) > 2 and s == list(range(s[0], s[0] + len(s))):
@@ -44,7 +45,7 @@ def cache_words(partition: dict | None) -> list[str]:
 
 
 def run_name(
-    algo, cfg: dict, seeds: list[int], backbones: list[str] | None, run_id: str, partition: dict | None = None
+    algo, cfg: dict, seeds: Sequence[int], backbones: Sequence[str] | None, run_id: str, partition: dict | None = None
 ) -> str:
     """`algo-<settings that differ from its defaults>-<cache words>-[backbones]-seedS-<run_id>`; `algo` is the bound
     algorithm (its registered name and declared defaults), `cfg` its resolved settings, `partition` the cache's

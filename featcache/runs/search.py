@@ -31,8 +31,10 @@ import math
 import re
 import warnings
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -311,7 +313,7 @@ def search(
     trials: int = 16,
     sampler: str = "random",
     pruner: str = "halving",
-    seeds: list[int] = (0, 1, 2),
+    seeds: Sequence[int] = (0, 1, 2),
     rounds: int | None = None,
     set: list[str] | dict | None = None,
     backbones: list[str] | None = None,
@@ -420,11 +422,12 @@ def run_search(
         dists = {k: d.distribution(optuna) for k, d in dims.items()}
         rule = Rungs(PRUNERS[pruner], rung_at, reduction)
         waves = [min(batch, trials - start) for start in range(0, trials, batch)]
-        records, resumed = [], 0
+        records: list[dict] = []
+        resumed = 0
         for w, n in enumerate(waves):
             path = folder / f"wave-{w:03d}.json"
             if path.is_file():
-                saved = _read(path, lambda r: _is_wave(r, n), "that wave trains again")["trials"]
+                saved = cast(dict, _read(path, lambda r: _is_wave(r, n), "that wave trains again"))["trials"]
                 if json.loads(json.dumps(drive(study, dists, n, Replay(saved, folder), rule, records))) != saved:
                     raise UserError(f"{path} does not replay to the same decisions: remove {folder} to search again")
                 resumed += 1
@@ -557,7 +560,7 @@ def _score(record: dict) -> float:
 class Rungs:
     """Where a pruner decides (its function of PRUNERS, the rung rounds, η) and the decision: synchronous halving."""
 
-    pruner: object
+    pruner: Callable[[int, list[int], int], tuple[int, list[int]]]
     at: list[int]
     reduction: int
 
@@ -597,7 +600,8 @@ def drive(study, dists: dict, n: int, source, rule: Rungs, history: list[dict]) 
     points = [{k: t.params[k] for k in dists} for t in asked]
     number = [t.number for t in asked]
     source.start(points)
-    live, curves, stopped, states = list(range(n)), [[] for _ in range(n)], [None] * n, ["complete"] * n
+    curves: list[list] = [[] for _ in range(n)]
+    live, stopped, states = list(range(n)), [None] * n, ["complete"] * n
     pending = {number[i]: list(rule.plan(number[i])[1]) for i in live}
     per_seed: list[list[float]] = [[] for _ in range(n)]
     reasons: dict[int, str] = {}
@@ -665,7 +669,8 @@ class Trainer:
             groups.setdefault(json.dumps({k: c[k] for k in structural_keys(c, self.algo)}, sort_keys=True), []).append(
                 i
             )
-        self.cfgs, self.buckets = cfgs, []
+        self.cfgs = cfgs
+        self.buckets: list[list[Any]] = []  # [engine, its models (trial, seed)] per bucket
         for members in groups.values():
             models = [(i, s) for i in members for s in self.seeds]  # trials x seeds share the H axis
             with plugin_exits():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import cast
 from pathlib import Path
 
 import torch
@@ -47,7 +48,8 @@ def state_bytes(trained, result: dict, result_name: str) -> bytes:
         ) from None
     cls = type(trained.algo)
     builtin = cls.__module__.startswith("featcache.algorithms.")
-    spec = result["algo"] if builtin else f"{Path(sys.modules[cls.__module__].__file__).resolve()}:{cls.__name__}"
+    file = cast(str, sys.modules[cls.__module__].__file__)  # a plug-in's: loaded from its file
+    spec = result["algo"] if builtin else f"{Path(file).resolve()}:{cls.__name__}"
     meta = {
         "algo": result["algo"],
         "algo_spec": spec,
@@ -91,7 +93,7 @@ def load_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
             else meta | {k: json.loads(meta[k]) for k in META_JSON if k in meta}
         )
     except (json.JSONDecodeError, TypeError):
-        meta = None
+        meta = {}  # unreadable: every key missing
     missing = list(META_KEYS) if not isinstance(meta, dict) else [k for k in META_KEYS if k not in meta]
     if missing:
         raise UserError(

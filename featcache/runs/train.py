@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,7 +181,7 @@ def train(
     cache: str | Path,
     algo: str | list[str],
     rounds: int | None = None,
-    seeds: list[int] = (0, 1, 2),
+    seeds: Sequence[int] = (0, 1, 2),
     set: list[str] | dict | None = None,
     out: str | Path = "runs",
     device: str | torch.device = "auto",
@@ -213,9 +214,9 @@ def train(
     dev = resolve_device(device)
     several = not isinstance(algo, str) or algo == ALL
     specs = (
-        resolve_runs(as_list(algo, "algo"), rounds, seeds, set, backbones)
-        if several
-        else [RunSpec.resolve(algo, rounds, seeds, set, backbones)]
+        [RunSpec.resolve(algo, rounds, seeds, set, backbones)]
+        if isinstance(algo, str) and not several
+        else resolve_runs(as_list(algo, "algo") or [], rounds, seeds, set, backbones)
     )
     check_outputs(out, tensorboard)
     check_every(checkpoint_every)
@@ -347,7 +348,7 @@ def write_run(
 ) -> dict:
     """Write the result `body` to `path` with its sidecars (timing, metrics CSV, the state when asked for) and the
     TensorBoard run when asked for: all of them or none. Returns the paths written (None: not asked for)."""
-    files = [
+    files: list[tuple[Path, str | bytes]] = [
         (path.with_suffix(".timing.json"), json.dumps(timing)),
         (path.with_suffix(".metrics.csv"), metrics_csv(raw, result["seeds"])),
     ]
@@ -361,7 +362,7 @@ def write_run(
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if tmp:
+    if tmp and board:
         commit_folder(tmp, board)
     return {
         "result_file": str(path),

@@ -130,7 +130,7 @@ def pack(tree) -> tuple[dict, dict, dict]:
 
 def _end(t: torch.Tensor) -> int:
     """One past the last storage element `t` covers."""
-    return t.storage_offset() + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0)
+    return int(t.storage_offset() + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0))
 
 
 def unpack(skeleton: dict, spans: dict, pads: dict, device="cpu"):
