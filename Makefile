@@ -30,7 +30,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 # The code's own checks: the floors (import-linter contracts in pyproject.toml), ruff's lint and format, mypy on the
-# engine kit, the algorithms, the runs and featcache.testing
+# engine kit, the algorithms, the runs, the Flower apps and featcache.testing
 check: install
 	$(BIN)/lint-imports
 	$(BIN)/ruff check featcache tests bench docs/hooks.py

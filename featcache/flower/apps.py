@@ -44,8 +44,11 @@ def to_records(tree) -> RecordDict:
 
 def from_records(records: RecordDict) -> tuple[dict, str]:
     """(path -> tensor, skeleton) of a content `to_records` made."""
-    arrays = {k: torch.from_numpy(np.array(a.numpy())) for k, a in records.array_records["arrays"].items()}
-    return arrays, str(records.config_records["tree"]["skeleton"])
+    return _tensors(records.array_records["arrays"]), str(records.config_records["tree"]["skeleton"])
+
+
+def _tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(a.numpy())) for k, a in record.items()}
 
 
 def _unwrapped(records: RecordDict):
@@ -92,8 +95,8 @@ def client_app(algo=None, settings=None, seed=None, rounds=None, cache=None) -> 
         index, train, test = node_data(context.node_config, context.run_config, cache, impl)
         client = ClientSide(impl, cfg, train, test, index)
         if STATE in context.state:
-            arrays = {k: torch.from_numpy(np.array(a.numpy())) for k, a in context.state[STATE].items()}
-            client.load_state_dict(arrays, str(context.state[STATE + ".tree"]["skeleton"]))
+            tree = context.state.config_records[STATE + ".tree"]
+            client.load_state_dict(_tensors(context.state.array_records[STATE]), str(tree["skeleton"]))
         reply = answer(client, msg.metadata.message_type, _unwrapped(msg.content))
         context.state[STATE], context.state[STATE + ".tree"] = _records(*client.state_dict())
         return Message(to_records(reply), reply_to=msg)
@@ -126,7 +129,8 @@ class GridSend:
         ids = list(self.grid.push_messages(out))
         key_of = dict(zip(ids, msgs))
         sent = sum(wire_bytes(m.content) for m in out)
-        replies, t0 = {}, time.monotonic()
+        replies: dict = {}
+        t0 = time.monotonic()
         while len(replies) < len(ids) and time.monotonic() - t0 < self.timeout:
             for reply in self.grid.pull_messages([i for i in ids if key_of[i] not in replies]):
                 key = key_of[reply.metadata.reply_to_message_id]

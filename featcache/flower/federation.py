@@ -120,7 +120,27 @@ def first_models(algo, frame: Frame, d_in: int, K: int) -> list:
     return [algo.init(frame.cfg, d_in, K, torch.Generator().manual_seed(int(s))) for s in frame.seeds]
 
 
-class ClientSide:
+class _Started:
+    """The state a side holds once `start` (or `load_state_dict`) made it."""
+
+    _state: State | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._state is not None
+
+    @property
+    def state(self) -> State:
+        if self._state is None:
+            raise RuntimeError(f"{type(self).__name__}.start() first")
+        return self._state
+
+    @state.setter
+    def state(self, state: State) -> None:
+        self._state = state
+
+
+class ClientSide(_Started):
     """Client `index` of the federation: its own rows `train`, `test` (C = 1) and its state."""
 
     def __init__(self, algo, cfg: dict, train: ClientData, test: ClientData, index: int):
@@ -128,7 +148,6 @@ class ClientSide:
         self.train, self.test = train, test
         self.algo, self.frame = shared_setup(algo, cfg, train)
         refuse(self.algo)
-        self.state: State | None = None
         self.init_uploads = False
 
     def start(self) -> None:
@@ -136,7 +155,12 @@ class ClientSide:
         whether `init_state` asked for `upload` (then the server aggregates the clients' `init_upload`)."""
         models = first_models(self.algo, self.frame, self.train.features.shape[-1], self.train.num_classes)
         spy, asked = copy.copy(self.algo), []
-        spy.upload = lambda state, rnd: asked.append(True) or type(self.algo).upload(spy, state, rnd)
+
+        def upload(state, rnd):
+            asked.append(True)
+            return type(self.algo).upload(spy, state, rnd)
+
+        spy.upload = upload
         self.state = initial_state(spy, models, self.frame)
         self.init_uploads = bool(asked)
 
@@ -196,7 +220,7 @@ class ClientSide:
         }
 
 
-class ServerSide:
+class ServerSide(_Started):
     """The server of a federation of `counts` clients (their training rows), `K` classes, `D` input features."""
 
     def __init__(self, algo, cfg: dict, counts: list[int], K: int, D: int, views: int = 0):
@@ -212,7 +236,6 @@ class ServerSide:
         self.algo, self.frame = shared_setup(algo, cfg, skeleton)
         refuse(self.algo)
         self.counts = skeleton.counts
-        self.state: State | None = None
 
     def start(self, init_uploads) -> None:
         """Round 1's state; `init_uploads()` returns the clients' uploads [1, C, ...] where `init_state` asks for
@@ -259,7 +282,7 @@ class ServerSide:
 def answer(client: ClientSide, kind: str, msg: dict) -> dict:
     """Client `client`'s reply to a message of `kind` (`KINDS`); starts its state on the first message and takes
     the server's initial state from the first message that carries it."""
-    if client.state is None:
+    if not client.started:
         client.start()
     if "server_state" in msg:
         client.state.server = msg["server_state"]
@@ -309,7 +332,8 @@ def run_server(server_of, send, rounds: int, eval_every: int, progress=None) -> 
         unsent.discard(c)
         return msg | {"server_state": server.state.server}
 
-    records, eval_rounds, floats, seconds = [], [], [], []
+    records: list[dict] = []
+    eval_rounds, floats, seconds = [], [], []
     for rnd in range(rounds):
         t0 = time.perf_counter()
         chosen = server.participants(rnd)
