@@ -61,54 +61,44 @@ def train(
     same command resumes from the last checkpoint and skips the algorithms that finished."""
     from ..algorithms import objective_note  # lazy: `featcache --help` skips the algorithm registry
     from ..devices import resolve_device  # lazy: `featcache --help` loads no torch
-    from ..runs.checkpoint import check_every
-    from ..runs.train import ALL, check_outputs, check_runs, resolve_runs, run, run_or_fail
+    from ..runs.train import ALL, each_run, plan_runs
     from ..threads import check_threads, use_threads
 
     dev = resolve_device(device)  # as featcache.train: the device first, then every algorithm's settings
-    specs = resolve_runs(algo, rounds, seeds, set, backbones)  # plug-in specs loaded, each checked
-    check_outputs(out_dir, tensorboard)  # every algorithm's settings and the output folder, before the first trains
-    check_every(checkpoint_every)
+    specs = plan_runs(cache, algo, rounds, seeds, set, backbones, out_dir, tensorboard, checkpoint_every)
     notes = {spec.name: objective_note(spec.algo, spec.config) for spec in specs}
-    specs = check_runs(specs, cache, algo == [ALL])  # several: each one's participation against the cache's clients
     results = []
     with progress_bar(not as_json) as progress, use_threads(check_threads(threads)):
-        for i, spec in enumerate(specs):
-            label = f"{spec.name} ({i + 1} of {len(specs)})" if len(specs) > 1 else spec.name
 
-            def tick(done, total, live, label=label, note=notes[spec.name], told=[]):  # noqa: B006 - told: this label's own memory of its first tick
+        def ticker(spec):
+            label = f"{spec.name} ({specs.index(spec) + 1} of {len(specs)})" if len(specs) > 1 else spec.name
+
+            def tick(done, total, live, told=[]):  # noqa: B006 - told: this label's own memory of its first tick
                 if not told:  # once its first round here trained: a refused run stays one error line
                     told.append(done)
                     said = [f"resumed from its checkpoint after round {done - 1}"] if done > 1 else []
-                    said += [f"the training loss is {note}"] if note else []
+                    said += [f"the training loss is {notes[spec.name]}"] if notes[spec.name] else []
                     for text in said:
                         err.print(
                             f"[yellow]note:[/yellow] {escape(f'{label}: {text}')}", highlight=False, soft_wrap=True
                         )
                 progress(label, done, total, live_text(live))
 
-            tick = tick if progress else None
-            results.append(
-                run_or_fail(
-                    lambda spec=spec, tick=tick: run(
-                        spec,
-                        cache,
-                        out_dir,
-                        dev,
-                        tensorboard=tensorboard,
-                        save_state=save_state,
-                        progress=tick,
-                        checkpoint_every=checkpoint_every,
-                    ),
-                    spec,
-                    algo == [ALL],
-                )
-            )
-            if not as_json and "failed" not in results[-1]:  # each result as soon as it is written
-                _print_run(results[-1])
+            return tick if progress else None
+
+        options = dict(tensorboard=tensorboard, save_state=save_state)
+        for result in each_run(specs, cache, out_dir, dev, algo, ticker, checkpoint_every, **options):
+            results.append(result)
+            if not as_json and "failed" not in result:  # each result as soon as it is written
+                _print_run(result)
     if as_json:
         emit(results[0] if len(results) == 1 else {"runs": results}, True)
         return
+    out.print(_table(results, cache, sort=algo == [ALL]))
+
+
+def _table(results: list[dict], cache: Path, sort: bool) -> Table:
+    """`train`'s table: a row per algorithm (best first with `sort`: `--algo all`'s leaderboard), failed ones last."""
     table = Table(title=f"featcache train — {cache.name}")
     for col in (
         "algorithm",
@@ -121,7 +111,7 @@ def train(
     ):
         table.add_column(col, justify="right" if col != "algorithm" else "left")
     trained = [r for r in results if "failed" not in r]
-    for r in sorted(trained, key=lambda r: -r["mean_acc"]) if algo == [ALL] else trained:  # all: a leaderboard
+    for r in sorted(trained, key=lambda r: -r["mean_acc"]) if sort else trained:  # all: a leaderboard
         glob = "n/a" if r["global_mean_acc"] is None else f"{r['global_mean_acc']:.2f}({r['global_std_acc']:.2f})"
         table.add_row(
             r["algo"],
@@ -135,7 +125,7 @@ def train(
     for r in results:
         if "failed" in r:  # last, with its line (the warning said it when it happened)
             table.add_row(r["algo"], "failed", *[""] * 5)
-    out.print(table)
+    return table
 
 
 def _print_run(r: dict) -> None:

@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,19 +212,10 @@ def train(
     `check_runs`), and returns `{"runs": [each one's result]}`; a result's numbers and name are those of its
     algorithm's own call."""
     dev = resolve_device(device)
-    several = not isinstance(algo, str) or algo == ALL
-    specs = (
-        [RunSpec.resolve(algo, rounds, seeds, set, backbones)]
-        if isinstance(algo, str) and not several
-        else resolve_runs(as_list(algo, "algo") or [], rounds, seeds, set, backbones)
-    )
-    check_outputs(out, tensorboard)
-    check_every(checkpoint_every)
-    specs = check_runs(specs, cache, as_list(algo, "algo") == [ALL])
-    cache = as_path(cache, "cache")
+    specs = plan_runs(cache, algo, rounds, seeds, set, backbones, out, tensorboard, checkpoint_every)
     call = library_call(
         "featcache.train",
-        cache=str(cache),
+        cache=str(as_path(cache, "cache")),
         algo=algo,
         rounds=rounds,
         seeds=list(specs[0].seeds),
@@ -232,16 +223,34 @@ def train(
         device=str(device),
         **({"backbones": list(specs[0].backbones)} if specs[0].backbones else {}),
     )
+    options = dict(call=call, keep_state=keep_state, tensorboard=tensorboard, save_state=save_state)
+    runs = list(each_run(specs, cache, out, dev, algo, lambda spec: progress, checkpoint_every, **options))
+    return runs[0] if isinstance(algo, str) and algo != ALL else {"runs": runs}
+
+
+def plan_runs(cache, algo, rounds, seeds, set, backbones, out, tensorboard, checkpoint_every) -> list[RunSpec]:
+    """The runs `train` makes, every algorithm's settings, the output folders and the cache's clients checked
+    before the first trains (`resolve_runs`, `check_runs`)."""
+    specs = (
+        [RunSpec.resolve(algo, rounds, seeds, set, backbones)]
+        if isinstance(algo, str) and algo != ALL
+        else resolve_runs(as_list(algo, "algo") or [], rounds, seeds, set, backbones)
+    )
+    check_outputs(out, tensorboard)
+    check_every(checkpoint_every)
+    return check_runs(specs, cache, as_list(algo, "algo") == [ALL])
+
+
+def each_run(specs, cache, out, device, algo, progress_of, checkpoint_every=None, **options) -> Iterator[dict]:
+    """Each spec's `run` in turn, its result yielded as soon as it is written; `progress_of(spec)` is its progress
+    callback. Under `--algo all` an algorithm that diverges fails alone (`run_or_fail`)."""
     every = as_list(algo, "algo") == [ALL]
-    runs = [
-        run_or_fail(
-            lambda s=s: run(s, cache, out, dev, call, keep_state, tensorboard, save_state, progress, checkpoint_every),
-            s,
-            every,
+    for s in specs:
+        progress = progress_of(s)
+        train_one = lambda s=s, progress=progress: run(
+            s, cache, out, device, progress=progress, checkpoint_every=checkpoint_every, **options
         )
-        for s in specs
-    ]
-    return {"runs": runs} if several else runs[0]
+        yield run_or_fail(train_one, s, every)
 
 
 def run_or_fail(train_one, spec: RunSpec, every: bool) -> dict:
