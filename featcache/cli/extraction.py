@@ -85,45 +85,23 @@ def extract(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Run each frozen backbone once over every client's images and write the embeddings to an HDF5 cache."""
+    arguments = {k: v for k, v in locals().items() if k not in ("noise_scale", "noise_p", "out_dir", "as_json")}
     from ..extraction.plan import Noise, extract as run  # lazy: `featcache --help` loads no torch
 
+    arguments |= {"noise": Noise(noise, noise_scale, noise_p) if noise else None, "out": out_dir}  # the API's forms
+    note = lambda line: err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True)
     with progress_bar(not as_json) as progress:
-        result = run(
-            dataset=dataset,
-            backbone=backbone,
-            partition=partition,
-            clients=clients,  # comma lists: extract() reads them as the command line writes them
-            alpha=alpha,
-            per_class=per_class,
-            test_per_class=test_per_class,
-            classes_per_client=classes_per_client,
-            domains=domains,
-            val_fraction=val_fraction,
-            order=order,
-            test_split=test_split,
-            percent=percent,
-            holdout_domain=holdout_domain,
-            image_size=image_size,
-            views=views,
-            noise=Noise(noise, noise_scale, noise_p) if noise else None,
-            seed=seed,
-            data_root=data_root,
-            download=download,
-            out=out_dir,
-            store=store,
-            batch_size=batch_size,
-            workers=workers,
-            device=device,
-            backend=backend,
-            allow_partial=allow_partial,
-            threads=threads,
-            progress=progress,
-            note=lambda line: err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False, soft_wrap=True),
-        )
+        result = run(**arguments, progress=progress, note=note)  # comma lists: read as the command line writes them
+    emit(result, as_json, _extract_table(result))
+
+
+def _extract_table(result: dict) -> Table:
+    """`extract`'s summary: each cache (a sweep's told apart by the values they differ in), what was embedded, where
+    the seconds went."""
     table = Table(title="featcache extract")
     caches = result.get("caches", [result])
     swept = [k for k in caches[0]["partition"] if len({str(c["partition"][k]) for c in caches}) > 1]
-    for r in caches:  # a sweep's caches told apart by the values they differ in (alpha=0.1 clients=10)
+    for r in caches:  # alpha=0.1 clients=10
         what = "".join(f", {k}={r['partition'][k]}" for k in swept)
         table.add_row("cache", f"{r['cache']} ({'hit' if r['cache_hit'] else 'written'}, {r['images']} images{what})")
     table.add_row("backbones", ", ".join(result.get("backbones") or result["caches"][0]["backbones"]))
@@ -132,7 +110,7 @@ def extract(
     if "phases" in result:  # a miss: where the seconds went
         table.add_row("phases", " · ".join(f"{k} {v:.1f} s" for k, v in result["phases"].items()))
     table.show_header = False
-    emit(result, as_json, table)
+    return table
 
 
 def info(
