@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import configure
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -45,6 +46,64 @@ def test_every_setting_is_declared_with_a_default_in_its_own_range(name):
         assert not s.batched or isinstance(s.default, float), f"{name}: {k} batches but is not a float"
         assert not s.choices or isinstance(s.default, str), f"{name}: {k} has choices but is not a string"
     assert resolve(create(name)) == defaults(create(name))
+
+
+def _other(s: Setting):
+    """A value of setting `s` inside its range and other than its default."""
+    if s.choices:
+        return next(c for c in s.choices if c != s.default)
+    if isinstance(s.default, bool):
+        return not s.default
+    tries = [s.default * 0.5, s.default * 2, s.default + 0.5, 0.5, 0.25] if isinstance(s.default, float) else []
+    tries += [s.default + 1, s.default - 1] if isinstance(s.default, int) else []
+    return next(v for v in tries if v != s.default and s.holds(v))
+
+
+OWN = {n: [k for k in settings_of(create(n)) if k not in ENGINE_SETTINGS] for n in ALGOS}  # an algorithm's own
+
+
+@pytest.mark.parametrize("name", [n for n in ALGOS if OWN[n]])
+def test_a_search_space_takes_every_own_setting(name):
+    """Each setting an algorithm declares makes a search dimension: a list of two values of its range, and a range
+    where it batches."""
+    from featcache.runs.search import parse_space
+
+    table = settings_of(create(name))
+    for k in OWN[name]:
+        s = table[k]
+        dims = parse_space(create(name), {k: [s.default, _other(s)]})
+        assert dims[k].values == (s.default, _other(s)), f"{name}.{k}"
+        if s.batched:
+            lo, hi = sorted((s.default, _other(s)))
+            assert parse_space(create(name), {k: f"uniform:{lo},{hi}"})[k].kind == "uniform", f"{name}.{k}"
+
+
+SLOW = {"fedpft-con"}  # two phases over augmented views: a minute on two cores
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else [])
+        for n in ALGOS
+        if any(settings_of(create(n))[k].batched for k in OWN[n])
+    ],
+)
+def test_a_batched_grid_over_its_own_settings_trains_each_configuration_as_alone(name, data):
+    """One batched run of the defaults beside a configuration with another value of every batched setting the
+    algorithm declares: each trains as it would alone (a setting read from the first configuration only would not),
+    what `grid` and `search` rely on to batch configurations."""
+    from featcache.training.engine import Engine
+
+    algo, table = create(name), settings_of(create(name))
+    base = configure(name, fast=True, proj_dim=8, rounds=2, batch_size=16, drop_last=False, participation=0.75)
+    cfgs = [base, base | {k: _other(table[k]) for k in OWN[name] if table[k].batched}]
+    batched = Engine(algo, cfgs, *data).run()
+    for h, cfg in enumerate(cfgs):
+        alone = Engine(create(name), [cfg], *data).run()
+        torch.testing.assert_close(batched["acc"][:, h], alone["acc"][:, 0], rtol=0, atol=1e-6, msg=f"{name} {h}")
+        loss = batched["train_loss"][:, h]
+        torch.testing.assert_close(loss, alone["train_loss"][:, 0], rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 def test_structural_settings_follow_the_declarations():

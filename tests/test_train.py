@@ -408,7 +408,7 @@ def test_available_memory_is_mem_available_and_a_grid_chunk_plans_for_a_share_of
 def test_algo_all_trains_every_registered_algorithm_in_one_command_as_a_leaderboard(cache, tmp_path):
     from featcache.algorithms import list_algorithms
 
-    shipped = {n: c for n, c in list_algorithms().items() if c.__module__.startswith("featcache.")}  # not tests' plug-ins
+    shipped = {n: c for n, c in list_algorithms().items() if c.__module__.startswith("featcache.")}  # no plug-ins
     args = ["train", "--cache", str(cache), "--algo", "all", "--rounds", "1", "--seeds", "0", "--out", str(tmp_path)]
     diverges = ["--set", "fedprox.lr=1e38", "--set", "fedprox.optimizer=sgd"]  # one algorithm fails alone
     done = cli(*args, *diverges)
