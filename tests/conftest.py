@@ -20,6 +20,7 @@ from featcache.algorithms.fedbabu import FedBABU
 from featcache.algorithms.fednova import FedNova
 from featcache.algorithms.fedpft import Alternating
 from featcache.algorithms.fedrep import FedRep
+from featcache.algorithms.fedtgp import FedTGP
 from featcache.algorithms.pfedgate import PFedGate
 from featcache.algorithms.scaffold import Scaffold
 from featcache.training.config import resolve
@@ -53,6 +54,7 @@ FAST = {
     FedBABU: {"finetune_epochs": 1},  # the fine-tuning still runs before every evaluation, at a fifth of the cost
     Scaffold: {"lr": 0.1},  # plain SGD at 0.01 moves too little in 3 rounds to show learning
     FedNova: {"lr": 0.1},  # the same: plain SGD at 0.01 by default
+    FedTGP: {"server_epochs": 10},  # the server's passes, a tenth of run_me.sh's 100: still learns in 20 rounds
     # An 8-unit head keeps too little at s = 0.5 (and the logits' ReLU too little signal at lr 1e-3) to learn in a few
     # rounds; test_algo_pfedgate covers the released settings and s < 1.
     PFedGate: {"optimizer": "adam", "lr": 0.01, "lr_gate": 0.1, "sparsity": 1.0, "local_epochs": 3},
