@@ -43,6 +43,9 @@ WITH_GLOBAL = {
     "feddyn-official",
     "ditto",
     "fedbabu",
+    "apfl",
+    "apfl-official",
+    "fedala",
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..training.config import shared_settings
 from . import (  # noqa: F401  (each module registers its algorithms)
+    apfl,
     ditto,
     fedamp,
     fedbabu,
@@ -21,6 +22,7 @@ from . import (  # noqa: F401  (each module registers its algorithms)
     fednova,
     fedntd,
     feddyn,
+    fedala,
     fedpcl,
     fedper,
     fedpft,
