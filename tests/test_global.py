@@ -46,6 +46,9 @@ WITH_GLOBAL = {
     "apfl",
     "apfl-official",
     "fedala",
+    "feddbe",
+    "fpl",
+    "fpl-official",
 }
 
 
@@ -164,6 +167,7 @@ SERVER_OPTIMIZERS = {"fedavgm", "fedadagrad", "fedyogi", "fedadam"}
 HOLD_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "moon-official", "fedproc", "fedproc-official", "perfedavg"}
 HOLD_GLOBAL |= {"fedlc", "feddecorr", "feddecorr-official", "fedntd", "fedntd-official", "fednova"}
 HOLD_GLOBAL |= {"feddyn", "feddyn-official"}
+HOLD_GLOBAL |= {"fpl", "fpl-official"}
 HOLD_GLOBAL |= SERVER_OPTIMIZERS
 
 
