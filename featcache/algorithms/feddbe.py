@@ -22,7 +22,7 @@ classifier (PFLlib's `model.head`). Differences from FedAvg:
 - the server averages every head parameter by n_k (FedAvg); each client predicts with head(z + z̄ᵖ_i).
 κ = 50 and μ = 1 (the running mean is the current batch's mean) are the authors' run_me.sh (TsingZ0/DBE @ 193f4355:
 -klw 50 -mo 1); PFLlib's defaults, κ = 0 and μ = 0.1, turn MR off.
-Choices left open, and deviations from the release: PRBM trains with the run's local optimizer and settings (the release:
+Choices left open and deviations from the release: PRBM trains with the run's local optimizer and settings (the release:
 its own plain SGD at the head's rate, which is the same update under plain SGD without weight decay); with partial
 participation the initialization period is round 1's participants (PFLlib: every client); with bn=True the BN
 statistics are averaged with the parameters (PFLlib averages `parameters()` only: each client keeps its own).
