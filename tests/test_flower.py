@@ -16,10 +16,11 @@ from harness import everything_in, one_line_error, run_cli
 from synthetic import write_cache
 
 import featcache
+from featcache.algorithms import create, list_algorithms
 from featcache.cache import verify
 from featcache.cache.split import client_of, node_rows, split
 from featcache.errors import UserError
-from featcache.flower.federation import ClientSide, loopback, run_server, server_from_hello
+from featcache.flower.federation import HOOKS_ACROSS_CLIENTS, ClientSide, loopback, run_server, server_from_hello
 from featcache.runs.spec import RunSpec
 
 SIX = ("fedavg", "fedprox", "scaffold", "fedproto", "fedpcl", "fedrep")
@@ -86,6 +87,18 @@ def test_a_run_split_into_server_and_clients_gives_train_s_numbers(algo, cache, 
     assert_same(split_run(cache, algo, SETTINGS, tmp_path / "flower"), simulated(cache, algo, tmp_path / "sim"))
 
 
+def _runs_client_side(name: str) -> bool:
+    algo = create(name)
+    return not (name in HOOKS_ACROSS_CLIENTS or algo.keeps_optimizer_state or getattr(algo, "uses_views", False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", [n for n in sorted(list_algorithms()) if n not in SIX and _runs_client_side(n)])
+def test_every_other_algorithm_split_into_server_and_clients_gives_train_s_numbers(algo, cache, tmp_path):
+    """The flower guide's promise: every registered algorithm it does not refuse (the cache holds no views)."""
+    assert_same(split_run(cache, algo, SETTINGS, tmp_path / "flower"), simulated(cache, algo, tmp_path / "sim"))
+
+
 def test_a_client_smaller_than_a_batch_trains_its_one_batch_as_in_train(cache, tmp_path):
     counts = [int(node_rows(cache, c)[1].counts[0]) for c in range(4)]
     settings = SETTINGS | {"drop_last": True, "batch_size": min(counts) + 1}  # the smallest client: no full batch
@@ -140,6 +153,7 @@ def run_flower_simulation(algo, cache, tmp_path):
         ("pfedgate", {}, "keeps_optimizer_state"),
         ("fedpcl", {"proto_noise": "laplace"}, "proto_noise"),
         ("fedamp", {}, "aggregate returns one model per client"),
+        ("fedala", {}, "hashed from its index among all C clients"),
     ],
 )
 def test_what_a_client_cannot_run_alone_is_refused_in_one_line(algo, settings, named, cache):

@@ -55,6 +55,8 @@ HOOKS_ACROSS_CLIENTS = {
     "fedcac": "aggregate returns one model per client [H, C, ...] that download indexes by client",
     "fedproc": "init_state reads every client's prototypes from state.client rather than through upload",
     "fedproc-official": "init_state reads every client's prototypes from state.client rather than through upload",
+    "fedala": "download samples each client's rows at an offset hashed from its index among all C clients, which a "
+    "client alone (one of one) does not see",
 }
 
 
