@@ -140,6 +140,7 @@ def run_flower_simulation(algo, cache, tmp_path):
         ("pfedgate", {}, "keeps_optimizer_state"),
         ("fedpcl", {"proto_noise": "laplace"}, "proto_noise"),
         ("fedamp", {}, "aggregate returns one model per client"),
+        ("ccvr", {}, "download pools the feature statistics of every client's training rows"),
     ],
 )
 def test_what_a_client_cannot_run_alone_is_refused_in_one_line(algo, settings, named, cache):

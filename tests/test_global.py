@@ -43,6 +43,9 @@ WITH_GLOBAL = {
     "feddyn-official",
     "ditto",
     "fedbabu",
+    "ccvr",
+    "ccvr-official",
+    "fedetf",
 }
 
 
@@ -161,6 +164,7 @@ SERVER_OPTIMIZERS = {"fedavgm", "fedadagrad", "fedyogi", "fedadam"}
 HOLD_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "moon-official", "fedproc", "fedproc-official", "perfedavg"}
 HOLD_GLOBAL |= {"fedlc", "feddecorr", "feddecorr-official", "fedntd", "fedntd-official", "fednova"}
 HOLD_GLOBAL |= {"feddyn", "feddyn-official"}
+HOLD_GLOBAL |= {"ccvr", "ccvr-official"}  # every client predicts with the calibrated classifier
 HOLD_GLOBAL |= SERVER_OPTIMIZERS
 
 

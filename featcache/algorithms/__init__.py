@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from ..training.config import shared_settings
 from . import (  # noqa: F401  (each module registers its algorithms)
+    ccvr,
     ditto,
     fedamp,
     fedbabu,
     fedbn,
     fedcac,
     feddecorr,
+    fedetf,
     fedlc,
     fednova,
     fedntd,
