@@ -16,7 +16,9 @@ from hypothesis import HealthCheck, settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from featcache.algorithms import create
+from featcache.algorithms.ccvr import CCVR
 from featcache.algorithms.fedbabu import FedBABU
+from featcache.algorithms.fedetf import FedETF
 from featcache.algorithms.fednova import FedNova
 from featcache.algorithms.fedpft import Alternating
 from featcache.algorithms.fedrep import FedRep
@@ -52,6 +54,9 @@ FAST = {
     Alternating: {"momentum": 0.9, "r_f": 1, "r_a": 1, "local_epochs": 2},
     FedRep: {"head_epochs": 2},  # both phases and the switch, at a fifth of the cost
     FedBABU: {"finetune_epochs": 1},  # the fine-tuning still runs before every evaluation, at a fifth of the cost
+    FedETF: {"finetune_epochs": 1, "finetune_rounds": 1, "finetune_phase_epochs": 1},  # every step of the
+    # adaptation before every evaluation, at 3 epochs instead of 123
+    CCVR: {"samples_per_class": 40},  # the calibration before every evaluation, on a fifth of the virtual rows
     Scaffold: {"lr": 0.1},  # plain SGD at 0.01 moves too little in 3 rounds to show learning
     FedNova: {"lr": 0.1},  # the same: plain SGD at 0.01 by default
     FedTGP: {"server_epochs": 10},  # the server's passes, a tenth of run_me.sh's 100: still learns in 20 rounds

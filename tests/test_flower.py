@@ -154,6 +154,7 @@ def run_flower_simulation(algo, cache, tmp_path):
         ("fedpcl", {"proto_noise": "laplace"}, "proto_noise"),
         ("fedamp", {}, "aggregate returns one model per client"),
         ("fedala", {}, "hashed from its index among all C clients"),
+        ("ccvr", {}, "download pools the feature statistics of every client's training rows"),
     ],
 )
 def test_what_a_client_cannot_run_alone_is_refused_in_one_line(algo, settings, named, cache):

@@ -49,6 +49,9 @@ WITH_GLOBAL = {
     "feddbe",
     "fpl",
     "fpl-official",
+    "ccvr",
+    "ccvr-official",
+    "fedetf",
 }
 
 
@@ -168,6 +171,7 @@ HOLD_GLOBAL = {"fedavg", "fedprox", "scaffold", "moon", "moon-official", "fedpro
 HOLD_GLOBAL |= {"fedlc", "feddecorr", "feddecorr-official", "fedntd", "fedntd-official", "fednova"}
 HOLD_GLOBAL |= {"feddyn", "feddyn-official"}
 HOLD_GLOBAL |= {"fpl", "fpl-official"}
+HOLD_GLOBAL |= {"ccvr", "ccvr-official"}  # every client predicts with the calibrated classifier
 HOLD_GLOBAL |= SERVER_OPTIMIZERS
 
 

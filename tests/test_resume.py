@@ -139,6 +139,8 @@ def runs(draw, algos=tuple(sorted(list_algorithms())), widths=tuple(WIDTHS)):
             opts[key] = draw(st.integers(1, 2))
     if "queue" in defaults:  # FedPFT-con's MoCo queue: 1,024 keys by default
         opts["queue"] = draw(st.sampled_from([16, 128]))
+    if "finetune_phase_epochs" in defaults:  # FedETF's adaptation: 3 + 2 x 20 x 3 epochs before every evaluation
+        opts |= {"finetune_epochs": 1, "finetune_rounds": draw(st.integers(1, 2)), "finetune_phase_epochs": 1}
     every = draw(st.integers(1, max(1, min(3, stops[-1] - 1))))  # the last stop comes after a checkpoint
     return {
         "shape": shape,

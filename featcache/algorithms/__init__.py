@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..training.config import shared_settings
 from . import (  # noqa: F401  (each module registers its algorithms)
     apfl,
+    ccvr,
     ditto,
     fedala,
     fedamp,
@@ -20,6 +21,7 @@ from . import (  # noqa: F401  (each module registers its algorithms)
     feddbe,
     feddecorr,
     feddyn,
+    fedetf,
     fedgh,
     fedlc,
     fednova,

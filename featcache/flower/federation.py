@@ -50,7 +50,10 @@ REFUSALS = (
 )
 
 # Built-in algorithms whose hooks, as written, read across clients where a client holds only itself
+_POOLS = "download pools the feature statistics of every client's training rows, where each holds only its own"
 HOOKS_ACROSS_CLIENTS = {
+    "ccvr": _POOLS,
+    "ccvr-official": _POOLS,
     "fedamp": "aggregate returns one model per client [H, C, ...] that download indexes by client",
     "fedcac": "aggregate returns one model per client [H, C, ...] that download indexes by client",
     "fedproc": "init_state reads every client's prototypes from state.client rather than through upload",
