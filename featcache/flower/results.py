@@ -21,7 +21,7 @@ def write_result(out, algo, cfg: dict, meta: dict, raw: dict, wire: dict) -> str
     check_folder(out)
     seeds = [int(cfg["seed"])]
     config = {k: v for k, v in cfg.items() if k != "seed"}
-    floats = raw["upload_floats"][0]
+    floats = max(raw["upload_floats"])  # a round's most: FedDBE's first round uploads its means only
     glob = raw["global_acc"]
     rounds = len(raw["round_seconds"])
     result = {
