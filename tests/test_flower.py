@@ -20,7 +20,7 @@ from featcache.algorithms import create, list_algorithms
 from featcache.cache import verify
 from featcache.cache.split import client_of, node_rows, split
 from featcache.errors import UserError
-from featcache.flower.federation import HOOKS_ACROSS_CLIENTS, ClientSide, loopback, run_server, server_from_hello
+from featcache.flower.federation import ClientSide, loopback, run_server, server_from_hello
 from featcache.runs.spec import RunSpec
 
 SIX = ("fedavg", "fedprox", "scaffold", "fedproto", "fedpcl", "fedrep")
@@ -89,7 +89,7 @@ def test_a_run_split_into_server_and_clients_gives_train_s_numbers(algo, cache, 
 
 def _runs_client_side(name: str) -> bool:
     algo = create(name)
-    return not (name in HOOKS_ACROSS_CLIENTS or algo.keeps_optimizer_state or getattr(algo, "uses_views", False))
+    return not (algo.across_clients or algo.keeps_optimizer_state or getattr(algo, "uses_views", False))
 
 
 @pytest.mark.slow

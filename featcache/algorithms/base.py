@@ -32,7 +32,7 @@ Declared as data, never inferred from which hooks a class overrides (`Algorithm`
 refuses a class whose hooks contradict them, `contradictions`): `settings`, `groups` (the local optimizer's parameter
 groups: the settings giving their learning rate, a multiplier of it and weight decay, and a gradient-norm clip) and
 the capabilities `uses_views`, `uses_global`, `capturable`, `keeps_optimizer_state`, `personal_predict`,
-`fedavg_server` and `clients_hold_global` (each explained where FedAvg declares it).
+`fedavg_server`, `clients_hold_global` and `across_clients` (each explained where FedAvg declares it).
 
 The global model is what the FedAvg-family papers evaluate on a global test set (here: the union of all clients'
 test splits). FedAvg's is the averaged model every client downloads; an algorithm whose server holds no complete
@@ -195,6 +195,10 @@ class FedAvg:
     # global metric is the clients' pooled one and is not evaluated again. Needs the default `global_model` and
     # `predict_global` (their contract is FedAvg's download) and every tensor shared.
     clients_hold_global: ClassVar[bool] = True
+    # Why a hook reads across clients, where a client alone holds only its own rows and state ("": none does): such
+    # an algorithm cannot run split into a server and clients that each hold one client (featcache.flower refuses it
+    # with this line).
+    across_clients: ClassVar[str] = ""
 
     cfg: Mapping[str, Any] = MappingProxyType({})  # the shared settings this instance is bound to (see bind)
 
@@ -339,6 +343,8 @@ class Algorithm(Protocol):
     def fedavg_server(self) -> bool: ...
     @property
     def clients_hold_global(self) -> bool: ...
+    @property
+    def across_clients(self) -> str: ...
 
     def bind(self, cfg: Mapping[str, Any]) -> Algorithm: ...
     def init(

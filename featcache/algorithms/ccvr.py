@@ -120,6 +120,9 @@ def retrain_classifier(
 @register
 class CCVR(FedAvg):
     name = "ccvr"
+    across_clients = (
+        "download pools the feature statistics of every client's training rows, where each holds only its own"
+    )
     paper = "Luo et al., No Fear of Heterogeneity: Classifier Calibration for FL with Non-IID Data, NeurIPS 2021, §4"
     uploads = "all head parameters (and, before each evaluation, per class: count, feature mean and covariance)"
     settings = {

@@ -69,6 +69,10 @@ def top_layers(names, p: int) -> list[str]:
 @register
 class FedALA(FedAvg):
     name = "fedala"
+    across_clients = (
+        "download samples each client's rows at an offset hashed from its index among all C clients, which a client "
+        "alone (one of one) does not see"
+    )
     paper = "Zhang et al., FedALA: Adaptive Local Aggregation for Personalized Federated Learning, AAAI 2023, Alg. 1"
     uploads = "all head parameters (the trained Θ_i)"
     settings = {

@@ -60,6 +60,7 @@ ATTENTION = {"cosine": cosine_attention, "distance": distance_attention}
 @register
 class FedAMP(FedAvg):
     name = "fedamp"
+    across_clients = "aggregate returns one model per client [H, C, ...] that download indexes by client"
     paper = "Huang et al., Personalized Cross-Silo Federated Learning on Non-IID Data, AAAI 2021 (HeurFedAMP default)"
     uploads = "all head parameters (the personalized model w_i)"
     personal_predict = True  # w_i changes only in its own local training; the cloud models only steer it

@@ -71,6 +71,7 @@ def collaborators(ov: torch.Tensor, part: torch.Tensor, t: int, beta: torch.Tens
 @register
 class FedCAC(FedAvg):
     name = "fedcac"
+    across_clients = "aggregate returns one model per client [H, C, ...] that download indexes by client"
     paper = (
         "Wu et al., Bold but Cautious: Unlocking the Potential of Personalized FL through Cautiously Aggressive "
         "Collaboration, ICCV 2023"

@@ -61,6 +61,7 @@ def gpc(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, tau) -> torch.Te
 @register
 class FedProc(FedAvg):
     name = "fedproc"
+    across_clients = "init_state reads every client's prototypes from state.client rather than through upload"
     paper = "Mu et al., FedProc: Prototypical Contrastive FL on Non-IID data, arXiv:2109.12273, §3.3 eq. 2–5, Alg. 1"
     uploads = "all head parameters + local prototypes [K, proj_dim] + class counts [K]"
     fedavg_server = False  # local prototypes travel with the parameters (after_local, ..., download)

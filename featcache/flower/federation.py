@@ -37,6 +37,7 @@ GROUPS = ("params", "buffers", "client", "server")
 
 # What a client alone cannot do as the hooks are written: (test on the bound algorithm, the one-line reason)
 REFUSALS = (
+    (lambda algo: algo.across_clients, None),  # the algorithm's own line
     (
         lambda algo: algo.keeps_optimizer_state,
         "keeps_optimizer_state: its optimizer moments live in one torch.optim object per client for the whole run, "
@@ -49,28 +50,12 @@ REFUSALS = (
     ),
 )
 
-# Built-in algorithms whose hooks, as written, read across clients where a client holds only itself
-_POOLS = "download pools the feature statistics of every client's training rows, where each holds only its own"
-HOOKS_ACROSS_CLIENTS = {
-    "ccvr": _POOLS,
-    "ccvr-official": _POOLS,
-    "fedamp": "aggregate returns one model per client [H, C, ...] that download indexes by client",
-    "fedcac": "aggregate returns one model per client [H, C, ...] that download indexes by client",
-    "fedproc": "init_state reads every client's prototypes from state.client rather than through upload",
-    "fedproc-official": "init_state reads every client's prototypes from state.client rather than through upload",
-    "fedala": "download samples each client's rows at an offset hashed from its index among all C clients, which a "
-    "client alone (one of one) does not see",
-}
-
 
 def refuse(algo) -> None:
     """One line naming what of the bound algorithm cannot run client-side as written, and why."""
-    if algo.name in HOOKS_ACROSS_CLIENTS:
-        raise UserError(
-            f"{algo.name} cannot run as a Flower app: {HOOKS_ACROSS_CLIENTS[algo.name]}; run it with `featcache train`"
-        )
     for test, why in REFUSALS:
         if test(algo):
+            why = why or algo.across_clients
             raise UserError(f"{algo.name} cannot run as a Flower app: {why}; run it with `featcache train`")
 
 
