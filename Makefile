@@ -10,7 +10,7 @@ DEMO_BACKBONES := --backbone efficientnet_lite0 --backbone efficientnet_lite1 --
 DEMO_EXTRACT   := --dataset offline-digits $(DEMO_BACKBONES) --partition feature --per-class 10 --test-per-class 50 --image-size 64 --out $(CACHE)
 DEMO_TRAIN     := --algo fedpcl --algo fedproto --algo fedavg --rounds 50 --seeds 0,1,2
 
-.PHONY: install demo test test-fast check bench gpu-check clean reproduce reproduce-quick docs docs-results algos-table
+.PHONY: install demo test test-fast test-oldest check bench gpu-check clean reproduce reproduce-quick docs docs-results algos-table
 
 install: $(BIN)/featcache
 
@@ -39,6 +39,14 @@ check: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m 'not slow'
+
+# CI's run on the oldest torch/torchvision pair: the tests of the code that calls torch, torchvision and timm most
+# directly (the engine and every algorithm's step through it, graph capture, the memory estimate, backbones, extraction)
+OLDEST_TESTS := tests/test_engine.py tests/test_capture.py tests/test_footprint.py tests/test_memory.py \
+	tests/test_optim.py tests/test_hook_order.py tests/test_backbones.py tests/test_extract.py \
+	tests/test_embedding_identity.py tests/test_checkpoint.py
+test-oldest: install
+	$(BIN)/python -m pytest -q -m 'not slow' $(OLDEST_TESTS)
 
 # Reproduction of the seed papers' tables and figures: one target per pipelines/NAME.toml, writing
 # $(RESULTS)/NAME.md (ours beside the paper's numbers) and NAME.png for figures. Single targets use the papers'
