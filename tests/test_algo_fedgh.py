@@ -11,7 +11,7 @@ import torch
 from conftest import configure
 
 from featcache.algorithms import create
-from featcache.algorithms.fedgh import server_order
+from featcache.algorithms.protos import server_order
 from featcache.cache import ClientData
 from featcache.testing import assert_matches_plain_loop
 from featcache.training.engine import Engine

@@ -13,7 +13,7 @@ import torch
 from conftest import configure
 
 from featcache.algorithms import create
-from featcache.algorithms.fedgh import server_order
+from featcache.algorithms.protos import server_order
 from featcache.algorithms.fedtgp import acl_loss, adaptive_margin, tgp_init
 from featcache.testing import assert_matches_plain_loop
 from featcache.training.engine import Engine

@@ -31,71 +31,16 @@ Global model: none. The server holds only the header; every extractor is local.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 
 from ..training.config import Setting
-from ..training.schedule import hash_keys
-from .base import FedAvg, bcast, logsumexp, one_hot
+from .base import FedAvg, logsumexp, one_hot
 from .heads import Params
-from .protos import refresh_prototypes
+from .protos import masked_rows_mean, refresh_prototypes, server_sgd
 from .registry import register
 
-SERVER_PASS = 1 << 22  # hash_keys' epoch id of the server's first pass over the uploads (pass e: SERVER_PASS + e)
-
 HEADER = ("cls0.weight", "cls0.bias")  # θ, the global header
-
-
-def server_order(seeds: torch.Tensor, rnd: int, epoch: int, valid: torch.Tensor) -> torch.Tensor:
-    """The uploads in the order of the server's pass `epoch` of round `rnd` (the releases' DataLoader(shuffle=True)
-    over their list of uploads): valid [H, M] bool (item m = c·K + k, client c's prototype of class k) -> [H, M]
-    int64, a random permutation of each model's valid items first, the others after them. `seeds` [H] on the
-    device of `valid`."""
-    keys = hash_keys(seeds, rnd, SERVER_PASS + epoch, shape=(valid.shape[1],)) >> 1  # [H, M]
-    keys = torch.where(valid, keys, torch.iinfo(torch.int64).max)
-    return torch.argsort(keys, dim=-1, stable=True)
-
-
-def server_sgd(
-    params: Params,
-    loss: Callable[[Params, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    protos: torch.Tensor,
-    valid: torch.Tensor,
-    rnd,
-    lr: torch.Tensor,
-    epochs: int,
-    batch_size: int,
-) -> Params:
-    """`epochs` passes of minibatch SGD on the server over the uploaded prototypes protos [H, C, K, d] where valid
-    [H, C, K] (the participants' classes), each prototype a sample labelled with its class: every pass in
-    `server_order`, `batch_size` prototypes per step (the last one short); the step of each model is
-    p ← p − lr_h ∇ loss(p, batch [H, b, d], labels [H, b], mask [H, b])_h (loss -> [H], the mean over the batch's
-    masked rows), a model whose rows ran out stays. Returns the trained params name -> [H, ...]; one host read."""
-    H, C, K, d = protos.shape
-    flat, ok = protos.reshape(H, C * K, d), valid.reshape(H, C * K)  # [H, M, d], [H, M]
-    labels = torch.arange(C * K, device=protos.device) % K  # [M]
-    n = ok.sum(1)  # [H] uploads per model
-    steps = -(-int(n.max()) // batch_size)  # the round's one host read
-    seeds = rnd.seeds.to(protos.device)
-    params = {k: v.detach().clone() for k, v in params.items()}
-    with torch.enable_grad():
-        for epoch in range(epochs):
-            order = server_order(seeds, rnd.round, epoch, ok)  # [H, M]
-            for s in range(0, steps * batch_size, batch_size):
-                idx = order[:, s : s + batch_size]  # [H, b]
-                mask = s + torch.arange(idx.shape[1], device=idx.device) < n[:, None]  # [H, b]
-                x = flat.gather(1, idx[..., None].expand(-1, -1, d))  # [H, b, d]
-                leaves = {k: v.requires_grad_(True) for k, v in params.items()}
-                grads = torch.autograd.grad(loss(leaves, x, labels[idx], mask).sum(), list(leaves.values()))
-                params = {k: (v - bcast(lr, v) * g).detach() for (k, v), g in zip(leaves.items(), grads)}
-    return params
-
-
-def masked_rows_mean(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each model's mean of v [H, b] over its rows where mask [H, b]: [H] (0 where it has none)."""
-    m = mask.to(v.dtype)
-    return (v * m).sum(1) / m.sum(1).clamp(min=1)
 
 
 def header_loss(params: Params, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

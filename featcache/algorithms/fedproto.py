@@ -31,7 +31,7 @@ import torch
 from ..training.config import Setting
 from .registry import register
 from .base import FedAvg, masked_ce, masked_mean, one_hot
-from .protos import NOISE_SETTINGS, empty_global, privatize, refresh_prototypes, update_global
+from .protos import NOISE_SETTINGS, empty_global, privatize, refresh_prototypes, sq_distances, update_global
 
 
 def proto_distance(z: torch.Tensor, y: torch.Tensor, glob: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
@@ -39,11 +39,6 @@ def proto_distance(z: torch.Tensor, y: torch.Tensor, glob: torch.Tensor, has: to
     onehot = one_hot(y, glob.shape[0]).float()  # [N, K]
     target = onehot @ glob  # [N, d]
     return ((z - target) ** 2).mean(-1) * (onehot @ has.float())
-
-
-def sq_distances(z: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
-    """||z_n − C_k||² for z [N, d], protos [K, d] -> [N, K]."""
-    return (z * z).sum(-1, keepdim=True) - 2 * z @ protos.T + (protos * protos).sum(-1)
 
 
 @register

@@ -24,7 +24,7 @@ Choices the paper leaves open, as the code makes them:
 - plain SGD at `server_lr` (the code's server rate is the clients' -lr, 0.01 in run_me.sh); the TGP persists across
   rounds; it is drawn from a generator seeded by the run's seed, apart from the model's;
 - each pass takes the prototypes in a random order: a permutation hashed from (seed, round, pass)
-  (`fedgh.server_order`);
+  (`protos.server_order`);
 - λ = 10 and τ = 100 (run_me.sh: -lam 10 -mart 100);
 - ψ is computed as the code computes it, √(||P||² − 2 P·Ĝ + ||Ĝ||²), its radicand clamped at 10⁻¹² (where the code's
   rounding would give a NaN).
@@ -40,10 +40,8 @@ import torch
 
 from ..training.config import Setting
 from .base import FedAvg, bcast, logsumexp, masked_ce, masked_mean, one_hot
-from .fedgh import masked_rows_mean, server_sgd
-from .fedproto import sq_distances
 from .heads import Params, linear_init
-from .protos import mean_prototypes, refresh_prototypes
+from .protos import masked_rows_mean, mean_prototypes, refresh_prototypes, server_sgd, sq_distances
 from .registry import register
 
 TGP = ("tgp.emb", "tgp.mid.weight", "tgp.mid.bias", "tgp.fc.weight", "tgp.fc.bias")  # G, then W's two layers

@@ -1,18 +1,23 @@
 """Prototype helpers shared by the prototype methods (FedPCL, FedProto, FedProc): class means, eq. 6 aggregation,
-eq. 7 padding, the server's global prototypes (state.server["prototypes"] [H, K, d], "has" [H, K]), and the privacy
-noise on uploaded prototypes (Tan et al., FedPCL, NeurIPS 2022, App. A.2.4)."""
+eq. 7 padding, the server's global prototypes (state.server["prototypes"] [H, K, d], "has" [H, K]), the privacy
+noise on uploaded prototypes (Tan et al., FedPCL, NeurIPS 2022, App. A.2.4), and the server's minibatch SGD over the
+uploaded prototypes (FedGH's header, FedTGP's trainable prototypes)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from ..errors import UserError
 from ..training.config import Setting
 from ..training.models import map_models
-from ..training.schedule import batch_order, trained_counts
-from .base import one_hot
+from ..training.schedule import batch_order, hash_keys, trained_counts
+from .base import bcast, one_hot
+from .heads import Params
 
 PASS_EPOCH = 1 << 21  # batch_order's epoch id of the prototype pass: a shuffle of its own, no training epoch's
+SERVER_PASS = 1 << 22  # hash_keys' epoch id of the server's first pass over the uploads (pass e: SERVER_PASS + e)
 
 
 def class_means(z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,3 +149,59 @@ def privatize(protos: torch.Tensor, rnd) -> torch.Tensor:
     gens = [torch.Generator().manual_seed(s * 100_003 + rnd.round) for s in rnd.seeds.tolist()]  # same seed, noise
     noise = torch.stack([_NOISE[kind](protos.shape[1:], scale, g) for g in gens])  # [H, C, K, d]
     return (1 - p) * protos + noise.to(protos)
+
+
+def sq_distances(z: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
+    """||z_n − C_k||² for z [N, d], protos [K, d] -> [N, K]."""
+    return (z * z).sum(-1, keepdim=True) - 2 * z @ protos.T + (protos * protos).sum(-1)
+
+
+def server_order(seeds: torch.Tensor, rnd: int, epoch: int, valid: torch.Tensor) -> torch.Tensor:
+    """The uploads in the order of the server's pass `epoch` of round `rnd` (the releases' DataLoader(shuffle=True)
+    over their list of uploads): valid [H, M] bool (item m = c·K + k, client c's prototype of class k) -> [H, M]
+    int64, a random permutation of each model's valid items first, the others after them. `seeds` [H] on the
+    device of `valid`."""
+    keys = hash_keys(seeds, rnd, SERVER_PASS + epoch, shape=(valid.shape[1],)) >> 1  # [H, M]
+    keys = torch.where(valid, keys, torch.iinfo(torch.int64).max)
+    return torch.argsort(keys, dim=-1, stable=True)
+
+
+def server_sgd(
+    params: Params,
+    loss: Callable[[Params, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    protos: torch.Tensor,
+    valid: torch.Tensor,
+    rnd,
+    lr: torch.Tensor,
+    epochs: int,
+    batch_size: int,
+) -> Params:
+    """`epochs` passes of minibatch SGD on the server over the uploaded prototypes protos [H, C, K, d] where valid
+    [H, C, K] (the participants' classes), each prototype a sample labelled with its class: every pass in
+    `server_order`, `batch_size` prototypes per step (the last one short); the step of each model is
+    p ← p − lr_h ∇ loss(p, batch [H, b, d], labels [H, b], mask [H, b])_h (loss -> [H], the mean over the batch's
+    masked rows), a model whose rows ran out stays. Returns the trained params name -> [H, ...]; one host read."""
+    H, C, K, d = protos.shape
+    flat, ok = protos.reshape(H, C * K, d), valid.reshape(H, C * K)  # [H, M, d], [H, M]
+    labels = torch.arange(C * K, device=protos.device) % K  # [M]
+    n = ok.sum(1)  # [H] uploads per model
+    steps = -(-int(n.max()) // batch_size)  # the round's one host read
+    seeds = rnd.seeds.to(protos.device)
+    params = {k: v.detach().clone() for k, v in params.items()}
+    with torch.enable_grad():
+        for epoch in range(epochs):
+            order = server_order(seeds, rnd.round, epoch, ok)  # [H, M]
+            for s in range(0, steps * batch_size, batch_size):
+                idx = order[:, s : s + batch_size]  # [H, b]
+                mask = s + torch.arange(idx.shape[1], device=idx.device) < n[:, None]  # [H, b]
+                x = flat.gather(1, idx[..., None].expand(-1, -1, d))  # [H, b, d]
+                leaves = {k: v.requires_grad_(True) for k, v in params.items()}
+                grads = torch.autograd.grad(loss(leaves, x, labels[idx], mask).sum(), list(leaves.values()))
+                params = {k: (v - bcast(lr, v) * g).detach() for (k, v), g in zip(leaves.items(), grads)}
+    return params
+
+
+def masked_rows_mean(v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each model's mean of v [H, b] over its rows where mask [H, b]: [H] (0 where it has none)."""
+    m = mask.to(v.dtype)
+    return (v * m).sum(1) / m.sum(1).clamp(min=1)
