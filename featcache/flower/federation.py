@@ -35,9 +35,9 @@ from ..training.schedule import batch_order, participation, plan_steps
 
 GROUPS = ("params", "buffers", "client", "server")
 
-# What a client alone cannot do as the hooks are written: (test on the bound algorithm, the one-line reason)
+# What a client alone cannot do beyond what the algorithm declares (`across_clients`): (test on the bound
+# algorithm, the one-line reason)
 REFUSALS = (
-    (lambda algo: algo.across_clients, None),  # the algorithm's own line
     (
         lambda algo: algo.keeps_optimizer_state,
         "keeps_optimizer_state: its optimizer moments live in one torch.optim object per client for the whole run, "
@@ -52,11 +52,11 @@ REFUSALS = (
 
 
 def refuse(algo) -> None:
-    """One line naming what of the bound algorithm cannot run client-side as written, and why."""
-    for test, why in REFUSALS:
-        if test(algo):
-            why = why or algo.across_clients
-            raise UserError(f"{algo.name} cannot run as a Flower app: {why}; run it with `featcache train`")
+    """One line naming what of the bound algorithm cannot run client-side as written, and why: its own declaration
+    first, then `REFUSALS`."""
+    why = algo.across_clients or next((why for test, why in REFUSALS if test(algo)), "")
+    if why:
+        raise UserError(f"{algo.name} cannot run as a Flower app: {why}; run it with `featcache train`")
 
 
 def pack(tree) -> tuple[dict[str, torch.Tensor], str]:
