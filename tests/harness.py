@@ -213,3 +213,21 @@ def copy_store(src: Path, dst: Path) -> Path:
     if rows_folder(src).is_dir():
         shutil.copytree(rows_folder(src), rows_folder(dst))
     return Path(dst)
+
+
+def release_batches(train, B: int, drop_last: bool):
+    """featcache's minibatches as a release's client is handed them: `batches(round, client, epoch)` -> [(x, y)] in
+    the engine's batch order (seed 0), B rows each; `drop_last` leaves out the short last one, as the releases'
+    DataLoader(drop_last=True) does, else it is kept."""
+    from featcache.training.schedule import batch_order
+
+    seeds = torch.tensor([0])
+
+    def batches(r: int, c: int, epoch: int) -> list:
+        order = batch_order(seeds, r, epoch, train.counts, train.features.shape[1])[0, c]
+        n = int(train.counts[c])
+        stop = n // B * B if drop_last else n
+        picks = [order[s : min(s + B, n)] for s in range(0, stop, B)]
+        return [(train.features[c, i], train.labels[c, i]) for i in picks]
+
+    return batches

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import configure
+from harness import release_batches
 
 from featcache.algorithms import create
 from featcache.algorithms.ccvr import calibration_draws, pooled_statistics, retrain_classifier, symmetric_sqrt
 from featcache.testing import assert_matches_plain_loop, assert_reduces_to, synthetic_clients
 from featcache.training.engine import Engine
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_ccvr
 
 
@@ -182,13 +183,7 @@ def release_run(broken: bool = False) -> list:
         return RUNS[key]
     train, _ = release_data()
     featcache_run("ccvr-official")  # the initial network
-    seeds = torch.tensor([0])
-
-    def batches(r, c, epoch):
-        order = batch_order(seeds, r, epoch, train.counts, train.features.shape[1])[0, c, : int(train.counts[c])]
-        return [
-            (train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, len(order), B)
-        ]
+    batches = release_batches(train, B, drop_last=False)
 
     def draws(r):
         """featcache's standard normals and order for round r, through the release's two calls."""

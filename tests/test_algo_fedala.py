@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import configure
+from harness import release_batches
 
 from featcache.algorithms import create
 from featcache.algorithms.fedala import FedALA, sampled_rows, top_layers
 from featcache.testing import assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_fedala
 from tests.test_algo_personal import assert_batched_equals_alone
 
@@ -139,10 +140,7 @@ def release_runs(name: str = "fedala", broken: bool = False):
     assert any(c not in parties[0] for c in parties[1]) and all(len(p) < C for p in parties)
     counts = [int(n) for n in train.counts]
 
-    def batches(r: int, c: int, epoch: int):
-        order = batch_order(seeds, r, epoch, train.counts, train.features.shape[1])[0, c]
-        n = counts[c] // B * B  # the DataLoader's drop_last
-        return [(train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, n, B)]
+    batches = release_batches(train, B, drop_last=True)
 
     offsets = lambda i, c: 0 if i == 0 else int(sampled_rows(seeds, i - 1, counts, 80)[0][0, c])  # round i's
     rows = [[(train.features[c, n], train.labels[c, n]) for n in range(counts[c])] for c in range(C)]

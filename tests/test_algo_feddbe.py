@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import configure
+from harness import release_batches
 from torch.func import grad
 
 from featcache.algorithms import create
 from featcache.algorithms.feddbe import MEAN, PRBM
 from featcache.testing import assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_feddbe
 from tests.test_algo_baselines import classify, neg_log_softmax, project
 
@@ -120,10 +121,7 @@ def run_release(x0, stages, data):
     (ROUNDS iterations: the evaluation of the last one scores what featcache's last round ends with)."""
     train, test = data
 
-    def batches(stage: int, c: int, epoch: int):
-        order = batch_order(torch.tensor([0]), stage, epoch, train.counts, train.features.shape[1])[0, c]
-        n = int(train.counts[c]) // B * B  # the DataLoader's drop_last=True
-        return [(train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, n, B)]
+    batches = release_batches(train, B, drop_last=True)
 
     sizes = [int(n) for n in train.counts]
     rows = lambda c: (test.features[c, : int(test.counts[c])], test.labels[c, : int(test.counts[c])])

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import configure
+from harness import release_batches
 
 from featcache.algorithms import create
 from featcache.testing import assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_feddyn
 from tests.synthetic import write_cache
 from tests.test_algo_personal import assert_batched_equals_alone
@@ -130,10 +131,7 @@ def release_runs(name: str, rate: float, ref=ref_feddyn.feddyn):
     parties = [[c for c in range(C) if participation(seeds, r, C, rate)[0, c]] for r in range(ROUNDS)]
     assert len(set(map(tuple, parties))) > 1 and all(len(p) < C for p in parties)
 
-    def batches(r: int, c: int, epoch: int):
-        order = batch_order(seeds, r, epoch, train.counts, train.features.shape[1])[0, c]
-        n = int(train.counts[c]) // B * B  # the DataLoader's drop_last
-        return [(train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, n, B)]
+    batches = release_batches(train, B, drop_last=True)
 
     theirs, _ = ref(x0, parties, batches, 1, cfg["lr"], cfg["alpha"])
     return ours, theirs

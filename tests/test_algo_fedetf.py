@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import configure
+from harness import release_batches
 from torch.func import grad
 
 from featcache.algorithms import create
@@ -17,7 +18,7 @@ from featcache.algorithms.fedetf import LAST, adaptation_keys, simplex_etf
 from featcache.testing import assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
 from featcache.training.evaluate import scores
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_fedetf
 
 D, P, E, K = 3, 4, 5, 4  # the tiny hand-checked head: input features, projection width, ETF width, classes
@@ -220,11 +221,7 @@ def release_runs(plain_loss: bool = False, swapped: bool = False):
     selected = [[c for c in range(C) if participation(seeds, r, C, RATE)[0, c]] for r in range(ROUNDS)]
     N = train.features.shape[1]
 
-    def batches(r, c, epoch):
-        order = batch_order(seeds, r, epoch, train.counts, N)[0, c, : int(train.counts[c])]
-        return [
-            (train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, len(order), B)
-        ]
+    batches = release_batches(train, B, drop_last=False)
 
     keys = adaptation_keys(seeds, ROUNDS - 1, EPOCHS, ADAPTATION, N)[0]  # [E, N] after the last round
 

@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 from conftest import configure
+from harness import release_batches
 
 from featcache.algorithms import create, objective_note
 from featcache.testing import assert_matches_plain_loop, assert_reduces_to, synthetic_clients
 from featcache.training.engine import Engine
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_fedlc
 
 D, P, K = 3, 4, 3  # input features, projection width, classes of the hand-checked head
@@ -111,11 +112,7 @@ def release_run(monkeypatch=None, broken: bool = False):
     seeds = torch.tensor([0])
     selected = [[c for c in range(C) if participation(seeds, r, C, RATE)[0, c]] for r in range(ROUNDS)]
 
-    def batches(r, c, epoch):
-        order = batch_order(seeds, r, epoch, train.counts, train.features.shape[1])[0, c, : int(train.counts[c])]
-        return [
-            (train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, len(order), B)
-        ]
+    batches = release_batches(train, B, drop_last=False)
 
     targets = [train.labels[c, : int(train.counts[c])].tolist() for c in range(C)]
     if broken:  # PFLlib's calibration: the counts summed over all clients

@@ -10,11 +10,12 @@ import math
 import pytest
 import torch
 from conftest import configure
+from harness import release_batches
 
 from featcache.algorithms import create
 from featcache.testing import assert_matches_equations, assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_fednova
 
 
@@ -96,10 +97,7 @@ def release_runs(name: str, broken: bool = False):
     sizes = [int(n) for n in train.counts]
     assert len({steps(n, cfg) for n in sizes}) > 2
 
-    def batches(r: int, c: int, epoch: int):
-        order = batch_order(seeds, r, epoch, train.counts, train.features.shape[1])[0, c]
-        rows = [order[s : min(s + B, sizes[c])] for s in range(0, sizes[c], B)]  # the last batch short
-        return [(train.features[c, i], train.labels[c, i]) for i in rows]
+    batches = release_batches(train, B, drop_last=False)
 
     if name not in TRAINED:  # one engine run per algorithm for the file's comparisons
         engine.run(logs=False)

@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 from conftest import configure
+from harness import release_batches
 from torch.func import grad
 
 from featcache.algorithms import create
 from featcache.testing import assert_matches_plain_loop, assert_reduces_to, synthetic_clients
 from featcache.training.engine import Engine
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_fedntd
 
 D, P, K = 3, 4, 4  # the tiny hand-checked head: input features, projection width, classes
@@ -111,10 +112,7 @@ def release_runs(name: str, broken: bool = False):
     seeds = torch.tensor([0])
     selected = [[c for c in range(C) if participation(seeds, r, C, RATE)[0, c]] for r in range(ROUNDS)]
 
-    def batches(r: int, c: int, epoch: int):
-        order = batch_order(seeds, r, epoch, train.counts, train.features.shape[1])[0, c]
-        n = int(train.counts[c]) // B * B  # the DataLoader's drop_last
-        return [(train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, n, B)]
+    batches = release_batches(train, B, drop_last=True)
 
     if name not in TRAINED:  # one engine run per algorithm for the file's comparisons
         engine.run(logs=False)

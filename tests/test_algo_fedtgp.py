@@ -11,13 +11,14 @@ import math
 import pytest
 import torch
 from conftest import configure
+from harness import release_batches
 
 from featcache.algorithms import create
 from featcache.algorithms.protos import server_order
 from featcache.algorithms.fedtgp import acl_loss, adaptive_margin, tgp_init
 from featcache.testing import assert_matches_plain_loop
 from featcache.training.engine import Engine
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_fedtgp
 from tests.synthetic import synthetic_clients
 from tests.test_algo_baselines import classify, neg_log_softmax, project
@@ -169,10 +170,7 @@ def run_release(x0, tgp0, selected, data, margin_threthold: float = 100.0):
     train, test = data
     seeds, K4 = torch.tensor([0]), train.num_classes
 
-    def batches(i: int, c: int, epoch: int):
-        order = batch_order(seeds, i, epoch, train.counts, train.features.shape[1])[0, c]
-        n = int(train.counts[c]) // B * B  # the DataLoader's drop_last=True
-        return [(train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, n, B)]
+    batches = release_batches(train, B, drop_last=True)
 
     def proto_rows(i: int, c: int):  # featcache's prototypes: every training row (see fedtgp.py)
         n = int(train.counts[c])

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import configure
+from harness import release_batches
 from torch.func import grad
 
 from featcache.algorithms import create
 from featcache.algorithms.fpl import cluster_prototypes, finch
 from featcache.testing import assert_matches_plain_loop, synthetic_clients
 from featcache.training.engine import Engine
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_fpl
 from tests.test_algo_baselines import classify, neg_log_softmax, project
 
@@ -183,10 +184,7 @@ def run_release(x0, online, data):
     """The release's rounds on featcache's online clients and minibatches: (global net, evaluation) per round."""
     train, test = data
 
-    def batches(r: int, c: int, epoch: int):
-        order = batch_order(torch.tensor([0]), r, epoch, train.counts, train.features.shape[1])[0, c]
-        n = int(train.counts[c]) // B * B  # the DataLoader's drop_last=True
-        return [(train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, n, B)]
+    batches = release_batches(train, B, drop_last=True)
 
     sizes = [int(n) for n in train.counts]
     rows = [(test.features[c, : int(test.counts[c])], test.labels[c, : int(test.counts[c])]) for c in range(C)]

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import configure
+from harness import release_batches
 
 from featcache.algorithms import create
 from featcache.testing import assert_matches_plain_loop
 from featcache.training.engine import Engine
-from featcache.training.schedule import batch_order, participation
+from featcache.training.schedule import participation
 from tests import ref_lgfedavg
 from tests.synthetic import synthetic_clients
 from tests.test_algo_baselines import classify, neg_log_softmax, project
@@ -107,10 +108,7 @@ def release_runs():
 def run_release(x0, selected, data):
     train, test = data
 
-    def batches(i: int, c: int, epoch: int):
-        order = batch_order(torch.tensor([0]), i, epoch, train.counts, train.features.shape[1])[0, c]
-        n = int(train.counts[c]) // B * B  # the DataLoader's drop_last=True
-        return [(train.features[c, order[s : s + B]], train.labels[c, order[s : s + B]]) for s in range(0, n, B)]
+    batches = release_batches(train, B, drop_last=True)
 
     sizes = [int(n) for n in train.counts]
     rows = lambda c: (test.features[c, : int(test.counts[c])], test.labels[c, : int(test.counts[c])])
