@@ -41,7 +41,7 @@ import featcache.cli  # noqa: F401  (the CLI's thread setting, as `featcache` ru
 from featcache.cache import info as cache_info
 from featcache.errors import UserError
 from featcache.memory import keep_freed_memory
-from featcache.runs.search import PRUNERS, Rungs, rung_rounds
+from featcache.runs.space import PRUNERS, Rungs, rung_rounds
 
 keep_freed_memory()  # the training commands' allocator setting, as `featcache train` runs
 

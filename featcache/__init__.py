@@ -27,8 +27,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "extract": ("extraction.plan", "extract"),
     "train": ("runs.train", "train"),
-    "grid": ("runs.grid", "grid"),
-    "search": ("runs.search", "search"),
+    "grid": ("runs.select", "grid"),
+    "search": ("runs.select", "search"),
     "report": ("results", "report"),
     "plot": ("results", "plot"),
     "load_cache": ("cache", "load_clients"),

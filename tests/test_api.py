@@ -55,13 +55,13 @@ def test_import_featcache_is_cheap():
 @pytest.mark.parametrize("first", ["function", "module"])
 def test_api_names_are_plain_functions_whichever_is_imported_first(first):
     function = "from featcache import extract, train, grid, report, plot; fns = (extract, train, grid, report, plot)"
-    module = "import featcache.runs.train, featcache.runs.grid, featcache.results, featcache.extraction.plan"
+    module = "import featcache.runs.train, featcache.runs.select, featcache.results, featcache.extraction.plan"
     code = "\n".join([function, module] if first == "function" else [module, function]) + textwrap.dedent("""
         import inspect, featcache
         from featcache.runs.train import load_split, train as train_fn
-        from featcache.runs.grid import grid as grid_fn, to_csv
+        from featcache.runs.select import grid as grid_fn, run_grid
         from featcache.extraction.plan import Noise, extract as extract_fn
-        assert all(inspect.isfunction(f) for f in fns) and Noise and load_split and to_csv
+        assert all(inspect.isfunction(f) for f in fns) and Noise and load_split and run_grid
         assert fns[:3] == (extract_fn, train_fn, grid_fn) == (featcache.extract, featcache.train, featcache.grid)
         assert list(inspect.signature(featcache.train).parameters)[:2] == ["cache", "algo"]
         assert list(inspect.signature(featcache.extract).parameters)[:2] == ["dataset", "backbone"]

@@ -10,7 +10,7 @@ import pytest
 
 from featcache.errors import UserError
 from featcache.reproduce import parse_pipeline, plan, reproduce, run_job
-from featcache.runs.search import REDUCTION
+from featcache.runs.space import REDUCTION
 from featcache.training.engine import Engine
 from tests.synthetic import write_cache
 from tests.test_reproduce import PIPELINE, synthetic_job

@@ -21,7 +21,7 @@ from harness import driver
 from featcache.reproduce import Job, run_job
 from featcache.runs import checkpoint
 from featcache.training.engine import Engine
-from featcache.runs.grid import grid
+from featcache.runs.select import grid
 from tests.synthetic import write_cache
 
 
@@ -114,7 +114,7 @@ def test_a_grid_killed_between_chunks_and_in_its_retrain_resumes_to_the_same_byt
 def test_a_grid_resumed_where_memory_plans_other_chunks_keeps_its_chunking(cache, tmp_path, monkeypatch):
     """Chunks sized from memory: the killed run planned 2 models a chunk, the resumed one would plan 6 (more memory
     free now); it keeps the 2 its finished chunks were trained in, which its result records."""
-    from featcache.runs import grid as grid_module
+    from featcache.runs import select as grid_module
 
     args = GRID | {"chunk": None}
     monkeypatch.setattr(grid_module, "plan_chunk", lambda n, per_model, budget: 2)

@@ -15,8 +15,8 @@ import featcache.cache as C
 from featcache.errors import UserError
 from featcache.reproduce import run_job
 from featcache.runs import spec as spec_module
-from featcache.runs import grid as grid_module
-from featcache.runs.grid import grid
+from featcache.runs import select as grid_module
+from featcache.runs.select import grid
 from featcache.runs.spec import RunSpec
 from featcache.runs.train import train
 from tests.synthetic import write_cache

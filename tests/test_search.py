@@ -21,7 +21,8 @@ from featcache.cache import load_clients
 from featcache.errors import UserError
 from featcache.results.figures import REPORT_MARK, png_mark
 from featcache.runs import checkpoint
-from featcache.runs.search import PRUNERS, Rungs, parse_space, rung_rounds, search, survivors
+from featcache.runs.select import search
+from featcache.runs.space import PRUNERS, Rungs, parse_space, rung_rounds, survivors
 from featcache.runs.train import load_split
 from featcache.training.config import resolve
 from featcache.training.engine import Engine, take_models
@@ -238,7 +239,7 @@ def test_a_trial_diverging_first_at_an_evaluation_fails_alone_with_the_grids_lin
 def test_a_search_whose_every_trial_diverges_is_one_line(cache, tmp_path):
     args = ["search", "--cache", cache, "--algo", "fedavg", "--space", "lr=1e20,1e35", "--sampler", "grid"]
     args += ["--trials", "2", "--pruner", "none", "--seeds", "0", "--rounds", "2", "--out", tmp_path / "runs"]
-    one_line_error(run_cli(*args), "failed (trial")
+    one_line_error(after_notes(run_cli(*args)), "failed (trial")
 
 
 @pytest.mark.parametrize("given", [["--set", "lr=0.1"], ["--set", "fedavg.lr=0.1"]])

@@ -29,7 +29,7 @@ from featcache.training.config import (
     settings_of,
     structural_keys,
 )
-from featcache.runs.grid import grid
+from featcache.runs.select import grid
 from featcache.runs.train import train
 
 ALGOS = sorted(list_algorithms())
@@ -66,7 +66,7 @@ OWN = {n: [k for k in settings_of(create(n)) if k not in ENGINE_SETTINGS] for n 
 def test_a_search_space_takes_every_own_setting(name):
     """Each setting an algorithm declares makes a search dimension: a list of two values of its range, and a range
     where it batches."""
-    from featcache.runs.search import parse_space
+    from featcache.runs.space import parse_space
 
     table = settings_of(create(name))
     for k in OWN[name]:

@@ -24,7 +24,7 @@ from featcache.errors import UserError
 from featcache.extraction import pipeline as P
 from featcache.extraction.plan import extract
 from featcache.threads import WAIT, check_threads, use_threads
-from featcache.runs.grid import grid
+from featcache.runs.select import grid
 from featcache.runs.train import train
 
 REPO = Path(__file__).resolve().parent.parent

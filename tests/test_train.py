@@ -14,10 +14,10 @@ import torch
 from harness import one_line_error, run_cli
 
 import featcache.runs.train as train_mod
-from featcache.runs import grid as grid_mod
+from featcache.runs import select as grid_mod
 from featcache.devices import resolve_device
 from featcache.errors import UserError
-from featcache.runs.grid import grid
+from featcache.runs.select import grid
 from featcache.runs.train import train
 from tests.synthetic import write_cache
 
@@ -144,7 +144,7 @@ def test_grid_resumes_at_first_unfinished_chunk(cache, tmp_path, monkeypatch):
     real = grid_mod._run_chunk
     monkeypatch.setattr(grid_mod, "_run_chunk", lambda *a: calls.append(a[2]) or real(*a))
     again = grid(**args)
-    assert len(calls) == 1 and calls[0][0]["lr"] == 1e-2
+    assert len(calls) == 1 and calls[0][0][1]["lr"] == 1e-2
     assert {p: p.read_bytes() for p in chunks} == before and again["selection"] == first["selection"]
 
 

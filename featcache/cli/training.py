@@ -166,7 +166,7 @@ def grid(
 ) -> None:
     """Train a hyperparameter grid batched, select on validation, retrain the best, report test accuracy."""
     from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
-    from ..runs.grid import check_options, run_grid  # lazy: `featcache --help` loads no torch
+    from ..runs.select import check_options, run_grid  # lazy: `featcache --help` loads no torch
     from ..runs.spec import RunSpec
     from ..threads import check_threads, use_threads
 
@@ -228,7 +228,8 @@ def search(
 ) -> None:
     """Search sampled hyperparameters batched, pruning trials on validation; retrain the best, report test accuracy."""
     from ..algorithms import load  # lazy: `featcache --help` skips the algorithm registry
-    from ..runs.search import parse_space, run_search, search_options  # lazy: `featcache --help` loads no torch
+    from ..runs.select import run_search
+    from ..runs.space import parse_space, search_options  # lazy: `featcache --help` loads no torch
     from ..runs.spec import RunSpec, given_once
     from ..threads import check_threads, use_threads
 

@@ -36,7 +36,7 @@ on the trained state), protosim:DOMAIN (FedPCL Figure 3, analyses.backbone_simil
 the all-backbone model's prototypes).
 
 The modules, in the order a run goes through them: schema (read and validate the file), plan (cells -> shared jobs),
-run (find the file, extract, resolve each job's RunSpec and train it through runs.train / runs.grid, memoise),
+run (find the file, extract, resolve each job's RunSpec and train it through runs.train / runs.select, memoise),
 render (values, table, markdown, figure); analyses holds the paper analyses of a trained state that metrics compute.
 """
 

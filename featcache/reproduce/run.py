@@ -31,8 +31,8 @@ from ..extraction.plan import Noise, extract
 from ..devices import resolve_device
 from ..provenance import library_call, provenance
 from ..cache.identity import content_key
-from ..runs.grid import run_grid
-from ..runs.search import parse_space, run_search
+from ..runs.select import run_grid, run_search
+from ..runs.space import parse_space
 from ..runs.spec import RunSpec
 from ..runs.train import check_outputs, run
 from .metrics import NEEDS, RESULT_KEYS

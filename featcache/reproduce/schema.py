@@ -17,8 +17,9 @@ from ..training.config import resolve
 from ..errors import UserError, suggest
 from ..extraction.partition import PartitionSpec
 from ..extraction.plan import OPTIONS, Noise, check_options, extract
-from ..runs.search import check_options as check_search_options
-from ..runs.search import check_sampler, parse_space, rung_rounds, search
+from ..runs.space import check_options as check_search_options
+from ..runs.select import search
+from ..runs.space import check_sampler, parse_space, rung_rounds
 from ..runs.spec import grid_axes
 from .metrics import METRICS, metric_problem
 

@@ -3,7 +3,7 @@ key.
 
 The CLI, the API (`featcache.train`, `featcache.grid`) and `reproduce` each resolve a spec once from what they were
 given (`RunSpec.resolve`: the algorithm, its settings with `--rounds` merged in, the seeds, the backbones and, for a
-grid, its axes) and hand the spec to `train.run` / `grid.run_grid`, which never parse a setting again. A grid's
+grid, its axes) and hand the spec to `train.run` / `select.run_grid`, which never parse a setting again. A grid's
 retrain is the spec of its best point (`pick`).
 
 `key(cache)` is a content key over what the run trains on which cache: the algorithm's name, the resolved settings,

@@ -1,13 +1,10 @@
-"""`featcache search`: a sampled hyperparameter search trained on the batched configuration axis, pruned as it goes.
+"""What a search adds to the selection pipeline (`select.py`): its space, Optuna's samplers, the pruners' rungs and
+the wave a study drives.
 
 A space gives each setting a list of values (as `grid` takes them) or a range (`uniform:a,b`, `loguniform:a,b`,
-`int:a,b`, `logint:a,b`). Optuna samples (seeded: random, TPE or grid) through its ask-and-tell interface and
-featcache trains: a batch of asked trials (a "wave") trains as one [H, C] engine run (H = trials x seeds; a
-structural setting given as a list splits the batch into buckets, as grid does). After each evaluation round every
-live trial reports its validation accuracy (mean over clients, then over seeds); the trials a rung stops leave the
-batch, and the survivors go on in a fresh engine holding only their models (`engine.take_models`): the compute of
-later rounds follows the survivors, and each survivor trains exactly as it would alone. Pruned trials keep their
-curves; a trial whose loss turns NaN/Inf fails alone (its curve kept) and the others go on.
+`int:a,b`, `logint:a,b`). Optuna samples (seeded: random, TPE or grid) through its ask-and-tell interface; a batch of
+asked trials (a "wave") trains as one [H, C] run. After each evaluation round every live trial reports its
+validation accuracy (mean over clients, then over seeds); the trials a rung stops leave the batch.
 
 Pruning is synchronous successive halving (Jamieson & Talwalkar 2016; Hyperband's inner loop, Li et al. 2018): the
 trials of a wave reach a rung together, and the top ceil(n / η) of the n trials at that rung go on, counting the
@@ -16,10 +13,7 @@ trial order. Optuna's pruners cannot make it: they decide one trial at a time as
 successive halving), so in a batch the kept trials depend on the order of reports. Hyperband runs such halving in
 brackets that start at successive rungs, a trial's bracket drawn as Optuna's `HyperbandPruner` draws it.
 
-Resumable and deterministic: each finished wave is written to the run folder; a resumed search replays the
-recorded waves into a fresh study (the same asks, reports and decisions, checked) and trains the first unwritten
-one, so a search killed anywhere writes the bytes of one that was not. The best completed trial is retrained on the
-full train split as grid does (`grid.retrain_best`).
+A written wave replays (`Replay`) into a fresh study: the same asks, reports and decisions, checked.
 """
 
 from __future__ import annotations
@@ -29,33 +23,14 @@ import io
 import json
 import math
 import re
-import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
 
-import numpy as np
-import torch
-
-from ..algorithms import plugin_exits
-from ..atomic import check_folder, make_folder, missing_folders, remove_empty, write_atomic, write_together
-from ..cache import load_clients
-from ..cache.identity import content_key
-from ..devices import resolve_device
 from ..errors import UserError, as_list
-from ..provenance import library_call, provenance
-from ..threads import threaded
-from ..training.config import check_clients, resolve, scoped, settings_of, structural_keys
-from ..training.engine import Engine, take_models
-from ..training.footprint import check_memory
-from ..training.guards import NO_TEST_ROWS, NO_VAL_ROWS, check_features, check_split
-from ..training.schedule import evaluates
-from . import grid
+from ..training.config import resolve, scoped, settings_of
 from .metrics import mean_std
-from .spec import RunSpec, given_once
-from .train import load_split, surviving
 
 STUDY = "featcache-search"  # the study's name: Hyperband assigns brackets by a hash of it and the trial number
 RUNGS, REDUCTION = 2, 4  # the default rung schedule: the first rung at R / 16 (docs/guides/search.md: why)
@@ -93,7 +68,7 @@ INTEGER = {"int", "logint"}
 LOG = {"loguniform", "logint"}
 
 
-def _optuna():
+def optuna_module():
     """Optuna, imported when a search runs (the core install does not hold it); its per-trial log lines off."""
     try:
         import optuna
@@ -305,183 +280,7 @@ def check_sampler(dims: dict[str, Dim], sampler: str, trials: int) -> None:
         raise UserError(f"--trials {trials} with --sampler grid: the grid holds {size} points, give at most that")
 
 
-@threaded
-def search(
-    cache: str | Path,
-    algo: str,
-    space: list[str] | dict,
-    trials: int = 16,
-    sampler: str = "random",
-    pruner: str = "halving",
-    seeds: Sequence[int] = (0, 1, 2),
-    rounds: int | None = None,
-    set: list[str] | dict | None = None,
-    backbones: list[str] | None = None,
-    out: str | Path = "runs",
-    device: str | torch.device = "auto",
-    batch: int | None = None,
-    sampler_seed: int = 0,
-    rungs: int = RUNGS,
-    reduction: int = REDUCTION,
-    retrain: bool = True,
-    progress=None,
-    threads: int | None = None,
-) -> dict:
-    """Search `space` with `trials` trials, each trained for every seed on train-minus-validation; select the best
-    completed trial on validation, retrain it on the full train split, report test mean(std). Resumable by run folder.
-
-    `space`: `key=v1,v2` or `key=KIND:low,high` strings (KIND: uniform, loguniform, int, logint) or a dict of lists or
-    such strings. `sampler` (random | tpe | grid, seeded by `sampler_seed`) picks the trials, `batch` at a time (one
-    batched run each; default: all of them, a quarter for tpe so that later batches learn from earlier ones);
-    `pruner` (none | halving | hyperband) stops trials at `rungs` rungs `reduction` times apart (η)."""
-    options = search_options(trials, sampler, pruner, batch, sampler_seed, rungs, reduction)
-    spec = RunSpec.resolve(algo, rounds, seeds, set, backbones)
-    dims = parse_space(spec.algo, space)
-    given_once(spec.algo, dims, set, rounds, "--space setting")
-    call = library_call(
-        "featcache.search",
-        cache=str(cache),
-        algo=algo,
-        space=space if isinstance(space, dict) else as_list(space, "space"),
-        seeds=list(spec.seeds),
-        rounds=rounds,
-        set=set,
-        device=str(device),
-        retrain=retrain,
-        **options,
-        **({"backbones": list(spec.backbones)} if spec.backbones else {}),
-    )
-    return run_search(spec, dims, cache, out, device, retrain, progress, call, **options)
-
-
-def run_search(
-    spec: RunSpec,
-    dims: dict[str, Dim],
-    cache: str | Path,
-    out: str | Path,
-    device: str | torch.device = "auto",
-    retrain: bool = True,
-    progress=None,
-    call: str | None = None,
-    *,
-    trials: int = 16,
-    sampler: str = "random",
-    pruner: str = "halving",
-    batch: int | None = None,
-    sampler_seed: int = 0,
-    rungs: int = RUNGS,
-    reduction: int = REDUCTION,
-) -> dict:
-    """`search` of a resolved `spec` and parsed space `dims` (what the CLI calls). The run folder `search-ALGO-KEY16`
-    is named by what it searches; a finished one returns its result without training (or only retrains its best,
-    when it finished without a retrain and one is asked for now)."""
-    optuna = _optuna()
-    check_options(sampler, pruner, trials, batch, rungs, reduction, sampler_seed)
-    R = spec.config["rounds"]
-    rung_at = rung_rounds(R, pruner, rungs, reduction)
-    check_sampler(dims, sampler, trials)
-    batch = min(batch or (max(1, math.ceil(trials / 4)) if sampler == "tpe" else trials), trials)
-    dev = resolve_device(device)
-    check_folder(out)
-    impl, backbones, seeds = spec.algo, spec.backbones, list(spec.seeds)
-    fit = load_split(cache, impl, holdout="fit", backbones=backbones)
-    check_features(fit, cache)
-    val = load_clients(cache, "train", holdout="val", backbones=backbones)
-    check_split(val, "validation", cache, NO_VAL_ROWS)
-    test = load_clients(cache, "test", backbones=backbones) if retrain else None
-    if test is not None:
-        check_split(test, "test", cache, NO_TEST_ROWS)
-    check_clients(spec.config, fit.features.shape[0])
-    check_memory(impl, spec.config, batch * len(seeds), fit, dev, "use a smaller --batch")
-    space = {k: d.as_json() for k, d in dims.items()}
-    searched = {
-        "space": space,
-        "trials": trials,
-        "sampler": sampler,
-        "pruner": pruner,
-        "batch": batch,
-        "sampler_seed": sampler_seed,
-        "rungs": rung_at,
-        "reduction": reduction,
-        "rule": "synchronous",
-        "optuna": optuna.__version__,
-    }
-    key = content_key({"run": spec.key(fit.meta), "search": searched})
-    folder = Path(out) / f"search-{spec.name}-{key[:16]}"
-    finished = _read(folder / "search.json", lambda r: _is_result(r, searched), "its finished waves are replayed")
-    if finished and (not retrain or "retrain" in finished):  # its result, nothing trained
-        return finished | {"waves_resumed": "all"}
-    made = missing_folders(folder)
-    make_folder(folder)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study = optuna.create_study(
-                study_name=STUDY, direction="maximize", sampler=SAMPLERS[sampler](optuna, dims, sampler_seed, batch)
-            )  # Optuna's own pruner stays off: `drive` decides the rungs
-        dists = {k: d.distribution(optuna) for k, d in dims.items()}
-        rule = Rungs(PRUNERS[pruner], rung_at, reduction)
-        waves = [min(batch, trials - start) for start in range(0, trials, batch)]
-        records: list[dict] = []
-        resumed = 0
-        for w, n in enumerate(waves):
-            path = folder / f"wave-{w:03d}.json"
-            if path.is_file():
-                saved = cast(dict, _read(path, lambda r: _is_wave(r, n), "that wave trains again"))["trials"]
-                if json.loads(json.dumps(drive(study, dists, n, Replay(saved, folder), rule, records))) != saved:
-                    raise UserError(f"{path} does not replay to the same decisions: remove {folder} to search again")
-                resumed += 1
-            else:
-                tick = _ticker(progress, sum(waves[:w]) * R, trials * R)
-                trainer = Trainer(impl, spec.config, seeds, fit, val, dev, tick)
-                saved = drive(study, dists, n, trainer, rule, records)
-                write_atomic(path, json.dumps({"trials": saved}, sort_keys=True, indent=1))
-            records += saved
-            if progress:
-                progress("search trials", sum(waves[: w + 1]), trials)
-        table = sorted(records, key=lambda r: (STATES.index(r["state"]), -_score(r), r["trial"]))
-        done = [r for r in table if r["state"] == "complete"]
-        if not done:
-            failed = [r for r in table if r["state"] == "failed"]
-            if len(failed) == len(table):
-                why = failed[0].get("reason", "its loss became NaN/Inf")
-                raise UserError(f"every trial of the search in {folder} failed (trial {failed[0]['trial']}: {why})")
-            raise UserError(f"every trial of the search in {folder} was pruned: give more --trials or --pruner none")
-        model_rounds = sum(r["rounds_trained"] for r in records) * len(seeds)
-        result = {
-            "algo": spec.name,
-            "cache": str(cache),
-            "seeds": seeds,
-            "rounds": R,
-            "clients": int(fit.features.shape[0]),
-            "model_rounds": model_rounds,
-            "model_rounds_unpruned": trials * len(seeds) * R,
-            "device": str(dev),
-            "run_folder": str(folder),
-            "selection": table,
-            "best": done[0]["config"],
-        } | searched
-        result |= {"backbones": list(backbones)} if backbones else {}
-        if test is not None:
-            del fit, val  # the trials' rows: the retrain reads the full train split
-            result["retrain"] = grid.retrain_best(
-                spec, done[0]["config"], cache, folder, dev, test, progress, "search retrain"
-            )
-        result["provenance"] = provenance(dev, call or library_call("featcache.search", cache=str(cache)))
-        write_together(
-            [
-                (folder / "search.csv", to_csv(table)),  # all three or none; search.json last: its presence
-                (folder / "search.timing.json", json.dumps({"waves_resumed": resumed})),  # means the folder is
-                (folder / "search.json", json.dumps(result, sort_keys=True, indent=1)),  # complete
-            ]
-        )
-    except BaseException:
-        remove_empty(made)
-        raise
-    return result | {"waves_resumed": resumed}
-
-
-def _read(path: Path, valid, then: str) -> dict | None:
+def read_saved(path: Path, valid, then: str) -> dict | None:
     """The JSON object a search wrote at `path` (None when absent), or one line naming it as damaged when it does not
     parse or `valid` refuses it."""
     if not path.is_file():
@@ -519,7 +318,7 @@ def _is_trial(r) -> bool:
     )
 
 
-def _is_wave(saved, n: int) -> bool:
+def is_wave(saved, n: int) -> bool:
     return (
         isinstance(saved, dict)
         and isinstance(saved.get("trials"), list)
@@ -528,7 +327,7 @@ def _is_wave(saved, n: int) -> bool:
     )
 
 
-def _is_result(saved, searched: dict) -> bool:
+def is_result(saved, searched: dict) -> bool:
     """Whether `saved` is the result of the search `searched` describes, with its trials and best point."""
     return (
         isinstance(saved, dict)
@@ -542,17 +341,10 @@ def _is_result(saved, searched: dict) -> bool:
     )
 
 
-def _ticker(progress, base: int, total: int):
-    """progress("search rounds", done, total) in trial-rounds of the whole search (pruned trials count in full)."""
-    if not progress:
-        return None
-    return lambda done: progress("search rounds", base + done, total)
-
-
 STATES = ("complete", "pruned", "failed")  # a trial's states, in the order the selection lists them
 
 
-def _score(record: dict) -> float:
+def score(record: dict) -> float:
     return -math.inf if record["val_mean"] is None else record["val_mean"]
 
 
@@ -593,19 +385,20 @@ class Rungs:
 def drive(study, dists: dict, n: int, source, rule: Rungs, history: list[dict]) -> list[dict]:
     """One wave: ask `n` trials, report each live trial's validation accuracy after each evaluation round, and stop
     at each rung the trials `rule` stops (given the earlier waves' records `history`); pruned and failed (NaN/Inf)
-    trials are told at once, the rest after the last round. `source` gives the values (a `Trainer` training them, or
-    a `Replay` reading a written wave: the same calls, so the same study). Returns the wave's trial records."""
-    optuna = _optuna()
+    trials are told at once, the rest after the last round. `source(points)` gives the values (select's `Trainer`
+    training them, or a `Replay` reading a written wave: the same calls, so the same study). Returns the wave's trial
+    records."""
+    optuna = optuna_module()
     asked = [study.ask(dists) for _ in range(n)]
     points = [{k: t.params[k] for k in dists} for t in asked]
     number = [t.number for t in asked]
-    source.start(points)
+    values_of = source(points)
     curves: list[list] = [[] for _ in range(n)]
     live, stopped, states = list(range(n)), [None] * n, ["complete"] * n
     pending = {number[i]: list(rule.plan(number[i])[1]) for i in live}
     per_seed: list[list[float]] = [[] for _ in range(n)]
     reasons: dict[int, str] = {}
-    for step, values in source.steps(live):
+    for step, values in values_of.steps(live):
         failed = []
         for i in [i for i in live if i in values]:
             v, seeds = values[i]
@@ -628,7 +421,7 @@ def drive(study, dists: dict, n: int, source, rule: Rungs, history: list[dict]) 
             stopped[i], states[i] = step, "pruned"
             del pending[number[i]]
         live = [i for i in live if i not in pruned and i not in failed]
-        source.drop(pruned)
+        values_of.drop(pruned)
     for i in live:
         study.tell(asked[i], curves[i][-1][1])
     return [
@@ -647,106 +440,19 @@ def drive(study, dists: dict, n: int, source, rule: Rungs, history: list[dict]) 
     ]
 
 
-class Trainer:
-    """A wave's trials trained: one engine per bucket (trials that share their structural settings), models = trials
-    x seeds on H, run round by round; `drop` moves a bucket's survivors to a fresh engine of their models alone."""
-
-    def __init__(self, algo, config: dict, seeds: list[int], fit, val, device, tick=None):
-        self.algo, self.config, self.seeds, self.fit, self.val, self.device, self.tick = (
-            algo,
-            config,
-            seeds,
-            fit,
-            val,
-            device,
-            tick,
-        )
-
-    def start(self, points: list[dict]) -> None:
-        cfgs = [self.config | p for p in points]
-        groups: dict[str, list[int]] = {}
-        for i, c in enumerate(cfgs):
-            groups.setdefault(json.dumps({k: c[k] for k in structural_keys(c, self.algo)}, sort_keys=True), []).append(
-                i
-            )
-        self.cfgs = cfgs
-        self.buckets: list[list[Any]] = []  # [engine, its models (trial, seed)] per bucket
-        for members in groups.values():
-            models = [(i, s) for i in members for s in self.seeds]  # trials x seeds share the H axis
-            with plugin_exits():
-                engine = Engine(self.algo, self._configs(models), self.fit, self.val, self.device)
-            self.buckets.append([engine, models])
-        self.done = 0
-
-    def _configs(self, models) -> list[dict]:
-        return [self.cfgs[i] | {"seed": int(s)} for i, s in models]
-
-    def steps(self, live: list[int]):
-        """(round, {trial: (validation accuracy %, per seed)}) after each round some bucket evaluates: mean over the
-        clients per seed, then over the seeds; (NaN, its one-line reason) for a trial that diverged, which leaves."""
-        R = self.config["rounds"]
-        for rnd in range(R):
-            values: dict = {}
-            for bucket in [b for b in self.buckets if evaluates(rnd, b[0].cfg)]:
-                self._run(bucket, rnd + 1, values)  # the rounds up to the next evaluation in one go
-                engine, models = bucket
-                if models:
-                    acc = engine.loop.records[-1]["test_acc"]  # [H, C]
-                    for (i, _seed), per_client in zip(models, (100 * acc).tolist()):
-                        values.setdefault(i, []).append(float(np.mean(per_client)))
-            if self.tick:
-                self.done += 1
-                self.tick(self.done * len(self.cfgs))
-            self.buckets = [b for b in self.buckets if b[1]]
-            if values:
-                yield (
-                    rnd + 1,
-                    {i: (math.nan, v) if isinstance(v, str) else (mean_std(v)[0], v) for i, v in values.items()},
-                )
-
-    def _run(self, bucket: list, until: int, values: dict) -> None:
-        """A bucket trained to round `until`; where a model's loss turns NaN/Inf, its trial is marked failed in
-        `values` and the others train again from round 0 without it (each survivor trains as alone: the same
-        numbers)."""
-
-        def train(models: list) -> None:
-            with plugin_exits():
-                if models != bucket[1]:  # some failed: the rest from round 0 without them
-                    bucket[:] = [Engine(self.algo, self._configs(models), self.fit, self.val, self.device), models]
-                bucket[0].run(logs=False, until=until)
-
-        _, bucket[1], failed = surviving(train, bucket[1], same=lambda m: m[0])  # m = (trial, seed)
-        values.update({m[0]: reason for m, reason in failed.items()})
-
-    def drop(self, pruned: list[int]) -> None:
-        if not pruned:
-            return
-        out = []
-        for engine, models in self.buckets:
-            keep = [h for h, (i, _) in enumerate(models) if i not in pruned]
-            if len(keep) == len(models):
-                out.append([engine, models])
-            elif keep:
-                survivors = [models[h] for h in keep]
-                with plugin_exits():
-                    fresh = Engine(self.algo, self._configs(survivors), self.fit, self.val, self.device)
-                fresh.load_state_dict(take_models(engine.state_dict(), keep))
-                out.append([fresh, survivors])
-        self.buckets = out
-
-
 class Replay:
     """A written wave read back: the same points, values and decisions as when it trained (checked)."""
 
     def __init__(self, saved: list[dict], folder: Path):
         self.saved, self.folder = saved, folder
 
-    def start(self, points: list[dict]) -> None:
+    def __call__(self, points: list[dict]) -> Replay:
         if points != [r["config"] for r in self.saved]:
             raise UserError(
                 f"{self.folder} was written by another sampler (an Optuna or featcache version): remove the folder "
                 "to search again"
             )
+        return self
 
     def steps(self, live: list[int]):
         curves = [dict(r["curve"]) for r in self.saved]
