@@ -415,3 +415,16 @@ def test_the_search_figure_names_each_line_by_its_settings(monkeypatch):
         }
     )
     assert drawn == ["trial 4: lr=0.01, mu=0.5 (best)", "trial 0: lr=0.2, mu=0", "pruned (x: stopped)"]
+
+
+def test_a_batch_not_given_is_planned_from_memory_and_trains_as_the_same_batch_given(cache, tmp_path, monkeypatch):
+    """Memory for two trials x two seeds: a search given no --batch trains waves of two, each trial as the same
+    search given --batch 2 trains it."""
+    from featcache.runs import select
+
+    monkeypatch.setattr(select, "plan_chunk", lambda n, per_model, budget: min(n, 4))
+    given = dict(space={"lr": "loguniform:1e-3,1e-1"}, trials=5, pruner="none", seeds=[0, 1], rounds=2, retrain=False)
+    planned = search(cache, "fedavg", out=tmp_path / "a", **given)
+    explicit = search(cache, "fedavg", out=tmp_path / "b", batch=2, **given)
+    assert planned["batch"] == 2 and sorted(Path(planned["run_folder"]).glob("wave-*.json"))[-1].name == "wave-002.json"
+    assert planned["selection"] == explicit["selection"]

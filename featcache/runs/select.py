@@ -133,7 +133,8 @@ def search(
 
     `space`: `key=v1,v2` or `key=KIND:low,high` strings (KIND: uniform, loguniform, int, logint) or a dict of lists or
     such strings. `sampler` (random | tpe | grid, seeded by `sampler_seed`) picks the trials, `batch` at a time (one
-    batched run each; default: all of them, a quarter for tpe so that later batches learn from earlier ones);
+    batched run each; default: all of them, a quarter for tpe so that later batches learn from earlier ones, at most
+    what fits in memory);
     `pruner` (none | halving | hyperband) stops trials at `rungs` rungs `reduction` times apart (η)."""
     options = S.search_options(trials, sampler, pruner, batch, sampler_seed, rungs, reduction)
     spec = RunSpec.resolve(algo, rounds, seeds, set, backbones)
@@ -501,11 +502,13 @@ def run_search(
     R, seeds = spec.config["rounds"], list(spec.seeds)
     rule = S.Rungs(S.PRUNERS[pruner], S.rung_rounds(R, pruner, rungs, reduction), reduction)
     S.check_sampler(dims, sampler, trials)
-    batch = min(batch or (max(1, math.ceil(trials / 4)) if sampler == "tpe" else trials), trials)
+    given, batch = batch, min(batch or (max(1, math.ceil(trials / 4)) if sampler == "tpe" else trials), trials)
     rows = load_rows(spec, cache, out, device, retrain)
-    _, notes = plan_buckets(
-        spec.algo, [spec.config] * batch, rows, len(seeds), batch * len(seeds), "use a smaller --batch"
-    )
+    least = (given or 1) * len(seeds)  # a batch not given is planned from memory, as a grid's chunks are
+    buckets, notes = plan_buckets(spec.algo, [spec.config] * batch, rows, len(seeds), least, "use a smaller --batch")
+    if not given:
+        per_model = next(iter(buckets.values()))[1]
+        batch = max(1, plan_chunk(batch * len(seeds), per_model, memory_budget(rows.dev)) // len(seeds))
     searched = {
         "space": {k: d.as_json() for k, d in dims.items()},
         "trials": trials,
@@ -526,51 +529,8 @@ def run_search(
     if finished and (not retrain or "retrain" in finished):  # its result, nothing trained
         return finished | {"waves_resumed": "all"}
     with run_folder(folder):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study = optuna.create_study(
-                study_name=S.STUDY, direction="maximize", sampler=S.SAMPLERS[sampler](optuna, dims, sampler_seed, batch)
-            )  # Optuna's own pruner stays off: `drive` decides the rungs
-        dists = {k: d.distribution(optuna) for k, d in dims.items()}
-        waves = [min(batch, trials - start) for start in range(0, trials, batch)]
-        records: list[dict] = []
-        resumed = 0
-        for w, n in enumerate(waves):
-            path = folder / f"wave-{w:03d}.json"
-            if path.is_file():
-                saved = cast(dict, S.read_saved(path, lambda r: S.is_wave(r, n), "that wave trains again"))["trials"]
-                if json.loads(json.dumps(S.drive(study, dists, n, S.Replay(saved, folder), rule, records))) != saved:
-                    raise UserError(f"{path} does not replay to the same decisions: remove {folder} to search again")
-                resumed += 1
-            else:
-                warn(notes)
-                base = sum(waves[:w]) * R
-                tick = (
-                    (lambda r, base=base, n=n: progress("search rounds", base + r * n, trials * R))
-                    if progress
-                    else None
-                )
-                wave = lambda points, tick=tick: Trainer(
-                    spec.algo,
-                    [(i, spec.config | p | {"seed": int(s)}) for i, p in enumerate(points) for s in seeds],
-                    rows.fit,
-                    rows.val,
-                    rows.dev,
-                    tick,
-                )
-                saved = S.drive(study, dists, n, wave, rule, records)
-                write_atomic(path, json.dumps({"trials": saved}, sort_keys=True, indent=1))
-            records += saved
-            if progress:
-                progress("search trials", sum(waves[: w + 1]), trials)
-        table = sorted(records, key=lambda r: (S.STATES.index(r["state"]), -S.score(r), r["trial"]))
-        done = [r for r in table if r["state"] == "complete"]
-        if not done:
-            failed = [r for r in table if r["state"] == "failed"]
-            if len(failed) == len(table):
-                why = failed[0].get("reason", "its loss became NaN/Inf")
-                raise UserError(f"every trial of the search in {folder} failed (trial {failed[0]['trial']}: {why})")
-            raise UserError(f"every trial of the search in {folder} was pruned: give more --trials or --pruner none")
+        records, resumed = _waves(spec, rows, dims, folder, rule, notes, progress, trials, sampler, batch, sampler_seed)
+        table = S.ranked(records, folder)
         result = {
             "algo": spec.name,
             "cache": str(cache),
@@ -582,12 +542,48 @@ def run_search(
             "device": str(rows.dev),
             "run_folder": str(folder),
             "selection": table,
-            "best": done[0]["config"],
+            "best": table[0]["config"],
         } | searched
         result |= {"backbones": list(spec.backbones)} if spec.backbones else {}
         call = call or library_call("featcache.search", cache=str(cache))
         timing = {"waves_resumed": resumed}
         return _finish("search", spec, result, S.to_csv(table), timing, cache, folder, rows, progress, call)
+
+
+def _waves(spec, rows, dims, folder, rule, notes, progress, trials, sampler, batch, sampler_seed) -> tuple:
+    """The search's trial records, wave by wave: a written wave replayed into the study (checked to make the same
+    decisions), the first unwritten one trained (`Trainer`, driven by `space.drive`) and written; and how many waves
+    were replayed."""
+    optuna = S.optuna_module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study = optuna.create_study(
+            study_name=S.STUDY, direction="maximize", sampler=S.SAMPLERS[sampler](optuna, dims, sampler_seed, batch)
+        )  # Optuna's own pruner stays off: `drive` decides the rungs
+    dists = {k: d.distribution(optuna) for k, d in dims.items()}
+    waves = [min(batch, trials - start) for start in range(0, trials, batch)]
+    R, records, resumed = spec.config["rounds"], cast(list[dict], []), 0
+    for w, n in enumerate(waves):
+        path = folder / f"wave-{w:03d}.json"
+        if path.is_file():
+            saved = cast(dict, S.read_saved(path, lambda r: S.is_wave(r, n), "that wave trains again"))["trials"]
+            if json.loads(json.dumps(S.drive(study, dists, n, S.Replay(saved, folder), rule, records))) != saved:
+                raise UserError(f"{path} does not replay to the same decisions: remove {folder} to search again")
+            resumed += 1
+        else:
+            warn(notes)
+            base = sum(waves[:w]) * R
+            tick = (lambda r, b=base, n=n: progress("search rounds", b + r * n, trials * R)) if progress else None
+            models = lambda points: [
+                (i, spec.config | p | {"seed": int(s)}) for i, p in enumerate(points) for s in spec.seeds
+            ]
+            wave = lambda points, tick=tick: Trainer(spec.algo, models(points), rows.fit, rows.val, rows.dev, tick)
+            saved = S.drive(study, dists, n, wave, rule, records)
+            write_atomic(path, json.dumps({"trials": saved}, sort_keys=True, indent=1))
+        records += saved
+        if progress:
+            progress("search trials", sum(waves[: w + 1]), trials)
+    return records, resumed
 
 
 def _finish(kind, spec, result, table_csv, timing, cache, folder, rows: Rows, progress, call) -> dict:

@@ -31,6 +31,7 @@ from pathlib import Path
 from ..errors import UserError, as_list
 from ..training.config import resolve, scoped, settings_of
 from .metrics import mean_std
+from .spec import axis_text, setting_values
 
 STUDY = "featcache-search"  # the study's name: Hyperband assigns brackets by a hash of it and the trial number
 RUNGS, REDUCTION = 2, 4  # the default rung schedule: the first rung at R / 16 (docs/guides/search.md: why)
@@ -162,22 +163,12 @@ def _item(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not value.strip():
         raise UserError(f"--space {text!r}: write key=v1,v2,... or key=uniform:low,high (loguniform, int, logint)")
-    if re.match(r"^\s*[a-z]+:", value):
-        return key, value.strip()
-    values = [v.strip() for v in value.split(",")]
-    if "" in values:
-        raise UserError(f"--space {text!r} has an empty value: write key=v1,v2,...")
-    return key, values
+    return (key, value.strip()) if re.match(r"^\s*[a-z]+:", value) else axis_text(text, "--space")
 
 
 def _dim(algo, key: str, value, table) -> Dim:
     if isinstance(value, (list, tuple)):
-        if not value:
-            raise UserError(f"--space {key}: give at least one value")
-        values = [resolve(algo, {key: v})[key] for v in value]
-        if len(set(map(repr, values))) < len(values):
-            raise UserError(f"--space {key} lists a value twice: each value once")
-        return Dim(key, "list", tuple(values))
+        return Dim(key, "list", tuple(setting_values(algo, key, value, "--space")))
     kind, _, ends = str(value).partition(":")
     kind = kind.strip()
     text = f"{key}={value}"
@@ -346,6 +337,19 @@ STATES = ("complete", "pruned", "failed")  # a trial's states, in the order the 
 
 def score(record: dict) -> float:
     return -math.inf if record["val_mean"] is None else record["val_mean"]
+
+
+def ranked(records: list[dict], folder: Path) -> list[dict]:
+    """A search's trials, completed first by validation score, then pruned, then failed; one line when none
+    completed."""
+    table = sorted(records, key=lambda r: (STATES.index(r["state"]), -score(r), r["trial"]))
+    if table[0]["state"] == "complete":
+        return table
+    failed = [r for r in table if r["state"] == "failed"]
+    if len(failed) == len(table):
+        why = failed[0].get("reason", "its loss became NaN/Inf")
+        raise UserError(f"every trial of the search in {folder} failed (trial {failed[0]['trial']}: {why})")
+    raise UserError(f"every trial of the search in {folder} was pruned: give more --trials or --pruner none")
 
 
 @dataclass(frozen=True)

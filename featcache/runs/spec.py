@@ -134,29 +134,36 @@ def grid_axes(algo, grid: list[str] | dict) -> dict[str, list]:
     """A grid's axes, typed and strict: ['lr=1e-1,1e-2', 'weight_decay=1e-3'] or {'lr': [0.1, 0.01], ...} ->
     {'lr': [0.1, 0.01], 'weight_decay': [0.001]}. Every value of every axis is checked against its setting's range;
     an axis or a value given twice is refused; `fedprox.mu` is fedprox's mu, for fedprox only."""
-    given = grid.items() if isinstance(grid, dict) else (_axis_text(item) for item in as_list(grid, "grid") or [])
+    given = grid.items() if isinstance(grid, dict) else (axis_text(item) for item in as_list(grid, "grid") or [])
     axes: dict[str, list] = {}
     for key, values in given:
         key = next(iter(scoped({str(key).strip(): ""}, [algo], "--grid")[algo.name]))
         if key in axes:
             raise UserError(f"--grid {key} is given twice: put all its values in one axis, e.g. --grid {key}=a,b")
-        if not isinstance(values, (list, tuple)) or not values:
-            raise UserError(f"--grid {key}: give a list of values, e.g. --grid {key}=v1,v2 or {{'{key}': [v1, v2]}}")
-        axes[key] = [resolve(algo, {key: v})[key] for v in values]  # unknown key, bad type, out of range: one line
-        twice = [v for i, v in enumerate(axes[key]) if v in axes[key][:i]]
-        if twice:
-            raise UserError(f"--grid {key} lists {twice[0]!r} twice: each value once")
+        axes[key] = setting_values(algo, key, values, "--grid")
     if not axes:
         raise UserError("no --grid axis given: e.g. --grid lr=1e-1,1e-2,1e-3")
     return axes
 
 
-def _axis_text(item: str) -> tuple[str, list[str]]:
+def setting_values(algo, key: str, values, flag: str) -> list:
+    """One setting's values (a grid's axis, a search's list), each checked as the setting (unknown key, bad type,
+    out of range: one line); refused when not a non-empty list or when a value repeats."""
+    if not isinstance(values, (list, tuple)) or not values:
+        raise UserError(f"{flag} {key}: give a list of values, e.g. {flag} {key}=v1,v2 or {{'{key}': [v1, v2]}}")
+    typed = [resolve(algo, {key: v})[key] for v in values]
+    twice = [v for i, v in enumerate(typed) if v in typed[:i]]
+    if twice:
+        raise UserError(f"{flag} {key} lists {twice[0]!r} twice: each value once")
+    return typed
+
+
+def axis_text(item: str, flag: str = "--grid") -> tuple[str, list[str]]:
     """'lr=1e-1,1e-2' -> ('lr', ['1e-1', '1e-2'])."""
     key, sep, values = item.partition("=")
     if not sep or not values.strip():
-        raise UserError(f"--grid {item!r}: write key=v1,v2,..., e.g. --grid lr=1e-1,1e-2")
+        raise UserError(f"{flag} {item!r}: write key=v1,v2,..., e.g. {flag} lr=1e-1,1e-2")
     texts = [v.strip() for v in values.split(",")]
     if "" in texts:
-        raise UserError(f"--grid {item!r} has an empty value: write key=v1,v2,...")
+        raise UserError(f"{flag} {item!r} has an empty value: write key=v1,v2,...")
     return key, texts
