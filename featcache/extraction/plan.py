@@ -19,22 +19,22 @@ import numbers
 import os
 import time
 import warnings
-from contextlib import ExitStack, suppress
-from dataclasses import asdict
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from .. import cache as C
-from ..atomic import check_folder, check_names, make_folder, output_errors
+from ..atomic import check_folder, check_names, make_folder, missing_folders, output_errors, remove_empty
 from ..devices import device_kind
 from ..errors import UserError, as_list, as_path, comma_values, not_a_file
 from . import pipeline as P
 from .backbones import check_weights, weights_identity
 from .contents import Contents
-from .datasets import dataset_identity, image_side, keep_dataset, load_dataset
-from .embed import BACKENDS, Block, Progress, Settings
+from .datasets import Dataset, dataset_identity, image_side, keep_dataset, load_dataset
+from .embed import BACKENDS, Block, Local, Progress, Ray, Settings
 from ..files import DiskFullError, drop_leftover, locked, remove_own, remove_partials, writing
 from ..cache.h5 import READ_BYTES
 from ..cache.identity import EMBEDDING_CODE, PARTITION_CODE, code_identity, content_key, versions
@@ -52,6 +52,8 @@ SMALL_IMAGES = 64  # images smaller than this are embedded at this size by defau
 MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 2048  # below: nothing left after a backbone's strides; above: a typo (memory)
 # training's default batch_size (training/config.py, which this floor does not import; a test ties the two)
 TRAIN_BATCH = 32
+SWEPT = {"clients": int, "alpha": float, "per_class": int, "holdout_domain": str}  # a list of values: one cache each
+FIXED = [f.name for f in fields(PartitionSpec) if f.name not in ("scheme", "domains", *SWEPT)]  # one value for all
 
 
 @threaded
@@ -101,63 +103,77 @@ def extract(
     random init). `threads`: the forward's CPU threads (default: one fewer than the cores; featcache/threads.py).
     Without `image_size`, `default_image_size` picks one from the dataset. What was chosen for the user (that size,
     a one-domain partition's domain) is listed under `notes` and passed, one line each, to `note` when known."""
+    given = dict(locals())  # the arguments by name: `_plan` resolves them
     t0 = time.perf_counter()
-    phases = _Phases(t0)
-    check_options({name: value for name, value in locals().items() if name in OPTIONS})
-    clients, alpha, per_class, holdout_domain = (  # the command line's comma lists ("5,10") mean what they say there
-        comma_values(value, kind, "--" + name.replace("_", "-"))
-        for value, kind, name in (
-            (clients, int, "clients"),
-            (alpha, float, "alpha"),
-            (per_class, int, "per_class"),
-            (holdout_domain, str, "holdout_domain"),
-        )
+    phases, notes = _Phases(t0), _Notes(note)
+    check_options({name: value for name, value in given.items() if name in OPTIONS})
+    plan, data = _plan(given, phases)
+    if all(p.is_file() for p, _, _ in plan.caches):  # every setting's cache exists: a hash and a file lookup
+        return _found(plan, data, notes, t0)
+    _refuse_miss(plan, phases)  # a miss writes: what it needs, refused before the dataset is read
+    data = data or load_dataset(dataset, plan.data_root, download=download, store=plan.out)
+    _refuse_empty_classes(data)
+    parts = [make_partition(data, spec) for spec in plan.specs]
+    run = _settings(plan, data, noise, seed, batch_size, workers, views, allow_partial)
+    phases.lap("dataset")
+    with _filling(plan):  # the stores locked; a failure leaves at most their resume point
+        added = _fill(plan, _needs(parts, views), data, run, progress, phases)  # images each store gained
+        metas = _distinct_keys([s.backbone() for s in plan.stores])  # each backbone as the caches name it
+        results = _gather(plan, data, parts, metas, views, t0)
+        phases.lap("assembly")
+    with suppress(OSError):  # a built-in dataset's next miss reads its arrays instead of building them
+        keep_dataset(data, plan.out)
+    plan.contents.save()
+    _tell(plan, data, notes, parts)  # once written: a refused run (a damaged image met while embedding) says one line
+    for spec, spec_parts, r in zip(plan.specs, parts, results):
+        for line in (small_clients(spec, spec_parts, plan.specs), untested_clients(spec, spec_parts, plan.specs)):
+            if line and not r["cache_hit"]:
+                warnings.warn(line, UserWarning, stacklevel=2)
+    phases.lap("finish")
+    return (
+        _summary(results, plan.specs, {m["key"]: n for m, n in zip(metas, added)}, t0)
+        | {"phases": {k: round(v, 3) for k, v in phases.items()}}
+        | _told(plan, notes, results)
     )
-    backbone = [backbone] if isinstance(backbone, str) else list(backbone)
-    if not backbone:
-        raise UserError("no backbone given: pass --backbone NAME (e.g. efficientnet_lite0)")
-    if len(set(backbone)) != len(backbone):
-        raise UserError(f"backbone listed twice in {backbone}: give each once")
-    out = as_path(out, "out")
-    data_root = None if data_root is None else as_path(data_root, "data_root")
-    store = None if store is None else as_path(store, "store")
-    domains = as_list(domains, "domains")  # domains="mnist" is one domain, not five letters
-    for path, flag in ((out, "--out"), (store, "--store"), (data_root, "--data-root")):
-        if path is not None:
-            check_names(path, flag)
-    specs = [
-        PartitionSpec(
-            scheme=partition,
-            clients=c,
-            alpha=a,
-            per_class=n,
-            test_per_class=test_per_class,
-            classes_per_client=classes_per_client,
-            domains=tuple(domains) if domains else None,
-            val_fraction=val_fraction,
-            order=order,
-            seed=seed,
-            test_split=test_split,
-            percent=percent,
-            holdout_domain=h,
-        )
-        for c, a, n, h in itertools.product(*(_values(v) for v in (clients, alpha, per_class, holdout_domain)))
-    ]
-    runner = BACKENDS[backend]()
-    dev = runner.device(device)  # its name: torch is loaded only by a pass that embeds
-    folder = Path(store or Path(out) / "store")  # of the stores, and of the sidecar of the files' hashes
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What an extraction settles before it reads an image or builds a model, handed from step to step: the settings
+    and their caches, the backbones with their weights' identities and stores, where data is read and written."""
+
+    data_root: Path | None
+    out: Path
+    folder: Path  # of the stores, and of the sidecar of the files' hashes (`contents`)
+    contents: Contents
+    specs: list[PartitionSpec]
+    caches: list[tuple[Path, str, dict]]  # each setting's: its path, its key, and the manifest that key hashes
+    backbones: tuple[str, ...]
+    weights: list[dict]
+    stores: list[Store]  # two backbones of the same weights share one
+    embedding: dict  # what determines one image's embedding by one backbone, but the backbone itself
+    runner: Local | Ray
+    device: str
+    size_note: str | None  # the image size chosen for the user, told when the run ends well
+
+    @property
+    def own(self) -> list[Store]:
+        """Each store once, in the backbones' order."""
+        return list(dict.fromkeys(self.stores))
+
+
+def _plan(given: dict, phases: _Phases) -> tuple[_Plan, Dataset | None]:
+    """extract()'s arguments (`given`, by name) resolved into its plan, and the dataset when identifying it read it
+    (data on disk, identified by content): each store and cache is named by its key, so no model is built here."""
+    specs, backbones, out, data_root, folder = _arguments(given)
+    dataset, noise, views, seed = given["dataset"], given["noise"], given["views"], given["seed"]
+    runner = BACKENDS[given["backend"]]()
+    dev = runner.device(given["device"])  # its name: torch is loaded only by a pass that embeds
     contents = Contents(folder)
     phases.lap("setup")
-    identity, data = dataset_identity(dataset, data_root, download, contents)
+    identity, data = dataset_identity(dataset, data_root, given["download"], contents)
     phases.lap("identity")
-    notes: list[str] = []
-
-    def tell(line: str) -> None:
-        notes.append(line)
-        if note is not None:
-            note(line)
-
-    size_note = None
+    image_size, size_note = given["image_size"], None
     if image_size is None:
         image_size, size_note = default_image_size(dataset, image_side(dataset, data))
     embedding = {  # what determines one image's embedding by one backbone, but the backbone itself
@@ -169,10 +185,10 @@ def extract(
         "pipeline": P.DESCRIPTION,
         "code": code_identity(EMBEDDING_CODE)["sha256"],
         "precision": "float16" if device_kind(dev) == "cuda" else "float32",  # CUDA runs under fp16 autocast
-        "allow_partial": allow_partial,
+        "allow_partial": given["allow_partial"],
         "versions": versions(),
     }
-    weights = [weights_identity(b) for b in backbone]
+    weights = [weights_identity(b) for b in backbones]
     by_path: dict[Path, Store] = {}  # two specs of the same weights share one store
     source = _source(data_root) if data is not None else None  # a built-in recipe reads no folder
     stores = [
@@ -181,75 +197,92 @@ def extract(
         for key in [content_key(embedding | {"backbone": w})]
         for path in [store_path(folder, dataset, w["name"], key)]
     ]
-    manifests = [
-        embedding
-        | {
-            "partition": spec.to_dict(),
-            "seed": seed,
-            "backbones": weights,
-            "code": code_identity(EMBEDDING_CODE + PARTITION_CODE)["sha256"],
-        }
-        for spec in specs
+    common = {"seed": seed, "backbones": weights, "code": code_identity(EMBEDDING_CODE + PARTITION_CODE)["sha256"]}
+    manifests = [embedding | {"partition": spec.to_dict()} | common for spec in specs]
+    caches = [(C.cache_path(out, dataset, key), key, m) for m in manifests for key in [content_key(m)]]
+    return _Plan(
+        data_root, out, folder, contents, specs, caches, backbones, weights, stores, embedding, runner, dev, size_note
+    ), data
+
+
+def _arguments(given: dict) -> tuple[list[PartitionSpec], tuple[str, ...], Path, Path | None, Path]:
+    """The settings (one PartitionSpec each: a list of `clients`, `alpha`, `per_class` or `holdout_domain` values, or
+    the command line's comma string "5,10", is a sweep), the backbones, and the folders `out`, `data_root` and the
+    stores' (`store`, default `out/store`), each argument refused in one line when it is not one."""
+    swept = {name: comma_values(given[name], kind, "--" + name.replace("_", "-")) for name, kind in SWEPT.items()}
+    backbones = [given["backbone"]] if isinstance(given["backbone"], str) else list(given["backbone"])
+    if not backbones:
+        raise UserError("no backbone given: pass --backbone NAME (e.g. efficientnet_lite0)")
+    if len(set(backbones)) != len(backbones):
+        raise UserError(f"backbone listed twice in {backbones}: give each once")
+    out = as_path(given["out"], "out")
+    data_root, store = (None if given[name] is None else as_path(given[name], name) for name in ("data_root", "store"))
+    domains = as_list(given["domains"], "domains")  # domains="mnist" is one domain, not five letters
+    for path, flag in ((out, "--out"), (store, "--store"), (data_root, "--data-root")):
+        if path is not None:
+            check_names(path, flag)
+    fixed = {name: given[name] for name in FIXED} | {"domains": tuple(domains) if domains else None}
+    specs = [
+        PartitionSpec(given["partition"], **fixed, **dict(zip(swept, values)))
+        for values in itertools.product(*(v if isinstance(v, (list, tuple)) else [v] for v in swept.values()))
     ]
-    keys = [content_key(m) for m in manifests]
-    paths = [C.cache_path(Path(out), dataset, key) for key in keys]
-    if all(p.is_file() for p in paths):
-        for s in by_path.values():
-            drop_leftover(s.work)
-        results = [_hit(p, k, t0) for p, k in zip(paths, keys)]
-        if size_note:
-            tell(size_note)
-        for line in protocol_notes(specs, data):
-            tell(line)
-        contents.save()  # a run that ends well keeps the files' hashes (a refused one changes nothing)
-        return _summary(results, specs, {}, t0) | _told(tell, notes, partition, domains, results, image_size)
-    check_folder(out)  # a miss writes: refuse a folder it cannot write before anything is loaded or created
-    check_folder(folder, "--store")
-    for s in by_path.values():  # a user's folder, pipe or link named like a store: refused before any work
+    return specs, tuple(backbones), out, data_root, store or out / "store"
+
+
+def _found(plan: _Plan, data, notes: _Notes, t0: float) -> dict:
+    """Every setting's cache exists: a killed fill's leftovers dropped, the notes told, the caches summarized."""
+    for s in plan.own:
+        drop_leftover(s.work)
+    results = [_hit(p, k, t0) for p, k, _ in plan.caches]
+    _tell(plan, data, notes)
+    plan.contents.save()  # a run that ends well keeps the files' hashes (a refused one changes nothing)
+    return _summary(results, plan.specs, {}, t0) | _told(plan, notes, results)
+
+
+def _refuse_miss(plan: _Plan, phases: _Phases) -> None:
+    """What a miss needs, refused in seconds before the dataset is read or anything is created: folders it can write,
+    no user's folder, pipe or link named like a store, and the weights of each backbone no store proves was built."""
+    check_folder(plan.out)
+    check_folder(plan.folder, "--store")
+    for s in plan.own:
         if os.path.lexists(s.path) and (why := not_a_file(s.path)) is not None:
             raise UserError(
                 f"{s.path} {why}, and featcache keeps a store under that name: move it, or pass --store another folder"
             )
-
     phases.lap("setup")
-    for b, s in zip(backbone, stores):  # weights the hub cannot serve now are refused in seconds, before the
-        if not s.path.is_file():  # dataset is read; a store's key proves its backbone was built (timm not imported)
+    for b, s in zip(plan.backbones, plan.stores):  # a store's key proves its backbone was built (timm not imported)
+        if not s.path.is_file():
             check_weights(b)
     phases.lap("weights")  # importing timm, most of it
-    data = data or load_dataset(dataset, data_root, download=download, store=Path(out))
-    _refuse_empty_classes(data)
-    parts = [make_partition(data, spec) for spec in specs]
-    run = Settings(
-        tuple(backbone),
-        image_size,
-        noise,
-        seed,
-        batch_size or P.default_batch_size(dev),
-        P.default_workers(data, views) if workers is None else workers,
-        dev,
-        allow_partial,
-        tuple(s.work / "meta.json" for s in stores),
-    )
-    phases.lap("dataset")
-    with output_errors(folder, "--store"), _made(Path(out), *(s.path.parent for s in stores)), ExitStack() as held:
-        resumable = {s.path: (s.work / "plan.json").is_file() for s in by_path.values()}
-        for s in sorted(by_path.values(), key=lambda s: s.path):  # one lock order: two extractions never deadlock
+
+
+def _settings(plan: _Plan, data, noise, seed: int, batch_size, workers, views: int, allow_partial: bool) -> Settings:
+    """The embedding pass's settings; the batch and the input workers, unless given, from the device and the data."""
+    size, batch = plan.embedding["image_size"], batch_size or P.default_batch_size(plan.device)
+    workers = P.default_workers(data, views) if workers is None else workers
+    meta_files = tuple(s.work / "meta.json" for s in plan.stores)
+    return Settings(plan.backbones, size, noise, seed, batch, workers, plan.device, allow_partial, meta_files)
+
+
+@contextmanager
+def _filling(plan: _Plan):
+    """The stores locked for a fill and the gathers from it (one lock order: two extractions never deadlock). On a
+    failure their partial files are removed, and on bad input all this run made; a kill, Ctrl-C or full disk keeps
+    the finished blocks, the resume point. On success their parts folders are removed."""
+    own = plan.own
+    with output_errors(plan.folder, "--store"), _made(plan.out, *(s.path.parent for s in own)), ExitStack() as held:
+        resumable = {s.path: (s.work / "plan.json").is_file() for s in own}
+        for s in sorted(own, key=lambda s: s.path):
             held.enter_context(locked(s.work))
         try:
-            embedded = _fill(stores, embedding, weights, _needs(parts, views), data, run, runner, progress, phases)
-            metas = _distinct_keys([s.backbone() for s in stores])
-            results = [
-                _hit(p, k, t0) if p.is_file() else _write(p, k, m, data, spec_parts, stores, metas, views, t0)
-                for p, k, m, spec_parts in zip(paths, keys, manifests, parts)
-            ]
-            phases.lap("assembly")
+            yield
         except BaseException as e:
-            for s in by_path.values():
+            for s in own:
                 remove_partials(s.work)
                 if not (resumable[s.path] or isinstance(e, (KeyboardInterrupt, DiskFullError))):
                     with suppress(OSError):  # bad input: nothing of this run is worth keeping
                         remove_own(s.work)
-            kept = [str(s.work) for s in by_path.values() if any(s.work.glob("*.npy"))]
+            kept = [str(s.work) for s in own if any(s.work.glob("*.npy"))]
             if isinstance(e, DiskFullError) and kept:  # say where the resume point is, and how to drop it
                 where = (
                     f"the finished blocks are kept in {', '.join(kept)} and resumed (rm -r the folder to start "
@@ -258,26 +291,34 @@ def extract(
                 said = str(e).replace("finished blocks are kept and resumed", where)
                 raise DiskFullError(said if where in said else f"{said}; {where}") from None
             raise
-        for s in by_path.values():
+        for s in own:
             remove_own(s.work)
-    with suppress(OSError):  # a built-in dataset's next miss reads its arrays instead of building them
-        keep_dataset(data, out)
-    contents.save()
-    if size_note:  # the notes once written: a refused run (a damaged image met while embedding) is one line alone
-        tell(size_note)
-    for line in protocol_notes(specs, data, parts):
-        tell(line)
-    for spec, spec_parts, r in zip(specs, parts, results):
-        for line in (small_clients(spec, spec_parts, specs), untested_clients(spec, spec_parts, specs)):
-            if line and not r["cache_hit"]:
-                warnings.warn(line, UserWarning, stacklevel=2)
-    embedded = {m["key"]: n for m, n in zip(metas, embedded)}
-    phases.lap("finish")
-    return (
-        _summary(results, specs, embedded, t0)
-        | {"phases": {k: round(v, 3) for k, v in phases.items()}}
-        | _told(tell, notes, partition, domains, results, image_size)
-    )
+
+
+def _gather(plan: _Plan, data, parts, metas: list[dict], views: int, t0: float) -> list[dict]:
+    """Each setting's cache gathered from the stores' rows; one another extraction wrote meanwhile is a hit."""
+    return [
+        _hit(p, k, t0) if p.is_file() else _write(p, k, m, data, spec_parts, plan.stores, metas, views, t0)
+        for (p, k, m), spec_parts in zip(plan.caches, parts)
+    ]
+
+
+class _Notes(list):
+    """What was chosen for the user, one line each: kept for the result, and passed to `note` (when given) as told."""
+
+    def __init__(self, note: Callable[[str], object] | None) -> None:
+        super().__init__()
+        self.note = note or (lambda line: None)
+
+    def tell(self, line: str) -> None:
+        self.append(line)
+        self.note(line)
+
+
+def _tell(plan: _Plan, data, notes: _Notes, parts=None) -> None:
+    """The image size chosen for the user, and the data set's protocol in force (`protocol_notes`)."""
+    for line in ([plan.size_note] if plan.size_note else []) + protocol_notes(plan.specs, data, parts):
+        notes.tell(line)
 
 
 def _source(data_root: Path | None) -> dict | None:
@@ -302,15 +343,16 @@ def default_image_size(dataset: str, side: int | None) -> tuple[int | None, str]
     return None, f"image size: each backbone's own input size ({size}; --image-size N to change)"
 
 
-def _told(tell, notes: list[str], partition: str, domains, results: list[dict], image_size: int | None) -> dict:
+def _told(plan: _Plan, notes: _Notes, results: list[dict]) -> dict:
     """The domain a one-domain partition used when none was named, told; the notes and the image size used (None:
     each backbone's own) for the result."""
-    if not domains and not SCHEMES[partition].multi_domain:
-        tell(
-            f"partition {partition} splits one domain: {results[0]['domains'][0]}, the dataset's first "
+    spec = plan.specs[0]
+    if not spec.domains and not SCHEMES[spec.scheme].multi_domain:
+        notes.tell(
+            f"partition {spec.scheme} splits one domain: {results[0]['domains'][0]}, the dataset's first "
             "(--domains NAME picks another)"
         )
-    return {"image_size": image_size, "notes": notes}
+    return {"image_size": plan.embedding["image_size"], "notes": list(notes)}
 
 
 def protocol_notes(specs: list[PartitionSpec], data, parts=None) -> list[str]:
@@ -414,10 +456,6 @@ def check_options(options: dict, flags: bool = True) -> None:
             raise UserError(f"{label} must be {what} (got {value!r}){_HINTS.get(name, '')}")
 
 
-def _values(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
 def _refuse_empty_classes(data) -> None:
     """A class without a single image in any domain could be neither learned nor tested (an empty class folder)."""
     seen = sum(
@@ -433,30 +471,20 @@ def _refuse_empty_classes(data) -> None:
         )
 
 
-class _made:
-    """Remove the folders in `paths` that this run created, their missing parents included, when it fails on bad
-    input (not on a kill, Ctrl-C or full disk, which keep their resume point)."""
-
-    def __init__(self, *paths: Path) -> None:
-        self.fresh: list[Path] = []  # parents before their children
-        for p in paths:
-            missing = [q for q in (p, *p.parents) if not q.exists()]
-            self.fresh += [q for q in reversed(missing) if q not in self.fresh]
-        try:
-            for p in paths:
-                make_folder(p)
-        except UserError as e:
-            self.__exit__(type(e), e, None)
-            raise
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb) -> None:
-        if error is not None and not isinstance(error, (KeyboardInterrupt, DiskFullError)):
-            for p in reversed(self.fresh):
-                with suppress(OSError):
-                    p.rmdir()  # only when empty: never a user's file
+@contextmanager
+def _made(*folders: Path):
+    """`folders` made, with their missing parents; on bad input (not a kill, Ctrl-C or full disk, which keep their
+    resume point) those this run created are removed again when empty."""
+    made = [missing_folders(p) for p in folders]
+    try:
+        for p in folders:
+            make_folder(p)
+        yield
+    except BaseException as e:
+        if not isinstance(e, (KeyboardInterrupt, DiskFullError)):
+            for m in made:
+                remove_empty(m)
+        raise
 
 
 def _needs(parts_by_setting, views: int) -> dict[Need, np.ndarray]:
@@ -474,24 +502,12 @@ def _needs(parts_by_setting, views: int) -> dict[Need, np.ndarray]:
     return {need: np.unique(np.concatenate(r)).astype(np.int64) for need, r in rows.items()}
 
 
-def _fill(
-    stores: list[Store],
-    embedding: dict,
-    weights: list[dict],
-    needs: dict[Need, np.ndarray],
-    data,
-    run: Settings,
-    runner,
-    progress,
-    phases,
-) -> list[int]:
+def _fill(plan: _Plan, needs: dict[Need, np.ndarray], data, run: Settings, progress, phases: _Phases) -> list[int]:
     """Embed what `needs` asks for and the stores do not hold, one decode per image for all backbones; returns the
     images each backbone's store gained (a killed fill's finished blocks are committed first)."""
     phases.lap("plan")  # of the stores, waiting for another extraction's lock included
-    first: dict[Store, int] = {}  # each store is filled by its first backbone
-    for j, s in enumerate(stores):
-        first.setdefault(s, j)
-    identities = {s: embedding | {"backbone": weights[j]} for s, j in first.items()}
+    first = {s: plan.stores.index(s) for s in plan.own}  # each store is filled by its first backbone
+    identities = {s: plan.embedding | {"backbone": plan.weights[j]} for s, j in first.items()}
     held = [s.held(pending=True) for s in first]  # a killed fill's finished blocks are committed with this fill's
     blocks: list[tuple[Need, np.ndarray, tuple[int, ...]]] = []
     rows_per_block = BLOCK_BATCHES * run.batch_size
@@ -506,11 +522,11 @@ def _fill(
         jobs = [Block(d, sp, v, rows, {j: next(files[j]) for j in js}) for (d, sp, v), rows, js in blocks]
         phases.lap("plan")
         with use_threads(asked(), load=True):  # --threads: set in torch once a pass loads it (featcache/threads.py)
-            runner.embed(jobs, data, run, progress, phases)  # adds its own models and embedding seconds
+            plan.runner.embed(jobs, data, run, progress, phases)  # adds its own models and embedding seconds
         phases.mark = time.perf_counter()
     added = {s: s.commit(identities[s]) for s in first}
     phases.lap("commit")
-    return [added[s] for s in stores]
+    return [added[s] for s in plan.stores]
 
 
 class _Phases(dict):
@@ -518,18 +534,7 @@ class _Phases(dict):
     phases sum to the total."""
 
     def __init__(self, t0: float):
-        names = (
-            "setup",
-            "identity",
-            "weights",
-            "dataset",
-            "plan",
-            "models",
-            "embedding",
-            "commit",
-            "assembly",
-            "finish",
-        )
+        names = "setup identity weights dataset plan models embedding commit assembly finish".split()
         super().__init__(dict.fromkeys(names, 0.0))
         self.mark = t0
 
@@ -663,11 +668,5 @@ def _summary(results: list[dict], specs: list[PartitionSpec], embedded: dict, t0
     Both say what each backbone embedded."""
     seconds = round(time.perf_counter() - t0, 3)
     results = [r | {"partition": spec.to_dict()} for r, spec in zip(results, specs)]
-    if len(results) == 1:
-        return results[0] | {"embedded": embedded, "seconds": seconds}
-    return {
-        "caches": results,
-        "cache_hit": all(r["cache_hit"] for r in results),
-        "embedded": embedded,
-        "seconds": seconds,
-    }
+    head = results[0] if len(results) == 1 else {"caches": results, "cache_hit": all(r["cache_hit"] for r in results)}
+    return head | {"embedded": embedded, "seconds": seconds}
