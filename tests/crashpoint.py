@@ -3,7 +3,7 @@
     python tests/crashpoint.py [--kill SPEC] [--sigint SPEC] [--sigterm SPEC] [--pause SPEC:FILE] [--log FILE] -- ...
 
 SPEC is WHEN:FUNCTION:N:PATTERN, e.g. `after:os.replace:3:b*.npy`: the N-th call of FUNCTION (a dotted path:
-`os.replace`, `featcache.extraction.plan._forward`, `featcache.cache.h5._new_dataset`) that has an argument whose file
+`os.replace`, `featcache.extraction.embed._forward`, `featcache.cache.h5._new_dataset`) that has an argument whose file
 name matches PATTERN (`*` counts every call) triggers, `before` or `after` the call runs.
 
 --kill   the process sends itself SIGKILL: a real kill -9, no exception handler, finally block or atexit hook runs.
