@@ -4,7 +4,7 @@ The Python API, timm style (imported lazily: `import featcache` loads neither to
 
     featcache.extract(dataset=..., backbone=[...], ...)   -> dict (the cache path under "cache")
     featcache.train(cache, algo, rounds=..., seeds=...)   -> dict (the result, its file under "result_file";
-                                                             a list of algos: {"runs": [each one's result]})
+                                                             a list of algos or caches: {"runs": [each one's]})
     featcache.grid(cache, algo, grid=[...] or {...}, ...) -> dict
     featcache.search(cache, algo, space=[...] or {...}, trials=..., sampler=..., pruner=...) -> dict
     featcache.report([result files or folders], out=..., x=...) -> dict (the table, the figures written)

@@ -16,10 +16,12 @@ def write_cache(
     val_fraction: float = 0.25,
     n: tuple[int, int] = (30, 60),
     spread: float = 1.0,
+    partition: dict | None = None,
 ) -> str:
     """A cache file holding synthetic features (one backbone, 'synth'), written by featcache's own cache writer as
     extract writes its caches (for trainer and grid tests); clients hold n[0]..n[1] rows per split; `spread` the
-    classes' noise (4: overlapping classes, whose training is far from converged in a few rounds)."""
+    classes' noise (4: overlapping classes, whose training is far from converged in a few rounds); `partition` the
+    partition the cache records (its content key covers it: caches of a sweep differ in it)."""
     import numpy as np
 
     from featcache import cache as fc
@@ -27,6 +29,7 @@ def write_cache(
     train = synthetic_clients(C=C, n=n, D=D, K=K, seed=0, views=views, spread=spread)
     test = synthetic_clients(C=C, n=n, D=D, K=K, seed=1, spread=spread)
     manifest = {"dataset": {"name": "synthetic"}, "views": views, "versions": versions()}
+    manifest |= {"partition": partition} if partition else {}
     rows, clients = [], []
     for c in range(C):
         n, m = int(train.counts[c]), int(test.counts[c])
@@ -51,7 +54,7 @@ def write_cache(
         "dataset": "synthetic",
         "classes": [str(k) for k in range(K)],
         "domains": ["synth"],
-        "partition": {},
+        "partition": partition or {},
         "counts": {"clients": rows},
         "views": views,
         "versions": manifest["versions"],

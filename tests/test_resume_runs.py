@@ -129,6 +129,39 @@ def test_a_grid_resumed_where_memory_plans_other_chunks_keeps_its_chunking(cache
     same_files(out, tmp_path / "ref")
 
 
+def test_a_sweep_killed_between_its_caches_and_in_the_next_resumes_to_the_same_bytes(
+    tmp_path, monkeypatch, checkpoint_every_round
+):
+    """`train` over two caches, killed once the first cache's run is written and before the next starts, then in the
+    second cache's round 2: the same call skips the finished run, resumes the other and writes the bytes of an
+    undisturbed sweep."""
+    from featcache.runs import train as train_module
+
+    caches = [write_cache(tmp_path / f"{a}.h5", spread=a, partition={"alpha": a}) for a in (1.0, 2.0)]
+    args = dict(cache=caches, algo="fedavg", seeds=[0], rounds=2)
+    ref = train_module.train(out=tmp_path / "ref", **args)
+    out = tmp_path / "stopped"
+    real, runs = train_module.run, []
+
+    def killed_at_the_second(*a, **k):
+        runs.append(1)
+        if len(runs) == 2:
+            raise Killed  # the first cache's run written, the second's not begun
+        return real(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "run", killed_at_the_second)
+        with pytest.raises(Killed):
+            train_module.train(out=out, **args)
+    with monkeypatch.context() as m:
+        kill_at_local_train(m, 2)
+        with pytest.raises(Killed):
+            train_module.train(out=out, **args)
+    again = train_module.train(out=out, **args)["runs"]
+    assert again[0]["finished_earlier"] and again[1]["resumed_after_round"] == 1 and len(ref["runs"]) == 2
+    same_files(out, tmp_path / "ref")
+
+
 def job(**change) -> Job:
     spec = dict(
         extract=json.dumps({"backbone": ["synth"]}),

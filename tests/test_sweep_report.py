@@ -290,12 +290,13 @@ def test_held_out_domains_are_points_and_clients_say_their_domain_on_each_bar(tm
     assert [t.get_text() for t in bars.texts][:3] == ["cartoon", "photo", "sketch"]  # run 0 holds out art
 
 
-# -- the user's loop: extract a sweep, train each cache, report --------------------------------------------------------
+# -- the user's loop: extract a sweep, train every cache, report -------------------------------------------------------
 
 
-def test_extract_sweep_train_each_and_report_draws_accuracy_against_alpha(tmp_path):
-    """`extract --alpha 0.1,1,10` (its --json names each cache's α), `train` on each cache, then one `report` of the
-    runs folder: three points over α, sweep.png written, each client's domain read from the cache where known."""
+def test_extract_sweep_train_it_and_report_draws_accuracy_against_alpha(tmp_path):
+    """`extract --alpha 0.1,1,10` (its --json names each cache's α), one `train` over the three caches, then one
+    `report` of the runs folder: three points over α, sweep.png written, each client's domain read from the cache
+    where known."""
     from PIL import Image
 
     root = write_folders(tmp_path / "data", domains=("d1",), classes=("a", "b", "c"), per_class=12)
@@ -310,12 +311,12 @@ def test_extract_sweep_train_each_and_report_draws_accuracy_against_alpha(tmp_pa
     assert [(c["partition"]["alpha"], c["partition"]["clients"]) for c in caches] == [(0.1, 4), (1.0, 4), (10.0, 4)]
     table = re.sub(r"[\s│]+", "", run_cli(*args).stdout)  # the sweep again (a hit): its table, cells unwrapped
     assert all(f"images,alpha={a})" in table for a in ("0.1", "1.0", "10.0"))  # each cache with its α
-    for c in caches:
-        trained = run_cli(
-            "train", "--cache", c["cache"], "--algo", "fedavg", "--rounds", "2", "--seeds", "0,1",
-            "--set", "batch_size=4", "--out", tmp_path / "runs",
-        )  # fmt: skip
-        assert trained.code == 0, trained.stderr
+    each = [arg for c in caches for arg in ("--cache", c["cache"])]  # the sweep trained in one command
+    trained = run_cli(
+        "train", *each, "--algo", "fedavg", "--rounds", "2", "--seeds", "0,1", "--set", "batch_size=4",
+        "--out", tmp_path / "runs",
+    )  # fmt: skip
+    assert trained.code == 0, trained.stderr
     names = sorted(p.name for p in (tmp_path / "runs").glob("*.json") if not p.name.endswith(".timing.json"))
     assert [re.sub(r"-[0-9a-f]{12}\.json$", "", n) for n in names] == [  # one folder: each run says its cache's α
         f"fedavg-rounds2-batch_size4-clients4-alpha{a}-seed0_1" for a in ("0.1", "1", "10")
@@ -341,4 +342,29 @@ def test_extract_sweep_train_each_and_report_draws_accuracy_against_alpha(tmp_pa
     assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["clients.png", "curves.png", "report.md"]
     Image.new("RGB", (4, 4)).save(tmp_path / "rep" / "sweep.png")  # a user's own file of that name stays
     assert run_cli("report", one, "--out", tmp_path / "rep").code == 0
+    assert (tmp_path / "rep" / "sweep.png").is_file()
+
+
+def test_a_sweep_trained_in_one_call_is_one_figure_over_its_caches(tmp_path, monkeypatch):
+    """`train` over several caches and algorithms writes one folder; `report` of it draws one figure over what the
+    caches differ in (α here, on a log axis), one labelled line per algorithm, each point its cache's result."""
+    from featcache.runs.train import train
+    from tests.synthetic import write_cache
+
+    caches = [
+        write_cache(tmp_path / f"alpha{a}.h5", spread=s, partition={"scheme": "label", "alpha": a, "clients": 4})
+        for a, s in ((10.0, 2.0), (0.1, 1.0), (1.0, 1.5))
+    ]
+    runs = train(caches, ["fedavg", "local"], rounds=1, seeds=[0], out=tmp_path / "runs")["runs"]
+    saved = figure_spy(monkeypatch)
+    got = report([tmp_path / "runs"], out=tmp_path / "rep")
+    assert got["x"] == "alpha" and [(p["x"], p["line"]) for p in got["points"]] == [
+        (a, algo) for a in (0.1, 1.0, 10.0) for algo in ("fedavg", "local")
+    ]
+    by_file = {r["result_file"]: r["mean_acc"] for r in runs}
+    assert all(p["mean_acc"] == by_file[p["result_file"]] for p in got["points"])
+    (ax,) = next(f for f in saved if f.axes[0].get_xlabel().startswith("α")).axes
+    assert ax.get_xlabel() == "α (log scale)" and [t.get_text() for t in ax.get_xticklabels()] == ["0.1", "1", "10"]
+    legend = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]
+    assert legend[0] == "fedavg: personal" and legend[-1] == "local: personal"  # local has no global model
     assert (tmp_path / "rep" / "sweep.png").is_file()

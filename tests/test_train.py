@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -428,3 +429,120 @@ def test_algo_all_trains_every_registered_algorithm_in_one_command_as_a_leaderbo
     assert sorted(accs) == sorted(round(r["mean_acc"], 2) for r in trained.values())
     refused = cli("train", "--cache", str(cache), "--algo", "all", "--algo", "fedavg", "--out", str(tmp_path / "no"))
     assert refused.returncode == 2 and "--algo all already lists every algorithm: give it alone" in refused.stderr
+
+
+# -- a sweep: several caches in one call ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sweep_caches(tmp_path_factory):
+    """Two caches of one sweep: label partitions at α 0.1 and 1 (other features: a mixed-up cache would show)."""
+    folder = tmp_path_factory.mktemp("sweep")
+    return [
+        write_cache(folder / f"alpha{a}.h5", spread=spread, partition={"scheme": "label", "alpha": a, "clients": 4})
+        for a, spread in ((0.1, 1.0), (1.0, 2.0))
+    ]
+
+
+def without_call(path: Path) -> dict:
+    """A result file's content, the call or command line its provenance records aside (it names the whole call)."""
+    result = json.loads(path.read_text())
+    return result | {"provenance": {k: v for k, v in result["provenance"].items() if k not in ("call", "command")}}
+
+
+def test_several_caches_train_in_one_call_as_one_call_per_cache_writes(sweep_caches, tmp_path, monkeypatch):
+    """Every algorithm on every cache, cache by cache, each cache read once: the same files, byte for byte but the
+    call the provenance records (the sweep's own, which run again gives them back)."""
+    from featcache import cache as C
+
+    reads = []
+    real = C.load_clients
+    monkeypatch.setattr(
+        C, "load_clients", lambda path, split="train", **k: reads.append(split) or real(path, split, **k)
+    )
+    args = dict(algo=["fedavg", "fedprox"], rounds=2, seeds=[0], set=["fedprox.mu=0.5"])
+    both = train(sweep_caches, out=tmp_path / "both", **args)["runs"]
+    assert reads == ["train", "test"] * 2  # once per cache, for both algorithms
+    assert [(Path(r["cache_path"]).name, r["algo"]) for r in both] == [
+        ("alpha0.1.h5", "fedavg"),
+        ("alpha0.1.h5", "fedprox"),
+        ("alpha1.0.h5", "fedavg"),
+        ("alpha1.0.h5", "fedprox"),
+    ]
+    alone = [r for c in sweep_caches for r in train(c, out=tmp_path / "alone", **args)["runs"]]
+    for r, a in zip(both, alone):
+        ours, theirs = Path(r["result_file"]), Path(a["result_file"])
+        assert ours.name == theirs.name and without_call(ours) == without_call(theirs)
+        assert Path(r["metrics_csv"]).read_bytes() == Path(a["metrics_csv"]).read_bytes()
+    assert both[0]["mean_acc"] != both[2]["mean_acc"]  # each cache's own data
+    call = json.loads(Path(both[0]["result_file"]).read_text())["provenance"]["call"]
+    assert call.startswith(f"featcache.train(cache={[str(c) for c in sweep_caches]!r}, algo=['fedavg', 'fedprox']")
+    again = train(sweep_caches, out=tmp_path / "both", **args)["runs"]  # the recorded call gives them back
+    assert all(r["finished_earlier"] for r in again) and [r["result_file"] for r in again] == [
+        r["result_file"] for r in both
+    ]
+
+
+def test_every_cache_of_a_sweep_is_checked_before_the_first_trains(sweep_caches, tmp_path):
+    out = tmp_path / "runs"
+    few = write_cache(tmp_path / "few.h5", C=2, partition={"scheme": "label", "alpha": 10.0, "clients": 2})
+    cases = [
+        ([*sweep_caches, sweep_caches[0]], [], f"--cache {sweep_caches[0]} holds what --cache {sweep_caches[0]}"),
+        ([*sweep_caches, few], ["participation=0.2"], "participation=0.2 selects no client of 2 per round"),
+        ([*sweep_caches, tmp_path / "none.h5"], [], "none.h5"),
+        ([sweep_caches[0], 3], [], "cache must be a path (a str or os.PathLike), not int 3"),
+        ([], [], "cache lists no cache: give at least one"),
+    ]
+    for caches, settings, needle in cases:
+        with pytest.raises(UserError, match=re.escape(needle)) as e:
+            train(caches, "fedavg", rounds=1, seeds=[0], set=settings, out=out)
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="has no backbone 'other'; it holds synth"):
+        train(sweep_caches, "fedavg", rounds=1, seeds=[0], backbones=["other"], out=out)
+    with pytest.raises(UserError, match="has no augmented views"):  # fedpft-con named, not --algo all: refused up front
+        train(sweep_caches, ["fedavg", "fedpft-con"], rounds=1, seeds=[0], out=out)
+    assert not out.exists()
+
+
+def test_cli_trains_a_sweep_in_one_command_with_a_cache_column(sweep_caches, tmp_path):
+    """`--cache A --cache B`: the table names each row's cache, and the files are those of one command per cache."""
+    common = ["--algo", "fedavg", "--rounds", "1", "--seeds", "0"]
+    done = run_cli("train", "--cache", sweep_caches[0], "--cache", sweep_caches[1], *common, "--out", tmp_path / "a")
+    assert done.code == 0, done.stderr
+    rows = [[c.strip() for c in line.split("│")[1:3]] for line in done.stdout.splitlines() if line.count("│") > 5]
+    assert rows == [["alpha0.1.h5", "fedavg"], ["alpha1.0.h5", "fedavg"]] and "2 caches" in done.stdout
+    assert "progress: fedavg on alpha1.0.h5 (2 of 2)" in done.stderr
+    for c in sweep_caches:
+        assert run_cli("train", "--cache", c, *common, "--out", tmp_path / "b").code == 0
+    ours, theirs = sorted((tmp_path / "a").glob("*.json")), sorted((tmp_path / "b").glob("*.json"))
+    results = [p for p in ours if not p.name.endswith(".timing.json")]
+    assert len(results) == 2 and [p.name for p in ours] == [p.name for p in theirs]
+    assert all(without_call(p) == without_call(q) for p, q in zip(ours, theirs) if p in results)
+    command = json.loads(results[0].read_text())["provenance"]["command"]
+    assert command.startswith(f"featcache train --cache {sweep_caches[0]} --cache {sweep_caches[1]} --algo fedavg")
+
+
+def test_algo_all_on_several_caches_is_a_leaderboard_per_cache(sweep_caches, tmp_path, monkeypatch):
+    """`--algo all` over a cache without views and one with: the views algorithm is left out where there are none,
+    one that diverges fails alone on each cache, and the table ranks each cache's runs."""
+    import featcache.algorithms as algorithms
+
+    views = write_cache(tmp_path / "views.h5", views=2, partition={"scheme": "label", "alpha": 10.0, "clients": 4})
+    every = algorithms.list_algorithms()
+    monkeypatch.setattr(
+        algorithms, "list_algorithms", lambda: {k: every[k] for k in ("fedavg", "fedpft-con", "fedprox")}
+    )
+    args = ["--algo", "all", "--rounds", "1", "--seeds", "0", "--out", tmp_path / "runs"]
+    diverges = ["--set", "fedprox.lr=1e38", "--set", "fedprox.optimizer=sgd"]
+    one_epoch = ["--set", "fedpft-con.r_f=0", "--set", "fedpft-con.local_epochs=1"]
+    done = run_cli("train", "--cache", sweep_caches[0], "--cache", views, *args, *diverges, *one_epoch)
+    assert done.code == 0, done.stderr
+    said = " ".join(done.stderr.split())
+    assert f"--algo all leaves out fedpft-con on {sweep_caches[0]}: they train on augmented views" in said
+    assert f"--algo all leaves out fedprox on {views}, which failed" in said
+    rows = [[c.strip() for c in line.split("│")[1:4]] for line in done.stdout.splitlines() if line.count("│") > 5]
+    trained, failed = rows[:3], rows[3:]
+    acc = lambda row: float(row[2].split("(")[0])
+    assert [r[0] for r in trained] == ["alpha0.1.h5", "views.h5", "views.h5"] and acc(trained[1]) >= acc(trained[2])
+    assert {r[1] for r in trained[1:]} == {"fedavg", "fedpft-con"}  # each cache's own leaderboard
+    assert failed == [["alpha0.1.h5", "fedprox", "failed"], ["views.h5", "fedprox", "failed"]]

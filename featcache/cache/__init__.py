@@ -38,7 +38,7 @@ only files that carry it, and `featcache gc` never removes a cache.
 
 from .check import info, verify
 from .h5 import read_attrs, write_attrs
-from .load import ClientData, client_rows, load_clients
+from .load import ClientData, client_rows, columns, load_clients
 from .migrate import migrate
 from .open import open_cache, read_meta
 from .write import FORMAT, Client, Split, cache_path, write
@@ -57,6 +57,7 @@ __all__ = [
     "cache_path",
     "ClientData",
     "load_clients",
+    "columns",
     "client_rows",
     "migrate",
 ]

@@ -89,9 +89,7 @@ def load_clients(
     with open_cache(path) as f:
         checked, found, walked = _checked(path, f)
         meta = read_meta(f)
-        ranges = _column_ranges(meta, backbones, path)
-        if views and not int(meta["views"]):  # the structure check holds every client to the stored views
-            raise UserError(f"cache {path} has no augmented views: re-extract with --views 2")
+        ranges = columns(meta, path, backbones, views)
         at = _datasets(f, found, walked)
         starts = at(f"{split}/offsets").read()  # [C + 1]
         y = at(f"{split}/labels").read()  # [N]
@@ -144,14 +142,20 @@ def _checked(path: Path, f: h5py.File) -> tuple[set[str], dict[str, Node], bool]
     return _VERIFIED[ident].checked, found, True
 
 
-def _column_ranges(meta: dict, wanted: list[str] | None, path: Path) -> list[tuple[int, int]] | None:
-    """The [start, stop) column ranges of the `wanted` backbones, in that order; None for all in stored order."""
+def columns(
+    meta: dict, path: Path, wanted: Sequence[str] | None = None, views: bool = False
+) -> list[tuple[int, int]] | None:
+    """The [start, stop) column ranges of the `wanted` backbones, in that order (None: all, in stored order), from
+    the cache's metadata `meta`: what a load of it would refuse, a backbone it does not hold or augmented views where
+    it has none, is refused before any array is read (train checks every cache of a sweep so)."""
     order = meta["backbones"]
-    if not wanted or list(wanted) == order:
-        return None
-    unknown = [b for b in wanted if b not in order]
+    unknown = [b for b in wanted or () if b not in order]
     if unknown:
         raise UserError(f"cache {path} has no backbone {unknown[0]!r}; it holds {', '.join(order)}")
+    if views and not int(meta["views"]):  # the structure check holds every client to the stored views
+        raise UserError(f"cache {path} has no augmented views: re-extract with --views 2")
+    if not wanted or list(wanted) == order:
+        return None
     return [tuple(meta["backbone_info"][b]["columns"]) for b in wanted]
 
 

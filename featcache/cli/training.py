@@ -19,7 +19,11 @@ def _seeds(text: str) -> list[int]:
 
 
 def train(
-    cache: Path = typer.Option(..., parser=path_of("--cache"), help="cache file from `featcache extract`"),
+    cache: list[Path] = typer.Option(
+        ...,
+        parser=path_of("--cache"),
+        help="cache file from `featcache extract`; repeat for a sweep (every algorithm trains on every cache)",
+    ),
     algo: list[str] = typer.Option(
         ...,
         help="algorithm (see `featcache algos`), or a plug-in: path/to/file.py:Class "
@@ -57,37 +61,19 @@ def train(
     ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Train federated algorithms on cached features (backbones are never loaded). Interrupted (Ctrl-C, kill), the
-    same command resumes from the last checkpoint and skips the algorithms that finished."""
-    from ..algorithms import objective_note  # lazy: `featcache --help` skips the algorithm registry
+    """Train federated algorithms on cached features (backbones are never loaded), every algorithm on every cache.
+    Interrupted (Ctrl-C, kill), the same command resumes from the last checkpoint and skips the runs that finished."""
     from ..devices import resolve_device  # lazy: `featcache --help` loads no torch
     from ..runs.train import ALL, each_run, plan_runs
     from ..threads import check_threads, use_threads
 
     dev = resolve_device(device)  # as featcache.train: the device first, then every algorithm's settings
-    specs = plan_runs(cache, algo, rounds, seeds, set, backbones, out_dir, tensorboard, checkpoint_every)
-    notes = {spec.name: objective_note(spec.algo, spec.config) for spec in specs}
+    runs = plan_runs(cache, algo, rounds, seeds, set, backbones, out_dir, tensorboard, checkpoint_every)
     results = []
     with progress_bar(not as_json) as progress, use_threads(check_threads(threads)):
-
-        def ticker(spec):
-            label = f"{spec.name} ({specs.index(spec) + 1} of {len(specs)})" if len(specs) > 1 else spec.name
-
-            def tick(done, total, live, told=[]):  # noqa: B006 - told: this label's own memory of its first tick
-                if not told:  # once its first round here trained: a refused run stays one error line
-                    told.append(done)
-                    said = [f"resumed from its checkpoint after round {done - 1}"] if done > 1 else []
-                    said += [f"the training loss is {notes[spec.name]}"] if notes[spec.name] else []
-                    for text in said:
-                        err.print(
-                            f"[yellow]note:[/yellow] {escape(f'{label}: {text}')}", highlight=False, soft_wrap=True
-                        )
-                progress(label, done, total, live_text(live))
-
-            return tick if progress else None
-
+        ticker = _ticker(runs, progress, _names(cache))
         options = dict(tensorboard=tensorboard, save_state=save_state)
-        for result in each_run(specs, cache, out_dir, dev, algo, ticker, checkpoint_every, **options):
+        for result in each_run(runs, out_dir, dev, algo, ticker, checkpoint_every, **options):
             results.append(result)
             if not as_json and "failed" not in result:  # each result as soon as it is written
                 _print_run(result)
@@ -97,23 +83,55 @@ def train(
     out.print(_table(results, cache, sort=algo == [ALL]))
 
 
-def _table(results: list[dict], cache: Path, sort: bool) -> Table:
-    """`train`'s table: a row per algorithm (best first with `sort`: `--algo all`'s leaderboard), failed ones last."""
-    table = Table(title=f"featcache train — {cache.name}")
-    for col in (
-        "algorithm",
-        "final acc % mean(std)",
-        "best-round acc %",
-        "global",
-        "params up/client/round",
-        "KB up/client/round",
-        "s/round",
-    ):
-        table.add_column(col, justify="right" if col != "algorithm" else "left")
+def _names(caches: list[Path]) -> dict[str, str] | None:
+    """How the output names each cache where there are several (None: one): its file name, or the path as given
+    where two share a name."""
+    if len(caches) == 1:
+        return None
+    short = len({c.name for c in caches}) == len(caches)
+    return {str(c): c.name if short else str(c) for c in caches}
+
+
+def _ticker(runs: list, progress, names: dict[str, str] | None):
+    """`progress_of(cache, spec)` for `each_run`: a run's progress bar, labelled by its algorithm (and its cache by
+    `names` when there are several), and its notes once its first round here trained (where it resumed, what its
+    loss is)."""
+    from ..algorithms import objective_note  # lazy: `featcache --help` skips the algorithm registry
+
+    def ticker(cache: Path, spec):
+        label = f"{spec.name} on {names[str(cache)]}" if names else spec.name
+        label += f" ({runs.index((cache, spec)) + 1} of {len(runs)})" if len(runs) > 1 else ""
+        note = objective_note(spec.algo, spec.config)
+
+        def tick(done, total, live, told=[]):  # noqa: B006 - told: this label's own memory of its first tick
+            if not told:  # once its first round here trained: a refused run stays one error line
+                told.append(done)
+                said = [f"resumed from its checkpoint after round {done - 1}"] if done > 1 else []
+                said += [f"the training loss is {note}"] if note else []
+                for text in said:
+                    err.print(f"[yellow]note:[/yellow] {escape(f'{label}: {text}')}", highlight=False, soft_wrap=True)
+            progress(label, done, total, live_text(live))
+
+        return tick if progress else None
+
+    return ticker
+
+
+def _table(results: list[dict], caches: list[Path], sort: bool) -> Table:
+    """`train`'s table: a row per run (best first with `sort`: `--algo all`'s leaderboard, cache by cache), failed
+    ones last; with several caches, a column names each run's cache."""
+    names = _names(caches)
+    table = Table(title=f"featcache train — {f'{len(caches)} caches' if names else caches[0].name}")
+    heads = ["cache"] * bool(names) + ["algorithm", "final acc % mean(std)", "best-round acc %", "global"]
+    for col in (*heads, "params up/client/round", "KB up/client/round", "s/round"):
+        table.add_column(col, justify="left" if col in ("cache", "algorithm") else "right")
+    where = lambda r: [names[r["cache_path"]]] if names else []
+    order = {str(c): i for i, c in enumerate(caches)}
     trained = [r for r in results if "failed" not in r]
-    for r in sorted(trained, key=lambda r: -r["mean_acc"]) if sort else trained:  # all: a leaderboard
+    for r in sorted(trained, key=lambda r: (order[r["cache_path"]], -r["mean_acc"])) if sort else trained:
         glob = "n/a" if r["global_mean_acc"] is None else f"{r['global_mean_acc']:.2f}({r['global_std_acc']:.2f})"
         table.add_row(
+            *where(r),
             r["algo"],
             f"{r['mean_acc']:.2f}({r['std_acc']:.2f})",
             f"{r['best_round_mean_acc']:.2f}({r['best_round_std_acc']:.2f})",
@@ -124,7 +142,7 @@ def _table(results: list[dict], cache: Path, sort: bool) -> Table:
         )
     for r in results:
         if "failed" in r:  # last, with its line (the warning said it when it happened)
-            table.add_row(r["algo"], "failed", *[""] * 5)
+            table.add_row(*where(r), r["algo"], "failed", *[""] * 5)
     return table
 
 

@@ -155,30 +155,51 @@ def resolve_runs(
     return [RunSpec.resolve(name, rounds, seeds, sets[name], backbones) for name in names]
 
 
-def check_runs(specs: list[RunSpec], cache: str | Path, every: bool = False) -> list[RunSpec]:
-    """Several algorithms' participation against the cache's clients (read from its metadata), before the first
-    trains: a half set of results is no comparison. Returns the specs to train: with `every` (`--algo all`), an
-    algorithm that needs augmented views (`uses_views`) is left out, with a note, where the cache holds none."""
-    if len(specs) <= 1:
-        return specs
-    meta = C.info(as_path(cache, "cache"))
-    left = [] if meta["views"] or not every else [s.name for s in specs if getattr(s.algo, "uses_views", False)]
-    if left:
-        warnings.warn(
-            f"--algo {ALL} leaves out {', '.join(left)}: they train on augmented views and this cache holds none "
-            "(extract --views N makes them)",
-            UserWarning,
-            stacklevel=3,
-        )
-    specs = [s for s in specs if s.name not in left]
-    for spec in specs:
-        check_clients(spec.config, len(meta["counts"]["clients"]))
-    return specs
+def as_caches(cache) -> list[Path]:
+    """`cache` as a list of paths: one path, or a list of them (a sweep trained in one call)."""
+    if not isinstance(cache, (list, tuple)):
+        return [as_path(cache, "cache")]  # a path, or one line naming what it is instead
+    caches = [as_path(c, "cache") for c in cache]
+    if not caches:
+        raise UserError("cache lists no cache: give at least one cache file from `featcache extract`")
+    return caches
+
+
+def check_runs(specs: list[RunSpec], caches: list[Path], every: bool = False) -> list[tuple[Path, RunSpec]]:
+    """Every algorithm on every cache, checked against each cache's metadata before the first trains (a half set of
+    results is no comparison): no cache twice (by content), participation against its clients, the backbones and
+    views it must hold. Returns the (cache, spec) runs in order, cache by cache; with `every` (`--algo all`), an
+    algorithm that needs augmented views (`uses_views`) is left out, with a note, where a cache holds none."""
+    if len(specs) * len(caches) <= 1:
+        return [(caches[0], s) for s in specs]
+    runs: list[tuple[Path, RunSpec]] = []
+    seen: dict[str, Path] = {}
+    for cache in caches:
+        meta = C.info(cache)
+        if meta["key"] in seen:
+            raise UserError(
+                f"--cache {cache} holds what --cache {seen[meta['key']]} holds (the same content key): give one"
+            )
+        seen[meta["key"]] = cache
+        left = [] if meta["views"] or not every else [s.name for s in specs if getattr(s.algo, "uses_views", False)]
+        if left:
+            on = f" on {cache}" if len(caches) > 1 else ""
+            warnings.warn(
+                f"--algo {ALL} leaves out {', '.join(left)}{on}: they train on augmented views and this cache holds "
+                "none (extract --views N makes them)",
+                UserWarning,
+                stacklevel=3,
+            )
+        for spec in (s for s in specs if s.name not in left):
+            check_clients(spec.config, len(meta["counts"]["clients"]))
+            C.columns(meta, cache, spec.backbones, getattr(spec.algo, "uses_views", False))
+            runs.append((cache, spec))
+    return runs
 
 
 @threaded
 def train(
-    cache: str | Path,
+    cache: str | Path | Sequence[str | Path],
     algo: str | list[str],
     rounds: int | None = None,
     seeds: Sequence[int] = (0, 1, 2),
@@ -208,29 +229,36 @@ def train(
     training again (featcache.runs.checkpoint). `threads` runs it on that many CPU threads (default: torch's;
     featcache/threads.py).
 
-    A list of algorithms trains each in turn, as repeated `--algo`s do, every one checked first (`resolve_runs`,
-    `check_runs`), and returns `{"runs": [each one's result]}`; a result's numbers and name are those of its
-    algorithm's own call."""
+    A list of algorithms, a list of caches (a sweep: the same data extracted with several backbones, partitions or
+    α), or both train every algorithm on every cache in turn, cache by cache, as repeated `--algo`s and `--cache`s
+    do, every run checked first (`plan_runs`); each cache is read once for its algorithms. They return
+    `{"runs": [each one's result]}`, a result's numbers, name and files those of its own call's."""
     dev = resolve_device(device)
-    specs = plan_runs(cache, algo, rounds, seeds, set, backbones, out, tensorboard, checkpoint_every)
+    runs = plan_runs(cache, algo, rounds, seeds, set, backbones, out, tensorboard, checkpoint_every)
+    caches = [str(c) for c in as_caches(cache)]
+    spec = runs[0][1]
     call = library_call(
         "featcache.train",
-        cache=str(as_path(cache, "cache")),
+        cache=caches[0] if isinstance(cache, (str, os.PathLike)) else caches,
         algo=algo,
         rounds=rounds,
-        seeds=list(specs[0].seeds),
+        seeds=list(spec.seeds),
         set=set,
         device=str(device),
-        **({"backbones": list(specs[0].backbones)} if specs[0].backbones else {}),
+        **({"backbones": list(spec.backbones)} if spec.backbones else {}),
     )
     options = dict(call=call, keep_state=keep_state, tensorboard=tensorboard, save_state=save_state)
-    runs = list(each_run(specs, cache, out, dev, algo, lambda spec: progress, checkpoint_every, **options))
-    return runs[0] if isinstance(algo, str) and algo != ALL else {"runs": runs}
+    results = list(each_run(runs, out, dev, algo, lambda cache, spec: progress, checkpoint_every, **options))
+    one = isinstance(cache, (str, os.PathLike)) and isinstance(algo, str) and algo != ALL
+    return results[0] if one else {"runs": results}
 
 
-def plan_runs(cache, algo, rounds, seeds, set, backbones, out, tensorboard, checkpoint_every) -> list[RunSpec]:
-    """The runs `train` makes, every algorithm's settings, the output folders and the cache's clients checked
-    before the first trains (`resolve_runs`, `check_runs`)."""
+def plan_runs(
+    cache, algo, rounds, seeds, set, backbones, out, tensorboard, checkpoint_every
+) -> list[tuple[Path, RunSpec]]:
+    """The (cache, spec) runs `train` makes, every algorithm's settings, the output folders and each cache's
+    clients checked before the first trains (`resolve_runs`, `check_runs`)."""
+    caches = as_caches(cache)
     specs = (
         [RunSpec.resolve(algo, rounds, seeds, set, backbones)]
         if isinstance(algo, str) and algo != ALL
@@ -238,31 +266,51 @@ def plan_runs(cache, algo, rounds, seeds, set, backbones, out, tensorboard, chec
     )
     check_outputs(out, tensorboard)
     check_every(checkpoint_every)
-    return check_runs(specs, cache, as_list(algo, "algo") == [ALL])
+    return check_runs(specs, caches, as_list(algo, "algo") == [ALL])
 
 
-def each_run(specs, cache, out, device, algo, progress_of, checkpoint_every=None, **options) -> Iterator[dict]:
-    """Each spec's `run` in turn, its result yielded as soon as it is written; `progress_of(spec)` is its progress
-    callback. Under `--algo all` an algorithm that diverges fails alone (`run_or_fail`)."""
+def each_run(runs, out, device, algo, progress_of, checkpoint_every=None, **options) -> Iterator[dict]:
+    """Each (cache, spec) run in turn, its result yielded as soon as it is written; `progress_of(cache, spec)` is
+    its progress callback. A cache is read once for the runs on it (`loaded`). Under `--algo all` an algorithm that
+    diverges fails alone (`run_or_fail`)."""
     every = as_list(algo, "algo") == [ALL]
-    for s in specs:
-        progress = progress_of(s)
-        train_one = lambda s=s, progress=progress: run(
-            s, cache, out, device, progress=progress, checkpoint_every=checkpoint_every, **options
+    several = len({cache for cache, _ in runs}) > 1
+    held: dict = {}
+    for cache, s in runs:
+        progress = progress_of(cache, s)
+        data = loaded(cache, s, held)
+        train_one = lambda: run(
+            s, cache, out, device, progress=progress, checkpoint_every=checkpoint_every, data=data, **options
         )
-        yield run_or_fail(train_one, s, every)
+        yield run_or_fail(train_one, s, every, cache if several else None)
 
 
-def run_or_fail(train_one, spec: RunSpec, every: bool) -> dict:
+def loaded(cache: Path, spec: RunSpec, held: dict) -> tuple[C.ClientData, C.ClientData]:
+    """(train, test) of `spec` on `cache`, read once for the runs of one cache: `held` keeps what was read last,
+    the train split with views for an algorithm that trains on them, without for the others (one at a time)."""
+    views = bool(getattr(spec.algo, "uses_views", False))
+    if held.get("cache") != cache:
+        held.clear()  # the last cache's tensors go before the next one's are read
+    if held.get("views") != views:
+        held.pop("train", None)
+        held |= {"cache": cache, "views": views, "train": load_split(cache, spec.algo, backbones=spec.backbones)}
+    if "test" not in held:
+        held["test"] = C.load_clients(cache, "test", backbones=spec.backbones)
+    return held["train"], held["test"]
+
+
+def run_or_fail(train_one, spec: RunSpec, every: bool, cache: Path | None = None) -> dict:
     """`train_one()`'s result; with `every` (`--algo all`) an algorithm that diverges at its defaults fails alone:
-    its line as a warning and `{"algo": name, "failed": line}` in its place, and the others go on."""
+    its line as a warning and `{"algo": name, "failed": line}` in its place, and the others go on. `cache`: the
+    cache it trained on, named where a call trains on several."""
     try:
         return train_one()
     except Diverged as e:
         if not every:
             raise
-        warnings.warn(f"--algo {ALL} leaves out {spec.name}, which failed: {e}", UserWarning, stacklevel=2)
-        return {"algo": spec.name, "failed": str(e)}
+        on = f" on {cache}" if cache else ""
+        warnings.warn(f"--algo {ALL} leaves out {spec.name}{on}, which failed: {e}", UserWarning, stacklevel=2)
+        return {"algo": spec.name, "failed": str(e)} | ({"cache_path": str(cache)} if cache else {})
 
 
 def run(
