@@ -26,8 +26,11 @@ demo: install
 	$(BIN)/featcache info $(DEMO_CACHE)
 	$(BIN)/featcache train --cache $(DEMO_CACHE) $(DEMO_TRAIN) --out $(RUNS)
 
+# Tests run in one worker per core (pytest-xdist); a module's tests stay in one worker, which holds its fixtures.
+PARALLEL = -n auto --dist loadfile
+
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PARALLEL)
 
 # The code's own checks: the floors (import-linter contracts in pyproject.toml), ruff's lint and format, mypy on the
 # engine kit, the algorithms, the runs, the Flower apps and featcache.testing
@@ -46,7 +49,7 @@ OLDEST_TESTS := tests/test_engine.py tests/test_capture.py tests/test_footprint.
 	tests/test_optim.py tests/test_hook_order.py tests/test_backbones.py tests/test_extract.py \
 	tests/test_embedding_identity.py tests/test_checkpoint.py
 test-oldest: install
-	$(BIN)/python -m pytest -q -m 'not slow' $(OLDEST_TESTS)
+	$(BIN)/python -m pytest -q $(PARALLEL) -m 'not slow' $(OLDEST_TESTS)
 
 # Reproduction of the seed papers' tables and figures: one target per pipelines/NAME.toml, writing
 # $(RESULTS)/NAME.md (ours beside the paper's numbers) and NAME.png for figures. Single targets use the papers'
