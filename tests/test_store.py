@@ -669,3 +669,25 @@ def test_gathers_through_any_sequence_of_fills_return_each_rows_own_bytes(tmp_pa
     assert np.array_equal(Store(path, None).gather(need, others), rows[others])
     with pytest.raises(DamagedStore, match="does not match its crc32"):
         Store(path, None).gather(need, np.array([victim]))
+
+
+def test_a_gather_fills_its_rows_in_place_through_short_reads_and_the_buffer_limit(tmp_path, monkeypatch):
+    """A gather reads each run of consecutive rows once, straight into the rows' places: through reads the kernel
+    cuts short (13 bytes at most) and runs of more buffers than one read takes, in any order, repeats included, its
+    rows are each row's own bytes; rows past the file's end raise the bytes short."""
+    from featcache.extraction import store as S
+
+    rows = np.random.default_rng(0).standard_normal((300, 5)).astype(np.float32)  # [source index, D]
+    need, path = ("d", "train", 0), tmp_path / "made.bb.0123456789abcdef.h5"
+    _fill(S.Store(path, None), need, np.arange(0, 300, 2), rows, 40)  # two segments that interleave
+    _fill(S.Store(path, None), need, np.arange(1, 300, 2), rows, 40)
+    real = os.preadv
+    monkeypatch.setattr(S, "IOV_MAX", 3)
+    monkeypatch.setattr(S.os, "preadv", lambda fd, bufs, at: real(fd, [bufs[0][:13]], at))
+    wanted = np.random.default_rng(1).permutation(np.r_[np.arange(300), [7, 7, 0, 299]])
+    for order in (wanted, np.sort(wanted), np.arange(40, 140)):
+        assert np.array_equal(S.Store(path, None).gather(need, order), rows[order])
+    part = S.Store(path, None).parts(need)[0]
+    part.shape = (part.shape[0] + 10**6, *part.shape[1:])  # rows past the file's end
+    with pytest.raises(OSError, match="bytes short"):
+        part.read(part.shape[0] - 2, part.shape[0])

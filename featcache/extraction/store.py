@@ -59,6 +59,7 @@ MARKER = "featcache_store"  # the root attribute that marks a file as featcache'
 Need = tuple[str, str, int]  # (domain, split, views): 0 for plain features, V for V augmented views per image
 ALIGN = 4096  # a segment's rows start at a page: read in place, aligned for numpy (an unaligned map is copied whole)
 SLICE_BYTES = 64 << 20  # rows copied per slice while a segment is written or checked: memory bounded by this
+IOV_MAX = 1024  # buffers one preadv fills (Linux's limit)
 
 
 def kind(views: int) -> str:
@@ -86,10 +87,21 @@ def rows_folder(path: Path) -> Path:
 
 def isin_sorted(values: np.ndarray, held: np.ndarray) -> np.ndarray:
     """[n] bool: which of `values` the increasing array `held` holds (a search, no sort of `held`)."""
-    values = np.asarray(values, np.int64)
+    return find_sorted(held, np.asarray(values, np.int64))[0]
+
+
+def find_sorted(held: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where `held` (increasing, no repeats) holds `values` [n]: ([n] bool which it holds, [m] their positions in it);
+    consecutive indices (a whole data set's) by a subtraction, others by a search."""
     if not len(held):
-        return np.zeros(len(values), bool)
-    return held[np.minimum(np.searchsorted(held, values), len(held) - 1)] == values
+        return np.zeros(len(values), bool), np.zeros(0, np.int64)
+    if held[-1] - held[0] == len(held) - 1:  # increasing without repeats: consecutive
+        at = values - held[0]
+        hit = (at >= 0) & (at < len(held))
+    else:
+        at = np.minimum(np.searchsorted(held, values), len(held) - 1)
+        hit = held[at] == values
+    return hit, at[hit]
 
 
 def crc32_rows(rows: np.ndarray) -> np.ndarray:
@@ -111,34 +123,56 @@ class Part:
     offset: int = 0
     rows: np.ndarray | None = None
 
-    def take(self, at: np.ndarray) -> np.ndarray:
-        """The rows at positions `at` (increasing), one read per run of consecutive rows into the returned array (no
-        memory map: the kernel maps large page-cache folios whole, and a process's memory would count them)."""
+    def read_into(self, out: np.ndarray, at: np.ndarray, dest: np.ndarray) -> None:
+        """The rows at positions `at` (in order, repeats allowed) into out[dest] (`out` [n, (V,) D] float32,
+        C-contiguous): one read per run of consecutive rows, each row landing in its place (a scatter read: no buffer
+        between the file and `out`). No memory map: the kernel maps large page-cache folios whole, and a process's
+        memory would count them."""
         if self.rows is not None:
-            return self.rows[at]
-        out = np.empty((len(at), *self.shape[1:]), np.float32)  # [m, (V,) D]
+            out[dest] = self.rows[at]
+            return
         if not len(at):
-            return out
+            return
         size, buf = out[0].nbytes, memoryview(out).cast("B")
-        cuts = [0, *(np.flatnonzero(np.diff(at) != 1) + 1).tolist(), len(at)]
-        starts = (self.offset + at[cuts[:-1]] * size).tolist()
+        reads = np.concatenate([[0], np.flatnonzero(np.diff(at) != 1) + 1])  # a new read where the file's rows jump
+        starts = np.union1d(reads, np.flatnonzero(np.diff(dest) != 1) + 1)  # a new buffer also where `out`'s rows do
+        pieces = zip(  # and a last piece, empty, that reads what the others left
+            [*(dest[starts] * size).tolist(), 0],  # where each piece lands in `out`, in bytes
+            [*(np.diff(starts, append=len(at)) * size).tolist(), 0],
+            [*(self.offset + at[starts] * size).tolist(), 0],  # where it lies in the file
+            [*isin_sorted(starts, reads).tolist(), True],
+        )
         with open(self.file, "rb", buffering=0) as fh:  # type: ignore[arg-type]
-            for a, b, start in zip(cuts, cuts[1:], starts):
-                _read_into(fh.fileno(), buf[a * size : b * size], start)
-        return out
+            fd, bufs, offset, want = fh.fileno(), [], 0, 0
+            for to, n, start, new in pieces:  # a scattered row costs a slice and a read, no copy
+                if new or len(bufs) == IOV_MAX:
+                    if want and (got := os.preadv(fd, bufs, offset)) != want:
+                        _read_rest(fd, bufs, offset, got)
+                    bufs, offset, want = [], start, 0
+                bufs.append(buf[to : to + n])
+                want += n
 
     def read(self, a: int, b: int) -> np.ndarray:
         """Rows a..b."""
-        return self.take(np.arange(a, min(b, self.shape[0])))
+        at = np.arange(a, min(b, self.shape[0]))
+        out = np.empty((len(at), *self.shape[1:]), np.float32)  # [b - a, (V,) D]
+        self.read_into(out, at, np.arange(len(at)))
+        return out
 
 
-def _read_into(fd: int, buf: memoryview, offset: int) -> None:
-    """Fill `buf` from `fd` at `offset` (a read returns at most about 2 GB: read again until full)."""
-    while len(buf):
-        n = os.preadv(fd, [buf], offset)
-        if n <= 0:
-            raise OSError(f"the file ends {len(buf)} bytes short")
-        buf, offset = buf[n:], offset + n
+def _read_rest(fd: int, bufs: list[memoryview], offset: int, got: int) -> None:
+    """Fill what a read of `bufs` from `fd` at `offset` left after its first `got` bytes (a read returns at most about
+    2 GB)."""
+    i = 0  # the first buffer not full
+    while got > 0:
+        offset += got
+        while i < len(bufs) and got >= len(bufs[i]):
+            got, i = got - len(bufs[i]), i + 1
+        if i == len(bufs):
+            return
+        bufs[i] = bufs[i][got:]
+        got = os.preadv(fd, bufs[i:], offset)
+    raise OSError(f"the file ends {sum(map(len, bufs[i:]))} bytes short")
 
 
 @dataclass(eq=False)
@@ -192,8 +226,11 @@ class Store:
 
     def _sorted(self, need: Need) -> np.ndarray:
         if need not in self._held:
-            index = [p.index for p in self.parts(need)]
-            self._held[need] = index[0] if len(index) == 1 else np.sort(np.concatenate(index), kind="stable")
+            index = [p.index for p in self.parts(need) if len(p.index)] or [np.zeros(0, np.int64)]
+            held = np.concatenate(index) if len(index) > 1 else index[0]
+            if any(a[-1] > b[0] for a, b in zip(index, index[1:])):  # segments that interleave (a fresh array)
+                held.sort(kind="stable")
+            self._held[need] = held
         return self._held[need]
 
     def backbone(self) -> dict | None:
@@ -218,25 +255,29 @@ class Store:
 
     def gather(self, need: Need, wanted: np.ndarray) -> np.ndarray:
         """The rows of the source indices `wanted` ([n, D] or [n, V, D] float32), each checked against its crc."""
+        wanted = np.asarray(wanted, np.int64)
         order = np.argsort(wanted, kind="stable")  # read in the store's order: searches and pages go forward
-        wanted = np.asarray(wanted, np.int64)[order]
+        ranked = wanted[order]
         dim = int(self.backbone()["dim"]) if self.backbone() else 0
-        got = np.empty((len(wanted), *((need[2],) if need[2] else ()), dim), np.float32)  # [n, (V,) D]
-        found = np.zeros(len(wanted), bool)
+        out = np.empty((len(wanted), *((need[2],) if need[2] else ()), dim), np.float32)  # [n, (V,) D]
+        crc = np.zeros(len(wanted), np.uint32)  # [n] each row's crc32 as its part records it
+        found, plain = np.zeros(len(wanted), bool), np.zeros(len(wanted), bool)  # [n], [n]: format 1's rows
         for part in self.parts(need):
-            at = np.minimum(np.searchsorted(part.index, wanted), max(len(part.index) - 1, 0))
-            hit = part.index[at] == wanted if len(part.index) else np.zeros(len(wanted), bool)
-            rows = part.take(at[hit])
-            if part.crc is not None and not np.array_equal(crc32_rows(rows), part.crc[at[hit]]):
-                raise _damaged(self.path, f"{need_name(need)}: a row does not match its crc32")
-            got[hit], found = rows, found | hit
+            hit, at = find_sorted(part.index, ranked)
+            part.read_into(out, at, order[hit])
+            found[order[hit]] = True
+            if part.crc is None:
+                plain[order[hit]] = True
+            else:
+                crc[order[hit]] = part.crc[at]
         if not found.all():
             raise UserError(
                 f"store {self.path} lacks images of {need[0]}/{need[1]} it was filled with: delete it "
                 "and run the same command again"
             )
-        out = np.empty_like(got)
-        out[order] = got
+        rows = out[~plain] if plain.any() else out  # [m, (V,) D]
+        if not np.array_equal(crc32_rows(rows), crc[~plain]):
+            raise _damaged(self.path, f"{need_name(need)}: a row does not match its crc32")
         return out
 
     def check(self) -> list[str]:
