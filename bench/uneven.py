@@ -61,7 +61,7 @@ def dirichlet_clients(C: int, rows: int, D: int, K: int, alpha: float, seed: int
 
 def batch_share(eng: Engine) -> float:
     """The share of the client-steps one round of `eng` computes that carry a batch (after a round has run)."""
-    computed = sum(len(host[0]) for host in eng.runner.host) * eng.H
+    computed = sum(len(host[0]) for host in eng.clients.runner.host) * eng.H
     carried = int(eng.plan.client_steps.sum()) * eng.H
     return carried / computed
 

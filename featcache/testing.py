@@ -1,13 +1,13 @@
 """Check an algorithm, built-in or your own, against a plain per-client training loop.
 
-The vectorized engine trains every client of every configuration in one vmapped step; `plain_loop` trains each
-client alone, one Python iteration per client and minibatch (`featcache.training.plain.local_epochs`: torch.optim
-on ordinary leaf tensors and autograd, no vmap, no stacking, no masks beyond the real batch rows; one optimizer per
-client for the whole run where the algorithm keeps optimizer state). It borrows only the algorithm's
-per-client local loss, the engine's first state, its hooks' order (the engine's own `client_side` and `server_side`)
-and its batch order (a pure function of seed, round, epoch, client). An algorithm whose hooks treat each client as
-its own model gets the same accuracies and parameters from both; `assert_matches_plain_loop` says so, or names the
-first parameter that differs:
+The vectorized engine trains every client of every configuration in one vmapped step; `plain_loop` runs the same
+round loop over the plain client backend (`featcache.training.plain.Plain`), which trains and scores each client
+alone, one Python iteration per client and minibatch (torch.optim on ordinary leaf tensors and autograd, no vmap, no
+stacking, no masks beyond the real batch rows; one optimizer per client for the whole run where the algorithm keeps
+optimizer state). The two share the loop (first state, participation, the hooks' order, the server side) and the
+batch order (a pure function of seed, round, epoch, client), not the arithmetic of local training and scoring. An
+algorithm whose hooks treat each client as its own model gets the same accuracies and parameters from both;
+`assert_matches_plain_loop` says so, or names the first parameter that differs:
 
     from featcache.testing import assert_matches_plain_loop
     assert_matches_plain_loop("path/to/my_algo.py:MyAlgo")     # or a registered name, a class, an instance
@@ -34,9 +34,8 @@ clients of any layout with a group per client: the tests and bench/ share them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
 from contextlib import contextmanager
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -47,9 +46,8 @@ from .algorithms.base import remember_global, weighted_mean
 from .cache import ClientData, h5
 from .training import optim
 from .training.config import resolve
-from .training.engine import Engine, client_side, server_side
-from .training.plain import client_optimizer, local_epochs
-from .training.schedule import batch_order, participation
+from .training.engine import Engine
+from .training.plain import Plain
 
 
 def synthetic_clients(
@@ -81,8 +79,9 @@ def synthetic_clients(
 def plain_loop(
     algo, cfg: dict, train, test, device="cpu", server=None, loss=None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One configuration trained client by client: per-round test accuracy [R, C] and the trained parameters
-    name -> [C, ...] (after the last round's download).
+    """One configuration trained client by client: the engine's round loop over the plain client backend
+    (`featcache.training.plain.Plain`). Returns the test accuracy of every evaluation round [R_eval, C] (every round
+    at eval_every=1) and the trained parameters name -> [C, ...] (after the last round's download).
 
     `server` replaces the algorithm's server side (after_local, upload, aggregate, download) with the user's
     equations: server(x, clients, n, memory, cfg) -> the next global model, from x (name -> tensor, the model the
@@ -90,74 +89,32 @@ def plain_loop(
     (a dict the loop keeps from round to round, empty at first) and cfg (the configuration's settings); every client
     then holds it (buffers: the n-weighted mean). `loss` replaces the local loss: loss(params, x, y, start) -> a
     scalar, from the client's parameters, a minibatch and the model it started the round from."""
-    eng = Engine(algo, [cfg], train, test, device)
-    algo, train, test = eng.algo, eng.train, eng.test  # bound to the run's shared settings; data on the device
-    seeds = eng.seeds.to(eng.device)
-    state = eng.state  # round 1's (the engine's `initial_state`)
-    C = eng.C
-    accs: list = []
-    kept: dict = {}  # client -> (leaves, optimizer) when the algorithm keeps optimizer state
-    memory: dict = {}  # the user's server state (`server`)
-    for rnd in range(cfg["rounds"]):
-        part = participation(eng.seeds, rnd, C, cfg["participation"])  # [1, C]
-        now = eng.round_context(rnd, part)
-        ctxs = [algo.context(state, replace(now, epoch=e)) for e in range(algo.local_epochs())]  # before training
-        start = {c: {k: v[0, c].clone() for k, v in state.params.items()} for c in range(C)}  # w^t of each client
-        for c in range(C):
-            if not part[0, c]:
-                continue
-            buffers = {k: v[0, c].clone() for k, v in state.buffers.items()}
-            if c in kept:  # the client's optimizer of the last round, kept alive: its leaves take the new start
-                params, opt = kept[c]
-                with torch.no_grad():
-                    for k, p in params.items():
-                        p.copy_(state.params[k][0, c])
-            else:
-                params = {k: v[0, c].clone().requires_grad_(True) for k, v in state.params.items()}
-                opt = client_optimizer(algo, cfg, params)
-                if algo.keeps_optimizer_state:
-                    kept[c] = params, opt
-            order = lambda epoch: batch_order(seeds, rnd, epoch, train.counts, train.features.shape[1])[0, c]  # [N]
-            own: Callable | None = None if loss is None else lambda p, b, x, y, mask, ctx: (loss(p, x, y, start[c]), {})
-            local_epochs(algo, cfg, now, params, buffers, opt, train, c, order, ctxs, own)
-            for tree, new in ((state.params, params), (state.buffers, buffers)):
-                for k, v in new.items():
-                    tree[k] = tree[k].contiguous()  # a model the server broadcast is a view: give it its own memory
-                    tree[k][0, c] = v.detach()
-        if server is None:
-            server_side(algo, state, now, client_side(algo, state, now), train.counts[None].float() * now.part)
-        else:
-            _user_server(algo, server, state, now, train.counts, start[0], memory, cfg)
-        ctx = algo.context(state, now)
-        accs.append(torch.stack([_client_accuracy(algo, state, ctx, test, c) for c in range(C)]))
-    return torch.stack(accs), {k: v[0].clone() for k, v in state.params.items()}
+    return _trained(algo, cfg, train, test, device, Plain(loss), server)[1:]
 
 
-def _user_server(algo, server, state, now, counts, x, memory: dict, cfg: dict) -> None:
-    """The user's server step (`plain_loop`'s `server`) on configuration 0's participants; every client takes the
-    model it returns."""
-    ids = [c for c in range(now.C) if bool(now.part[0, c])]
-    clients = [{k: v[0, c].clone() for k, v in state.params.items()} for c in ids]
-    n = [int(counts[c]) for c in ids]
-    new = server({k: v.clone() for k, v in x.items()}, clients, n, memory, dict(cfg))
-    weights = counts[None].float() * now.part  # [1, C]
-    stats = {k: weighted_mean(v, weights) for k, v in state.buffers.items()}  # [1, ...]
-    state.params.update({k: now.expand(v.detach()[None].to(state.params[k].dtype)) for k, v in new.items()})
-    state.buffers.update({k: now.expand(v) for k, v in stats.items()})
-    if algo.uses_global:
-        remember_global(state, buffers=True)
+def _user_server(algo, server, state, counts, cfg: dict):
+    """`algo` with its server side the user's `server` (`plain_loop`) on configuration 0's participants: every
+    client takes the model it returns."""
+    proxy, memory = copy.copy(algo), dict[str, object]()
+    x = {k: v[0, 0].clone() for k, v in state.params.items()}  # the model every client starts the round from
 
+    def aggregate(uploads, weights, state, now):
+        ids = [c for c in range(now.C) if bool(now.part[0, c])]
+        clients = [{k: v[0, c].clone() for k, v in state.params.items()} for c in ids]
+        new = server({k: v.clone() for k, v in x.items()}, clients, [int(counts[c]) for c in ids], memory, dict(cfg))
+        return new, {k: weighted_mean(v, weights) for k, v in state.buffers.items()}  # [1, ...]
 
-def _client_accuracy(algo, state, ctx, test, c: int) -> torch.Tensor:
-    """One client's test accuracy with its own model, computed alone."""
-    n = int(test.counts[c])
-    params = {k: v[0, c] for k, v in state.params.items()}
-    buffers = {k: v[0, c] for k, v in state.buffers.items()}
-    ctx_c = torch.utils._pytree.tree_map(lambda t: t[0, c], ctx)
-    with torch.no_grad():
-        rows = torch.ones(n, dtype=torch.bool, device=test.features.device)
-        scores = algo.predict(params, buffers, test.features[c, :n], ctx_c | {"rows": rows})  # [n, K]
-    return (scores.argmax(-1) == test.labels[c, :n]).float().mean()
+    def download(state, models, now):
+        new, stats = models
+        state.params.update({k: now.expand(v.detach()[None].to(state.params[k].dtype)) for k, v in new.items()})
+        state.buffers.update({k: now.expand(v) for k, v in stats.items()})
+        if algo.uses_global:
+            remember_global(state, buffers=True)
+        x.update({k: v[0, 0].clone() for k, v in state.params.items()})
+
+    proxy.after_local, proxy.upload = lambda state, now: None, lambda state, now: {}
+    proxy.aggregate, proxy.download = aggregate, download
+    return proxy
 
 
 def _setup(algo, rounds: int, train, test, settings: dict):
@@ -190,11 +147,16 @@ def assert_matches_plain_loop(
     return _assert_same(name, "the plain loop", acc, params, ref_acc, ref_params, False)
 
 
-def _trained(algo, cfg: dict, train, test) -> tuple[str, torch.Tensor, dict[str, torch.Tensor]]:
-    """(name, per-round test accuracy [R, C], parameters name -> [C, ...]) of one engine run."""
-    engine = Engine(algo, [cfg], train, test)
-    acc = engine.run()["acc"][:, 0]  # [R, C]
-    return algo.name, acc, {k: v[0] for k, v in engine.state.params.items()}
+def _trained(
+    algo, cfg: dict, train, test, device="cpu", clients=None, server=None
+) -> tuple[str, torch.Tensor, dict[str, torch.Tensor]]:
+    """(name, test accuracy [R_eval, C], parameters name -> [C, ...]) of one engine run over `clients` (default:
+    vectorized), its server side `server`'s where given (`plain_loop`)."""
+    eng = Engine(algo, [cfg], train, test, device, clients=clients)
+    if server is not None:
+        eng.algo = _user_server(eng.algo, server, eng.state, eng.train.counts, cfg)
+    acc = eng.run(logs=False)["acc"][:, 0]  # [R_eval, C]
+    return eng.algo.name, acc, {k: v[0].clone() for k, v in eng.state.params.items()}
 
 
 def _assert_same(name: str, ref: str, acc, params, ref_acc, ref_params, exact: bool) -> dict[str, float]:

@@ -62,7 +62,7 @@ def test_uses_global_hands_w_t_over_in_the_context():
     for run in (False, True):
         if run:
             eng.run()
-            assert eng.aside
+            assert eng.clients.aside
         ctx = eng.algo.context(eng.state, rnd)
         assert ctx["global_buffers"] == {} and set(ctx["global"]) == set(eng.state.params)
         for k, v in eng.state.params.items():  # every client holds w^t (the initial model, then the download)

@@ -61,8 +61,8 @@ def test_two_epochs_and_phases_each_get_their_graph(data):
     with masked_optimizers():
         engine = Engine(create("fedpft-con"), configs("fedpft-con"), *data, capture="replay")
         engine.run()
-    graphs = engine.runner.graphs
-    assert type(engine.runner.opt).__name__.startswith("Masked") and not graphs.failures
+    graphs = engine.clients.runner.graphs
+    assert type(engine.clients.runner.opt).__name__.startswith("Masked") and not graphs.failures
     frozen_sets = {key[0] for key in graphs.steps}
     widths = {key[1] for key in graphs.steps}
     assert len(frozen_sets) == 2 and len(widths) == 2 and len(graphs.steps) == 4
@@ -128,8 +128,8 @@ def test_a_context_that_changes_every_round_stops_capturing(data, monkeypatch):
     with masked_optimizers():
         engine = Engine(Schedule(), configs("fedavg", rounds=4, drop_last=True), *data, capture="replay")
         engine.run()
-    graphs = engine.runner.graphs
-    assert len(graphs.steps) == 3 and len(engine.runner.contexts) == 3  # round 4's kind: no graph, no slot kept
+    graphs = engine.clients.runner.graphs
+    assert len(graphs.steps) == 3 and len(engine.clients.runner.contexts) == 3  # round 4's kind: no graph, no slot kept
     assert graphs.failures == {"more": "more than 3 kinds of step: the others run eagerly"}
     assert assert_capturable(Schedule(), rounds=4, train=data[0], test=data[1])
 
@@ -142,7 +142,8 @@ def test_local_train_called_again_for_the_same_round_reads_its_new_inputs(data):
         for mode in ("replay", "off"):
             engine = Engine(create("fedproto"), configs("fedproto"), *data, capture=mode)
             state = engine.init_state()
-            first, other = list(range(engine.P)), list(range(engine.C - engine.P, engine.C))  # P of C each
+            P = engine.clients.P
+            first, other = list(range(P)), list(range(engine.C - P, engine.C))  # P of C each
             engine.local_train(state, 0, [[c in first for c in range(engine.C)]] * 2)
             state.server["prototypes"] = state.server["prototypes"] + 1.0  # another context for the second call
             engine.local_train(state, 0, [[c in other for c in range(engine.C)]] * 2)
@@ -155,7 +156,7 @@ def test_an_algorithm_can_opt_out(data):
     algo = create("fedavg")
     algo.capturable = False
     engine = Engine(algo, configs("fedavg"), *data, capture="replay")
-    assert engine.runner.graphs is None
+    assert engine.clients.runner.graphs is None
 
 
 def test_static_slots_keep_broadcasts_compact():
@@ -190,7 +191,7 @@ def test_modes(monkeypatch):
 def test_cuda_graphs_equal_eager_on_the_gpu(name, data):
     engine, captured = trained(name, data, "cuda", device="cuda")
     _, eager = trained(name, data, "off", device="cuda")
-    assert not engine.runner.graphs.failures, engine.runner.graphs.failures
+    assert not engine.clients.runner.graphs.failures, engine.clients.runner.graphs.failures
     assert_close(captured, eager, name)
 
 

@@ -114,16 +114,16 @@ def test_a_round_trains_only_its_participants(data):
         train,
         test,
     )
-    assert eng.P == eng.C // 2
-    shapes = {tuple(v.shape[:2]) for v in (*eng.runner.opt.params.values(), *eng.runner.opt.m.values())}
-    assert shapes == {(2, eng.P)}
+    assert eng.clients.P == eng.C // 2
+    shapes = {tuple(v.shape[:2]) for v in (*eng.clients.runner.opt.params.values(), *eng.clients.runner.opt.m.values())}
+    assert shapes == {(2, eng.clients.P)}
     seen = []
-    original = eng.runner._step
-    eng.runner._step = lambda held, batch, *a: seen.append(batch.idx.shape[:2]) or original(held, batch, *a)
+    original = eng.clients.runner._step
+    eng.clients.runner._step = lambda held, batch, *a: seen.append(batch.idx.shape[:2]) or original(held, batch, *a)
     eng.run()
-    assert set(seen) == {(2, eng.P)}
+    assert set(seen) == {(2, eng.clients.P)}
     full = Engine(algo, [config(algo, rounds=2)], train, test)
-    assert full.P == full.C and full.runner.opt.params["cls0.weight"].shape[:2] == (1, full.C)
+    assert full.clients.P == full.C and full.clients.runner.opt.params["cls0.weight"].shape[:2] == (1, full.C)
 
 
 def test_a_fedavg_server_never_writes_the_shared_tensors_into_every_clients_state(data):
@@ -138,9 +138,9 @@ def test_a_fedavg_server_never_writes_the_shared_tensors_into_every_clients_stat
         eng = Engine(algo, [config(algo, rounds=2, participation=0.5)], train, test)
         eng.run()
         if personal is None:
-            assert eng.aside == ()
+            assert eng.clients.aside == ()
             continue
-        assert set(eng.aside) == set(eng.state.params) - personal
+        assert set(eng.clients.aside) == set(eng.state.params) - personal
         for k, v in eng.state.params.items():
             assert (v.stride(1) == 0) == (k not in personal), k  # broadcast: one model per configuration
 
@@ -157,7 +157,7 @@ def test_training_the_cohort_in_slices_gives_the_same_run(name, data):
             config(algo, rounds=2, batch_size=16, drop_last=False, participation=p, seed=1),
         ]
         whole, sliced = Engine(algo, cfgs, train, test), Engine(algo, cfgs, train, test, at_once=2)
-        assert sliced.at_once == (sliced.P if algo.keeps_optimizer_state else 2)
+        assert sliced.clients.at_once == (sliced.clients.P if algo.keeps_optimizer_state else 2)
         a, b = whole.run(), sliced.run()
         torch.testing.assert_close(b["acc"], a["acc"], rtol=0, atol=1e-6)
         torch.testing.assert_close(b["train_loss"], a["train_loss"], rtol=1e-6, atol=1e-6, equal_nan=True)

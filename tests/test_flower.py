@@ -21,7 +21,7 @@ from featcache.algorithms import create, list_algorithms
 from featcache.cache import verify
 from featcache.cache.split import client_of, node_rows, split
 from featcache.errors import UserError
-from featcache.flower.federation import ClientSide, loopback, run_server, server_from_hello
+from featcache.flower.federation import ClientSide, loopback, run_server
 from featcache.runs.spec import RunSpec
 
 SIX = ("fedavg", "fedprox", "scaffold", "fedproto", "fedpcl", "fedrep")
@@ -73,14 +73,8 @@ def split_run(cache, algo: str, settings: dict, out) -> dict:
     for c in range(4):
         _, train, test = node_rows(cache, c)
         clients.append(ClientSide(spec.algo, cfg, train, test, c))
-    meta = {}
-
-    def server_of(hello):
-        meta.update(hello[0]["meta"])
-        return server_from_hello(spec.algo, cfg)(hello)
-
-    raw = run_server(server_of, loopback(clients), ROUNDS, cfg["eval_every"])
-    return written(write_result(out, spec.algo, cfg, meta, raw, {}))
+    raw = run_server(spec.algo, cfg, loopback(clients))
+    return written(write_result(out, spec.algo, cfg, raw["meta"], raw, {}))
 
 
 @pytest.mark.parametrize("algo", SIX)

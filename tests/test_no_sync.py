@@ -29,7 +29,8 @@ def test_local_steps_never_read_the_device(name, optimizer, capture, data, host_
     state = eng.init_state()
     # host [H][C]: clients of different sizes (the masked paths); a cohort of P per configuration, or, where the
     # algorithm keeps optimizer state (P = C), a non-participant and a configuration where everyone steps
-    part = [[c != 1 for c in range(eng.C)], [True] * eng.C if eng.P == eng.C else [c != 0 for c in range(eng.C)]]
+    everyone = eng.clients.P == eng.C
+    part = [[c != 1 for c in range(eng.C)], [True] * eng.C if everyone else [c != 0 for c in range(eng.C)]]
     with host_reads() as reads:
         bad = eng.local_train(state, 0, part).bad
     assert reads == [], f"{name}: host reads {reads}"

@@ -234,7 +234,7 @@ def test_engine_on_masked_optimizers_equals_fused(algo, extra, monkeypatch):
         engine = Engine(impl, cfgs, train, test)
         out = engine.run()
         runs[kind] = (out["acc"], {k: v.clone() for k, v in engine.state.params.items()})
-        assert type(engine.runner.opt).__name__.startswith("Masked") == (kind == "masked")
+        assert type(engine.clients.runner.opt).__name__.startswith("Masked") == (kind == "masked")
     assert torch.allclose(runs["fused"][0], runs["masked"][0])
     # Adam divides by √v: a last-bit difference in a near-zero gradient's moments grows to ~2e-5 over two rounds,
     # while a wiring error (another configuration's rate, a model stepping out of turn) moves parameters by ~lr = 1e-2

@@ -45,8 +45,8 @@ def test_each_client_trains_as_alone_whatever_the_sizes(counts, batch, rate, lrs
     eng = Engine(create(name), cfgs, train, test, at_once=at_once)
     acc = eng.run(logs=False)["acc"]  # [R, H, C]
     steps = eng.plan.client_steps.tolist()
-    if rate == 1 and eng.at_once == eng.P:  # every client: each step trains exactly the clients with a batch
-        assert [len(h[0]) for h in eng.runner.host] == [sum(s > i for s in steps) for i in range(max(steps))]
+    if rate == 1 and eng.clients.at_once == eng.clients.P:  # every client: each step trains the clients with a batch
+        assert [len(h[0]) for h in eng.clients.runner.host] == [sum(s > i for s in steps) for i in range(max(steps))]
     for h, cfg in enumerate(cfgs):
         ref_acc, ref_params = plain_loop(create(name), cfg, train, test)
         torch.testing.assert_close(acc[:, h], ref_acc, rtol=0, atol=1e-6)

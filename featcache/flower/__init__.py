@@ -4,9 +4,9 @@ built from a registered algorithm (plug-ins included) and its resolved settings,
     from featcache.flower import server_app, client_app
     server, client = server_app("fedpcl", rounds=5), client_app("fedpcl", rounds=5, cache="cache/….h5")
 
-federation.py holds the split of a run into a server and its clients (torch only), apps.py the Flower apps,
-project.py the `flwr run` project `featcache flower new` writes, results.py their result files. Only this package
-imports flwr, and only when one of its apps is asked for.
+federation.py holds the split of a run into a server (the engine's round loop over messages) and its clients
+(torch only), apps.py the Flower apps, project.py the `flwr run` project `featcache flower new` writes, results.py
+their result files. Only this package imports flwr, and only when one of its apps is asked for.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """The Flower `ServerApp` and `ClientApp` of a featcache run (Flower's Message API; federation.py holds the logic).
 
-Every message is one tree of tensors and JSON values (`federation.pack`): its tensors as one `ArrayRecord`
-("arrays"), its skeleton in a `ConfigRecord` ("tree"). A client keeps its state in Flower's context state
-(`Context.state`, the same two records) between messages. What a run trains comes from the apps' arguments or,
-where an argument is None, from the run config (`[tool.flwr.app.config]` of a `flwr run` project): `algo`, `settings`
-(a JSON object of settings), `seed`, `rounds`, `out` (the folder for the result files; "" writes none), `timeout`
-(seconds one exchange's replies may take) and `clients` (the nodes the server waits for; 0: those connected). A
-node's data comes from its node config: `cache` (a cache or a per-client file of `featcache split`; else the run
-config's `cache`) and `client` (its index in a whole cache; in Flower's simulation `partition-id`).
+Every message is one tree of tensors and JSON values (`federation.pack`, the checkpoint's codec): the memory its
+tensors view as one `ArrayRecord` ("arrays"), its skeleton in a `ConfigRecord` ("tree"). A client keeps its state in
+Flower's context state (`Context.state`, the same two records) between messages. What a run trains comes from the
+apps' arguments or, where an argument is None, from the run config (`[tool.flwr.app.config]` of a `flwr run`
+project): `algo`, `settings` (a JSON object of settings), `seed`, `rounds`, `out` (the folder for the result files;
+"" writes none), `timeout` (seconds one exchange's replies may take) and `clients` (the nodes the server waits for;
+0: those connected). A node's data comes from its node config: `cache` (a cache or a per-client file of `featcache
+split`; else the run config's `cache`) and `client` (its index in a whole cache; in Flower's simulation
+`partition-id`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from flwr.serverapp import Grid, ServerApp
 from ..cache import split as cache_split
 from ..errors import UserError
 from ..runs.spec import RunSpec
-from .federation import KINDS, ClientSide, answer, pack, run_server, server_from_hello, unpack
+from .federation import KINDS, ClientSide, answer, pack, run_server, unpack
 
 DEFAULT_TIMEOUT = 600.0  # seconds a round's replies may take before the run stops with an error
 STATE = "featcache.state"
@@ -164,18 +165,12 @@ def server_app(algo=None, settings=None, seed=None, rounds=None, out=None, timeo
         clients = int(context.run_config.get("clients", 0))
         _wait_for_nodes(grid, clients, wait)
         send = GridSend(grid, wait)
-        meta: dict = {}
-
-        def server_of(hello):
-            meta.update(next(iter(hello.values()))["meta"])
-            return server_from_hello(impl, cfg)(hello)
-
-        raw = run_server(server_of, send, cfg["rounds"], cfg["eval_every"])
+        raw = run_server(impl, cfg, send)
         target = out if out is not None else context.run_config.get("out", "")
         if target:
             from .results import write_result
 
-            raw["result"] = write_result(target, impl, cfg, meta, raw, send.bytes)
+            raw["result"] = write_result(target, raw["algo"], cfg, raw["meta"], raw, send.bytes)
         if on_result:
             on_result(raw, send.bytes)
 

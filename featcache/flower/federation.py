@@ -1,37 +1,36 @@
 """One featcache run split into a server and its clients, each holding only its own part, torch only (the Flower
 apps in apps.py carry their messages).
 
-A client (`ClientSide`) holds one client's state, its models and per-client state as a federation of one
-([H, C] = [1, 1]) plus its copy of the server state, and trains with `featcache.training.plain.local_epochs`, the
-function `featcache.testing.plain_loop` trains each client of the engine's run with: the engine's first model, its
-batch order for that client (a pure function of seed, round, epoch and client id), its optimizer settings, the hooks
-in the engine's order (`client_side` after local training). The server (`ServerSide`) holds the state of all C
-clients as far as the server hooks read it: it runs `init_state`, `aggregate`, `download` and `global_model` on it,
-with the participants' uploads stacked [1, C, ...] and the engine's seeded participation. Each client runs
-`download` itself on what `aggregate` returned, so state that `download` derives from what a client trained
-(SCAFFOLD's control variates) is computed where that lives.
+The server is the engine's round loop (`Engine.run`) over the client backend `Transport`: the clients are reached
+through messages, and the engine's state on the server holds all C clients as far as the server hooks read it: it
+runs `init_state`, `aggregate`, `download` and `global_model` on it, with the participants' uploads stacked
+[1, C, ...] and the engine's seeded participation. A client (`ClientSide`) holds one client's state, its models and
+per-client state as a federation of one ([H, C] = [1, 1]) plus its copy of the server state, and trains with
+`featcache.training.plain.local_epochs`, as the plain client backend trains each client of the engine's run: the
+engine's first model, its batch order for that client, its optimizer settings, the hooks in the engine's order
+(`client_side` after local training). Each client runs `download` itself on what `aggregate` returned, so state that
+`download` derives from what a client trained (SCAFFOLD's control variates) is computed where that lives.
 
 Where `init_state` exchanges data (FedPCL's initial prototypes), the server's `after_local` and `upload` are the
-clients' own: the clients compute them on their rows and the server aggregates what they send.
+clients' own: the clients compute them on their rows and the server aggregates what they send. Messages are trees of
+tensors and JSON values in the checkpoint's codec (`runs.trees`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import time
 from dataclasses import replace
 
 import torch
 
 from ..cache import ClientData
 from ..errors import UserError
-from ..training.config import batched
-from ..training.engine import Frame, State, client_side, initial_state
+from ..runs import trees
+from ..training.engine import Clients, Engine, Local, Round, State, client_side, first_models, initial_state, setup
 from ..training.evaluate import accuracy_loss, hits, scores
-from ..training.hparams import HParams
-from ..training.plain import client_optimizer, local_epochs
-from ..training.schedule import batch_order, participation, plan_steps
+from ..training.plain import client_order, train_alone
+from ..training.schedule import evaluates
 
 GROUPS = ("params", "buffers", "client", "server")
 
@@ -60,60 +59,32 @@ def refuse(algo) -> None:
 
 
 def pack(tree) -> tuple[dict[str, torch.Tensor], str]:
-    """A nested dict of tensors (and JSON values) as (path -> tensor, its skeleton as JSON): paths join keys by '/'."""
-    arrays: dict[str, torch.Tensor] = {}
-
-    def walk(node, path):
-        if torch.is_tensor(node):
-            arrays[path] = node.detach().contiguous()
-            return {"@tensor": path}
-        if isinstance(node, dict):
-            bad = [k for k in node if not isinstance(k, str) or "/" in k]
-            if bad:
-                raise UserError(f"state key {bad[0]!r} cannot travel as a Flower record: keys must be '/'-free strings")
-            return {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return {"@items": [walk(v, f"{path}/{i}") for i, v in enumerate(node)], "@tuple": isinstance(node, tuple)}
-        return {"@value": node}
-
-    return arrays, json.dumps(walk(tree, ""))
+    """A tree of tensors and JSON values as (name -> 1-d tensor, the rest as JSON): the checkpoint's codec
+    (`runs.trees.pack`), so a tree arrives in the layouts it was sent in."""
+    try:
+        skeleton, spans, pads = trees.pack(tree)
+    except trees.Unsupported as e:
+        raise UserError(f"{e.name} (a {e.kind}) cannot travel as a Flower record: send tensors and numbers") from None
+    return spans, json.dumps({"skeleton": skeleton, "pads": pads})
 
 
-def unpack(arrays: dict[str, torch.Tensor], skeleton: str):
+def unpack(arrays: dict[str, torch.Tensor], text: str):
     """The tree `pack` took apart."""
-
-    def build(node):
-        if "@tensor" in node:
-            return arrays[node["@tensor"]]
-        if "@value" in node:
-            return node["@value"]
-        if "@items" in node:
-            items = [build(v) for v in node["@items"]]
-            return tuple(items) if node["@tuple"] else items
-        return {k: build(v) for k, v in node.items()}
-
-    return build(json.loads(skeleton))
+    got = json.loads(text)
+    return trees.unpack(got["skeleton"], arrays, got["pads"])
 
 
-def shared_setup(algo, cfg: dict, data: ClientData, device="cpu"):
-    """(bound algorithm, Frame) of one configuration `cfg` (seed included) on `data`, as the engine binds them."""
-    shared, floats = batched([cfg], algo)
-    bound = algo.bind(shared)
-    plan = plan_steps(data, cfg["batch_size"], cfg["drop_last"])
-    seeds = torch.tensor([cfg["seed"]])
-    frame = Frame(plan.steps, plan.client_steps, seeds, HParams.of(floats, device), shared, data, torch.device(device))
-    return bound, frame
+class ClientSide:
+    """Client `index` of the federation: its own rows `train`, `test` (C = 1) and its state (once `start` or
+    `load_state_dict` made it)."""
 
-
-def first_models(algo, frame: Frame, d_in: int, K: int) -> list:
-    """The engine's round-1 model (`Engine.init_state`): one per configuration, from its seed."""
-    return [algo.init(frame.cfg, d_in, K, torch.Generator().manual_seed(int(s))) for s in frame.seeds]
-
-
-class _Started:
-    """The state a side holds once `start` (or `load_state_dict`) made it."""
-
-    _state: State | None = None
+    def __init__(self, algo, cfg: dict, train: ClientData, test: ClientData, index: int):
+        self.cfg, self.index = cfg, index
+        self.train, self.test = train, test
+        self.algo, _, self.frame = setup(algo, [cfg], train, torch.device("cpu"))
+        refuse(self.algo)
+        self.init_uploads = False
+        self._state: State | None = None
 
     @property
     def started(self) -> bool:
@@ -122,28 +93,12 @@ class _Started:
     @property
     def state(self) -> State:
         if self._state is None:
-            raise RuntimeError(f"{type(self).__name__}.start() first")
+            raise RuntimeError("ClientSide.start() first")
         return self._state
-
-    @state.setter
-    def state(self, state: State) -> None:
-        self._state = state
-
-
-class ClientSide(_Started):
-    """Client `index` of the federation: its own rows `train`, `test` (C = 1) and its state."""
-
-    def __init__(self, algo, cfg: dict, train: ClientData, test: ClientData, index: int):
-        self.cfg, self.index = cfg, index
-        self.train, self.test = train, test
-        self.algo, self.frame = shared_setup(algo, cfg, train)
-        refuse(self.algo)
-        self.init_uploads = False
 
     def start(self) -> None:
         """Round 1's state, as the engine's `initial_state` gives this client (its `init_state` on its rows), and
         whether `init_state` asked for `upload` (then the server aggregates the clients' `init_upload`)."""
-        models = first_models(self.algo, self.frame, self.train.features.shape[-1], self.train.num_classes)
         spy, asked = copy.copy(self.algo), []
 
         def upload(state, rnd):
@@ -151,10 +106,10 @@ class ClientSide(_Started):
             return type(self.algo).upload(spy, state, rnd)
 
         spy.upload = upload
-        self.state = initial_state(spy, models, self.frame)
+        self._state = initial_state(spy, first_models(self.algo, self.frame), self.frame)
         self.init_uploads = bool(asked)
 
-    def round(self, rnd: int, took_part: bool = True):
+    def round(self, rnd: int, took_part: bool = True) -> Round:
         return self.frame.round(rnd, [[took_part]])
 
     # -- the state between messages -----------------------------------------------------------------------------
@@ -162,7 +117,7 @@ class ClientSide(_Started):
         return pack(self.state.groups())
 
     def load_state_dict(self, arrays: dict, skeleton: str) -> None:
-        self.state = State(**unpack(arrays, skeleton))
+        self._state = State(**unpack(arrays, skeleton))
 
     # -- hooks --------------------------------------------------------------------------------------------------
     def init_upload(self) -> dict:
@@ -171,20 +126,14 @@ class ClientSide(_Started):
 
     def fit(self, rnd: int) -> tuple[dict, float]:
         """Round `rnd`'s local epochs, then `client_side`: (uploads name -> [1, 1, ...], mean local loss)."""
-        algo, state, cfg, c = self.algo, self.state, self.cfg, self.index
+        algo, state, cfg = self.algo, self.state, self.cfg
         now = self.round(rnd)
-        n = int(self.train.counts[0])
         ctxs = [algo.context(state, replace(now, epoch=e)) for e in range(algo.local_epochs())]  # before training
-        buffers = {k: v[0, 0].clone() for k, v in state.buffers.items()}
-        params = {k: v[0, 0].clone().requires_grad_(True) for k, v in state.params.items()}
-        opt = client_optimizer(algo, cfg, params)
-        counts = torch.zeros(c + 1, dtype=torch.int64)
-        counts[c] = n  # this client's count at its own id: its batch order is the one it has among all C
-        order = lambda epoch: batch_order(self.frame.seeds, rnd, epoch, counts, n, torch.tensor([[c]]))[0, 0]  # [n]
-        total, steps = local_epochs(algo, cfg, now, params, buffers, opt, self.train, 0, order, ctxs)
+        order = client_order(self.frame.seeds, rnd, self.index, int(self.train.counts[0]))  # its order among all C
+        params, buffers, loss = train_alone(algo, cfg, now, state, 0, self.train, order, ctxs)
         state.params = {k: v.detach()[None, None].clone() for k, v in params.items()}
         state.buffers = {k: v.detach()[None, None].clone() for k, v in buffers.items()}
-        return client_side(algo, state, now), float(total / max(steps, 1))
+        return client_side(algo, state, now), float(loss)
 
     def take(self, rnd: int, server, took_part: bool) -> None:
         """`download` of what the server aggregated in round `rnd` (every client takes it, as in the engine)."""
@@ -210,62 +159,64 @@ class ClientSide(_Started):
         }
 
 
-class ServerSide(_Started):
-    """The server of a federation of `counts` clients (their training rows), `K` classes, `D` input features."""
+def stack(uploads: dict[int, dict], C: int) -> dict:
+    """Some clients' uploads (client -> name -> [1, 1, ...]) as name -> [1, C, ...], zeros elsewhere."""
+    ids, some = torch.tensor(list(uploads)), next(iter(uploads.values()))
+    sent = lambda k: torch.cat([up[k] for up in uploads.values()], 1)  # [1, P, ...]
+    return {k: torch.zeros(1, C, *v.shape[2:], dtype=v.dtype).index_copy_(1, ids, sent(k)) for k, v in some.items()}
 
-    def __init__(self, algo, cfg: dict, counts: list[int], K: int, D: int, views: int = 0):
-        C, N = len(counts), max(counts)
-        skeleton = ClientData(  # the clients' shape, no rows: the server hooks read counts, never features
-            torch.zeros(()).expand(C, N, D),
-            torch.full((C, N), -1),
-            torch.tensor(counts),
-            K,
-            torch.zeros(()).expand(C, N, views, D) if views else None,
-        )
-        self.cfg, self.C, self.K, self.D = cfg, C, K, D
-        self.algo, self.frame = shared_setup(algo, cfg, skeleton)
-        refuse(self.algo)
-        self.counts = skeleton.counts
 
-    def start(self, init_uploads) -> None:
-        """Round 1's state; `init_uploads()` returns the clients' uploads [1, C, ...] where `init_state` asks for
-        them (its `after_local` and `upload` run on the clients)."""
-        proxy = copy.copy(self.algo)
+class Transport(Clients):
+    """The client backend of a Flower server: the clients are nodes that `send(kind, {client: message}) -> {client:
+    reply}` reaches (`answer` there); they train, run the clients' side, `download` and score on their own state.
+    `hello`: each client's answer to "query", by client index."""
+
+    def __init__(self, send, hello: dict[int, dict]):
+        self.send, self.hello = send, hello
+        self.unsent = set(hello)  # the clients that have not received the server's state yet
+        self.figures: dict = {}  # client -> its figures of the last evaluation round
+        self.model = None  # the server's global model they scored there, if any
+
+    def refuse(self, algo, H: int) -> None:
+        refuse(algo)
+
+    def initial(self, algo):
+        """`algo` whose `after_local` and `upload` in `init_state` are the clients' (their answers to "query")."""
+        proxy = copy.copy(algo)
         proxy.after_local = lambda state, rnd: None
-        proxy.upload = lambda state, rnd: init_uploads()
-        models = first_models(self.algo, self.frame, self.D, self.K)
-        self.state = initial_state(proxy, models, self.frame)
+        proxy.upload = lambda state, rnd: stack({c: r["uploads"] for c, r in self.hello.items()}, len(self.hello))
+        return proxy
 
-    def participants(self, rnd: int) -> list[int]:
-        """The clients of round `rnd`: the engine's seeded draw."""
-        part = participation(self.frame.seeds, rnd, self.C, self.cfg["participation"])[0]
-        return [c for c in range(self.C) if part[c]]
+    def first(self, eng: Engine, c: int, msg: dict) -> dict:
+        """`msg` with the server's state where it is client c's first message."""
+        if c not in self.unsent:
+            return msg
+        self.unsent.discard(c)
+        return msg | {"server_state": eng.state.server}
 
-    def stack(self, uploads: dict[int, dict]) -> dict:
-        """The participants' uploads (client -> name -> [1, 1, ...]) as name -> [1, C, ...], zeros elsewhere."""
-        some = next(iter(uploads.values()))
-        out = {}
-        for k, v in some.items():
-            t = torch.zeros(1, self.C, *v.shape[2:], dtype=v.dtype)
-            for c, up in uploads.items():
-                t[0, c] = up[k][0, 0]
-            out[k] = t
-        return out
+    def fit(self, eng: Engine, state: State, now: Round, part: list, aside: tuple = ()) -> Local:
+        chosen = [c for c, p in enumerate(part[0]) if p]
+        replies = self.send("train", {c: self.first(eng, c, {"round": now.round}) for c in chosen})
+        loss = torch.full((1, eng.C), torch.nan)  # [1, C]
+        loss[0, chosen] = torch.tensor([replies[c]["loss"] for c in chosen])
+        uploads = stack({c: replies[c]["uploads"] for c in chosen}, eng.C)  # name -> [1, C, ...]
+        return Local(~loss.isfinite() & now.part, loss, now, (uploads, eng.train.counts[None].float() * now.part))
 
-    def serve(self, rnd: int, uploads: dict[int, dict]):
-        """Round `rnd`'s server side (`aggregate`, `download` on the server's state): returns what `aggregate`
-        gave, for every client's own `download`."""
-        part = [[c in uploads for c in range(self.C)]]
-        now = self.frame.round(rnd, part)
-        weights = self.counts[None].float() * now.part  # [1, C]
-        server = self.algo.aggregate(self.stack(uploads), weights, self.state, now)
-        self.algo.download(self.state, server, now)
-        return server
+    def take(self, eng: Engine, now: Round, server) -> None:
+        """`download` on every client, which scores itself there after an evaluation round."""
+        evaluate = evaluates(now.round, eng.cfg)
+        self.model = eng.algo.global_model(eng.state, now) if evaluate else None
+        sent = {"round": now.round, "server": server, "evaluate": evaluate, "first": not eng.loop.records}
+        if self.model is not None and not eng.algo.clients_hold_global:
+            sent["model"] = self.model
+        msgs = {c: self.first(eng, c, sent | {"took_part": p}) for c, p in enumerate(now.part[0].tolist())}
+        self.figures = self.send("evaluate", msgs)
 
-    def global_model(self, rnd: int):
-        """The server's model after round `rnd` ((params, buffers) name -> [1, ...]) or None."""
-        part = [[c in self.participants(rnd) for c in range(self.C)]]
-        return self.algo.global_model(self.state, self.frame.round(rnd, part))
+    def score(self, eng: Engine, now: Round, round_loss: torch.Tensor, logs: bool) -> dict:
+        got = {k: [self.figures[c][k] for c in range(eng.C)] for k in self.figures[0]}  # name -> C values
+        rows = {k: torch.tensor([got[k]], dtype=torch.float32) for k in ("test_acc", "test_loss", "train_acc")}
+        glob = None if self.model is None else torch.tensor([sum(got["global_hits"])]) / max(sum(got["test_rows"]), 1)
+        return rows | {"train_loss": round_loss, "global_acc": glob}  # [1, C] each, global_acc [1]
 
 
 # -- the messages: what the server asks, what a client answers (trees of tensors and JSON values) -------------------
@@ -304,68 +255,26 @@ def _download(client: ClientSide, msg: dict) -> dict:
 KINDS = {"query": _hello, "train": _train, "evaluate": _download}
 
 
-def run_server(server_of, send, rounds: int, eval_every: int, progress=None) -> dict:
-    """The federation's rounds from the server: `send(kind, {client: message}) -> {client: reply}` carries the
-    messages (all of them answered, or an error raised); `server_of(replies to "query")` makes the `ServerSide`.
-    Returns the engine's raw output (`Loop.result`: test_acc, test_loss, train_acc, train_loss [R_eval, 1, C],
-    global_acc [R_eval, 1] or None, eval_rounds, upload_floats, round_seconds) and the bytes per round."""
-    hello = send("query", None)
-    server: ServerSide = server_of(hello)
-    everyone = range(server.C)
-    server.start(lambda: server.stack({r["client"]: r["uploads"] for r in hello.values()}))
-    unsent = set(everyone)  # the clients that have not received the server's initial state yet
-
-    def first(c: int, msg: dict) -> dict:
-        """`msg` with the server's initial state where it is client c's first message since `start`."""
-        if c not in unsent:
-            return msg
-        unsent.discard(c)
-        return msg | {"server_state": server.state.server}
-
-    records: list[dict] = []
-    eval_rounds, floats, seconds = [], [], []
-    for rnd in range(rounds):
-        t0 = time.perf_counter()
-        chosen = server.participants(rnd)
-        replies = send("train", {c: first(c, {"round": rnd}) for c in chosen})
-        uploads = {c: replies[c]["uploads"] for c in chosen}
-        payload = server.serve(rnd, uploads)
-        floats.append(sum(v[0, 0].numel() for v in next(iter(uploads.values())).values()))
-        evaluate = (rnd + 1) % eval_every == 0 or rnd == rounds - 1
-        model = server.global_model(rnd) if evaluate else None
-        sent = {"round": rnd, "server": payload, "evaluate": evaluate, "first": not records}
-        if model is not None and not server.algo.clients_hold_global:
-            sent["model"] = model
-        figures = send("evaluate", {c: first(c, sent | {"took_part": c in uploads}) for c in everyone})
-        seconds.append(time.perf_counter() - t0)
-        if evaluate:
-            row = lambda k: torch.tensor([[figures[c][k] for c in everyone]], dtype=torch.float32)  # [1, C]
-            loss = torch.tensor([[replies[c]["loss"] if c in replies else float("nan") for c in everyone]])
-            glob = None
-            if model is not None:
-                total = sum(figures[c]["global_hits"] for c in everyone)
-                glob = torch.tensor([total]) / max(sum(figures[c]["test_rows"] for c in everyone), 1)
-            records.append(
-                {
-                    "test_acc": row("test_acc"),
-                    "test_loss": row("test_loss"),
-                    "train_acc": row("train_acc"),
-                    "train_loss": loss,
-                    "global_acc": glob,
-                }
-            )
-            eval_rounds.append(rnd + 1)
-        if progress:
-            progress(rnd + 1, rounds)
-    stacked = {k: None if records[0][k] is None else torch.stack([r[k] for r in records]) for k in records[0]}
-    return stacked | {
-        "acc": stacked["test_acc"],
-        "eval_rounds": eval_rounds,
-        "upload_floats": floats,
-        "round_seconds": seconds,
-        "clients": server.C,
-        "algo": server.algo,
-    }
+def run_server(algo, cfg: dict, send, progress=None) -> dict:
+    """The federation's rounds from the server: `Engine.run` of `algo` at `cfg` (its seed included) over the clients
+    `send(kind, {client: message}) -> {client: reply}` reaches (`Transport`; all messages answered, or an error
+    raised). Returns `Engine.run`'s output with the bound algorithm and the clients' cache metadata (`meta`)."""
+    replies = send("query", None)
+    ids, C = sorted(r["client"] for r in replies.values()), len(replies)
+    if ids != list(range(C)):
+        raise UserError(f"the {C} clients answered as clients {ids}: give each node one client index 0..{C - 1}")
+    by = {r["client"]: r for r in replies.values()}
+    counts, first = [by[c]["train"] for c in range(C)], by[0]
+    N, D, K, V = max(counts), first["dim"], first["classes"], first["views"]
+    skeleton = ClientData(  # the clients' shape, no rows: the server hooks read counts, never features
+        torch.zeros(()).expand(C, N, D),
+        torch.full((C, N), -1),
+        torch.tensor(counts),
+        K,
+        torch.zeros(()).expand(C, N, V, D) if V else None,
+    )
+    engine = Engine(algo, [cfg], skeleton, skeleton, clients=Transport(send, by))
+    return engine.run(progress) | {"algo": engine.algo, "meta": first["meta"]}
 
 
 def wire(tree):
@@ -382,19 +291,3 @@ def loopback(clients: list[ClientSide]):
         return {c: wire(answer(clients[c], kind, wire(m))) for c, m in msgs.items()}
 
     return send
-
-
-def server_from_hello(algo, cfg: dict):
-    """The `server_of` of `run_server`: a `ServerSide` from the clients' answers to "query"."""
-
-    def make(hello: dict) -> ServerSide:
-        C = len(hello)
-        if sorted(r["client"] for r in hello.values()) != list(range(C)):
-            raise UserError(
-                f"the {C} clients answered as clients {sorted(r['client'] for r in hello.values())}: "
-                f"give each node one client index 0..{C - 1}"
-            )
-        by = {r["client"]: r for r in hello.values()}
-        return ServerSide(algo, cfg, [by[c]["train"] for c in range(C)], by[0]["classes"], by[0]["dim"], by[0]["views"])
-
-    return make

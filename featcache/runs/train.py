@@ -368,40 +368,68 @@ def run(
     except BaseException:
         remove_empty(made)
         raise
+    files = {"save_state": save_state, "tensorboard": tensorboard}
+    call = call or spec.call(cache, device)
+    result, timing, paths = write_result(
+        out, impl, cfg, seeds, meta, raw, device, call, backbones, None, ckpt.resumed, **files
+    )
+    ckpt.finish(paths | {"timing_file": str(Path(paths["result_file"]).with_suffix(".timing.json"))})
+    kept = {"trained": raw["trained"]} if keep_state else {}
+    return result | timing | paths | {"cache_path": str(cache)} | kept
+
+
+def write_result(
+    out,
+    algo,
+    cfg: dict,
+    seeds,
+    meta: dict,
+    raw: dict,
+    device,
+    call: str,
+    backbones=None,
+    extra=None,
+    resumed=0,
+    **files,
+) -> tuple[dict, dict, dict]:
+    """Every run's result files (a Flower run's too), from `Engine.run`'s output `raw` of the bound `algo` at `cfg`
+    for `seeds` on a cache of metadata `meta`: the result NAME.json (`extra` entries in its body), its timing (the
+    rounds after the first `resumed`, which a checkpoint restored) and `write_run`'s sidecars (`files`: save_state,
+    tensorboard). Returns (result, timing, paths written)."""
     floats = max(raw["upload_floats"])  # a round's most: FedDBE's first round uploads its means only
     result = {
-        "algo": impl.name,
-        "paper": impl.paper,
-        "uploads": impl.uploads,
+        "algo": algo.name,
+        "paper": algo.paper,
+        "uploads": algo.uploads,
         "config": {k: v for k, v in cfg.items() if k != "seed"},
         "seeds": [int(s) for s in seeds],
-        "cache": {"key": meta["key"], "dataset": meta["dataset"], "backbones": meta["backbones"]},
-        "backbones": list(backbones or meta["backbones"]),
-        "clients": int(train_data.features.shape[0]),
+        "cache": {"key": meta.get("key"), "dataset": meta.get("dataset"), "backbones": meta.get("backbones")},
+        "backbones": list(backbones or meta.get("backbones") or []),
+        "clients": int(raw["acc"].shape[-1]),
         "params_uploaded_per_round": int(floats),
         "bytes_uploaded_per_round": int(floats) * 4,
-    } | summarize(raw["acc"].numpy(), raw["eval_rounds"], none_or_numpy(raw["global_acc"]), raw["train_loss"].numpy())
+    } | (extra or {})
+    result |= summarize(
+        raw["acc"].numpy(), raw["eval_rounds"], none_or_numpy(raw["global_acc"]), raw["train_loss"].numpy()
+    )
     run_id = hashlib.sha256(json.dumps(result, sort_keys=True, indent=1).encode()).hexdigest()[:12]
     result["cache"]["partition"] = meta.get("partition")  # for reports; the cache key above already fixes it
-    result["provenance"] = provenance(device, call or spec.call(cache, device))
+    result["provenance"] = provenance(device, call)
     body = json.dumps(result, sort_keys=True, indent=1)
-    path = Path(out) / f"{run_name(impl, cfg, seeds, backbones, run_id, meta.get('partition'))}.json"
-    ran = raw["round_seconds"][ckpt.resumed :]  # this process's rounds: a resumed run's first ones ran elsewhere
+    path = Path(out) / f"{run_name(algo, cfg, seeds, backbones, run_id, meta.get('partition'))}.json"
+    ran = raw["round_seconds"][resumed:]  # this process's rounds: a resumed run's first ones ran elsewhere
     timing = {
         "seconds_per_round": round(float(np.mean(ran)), 5),
         "seconds_total": round(float(np.sum(ran)), 3),
         "rounds_timed": len(ran),
         "device": str(device),
     }
-    timing |= {"resumed_after_round": ckpt.resumed} if ckpt.resumed else {}  # how it ran, not what it found
-    paths = write_run(path, body, timing, raw, result, save_state, tensorboard)
-    ckpt.finish(paths | {"timing_file": str(path.with_suffix(".timing.json"))})
-    kept = {"trained": raw["trained"]} if keep_state else {}
-    return result | timing | paths | {"cache_path": str(cache)} | kept
+    timing |= {"resumed_after_round": resumed} if resumed else {}  # how it ran, not what it found
+    return result, timing, write_run(path, body, timing, raw, result, **files)
 
 
 def write_run(
-    path: Path, body: str, timing: dict, raw: dict, result: dict, save_state: bool, tensorboard: str | Path | None
+    path: Path, body: str, timing: dict, raw: dict, result: dict, save_state: bool = False, tensorboard=None
 ) -> dict:
     """Write the result `body` to `path` with its sidecars (timing, metrics CSV, the state when asked for) and the
     TensorBoard run when asked for: all of them or none. Returns the paths written (None: not asked for)."""

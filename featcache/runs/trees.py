@@ -115,6 +115,8 @@ def pack(tree) -> tuple[dict, dict, dict]:
     spans, pads = {}, {}
     for members in blocks.values():
         name, first, _ = leaves[members[0]]
+        if name in spans:  # two tensors at one path: a key holding "/"
+            raise Unsupported(name, "path two tensors share")
         lo = min(leaves[i][1].storage_offset() for i in members)
         hi = max(_end(leaves[i][1]) for i in members)
         span = first.as_strided((hi - lo,), (1,), lo)

@@ -2,17 +2,19 @@
 
 Models carry two leading axes [H, C]: H configurations (hyperparameter settings x seeds) and C clients. One round:
 
-    local epochs (the round's participants, H*P models, in one vmapped step per minibatch) -> after_local -> upload
-    -> aggregate over clients of each configuration -> download -> evaluate
+    local epochs of the round's participants -> after_local -> upload -> aggregate over clients of each configuration
+    -> download -> evaluate
 
-`Engine.run` is that loop, top to bottom. Its parts are the kit's: the local steps run in `LocalSteps` (steps.py:
-eager or captured as CUDA graphs) on the round's cohort (cohort.py: its participants gathered from the [H, C] state
-and written back, in slices of `at_once` where memory asks for it; with FedAvg's server the shared tensors go to the
-server as trained instead), the minibatch plan and participation come from schedule.py, evaluation (every
-`eval_every` rounds and after the last) from evaluate.py. The round's mean local training loss is accumulated on
-the device and read back once per round with the NaN check. Hooks get a read-only `Round` and never see the engine;
-the hooks' order is written once, here: `initial_state`, `local_train`'s epochs, `client_side`, `server_side` (the
-footprint's replay and `featcache.testing.plain_loop` call the same functions).
+`Engine.run` is that loop, top to bottom, over a client backend (`Clients`). `Vectorized`, the default, trains the
+round's participants, H*P models, in one vmapped step per minibatch (`LocalSteps`, steps.py: eager or captured as
+CUDA graphs) on the round's cohort (cohort.py: its participants gathered from the [H, C] state and written back, in
+slices of `at_once` where memory asks for it; with FedAvg's server the shared tensors go to the server as trained
+instead) and scores every model at once (evaluate.py). plain.py's `Plain` trains and scores each client alone in
+plain torch (`featcache.testing.plain_loop`, the reference), featcache.flower's `Transport` sends clients messages.
+Every backend runs the same loop: participation and the minibatch plan (schedule.py), the NaN check of the round's
+mean local loss (read back once per round), the server side, evaluation every `eval_every` rounds and after the
+last, records, timings, progress. Hooks get a read-only `Round` and never see the engine; the hooks' order is written
+once, here: `initial_state`, the local epochs, `client_side`, `server_side` (the footprint's replay calls them too).
 
 What the loop carries from one round to the next is the engine's `state_dict` (the `State`, the local optimizer's
 state and the loop's records): a checkpoint saves it and `load_state_dict` goes on from it.
@@ -126,12 +128,14 @@ class Frame:
 
 
 class Local(NamedTuple):
-    """What a round's local training computed (`Engine.local_train`), on the device."""
+    """What a round's local training computed (`Clients.fit`), on the device."""
 
     bad: torch.Tensor  # [H, C] bool: the models whose loss was NaN/Inf at some step
     loss: torch.Tensor  # [H, C] each model's mean loss over the steps it took (NaN where it took none)
-    uploads: dict  # name -> [H, P, ...] the participants' tensors set aside (`aside`), as trained
     now: Round  # the round's context
+    # (uploads name -> [H, P or C, ...], weights [H, P or C]) where the backend ran the clients' side or set the
+    # participants' trained tensors aside; None: the clients' side runs on the state (`client_side`)
+    sent: tuple[dict, torch.Tensor] | None = None
 
 
 @dataclass
@@ -158,6 +162,22 @@ class Loop:
 
 
 # -- the hooks, in the order every round runs them ----------------------------------------------------------------
+def setup(algo, cfgs: list[dict], data: ClientData, device: torch.device):
+    """(`algo` bound to the shared settings of configurations `cfgs`, the minibatch plan, the run's `Frame`) on
+    `data` (on `device`): the engine's, and a Flower client's of its own rows."""
+    cfg, floats = batched(cfgs, algo)  # the shared settings; name -> [H] the per-configuration floats
+    plan = plan_steps(data, cfg["batch_size"], cfg["drop_last"])
+    seeds = torch.tensor([c["seed"] for c in cfgs])  # [H] on the host
+    frame = Frame(plan.steps, plan.client_steps, seeds, HParams.of(floats, device), cfg, data, device)
+    return algo.bind(cfg), plan, frame
+
+
+def first_models(algo, frame: Frame) -> list[tuple[Params, Params]]:
+    """Round 1's model of each configuration, `algo.init`'s from its own seed."""
+    d_in, K = frame.data.features.shape[-1], frame.data.num_classes
+    return [algo.init(frame.cfg, d_in, K, torch.Generator().manual_seed(int(s))) for s in frame.seeds]
+
+
 def initial_state(algo, models: list[tuple[Params, Params]], frame: Frame) -> State:
     """Round 1's state: one model per configuration (`models`: `algo.init`'s (params, buffers) each), broadcast to
     its clients (a client's own copy is made when it first changes), then the algorithm's `init_state`."""
@@ -174,10 +194,12 @@ def client_side(algo, state: State, now: Round) -> dict:
     return algo.upload(state, now)
 
 
-def server_side(algo, state: State, now: Round, uploads: dict, weights: torch.Tensor) -> None:
+def server_side(algo, state: State, now: Round, uploads: dict, weights: torch.Tensor):
     """On the server: `aggregate` the uploads over each configuration's clients (weights [H, C] or [H, P], 0 where
-    absent) and `download` the result to the clients."""
-    algo.download(state, algo.aggregate(uploads, weights, state, now), now)
+    absent) and `download` the result to the clients; returns that result (what a client downloads)."""
+    server = algo.aggregate(uploads, weights, state, now)
+    algo.download(state, server, now)
+    return server
 
 
 def take_models(saved: dict, keep: list[int]) -> dict:
@@ -219,6 +241,91 @@ def _take_rows(t: torch.Tensor, keep: list[int]) -> torch.Tensor:
     return out.copy_(picked)
 
 
+class Clients:
+    """A client backend: how the round loop (`Engine.run`) runs a round's clients. The defaults are those of clients
+    in this process that share the engine's `State` (its `download` is theirs); a backend declares what it cannot
+    run (`refuse`)."""
+
+    aside: tuple[str, ...] = ()  # the names whose participants' tensors go to the server as trained (`Vectorized`)
+
+    def refuse(self, algo, H: int) -> None:
+        """Raise a `UserError` (one line) where these clients cannot run the bound `algo` over H configurations."""
+
+    def initial(self, algo):
+        """The algorithm whose `init_state` makes round 1's state on the engine's side."""
+        return algo
+
+    def fit(self, eng: Engine, state: State, now: Round, part: list, aside: tuple = ()) -> Local:
+        """Round `now`'s local epochs of its participants `part` ([H][C] host bools): `state` trained in place,
+        except the names `aside` (returned in `Local.sent`)."""
+        raise NotImplementedError
+
+    def take(self, eng: Engine, now: Round, server) -> None:
+        """Every client's `download` of what the server aggregated (`server_side`), where it holds its own state."""
+
+    def score(self, eng: Engine, now: Round, round_loss: torch.Tensor, logs: bool) -> dict:
+        """The evaluation record after round `now` (`evaluate.record`'s keys; only test_acc without `logs`)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """The clients' optimizer state a checkpoint saves (`load_state_dict` takes it back)."""
+        raise NotImplementedError(f"{type(self).__name__} clients are not checkpointed")
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.state_dict()
+
+
+class Vectorized(Clients):
+    """The default backend: every participant of every configuration in one vmapped step per minibatch, scored all
+    at once."""
+
+    def __init__(self, eng: Engine, capture: str | None, at_once: int | None):
+        """`at_once`: the most models per configuration one pass of local training holds (None: all the round's
+        participants); a round trains its participants in slices of that many, with the same result."""
+        algo, keeps = eng.algo, eng.algo.keeps_optimizer_state
+        self.P = cohort_size(eng.C, eng.cfg["participation"], keeps)  # models trained per configuration
+        self.at_once = S = slice_size(self.P, at_once, keeps)
+        # the shared tensors `serve` reads from the participants as they trained, never written into the [H, C] state
+        self.aside = aside_names(algo, eng.state, eng.C, self.P, S)
+        self.runner = LocalSteps(algo, eng.cfg["optimizer"], eng.hp, eng.train, eng.plan, eng.state, S, capture)
+        self._seeds = eng.seeds.to(eng.device)  # [H] for batch orders built on the device
+
+    def fit(self, eng: Engine, state: State, now: Round, part: list, aside: tuple = ()) -> Local:
+        """Nothing in here reads a device tensor back (`Engine.read_round` does, once)."""
+        algo, data, plan, N = eng.algo, eng.train, eng.plan, eng.train.features.shape[1]
+        bad = torch.zeros(eng.H, eng.C, dtype=torch.bool, device=eng.device)  # [H, C]
+        loss = torch.full((eng.H, eng.C), torch.nan, device=eng.device)  # [H, C]
+        uploads: dict = {}
+        for cohort in Cohort.slices(part, self.P, self.at_once, eng.device, plan.order):  # [H, P] models
+            self.runner.start(state, now, cohort)
+            for epoch in range(algo.local_epochs()):
+                at = replace(now, epoch=epoch)
+                frozen = frozenset(k for k in state.params if not algo.trainable(k, at))
+                ctx = cohort.take_tree(algo.context(state, at))  # server and client state do not change in local steps
+                ids = None if cohort.everyone else cohort.ids
+                order = batch_order(self._seeds, now.round, epoch, data.counts, N, ids)  # [H, P, N]
+                for s in range(plan.steps):
+                    self.runner.step(plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
+            done, mean, uploads = self.runner.finish(state, aside)  # [H, P], [H, P], name -> [H, P, ...]
+            bad, loss = cohort.put(bad, done), cohort.put(loss, mean)
+        return Local(bad, loss, now, (uploads, data.counts[now.clients].float()) if aside else None)  # [H, P]
+
+    def score(self, eng: Engine, now: Round, round_loss: torch.Tensor, logs: bool) -> dict:
+        """Where `predict` is personal, clients that took part in no round since the last evaluation keep its
+        figures."""
+        loop, algo, rate = eng.loop, eng.algo, eng.cfg["participation"]
+        last = loop.records[-1] if loop.records and algo.personal_predict else None
+        stale = None if last is None else took_part(eng.seeds, loop.eval_rounds[-1], now.round, eng.C, rate)
+        first = not loop.records
+        return record(algo, eng.state, eng.train, eng.test, now, round_loss, logs, first, last, stale, self.at_once)
+
+    def state_dict(self) -> dict:
+        return self.runner.opt.state_dict()
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.runner.opt.load_state_dict(saved)
+
+
 class Engine:
     """Trains H configurations x C clients of one algorithm on cached features."""
 
@@ -231,27 +338,19 @@ class Engine:
         device: str | torch.device = "cpu",
         capture: str | None = "auto",
         at_once: int | None = None,
+        clients: Clients | None = None,
     ):
-        """`at_once`: the most models per configuration one pass of local training holds (None: all the round's
-        participants); a round trains its participants in slices of that many, with the same result."""
+        """`clients`: the client backend (default: `Vectorized(capture, at_once)`)."""
         self.cfgs, self.device = cfgs, resolve_device(device)
-        self.cfg, floats = batched(cfgs, algo)  # the engine's own and every hook's shared settings; name -> [H]
-        self.algo = algo.bind(self.cfg)  # a bound copy; the caller's object is left as it was
         self.train, self.test = train.to(self.device), test.to(self.device)
+        self.algo, self.plan, self.frame = setup(algo, cfgs, self.train, self.device)  # a bound copy of `algo`
+        self.cfg, self.seeds, self.hp = self.frame.cfg, self.frame.seeds, self.frame.hp  # shared; [H] host; [H]
         self.H, self.C = len(cfgs), train.features.shape[0]
-        self.seeds = torch.tensor([c["seed"] for c in cfgs])  # [H] on the host
-        self._seeds = self.seeds.to(self.device)  # [H] for batch orders built on the device
-        self.hp = HParams.of(floats, self.device)  # name -> [H]
-        self.plan = plan = plan_steps(self.train, self.cfg["batch_size"], self.cfg["drop_last"])
-        self.frame = Frame(plan.steps, plan.client_steps, self.seeds, self.hp, self.cfg, self.train, self.device)
+        self.clients = clients or Clients()  # `Vectorized` below, once the state it trains exists
+        self.clients.refuse(self.algo, self.H)
         self.state = self.init_state()  # trained in place by `run`
-        self.P = cohort_size(self.C, self.cfg["participation"], self.algo.keeps_optimizer_state)  # models trained
-        self.at_once = slice_size(self.P, at_once, self.algo.keeps_optimizer_state)
-        # the shared tensors `serve` reads from the participants as they trained, never written into the [H, C] state
-        self.aside = aside_names(self.algo, self.state, self.C, self.P, self.at_once)
-        self.runner = LocalSteps(
-            self.algo, self.cfg["optimizer"], self.hp, self.train, self.plan, self.state, self.at_once, capture
-        )
+        if clients is None:
+            self.clients = Vectorized(self, capture, at_once)
         self.loop = Loop()  # the records so far
         self.last_round: Round | None = None  # the context of the last round run
 
@@ -259,13 +358,13 @@ class Engine:
         """What the round loop carries from one round to the next (a checkpoint's content), as the live objects: the
         `State` groups, the local optimizer's `state_dict` and the loop's records. Their memory layouts are part of
         it (strides, broadcast views, which tensors share memory): kernels round differently on another layout."""
-        return self.state.groups() | {"optimizer": self.runner.opt.state_dict(), "loop": dict(vars(self.loop))}
+        return self.state.groups() | {"optimizer": self.clients.state_dict(), "loop": dict(vars(self.loop))}
 
     def load_state_dict(self, saved: dict) -> None:
         """Go on from a `state_dict` (tensors on this engine's device, in the layouts they were saved in), before the
         first round this engine runs."""
         self.state = State(**{k: saved[k] for k in self.state.groups()})
-        self.runner.opt.load_state_dict(saved["optimizer"])
+        self.clients.load_state_dict(saved["optimizer"])
         self.loop = Loop(**saved["loop"])
 
     def round_context(self, rnd: int, part=None, epoch: int = 0, step: int = 0) -> Round:
@@ -274,32 +373,14 @@ class Engine:
 
     def init_state(self) -> State:
         """The models of round 1, each configuration from its own seed, and the algorithm's initial state."""
-        d_in, K = self.train.features.shape[-1], self.train.num_classes
-        models = [self.algo.init(self.cfg, d_in, K, torch.Generator().manual_seed(int(s))) for s in self.seeds]
-        return initial_state(self.algo, models, self.frame)
+        return initial_state(self.clients.initial(self.algo), first_models(self.algo, self.frame), self.frame)
 
     def local_train(self, state: State, rnd: int, part, aside: tuple = ()) -> Local:
         """Round `rnd`'s local epochs for its participants `part` [H][C] bool, host data (nested lists, or a CPU
-        tensor), so nothing in here reads a device tensor back (`read_round` does, once). The names `aside` stay out
-        of `state`: the participants' trained tensors are returned as `uploads`."""
-        algo, data, part = self.algo, self.train, part.tolist() if torch.is_tensor(part) else part
-        now = self.round_context(rnd, part)
-        bad = torch.zeros(self.H, self.C, dtype=torch.bool, device=self.device)  # [H, C]
-        loss = torch.full((self.H, self.C), torch.nan, device=self.device)  # [H, C]
-        uploads: dict = {}
-        for cohort in Cohort.slices(part, self.P, self.at_once, self.device, self.plan.order):  # [H, P] models
-            self.runner.start(state, now, cohort)
-            for epoch in range(algo.local_epochs()):
-                at = replace(now, epoch=epoch)
-                frozen = frozenset(k for k in state.params if not algo.trainable(k, at))
-                ctx = cohort.take_tree(algo.context(state, at))  # server and client state do not change in local steps
-                ids = None if cohort.everyone else cohort.ids
-                order = batch_order(self._seeds, rnd, epoch, data.counts, data.features.shape[1], ids)  # [H, P, N]
-                for s in range(self.plan.steps):
-                    self.runner.step(self.plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
-            done, mean, uploads = self.runner.finish(state, aside)  # [H, P], [H, P], name -> [H, P, ...]
-            bad, loss = cohort.put(bad, done), cohort.put(loss, mean)
-        return Local(bad, loss, uploads, now)
+        tensor), run by the client backend (`Clients.fit`). The names `aside` stay out of `state`: the participants'
+        trained tensors are returned in `Local.sent`."""
+        part = part.tolist() if torch.is_tensor(part) else part
+        return self.clients.fit(self, state, self.round_context(rnd, part), part, aside)
 
     def read_round(self, local: Local, rnd: int) -> torch.Tensor:
         """One device read per round: refuse to go on when any model's loss was NaN/Inf; return the round's mean
@@ -310,37 +391,23 @@ class Engine:
             raise Diverged(nan_cause(self.algo, self.cfgs, bad, rnd), bad)
         return both[1]
 
-    def serve(self, state: State, now: Round, uploads: dict) -> int:
-        """The round's server side over each configuration's participants; `uploads` the participants' shared
-        tensors as trained where the engine sets them aside (FedAvg's server: the clients' side is FedAvg's own).
-        Returns the floats one client uploads."""
-        if self.aside:
-            weights = self.train.counts[now.clients].float()  # [H, P]
-        else:
+    def serve(self, state: State, local: Local) -> int:
+        """The round's server side over each configuration's participants, on what they sent (`Local.sent`), or on
+        the clients' side run on `state`; every client then takes the result (`Clients.take`). Returns the floats
+        one client uploads."""
+        now = local.now
+        if local.sent is None:
             uploads, weights = client_side(self.algo, state, now), self.train.counts[None].float() * now.part  # [H, C]
-        server_side(self.algo, state, now, uploads, weights)
+        else:
+            uploads, weights = local.sent
+        self.clients.take(self, now, server_side(self.algo, state, now, uploads, weights))  # weights [H, C] or [H, P]
         return sum(v[0, 0].numel() for v in uploads.values())
 
     def evaluate(self, now: Round, round_loss: torch.Tensor, logs: bool) -> dict:
-        """Record an evaluation after round `now` (`evaluate.record`; where `predict` is personal, clients that took
-        part in no round since the last evaluation keep its figures); returns `live_metrics`'s figures."""
-        loop, algo, rate = self.loop, self.algo, self.cfg["participation"]
-        last = loop.records[-1] if loop.records and algo.personal_predict else None
-        stale = None if last is None else took_part(self.seeds, loop.eval_rounds[-1], now.round, self.C, rate)
+        """Record an evaluation after round `now` (`Clients.score`); returns `live_metrics`'s figures."""
+        loop, algo = self.loop, self.algo
         try:
-            figures = record(
-                algo,
-                self.state,
-                self.train,
-                self.test,
-                now,
-                round_loss,
-                logs,
-                not loop.records,
-                last,
-                stale,
-                self.at_once,
-            )
+            figures = self.clients.score(self, now, round_loss, logs)
         except Diverged as e:  # NaN scores: a built-in's models diverged; a plug-in's first ones may be its bug
             if loop.records or type(algo).__module__.startswith(BUILTIN):
                 raise Diverged(nan_cause(algo, self.cfgs, e.models, now.round, "the scores"), e.models) from None
@@ -366,10 +433,10 @@ class Engine:
                 checkpoint.offer(rnd, self.state_dict)
             t0 = time.perf_counter()
             part = participation(self.seeds, rnd, self.C, self.cfg["participation"]).tolist()  # [H][C] host
-            local = self.local_train(self.state, rnd, part, self.aside)
+            local = self.local_train(self.state, rnd, part, self.clients.aside)
             round_loss = self.read_round(local, rnd)  # [H, C] host
             now = self.last_round = local.now
-            self.loop.upload_floats.append(self.serve(self.state, now, local.uploads))
+            self.loop.upload_floats.append(self.serve(self.state, local))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self.loop.round_seconds.append(time.perf_counter() - t0)

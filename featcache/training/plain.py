@@ -1,7 +1,9 @@
-"""One client's local epochs in plain torch: torch.optim on ordinary leaf tensors, one Python step per minibatch,
-autograd (no vmap, no stacking, no masks beyond the real batch rows), torch.nn.utils.clip_grad_norm_ where a group
-clips. The per-client reference `featcache.testing.plain_loop` holds the engine against, and how a Flower client
-(featcache.flower) trains: one function, so the two cannot train a client differently.
+"""The plain client backend: each client trained and scored alone in plain torch: torch.optim on ordinary leaf
+tensors, one Python step per minibatch, autograd (no vmap, no stacking, no masks beyond the real batch rows),
+torch.nn.utils.clip_grad_norm_ where a group clips. `Plain` runs the engine's rounds this way (the reference
+`featcache.testing.plain_loop` holds the vectorized backend against: the two share the round loop, not the
+arithmetic), and a Flower client (featcache.flower) trains with the same `local_epochs`, so the two cannot train a
+client differently.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..cache import ClientData
-from .engine import Round
+from ..errors import UserError
+from .engine import Clients, Engine, Local, Round, State
 from .models import Params
 from .optim import clip_sets, group_of
-from .schedule import trained_rows
+from .schedule import batch_order, trained_rows
 from .steps import add_penalty
 
 OPT: dict[str, Callable[[list[dict], Mapping[str, Any]], torch.optim.Optimizer]] = {
@@ -91,3 +94,77 @@ def local_epochs(
             buffers.update({k: v.detach() for k, v in new.items()})
             total, steps = total + value.detach(), steps + 1
     return total, steps
+
+
+def client_order(seeds: torch.Tensor, rnd: int, c: int, n: int) -> Callable[[int], torch.Tensor]:
+    """Client c's n rows in the engine's batch order of each local epoch of round `rnd` (`batch_order` of client c
+    alone: the same as among all C clients): epoch -> [n]."""
+    counts = torch.full((c + 1,), n, device=seeds.device)
+    ids = torch.tensor([[c]], device=seeds.device)
+    return lambda epoch: batch_order(seeds, rnd, epoch, counts, n, ids)[0, 0]
+
+
+def train_alone(
+    algo, cfg: dict, now: Round, state: State, c: int, data: ClientData, order, ctxs: list, kept=None, loss=None
+) -> tuple[Params, Params, torch.Tensor]:
+    """Model (0, c) of `state` trained on client c of `data` (`local_epochs`, its rows in `order`) with an optimizer
+    of its own: a fresh one, or the one `kept` (client -> (params, optimizer), where the algorithm keeps optimizer
+    state) holds, its leaves taking the new start; `loss(params, x, y, start)` replaces the local loss (`start`: the
+    model before training). Returns (params, buffers, the mean loss of its steps)."""
+    params = {k: v[0, c].clone().requires_grad_(True) for k, v in state.params.items()}
+    if kept is not None and c in kept:
+        with torch.no_grad():
+            params = {k: p.copy_(params[k]) for k, p in kept[c][0].items()}
+        opt = kept[c][1]
+    else:
+        opt = client_optimizer(algo, cfg, params)
+        if kept is not None and algo.keeps_optimizer_state:
+            kept[c] = params, opt
+    buffers = {k: v[0, c].clone() for k, v in state.buffers.items()}
+    if loss is not None:
+        start, user = {k: p.detach().clone() for k, p in params.items()}, loss
+        loss = lambda p, b, x, y, mask, ctx: (user(p, x, y, start), {})
+    total, steps = local_epochs(algo, cfg, now, params, buffers, opt, data, c, order, ctxs, loss)
+    return params, buffers, total / steps
+
+
+class Plain(Clients):
+    """Each participant trained alone (`local_epochs`) with an optimizer of its own (kept for the whole run where the
+    algorithm keeps optimizer state), and each client scored alone: one configuration. `loss(params, x, y, start)`
+    replaces the local loss (`start`: the client's model at the round's start; `featcache.testing.plain_loop`)."""
+
+    def __init__(self, loss: Callable | None = None):
+        self.loss = loss
+        self.kept: dict = {}  # client -> (params, optimizer) where the algorithm keeps optimizer state
+
+    def refuse(self, algo, H: int) -> None:
+        if H != 1:
+            raise UserError(f"the plain loop trains one configuration at a time, not {H}: give one")
+
+    def fit(self, eng: Engine, state: State, now: Round, part: list, aside: tuple = ()) -> Local:
+        algo, cfg, data = eng.algo, eng.cfgs[0], eng.train
+        ctxs = [algo.context(state, replace(now, epoch=e)) for e in range(algo.local_epochs())]  # before training
+        seeds = eng.seeds.to(eng.device)
+        loss = torch.full((1, eng.C), torch.nan, device=eng.device)  # [1, C]
+        for c in (c for c, p in enumerate(part[0]) if p):
+            order = client_order(seeds, now.round, c, int(data.counts[c]))
+            params, buffers, loss[0, c] = train_alone(algo, cfg, now, state, c, data, order, ctxs, self.kept, self.loss)
+            for tree, new in ((state.params, params), (state.buffers, buffers)):
+                for k, v in new.items():
+                    tree[k] = tree[k].contiguous()  # a model the server broadcast is a view: give it its own memory
+                    tree[k][0, c] = v.detach()
+        return Local(~loss.isfinite() & now.part, loss, now)
+
+    def score(self, eng: Engine, now: Round, round_loss: torch.Tensor, logs: bool) -> dict:
+        """Each client's test accuracy with its own model, computed alone."""
+        algo, state, test = eng.algo, eng.state, eng.test
+        ctx = algo.context(state, now)
+        acc = []
+        for c in range(eng.C):
+            n = int(test.counts[c])
+            params, buffers, ctx_c = (tree_map(lambda t: t[0, c], d) for d in (state.params, state.buffers, ctx))
+            with torch.no_grad():
+                rows = torch.ones(n, dtype=torch.bool, device=test.features.device)
+                scores = algo.predict(params, buffers, test.features[c, :n], ctx_c | {"rows": rows})  # [n, K]
+            acc.append((scores.argmax(-1) == test.labels[c, :n]).float().mean())
+        return {"test_acc": torch.stack(acc)[None].cpu()}  # [1, C]
