@@ -15,9 +15,11 @@ block files as the embedding pass writes them, commit) and deleted after:
 
 Each operation runs in a fresh `Store` (the index read as a new process reads it), interleaved between the two
 stores, median of `--repeats`, in wall seconds and in this process's CPU seconds (`cpu_ratios`: on a machine shared
-with other work, the wall ratios carry its load). The page cache is warm: each gather runs once untimed first. The
-gather target holds for both gathers. Prints one JSON object with the 1-minute load before and after. Run:
-`.venv/bin/python bench/store_scale.py [--rows 1000000] [--quick]`.
+with other work, the wall ratios carry its load). Each repeat's fill goes into all three stores (the 10,000 first
+indices' too, untimed), so compared stores differ in their rows alone, not in the segments a fresh `Store` opens. The
+page cache is warm: each gather runs once untimed first. The gather target holds for both gathers. Prints one JSON
+object with the 1-minute load before and after. Run: `.venv/bin/python bench/store_scale.py [--rows 1000000]
+[--quick]`.
 """
 
 from __future__ import annotations
@@ -183,6 +185,7 @@ def main() -> None:
             new = np.arange(base + r * args.add, base + (r + 1) * args.add)  # rows neither store holds
             times["fill_big"].append(fill(big, new))
             times["fill_small"].append(fill(small, new))
+            fill(first, new)  # a segment as the others take: the stores of a comparison differ in their rows alone
             times["gather_big"].append(gather(big, part))
             times["gather_small"].append(gather(small, part))
             times["gather_big_first"].append(gather(big, head))
