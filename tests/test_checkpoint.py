@@ -88,19 +88,19 @@ def test_ctrl_c_then_the_same_call_gives_the_undisturbed_bytes(cache, tmp_path, 
 
 
 def test_seconds_per_round_after_a_resume_is_the_mean_of_the_rounds_this_process_ran(cache, tmp_path, monkeypatch):
-    """Rounds of 0.3 s stopped after round 2 of 4, then resumed with fast rounds: the resumed run's timing holds its
-    own 2 rounds (each well under 0.3 s), not the 4 rounds' mean of two processes."""
+    """Rounds of 1 s stopped after round 2 of 4, then resumed with fast rounds: the resumed run's timing holds its
+    own 2 rounds (each well under 1 s, even on a loaded machine), not the 4 rounds' mean of two processes (>= 0.5 s)."""
     from featcache.training.engine import Engine
 
     local_train = Engine.local_train
-    monkeypatch.setattr(Engine, "local_train", lambda *a: (time.sleep(0.3), local_train(*a))[1])
+    monkeypatch.setattr(Engine, "local_train", lambda *a: (time.sleep(1.0), local_train(*a))[1])
     with pytest.raises(Interrupted):
         train(cache, "fedavg", rounds=4, seeds=[0], set=SMALL, out=tmp_path, progress=ctrl_c_after(2))
     monkeypatch.setattr(Engine, "local_train", local_train)
     r = train(cache, "fedavg", rounds=4, seeds=[0], set=SMALL, out=tmp_path)
     timing = json.loads(Path(r["result_file"]).with_suffix(".timing.json").read_text())
     assert timing["resumed_after_round"] == 2 and timing["rounds_timed"] == 2
-    assert timing["seconds_per_round"] < 0.15 and timing["seconds_total"] < 0.3
+    assert timing["seconds_per_round"] < 0.5 and timing["seconds_total"] < 1.0
 
 
 def test_a_run_resumed_at_partial_participation_keeps_the_undisturbed_figures(cache, tmp_path):
