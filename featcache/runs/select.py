@@ -89,19 +89,9 @@ def grid(
     that many CPU threads (default: torch's; Ray's workers keep their own; featcache/threads.py)."""
     check_options(backend, chunk)
     spec = RunSpec.resolve(algo, rounds, seeds, set, backbones, grid if grid is not None else [])
-    call = library_call(
-        "featcache.grid",
-        cache=str(cache),
-        algo=algo,
-        grid=grid if isinstance(grid, dict) else as_list(grid, "grid"),
-        seeds=list(spec.seeds),
-        rounds=rounds,
-        set=set,
-        device=str(device),
-        backend=backend,
-        chunk=chunk,
-        retrain=retrain,
-        **({"backbones": list(spec.backbones)} if spec.backbones else {}),
+    given = {"grid": grid if isinstance(grid, dict) else as_list(grid, "grid")}
+    call = _call(
+        "featcache.grid", cache, algo, given, spec, rounds, set, device, backend=backend, chunk=chunk, retrain=retrain
     )
     return run_grid(spec, cache, out, device, backend, chunk, retrain, progress, call)
 
@@ -140,20 +130,27 @@ def search(
     spec = RunSpec.resolve(algo, rounds, seeds, set, backbones)
     dims = S.parse_space(spec.algo, space)
     given_once(spec.algo, dims, set, rounds, "--space setting")
-    call = library_call(
-        "featcache.search",
+    given = {"space": space if isinstance(space, dict) else as_list(space, "space")}
+    call = _call("featcache.search", cache, algo, given, spec, rounds, set, device, retrain=retrain, **options)
+    return run_search(spec, dims, cache, out, device, retrain, progress, call, **options)
+
+
+def _call(name: str, cache, algo: str, given: dict, spec: RunSpec, rounds, set, device, **options) -> str:
+    """The library call a selection's provenance records: what the user gave, `given` (the grid or the space) after
+    the algorithm, the options after the device, the backbones last when a subset was chosen."""
+    picked = {"backbones": list(spec.backbones)} if spec.backbones else {}
+    return library_call(
+        name,
         cache=str(cache),
         algo=algo,
-        space=space if isinstance(space, dict) else as_list(space, "space"),
+        **given,
         seeds=list(spec.seeds),
         rounds=rounds,
         set=set,
         device=str(device),
-        retrain=retrain,
         **options,
-        **({"backbones": list(spec.backbones)} if spec.backbones else {}),
+        **picked,
     )
-    return run_search(spec, dims, cache, out, device, retrain, progress, call, **options)
 
 
 def check_options(backend: str, chunk: int | None) -> None:
@@ -194,10 +191,11 @@ def bucket_key(cfg: dict, algo) -> str:
     return json.dumps({k: cfg[k] for k in structural_keys(cfg, algo)}, sort_keys=True)
 
 
-def plan_buckets(algo, cfgs: list[dict], rows: Rows, seeds: int, least: int, hint: str) -> tuple[dict, list[str]]:
-    """`cfgs` (each trained for `seeds` seeds) by bucket: {key: (their positions, the bytes of one model)}, each
-    checked against the cache's clients and refused in one line when `least` of its models cannot fit in memory;
-    and the notes on their local steps, which `warn` shows once training begins (bad input stays one error line)."""
+def plan_buckets(algo, cfgs: list[dict], rows: Rows, models: int, least: int, hint: str) -> tuple[dict, list[str]]:
+    """`cfgs` (each trained as `models` models: its seeds, or a search's batch x seeds) by bucket: {key: (their
+    positions, the bytes of one model)}, each checked against the cache's clients and refused in one line when
+    `least` of its models cannot fit in memory; and the notes on their local steps, which `warn` shows once
+    training begins (bad input stays one error line)."""
     fit_rows, notes, buckets = rows.fit.counts.tolist(), [], cast(dict[str, list[int]], {})
     for i, c in enumerate(cfgs):
         check_clients(c, rows.fit.features.shape[0])
@@ -206,7 +204,10 @@ def plan_buckets(algo, cfgs: list[dict], rows: Rows, seeds: int, least: int, hin
         notes.append(dropped_note(fit_rows, c["batch_size"], c["drop_last"], "validation-fit"))
         buckets.setdefault(bucket_key(c, algo), []).append(i)
     planned = {
-        key: (members, check_memory(algo, cfgs[members[0]], min(least, len(members) * seeds), rows.fit, rows.dev, hint))
+        key: (
+            members,
+            check_memory(algo, cfgs[members[0]], min(least, len(members) * models), rows.fit, rows.dev, hint),
+        )
         for key, members in buckets.items()
     }
     return planned, list(dict.fromkeys(line for line in notes if line))
@@ -505,7 +506,7 @@ def run_search(
     given, batch = batch, min(batch or (max(1, math.ceil(trials / 4)) if sampler == "tpe" else trials), trials)
     rows = load_rows(spec, cache, out, device, retrain)
     least = (given or 1) * len(seeds)  # a batch not given is planned from memory, as a grid's chunks are
-    buckets, notes = plan_buckets(spec.algo, [spec.config] * batch, rows, len(seeds), least, "use a smaller --batch")
+    buckets, notes = plan_buckets(spec.algo, [spec.config], rows, batch * len(seeds), least, "use a smaller --batch")
     if not given:
         per_model = next(iter(buckets.values()))[1]
         batch = max(1, plan_chunk(batch * len(seeds), per_model, memory_budget(rows.dev)) // len(seeds))
