@@ -691,3 +691,43 @@ def test_a_gather_fills_its_rows_in_place_through_short_reads_and_the_buffer_lim
     part.shape = (part.shape[0] + 10**6, *part.shape[1:])  # rows past the file's end
     with pytest.raises(OSError, match="bytes short"):
         part.read(part.shape[0] - 2, part.shape[0])
+
+
+def test_a_run_segment_is_gathered_without_its_index_and_verified_whole(tmp_path):
+    """A fill of consecutive indices names its run (`first`): a gather reads no index and only the crc32s of its
+    rows, each checked against its row, so a flipped bit in a row's crc is refused by the gather that reads it and
+    only by it; a flipped bit in the index array, which no gather reads, is refused by `check` (verify), and so is
+    a changed `first` (the segment's metadata checksum)."""
+    from featcache.extraction.store import DamagedStore, Store, rows_folder
+
+    rows = np.random.default_rng(0).standard_normal((100, 5)).astype(np.float32)  # [source index, D]
+    need, path = ("d", "train", 0), tmp_path / "made.bb.0123456789abcdef.h5"
+    _fill(Store(path, None), need, np.arange(100), rows, 30)
+    (segment,) = sorted(rows_folder(path).glob("0*.h5"))
+    with h5py.File(segment, "r") as f:
+        g = f["d/train/features"]
+        assert int(g["index"].attrs["first"]) == 0
+        index_at, crc_at = g["index"].id.get_offset(), g["crc"].id.get_offset()
+
+    def flip(at: int) -> None:
+        with open(segment, "r+b") as fh:
+            fh.seek(at)
+            byte = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([byte[0] ^ 0x10]))
+
+    flip(crc_at + 4 * 7)
+    assert np.array_equal(Store(path, None).gather(need, np.arange(8, 100)), rows[8:])
+    with pytest.raises(DamagedStore, match="a row does not match its crc32"):
+        Store(path, None).gather(need, np.array([3, 7]))
+    flip(crc_at + 4 * 7)
+    flip(index_at + 8 * 50)
+    assert np.array_equal(Store(path, None).gather(need, np.arange(100)), rows)
+    with pytest.raises(DamagedStore, match="an index does not match its crc32"):
+        Store(path, None).check()
+    flip(index_at + 8 * 50)
+    assert Store(path, None).check() == []
+    with h5py.File(segment, "r+") as f:
+        f["d/train/features/index"].attrs["first"] = np.int64(1)
+    with pytest.raises(DamagedStore, match="metadata checksum mismatch"):
+        Store(path, None).gather(need, np.arange(3))

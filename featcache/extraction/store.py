@@ -112,16 +112,29 @@ def crc32_rows(rows: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Part:
-    """The rows one segment (or a format-1 file) holds of one need: index [n] increasing, crc [n] (None: format 1,
-    its rows checked whole when read), the rows' shape [n, (V,) D], and where they lie: a segment's bytes from
-    `offset`, or format 1's array in memory (`rows`)."""
+    """The rows one segment (or a format-1 file) holds of one need: index [n] increasing, the rows' shape [n, (V,) D],
+    and where they lie: a segment's rows from byte `offset` of `file` and their crc32s from byte `crc_at` (read for
+    the rows a gather reads, each checked against its row), or format 1's array in memory (`rows`, checked whole when
+    read: `crc_at` None)."""
 
     index: np.ndarray
-    crc: np.ndarray | None
     shape: tuple
     file: Path | None = None
     offset: int = 0
+    crc_at: int | None = None
     rows: np.ndarray | None = None
+
+    def crcs(self, at: np.ndarray) -> np.ndarray:
+        """[len(at)] uint32: the crc32s of the rows at positions `at`, read as the one span of the file they cover."""
+        if not len(at):
+            return np.zeros(0, np.uint32)
+        lo, hi = int(at.min()), int(at.max()) + 1
+        span = np.empty(hi - lo, np.dtype("<u4"))  # [hi - lo]
+        with open(self.file, "rb", buffering=0) as fh:  # type: ignore[arg-type]
+            bufs = [memoryview(span).cast("B")]
+            if (got := os.preadv(fh.fileno(), bufs, self.crc_at + 4 * lo)) != span.nbytes:  # type: ignore[operator]
+                _read_rest(fh.fileno(), bufs, self.crc_at + 4 * lo, got)  # type: ignore[operator]
+        return span[at - lo]
 
     def read_into(self, out: np.ndarray, at: np.ndarray, dest: np.ndarray) -> None:
         """The rows at positions `at` (in order, repeats allowed) into out[dest] (`out` [n, (V,) D] float32,
@@ -136,21 +149,20 @@ class Part:
         size, buf = out[0].nbytes, memoryview(out).cast("B")
         reads = np.concatenate([[0], np.flatnonzero(np.diff(at) != 1) + 1])  # a new read where the file's rows jump
         starts = np.union1d(reads, np.flatnonzero(np.diff(dest) != 1) + 1)  # a new buffer also where `out`'s rows do
-        pieces = zip(  # and a last piece, empty, that reads what the others left
-            [*(dest[starts] * size).tolist(), 0],  # where each piece lands in `out`, in bytes
-            [*(np.diff(starts, append=len(at)) * size).tolist(), 0],
-            [*(self.offset + at[starts] * size).tolist(), 0],  # where it lies in the file
-            [*isin_sorted(starts, reads).tolist(), True],
-        )
+        to = (dest[starts] * size).tolist()  # where each buffer lands in `out`, in bytes
+        n = (np.diff(starts, append=len(at)) * size).tolist()  # its bytes
+        offset = (self.offset + at[starts] * size).tolist()  # where it lies in the file
+        # each read's first buffer (at most IOV_MAX buffers a read), then the end
+        first = [*np.union1d(np.flatnonzero(isin_sorted(starts, reads)), range(0, len(starts), IOV_MAX)).tolist()]
         with open(self.file, "rb", buffering=0) as fh:  # type: ignore[arg-type]
-            fd, bufs, offset, want = fh.fileno(), [], 0, 0
-            for to, n, start, new in pieces:  # a scattered row costs a slice and a read, no copy
-                if new or len(bufs) == IOV_MAX:
-                    if want and (got := os.preadv(fd, bufs, offset)) != want:
-                        _read_rest(fd, bufs, offset, got)
-                    bufs, offset, want = [], start, 0
-                bufs.append(buf[to : to + n])
-                want += n
+            fd = fh.fileno()
+            for a, b in zip(first, [*first[1:], len(starts)]):  # a scattered row costs a slice and a read, no copy
+                if b == a + 1:
+                    bufs, want = [buf[to[a] : to[a] + n[a]]], n[a]
+                else:
+                    bufs, want = [buf[t : t + k] for t, k in zip(to[a:b], n[a:b])], sum(n[a:b])
+                if (got := os.preadv(fd, bufs, offset[a])) != want:
+                    _read_rest(fd, bufs, offset[a], got)
 
     def read(self, a: int, b: int) -> np.ndarray:
         """Rows a..b."""
@@ -237,19 +249,22 @@ class Store:
         """The backbone's metadata as a cache records it (None while the store is empty)."""
         return self.meta().get("backbone")
 
-    def parts(self, need: Need) -> list[Part]:
-        """The Parts holding rows of `need`, in segment order."""
-        if need not in self._parts:
+    def parts(self, need: Need, whole: bool = False) -> list[Part]:
+        """The Parts holding rows of `need`, in segment order; with `whole` their index and crc arrays read and
+        checked whole (a verify), not kept."""
+        if need not in self._parts or whole:
             meta, parts = self.meta(), []
             if meta.get(MARKER) == 1:
                 with open_store(self.path, self.key) as f:
                     g = f.get(need_name(need))
                     if g is not None:
                         rows = checked(self.path, g["rows"])
-                        parts.append(Part(checked(self.path, g["index"]), None, rows.shape, rows=rows))
+                        parts.append(Part(checked(self.path, g["index"]), rows.shape, rows=rows))
             for seg in meta.get("segments", []):
                 if need_name(need) in seg["held"]:
-                    parts.append(_part(self.path, self.rows / seg["file"], seg["meta_sha256"], need))
+                    parts.append(_part(self.path, self.rows / seg["file"], seg["meta_sha256"], need, whole))
+            if whole:
+                return parts
             self._parts[need] = parts
         return self._parts[need]
 
@@ -266,10 +281,10 @@ class Store:
             hit, at = find_sorted(part.index, ranked)
             part.read_into(out, at, order[hit])
             found[order[hit]] = True
-            if part.crc is None:
+            if part.crc_at is None:
                 plain[order[hit]] = True
             else:
-                crc[order[hit]] = part.crc[at]
+                crc[order[hit]] = part.crcs(at)
         if not found.all():
             raise UserError(
                 f"store {self.path} lacks images of {need[0]}/{need[1]} it was filled with: delete it "
@@ -286,11 +301,13 @@ class Store:
         bad = []
         for need in self.needs():
             finite = True
-            for part in self.parts(need):
+            for part in self.parts(need, whole=True):
                 step = max(1, SLICE_BYTES // max(1, 4 * int(np.prod(part.shape[1:]))))
                 for a in range(0, part.shape[0], step):
                     rows = part.read(a, a + step)
-                    if part.crc is not None and not np.array_equal(crc32_rows(rows), part.crc[a : a + step]):
+                    if part.crc_at is not None and not np.array_equal(
+                        crc32_rows(rows), part.crcs(np.arange(a, a + len(rows)))
+                    ):
                         raise _damaged(self.path, f"{need_name(need)}: a row does not match its crc32")
                     finite &= bool(np.isfinite(rows).all())
             if not finite:
@@ -310,7 +327,8 @@ class Store:
             order = np.argsort(index, kind="stable")
             h.update(need_name(need).encode() + index[order].tobytes())
             for p in parts:
-                h.update(p.crc.tobytes() if p.crc is not None else crc32_rows(p.read(0, p.shape[0])).tobytes())
+                every = np.arange(p.shape[0])
+                h.update((p.crcs(every) if p.crc_at is not None else crc32_rows(p.read(0, p.shape[0]))).tobytes())
         return h.hexdigest()
 
     # -- filling ----------------------------------------------------------------------------------------------------
@@ -452,29 +470,38 @@ def _segment(path: Path, merged: dict) -> dict:
                 crc[a : a + len(chunk)] = crc32_rows(chunk)
             for name, data in (("index", index), ("crc", crc)):
                 loc.create_dataset(name, data=data, track_times=False).attrs["crc32"] = zlib.crc32(data)
+            if index[-1] - index[0] == n - 1:  # a run (increasing, no repeats): readers need not read the index
+                loc["index"].attrs["first"] = np.int64(index[0])
             held[need_name(need)] = n
         digest = h5.meta_sha256(f)
     return {"file": path.name, "meta_sha256": digest, "held": held}
 
 
-def _part(store: Path, file: Path, digest: str, need: Need) -> Part:
-    """The Part of segment `file` (whose meta_sha256 the store file records as `digest`) holding `need`."""
+def _part(store: Path, file: Path, digest: str, need: Need, whole: bool = False) -> Part:
+    """The Part of segment `file` (whose meta_sha256 the store file records as `digest`) holding `need`. Its index
+    is read and checked against its crc32 unless the index is the run its attribute `first` names (covered by the
+    segment's meta_sha256); with `whole` (a verify) the index and crc arrays are read and checked whatever they are."""
     try:
         with h5py.File(file, "r") as f:
             if h5.meta_sha256(f) != digest:
                 raise _damaged(store, f"segment {file.name}: metadata checksum mismatch")
             g = f[need_name(need)]
-            index, crc, ds = g["index"][...], g["crc"][...], g["rows"]
-            if any(zlib.crc32(a) != h5.plain(g[k].attrs.get("crc32")) for k, a in (("index", index), ("crc", crc))):
+            ds, first = g["rows"], h5.plain(g["index"].attrs.get("first"))
+            index = None if first is None else np.arange(first, first + ds.shape[0])  # [n] the run it names
+            arrays = {k: g[k][...] for k in (("index", "crc") if whole else ("index",) if index is None else ())}
+            if any(zlib.crc32(v) != h5.plain(g[k].attrs.get("crc32")) for k, v in arrays.items()) or (
+                index is not None and "index" in arrays and not np.array_equal(arrays["index"], index)
+            ):
                 raise _damaged(store, f"segment {file.name}: {need_name(need)}: an index does not match its crc32")
-            offset, shape = ds.id.get_offset(), ds.shape
+            index = arrays["index"] if index is None else index
+            offset, crc_at, shape = ds.id.get_offset(), g["crc"].id.get_offset(), ds.shape
     except DamagedStore:
         raise
     except (OSError, KeyError) as e:
         raise _damaged(store, f"segment {file.name}: {first_line(e, 120)}") from None
     if offset is None:  # no rows: HDF5 allocated nothing
-        return Part(index, crc, shape, rows=np.zeros(shape, np.float32))
-    return Part(index, crc, shape, file, offset)
+        return Part(index, shape, rows=np.zeros(shape, np.float32))
+    return Part(index, shape, file, offset, crc_at)
 
 
 def open_store(path: Path, key: str | None = None) -> h5py.File:

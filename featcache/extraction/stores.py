@@ -222,7 +222,7 @@ def verify(path: str | Path) -> dict:
                 problems.append(f"its name says key {named.group(1)}, it holds key {h5.plain(f.attrs['key'])[:16]}")
         store = Store(Path(path), None)
         problems += [f"/{name}/rows: NaN or Inf values" for name in store.check()]
-        arrays = sum(3 if p.crc is not None else 2 for need in store.needs() for p in store.parts(need))
+        arrays = sum(3 if p.crc_at is not None else 2 for need in store.needs() for p in store.parts(need))
         stale = _stale(identity)
     except DamagedStore as e:
         problems.append(str(e))
