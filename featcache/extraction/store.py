@@ -13,14 +13,16 @@ small file, so a fill writes its new rows only and a gather reads the rows it ga
                                               segments (JSON: [{file, meta_sha256, held: {"domain/split/kind": n}}]),
                                               meta_sha256
     NAME.h5.rows/NNNNNN.h5             one fill's rows: attrs meta_sha256
-        /<domain>/<split>/features/index   [n] int64, increasing: the source indices it added; attrs crc32
+        /<domain>/<split>/features/index   [n] int64, increasing: the source indices it added; attrs crc32,
+                                           first (where they are consecutive: first .. first + n - 1)
         /<domain>/<split>/features/crc     [n] uint32: zlib.crc32 of each row's bytes; attrs crc32
         /<domain>/<split>/features/rows    [n, D] float32, contiguous (a gather reads only its rows)
         /<domain>/train/views/...          [n, V, D]: augmented views (with --views V)
 
-Integrity is checked on what is read: `index` and `crc` against their own crc32 (12 bytes a row, read whole by a
-process's first gather), each row a gather returns against its crc; the small file's `meta_sha256` covers the
-segments' list and each segment's `meta_sha256` its own objects. A store of format 1 (every row inside NAME.h5,
+Integrity is checked on what is read: each row a gather returns against its crc (the crcs of its rows read as one
+span, no more), an `index` against its crc32 (8 bytes a row, read by a process's first gather of the need, unless
+`first` names it); the small file's `meta_sha256` covers the segments' list and each segment's `meta_sha256` its own
+objects, `first` included. `verify` reads every array whole. A store of format 1 (every row inside NAME.h5,
 each array with its sha256) is read as it is, and its next fill moves its rows into the first segment (checked as
 they are read).
 
