@@ -130,7 +130,7 @@ def _mix_test(dataset: Dataset, owners: list[str], train: list[np.ndarray], spec
         exact = ratio[:, None] * n  # [c, K]
         counts = np.floor(exact + 1e-9).astype(int)  # [c, K]
         rest = exact - counts  # [c, K] rounded up where the pool has images left, largest remainders first
-        counts += (rest > 1e-9) & ((-rest).argsort(0).argsort(0) < supply - counts.sum(0))
+        counts += (rest > 1e-9) & ((-rest).argsort(0, kind="stable").argsort(0, kind="stable") < supply - counts.sum(0))
         dealt += [_deal(pool, counts[:, k], who) for k, pool in enumerate(pools)]
     return _by_client(dealt, len(owners))
 
