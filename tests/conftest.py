@@ -149,3 +149,15 @@ def single_thread():
 def images(tmp_path_factory):
     """d1, d2 x classes a, b, c x 8 images (each domain split 70/30 into train and test by the reader)."""
     return write_folders(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture(autouse=True)
+def _registry_as_it_was():
+    """A test that registers algorithms (a plug-in's, loaded in the process) leaves the registry as it found it: the
+    tests of a worker share one process, and a registry test must not see another test's plug-ins."""
+    from featcache.algorithms import registry
+
+    saved = dict(registry._ALGOS)
+    yield
+    registry._ALGOS.clear()
+    registry._ALGOS.update(saved)
