@@ -186,6 +186,7 @@ def scale_cases(
                         "process": process,
                         "state": est.state,
                         "training": est.training,
+                        "uploads": est.uploads,
                         "evaluation": est.evaluation,
                         "data": est.data,
                     },

@@ -3,6 +3,8 @@ algorithm learns on separable data, and the engine's pieces (batch order, partic
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import configure
@@ -130,13 +132,18 @@ def test_a_fedavg_server_never_writes_the_shared_tensors_into_every_clients_stat
     """FedAvg's server at p < 1: the participants' shared tensors are averaged as they trained, and the [H, C] state
     keeps one broadcast model per configuration (personal ones, FedPer's classifier, per client), FedProx's w^t
     included (`uses_global`); an overridden server side (MOON's after_local, which keeps each client's trained
-    model) gets every tensor written back."""
+    model) gets every tensor written back. The same where the participants train in slices (`at_once`), and the
+    run is the one trained in one pass."""
     train, test = data
     cases = (("fedavg", set()), ("fedper", {"cls0.weight", "cls0.bias"}), ("fedprox", set()), ("moon", None))
-    for name, personal in cases:
+    for (name, personal), at_once in itertools.product(cases, (None, 1)):
         algo = create(name)
-        eng = Engine(algo, [config(algo, rounds=2, participation=0.5)], train, test)
-        eng.run()
+        eng = Engine(algo, [config(algo, rounds=2, participation=0.5)], train, test, at_once=at_once)
+        got = eng.run()
+        if at_once:
+            assert eng.clients.at_once == 1 < eng.clients.P
+            whole = Engine(algo, [config(algo, rounds=2, participation=0.5)], train, test).run()
+            torch.testing.assert_close(got["acc"], whole["acc"], rtol=0, atol=1e-6)
         if personal is None:
             assert eng.clients.aside == ()
             continue

@@ -13,6 +13,7 @@ from featcache.errors import UserError
 from featcache.testing import synthetic_clients
 from featcache.training import footprint
 from featcache.training.footprint import check_memory, estimate, participants
+from featcache.training.optim import OPTIMIZERS
 
 D, K = 32, 5
 
@@ -25,7 +26,8 @@ def test_the_estimate_is_deterministic_and_adds_up():
     algo, cfg = create("fedpcl"), configure("fedpcl", batch_size=8)
     a, b = estimate(algo, cfg, clients(6), clients(6, seed=1)), estimate(algo, cfg, clients(6), clients(6, seed=1))
     assert a == b and a.traced
-    assert a.total(3) == a.data + 3 * (a.state + a.training + a.evaluation) and a.per_config == a.total(1) - a.data
+    assert a.total(3) == a.data + 3 * (a.state + a.training + a.uploads + a.evaluation)
+    assert a.per_config == a.total(1) - a.data
     assert a.data == sum(
         t.numel() * t.element_size() for d in (clients(6), clients(6, seed=1)) for t in (d.features, d.labels, d.counts)
     )
@@ -40,7 +42,7 @@ def test_training_tensors_scale_with_the_participants_and_state_does_not():
     params, _ = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
     n = sum(p.numel() * 4 for p in params.values())
     assert all_.training == 10 * few.training - 20 * n  # all train at once: their working copies are the state
-    assert few.training >= 2 * n * (1 + footprint.MOMENTS["adam"])  # working copies and Adam's two moments
+    assert few.training >= 2 * n * (1 + len(OPTIMIZERS["adam"].state_names))  # working copies and Adam's two moments
     assert (
         estimate(algo, configure("fedprox", batch_size=8, optimizer="sgd"), data, P=2).training == few.training - 2 * n
     )  # SGD keeps one moment
@@ -132,11 +134,10 @@ def test_a_run_that_does_not_fit_trains_its_participants_in_slices_that_do():
     assert estimate(algo, cfg, data, at_once=S + 1).per_config * 2 > avail
     with pytest.raises(UserError, match=r"fedprox would need about .*: use fewer --seeds$"):
         footprint.fit_at_once(algo, cfg, 2, data, cpu, "use fewer --seeds", avail=one.per_config)
-    fedavg = create("fedavg")  # sliced, the shared tensors are every client's again until the server has them
-    assert (
-        estimate(fedavg, configure("fedavg", participation=0.5), data, at_once=5).state
-        == estimate(fedavg, configure("fedavg"), data).state
-    )
+    fedavg, half = create("fedavg"), configure("fedavg", participation=0.5)  # the shared tensors: one, sliced or not
+    sliced = estimate(fedavg, half, data, at_once=5)
+    assert sliced.state == estimate(fedavg, half, data).state < estimate(fedavg, configure("fedavg"), data).state
+    assert sliced.uploads == estimate(fedavg, half, data).uploads == 20 * estimate(fedavg, half, data, P=1).uploads
 
 
 @pytest.mark.slow
@@ -159,7 +160,7 @@ def test_bench_scale_quick_prints_every_case_with_its_estimate_and_ratios():
     ]
     for c in cases:
         assert c["estimate_bytes"] <= c["estimate_every_client_trains_bytes"]
-        assert set(c["estimate_parts"]) == {"process", "state", "training", "evaluation", "data"}
+        assert set(c["estimate_parts"]) == {"process", "state", "training", "uploads", "evaluation", "data"}
         if "skipped" in c:
             assert "exceeds" in c["skipped"] and "peak_rss_bytes" not in c
             continue

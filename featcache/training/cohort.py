@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .optim import copy_into
+from .optim import copy_into, flat
 from .schedule import participants
 
 
@@ -28,17 +28,32 @@ def slice_size(P: int, at_once: int | None, keeps_optimizer_state: bool = False)
     return P if at_once is None or keeps_optimizer_state else min(P, at_once)
 
 
-def sets_aside(algo, C: int, P: int, S: int) -> bool:
+def sets_aside(algo, C: int, P: int) -> bool:
     """Whether the participants' shared tensors skip the [H, C] state and go to the server as trained: FedAvg's
-    server (download replaces them for every client) and one slice of P < C participants."""
-    return S == P < C and algo.fedavg_server
+    server (download replaces them for every client) with P < C participants, trained in one pass or in slices."""
+    return P < C and algo.fedavg_server
 
 
-def aside_names(algo, state, C: int, P: int, S: int) -> tuple[str, ...]:
+def aside_names(algo, state, C: int, P: int) -> tuple[str, ...]:
     """The shared parameters and buffers of `state` that go to the server as trained (`sets_aside`; none
     otherwise): never written into the [H, C] state."""
     names = (*state.params, *state.buffers)
-    return tuple(k for k in names if algo.shared(k)) if sets_aside(algo, C, P, S) else ()
+    return tuple(k for k in names if algo.shared(k)) if sets_aside(algo, C, P) else ()
+
+
+def put_models(dst: torch.Tensor, at: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[h, at[h]] = src[h] for every configuration h (dst [H, P, ...], at [H, n], src [H, n, ...], both in one
+    layout): a memory copy per model (an indexed write over [H, n] would go element by element)."""
+    for h in range(dst.shape[0]):
+        flat(dst[h]).index_copy_(0, at[h], flat(src[h]))
+
+
+def models_like(t: torch.Tensor, P: int) -> torch.Tensor:
+    """An empty [H, P, ...] stack of t's [H, S, ...] models, in t's layout (row-major or last-two-dims transposed)."""
+    H, *rest = t.shape[0], *t.shape[2:]
+    if t.dim() > 3 and not t.is_contiguous() and t.mT.is_contiguous():
+        return t.new_empty(H, P, *rest[:-2], rest[-1], rest[-2]).mT
+    return t.new_empty(H, P, *rest)
 
 
 def reorder(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -143,10 +158,6 @@ class Cohort:
     def take_clients(self, t: torch.Tensor) -> torch.Tensor:
         """[C, ...] per-client data -> [H, P, ...] (t itself, [C, ...], for everyone)."""
         return t if self.everyone else t[self.ids]
-
-    def by_id(self, t: torch.Tensor) -> torch.Tensor:
-        """The cohort's t [H, P, ...] with each configuration's models in client-id order (as `Round.clients`)."""
-        return t if self.everyone else t[self._h, self.ids.argsort(1)]
 
     def put(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """Write the cohort's src [H, P, ...] into dst [H, C, ...]; returns the result (src itself for everyone, a new

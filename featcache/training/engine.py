@@ -6,15 +6,15 @@ Models carry two leading axes [H, C]: H configurations (hyperparameter settings 
     -> download -> evaluate
 
 `Engine.run` is that loop, top to bottom, over a client backend (`Clients`). `Vectorized`, the default, trains the
-round's participants, H*P models, in one vmapped step per minibatch (`LocalSteps`, steps.py: eager or captured as
-CUDA graphs) on the round's cohort (cohort.py: its participants gathered from the [H, C] state and written back, in
-slices of `at_once` where memory asks for it; with FedAvg's server the shared tensors go to the server as trained
-instead) and scores every model at once (evaluate.py). plain.py's `Plain` trains and scores each client alone in
-plain torch (`featcache.testing.plain_loop`, the reference), featcache.flower's `Transport` sends clients messages.
-Every backend runs the same loop: participation and the minibatch plan (schedule.py), the NaN check of the round's
-mean local loss (read back once per round), the server side, evaluation every `eval_every` rounds and after the
-last, records, timings, progress. Hooks get a read-only `Round` and never see the engine; the hooks' order is written
-once, here: `initial_state`, the local epochs, `client_side`, `server_side` (the footprint's replay calls them too).
+round's participants, H*P models, in one vmapped step per minibatch (`LocalSteps`, steps.py: eager or captured as CUDA
+graphs) on the round's cohort (cohort.py: its participants gathered from the [H, C] state and written back, in slices of
+`at_once` where memory asks for it; with FedAvg's server the shared tensors go to the server as trained instead) and
+scores every model at once (evaluate.py). plain.py's `Plain` trains and scores each client alone in plain torch
+(`featcache.testing.plain_loop`, the reference), featcache.flower's `Transport` sends clients messages. Every backend
+runs the same loop: participation and the minibatch plan (schedule.py), the NaN check of the round's mean local loss
+(read back once per round), the server side, evaluation every `eval_every` rounds and after the last, records, timings,
+progress. Hooks get a read-only `Round` and never see the engine; the hooks' order is written once, here:
+`initial_state`, the local epochs, `client_side`, `server_side` (the footprint's replay calls them too).
 
 What the loop carries from one round to the next is the engine's `state_dict` (the `State`, the local optimizer's
 state and the loop's records): a checkpoint saves it and `load_state_dict` goes on from it.
@@ -31,7 +31,7 @@ import torch
 
 from ..cache import ClientData
 from ..devices import resolve_device
-from .cohort import Cohort, aside_names, cohort_size, slice_size
+from .cohort import Cohort, aside_names, cohort_size, models_like, put_models, slice_size
 from .config import batched
 from .evaluate import live_metrics, record
 from .guards import Diverged, nan_cause
@@ -286,7 +286,7 @@ class Vectorized(Clients):
         self.P = cohort_size(eng.C, eng.cfg["participation"], keeps)  # models trained per configuration
         self.at_once = S = slice_size(self.P, at_once, keeps)
         # the shared tensors `serve` reads from the participants as they trained, never written into the [H, C] state
-        self.aside = aside_names(algo, eng.state, eng.C, self.P, S)
+        self.aside = aside_names(algo, eng.state, eng.C, self.P)
         self.runner = LocalSteps(algo, eng.cfg["optimizer"], eng.hp, eng.train, eng.plan, eng.state, S, capture)
         self._seeds = eng.seeds.to(eng.device)  # [H] for batch orders built on the device
 
@@ -295,8 +295,8 @@ class Vectorized(Clients):
         algo, data, plan, N = eng.algo, eng.train, eng.plan, eng.train.features.shape[1]
         bad = torch.zeros(eng.H, eng.C, dtype=torch.bool, device=eng.device)  # [H, C]
         loss = torch.full((eng.H, eng.C), torch.nan, device=eng.device)  # [H, C]
-        uploads: dict = {}
-        for cohort in Cohort.slices(part, self.P, self.at_once, eng.device, plan.order):  # [H, P] models
+        sent: dict = {}  # name -> [H, P, ...] the participants' tensors `aside` as trained, in `Round.clients` order
+        for cohort in Cohort.slices(part, self.P, self.at_once, eng.device, plan.order):  # [H, S] models
             self.runner.start(state, now, cohort)
             for epoch in range(algo.local_epochs()):
                 at = replace(now, epoch=epoch)
@@ -306,9 +306,13 @@ class Vectorized(Clients):
                 order = batch_order(self._seeds, now.round, epoch, data.counts, N, ids)  # [H, P, N]
                 for s in range(plan.steps):
                     self.runner.step(plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
-            done, mean, uploads = self.runner.finish(state, aside)  # [H, P], [H, P], name -> [H, P, ...]
+            done, mean, trained = self.runner.finish(state, aside)  # [H, S], [H, S], name -> [H, S, ...]
             bad, loss = cohort.put(bad, done), cohort.put(loss, mean)
-        return Local(bad, loss, now, (uploads, data.counts[now.clients].float()) if aside else None)  # [H, P]
+            if aside:  # each slice's real models into their places among the round's participants
+                at = torch.searchsorted(now.clients, cohort.ids[:, : cohort.real])  # [H, real]
+                for k, t in trained.items():
+                    put_models(sent.setdefault(k, models_like(t, self.P)), at, t[:, : cohort.real])  # [H, P, ...]
+        return Local(bad, loss, now, (sent, data.counts[now.clients].float()) if aside else None)  # [H, C]
 
     def score(self, eng: Engine, now: Round, round_loss: torch.Tensor, logs: bool) -> dict:
         """Where `predict` is personal, clients that took part in no round since the last evaluation keep its

@@ -5,13 +5,13 @@ follows what each tensor lives for:
 - state, for the whole run, per configuration: every one of the C clients' parameters and buffers (the shared ones
   once where the server is FedAvg's and not every client trains: `fedavg_server`), the algorithm's per-client state
   (`state.client`) and the server's (`state.server`, e.g. FedPCL's padded prototypes [C, K, d]);
-- training, per configuration, for the P = max(1, round(participation · C)) models that train in a round: each
-  model's working copy of its parameters (the state's own where all C train at once), optimizer moments (both moved
-  into the gradients' layout within their own memory at the first step) and what the local step allocates (the new
-  tensors of one vmapped forward and backward, gradients included, as the allocator hands them out: see
-  `_Allocated`; traced on two meta models side by side, so a batched op that copies per model counts as it does in
-  the engine) and its upload (the server's aggregation reads the participants' uploads as one stack, copied where
-  they are views);
+- training, per configuration, for the S models one pass of local training holds (the P = max(1, round(participation
+  · C)) of a round, in slices of `cohort.slice_size`): each model's working copy of its parameters (the state's own
+  where all C train at once), optimizer moments (both moved into the gradients' layout within their own memory at the
+  first step) and what the local step allocates (the new tensors of one vmapped forward and backward, gradients
+  included, as the allocator hands them out: see `_Allocated`; traced on two meta models side by side, so a batched
+  op that copies per model counts as it does in the engine); and every participant's upload (the server's
+  aggregation reads the P uploads as one stack, copied where they are views);
 - evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
 - data, once: the clients' features, labels and views of the train and test splits.
 
@@ -44,10 +44,9 @@ from . import schedule
 from .cohort import cohort_size, sets_aside, slice_size
 from .engine import Frame, client_side, initial_state
 from .hparams import HParams
+from .optim import OPTIMIZERS
 from .models import map_models
 
-# Per-element optimizer state of each local optimizer (torch.optim's Adam: exp_avg, exp_avg_sq; SGD: momentum).
-MOMENTS = {"adam": 2, "sgd": 1}
 # Size settings a memory refusal may name, in the order they are considered when several grew.
 SIZE_SETTINGS = ("proj_dim", "con_dim", "n_prompts", "queue", "heads", "batch_size")
 VIEWS = (torch.ops.aten._unsafe_view.default,)  # views whose schema does not say so
@@ -61,15 +60,16 @@ class Footprint:
     """Estimated bytes by lifetime; `state`, `training` and `evaluation` are one configuration's."""
 
     state: int  # the C clients' parameters, buffers and algorithm state, and the server's state
-    training: int  # the P participants' working parameters, moments, step allocations and uploads
+    training: int  # the S models one pass trains: working parameters, moments, step allocations
     evaluation: int  # every client's scores on its rows
     data: int  # the clients' features, labels and views (train and test), shared by every configuration
+    uploads: int  # the P participants' uploads
     participants: int  # P
     traced: bool = True  # False where a hook could not run on the meta device: its state and activations left out
 
     @property
     def per_config(self) -> int:
-        return self.state + self.training + self.evaluation
+        return self.state + self.training + self.uploads + self.evaluation
 
     def total(self, configs: int = 1) -> int:
         """Bytes of a run of `configs` batched configurations, its data included."""
@@ -190,15 +190,17 @@ def estimate(
         # the state beyond parameters and the activations are left out
         kept, step, upload, evaluation, traced = 0, 0, 0, 0, False
     rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
-    # the working copy (the clients' state itself where every client trains at once) and the moments
-    trained = n_params * ((0 if S == C else 1) + MOMENTS[cfg["optimizer"]])
+    # the working copy (the clients' state itself where every client trains at once) and the moments; the gradient
+    # is among what the step allocates
+    trained = n_params * ((0 if S == C else 1) + len(OPTIMIZERS[cfg["optimizer"]].state_names))
     trained += n_buffers  # the local steps' own buffers (BN statistics updated during training)
-    once = sets_aside(algo, C, P, S)  # the shared tensors: one per configuration, broadcast to its clients
+    once = sets_aside(algo, C, P)  # the shared tensors: one per configuration, broadcast to its clients
     lifelong = params | buffers
     shared = _bytes({k: v for k, v in lifelong.items() if once and algo.shared(k)})
     return Footprint(
         state=C * (_bytes(lifelong) - shared) + shared + kept,
-        training=S * (trained + step + upload + rows),
+        training=S * (trained + step + rows),
+        uploads=P * upload,
         evaluation=C * evaluation,
         data=_data_bytes(train, test),
         participants=P,
@@ -221,7 +223,7 @@ def fit_at_once(
     if estimate(algo, cfg, data).per_config * models <= avail:
         return None
     one = estimate(algo, cfg, data, at_once=1)
-    room = avail // models - one.state - one.evaluation  # what the training tensors of a configuration may take
+    room = avail // models - one.state - one.uploads - one.evaluation  # what a configuration's training may take
     if room < one.training:
         _refuse(algo, cfg, models, one.per_config, device, avail, flag)
     return max(1, room // one.training)

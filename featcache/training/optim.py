@@ -77,7 +77,7 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or t.mT.is_contiguous()
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flat(t: torch.Tensor) -> torch.Tensor:
     """A contiguous view of t's memory (t itself or its last-two-dims transpose); same layout in, same order out."""
     return t if t.is_contiguous() else t.mT
 
@@ -228,9 +228,9 @@ class _Stacked(_Run):
                 continue
             for k, g in grads.items():
                 if len(models) == n and self.uniform(k, h, n):  # the usual case: n models, one kernel call
-                    yield h, k, None, lambda t: [_flat(t[h, :n])], g
+                    yield h, k, None, lambda t: [flat(t[h, :n])], g
                 else:
-                    yield h, k, models, lambda t: [_flat(t[h, c]) for c in models], g
+                    yield h, k, models, lambda t: [flat(t[h, c]) for c in models], g
                 for c in models:
                     self.count[k][h][c] += 1
 

@@ -155,7 +155,7 @@ class LocalSteps:
 
     def finish(self, state, aside: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """End the round: the trained models into `state`, except the names `aside`, returned as the cohort's
-        [H, P, ...] tensors in client-id order (valid until the next `start`); also returns which of the cohort's
+        [H, P, ...] tensors in its order (valid until the next `start`); also returns which of the cohort's
         models' loss was NaN/Inf at some step and each one's mean loss over the steps it took (NaN where it took
         none), [H, P] each, on the device."""
         cohort = self.cohort
@@ -168,8 +168,8 @@ class LocalSteps:
             k: state.buffers[k] if k in aside else cohort.put(state.buffers[k], v) for k, v in self.buffers.items()
         }
         acc = self.acc  # (the sums are zeroed and refilled next round)
-        uploads = {k: cohort.by_id(trained[k]) for k in aside}  # name -> [H, P, ...] in `Round.clients` order
-        return acc["bad"].clone(), acc["loss"] / acc["steps"], uploads  # [H, P], [H, P]
+        kept = {k: trained[k] for k in aside}  # name -> [H, P, ...] in the cohort's order
+        return acc["bad"].clone(), acc["loss"] / acc["steps"], kept  # [H, P], [H, P]
 
     def _step(self, held: Held, batch: Batch, ctx: dict, at, frozen) -> None:
         """The step itself (eager, or the function a graph captures) on the prefix of n models that has a batch,
