@@ -375,3 +375,18 @@ def test_readme_example_algorithm_equals_fedprox(data):
         _ALGOS.pop("myprox", None)
     for k, v in builtin.state.params.items():
         torch.testing.assert_close(mine.state.params[k], v, rtol=0, atol=1e-6)
+
+
+def test_put_models_writes_each_model_whatever_the_layouts():
+    """cohort.put_models: models written into their places, equal whether source and destination share a layout
+    (row-major, or last two dims transposed, square ones included) or not."""
+    from featcache.training.cohort import models_like, put_models
+
+    src = torch.randn(2, 3, 4, 4)  # [H, n, 4, 4]: square, where a layout mix-up would pass a shape check
+    at = torch.tensor([[4, 0, 2], [1, 3, 0]])
+    for s, d in itertools.product((src, src.mT.contiguous().mT), repeat=2):
+        dst = models_like(d, 5)
+        dst.zero_()
+        put_models(dst, at, s)
+        for h in range(2):
+            torch.testing.assert_close(dst[h, at[h]], src[h], rtol=0, atol=0)

@@ -42,10 +42,13 @@ def aside_names(algo, state, C: int, P: int) -> tuple[str, ...]:
 
 
 def put_models(dst: torch.Tensor, at: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[h, at[h]] = src[h] for every configuration h (dst [H, P, ...], at [H, n], src [H, n, ...], both in one
-    layout): a memory copy per model (an indexed write over [H, n] would go element by element)."""
+    """dst[h, at[h]] = src[h] for every configuration h (dst [H, P, ...], at [H, n], src [H, n, ...]): in one layout
+    a memory copy per model (an indexed write over [H, n] goes element by element)."""
     for h in range(dst.shape[0]):
-        flat(dst[h]).index_copy_(0, at[h], flat(src[h]))
+        if dst[h].is_contiguous() == src[h].is_contiguous():  # row-major or last two dims transposed, both
+            flat(dst[h]).index_copy_(0, at[h], flat(src[h]))
+        else:
+            dst[h, at[h]] = src[h]
 
 
 def models_like(t: torch.Tensor, P: int) -> torch.Tensor:

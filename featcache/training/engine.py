@@ -287,6 +287,7 @@ class Vectorized(Clients):
         self.at_once = S = slice_size(self.P, at_once, keeps)
         # the shared tensors `serve` reads from the participants as they trained, never written into the [H, C] state
         self.aside = aside_names(algo, eng.state, eng.C, self.P)
+        self.sent: dict = {}  # name -> [H, P, ...] the participants' tensors `aside` as trained, reused every round
         self.runner = LocalSteps(algo, eng.cfg["optimizer"], eng.hp, eng.train, eng.plan, eng.state, S, capture)
         self._seeds = eng.seeds.to(eng.device)  # [H] for batch orders built on the device
 
@@ -295,7 +296,6 @@ class Vectorized(Clients):
         algo, data, plan, N = eng.algo, eng.train, eng.plan, eng.train.features.shape[1]
         bad = torch.zeros(eng.H, eng.C, dtype=torch.bool, device=eng.device)  # [H, C]
         loss = torch.full((eng.H, eng.C), torch.nan, device=eng.device)  # [H, C]
-        sent: dict = {}  # name -> [H, P, ...] the participants' tensors `aside` as trained, in `Round.clients` order
         for cohort in Cohort.slices(part, self.P, self.at_once, eng.device, plan.order):  # [H, S] models
             self.runner.start(state, now, cohort)
             for epoch in range(algo.local_epochs()):
@@ -310,9 +310,9 @@ class Vectorized(Clients):
             bad, loss = cohort.put(bad, done), cohort.put(loss, mean)
             if aside:  # each slice's real models into their places among the round's participants
                 at = torch.searchsorted(now.clients, cohort.ids[:, : cohort.real])  # [H, real]
-                for k, t in trained.items():
-                    put_models(sent.setdefault(k, models_like(t, self.P)), at, t[:, : cohort.real])  # [H, P, ...]
-        return Local(bad, loss, now, (sent, data.counts[now.clients].float()) if aside else None)  # [H, C]
+                for k, t in trained.items():  # (one buffer for the run: a new one each round would fragment the heap)
+                    put_models(self.sent.setdefault(k, models_like(t, self.P)), at, t[:, : cohort.real])
+        return Local(bad, loss, now, (dict(self.sent), data.counts[now.clients].float()) if aside else None)  # [H, C]
 
     def score(self, eng: Engine, now: Round, round_loss: torch.Tensor, logs: bool) -> dict:
         """Where `predict` is personal, clients that took part in no round since the last evaluation keep its
