@@ -308,10 +308,10 @@ class Vectorized(Clients):
                     self.runner.step(plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
             done, mean, trained = self.runner.finish(state, aside)  # [H, S], [H, S], name -> [H, S, ...]
             bad, loss = cohort.put(bad, done), cohort.put(loss, mean)
-            if aside:  # each slice's real models into their places among the round's participants
-                at = torch.searchsorted(now.clients, cohort.ids[:, : cohort.real])  # [H, real]
+            if aside and now.clients is not None:  # each slice's real models into their places among the participants
+                places = torch.searchsorted(now.clients, cohort.ids[:, : cohort.real])  # [H, real]
                 for k, t in trained.items():  # (one buffer for the run: a new one each round would fragment the heap)
-                    put_models(self.sent.setdefault(k, models_like(t, self.P)), at, t[:, : cohort.real])
+                    put_models(self.sent.setdefault(k, models_like(t, self.P)), places, t[:, : cohort.real])
         return Local(bad, loss, now, (dict(self.sent), data.counts[now.clients].float()) if aside else None)  # [H, C]
 
     def score(self, eng: Engine, now: Round, round_loss: torch.Tensor, logs: bool) -> dict:

@@ -192,7 +192,8 @@ def estimate(
     rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
     # the working copy (the clients' state itself where every client trains at once) and the moments; the gradient
     # is among what the step allocates
-    trained = n_params * ((0 if S == C else 1) + len(OPTIMIZERS[cfg["optimizer"]].state_names))
+    moments = len(OPTIMIZERS[cfg["optimizer"]].state_names)
+    trained = n_params * ((0 if S == C else 1) + moments)
     trained += n_buffers  # the local steps' own buffers (BN statistics updated during training)
     once = sets_aside(algo, C, P)  # the shared tensors: one per configuration, broadcast to its clients
     lifelong = params | buffers

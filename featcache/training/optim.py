@@ -405,7 +405,7 @@ class MaskedSGD(_Masked):
         return dict(self.params)
 
 
-OPTIMIZERS = {"adam": Adam, "sgd": SGD}  # fused kernels per configuration: the CPU's choice
+OPTIMIZERS: dict[str, type[_Stacked]] = {"adam": Adam, "sgd": SGD}  # fused kernels per configuration: the CPU's choice
 MASKED = {"adam": MaskedAdam, "sgd": MaskedSGD}  # whole-stack arithmetic: the GPU's choice
 BY_DEVICE = {"cuda": MASKED}  # device type -> registry; any other device uses OPTIMIZERS
 
