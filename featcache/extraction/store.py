@@ -131,11 +131,10 @@ class Part:
         if not len(at):
             return np.zeros(0, np.uint32)
         lo, hi = int(at.min()), int(at.max()) + 1
-        span = np.empty(hi - lo, np.dtype("<u4"))  # [hi - lo]
-        with open(self.file, "rb", buffering=0) as fh:  # type: ignore[arg-type]
-            bufs = [memoryview(span).cast("B")]
-            if (got := os.preadv(fh.fileno(), bufs, self.crc_at + 4 * lo)) != span.nbytes:  # type: ignore[operator]
-                _read_rest(fh.fileno(), bufs, self.crc_at + 4 * lo, got)  # type: ignore[operator]
+        with open(self.file, "rb") as fh:  # type: ignore[arg-type]
+            span = np.fromfile(fh, np.dtype("<u4"), hi - lo, offset=self.crc_at + 4 * lo)  # type: ignore[operator]
+        if len(span) != hi - lo:
+            raise OSError(f"the file ends {4 * (hi - lo - len(span))} bytes short")
         return span[at - lo]
 
     def read_into(self, out: np.ndarray, at: np.ndarray, dest: np.ndarray) -> None:
@@ -155,7 +154,7 @@ class Part:
         n = (np.diff(starts, append=len(at)) * size).tolist()  # its bytes
         offset = (self.offset + at[starts] * size).tolist()  # where it lies in the file
         # each read's first buffer (at most IOV_MAX buffers a read), then the end
-        first = [*np.union1d(np.flatnonzero(isin_sorted(starts, reads)), range(0, len(starts), IOV_MAX)).tolist()]
+        first = np.union1d(np.flatnonzero(isin_sorted(starts, reads)), range(0, len(starts), IOV_MAX)).tolist()
         with open(self.file, "rb", buffering=0) as fh:  # type: ignore[arg-type]
             fd = fh.fileno()
             for a, b in zip(first, [*first[1:], len(starts)]):  # a scattered row costs a slice and a read, no copy
