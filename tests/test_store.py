@@ -696,8 +696,8 @@ def test_a_gather_fills_its_rows_in_place_through_short_reads_and_the_buffer_lim
 def test_a_run_segment_is_gathered_without_its_index_and_verified_whole(tmp_path):
     """A fill of consecutive indices names its run (`first`): a gather reads no index and only the crc32s of its
     rows, each checked against its row, so a flipped bit in a row's crc is refused by the gather that reads it and
-    only by it; a flipped bit in the index array, which no gather reads, is refused by `check` (verify), and so is
-    a changed `first` (the segment's metadata checksum)."""
+    only by it (`digest`, which hashes every crc, checks the array whole); a flipped bit in the index array, which
+    no gather reads, is refused by `check` (verify), and so is a changed `first` (the segment's metadata checksum)."""
     from featcache.extraction.store import DamagedStore, Store, rows_folder
 
     rows = np.random.default_rng(0).standard_normal((100, 5)).astype(np.float32)  # [source index, D]
@@ -720,6 +720,8 @@ def test_a_run_segment_is_gathered_without_its_index_and_verified_whole(tmp_path
     assert np.array_equal(Store(path, None).gather(need, np.arange(8, 100)), rows[8:])
     with pytest.raises(DamagedStore, match="a row does not match its crc32"):
         Store(path, None).gather(need, np.array([3, 7]))
+    with pytest.raises(DamagedStore, match="an index does not match its crc32"):  # info's digest hashes every crc
+        Store(path, None).digest()
     flip(crc_at + 4 * 7)
     flip(index_at + 8 * 50)
     assert np.array_equal(Store(path, None).gather(need, np.arange(100)), rows)

@@ -251,8 +251,8 @@ class Store:
         return self.meta().get("backbone")
 
     def parts(self, need: Need, whole: bool = False) -> list[Part]:
-        """The Parts holding rows of `need`, in segment order; with `whole` their index and crc arrays read and
-        checked whole (a verify), not kept."""
+        """The Parts holding rows of `need`, in segment order (read once per process); with `whole` read again, their
+        index and crc arrays each checked whole against its crc32 (verify, info's digest)."""
         if need not in self._parts or whole:
             meta, parts = self.meta(), []
             if meta.get(MARKER) == 1:
@@ -264,8 +264,6 @@ class Store:
             for seg in meta.get("segments", []):
                 if need_name(need) in seg["held"]:
                     parts.append(_part(self.path, self.rows / seg["file"], seg["meta_sha256"], need, whole))
-            if whole:
-                return parts
             self._parts[need] = parts
         return self._parts[need]
 
@@ -323,7 +321,7 @@ class Store:
             return None
         h = hashlib.sha256()
         for need in sorted(self.needs()):
-            parts = self.parts(need)
+            parts = self.parts(need, whole=True)  # every crc is hashed: each array checked first
             index = np.concatenate([p.index for p in parts])
             order = np.argsort(index, kind="stable")
             h.update(need_name(need).encode() + index[order].tobytes())
@@ -489,7 +487,7 @@ def _part(store: Path, file: Path, digest: str, need: Need, whole: bool = False)
             g = f[need_name(need)]
             ds, first = g["rows"], h5.plain(g["index"].attrs.get("first"))
             index = None if first is None else np.arange(first, first + ds.shape[0])  # [n] the run it names
-            arrays = {k: g[k][...] for k in (("index", "crc") if whole else ("index",) if index is None else ())}
+            arrays = {k: g[k][...] for k in ("index", "crc") if whole or (k == "index" and index is None)}
             if any(zlib.crc32(v) != h5.plain(g[k].attrs.get("crc32")) for k, v in arrays.items()) or (
                 index is not None and "index" in arrays and not np.array_equal(arrays["index"], index)
             ):

@@ -53,10 +53,10 @@ def put_models(dst: torch.Tensor, at: torch.Tensor, src: torch.Tensor) -> None:
 
 def models_like(t: torch.Tensor, P: int) -> torch.Tensor:
     """An empty [H, P, ...] stack of t's [H, S, ...] models, in t's layout (row-major or last-two-dims transposed)."""
-    H, *rest = t.shape[0], *t.shape[2:]
+    shape = (t.shape[0], P, *t.shape[2:])
     if t.dim() > 3 and not t.is_contiguous() and t.mT.is_contiguous():
-        return t.new_empty(H, P, *rest[:-2], rest[-1], rest[-2]).mT
-    return t.new_empty(H, P, *rest)
+        return t.new_empty(*shape[:-2], shape[-1], shape[-2]).mT
+    return t.new_empty(shape)
 
 
 def reorder(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

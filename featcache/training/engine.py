@@ -308,7 +308,8 @@ class Vectorized(Clients):
                     self.runner.step(plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
             done, mean, trained = self.runner.finish(state, aside)  # [H, S], [H, S], name -> [H, S, ...]
             bad, loss = cohort.put(bad, done), cohort.put(loss, mean)
-            if aside and now.clients is not None:  # each slice's real models into their places among the participants
+            if aside:  # each slice's real models into their places among the participants (P < C: listed)
+                assert now.clients is not None
                 places = torch.searchsorted(now.clients, cohort.ids[:, : cohort.real])  # [H, real]
                 for k, t in trained.items():  # (one buffer for the run: a new one each round would fragment the heap)
                     put_models(self.sent.setdefault(k, models_like(t, self.P)), places, t[:, : cohort.real])

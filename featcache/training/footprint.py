@@ -57,7 +57,7 @@ REPLAYED = ("init", "init_state", "context", "local_loss", "after_local", "uploa
 
 @dataclass(frozen=True)
 class Footprint:
-    """Estimated bytes by lifetime; `state`, `training` and `evaluation` are one configuration's."""
+    """Estimated bytes by lifetime; `state`, `training`, `uploads` and `evaluation` are one configuration's."""
 
     state: int  # the C clients' parameters, buffers and algorithm state, and the server's state
     training: int  # the S models one pass trains: working parameters, moments, step allocations
