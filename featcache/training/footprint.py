@@ -1,6 +1,7 @@
 """Memory of a run, estimated before anything runs from what the algorithm declares: its `init`, `init_state`,
-`context`, `local_loss` and `predict` run on torch's meta device (shapes only, nothing allocated). The estimate
-follows what each tensor lives for:
+`context`, `local_loss` and `predict` replay the engine's first round for real on a few clients (a run's state is
+grown from them to its C clients, so the replay costs what a few clients cost). The estimate follows what each tensor
+lives for:
 
 - state, for the whole run, per configuration: every one of the C clients' parameters and buffers (the shared ones
   once where the server is FedAvg's and not every client trains: `fedavg_server`), the algorithm's per-client state
@@ -9,16 +10,13 @@ follows what each tensor lives for:
   · C)) of a round, in slices of `cohort.slice_size`): each model's working copy of its parameters (the state's own
   where all C train at once), optimizer moments (both moved into the gradients' layout within their own memory at the
   first step) and what the local step allocates (the new tensors of one vmapped forward and backward, gradients
-  included, as the allocator hands them out: see `_Allocated`; traced on two meta models side by side, so a batched
+  included, as the allocator hands them out: see `_Allocated`; traced on two models side by side, so a batched
   op that copies per model counts as it does in the engine); and every participant's upload (the server's
   aggregation reads the P uploads as one stack, copied where they are views);
 - evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
 - data, once: the clients' features, labels and views of the train and test splits.
 
-Parameters are made on the meta device too (for real only where an algorithm's `init` cannot run there). The first
-estimate in a process pays for torch's first meta-device ops: importing its Python meta kernels (the engine's vmap
-imports them too) and torch._dynamo, which wraps each of them (seconds, once per process; an estimate after it
-takes hundredths of a second).
+The replay runs on real tensors, not torch's meta device: every meta-device op imports torch._dynamo (seconds).
 
 `fit_at_once` picks how many participants a pass of local training may hold for a run to fit the available memory
 (the engine trains the rest in further slices); `check_memory` refuses, in one line naming the setting to lower, a
@@ -28,6 +26,8 @@ run whose estimate exceeds it.
 from __future__ import annotations
 
 import collections
+import contextlib
+import math
 import weakref
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -50,7 +50,10 @@ from .models import map_models
 # Size settings a memory refusal may name, in the order they are considered when several grew.
 SIZE_SETTINGS = ("proj_dim", "con_dim", "n_prompts", "queue", "heads", "batch_size")
 VIEWS = (torch.ops.aten._unsafe_view.default,)  # views whose schema does not say so
-TRACED = 2  # meta models traced side by side: a batched op that copies per model shows up as it does in the engine
+TRACED = 2  # models traced side by side: a batched op that copies per model shows up as it does in the engine
+# the clients the replays make state for; a run of more is grown from the two (far enough apart that a temporary
+# whose size happens to match another's at one of them moves the slope little)
+REPLAYED_CLIENTS = (8, 16)
 # The hooks the replay runs, in the engine's order (after_step, aggregate and download allocate nothing it counts).
 REPLAYED = ("init", "init_state", "context", "local_loss", "after_local", "upload", "predict")
 
@@ -65,7 +68,7 @@ class Footprint:
     data: int  # the clients' features, labels and views (train and test), shared by every configuration
     uploads: int  # the P participants' uploads
     participants: int  # P
-    traced: bool = True  # False where a hook could not run on the meta device: its state and activations left out
+    traced: bool = True  # False where a hook failed in the replay: its state and activations left out
 
     @property
     def per_config(self) -> int:
@@ -97,6 +100,10 @@ class _Allocated(TorchDispatchMode):
     below live ones is not reused for a tensor of its own size: glibc serves torch's 64-byte-aligned requests with
     a little more than the size, so such holes make a run's peak exceed this estimate.)"""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # torch would wrap __torch_dispatch__ in a torch._dynamo import (seconds)
+        return False
+
     def __init__(self):
         super().__init__()
         self.bytes = 0
@@ -116,48 +123,88 @@ class _Allocated(TorchDispatchMode):
         return out
 
 
-def _meta(shape, dtype=torch.float32) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
+def _first(data: ClientData, n: int) -> ClientData:
+    """The first n clients of `data` (views)."""
+    views = None if data.views is None else data.views[:n]
+    return ClientData(data.features[:n], data.labels[:n], data.counts[:n], data.num_classes, views)
 
 
-def _meta_data(C: int, N: int, D: int, K: int, V: int) -> ClientData:
-    return ClientData(
-        _meta((C, N, D)), _meta((C, N), torch.int64), _meta((C,), torch.int64), K, _meta((C, N, V, D)) if V else None
-    )
-
-
-def _traced(algo, cfg: dict, data: ClientData, C: int, n_eval: int) -> tuple[int, int, int, int]:
-    """(state.client + state.server bytes; per model: what its local step allocates, its upload, what its predict on
-    n_eval rows allocates), from a meta run of C clients (state, upload) and TRACED models (step, predict): the
-    engine's first round, its hooks in the engine's order (those of `REPLAYED`), its state and Round made by the
-    engine's own `initial_state` and `Frame`."""
-    B, N, D, K = cfg["batch_size"], data.features.shape[1], data.features.shape[2], data.num_classes
-    V = data.views.shape[2] if data.views is not None else 0
+def _replay(algo, cfg: dict, model, data: ClientData):
+    """The engine's round-1 State and Round for `data`'s clients, made by its own `Frame` and `initial_state`."""
+    C, dev = data.features.shape[0], data.features.device
     floats = [k for k in cfg if k not in structural_keys(cfg, algo) and k != "seed"]
-    hp = HParams.of({k: [float(cfg[k])] for k in floats}, "meta")
-    seeds, shared = torch.zeros(1, dtype=torch.int64), MappingProxyType(dict(shared_settings(cfg, algo)))
-    frame = Frame(1, _meta((C,), torch.int64), seeds, hp, shared, _meta_data(C, N, D, K, V), torch.device("meta"))
-    with torch.device("meta"):
-        model = algo.init(cfg, D, K, torch.Generator())
-    state, rnd = initial_state(algo, [model], frame), frame.round(0)
+    hp = HParams.of({k: [float(cfg[k])] for k in floats}, dev)
+    shared = MappingProxyType(dict(shared_settings(cfg, algo)))
+    frame = Frame(
+        1, torch.ones(C, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64), hp, shared, data, dev
+    )
+    return initial_state(algo, [model], frame), frame.round(0)
+
+
+def _at(a, b, n: tuple[int, int], C: int) -> int:
+    """Bytes of tree `a`, made for n[0] clients, at C clients: each dimension that differs in `b` (the same tree made
+    for n[1]) grows linearly with the clients ([C, K, d] prototypes, [C, C] affinities)."""
+    total = 0
+    for s, t in zip(tree_leaves(a), tree_leaves(b), strict=True):
+        if torch.is_tensor(s):
+            dims = (i + (j - i) * (C - n[0]) // (n[1] - n[0]) for i, j in zip(s.shape, t.shape, strict=True))
+            total += math.prod(dims) * s.element_size()
+    return total
+
+
+def _round(algo, cfg: dict, model, train: ClientData, test: ClientData | None, n: int):
+    """The engine's first round replayed for real on the first n clients, its hooks in the engine's order (those of
+    `REPLAYED`): (their state.client and state.server, their uploads, the bytes the local step of TRACED of them
+    allocates, and their predict on their rows)."""
+    B, D, dev = cfg["batch_size"], train.features.shape[2], train.features.device
+    state, rnd = _replay(algo, cfg, model, _first(train, n))
     traced = lambda tree: tree_map(lambda t: t[:, :TRACED] if torch.is_tensor(t) and t.dim() >= 2 else t, tree)
     models, bufs = traced(state.params), traced(state.buffers)
-    x, y = _meta((1, TRACED, B, D)), _meta((1, TRACED, B), torch.int64)
-    extra = {"views": _meta((1, TRACED, B, V, D))} if V else {}
-    leaves = {k: v.clone().requires_grad_(True) for k, v in models.items()}
+    x, y = torch.zeros(1, TRACED, B, D, device=dev), torch.zeros(1, TRACED, B, dtype=torch.int64, device=dev)
+    views = {"views": torch.zeros(1, TRACED, B, train.views.shape[2], D, device=dev)} if train.views is not None else {}
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in models.items()}
     ctx = traced(algo.context(state, rnd))
     with _Allocated() as step:
         loss, _ = torch.func.vmap(torch.func.vmap(algo.local_loss))(
-            leaves, bufs, x, y, _meta((1, TRACED, B), torch.bool), ctx | extra
+            leaves, bufs, x, y, torch.ones(1, TRACED, B, dtype=torch.bool, device=dev), ctx | views
         )
         torch.autograd.grad(loss.sum(), [v for v in leaves.values()], allow_unused=True)
-    upload = _bytes(client_side(algo, state, rnd)) // C
-    kept = _bytes((state.client, state.server))  # the per-client state some algorithms first make in after_local
+    uploads = client_side(algo, state, rnd)
+    split = max((s for s in (train, test) if s is not None), key=lambda s: s.features.shape[1])  # the most rows
     models, bufs, ctx = traced(state.params), traced(state.buffers), traced(algo.context(state, rnd))
-    rows, xs = {"rows": _meta((1, TRACED, n_eval), torch.bool)}, _meta((TRACED, n_eval, D))  # the data: loaded already
+    rows = {"rows": torch.ones(1, TRACED, split.features.shape[1], dtype=torch.bool, device=dev)}
     with _Allocated() as evaluation, torch.no_grad():  # as evaluate.scores runs it: the rows shared by configurations
-        map_models(lambda p, b, c, x: algo.predict(p, b, x, c), (models, bufs, ctx | rows), (xs,))
-    return kept, step.bytes // TRACED, upload, evaluation.bytes // TRACED
+        map_models(lambda p, b, c, x: algo.predict(p, b, x, c), (models, bufs, ctx | rows), (split.features[:TRACED],))
+    return (state.client, state.server), uploads, step.bytes, evaluation.bytes
+
+
+def _traced(algo, cfg: dict, model, train: ClientData, test: ClientData | None) -> tuple[int, int, int, int]:
+    """(state.client + state.server bytes; per model: what its local step allocates, its upload, what its predict
+    allocates) at C clients: `_round` on all of them, or where they are more than REPLAYED_CLIENTS, on each of those
+    counts, what differs between the two growing linearly with the clients (FedPCL's step contrasts with every
+    client's prototypes)."""
+    C = train.features.shape[0]
+    if C <= REPLAYED_CLIENTS[1]:
+        kept, uploads, step, scored = _round(algo, cfg, model, train, test, C)
+        return _bytes(kept), step // TRACED, _bytes(uploads) // C, scored // TRACED
+    n = REPLAYED_CLIENTS
+    (kept, uploads, *spent), (kept_, uploads_, *spent_) = (_round(algo, cfg, model, train, test, k) for k in n)
+    step, scored = (a + (b - a) * (C - n[0]) // (n[1] - n[0]) for a, b in zip(spent, spent_))
+    return _at(kept, kept_, n, C), step // TRACED, _at(uploads, uploads_, n, C) // C, scored // TRACED
+
+
+def _grown(algo, cfg: dict) -> list[str]:
+    """The size settings of `cfg` above their defaults."""
+    defaults = resolve(algo)
+    return [k for k in SIZE_SETTINGS if k in cfg and cfg[k] > defaults[k]]
+
+
+def _on_meta(data: ClientData | None) -> ClientData | None:
+    """`data`'s shapes on the meta device."""
+    meta = lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return data and ClientData(
+        meta(data.features), meta(data.labels), meta(data.counts), data.num_classes, meta(data.views)
+    )
 
 
 def estimate(
@@ -166,27 +213,27 @@ def estimate(
     """The Footprint of one configuration `cfg` of `algo` (bound or not) on `train` (and `test`, counted as data
     when given); P: the models training per round (default: from cfg's participation), `at_once` the most of them
     one pass of local training holds (the Engine's; None: all P). An algorithm's own checks of its settings (in
-    `init`) run here too; a hook that cannot run on the meta device leaves its term out."""
+    `init`) run here too; a hook that fails in the replay leaves its term out (the run itself reports it)."""
     algo = algo.bind(shared_settings(cfg, algo))
-    C, N, D = train.features.shape
-    K = train.num_classes
+    C, D, K = train.features.shape[0], train.features.shape[2], train.num_classes
     P = cohort_size(C, cfg["participation"], algo.keeps_optimizer_state) if P is None else P  # as the engine's
     S = slice_size(P, at_once, algo.keeps_optimizer_state)  # trained at once
+    meta = bool(_grown(algo, cfg))  # a size the user raised may ask for more memory than there is: shapes only
+    train, test = (_on_meta(train), _on_meta(test)) if meta else (train, test)
     try:
-        with torch.device("meta"):
-            params, buffers = algo.init(cfg, D, K, torch.Generator())
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            params, buffers = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
     except UserError:
         raise
-    except Exception:
+    except Exception:  # an init that reads values: made for real
         params, buffers = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
     n_params, n_buffers = _bytes(params), _bytes(buffers)
-    n_eval = max(N, test.features.shape[1] if test is not None else 0)  # the most rows one model scores at once
     traced = True
     try:
-        kept, step, upload, evaluation = _traced(algo, cfg, train, C, n_eval)
+        kept, step, upload, evaluation = _traced(algo, cfg, (params, buffers), train, test)
     except UserError:
         raise
-    except (Exception, SystemExit):  # a hook that reads values (or a plug-in's that exits: the run itself says so):
+    except (Exception, SystemExit):  # a hook that fails (or a plug-in's that exits): the run itself says so;
         # the state beyond parameters and the activations are left out
         kept, step, upload, evaluation, traced = 0, 0, 0, 0, False
     rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
@@ -243,8 +290,7 @@ def _refuse(algo, cfg: dict, models: int, one: int, device: torch.device, avail:
     """The one-line refusal of a run of `models` configurations of `one` bytes each, when they exceed `avail`."""
     need = one * models
     if need > avail:
-        defaults = resolve(algo)
-        grown = [k for k in SIZE_SETTINGS if k in cfg and cfg[k] > defaults[k]]
+        defaults, grown = resolve(algo), _grown(algo, cfg)
         name = max(grown, key=lambda k: cfg[k] / max(defaults[k], 1)) if grown else None
         fix = (
             f"lower {name} (now {cfg[name]}, default {defaults[name]})"
