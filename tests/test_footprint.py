@@ -114,8 +114,8 @@ def test_a_raised_size_setting_is_replayed_on_the_meta_device_to_the_same_estima
     cfg = configure(name, batch_size=8, participation=0.5, **{key: 2 * configure(name)[key]})
     data = clients(20, views=2 if algo.uses_views else 0)
     original = footprint._round
-    spy = lambda algo, cfg, model, train, test, n: made.append(train.features.device.type) or original(
-        algo, cfg, model, train, test, n
+    spy = lambda algo, cfg, model, train, test, n: (
+        made.append(train.features.device.type) or original(algo, cfg, model, train, test, n)
     )
     monkeypatch.setattr(footprint, "_round", spy)
     meta = estimate(algo, cfg, data)
