@@ -199,12 +199,11 @@ def _grown(algo, cfg: dict) -> list[str]:
     return [k for k in SIZE_SETTINGS if k in cfg and cfg[k] > defaults[k]]
 
 
-def _on_meta(data: ClientData | None) -> ClientData | None:
+def _on_meta(data: ClientData) -> ClientData:
     """`data`'s shapes on the meta device."""
-    meta = lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return data and ClientData(
-        meta(data.features), meta(data.labels), meta(data.counts), data.num_classes, meta(data.views)
-    )
+    meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
+    views = None if data.views is None else meta(data.views)
+    return ClientData(meta(data.features), meta(data.labels), meta(data.counts), data.num_classes, views)
 
 
 def estimate(
@@ -219,7 +218,8 @@ def estimate(
     P = cohort_size(C, cfg["participation"], algo.keeps_optimizer_state) if P is None else P  # as the engine's
     S = slice_size(P, at_once, algo.keeps_optimizer_state)  # trained at once
     meta = bool(_grown(algo, cfg))  # a size the user raised may ask for more memory than there is: shapes only
-    train, test = (_on_meta(train), _on_meta(test)) if meta else (train, test)
+    if meta:
+        train, test = _on_meta(train), test and _on_meta(test)
     try:
         with torch.device("meta") if meta else contextlib.nullcontext():
             params, buffers = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
