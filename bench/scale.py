@@ -130,9 +130,9 @@ def evaluation_cases(C: int, rounds: int) -> list[dict]:
 
 
 def shapes(C: int, n: int) -> ClientData:
-    """Meta tensors shaped like the case's clients: the estimate reads shapes only."""
+    """Meta tensors shaped like the case's clients, with their row counts: the estimate reads nothing else."""
     meta = lambda *s, dtype=torch.float32: torch.empty(s, dtype=dtype, device="meta")
-    return ClientData(meta(C, n, D), meta(C, n, dtype=torch.int64), meta(C, dtype=torch.int64), K)
+    return ClientData(meta(C, n, D), meta(C, n, dtype=torch.int64), torch.full((C,), n), K)
 
 
 def scale_cases(

@@ -17,7 +17,7 @@ from featcache.training.hparams import HParams
 from featcache.training.optim import SGD, Adam
 from featcache.training.cohort import Cohort
 from featcache.training.schedule import batch_order, participation
-from featcache.testing import plain_loop
+from featcache.testing import plain_loop, synthetic_clients
 
 ALGOS = sorted(list_algorithms())
 
@@ -150,6 +150,23 @@ def test_a_fedavg_server_never_writes_the_shared_tensors_into_every_clients_stat
         assert set(eng.clients.aside) == set(eng.state.params) - personal
         for k, v in eng.state.params.items():
             assert (v.stride(1) == 0) == (k not in personal), k  # broadcast: one model per configuration
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedper", "fedprox"])
+def test_participants_trained_in_one_pass_in_id_order_upload_their_trained_tensors_uncopied(name):
+    """FedAvg's server at p < 1 with every participant in one pass: where the step order is the clients' ids (equal
+    clients), the uploads are the trained tensors themselves (no [H, P] buffer is made); where it is not (uneven
+    clients), they are copied into id order. Either run is the one trained in slices."""
+    algo = create(name)
+    for n, copied in (((40, 40), False), ((20, 60), True)):
+        train, test = synthetic_clients(C=6, n=n, seed=0), synthetic_clients(C=6, n=n, seed=1)
+        cfg = [config(algo, rounds=2, participation=0.5, batch_size=8, drop_last=False)]
+        whole, sliced = Engine(algo, cfg, train, test), Engine(algo, cfg, train, test, at_once=1)
+        a, b = whole.run(), sliced.run()
+        assert whole.clients.aside and bool(whole.clients.sent) == copied, n
+        torch.testing.assert_close(a["acc"], b["acc"], rtol=0, atol=1e-6)
+        for k, v in whole.state.params.items():
+            torch.testing.assert_close(sliced.state.params[k], v, msg=lambda m: f"{name} {n} {k}: {m}")
 
 
 @pytest.mark.parametrize("name", ALGOS)

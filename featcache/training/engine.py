@@ -296,6 +296,7 @@ class Vectorized(Clients):
         algo, data, plan, N = eng.algo, eng.train, eng.plan, eng.train.features.shape[1]
         bad = torch.zeros(eng.H, eng.C, dtype=torch.bool, device=eng.device)  # [H, C]
         loss = torch.full((eng.H, eng.C), torch.nan, device=eng.device)  # [H, C]
+        sent = self.sent
         for cohort in Cohort.slices(part, self.P, self.at_once, eng.device, plan.order):  # [H, S] models
             self.runner.start(state, now, cohort)
             for epoch in range(algo.local_epochs()):
@@ -308,12 +309,15 @@ class Vectorized(Clients):
                     self.runner.step(plan.rows(order, s), ctx, replace(at, step=s), frozen)  # rows [H, P, B]
             done, mean, trained = self.runner.finish(state, aside)  # [H, S], [H, S], name -> [H, S, ...]
             bad, loss = cohort.put(bad, done), cohort.put(loss, mean)
-            if aside:  # each slice's real models into their places among the participants (P < C: listed)
+            if aside and cohort.real == self.P and all(row == sorted(row) for row in cohort.host):
+                sent = trained  # every participant, in id order: the uploads are the trained tensors themselves
+            elif aside:  # each slice's real models into their places among the participants (P < C: listed)
                 assert now.clients is not None
                 places = torch.searchsorted(now.clients, cohort.ids[:, : cohort.real])  # [H, real]
                 for k, t in trained.items():  # (one buffer for the run: a new one each round would fragment the heap)
                     put_models(self.sent.setdefault(k, models_like(t, self.P)), places, t[:, : cohort.real])
-        return Local(bad, loss, now, (dict(self.sent), data.counts[now.clients].float()) if aside else None)  # [H, C]
+                sent = self.sent
+        return Local(bad, loss, now, (dict(sent), data.counts[now.clients].float()) if aside else None)  # [H, C]
 
     def score(self, eng: Engine, now: Round, round_loss: torch.Tensor, logs: bool) -> dict:
         """Where `predict` is personal, clients that took part in no round since the last evaluation keep its

@@ -12,7 +12,8 @@ lives for:
   first step) and what the local step allocates (the new tensors of one vmapped forward and backward, gradients
   included, as the allocator hands them out: see `_Allocated`; traced on two models side by side, so a batched
   op that copies per model counts as it does in the engine); and every participant's upload (the server's
-  aggregation reads the P uploads as one stack, copied where they are views);
+  aggregation reads the P uploads as one stack, copied where they are views; FedAvg's server reads its P
+  participants' trained tensors as they are where one pass trains them all in id order);
 - evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
 - data, once: the clients' features, labels and views of the train and test splits.
 
@@ -214,10 +215,13 @@ def estimate(
     one pass of local training holds (the Engine's; None: all P). An algorithm's own checks of its settings (in
     `init`) run here too; a hook that fails in the replay leaves its term out (the run itself reports it)."""
     algo = algo.bind(shared_settings(cfg, algo))
-    C, D, K = train.features.shape[0], train.features.shape[2], train.num_classes
+    C, D, K, B = train.features.shape[0], train.features.shape[2], train.num_classes, cfg["batch_size"]
     P = cohort_size(C, cfg["participation"], algo.keeps_optimizer_state) if P is None else P  # as the engine's
     S = slice_size(P, at_once, algo.keeps_optimizer_state)  # trained at once
-    meta = bool(_grown(algo, cfg))  # a size the user raised may ask for more memory than there is: shapes only
+    steps = [] if train.counts.is_meta else schedule.client_steps(train.counts.tolist(), B, cfg["drop_last"])
+    by_id = bool(steps) and all(a >= b for a, b in zip(steps, steps[1:]))  # the step order is the ids' (`Plan.order`)
+    # shapes only where the data is, or where a size the user raised may ask for more memory than there is
+    meta = train.features.is_meta or bool(_grown(algo, cfg))
     if meta:
         train, test = _on_meta(train), test and _on_meta(test)
     try:
@@ -236,7 +240,7 @@ def estimate(
     except (Exception, SystemExit):  # a hook that fails (or a plug-in's that exits): the run itself says so;
         # the state beyond parameters and the activations are left out
         kept, step, upload, evaluation, traced = 0, 0, 0, 0, False
-    rows = cfg["batch_size"] * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
+    rows = B * D * 4 * (1 + (train.views.shape[2] if train.views is not None else 0))  # the batch
     # the working copy (the clients' state itself where every client trains at once) and the moments; the gradient
     # is among what the step allocates
     moments = len(OPTIMIZERS[cfg["optimizer"]].state_names)
@@ -248,7 +252,7 @@ def estimate(
     return Footprint(
         state=C * (_bytes(lifelong) - shared) + shared + kept,
         training=S * (trained + step + rows),
-        uploads=P * upload,
+        uploads=0 if once and S == P and by_id else P * upload,  # (trained in one pass in id order: not copied)
         evaluation=C * evaluation,
         data=_data_bytes(train, test),
         participants=P,
