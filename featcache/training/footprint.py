@@ -17,7 +17,9 @@ lives for:
 - evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
 - data, once: the clients' features, labels and views of the train and test splits.
 
-The replay runs on real tensors, not torch's meta device: every meta-device op imports torch._dynamo (seconds).
+The replay runs on real tensors: every op on torch's meta device imports torch._dynamo (seconds). It runs there
+(shapes only, nothing allocated) where the data given is, and where a size setting is above its default, since such
+a setting may ask for more memory than there is.
 
 `fit_at_once` picks how many participants a pass of local training may hold for a run to fit the available memory
 (the engine trains the rest in further slices); `check_memory` refuses, in one line naming the setting to lower, a
