@@ -90,20 +90,6 @@ def test_every_built_in_algorithm_is_traced(name):
 
 
 @pytest.mark.parametrize("name", sorted(list_algorithms()))
-def test_a_run_of_many_clients_is_grown_from_replays_of_a_few(name, monkeypatch):
-    """Past REPLAYED_CLIENTS the replays make state for 8 and 16 clients and grow it to C: the state and uploads
-    exactly those of a replay of all C, the step and evaluation within 1 % (a temporary whose size matches another's
-    at one count is reused there), for every algorithm."""
-    algo = create(name)
-    cfg, data = configure(name, batch_size=8, participation=0.5), clients(40, views=2 if algo.uses_views else 0)
-    grown = estimate(algo, cfg, data)
-    monkeypatch.setattr(footprint, "REPLAYED_CLIENTS", (8, 40))
-    every = estimate(algo, cfg, data)
-    assert (grown.state, grown.uploads, grown.evaluation) == (every.state, every.uploads, every.evaluation)
-    assert abs(grown.training / every.training - 1) < 0.01
-
-
-@pytest.mark.parametrize("name", sorted(list_algorithms()))
 def test_a_raised_size_setting_is_replayed_on_the_meta_device_to_the_same_estimate(name, monkeypatch):
     """A size setting above its default may ask for more memory than there is: the replay then runs on shapes only
     (nothing allocated) and gives what the real replay gives: the same state and uploads, the step and evaluation
@@ -113,18 +99,37 @@ def test_a_raised_size_setting_is_replayed_on_the_meta_device_to_the_same_estima
     key = next(k for k in footprint.SIZE_SETTINGS if k != "batch_size" and k in configure(name))
     cfg = configure(name, batch_size=8, participation=0.5, **{key: 2 * configure(name)[key]})
     data = clients(20, views=2 if algo.uses_views else 0)
-    original = footprint._round
-    spy = lambda algo, cfg, model, train, test, n: (
-        made.append(train.features.device.type) or original(algo, cfg, model, train, test, n)
+    original = footprint._traced
+    spy = lambda algo, cfg, model, train, test: (
+        made.append(train.features.device.type) or original(algo, cfg, model, train, test)
     )
-    monkeypatch.setattr(footprint, "_round", spy)
+    monkeypatch.setattr(footprint, "_traced", spy)
     meta = estimate(algo, cfg, data)
     monkeypatch.setattr(footprint, "_grown", lambda algo, cfg: [])
     real = estimate(algo, cfg, data)
-    assert made == ["meta", "meta", "cpu", "cpu"] and meta.traced and real.traced
+    assert made == ["meta", "cpu"] and meta.traced and real.traced
     assert (meta.state, meta.uploads, meta.data) == (real.state, real.uploads, real.data)
     close = 0.2 if name == "fedetf" else 0.01
     assert abs(meta.training / real.training - 1) < close and abs(meta.evaluation / real.evaluation - 1) < close
+
+
+def test_clients_whose_models_would_fill_the_memory_are_replayed_on_the_meta_device(monkeypatch):
+    """The replay makes every client's state for real only where their models take at most 1/REPLAY_SHARE of the
+    available memory; past that, shapes only, to the same estimate."""
+    algo, cfg, data, made = create("fedpcl"), configure("fedpcl", batch_size=8), clients(20), []
+    original = footprint._traced
+    spy = lambda algo, cfg, model, train, test: (
+        made.append(train.features.device.type) or original(algo, cfg, model, train, test)
+    )
+    monkeypatch.setattr(footprint, "_traced", spy)
+    real = estimate(algo, cfg, data)
+    params, buffers = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
+    models = 20 * sum(t.numel() * 4 for t in (*params.values(), *buffers.values()))
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: footprint.REPLAY_SHARE * models - 1)
+    meta = estimate(algo, cfg, data)
+    assert made == ["cpu", "meta"]
+    assert (meta.state, meta.uploads, meta.data) == (real.state, real.uploads, real.data)
+    assert abs(meta.training / real.training - 1) < 0.01 and abs(meta.evaluation / real.evaluation - 1) < 0.01
 
 
 class ReadsValues(FedAvg):

@@ -1,7 +1,6 @@
 """Memory of a run, estimated before anything runs from what the algorithm declares: its `init`, `init_state`,
-`context`, `local_loss` and `predict` replay the engine's first round for real on a few clients (a run's state is
-grown from them to its C clients, so the replay costs what a few clients cost). The estimate follows what each tensor
-lives for:
+`context`, `local_loss` and `predict` replay the engine's first round (the state and uploads of every client, the
+local step and predict of two). The estimate follows what each tensor lives for:
 
 - state, for the whole run, per configuration: every one of the C clients' parameters and buffers (the shared ones
   once where the server is FedAvg's and not every client trains: `fedavg_server`), the algorithm's per-client state
@@ -17,9 +16,10 @@ lives for:
 - evaluation, per configuration: every client's scores on its own rows (`predict`, traced the same way);
 - data, once: the clients' features, labels and views of the train and test splits.
 
-The replay runs on real tensors: every op on torch's meta device imports torch._dynamo (seconds). It runs there
-(shapes only, nothing allocated) where the data given is, and where a size setting is above its default, since such
-a setting may ask for more memory than there is.
+The replay runs on real tensors (every op on torch's meta device imports torch._dynamo: seconds), and on the meta
+device (shapes only, nothing allocated) where the data given is, where the clients' models would take more than
+1/REPLAY_SHARE of the available memory, and where a size setting is above its default, since such a setting may ask
+for more memory than there is.
 
 `fit_at_once` picks how many participants a pass of local training may hold for a run to fit the available memory
 (the engine trains the rest in further slices); `check_memory` refuses, in one line naming the setting to lower, a
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import weakref
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -54,9 +53,7 @@ from .models import map_models
 SIZE_SETTINGS = ("proj_dim", "con_dim", "n_prompts", "queue", "heads", "batch_size")
 VIEWS = (torch.ops.aten._unsafe_view.default,)  # views whose schema does not say so
 TRACED = 2  # models traced side by side: a batched op that copies per model shows up as it does in the engine
-# the clients the replays make state for; a run of more is grown from the two (far enough apart that a temporary
-# whose size happens to match another's at one of them moves the slope little)
-REPLAYED_CLIENTS = (8, 16)
+REPLAY_SHARE = 8  # the replay runs on real tensors where every client's model takes at most 1/8 of the memory
 # The hooks the replay runs, in the engine's order (after_step, aggregate and download allocate nothing it counts).
 REPLAYED = ("init", "init_state", "context", "local_loss", "after_local", "upload", "predict")
 
@@ -126,12 +123,6 @@ class _Allocated(TorchDispatchMode):
         return out
 
 
-def _first(data: ClientData, n: int) -> ClientData:
-    """The first n clients of `data` (views)."""
-    views = None if data.views is None else data.views[:n]
-    return ClientData(data.features[:n], data.labels[:n], data.counts[:n], data.num_classes, views)
-
-
 def _replay(algo, cfg: dict, model, data: ClientData):
     """The engine's round-1 State and Round for `data`'s clients, made by its own `Frame` and `initial_state`."""
     C, dev = data.features.shape[0], data.features.device
@@ -144,23 +135,12 @@ def _replay(algo, cfg: dict, model, data: ClientData):
     return initial_state(algo, [model], frame), frame.round(0)
 
 
-def _at(a, b, n: tuple[int, int], C: int) -> int:
-    """Bytes of tree `a`, made for n[0] clients, at C clients: each dimension that differs in `b` (the same tree made
-    for n[1]) grows linearly with the clients ([C, K, d] prototypes, [C, C] affinities)."""
-    total = 0
-    for s, t in zip(tree_leaves(a), tree_leaves(b), strict=True):
-        if torch.is_tensor(s):
-            dims = (i + (j - i) * (C - n[0]) // (n[1] - n[0]) for i, j in zip(s.shape, t.shape, strict=True))
-            total += math.prod(dims) * s.element_size()
-    return total
-
-
-def _round(algo, cfg: dict, model, train: ClientData, test: ClientData | None, n: int):
-    """The engine's first round replayed for real on the first n clients, its hooks in the engine's order (those of
-    `REPLAYED`): (their state.client and state.server, their uploads, the bytes the local step of TRACED of them
-    allocates, and their predict on their rows)."""
-    B, D, dev = cfg["batch_size"], train.features.shape[2], train.features.device
-    state, rnd = _replay(algo, cfg, model, _first(train, n))
+def _traced(algo, cfg: dict, model, train: ClientData, test: ClientData | None) -> tuple[int, int, int, int]:
+    """(state.client + state.server bytes; per model: what its local step allocates, its upload, what its predict
+    allocates), from the engine's first round replayed on the data's device, its hooks in the engine's order (those
+    of `REPLAYED`): state and uploads of every client, the step and predict of TRACED of them."""
+    C, B, D, dev = train.features.shape[0], cfg["batch_size"], train.features.shape[2], train.features.device
+    state, rnd = _replay(algo, cfg, model, train)
     traced = lambda tree: tree_map(lambda t: t[:, :TRACED] if torch.is_tensor(t) and t.dim() >= 2 else t, tree)
     models, bufs = traced(state.params), traced(state.buffers)
     x, y = torch.zeros(1, TRACED, B, D, device=dev), torch.zeros(1, TRACED, B, dtype=torch.int64, device=dev)
@@ -178,22 +158,7 @@ def _round(algo, cfg: dict, model, train: ClientData, test: ClientData | None, n
     rows = {"rows": torch.ones(1, TRACED, split.features.shape[1], dtype=torch.bool, device=dev)}
     with _Allocated() as evaluation, torch.no_grad():  # as evaluate.scores runs it: the rows shared by configurations
         map_models(lambda p, b, c, x: algo.predict(p, b, x, c), (models, bufs, ctx | rows), (split.features[:TRACED],))
-    return (state.client, state.server), uploads, step.bytes, evaluation.bytes
-
-
-def _traced(algo, cfg: dict, model, train: ClientData, test: ClientData | None) -> tuple[int, int, int, int]:
-    """(state.client + state.server bytes; per model: what its local step allocates, its upload, what its predict
-    allocates) at C clients: `_round` on all of them, or where they are more than REPLAYED_CLIENTS, on each of those
-    counts, what differs between the two growing linearly with the clients (FedPCL's step contrasts with every
-    client's prototypes)."""
-    C = train.features.shape[0]
-    if C <= REPLAYED_CLIENTS[1]:
-        kept, uploads, step, scored = _round(algo, cfg, model, train, test, C)
-        return _bytes(kept), step // TRACED, _bytes(uploads) // C, scored // TRACED
-    n = REPLAYED_CLIENTS
-    (kept, uploads, *spent), (kept_, uploads_, *spent_) = (_round(algo, cfg, model, train, test, k) for k in n)
-    step, scored = (a + (b - a) * (C - n[0]) // (n[1] - n[0]) for a, b in zip(spent, spent_))
-    return _at(kept, kept_, n, C), step // TRACED, _at(uploads, uploads_, n, C) // C, scored // TRACED
+    return _bytes((state.client, state.server)), step.bytes // TRACED, _bytes(uploads) // C, evaluation.bytes // TRACED
 
 
 def _grown(algo, cfg: dict) -> list[str]:
@@ -224,8 +189,6 @@ def estimate(
     by_id = bool(steps) and all(a >= b for a, b in zip(steps, steps[1:]))  # the step order is the ids' (`Plan.order`)
     # shapes only where the data is, or where a size the user raised may ask for more memory than there is
     meta = train.features.is_meta or bool(_grown(algo, cfg))
-    if meta:
-        train, test = _on_meta(train), test and _on_meta(test)
     try:
         with torch.device("meta") if meta else contextlib.nullcontext():
             params, buffers = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
@@ -234,6 +197,10 @@ def estimate(
     except Exception:  # an init that reads values: made for real
         params, buffers = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
     n_params, n_buffers = _bytes(params), _bytes(buffers)
+    if not meta and REPLAY_SHARE * C * (n_params + n_buffers) > available_bytes(train.features.device):
+        meta, (params, buffers) = True, tree_map(lambda t: torch.empty_like(t, device="meta"), (params, buffers))
+    if meta:
+        train, test = _on_meta(train), test and _on_meta(test)
     traced = True
     try:
         kept, step, upload, evaluation = _traced(algo, cfg, (params, buffers), train, test)
