@@ -1,5 +1,5 @@
 """The memory estimate made before a run (featcache/training/footprint.py): by lifetime, from the algorithm's own
-declarations replayed on a few clients; and the refusal that names the setting to lower. Never timed."""
+declarations replayed on its clients; and the refusal that names the setting to lower. Never timed."""
 
 from __future__ import annotations
 

@@ -316,7 +316,6 @@ class Vectorized(Clients):
                 places = torch.searchsorted(now.clients, cohort.ids[:, : cohort.real])  # [H, real]
                 for k, t in trained.items():  # (one buffer for the run: a new one each round would fragment the heap)
                     put_models(self.sent.setdefault(k, models_like(t, self.P)), places, t[:, : cohort.real])
-                sent = self.sent
         return Local(bad, loss, now, (dict(sent), data.counts[now.clients].float()) if aside else None)  # [H, C]
 
     def score(self, eng: Engine, now: Round, round_loss: torch.Tensor, logs: bool) -> dict:

@@ -195,6 +195,8 @@ def estimate(
     except UserError:
         raise
     except Exception:  # an init that reads values: made for real
+        if not meta:
+            raise
         params, buffers = algo.init(cfg, D, K, torch.Generator().manual_seed(0))
     n_params, n_buffers = _bytes(params), _bytes(buffers)
     if not meta and REPLAY_SHARE * C * (n_params + n_buffers) > available_bytes(train.features.device):
